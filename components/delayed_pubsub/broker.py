@@ -1,0 +1,434 @@
+"""The Redis Streams broker: publish, bulk publish, and one subscription per PullMessages stream.
+
+Layout, as pubsub.redis has it (so existing deployments read as they are):
+  - a topic is a stream of the same name, entries written by delayed_middleware.entry;
+  - subscribers of one app share the consumer group `<consumerID>` created from the
+    start of the stream (MKSTREAM), each stream reading as its own consumer;
+  - an entry stays in the group's PEL from delivery to XACK, so whatever dies —
+    the stream, the process, Redis's connection — it is never lost: a live
+    subscription XAUTOCLAIMs it after processingTimeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis.exceptions
+
+from delayed_middleware.clock import Clock
+from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
+from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient
+from delayed_pubsub.settings import Settings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CLOSE_ERRORS: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError)
+
+DELIVERY_ATTEMPT = "deliveryAttempt"
+
+# Backoff between retries of a failing Redis call inside a subscription. The cap
+# keeps recovery after a Redis restart quick without hammering a dead server.
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+
+# KEYS[1] = topic stream; ARGV[1] = group; ARGV[2] = consumer.
+# Deletes the consumer only if it holds no pending entry: XGROUP DELCONSUMER
+# drops a consumer's PEL, which would lose those messages for good. Atomic, so
+# nothing can be delivered to it between the check and the delete.
+DELETE_IDLE_CONSUMER_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if not ok then return -1 end
+if #pending > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class BulkEntry:
+    """One message of a bulk publish, with the id daprd uses to report its fate."""
+
+    entry_id: str
+    entry: StreamEntry
+
+
+@dataclass(frozen=True)
+class FailedEntry:
+    """A bulk entry that was not stored, and why."""
+
+    entry_id: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message handed to a subscriber; `id` is the stream entry id, used to ack it."""
+
+    id: str
+    topic: str
+    entry: StreamEntry
+    attempt: int
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The publish metadata plus `deliveryAttempt` (1 on first delivery)."""
+        return {**self.entry.metadata, DELIVERY_ATTEMPT: str(self.attempt)}
+
+
+class Broker:
+    """Publishes to topic streams and opens subscriptions, all on one client."""
+
+    def __init__(self, client: RedisClient, settings: Settings, clock: Clock) -> None:
+        self._client = client
+        self._settings = settings
+        self._clock = clock
+
+    def _trim(self) -> dict[str, Any]:
+        # As pubsub.redis: maxLenApprox wins over streamTTL when both are set.
+        if self._settings.max_len_approx:
+            return {"maxlen": self._settings.max_len_approx, "approximate": True}
+        if self._settings.stream_ttl_ms:
+            return {"minid": f"{self._clock.now_ms() - self._settings.stream_ttl_ms}-1", "approximate": True}
+        return {}
+
+    async def publish(self, topic: str, entry: StreamEntry) -> str:
+        """XADD one entry; returns its stream id."""
+        try:
+            entry_id = await self._client.xadd(topic, encode_entry(entry), **self._trim())  # type: ignore[arg-type]
+        except TRANSIENT_ERRORS as e:
+            raise BackendUnavailableError(f"publish to {topic!r}: redis unavailable: {e}") from e
+        except redis.exceptions.RedisError as e:
+            raise DelayedPubSubError(f"publish to {topic!r}: redis refused XADD: {e}") from e
+        return _str(entry_id)
+
+    async def bulk_publish(self, topic: str, entries: Sequence[BulkEntry]) -> list[FailedEntry]:
+        """XADD every entry in one pipelined round trip; returns the entries Redis refused.
+
+        A connection failure fails the whole batch (BackendUnavailableError): we
+        cannot know which entries landed, and daprd then reports all as failed.
+        """
+        if not entries:
+            return []
+        trim = self._trim()
+        pipe = self._client.pipeline(transaction=False)
+        for item in entries:
+            pipe.xadd(topic, encode_entry(item.entry), **trim)  # type: ignore[arg-type]
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except TRANSIENT_ERRORS as e:
+            raise BackendUnavailableError(f"bulk publish to {topic!r}: redis unavailable: {e}") from e
+        return [
+            FailedEntry(item.entry_id, f"XADD {topic}: {result}")
+            for item, result in zip(entries, results, strict=True)
+            if isinstance(result, Exception)
+        ]
+
+    async def ping(self) -> None:
+        """Redis PING; BackendUnavailableError if it does not answer."""
+        try:
+            await self._client.ping()
+        except REDIS_ERRORS as e:
+            raise BackendUnavailableError(f"redis ping failed: {e}") from e
+
+    def subscription(self, topic: str, consumer: str, paused: bool = False) -> Subscription:
+        """A not-yet-started subscription to `topic` as `consumer` in the consumerID group."""
+        return Subscription(self._client, self._settings, self._clock, topic, consumer, paused)
+
+
+@dataclass
+class _Backoff:
+    """Capped exponential backoff, reset by success."""
+
+    delay: float = BACKOFF_BASE_S
+    failures: int = field(default=0)
+
+    def next(self) -> float:
+        current = self.delay
+        self.delay = min(self.delay * 2, BACKOFF_CAP_S)
+        self.failures += 1
+        return current
+
+    def reset(self) -> None:
+        self.delay = BACKOFF_BASE_S
+        self.failures = 0
+
+
+class Subscription:
+    """One PullMessages stream's view of a topic.
+
+    Two loops share the state below: a fetch loop (XAUTOCLAIM of abandoned
+    entries every redeliverInterval, else XREADGROUP BLOCK for new ones) fills
+    `_ready`; `deliveries()` hands entries out while fewer than `concurrency` are
+    unacked. Acks XACK; nacks wait redeliverInterval and XCLAIM the entry back,
+    which bumps its delivery count. Every Redis call is retried until it works
+    or the subscription closes: daprd never re-opens a stream that ended.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        settings: Settings,
+        clock: Clock,
+        topic: str,
+        consumer: str,
+        paused: bool = False,
+    ) -> None:
+        self.topic = topic
+        self.consumer = consumer
+        self._client = client
+        self._settings = settings
+        self._clock = clock
+        self._group = settings.consumer_id
+        self._paused = paused
+        self._closed = False
+        self._shut = False
+        self._ready: deque[Delivery] = deque()
+        # Sent to the subscriber and not yet acked or nacked: each holds a slot.
+        self._unacked: set[str] = set()
+        # Every id this stream is responsible for (ready, unacked, or waiting to
+        # be redelivered): XAUTOCLAIM must not hand these out a second time.
+        self._owned: set[str] = set()
+        self._wake = asyncio.Event()
+        self._fetcher: asyncio.Task[None] | None = None
+        self._timers: set[asyncio.Task[None]] = set()
+        self._reclaim_cursor = "0-0"
+        # Blocking reads must return before the socket timeout would fire.
+        read_ms = settings.read_timeout_ms
+        self._block_ms = 1000 if read_ms is None else max(10, min(1000, read_ms // 2))
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the consumer group (retrying while Redis is down) and start fetching."""
+        await self._retrying("XGROUP CREATE", self._create_group)
+        self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"fetch {self.topic} {self.consumer}")
+
+    def stop(self) -> None:
+        """Make deliveries() end; close() finishes the job."""
+        self._closed = True
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stop fetching and sending, and remove our consumer if it holds nothing.
+
+        Whatever was fetched and not acked stays pending in Redis, and comes
+        back after processingTimeout.
+        """
+        if self._shut:
+            return
+        self._shut = True
+        self.stop()
+        tasks = [t for t in (self._fetcher, *self._timers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(
+                self._client.eval(DELETE_IDLE_CONSUMER_LUA, 1, self.topic, self._group, self.consumer),
+                timeout=2,
+            )
+        except _CLOSE_ERRORS as e:
+            # Harmless: an idle consumer left behind holds nothing.
+            log.info("could not remove consumer %s from %s: %s", self.consumer, self.topic, e)
+
+    @property
+    def closed(self) -> bool:
+        """True once stop() or close() has been called."""
+        return self._closed
+
+    def pause(self) -> None:
+        """Stop handing out new messages (acks still go through)."""
+        self._paused = True
+        self._wake.set()
+
+    def resume(self) -> None:
+        """Hand out messages again."""
+        self._paused = False
+        self._wake.set()
+
+    # --- the subscriber side ---------------------------------------------------
+
+    async def deliveries(self) -> AsyncIterator[Delivery]:
+        """Messages to send, at most `concurrency` unacked at once; ends on close()."""
+        limit = self._settings.concurrency
+        while not self._closed:
+            if not self._paused and self._ready and len(self._unacked) < limit:
+                delivery = self._ready.popleft()
+                self._unacked.add(delivery.id)
+                if not self._ready:
+                    self._wake.set()  # the fetch loop waits for an empty buffer
+                yield delivery
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def ack(self, entry_id: str) -> None:
+        """The subscriber processed `entry_id`: XACK it."""
+        try:
+            await self._retrying("XACK", lambda: self._client.xack(self.topic, self._group, entry_id))
+        except redis.exceptions.ResponseError as e:
+            # A malformed id cannot be acked; never let it end the stream.
+            log.warning("cannot ack %r on %s: %s", entry_id, self.topic, e)
+        self._release(entry_id)
+
+    def nack(self, entry_id: str) -> None:
+        """The subscriber failed `entry_id`: redeliver it after redeliverInterval.
+
+        The entry stays in the PEL meanwhile, so if this process dies it is
+        reclaimed by another consumer after processingTimeout.
+        """
+        if entry_id not in self._unacked:
+            log.warning("nack of %r, which this stream did not send; ignored", entry_id)
+            return
+        self._unacked.discard(entry_id)
+        self._wake.set()
+        timer = asyncio.create_task(self._redeliver(entry_id), name=f"redeliver {entry_id}")
+        self._timers.add(timer)
+        timer.add_done_callback(self._timers.discard)
+
+    def _release(self, entry_id: str) -> None:
+        self._unacked.discard(entry_id)
+        self._owned.discard(entry_id)
+        self._wake.set()
+
+    # --- the Redis side --------------------------------------------------------
+
+    async def _create_group(self) -> None:
+        try:
+            await self._client.xgroup_create(self.topic, self._group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def _fetch_loop(self) -> None:
+        next_reclaim = 0.0
+        reclaim_every = self._settings.redeliver_interval_ms / 1000
+        while not self._closed:
+            # Fetch only when everything fetched so far has been sent and a slot
+            # is free: entries read into a buffer sit in our PEL, and could time
+            # out there and be claimed twice.
+            if self._paused or self._ready or len(self._unacked) >= self._settings.concurrency:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = time.monotonic()
+            # redeliverInterval 0 turns reclaiming off, as in pubsub.redis.
+            if reclaim_every > 0 and now >= next_reclaim:
+                next_reclaim = now + reclaim_every
+                if await self._retrying("XAUTOCLAIM", self._reclaim):
+                    continue
+            block = self._block_ms
+            if reclaim_every > 0:
+                block = max(1, min(block, int((next_reclaim - time.monotonic()) * 1000)))
+            await self._retrying("XREADGROUP", lambda b=block: self._read_new(b))  # type: ignore[misc]
+
+    async def _read_new(self, block_ms: int) -> None:
+        reply: Any = await self._client.xreadgroup(
+            self._group, self.consumer, {self.topic: ">"}, count=self._settings.queue_depth, block=block_ms
+        )
+        for _stream, items in reply or ():
+            for raw_id, fields in items:
+                self._push(_str(raw_id), fields, attempt=1)
+
+    async def _reclaim(self) -> int:
+        """XAUTOCLAIM one batch of entries idle past processingTimeout; returns how many were taken."""
+        reply = await self._client.xautoclaim(
+            self.topic,
+            self._group,
+            self.consumer,
+            min_idle_time=self._settings.processing_timeout_ms,
+            start_id=self._reclaim_cursor,
+            count=self._settings.queue_depth,
+        )
+        self._reclaim_cursor = _str(reply[0])
+        deleted = reply[2] if len(reply) > 2 else []
+        if deleted:
+            # Redis 7 drops deleted/trimmed ids from the PEL itself; nothing to deliver.
+            log.info("%d pending entries of %s were deleted before delivery", len(deleted), self.topic)
+        claimed = [(_str(i), f) for i, f in reply[1] if f is not None and _str(i) not in self._owned]
+        if not claimed:
+            return 0
+        attempts = await self._attempts([i for i, _ in claimed])
+        for entry_id, fields in claimed:
+            self._push(entry_id, fields, attempts.get(entry_id, 2))
+        log.info("reclaimed %d entries of %s idle > %dms", len(claimed), self.topic,
+                 self._settings.processing_timeout_ms)
+        return len(claimed)
+
+    async def _redeliver(self, entry_id: str) -> None:
+        await self._clock.sleep(self._settings.redeliver_interval_ms / 1000)
+
+        async def claim() -> list[Any]:
+            # min-idle 0: it is ours; XCLAIM (not JUSTID) bumps the delivery count.
+            return list(await self._client.xclaim(self.topic, self._group, self.consumer, 0, [entry_id]))
+
+        claimed = await self._retrying("XCLAIM", claim)
+        if not claimed or claimed[0][1] is None:
+            # Deleted or trimmed while it waited, or acked elsewhere: nothing to redeliver.
+            self._owned.discard(entry_id)
+            self._wake.set()
+            return
+        attempts = await self._retrying("XPENDING", lambda: self._attempts([entry_id]))
+        self._push(entry_id, claimed[0][1], attempts.get(entry_id, 2), requeue=True)
+
+    async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
+        """Delivery counts from the PEL, in one round trip."""
+        pipe = self._client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xpending_range(self.topic, self._group, min=entry_id, max=entry_id, count=1)
+        counts: dict[str, int] = {}
+        for rows in await pipe.execute():
+            for row in rows:
+                counts[_str(row["message_id"])] = int(row["times_delivered"])
+        return counts
+
+    def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
+        if self._closed:
+            return
+        if entry_id in self._owned and not requeue:
+            return
+        self._owned.add(entry_id)
+        self._ready.append(Delivery(entry_id, self.topic, decode_entry(fields), attempt))
+        self._wake.set()
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run `call` until it succeeds: transient errors back off and retry, a
+        missing group (Redis restarted empty) is recreated. Other Redis errors
+        (e.g. WRONGTYPE) are retried with backoff too, logged as errors, except
+        for XACK where they are the caller's to handle."""
+        backoff = _Backoff()
+        while True:
+            try:
+                result = await call()
+            except redis.exceptions.ResponseError as e:
+                if "NOGROUP" in str(e):
+                    log.warning("%s on %s: consumer group gone (Redis restarted empty?), recreating",
+                                what, self.topic)
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await self._create_group()
+                elif what == "XACK":
+                    raise
+                else:
+                    log.error("%s on %s failed: %s; retrying", what, self.topic, e)
+            except TRANSIENT_ERRORS as e:
+                log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
+            else:
+                if backoff.failures:
+                    log.info("%s on %s: redis is back", what, self.topic)
+                return result
+            await self._clock.sleep(backoff.next())
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,57 @@
+"""`delayed-pubsub` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from delayed_middleware.clock import SystemClock
+from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, separate from main() so tests and docs can inspect it."""
+    parser = argparse.ArgumentParser(prog="delayed-pubsub", description="Dapr pluggable pub/sub on Redis Streams")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("serve", help="serve the component on a unix socket for daprd")
+    run.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help=f"socket path (default ${SOCKETS_FOLDER_ENV}/delayed-pubsub.sock, "
+        "folder default /tmp/dapr-components-sockets)",
+    )
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default off)"
+    )
+    run.add_argument("--grace", type=float, default=5.0, help="seconds running calls get on shutdown")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `delayed-pubsub` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command == "serve":
+        if args.metrics_port is not None:
+            # Imported lazily: metrics are optional and off by default.
+            import prometheus_client
+
+            prometheus_client.start_http_server(args.metrics_port)
+        socket_path = args.socket or default_socket_path(os.environ)
+        asyncio.run(serve(socket_path, SystemClock(), grace=args.grace))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

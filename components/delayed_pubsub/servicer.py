@@ -1,0 +1,190 @@
+"""dapr.proto.components.v1.PubSub over the Instances registry.
+
+This module only translates protobuf ⇄ domain objects and maps the error
+hierarchy to gRPC status codes; the work happens in instance.py and broker.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn, TypeAlias
+
+import grpc
+
+from delayed_middleware.entry import StreamEntry
+from delayed_middleware.errors import (
+    BackendUnavailableError,
+    DelayedPubSubError,
+    InvalidArgumentError,
+    NotInitializedError,
+)
+from delayed_pubsub.broker import BulkEntry, Subscription
+from delayed_pubsub.instance import Instance, Instances
+from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+INSTANCE_METADATA_KEY = "x-component-instance"
+
+# What daprd should rely on. BULK_PUBSUB: BulkPublish is one pipelined round
+# trip. Not MESSAGE_TTL: daprd enforces the CloudEvent expiration itself.
+FEATURES = ("BULK_PUBSUB",)
+
+_STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DelayedPubSubError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
+    """The gRPC status code for one of our errors."""
+    return next(code for cls, code in _STATUS if isinstance(error, cls))
+
+
+async def _abort(context: Context, error: DelayedPubSubError) -> NoReturn:
+    code = status_code(error)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+        log.warning("%s: %s", code.name, error)
+    await context.abort(code, str(error))
+
+
+def instance_name(context: Context) -> str:
+    """The component instance a call is for (the YAML metadata.name); "" if daprd sent none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == INSTANCE_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
+class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
+    """The PubSub service daprd drives."""
+
+    def __init__(self, instances: Instances) -> None:
+        self._instances = instances
+
+    def _instance(self, context: Context) -> Instance:
+        return self._instances.get(instance_name(context))
+
+    async def Init(
+        self, request: pubsub_pb2.PubSubInitRequest, context: Context
+    ) -> pubsub_pb2.PubSubInitResponse:
+        try:
+            await self._instances.init(instance_name(context), dict(request.metadata.properties))
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return pubsub_pb2.PubSubInitResponse()
+
+    async def Features(
+        self, request: common_pb2.FeaturesRequest, context: Context
+    ) -> common_pb2.FeaturesResponse:
+        try:
+            self._instance(context)
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return common_pb2.FeaturesResponse(features=FEATURES)
+
+    async def Publish(
+        self, request: pubsub_pb2.PublishRequest, context: Context
+    ) -> pubsub_pb2.PublishResponse:
+        try:
+            await self._instance(context).publish(
+                request.topic, request.data, request.metadata, request.content_type
+            )
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return pubsub_pb2.PublishResponse()
+
+    async def BulkPublish(
+        self, request: pubsub_pb2.BulkPublishRequest, context: Context
+    ) -> pubsub_pb2.BulkPublishResponse:
+        entries = [
+            BulkEntry(e.entry_id, StreamEntry(e.event, dict(e.metadata), e.content_type)) for e in request.entries
+        ]
+        try:
+            failed = await self._instance(context).bulk_publish(request.topic, entries, request.metadata)
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return pubsub_pb2.BulkPublishResponse(
+            failed_entries=[
+                pubsub_pb2.BulkPublishResponseFailedEntry(entry_id=f.entry_id, error=f.error) for f in failed
+            ]
+        )
+
+    async def PullMessages(
+        self,
+        request_iterator: AsyncIterator[pubsub_pb2.PullMessagesRequest],
+        context: Context,
+    ) -> AsyncIterator[pubsub_pb2.PullMessagesResponse]:
+        try:
+            instance = self._instance(context)
+            first = await anext(request_iterator, None)
+            if first is None:
+                return
+            sub = await instance.subscribe(first.topic.name, dict(first.topic.metadata))
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
+        try:
+            async for d in sub.deliveries():
+                yield pubsub_pb2.PullMessagesResponse(
+                    data=d.entry.data,
+                    topic_name=d.topic,
+                    metadata=d.metadata,
+                    content_type=d.entry.content_type,
+                    id=d.id,
+                )
+        finally:
+            acks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acks
+            await instance.unsubscribe(sub)
+
+    async def Pause(
+        self, request: pubsub_pb2.PauseRequest, context: Context
+    ) -> pubsub_pb2.PauseResponse:
+        try:
+            self._instance(context).pause()
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return pubsub_pb2.PauseResponse()
+
+    async def Resume(
+        self, request: pubsub_pb2.ResumeRequest, context: Context
+    ) -> pubsub_pb2.ResumeResponse:
+        try:
+            self._instance(context).resume()
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return pubsub_pb2.ResumeResponse()
+
+    async def Ping(
+        self, request: common_pb2.PingRequest, context: Context
+    ) -> common_pb2.PingResponse:
+        try:
+            await self._instance(context).ping()
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        return common_pb2.PingResponse()
+
+
+async def _pump_acks(requests: AsyncIterator[pubsub_pb2.PullMessagesRequest], sub: Subscription) -> None:
+    """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream)."""
+    try:
+        async for request in requests:
+            if not request.ack_message_id:
+                continue
+            if request.HasField("ack_error"):
+                sub.nack(request.ack_message_id)
+            else:
+                await sub.ack(request.ack_message_id)
+    except grpc.aio.AioRpcError:
+        pass  # the call is going away; the handler's finally cleans up
+    finally:
+        sub.stop()

@@ -1,0 +1,300 @@
+"""Init metadata → Settings: one component instance's configuration.
+
+The keys and defaults are pubsub.redis's, so a YAML written for Dapr's built-in
+Redis pub/sub works unchanged after switching `type:`; our own keys sit beside
+them. Parsing is pure: every malformed value raises InvalidArgumentError naming
+the key and the value, before any connection is attempted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from delayed_middleware.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 6379
+
+# Every key we read. Anything else daprd hands us (it passes a few of its own,
+# and pubsub.redis YAMLs carry go-redis pool knobs we have no use for) is ignored.
+KNOWN_KEYS = frozenset(
+    {
+        "redisHost",
+        "redisPort",
+        "redisUsername",
+        "redisPassword",
+        "redisDB",
+        "redisType",
+        "failover",
+        "sentinelMasterName",
+        "enableTLS",
+        "insecureSkipTLSVerify",
+        "clientCert",
+        "clientKey",
+        "consumerID",
+        "processingTimeout",
+        "redeliverInterval",
+        "queueDepth",
+        "concurrency",
+        "maxLenApprox",
+        "streamTTL",
+        "redisMaxRetries",
+        "dialTimeout",
+        "readTimeout",
+        "writeTimeout",
+        "poolSize",
+        "enableDelayedMessaging",
+        "maxDelay",
+    }
+)
+
+_TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One component instance's configuration; every duration in milliseconds."""
+
+    hosts: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    redis_type: Literal["node", "cluster"] = "node"
+    failover: bool = False
+    sentinel_master_name: str = ""
+    enable_tls: bool = False
+    insecure_skip_tls_verify: bool = False
+    client_cert: str | None = None
+    client_key: str | None = None
+    consumer_id: str = ""
+    processing_timeout_ms: int = 60_000
+    redeliver_interval_ms: int = 15_000
+    queue_depth: int = 100
+    concurrency: int = 10
+    max_len_approx: int | None = None
+    stream_ttl_ms: int | None = None
+    max_retries: int = 3
+    dial_timeout_ms: int | None = 5_000
+    read_timeout_ms: int | None = 3_000
+    write_timeout_ms: int | None = 3_000
+    pool_size: int | None = None
+    enable_delayed_messaging: bool = False
+    max_delay_ms: int | None = None
+
+    @property
+    def address(self) -> str:
+        """`host:port[,host:port…]`, as an operator would write it in redisHost."""
+        return ",".join(_format_host(h, p) for h, p in self.hosts)
+
+
+def parse_settings(props: Mapping[str, str]) -> Settings:
+    """Parse Init metadata (the YAML's spec.metadata, secrets resolved) into Settings.
+
+    Raises InvalidArgumentError for the first malformed value, naming its key.
+    """
+    for key in sorted(set(props) - KNOWN_KEYS):
+        log.debug("ignoring unknown metadata key %r", key)
+
+    port = _int(props, "redisPort", DEFAULT_PORT, minimum=1, maximum=65535)
+    hosts = _hosts(props.get("redisHost", "").strip(), port)
+
+    redis_type = props.get("redisType", "node").strip().lower() or "node"
+    if redis_type not in ("node", "cluster"):
+        raise InvalidArgumentError("redisType", props["redisType"], "must be node or cluster")
+    db = _int(props, "redisDB", 0, minimum=0)
+    if redis_type == "cluster" and db != 0:
+        raise InvalidArgumentError("redisDB", props["redisDB"], "Redis Cluster has only database 0")
+
+    failover = _bool(props, "failover", False)
+    master = props.get("sentinelMasterName", "").strip()
+    if failover and not master:
+        raise InvalidArgumentError("sentinelMasterName", master, "required when failover is true")
+    if failover and redis_type == "cluster":
+        raise InvalidArgumentError("failover", props["failover"], "sentinel failover needs redisType node")
+
+    client_cert = props.get("clientCert") or None
+    client_key = props.get("clientKey") or None
+    if client_cert and not client_key:
+        raise InvalidArgumentError("clientKey", "", "required when clientCert is set")
+    if client_key and not client_cert:
+        raise InvalidArgumentError("clientCert", "", "required when clientKey is set")
+    for key, pem in (("clientCert", client_cert), ("clientKey", client_key)):
+        # Only the shape is checked here; a wrong key fails at connect, naming the host.
+        if pem is not None and "-----BEGIN" not in pem:
+            raise InvalidArgumentError(key, _redact(pem), "must be PEM contents, not a path")
+
+    read_timeout = _timeout(props, "readTimeout", 3_000)
+    max_retries = _int(props, "redisMaxRetries", 3, minimum=-1)
+
+    return Settings(
+        hosts=hosts,
+        username=props.get("redisUsername") or None,
+        password=props.get("redisPassword") or None,
+        db=db,
+        redis_type="cluster" if redis_type == "cluster" else "node",
+        failover=failover,
+        sentinel_master_name=master,
+        enable_tls=_bool(props, "enableTLS", False),
+        insecure_skip_tls_verify=_bool(props, "insecureSkipTLSVerify", False),
+        client_cert=client_cert,
+        client_key=client_key,
+        consumer_id=props.get("consumerID", "").strip(),
+        processing_timeout_ms=_legacy_ms(props, "processingTimeout", 60_000),
+        redeliver_interval_ms=_legacy_ms(props, "redeliverInterval", 15_000),
+        queue_depth=_int(props, "queueDepth", 100, minimum=1),
+        concurrency=_int(props, "concurrency", 10, minimum=1),
+        max_len_approx=_int(props, "maxLenApprox", 0, minimum=0) or None,
+        stream_ttl_ms=_duration(props, "streamTTL", 0) or None,
+        # go-redis reads -1 as "no retries"; so do we.
+        max_retries=max(0, max_retries),
+        dial_timeout_ms=_timeout(props, "dialTimeout", 5_000),
+        read_timeout_ms=read_timeout,
+        write_timeout_ms=_timeout(props, "writeTimeout", read_timeout),
+        pool_size=_int(props, "poolSize", 0, minimum=0) or None,
+        enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
+        max_delay_ms=_duration(props, "maxDelay", 0) or None,
+    )
+
+
+# --- Go durations -------------------------------------------------------------
+
+_UNIT_NS = {
+    "ns": 1,
+    "us": 1_000,
+    "µs": 1_000,  # U+00B5 micro sign
+    "μs": 1_000,  # U+03BC greek mu
+    "ms": 1_000_000,
+    "s": 1_000_000_000,
+    "m": 60 * 1_000_000_000,
+    "h": 3600 * 1_000_000_000,
+}
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_go_duration(text: str) -> int:
+    """Go's time.ParseDuration, in whole milliseconds (truncated toward zero).
+
+    Accepts e.g. "300ms", "1.5h", "2h45m", "-1m30s", "0". Raises ValueError.
+    """
+    s = text.strip()
+    sign = 1
+    if s[:1] in ("+", "-"):
+        sign = -1 if s[0] == "-" else 1
+        s = s[1:]
+    if s == "0":
+        return 0
+    if not s:
+        raise ValueError(f"invalid duration {text!r}")
+    pos = 0
+    total_ns = 0
+    while pos < len(s):
+        m = _DURATION_PART.match(s, pos)
+        if m is None:
+            raise ValueError(f"invalid duration {text!r}")
+        number, unit = m.groups()
+        whole, _, frac = number.partition(".")
+        scale = _UNIT_NS[unit]
+        # Integer arithmetic, as Go does, so "0.1s" is exactly 100ms.
+        total_ns += int(whole or "0") * scale
+        if frac:
+            total_ns += int(frac) * scale // 10 ** len(frac)
+        pos = m.end()
+    return sign * (total_ns // 1_000_000)
+
+
+# --- field parsers ------------------------------------------------------------
+
+
+def _format_host(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _hosts(raw: str, default_port: int) -> tuple[tuple[str, int], ...]:
+    if not raw:
+        raise InvalidArgumentError("redisHost", raw, "required (host or host:port)")
+    hosts: list[tuple[str, int]] = []
+    for part in raw.split(","):
+        item = part.strip()
+        host, port_text = item, ""
+        if item.startswith("["):  # [ipv6]:port
+            end = item.find("]")
+            if end < 0:
+                raise InvalidArgumentError("redisHost", raw, f"unclosed '[' in {item!r}")
+            host, rest = item[1:end], item[end + 1 :]
+            if rest and not rest.startswith(":"):
+                raise InvalidArgumentError("redisHost", raw, f"garbage after ']' in {item!r}")
+            port_text = rest[1:]
+        elif item.count(":") == 1:
+            host, port_text = item.split(":")
+        if not host or any(c.isspace() or c in "/@" for c in host):
+            raise InvalidArgumentError("redisHost", raw, f"bad host {item!r}")
+        port = default_port
+        if port_text:
+            if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+                raise InvalidArgumentError("redisHost", raw, f"bad port in {item!r}")
+            port = int(port_text)
+        hosts.append((host, port))
+    return tuple(hosts)
+
+
+def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
+    raw = props.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise InvalidArgumentError(key, raw, "not an integer") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise InvalidArgumentError(key, raw, f"must be {bound}")
+    return value
+
+
+def _bool(props: Mapping[str, str], key: str, default: bool) -> bool:
+    if key not in props:
+        return default
+    raw = props[key].strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise InvalidArgumentError(key, props[key], "not a boolean (true/false)")
+
+
+def _duration(props: Mapping[str, str], key: str, default_ms: int) -> int:
+    raw = props.get(key, "").strip()
+    if not raw:
+        return default_ms
+    try:
+        ms = parse_go_duration(raw)
+    except ValueError:
+        raise InvalidArgumentError(key, raw, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
+    if ms < 0:
+        raise InvalidArgumentError(key, raw, "must not be negative")
+    return ms
+
+
+def _legacy_ms(props: Mapping[str, str], key: str, default_ms: int) -> int:
+    """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
+    raw = props.get(key, "").strip()
+    if raw.isdigit():
+        return int(raw)
+    return _duration(props, key, default_ms)
+
+
+def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int | None:
+    """Like _legacy_ms, but 0 means "no timeout"."""
+    if not props.get(key, "").strip():
+        return default_ms
+    return _legacy_ms(props, key, 0) or None
+
+
+def _redact(value: str) -> str:
+    return value if len(value) <= 16 else value[:16] + "…"
