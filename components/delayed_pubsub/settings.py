@@ -9,11 +9,11 @@ the key and the value, before any connection is attempted.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -162,52 +162,6 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     )
 
 
-# --- Go durations -------------------------------------------------------------
-
-_UNIT_NS = {
-    "ns": 1,
-    "us": 1_000,
-    "µs": 1_000,  # U+00B5 micro sign
-    "μs": 1_000,  # U+03BC greek mu
-    "ms": 1_000_000,
-    "s": 1_000_000_000,
-    "m": 60 * 1_000_000_000,
-    "h": 3600 * 1_000_000_000,
-}
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-
-
-def parse_go_duration(text: str) -> int:
-    """Go's time.ParseDuration, in whole milliseconds (truncated toward zero).
-
-    Accepts e.g. "300ms", "1.5h", "2h45m", "-1m30s", "0". Raises ValueError.
-    """
-    s = text.strip()
-    sign = 1
-    if s[:1] in ("+", "-"):
-        sign = -1 if s[0] == "-" else 1
-        s = s[1:]
-    if s == "0":
-        return 0
-    if not s:
-        raise ValueError(f"invalid duration {text!r}")
-    pos = 0
-    total_ns = 0
-    while pos < len(s):
-        m = _DURATION_PART.match(s, pos)
-        if m is None:
-            raise ValueError(f"invalid duration {text!r}")
-        number, unit = m.groups()
-        whole, _, frac = number.partition(".")
-        scale = _UNIT_NS[unit]
-        # Integer arithmetic, as Go does, so "0.1s" is exactly 100ms.
-        total_ns += int(whole or "0") * scale
-        if frac:
-            total_ns += int(frac) * scale // 10 ** len(frac)
-        pos = m.end()
-    return sign * (total_ns // 1_000_000)
-
-
 # --- field parsers ------------------------------------------------------------
 
 
@@ -236,7 +190,7 @@ def _hosts(raw: str, default_port: int) -> tuple[tuple[str, int], ...]:
             raise InvalidArgumentError("redisHost", raw, f"bad host {item!r}")
         port = default_port
         if port_text:
-            if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            if not _is_decimal(port_text) or not 1 <= int(port_text) <= 65535:
                 raise InvalidArgumentError("redisHost", raw, f"bad port in {item!r}")
             port = int(port_text)
         hosts.append((host, port))
@@ -247,10 +201,10 @@ def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum
     raw = props.get(key, "").strip()
     if not raw:
         return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise InvalidArgumentError(key, raw, "not an integer") from None
+    # int() alone would also take "5_000", "+5" and non-ASCII digits.
+    if not _is_decimal(raw.removeprefix("-")):
+        raise InvalidArgumentError(key, raw, "not an integer")
+    value = int(raw)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
         raise InvalidArgumentError(key, raw, f"must be {bound}")
@@ -284,7 +238,7 @@ def _duration(props: Mapping[str, str], key: str, default_ms: int) -> int:
 def _legacy_ms(props: Mapping[str, str], key: str, default_ms: int) -> int:
     """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
     raw = props.get(key, "").strip()
-    if raw.isdigit():
+    if _is_decimal(raw):
         return int(raw)
     return _duration(props, key, default_ms)
 
@@ -294,6 +248,11 @@ def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int 
     if not props.get(key, "").strip():
         return default_ms
     return _legacy_ms(props, key, 0) or None
+
+
+def _is_decimal(text: str) -> bool:
+    # str.isdigit() is also true for "²" and other digits int() refuses.
+    return text.isascii() and text.isdigit()
 
 
 def _redact(value: str) -> str:

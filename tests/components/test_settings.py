@@ -1,0 +1,173 @@
+"""parse_settings: pubsub.redis's metadata names and defaults, and a refusal naming the key for every bad value."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_pubsub.settings import Settings, parse_settings
+
+BASE = {"redisHost": "localhost:6379"}
+PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+
+
+def test_defaults_are_pubsub_redis_defaults() -> None:
+    s = parse_settings(BASE)
+    assert s == Settings(hosts=(("localhost", 6379),))
+    assert (s.processing_timeout_ms, s.redeliver_interval_ms, s.queue_depth, s.concurrency) == (60_000, 15_000, 100, 10)
+    assert (s.max_len_approx, s.stream_ttl_ms, s.enable_delayed_messaging, s.max_delay_ms) == (None, None, False, None)
+    assert s.address == "localhost:6379"
+
+
+@pytest.mark.parametrize(
+    ("props", "field", "expected"),
+    [
+        ({"redisHost": "redis"}, "hosts", (("redis", 6379),)),
+        ({"redisHost": "redis", "redisPort": "6380"}, "hosts", (("redis", 6380),)),
+        ({"redisHost": "redis:7000", "redisPort": "6380"}, "hosts", (("redis", 7000),)),
+        ({"redisHost": "a:1, b:2,c"}, "hosts", (("a", 1), ("b", 2), ("c", 6379))),
+        ({"redisHost": "[::1]:6390"}, "hosts", (("::1", 6390),)),
+        ({"redisHost": "[::1]"}, "hosts", (("::1", 6379),)),
+        ({"redisUsername": "u", "redisPassword": "p:@"}, "password", "p:@"),
+        ({"redisUsername": "u"}, "username", "u"),
+        ({"redisDB": "15"}, "db", 15),
+        ({"redisType": "Cluster"}, "redis_type", "cluster"),
+        ({"redisType": ""}, "redis_type", "node"),
+        ({"failover": "true", "sentinelMasterName": "mymaster"}, "sentinel_master_name", "mymaster"),
+        ({"enableTLS": "TRUE"}, "enable_tls", True),
+        ({"enableTLS": "0"}, "enable_tls", False),
+        ({"insecureSkipTLSVerify": "yes"}, "insecure_skip_tls_verify", True),
+        ({"clientCert": PEM_CERT, "clientKey": PEM_KEY}, "client_key", PEM_KEY),
+        ({"consumerID": " myapp "}, "consumer_id", "myapp"),
+        ({"processingTimeout": "30s"}, "processing_timeout_ms", 30_000),
+        ({"processingTimeout": "1m30s"}, "processing_timeout_ms", 90_000),
+        # A bare integer is milliseconds, as pubsub.redis has always read it.
+        ({"processingTimeout": "500"}, "processing_timeout_ms", 500),
+        ({"redeliverInterval": "250"}, "redeliver_interval_ms", 250),
+        ({"redeliverInterval": "0"}, "redeliver_interval_ms", 0),
+        ({"redeliverInterval": "1.5s"}, "redeliver_interval_ms", 1500),
+        ({"queueDepth": "1000"}, "queue_depth", 1000),
+        ({"concurrency": "1"}, "concurrency", 1),
+        ({"maxLenApprox": "10000"}, "max_len_approx", 10000),
+        ({"maxLenApprox": "0"}, "max_len_approx", None),
+        ({"streamTTL": "24h"}, "stream_ttl_ms", 86_400_000),
+        ({"streamTTL": "0s"}, "stream_ttl_ms", None),
+        ({"redisMaxRetries": "-1"}, "max_retries", 0),
+        ({"redisMaxRetries": "7"}, "max_retries", 7),
+        ({"dialTimeout": "2s"}, "dial_timeout_ms", 2000),
+        ({"readTimeout": "10s"}, "write_timeout_ms", 10_000),  # writeTimeout follows readTimeout
+        ({"readTimeout": "10s", "writeTimeout": "1s"}, "write_timeout_ms", 1000),
+        ({"readTimeout": "0"}, "read_timeout_ms", None),
+        ({"poolSize": "20"}, "pool_size", 20),
+        ({"enableDelayedMessaging": "true"}, "enable_delayed_messaging", True),
+        ({"maxDelay": "720h"}, "max_delay_ms", 720 * 3_600_000),
+    ],
+)
+def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
+    assert getattr(parse_settings({**BASE, **props}), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("props", "key", "value"),
+    [
+        ({"redisHost": ""}, "redisHost", ""),
+        ({"redisHost": "a b"}, "redisHost", "a b"),
+        ({"redisHost": "redis:port"}, "redisHost", "redis:port"),
+        ({"redisHost": "redis:70000"}, "redisHost", "redis:70000"),
+        ({"redisHost": "redis://x:1"}, "redisHost", "redis://x:1"),
+        ({"redisHost": "a,,b"}, "redisHost", "a,,b"),
+        ({"redisHost": "[::1"}, "redisHost", "[::1"),
+        ({"redisPort": "http"}, "redisPort", "http"),
+        ({"redisPort": "0"}, "redisPort", "0"),
+        ({"redisPort": "65536"}, "redisPort", "65536"),
+        ({"redisDB": "-1"}, "redisDB", "-1"),
+        ({"redisDB": "one"}, "redisDB", "one"),
+        ({"redisType": "sentinel"}, "redisType", "sentinel"),
+        ({"redisType": "cluster", "redisDB": "2"}, "redisDB", "2"),
+        ({"failover": "true"}, "sentinelMasterName", ""),
+        ({"failover": "ja", "sentinelMasterName": "m"}, "failover", "ja"),
+        ({"failover": "true", "sentinelMasterName": "m", "redisType": "cluster"}, "failover", "true"),
+        ({"enableTLS": "maybe"}, "enableTLS", "maybe"),
+        ({"insecureSkipTLSVerify": "2"}, "insecureSkipTLSVerify", "2"),
+        ({"clientCert": PEM_CERT}, "clientKey", ""),
+        ({"clientKey": PEM_KEY}, "clientCert", ""),
+        ({"clientCert": "/etc/cert.pem", "clientKey": PEM_KEY}, "clientCert", "/etc/cert.pem"),
+        ({"processingTimeout": "10 minutes"}, "processingTimeout", "10 minutes"),
+        ({"processingTimeout": "-1s"}, "processingTimeout", "-1s"),
+        ({"processingTimeout": "5d"}, "processingTimeout", "5d"),
+        ({"redeliverInterval": "1.5"}, "redeliverInterval", "1.5"),
+        ({"redeliverInterval": "-200"}, "redeliverInterval", "-200"),
+        ({"redeliverInterval": "²"}, "redeliverInterval", "²"),
+        ({"redisHost": "redis:²"}, "redisHost", "redis:²"),
+        ({"queueDepth": "0"}, "queueDepth", "0"),
+        ({"queueDepth": "1e3"}, "queueDepth", "1e3"),
+        ({"queueDepth": "1_000"}, "queueDepth", "1_000"),
+        ({"redisDB": "٣"}, "redisDB", "٣"),
+        ({"concurrency": "-3"}, "concurrency", "-3"),
+        ({"maxLenApprox": "-1"}, "maxLenApprox", "-1"),
+        ({"maxLenApprox": "lots"}, "maxLenApprox", "lots"),
+        ({"streamTTL": "1d"}, "streamTTL", "1d"),
+        ({"streamTTL": "3600"}, "streamTTL", "3600"),
+        ({"redisMaxRetries": "-2"}, "redisMaxRetries", "-2"),
+        ({"dialTimeout": "soon"}, "dialTimeout", "soon"),
+        ({"readTimeout": "-1"}, "readTimeout", "-1"),
+        ({"writeTimeout": "1x"}, "writeTimeout", "1x"),
+        ({"poolSize": "-5"}, "poolSize", "-5"),
+        ({"enableDelayedMessaging": "sure"}, "enableDelayedMessaging", "sure"),
+        ({"maxDelay": "forever"}, "maxDelay", "forever"),
+        ({"maxDelay": "-1h"}, "maxDelay", "-1h"),
+    ],
+)
+def test_refuses_naming_key_and_value(props: dict[str, str], key: str, value: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, **props})
+    assert err.value.key == key
+    assert err.value.value == value
+    assert key in str(err.value)
+
+
+def test_unknown_keys_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="delayed_pubsub.settings"):
+        s = parse_settings({**BASE, "idleTimeout": "5m", "minIdleConns": "3"})
+    assert s == parse_settings(BASE)
+    assert "idleTimeout" in caplog.text
+    assert "minIdleConns" in caplog.text
+
+
+def test_settings_are_frozen() -> None:
+    s = parse_settings(BASE)
+    with pytest.raises(AttributeError):
+        s.concurrency = 3  # type: ignore[misc]
+
+
+@given(h=st.integers(0, 48), m=st.integers(0, 59), sec=st.integers(0, 59), ms=st.integers(0, 999))
+def test_go_durations_parse_to_milliseconds(h: int, m: int, sec: int, ms: int) -> None:
+    text = f"{h}h{m}m{sec}s{ms}ms"
+    expected = ((h * 60 + m) * 60 + sec) * 1000 + ms
+    s = parse_settings({**BASE, "processingTimeout": text, "streamTTL": text, "maxDelay": text})
+    assert s.processing_timeout_ms == expected
+    assert s.stream_ttl_ms == (expected or None)
+    assert s.max_delay_ms == (expected or None)
+
+
+@given(st.integers(0, 10**12))
+def test_bare_integers_are_milliseconds_for_the_legacy_keys(n: int) -> None:
+    s = parse_settings({**BASE, "processingTimeout": str(n), "redeliverInterval": str(n)})
+    assert (s.processing_timeout_ms, s.redeliver_interval_ms) == (n, n)
+
+
+@given(st.text(max_size=12))
+def test_any_text_either_parses_or_is_refused_naming_the_key(text: str) -> None:
+    for key in ("redisPort", "redisDB", "queueDepth", "enableTLS", "processingTimeout", "streamTTL", "redisType"):
+        error: InvalidArgumentError | None = None
+        try:
+            parse_settings({**BASE, key: text})
+        except InvalidArgumentError as e:
+            error = e
+        assert error is None or error.key == key
