@@ -1,0 +1,177 @@
+"""The publish-side metadata contract for one-shot delays.
+
+A publisher asks for a delay with ``scheduledSendTime`` (an RFC 3339 instant) or
+``scheduledSendDelay`` (a Go duration or whole seconds), optionally naming the
+message with ``scheduleId``. ``parse_delay`` turns that metadata into a
+``Delay`` or refuses it with an ``InvalidArgumentError`` naming the key and the
+value. It is a pure function: refusing here, before anything touches Redis, is
+what lets the servicer promise that a refused publish stored nothing.
+
+Recurring schedules (``schedule``), cancel (``scheduleCancel``),
+``scheduleSource`` and ``scheduleTTL`` belong to the schedules work that will
+extend this module; until then their keys are refused rather than ignored, so a
+publisher never gets an immediate delivery where they asked for something else.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.instants import parse_instant
+
+SCHEDULED_SEND_TIME: Final = "scheduledSendTime"
+SCHEDULED_SEND_DELAY: Final = "scheduledSendDelay"
+SCHEDULE: Final = "schedule"
+SCHEDULE_ID: Final = "scheduleId"
+SCHEDULE_CANCEL: Final = "scheduleCancel"
+SCHEDULE_SOURCE: Final = "scheduleSource"
+SCHEDULE_TTL: Final = "scheduleTTL"
+TTL_IN_SECONDS: Final = "ttlInSeconds"
+TTL: Final = "ttl"
+
+# The component setting that must be "true" before any of DELAY_KEYS is accepted.
+ENABLE_DELAYED_MESSAGING: Final = "enableDelayedMessaging"
+
+# Keys that need enableDelayedMessaging. The TTL keys are absent on purpose:
+# per-message TTL is ordinary pub/sub behaviour and works without delays.
+DELAY_KEYS: Final[tuple[str, ...]] = (
+    SCHEDULED_SEND_TIME,
+    SCHEDULED_SEND_DELAY,
+    SCHEDULE,
+    SCHEDULE_ID,
+    SCHEDULE_CANCEL,
+    SCHEDULE_SOURCE,
+    SCHEDULE_TTL,
+)
+
+# Keys whose semantics are not implemented yet (see the module docstring).
+_NOT_YET_SUPPORTED: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
+
+MAX_SCHEDULE_ID_LENGTH: Final = 256
+
+_DISABLED_REASON: Final = (
+    f'delayed messaging is disabled on this component: set {ENABLE_DELAYED_MESSAGING}: "true" in its metadata'
+)
+
+
+@dataclass(frozen=True)
+class Delay:
+    """When a delayed message is due, and the id it was published under.
+
+    Attributes:
+        due_ms: Unix epoch milliseconds (UTC) at which to deliver; never before
+            the ``now_ms`` it was parsed against.
+        schedule_id: the publisher's ``scheduleId``, or None. Publishing again
+            with the same id replaces the pending message.
+    """
+
+    due_ms: int
+    schedule_id: str | None
+
+
+def parse_delay(
+    metadata: Mapping[str, str],
+    *,
+    now_ms: int,
+    enabled: bool,
+    max_delay_ms: int | None,
+) -> Delay | None:
+    """Read the one-shot delay a publish asks for, or None for an ordinary publish.
+
+    Args:
+        metadata: the publish metadata, as daprd passes it.
+        now_ms: the server's current time (Unix ms); delays count from it.
+        enabled: the component's ``enableDelayedMessaging`` setting.
+        max_delay_ms: the longest accepted delay from ``now_ms``, or None for no limit.
+
+    Returns:
+        None when the metadata carries no time key (``scheduledSendTime`` or
+        ``scheduledSendDelay``), including when it carries only a valid
+        ``scheduleId``: an id names a delayed message, it does not delay one.
+        (The schedules work will give ``scheduleId`` alone a meaning together
+        with ``scheduleCancel``.) Otherwise a ``Delay``; a time in the past or a
+        zero delay gives ``due_ms == now_ms``, i.e. deliver at once.
+
+    Raises:
+        InvalidArgumentError: naming the key and value, when a delay key is
+            present while delayed messaging is disabled, is empty, is malformed,
+            is a not-yet-supported schedule key, when both time keys are given,
+            when the delay is negative, or when it exceeds ``max_delay_ms``.
+    """
+    present = [key for key in DELAY_KEYS if key in metadata]
+    if not present:
+        return None
+    if not enabled:
+        key = present[0]
+        raise InvalidArgumentError(key, metadata[key], _DISABLED_REASON)
+    for key in present:
+        if metadata[key] == "":
+            raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
+    for key in present:
+        if key in _NOT_YET_SUPPORTED:
+            raise InvalidArgumentError(
+                key, metadata[key], "not supported yet: only scheduledSendTime and scheduledSendDelay are"
+            )
+
+    schedule_id = metadata.get(SCHEDULE_ID)
+    if schedule_id is not None:
+        _check_schedule_id(schedule_id)
+
+    send_time = metadata.get(SCHEDULED_SEND_TIME)
+    send_delay = metadata.get(SCHEDULED_SEND_DELAY)
+    if send_time is not None and send_delay is not None:
+        raise InvalidArgumentError(
+            SCHEDULED_SEND_DELAY, send_delay, "give scheduledSendTime or scheduledSendDelay, not both"
+        )
+
+    if send_time is not None:
+        key, value = SCHEDULED_SEND_TIME, send_time
+        try:
+            due_ms = parse_instant(send_time)
+        except ValueError as exc:
+            raise InvalidArgumentError(key, value, str(exc)) from None
+    elif send_delay is not None:
+        key, value = SCHEDULED_SEND_DELAY, send_delay
+        try:
+            delay_ms = parse_duration_or_seconds(send_delay)
+        except ValueError as exc:
+            raise InvalidArgumentError(key, value, str(exc)) from None
+        if delay_ms < 0:
+            raise InvalidArgumentError(key, value, "must not be negative")
+        due_ms = now_ms + delay_ms
+    else:
+        return None
+
+    # A past instant is not an error: clocks differ, and "deliver at once" is
+    # what the publisher would want from a time that has already come.
+    due_ms = max(due_ms, now_ms)
+    if max_delay_ms is not None and due_ms - now_ms > max_delay_ms:
+        raise InvalidArgumentError(
+            key,
+            value,
+            f"is {format_go_duration(due_ms - now_ms)} from now, "
+            f"more than the maximum delay of {format_go_duration(max_delay_ms)}",
+        )
+    return Delay(due_ms=due_ms, schedule_id=schedule_id)
+
+
+def _check_schedule_id(schedule_id: str) -> None:
+    """Refuse ids that would be awkward as Redis key parts or in logs."""
+    if len(schedule_id) > MAX_SCHEDULE_ID_LENGTH:
+        raise InvalidArgumentError(
+            SCHEDULE_ID,
+            schedule_id,
+            f"{len(schedule_id)} characters, longer than the maximum of {MAX_SCHEDULE_ID_LENGTH}",
+        )
+    # Cc: C0/C1 controls and DEL. Cs: lone surrogates, which cannot be encoded
+    # as UTF-8 and so could never be stored.
+    for char in schedule_id:
+        if unicodedata.category(char) in ("Cc", "Cs"):
+            raise InvalidArgumentError(
+                SCHEDULE_ID, schedule_id, f"contains the control character U+{ord(char):04X}"
+            )
