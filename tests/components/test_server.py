@@ -1,0 +1,146 @@
+"""`delayed-pubsub serve` as a subprocess, the way an operator runs it beside daprd."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+
+from delayed_pubsub.cli import build_parser
+from delayed_pubsub.server import default_socket_path
+from tests.components.driver import Component
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    # Short, so the socket path stays under the 107-byte limit.
+    with tempfile.TemporaryDirectory(prefix="dps-") as d:
+        yield Path(d)
+
+
+def start_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components")),
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "delayed_pubsub", "serve", "--log-level", "debug", *args],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_for_socket(proc: subprocess.Popen[bytes], path: Path, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+                return
+            except OSError:
+                pass
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def terminate(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def test_default_socket_path_follows_the_dapr_env() -> None:
+    assert default_socket_path({}) == Path("/tmp/dapr-components-sockets/delayed-pubsub.sock")
+    assert default_socket_path({"DAPR_COMPONENTS_SOCKETS_FOLDER": "/run/x"}) == Path("/run/x/delayed-pubsub.sock")
+
+
+def test_cli_help_names_the_options() -> None:
+    args = build_parser().parse_args(["serve", "--socket", "/tmp/s.sock", "--log-level", "warning"])
+    assert (args.socket, args.log_level, args.metrics_port) == (Path("/tmp/s.sock"), "warning", None)
+
+
+def test_serve_creates_folder_and_0660_socket_and_sigterm_removes_it(folder: Path) -> None:
+    sockets = folder / "sockets"  # does not exist yet: serve creates it
+    path = sockets / "delayed-pubsub.sock"
+    proc = start_serve(env={"DAPR_COMPONENTS_SOCKETS_FOLDER": str(sockets)})
+    try:
+        wait_for_socket(proc, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    finally:
+        code = terminate(proc)
+    assert code == 0
+    assert not path.exists()
+
+
+def test_serve_replaces_a_stale_socket(folder: Path) -> None:
+    path = folder / "delayed-pubsub.sock"
+    # What a killed process leaves behind: a socket file nobody listens on.
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()
+    path.chmod(0o777)
+    with socket.socket(socket.AF_UNIX) as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect(str(path))
+    proc = start_serve("--socket", str(path))
+    try:
+        wait_for_socket(proc, path)  # connects: a live socket took the stale one's place
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    finally:
+        assert terminate(proc) == 0
+
+
+def test_serve_refuses_to_delete_a_regular_file(folder: Path) -> None:
+    path = folder / "delayed-pubsub.sock"
+    path.write_text("precious")
+    proc = start_serve("--socket", str(path))
+    assert proc.wait(timeout=15) != 0
+    assert path.read_text() == "precious"
+
+
+async def test_sigterm_with_an_open_stream_exits_0_and_leaves_the_message_pending(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    path = folder / "delayed-pubsub.sock"
+    proc = start_serve("--socket", str(path), "--grace", "1")
+    try:
+        wait_for_socket(proc, path)
+        async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
+            c = Component(channel, "delayed")
+            await c.init({"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1"})
+            stream = await c.subscribe("orders")
+            await c.publish("orders", b"unacked")
+            msg = await stream.next()
+            assert msg.data == b"unacked"
+            code = terminate(proc)
+            await stream.status()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0
+    assert not path.exists()
+    pending: Any = redis_client.xpending("orders", "app1")
+    assert pending["pending"] == 1
