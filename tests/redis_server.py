@@ -5,12 +5,12 @@ Missing redis-server is an error, never a skip: CI must prove the real thing.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import cast
 
 import redis
 
@@ -44,15 +44,24 @@ class RedisServer:
     def start(self) -> None:
         args = [
             self.exe,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.workdir),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", str(self.workdir / "redis.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.workdir / "redis.log"),
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -89,3 +98,7 @@ class RedisServer:
         return redis.Redis(port=self.port)
 
 
+def stream_entries(client: redis.Redis, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
+    """XRANGE key - + as (id, fields): redis-py's own return type is too loose to use."""
+    raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(key))
+    return [(i.decode(), f) for i, f in raw]

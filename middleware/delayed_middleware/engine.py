@@ -1,0 +1,259 @@
+"""The delay engine: durable scheduling and exactly-once firing on Redis.
+
+State lives only in Redis (see keys.EngineKeys): the component keeps nothing
+per message in memory, so a million pending messages cost Redis memory, not
+ours. Firing never polls on a fixed tick: the loop sleeps until the earliest
+due time and is woken early through a pub/sub channel when any replica
+schedules an earlier one. Each batch is fired by one atomic script (scripts.FIRE),
+so every message lands on its target exactly once whatever dies when and however
+many replicas race for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from delayed_middleware import scripts
+from delayed_middleware.clock import Clock
+from delayed_middleware.entry import StreamEntry, encode_entry
+from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.keys import EngineKeys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Trim:
+    """How XADD trims the target topics, as the component's settings say.
+
+    mode '' (never), 'MAXLEN' (threshold = entry count) or 'MINID' (threshold =
+    a stream id computed per batch from max_age_ms).
+    """
+
+    mode: str = ""
+    max_len: int = 0
+    max_age_ms: int = 0
+
+    def args(self, now_ms: int) -> tuple[str, str]:
+        if self.mode == "MAXLEN":
+            return "MAXLEN", str(self.max_len)
+        if self.mode == "MINID":
+            return "MINID", f"{now_ms - self.max_age_ms}-1"
+        return "", ""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Tuning knobs; the defaults suit most deployments."""
+
+    batch_size: int = 500
+    # A cap on any one sleep, so a lost wake message (a dropped pub/sub
+    # connection) or a stepped clock delays a fire by at most this much.
+    max_sleep_s: float = 5.0
+    retry_min_s: float = 0.05
+    retry_max_s: float = 2.0
+    # Bound on one peek-and-fire round trip: a connection that died without a
+    # FIN (a partitioned Redis) must not stall the loop forever.
+    op_timeout_s: float = 30.0
+
+
+class DelayEngine:
+    """Schedules envelopes on one delayed topic and fires them when due."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: EngineKeys,
+        clock: Clock,
+        *,
+        trim: Trim = Trim(),
+        config: EngineConfig = EngineConfig(),
+    ) -> None:
+        self._redis = client
+        self._keys = keys
+        self._clock = clock
+        self._trim = trim
+        self._config = config
+        self._schedule = client.register_script(scripts.SCHEDULE)
+        self._peek = client.register_script(scripts.PEEK)
+        self._fire = client.register_script(scripts.FIRE)
+        self._drop = client.register_script(scripts.DROP)
+        self._cancel = client.register_script(scripts.CANCEL)
+        self._wake = asyncio.Event()
+        self.fired_total = 0
+
+    @property
+    def keys(self) -> EngineKeys:
+        return self._keys
+
+    async def schedule(self, envelopes: Sequence[Envelope]) -> list[str]:
+        """Store envelopes durably; returns their ids on the delayed topic.
+
+        When this returns, Redis holds them: a crash of this process from here
+        on loses nothing.
+        """
+        if not envelopes:
+            return []
+        args: list[Any] = [self._keys.wake, len(envelopes)]
+        for env in envelopes:
+            args += [encode_envelope(env), env.due_ms, env.schedule_id]
+        ids = await self._schedule(keys=[self._keys.stream, self._keys.due, self._keys.ids], args=args)
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+
+    async def cancel(self, schedule_id: str) -> bool:
+        """Withdraw the pending message with this scheduleId; True if one was pending."""
+        n = await self._cancel(keys=[self._keys.stream, self._keys.due, self._keys.ids], args=[schedule_id])
+        return bool(n)
+
+    async def pending(self) -> int:
+        """How many messages wait on this delayed topic."""
+        return int(await self._redis.zcard(self._keys.due))
+
+    async def fire_due(self) -> tuple[int, int | None]:
+        """Fire one batch of what is due now.
+
+        Returns (envelopes fired by this call, earliest due time left or None).
+        """
+        now = self._clock.now_ms()
+        raw = await self._peek(keys=[self._keys.due, self._keys.stream], args=[now, self._config.batch_size])
+        head = int(float(raw[0])) if raw[0] else None
+        batch: list[tuple[str, Envelope]] = []
+        vanished: list[str] = []
+        for i in range(1, len(raw), 2):
+            sid = raw[i].decode()
+            data = raw[i + 1]
+            if not data:
+                vanished.append(sid)
+                continue
+            try:
+                batch.append((sid, decode_envelope(data)))
+            except EnvelopeDecodeError as exc:
+                # Undeliverable as it stands; leaving it indexed would spin the loop.
+                log.error("dropping undecodable envelope %s on %s: %s", sid, self._keys.stream, exc)
+                vanished.append(sid)
+        if vanished:
+            log.error("%d index entries of %s had no envelope; removed", len(vanished), self._keys.stream)
+            await self._drop(keys=[self._keys.due], args=vanished)
+        if not batch:
+            return 0, head
+        fired = await self._fire_batch(batch, now)
+        self.fired_total += fired
+        return fired, head
+
+    async def _fire_batch(self, batch: Sequence[tuple[str, Envelope]], now_ms: int) -> int:
+        targets: dict[str, int] = {}
+        keys = [self._keys.stream, self._keys.due, self._keys.ids]
+
+        def target_index(topic: str) -> int:
+            if topic not in targets:
+                keys.append(topic)
+                targets[topic] = len(keys)  # Lua's KEYS is 1-based
+            return targets[topic]
+
+        mode, threshold = self._trim.args(now_ms)
+        args: list[Any] = [mode, threshold, len(batch)]
+        for sid, env in batch:
+            entries = _target_entries(env)
+            args += [sid, env.schedule_id, len(entries)]
+            idx = target_index(env.topic)
+            for entry in entries:
+                fields = encode_entry(entry)
+                args += [idx, fields["data"], fields["metadata"], entry.content_type]
+        return int(await self._fire(keys=keys, args=args))
+
+    async def run(self) -> None:
+        """Fire due messages until cancelled; survives Redis outages."""
+        listener = asyncio.create_task(self._listen_wake(), name=f"wake:{self._keys.stream}")
+        backoff = self._config.retry_min_s
+        try:
+            while True:
+                try:
+                    # asyncio.timeout, not wait_for: wait_for can swallow a
+                    # cancellation that races with completion (Python < 3.12).
+                    async with asyncio.timeout(self._config.op_timeout_s):
+                        fired, head = await self.fire_due()
+                    _honour_swallowed_cancel()
+                    backoff = self._config.retry_min_s
+                except (RedisError, TimeoutError) as exc:
+                    log.warning(
+                        "delay engine on %s: redis error %s; retrying in %.2fs",
+                        self._keys.stream,
+                        exc,
+                        backoff,
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self._config.retry_max_s)
+                    continue
+                if fired or (head is not None and head <= self._clock.now_ms()):
+                    continue  # more may be due right now: no sleep between batches
+                await self._sleep_until(head)
+        finally:
+            listener.cancel()
+            # Bounded: closing a pub/sub connection to a dead server may hang.
+            await asyncio.wait({listener}, timeout=1.0)
+
+    async def _sleep_until(self, head: int | None) -> None:
+        timeout = self._config.max_sleep_s
+        if head is not None:
+            timeout = min(timeout, max(0.0, (head - self._clock.now_ms()) / 1000))
+        self._wake.clear()
+        waker = asyncio.ensure_future(self._wake.wait())
+        sleeper = asyncio.ensure_future(self._clock.sleep(timeout))
+        try:
+            await asyncio.wait({waker, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (waker, sleeper):
+                t.cancel()
+
+    def wake(self) -> None:
+        """Re-check the index now (used by this process after it schedules)."""
+        self._wake.set()
+
+    async def _listen_wake(self) -> None:
+        backoff = self._config.retry_min_s
+        while True:
+            _honour_swallowed_cancel()
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._keys.wake)
+                # A message may have been missed while (re)subscribing.
+                self._wake.set()
+                backoff = self._config.retry_min_s
+                async for _ in pubsub.listen():
+                    _honour_swallowed_cancel()
+                    self._wake.set()
+            except RedisError as exc:
+                log.debug("wake listener on %s: %s", self._keys.wake, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.retry_max_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _honour_swallowed_cancel() -> None:
+    """Re-raise a cancellation that redis-py swallowed.
+
+    On Python 3.11 redis-py's asyncio client sometimes eats a CancelledError that
+    races with a reply arriving (seen here: about one cancel in thirty). The
+    request stays recorded on the task, so a loop that checks after each Redis
+    call still stops, instead of sleeping on as if never told.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def _target_entries(env: Envelope) -> list[StreamEntry]:
+    if env.is_bulk:
+        return [StreamEntry(e.event, e.metadata, e.content_type) for e in env.bulk_entries]
+    return [StreamEntry(env.message, env.metadata, env.content_type)]

@@ -1,0 +1,59 @@
+"""The Redis Streams entry format, shared with Dapr's pubsub.redis.
+
+pubsub.redis writes each message as an entry with a `data` field (the bytes as
+published) and a `metadata` field (the publish metadata as a JSON object), and
+reads nothing else, so streams written by either component read the same.
+We add `contentType` only when there is one: pubsub.redis ignores it, and it
+lets a bulk entry's content type survive the trip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DATA = "data"
+METADATA = "metadata"
+CONTENT_TYPE = "contentType"
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    """One message as stored on a topic's stream."""
+
+    data: bytes
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    content_type: str = ""
+
+
+def encode_entry(entry: StreamEntry) -> dict[str, bytes]:
+    """Fields for XADD, in pubsub.redis's layout."""
+    fields: dict[str, bytes] = {
+        DATA: entry.data,
+        METADATA: json.dumps(dict(entry.metadata), separators=(",", ":"), ensure_ascii=False).encode(),
+    }
+    if entry.content_type:
+        fields[CONTENT_TYPE] = entry.content_type.encode()
+    return fields
+
+
+def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamEntry:
+    """Read an entry written by us or by pubsub.redis.
+
+    Malformed metadata is dropped rather than refused, as pubsub.redis does: the
+    data must still reach the subscriber.
+    """
+    norm = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+    data = norm.get(DATA, b"")
+    metadata: dict[str, str] = {}
+    raw = norm.get(METADATA)
+    if raw:
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    content_type = norm.get(CONTENT_TYPE, b"").decode(errors="replace")
+    return StreamEntry(data=bytes(data), metadata=metadata, content_type=content_type)

@@ -1,0 +1,116 @@
+"""The DelayedMessage envelope: what waits on the `<consumerID>-delayed` topic.
+
+Fields 1-5 follow the Dapr delayed-messaging design (topic, message,
+contentType, metadata, bulkPublish) so other readers of that design can decode
+our envelopes; the rest are ours. A bulk publish delayed as one unit is one
+envelope whose `message` is a serialized DelayedBulk, so it fires as one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError as _ProtoDecodeError
+
+from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
+
+
+class EnvelopeDecodeError(DelayedPubSubError):
+    """Bytes on the delayed topic that are not a DelayedMessage we can fire."""
+
+
+@dataclass(frozen=True)
+class BulkEntry:
+    """One entry of a delayed bulk publish."""
+
+    entry_id: str
+    event: bytes
+    content_type: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A message waiting for its due time.
+
+    For a single message `message` holds the data byte-exact; for a bulk one
+    `bulk_entries` holds the entries and `message` is empty.
+    """
+
+    id: str
+    topic: str
+    due_ms: int
+    published_at_ms: int
+    message: bytes = b""
+    content_type: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    pubsub_name: str = ""
+    schedule_id: str = ""
+    bulk_entries: Sequence[BulkEntry] = ()
+
+    @property
+    def is_bulk(self) -> bool:
+        return bool(self.bulk_entries)
+
+
+def encode_envelope(env: Envelope) -> bytes:
+    """Serialize to DelayedMessage wire bytes."""
+    msg = delayed_pb2.DelayedMessage(
+        topic=env.topic,
+        contentType=env.content_type,
+        metadata=dict(env.metadata),
+        bulkPublish=env.is_bulk,
+        id=env.id,
+        dueTimeMs=env.due_ms,
+        publishedAtMs=env.published_at_ms,
+        pubsubName=env.pubsub_name,
+        scheduleId=env.schedule_id,
+    )
+    if env.is_bulk:
+        bulk = delayed_pb2.DelayedBulk(
+            entries=[
+                delayed_pb2.DelayedBulkEntry(
+                    entryId=e.entry_id, event=e.event, contentType=e.content_type, metadata=dict(e.metadata)
+                )
+                for e in env.bulk_entries
+            ]
+        )
+        msg.message = bulk.SerializeToString()
+    else:
+        msg.message = env.message
+    return msg.SerializeToString()
+
+
+def decode_envelope(raw: bytes) -> Envelope:
+    """Parse DelayedMessage bytes; raises EnvelopeDecodeError on anything unusable."""
+    msg = delayed_pb2.DelayedMessage()
+    try:
+        msg.ParseFromString(raw)
+    except _ProtoDecodeError as exc:
+        raise EnvelopeDecodeError(f"not a DelayedMessage: {exc}") from exc
+    if not msg.topic:
+        raise EnvelopeDecodeError("DelayedMessage has no topic")
+    entries: tuple[BulkEntry, ...] = ()
+    message = msg.message
+    if msg.bulkPublish:
+        bulk = delayed_pb2.DelayedBulk()
+        try:
+            bulk.ParseFromString(msg.message)
+        except _ProtoDecodeError as exc:
+            raise EnvelopeDecodeError(f"bulk DelayedMessage has a bad body: {exc}") from exc
+        entries = tuple(BulkEntry(e.entryId, e.event, e.contentType, dict(e.metadata)) for e in bulk.entries)
+        message = b""
+    return Envelope(
+        id=msg.id,
+        topic=msg.topic,
+        due_ms=msg.dueTimeMs,
+        published_at_ms=msg.publishedAtMs,
+        message=message,
+        content_type=msg.contentType,
+        metadata=dict(msg.metadata),
+        pubsub_name=msg.pubsubName,
+        schedule_id=msg.scheduleId,
+        bulk_entries=entries,
+    )

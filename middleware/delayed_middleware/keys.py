@@ -1,0 +1,41 @@
+"""Every Redis key and channel name the delay engine uses, in one place.
+
+The delayed topic itself is a plain stream named `<consumerID>-delayed`, so
+daprd subscribers and the Spark job read it like any topic. The engine's own
+keys wrap that name in a hash tag, `{<consumerID>-delayed}:...`: Redis Cluster
+hashes only the tag, and the tag equals the stream's whole name, so the stream
+and its index always share a slot and one script may touch them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DELAYED_SUFFIX = "-delayed"
+
+
+def delayed_topic(consumer_id: str, namespace: str = "") -> str:
+    """The topic on which delayed envelopes wait for one app (consumer group)."""
+    suffix = f"-{namespace}" if namespace else ""
+    return f"{consumer_id}{DELAYED_SUFFIX}{suffix}"
+
+
+@dataclass(frozen=True)
+class EngineKeys:
+    """The keys of one delayed topic.
+
+    stream: the envelopes (field `data` = DelayedMessage bytes), one per pending message.
+    due:    sorted set, member = envelope stream id, score = due time in epoch ms.
+    ids:    hash, scheduleId -> envelope stream id, for replace and cancel by id.
+    wake:   pub/sub channel announcing a new earliest due time to every replica.
+    """
+
+    stream: str
+    due: str
+    ids: str
+    wake: str
+
+    @classmethod
+    def for_topic(cls, topic: str) -> EngineKeys:
+        tag = "{" + topic + "}"
+        return cls(stream=topic, due=f"{tag}:due", ids=f"{tag}:ids", wake=f"{tag}:wake")

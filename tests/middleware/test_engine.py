@@ -1,0 +1,272 @@
+"""The delay engine against a real Redis: on time, once, durable, racing replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.clock import ManualClock, SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig, Trim
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import BulkEntry, Envelope, decode_envelope
+from delayed_middleware.keys import EngineKeys, delayed_topic
+from tests.redis_server import RedisServer, stream_entries
+
+T0 = 1_800_000_000_000
+KEYS = EngineKeys.for_topic(delayed_topic("app"))
+
+
+def env(n: int, due: int, topic: str = "orders", sid: str = "", **kw: object) -> Envelope:
+    return Envelope(
+        id=sid or f"m{n}",
+        topic=topic,
+        due_ms=due,
+        published_at_ms=T0,
+        message=f'{{"n":{n}}}'.encode(),
+        metadata={"k": f"v{n}", "cloudevent.id": str(n)},
+        schedule_id=sid,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def aredis(redis_client: redis.Redis) -> AsyncIterator[Callable[[], aioredis.Redis]]:
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    made: list[aioredis.Redis] = []
+
+    def make() -> aioredis.Redis:
+        c = aioredis.Redis(port=port, socket_timeout=5, socket_connect_timeout=2)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.aclose()
+
+
+def target(redis_client: redis.Redis, topic: str = "orders") -> list[tuple[str, dict[bytes, bytes]]]:
+    return stream_entries(redis_client, topic)
+
+
+async def test_not_before_due_then_exactly_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(1, T0 + 5_000)])
+
+    clock.set(T0 + 4_999)
+    assert await engine.fire_due() == (0, T0 + 5_000)
+    assert target(redis_client) == []
+
+    clock.set(T0 + 5_000)
+    fired, head = await engine.fire_due()
+    assert (fired, head) == (1, None)
+    [(_, fields)] = target(redis_client)
+    entry = decode_entry(fields)
+    assert entry.data == b'{"n":1}'
+    assert entry.metadata == {"k": "v1", "cloudevent.id": "1"}
+    # Fired once: the index and the delayed topic no longer hold it.
+    assert await engine.fire_due() == (0, None)
+    assert len(target(redis_client)) == 1
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.zcard(KEYS.due) == 0
+
+
+async def test_envelope_on_delayed_topic_decodes(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    e = env(7, T0 + 60_000, content_type="application/json", pubsub_name="delayed")
+    [sid] = await engine.schedule([e])
+    [(stream_id, fields)] = target(redis_client, KEYS.stream)
+    assert stream_id == sid
+    decoded = decode_envelope(decode_entry(fields).data)
+    assert decoded == e
+    assert redis_client.zscore(KEYS.due, sid) == T0 + 60_000
+
+
+async def test_content_type_and_raw_bytes_survive(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    raw = bytes(range(256))
+    await engine.schedule(
+        [
+            Envelope(
+                id="x",
+                topic="raw",
+                due_ms=T0,
+                published_at_ms=T0,
+                message=raw,
+                content_type="application/octet-stream",
+            )
+        ]
+    )
+    await engine.fire_due()
+    [(_, fields)] = target(redis_client, "raw")
+    entry = decode_entry(fields)
+    assert entry.data == raw
+    assert entry.content_type == "application/octet-stream"
+
+
+async def test_overdue_fire_at_once_in_due_order(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(batch_size=500))
+    # Scheduled out of order, all overdue by the time the engine looks.
+    await engine.schedule([env(n, T0 + 1000 - n) for n in range(1200)])
+    clock.set(T0 + 10_000)
+    total = 0
+    while True:
+        fired, _ = await engine.fire_due()
+        if not fired:
+            break
+        total += fired
+    assert total == 1200
+    ns = [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)]
+    assert ns == list(range(1199, -1, -1))  # earliest due first
+
+
+async def test_schedule_id_replaces_and_cancel(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(1, T0 + 1000, sid="order-66")])
+    await engine.schedule([env(2, T0 + 2000, sid="order-66")])
+    assert await engine.pending() == 1
+    assert redis_client.xlen(KEYS.stream) == 1
+    clock.set(T0 + 5000)
+    await engine.fire_due()
+    assert [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)] == [2]
+    assert redis_client.hlen(KEYS.ids) == 0
+
+    await engine.schedule([env(3, T0 + 9000, sid="later")])
+    assert await engine.cancel("later") is True
+    assert await engine.cancel("later") is False
+    clock.set(T0 + 10_000)
+    assert await engine.fire_due() == (0, None)
+    assert len(target(redis_client)) == 1
+
+
+async def test_bulk_fires_as_one_batch(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    entries = tuple(BulkEntry(f"e{i}", f"ev{i}".encode(), "text/plain", {"i": str(i)}) for i in range(50))
+    await engine.schedule(
+        [Envelope(id="b", topic="bulk", due_ms=T0 + 100, published_at_ms=T0, bulk_entries=entries)]
+    )
+    assert redis_client.xlen(KEYS.stream) == 1  # one envelope for the whole bulk
+    clock.set(T0 + 100)
+    assert (await engine.fire_due())[0] == 1
+    got = [decode_entry(f) for _, f in target(redis_client, "bulk")]
+    assert [(e.data, e.content_type, e.metadata) for e in got] == [
+        (f"ev{i}".encode(), "text/plain", {"i": str(i)}) for i in range(50)
+    ]
+
+
+async def test_racing_replicas_fire_each_exactly_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engines = [DelayEngine(aredis(), KEYS, clock, config=EngineConfig(batch_size=100)) for _ in range(5)]
+    n = 3000
+    await engines[0].schedule([env(i, T0 + i % 7) for i in range(n)])
+    clock.set(T0 + 10)
+
+    async def drain(e: DelayEngine) -> int:
+        total = 0
+        while True:
+            fired, _ = await e.fire_due()
+            total += fired
+            if not fired and await e.pending() == 0:
+                return total
+
+    counts = await asyncio.gather(*(drain(e) for e in engines))
+    assert sum(counts) == n
+    ns = [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)]
+    assert sorted(ns) == list(range(n))  # each once: no loss, no duplicate
+
+
+async def test_vanished_envelope_is_dropped_not_spun(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    [a, _b] = await engine.schedule([env(1, T0), env(2, T0)])
+    redis_client.xdel(KEYS.stream, a)
+    assert (await engine.fire_due())[0] == 1
+    assert await engine.pending() == 0
+    assert [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)] == [2]
+
+
+async def test_trim_maxlen_applies_to_target(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), trim=Trim(mode="MAXLEN", max_len=10))
+    for chunk in range(5):
+        await engine.schedule([env(chunk * 200 + i, T0) for i in range(200)])
+        await engine.fire_due()
+    # Approximate trimming keeps at least max_len and far fewer than all 1000.
+    assert 10 <= redis_client.xlen("orders") < 1000
+
+
+async def test_run_loop_wakes_exactly_on_time(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = SystemClock()
+    engine = DelayEngine(aredis(), KEYS, clock)
+    other = DelayEngine(aredis(), KEYS, clock)  # another replica publishing
+    await engine.schedule([env(0, clock.now_ms() + 60_000)])  # a far head: the loop sleeps long
+    task = asyncio.create_task(engine.run())
+    try:
+        await asyncio.sleep(0.2)
+        due = clock.now_ms() + 300
+        await other.schedule([env(1, due)])
+        arrived = await _wait_for_entries(redis_client, "orders", 1, within_s=3)
+        assert arrived[0] >= due, "delivered early"
+        assert arrived[0] - due < 100, f"late by {arrived[0] - due} ms"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_run_loop_survives_redis_restart(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, redis_server: RedisServer
+) -> None:
+    clock = SystemClock()
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(max_sleep_s=0.5))
+    task = asyncio.create_task(engine.run())
+    try:
+        await engine.schedule([env(1, clock.now_ms() + 1500)])
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(redis_server.restart)  # AOF keeps the pending message
+        await _wait_for_entries(redis_server.client(), "orders", 1, within_s=8)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def _wait_for_entries(client: redis.Redis, topic: str, n: int, within_s: float) -> list[int]:
+    """Arrival times (ms, from the entry ids Redis assigned) of the first n entries."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            entries = stream_entries(client, topic)
+        except redis.ConnectionError:
+            entries = []
+        if len(entries) >= n:
+            return [int(i.split("-")[0]) for i, _ in entries]
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{topic}: fewer than {n} entries after {within_s}s")
