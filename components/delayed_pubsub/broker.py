@@ -25,7 +25,7 @@ import redis.exceptions
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
-from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class Broker:
         self._client = client
         self._settings = settings
         self._clock = clock
+        self._timeout = call_timeout(settings)
 
     def _trim(self) -> dict[str, Any]:
         # As pubsub.redis: maxLenApprox wins over streamTTL when both are set.
@@ -105,7 +106,8 @@ class Broker:
     async def publish(self, topic: str, entry: StreamEntry) -> str:
         """XADD one entry; returns its stream id."""
         try:
-            entry_id = await self._client.xadd(topic, encode_entry(entry), **self._trim())  # type: ignore[arg-type]
+            async with asyncio.timeout(self._timeout):
+                entry_id = await self._client.xadd(topic, encode_entry(entry), **self._trim())  # type: ignore[arg-type]
         except TRANSIENT_ERRORS as e:
             raise BackendUnavailableError(f"publish to {topic!r}: redis unavailable: {e}") from e
         except redis.exceptions.RedisError as e:
@@ -125,7 +127,8 @@ class Broker:
         for item in entries:
             pipe.xadd(topic, encode_entry(item.entry), **trim)  # type: ignore[arg-type]
         try:
-            results = await pipe.execute(raise_on_error=False)
+            async with asyncio.timeout(self._timeout):
+                results = await pipe.execute(raise_on_error=False)
         except TRANSIENT_ERRORS as e:
             raise BackendUnavailableError(f"bulk publish to {topic!r}: redis unavailable: {e}") from e
         return [
@@ -137,7 +140,8 @@ class Broker:
     async def ping(self) -> None:
         """Redis PING; BackendUnavailableError if it does not answer."""
         try:
-            await self._client.ping()
+            async with asyncio.timeout(self._timeout):
+                await self._client.ping()
         except REDIS_ERRORS as e:
             raise BackendUnavailableError(f"redis ping failed: {e}") from e
 
@@ -203,9 +207,10 @@ class Subscription:
         self._fetcher: asyncio.Task[None] | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "0-0"
-        # Blocking reads must return before the socket timeout would fire.
-        read_ms = settings.read_timeout_ms
-        self._block_ms = 1000 if read_ms is None else max(10, min(1000, read_ms // 2))
+        # Short blocks keep a dead connection from going unnoticed for long.
+        self._block_ms = 1000
+        base = call_timeout(settings)
+        self._timeout = None if base is None else base + self._block_ms / 1000
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -410,7 +415,8 @@ class Subscription:
         backoff = _Backoff()
         while True:
             try:
-                result = await call()
+                async with asyncio.timeout(self._timeout):
+                    result = await call()
             except redis.exceptions.ResponseError as e:
                 if "NOGROUP" in str(e):
                     log.warning("%s on %s: consumer group gone (Redis restarted empty?), recreating",

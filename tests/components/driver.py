@@ -41,7 +41,10 @@ class Component:
         )
 
     async def bulk_publish(
-        self, topic: str, entries: list[pubsub_pb2.BulkMessageEntry], metadata: Mapping[str, str] | None = None
+        self,
+        topic: str,
+        entries: list[pubsub_pb2.BulkMessageEntry],
+        metadata: Mapping[str, str] | None = None,
     ) -> pubsub_pb2.BulkPublishResponse:
         reply: pubsub_pb2.BulkPublishResponse = await self.stub.BulkPublish(
             pubsub_pb2.BulkPublishRequest(
@@ -94,7 +97,9 @@ class Stream:
         try:
             return await asyncio.wait_for(self.received.get(), within)
         except TimeoutError:
-            raise AssertionError(f"no message within {within}s (stream ended: {self.ended.is_set()})") from None
+            raise AssertionError(
+                f"no message within {within}s (stream ended: {self.ended.is_set()})"
+            ) from None
 
     async def nothing_for(self, seconds: float) -> bool:
         """True if no message arrives for `seconds`."""

@@ -47,7 +47,9 @@ async def test_publish_is_readable_as_pubsub_redis_reads_it(
     broker = Broker(aclient, settings(redis_server), SystemClock())
     entry_id = await broker.publish("orders", StreamEntry(b"{}", {"a": "1"}, "application/json"))
     rows: Any = redis_client.xrange("orders")
-    assert rows == [(entry_id.encode(), {b"data": b"{}", b"metadata": b'{"a":"1"}', b"contentType": b"application/json"})]
+    assert rows == [
+        (entry_id.encode(), {b"data": b"{}", b"metadata": b'{"a":"1"}', b"contentType": b"application/json"})
+    ]
 
 
 async def test_max_len_approx_trims_the_stream(
@@ -77,7 +79,9 @@ async def test_bulk_publish_to_wrong_type_key_reports_every_entry(
 ) -> None:
     redis_client.set("orders", "a string")
     broker = Broker(aclient, settings(redis_server), SystemClock())
-    failed = await broker.bulk_publish("orders", [BulkEntry("a", StreamEntry(b"1")), BulkEntry("b", StreamEntry(b"2"))])
+    failed = await broker.bulk_publish(
+        "orders", [BulkEntry("a", StreamEntry(b"1")), BulkEntry("b", StreamEntry(b"2"))]
+    )
     assert [f.entry_id for f in failed] == ["a", "b"]
     assert all("WRONGTYPE" in f.error for f in failed)
 

@@ -75,7 +75,9 @@ def terminate(proc: subprocess.Popen[bytes]) -> int:
 
 def test_default_socket_path_follows_the_dapr_env() -> None:
     assert default_socket_path({}) == Path("/tmp/dapr-components-sockets/delayed-pubsub.sock")
-    assert default_socket_path({"DAPR_COMPONENTS_SOCKETS_FOLDER": "/run/x"}) == Path("/run/x/delayed-pubsub.sock")
+    assert default_socket_path({"DAPR_COMPONENTS_SOCKETS_FOLDER": "/run/x"}) == Path(
+        "/run/x/delayed-pubsub.sock"
+    )
 
 
 def test_cli_help_names_the_options() -> None:

@@ -138,18 +138,24 @@ async def test_bad_init_metadata_is_invalid_argument_naming_key_and_value(
     assert value in details
 
 
-async def test_failover_without_master_name_is_invalid_argument(component: Factory, props: dict[str, str]) -> None:
+async def test_failover_without_master_name_is_invalid_argument(
+    component: Factory, props: dict[str, str]
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await component("delayed").init({**props, "failover": "true"})
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sentinelMasterName" in (err.value.details() or "")
 
 
-async def test_unreachable_redis_is_unavailable_naming_host_port(component: Factory, props: dict[str, str]) -> None:
+async def test_unreachable_redis_is_unavailable_naming_host_port(
+    component: Factory, props: dict[str, str]
+) -> None:
     port = free_port()  # nothing listens there
     c = component("delayed")
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await c.init({**props, "redisHost": f"127.0.0.1:{port}", "dialTimeout": "500ms", "redisMaxRetries": "0"})
+        await c.init(
+            {**props, "redisHost": f"127.0.0.1:{port}", "dialTimeout": "500ms", "redisMaxRetries": "0"}
+        )
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"127.0.0.1:{port}" in (err.value.details() or "")
     # A failed Init registers nothing.
@@ -219,7 +225,9 @@ async def test_publish_writes_pubsub_redis_entry_format(
     assert fields == {b"data": CLOUDEVENT, b"metadata": b'{"k":"v"}'}
 
 
-async def test_messages_published_before_subscribing_are_delivered(component: Factory, props: dict[str, str]) -> None:
+async def test_messages_published_before_subscribing_are_delivered(
+    component: Factory, props: dict[str, str]
+) -> None:
     c = component("delayed")
     await c.init(props)
     for i in range(3):
@@ -250,8 +258,9 @@ async def test_bulk_publish_reports_the_failing_entry_and_lands_the_others(
     assert [(f.entry_id, "WRONGTYPE" in f.error) for f in reply.failed_entries] == [("e1", True)]
 
     entries = [
-        pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=f"m{i}".encode(), content_type="text/plain",
-                                    metadata={"n": str(i)})
+        pubsub_pb2.BulkMessageEntry(
+            entry_id=f"e{i}", event=f"m{i}".encode(), content_type="text/plain", metadata={"n": str(i)}
+        )
         for i in range(5)
     ]
     reply = await c.bulk_publish("orders", entries, metadata={"batch": "b1"})
@@ -277,7 +286,8 @@ async def test_bulk_publish_reports_exactly_the_entries_redis_refused(
     redis_client.config_set("maxmemory", str(used + 256 * 1024))
     try:
         batch = [
-            pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=bytes([65 + i % 26]) * 16 * 1024) for i in range(60)
+            pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=bytes([65 + i % 26]) * 16 * 1024)
+            for i in range(60)
         ]
         reply = await c.bulk_publish("orders", batch)
     finally:
@@ -346,7 +356,9 @@ async def test_cancelled_stream_leaves_message_pending_for_the_next_stream(
     assert again.metadata["deliveryAttempt"] == "2"
 
 
-async def test_unacked_message_of_live_stream_is_not_duplicated_to_it(component: Factory, props: dict[str, str]) -> None:
+async def test_unacked_message_of_live_stream_is_not_duplicated_to_it(
+    component: Factory, props: dict[str, str]
+) -> None:
     c = component("delayed")
     await c.init(props)  # processingTimeout 500ms, reclaim every 200ms
     stream = await c.subscribe("orders")
@@ -356,7 +368,9 @@ async def test_unacked_message_of_live_stream_is_not_duplicated_to_it(component:
     await stream.ack(msg.id)
 
 
-async def test_concurrency_caps_unacked_messages_per_stream(component: Factory, props: dict[str, str]) -> None:
+async def test_concurrency_caps_unacked_messages_per_stream(
+    component: Factory, props: dict[str, str]
+) -> None:
     c = component("delayed")
     await c.init({**props, "concurrency": "2"})
     for i in range(4):

@@ -20,8 +20,18 @@ PEM_KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
 def test_defaults_are_pubsub_redis_defaults() -> None:
     s = parse_settings(BASE)
     assert s == Settings(hosts=(("localhost", 6379),))
-    assert (s.processing_timeout_ms, s.redeliver_interval_ms, s.queue_depth, s.concurrency) == (60_000, 15_000, 100, 10)
-    assert (s.max_len_approx, s.stream_ttl_ms, s.enable_delayed_messaging, s.max_delay_ms) == (None, None, False, None)
+    assert (s.processing_timeout_ms, s.redeliver_interval_ms, s.queue_depth, s.concurrency) == (
+        60_000,
+        15_000,
+        100,
+        10,
+    )
+    assert (s.max_len_approx, s.stream_ttl_ms, s.enable_delayed_messaging, s.max_delay_ms) == (
+        None,
+        None,
+        False,
+        None,
+    )
     assert s.address == "localhost:6379"
 
 
@@ -164,7 +174,15 @@ def test_bare_integers_are_milliseconds_for_the_legacy_keys(n: int) -> None:
 
 @given(st.text(max_size=12))
 def test_any_text_either_parses_or_is_refused_naming_the_key(text: str) -> None:
-    for key in ("redisPort", "redisDB", "queueDepth", "enableTLS", "processingTimeout", "streamTTL", "redisType"):
+    for key in (
+        "redisPort",
+        "redisDB",
+        "queueDepth",
+        "enableTLS",
+        "processingTimeout",
+        "streamTTL",
+        "redisType",
+    ):
         error: InvalidArgumentError | None = None
         try:
             parse_settings({**BASE, key: text})
