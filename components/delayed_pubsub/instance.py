@@ -7,15 +7,28 @@ Several instances share one socket; daprd tells them apart by the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Mapping, Sequence
 
+from redis.exceptions import RedisError
+
+from delayed_middleware import envelope as env
 from delayed_middleware.clock import Clock
+from delayed_middleware.delay import DELAY_KEYS, Delay, parse_delay
+from delayed_middleware.engine import DelayEngine, Trim
 from delayed_middleware.entry import StreamEntry
-from delayed_middleware.errors import InvalidArgumentError, NotInitializedError
+from delayed_middleware.errors import (
+    BackendUnavailableError,
+    DelayedPubSubError,
+    InvalidArgumentError,
+    NotInitializedError,
+)
+from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, connect
 from delayed_pubsub.settings import Settings, parse_settings
@@ -39,24 +52,96 @@ class Instance:
         # streams would let one stream's XREADGROUP swallow the other's entries.
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
+        self.engine: DelayEngine | None = None
+        self._engine_task: asyncio.Task[None] | None = None
+        if settings.enable_delayed_messaging:
+            self.engine = DelayEngine(
+                connection.client,  # type: ignore[arg-type]
+                EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
+                clock,
+                trim=_trim(settings),
+            )
+
+    def start(self) -> None:
+        """Start firing delayed messages (overdue ones fire at once)."""
+        if self.engine is not None and self._engine_task is None:
+            self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
 
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
+        if settings.enable_delayed_messaging and not settings.consumer_id:
+            raise InvalidArgumentError(
+                "consumerID",
+                "",
+                "required with enableDelayedMessaging (it names the <consumerID>-delayed topic)",
+            )
         connection = connect(settings)
         try:
             await connection.ping()
         except BaseException:
             await connection.aclose()
             raise
-        return cls(name, settings, connection, clock)
+        instance = cls(name, settings, connection, clock)
+        instance.start()
+        return instance
+
+    def _delay(self, metadata: Mapping[str, str]) -> Delay | None:
+        return parse_delay(
+            metadata,
+            now_ms=self._clock.now_ms(),
+            enabled=self.settings.enable_delayed_messaging,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+
+    def _envelope(
+        self,
+        topic: str,
+        delay: Delay,
+        *,
+        message: bytes = b"",
+        content_type: str = "",
+        metadata: Mapping[str, str] | None = None,
+        bulk_entries: Sequence[env.BulkEntry] = (),
+    ) -> env.Envelope:
+        return env.Envelope(
+            id=delay.schedule_id or uuid.uuid4().hex,
+            topic=topic,
+            due_ms=delay.due_ms,
+            published_at_ms=self._clock.now_ms(),
+            message=message,
+            content_type=content_type,
+            metadata=dict(metadata or {}),
+            pubsub_name=self.name,
+            schedule_id=delay.schedule_id or "",
+            bulk_entries=tuple(bulk_entries),
+        )
+
+    async def _schedule(self, envelopes: Sequence[env.Envelope]) -> None:
+        assert self.engine is not None  # parse_delay refuses delay keys when disabled
+        try:
+            await self.engine.schedule(envelopes)
+        except RedisError as e:
+            raise BackendUnavailableError(f"scheduling on {self.engine.keys.stream!r}: redis: {e}") from e
+        if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
+            self.engine.wake()
 
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""
     ) -> None:
-        """Store one message on `topic`."""
+        """Store one message on `topic`, or on the delayed topic when its metadata delays it.
+
+        Delay metadata is validated before anything is written: a refused
+        request stores nothing.
+        """
         _check_topic(topic)
-        await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
+        delay = self._delay(metadata)
+        if delay is None:
+            await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
+            return
+        await self._schedule(
+            [self._envelope(topic, delay, message=data, content_type=content_type, metadata=metadata)]
+        )
 
     async def bulk_publish(
         self, topic: str, entries: Sequence[BulkEntry], metadata: Mapping[str, str]
@@ -64,21 +149,61 @@ class Instance:
         """Store many messages on `topic` in one round trip; returns the ones that failed.
 
         The request's metadata applies to every entry; an entry's own keys win.
+        Request-level delay metadata delays the whole bulk as one envelope that
+        fires as one batch; an entry with delay keys of its own becomes an
+        envelope of its own, and a bad value there fails that entry alone.
         """
         _check_topic(topic)
-        if metadata:
-            entries = [
-                BulkEntry(e.entry_id, StreamEntry(e.entry.data, {**metadata, **e.entry.metadata},
-                                                  e.entry.content_type))
-                for e in entries
+        request_delay = self._delay(metadata)  # a bad request-level value refuses it all
+        failed: list[FailedEntry] = []
+        now: list[BulkEntry] = []
+        together: list[BulkEntry] = []
+        alone: list[tuple[str, env.Envelope]] = []
+        for item in entries:
+            merged = BulkEntry(
+                item.entry_id,
+                StreamEntry(item.entry.data, {**metadata, **item.entry.metadata}, item.entry.content_type),
+            )
+            if not any(k in item.entry.metadata for k in DELAY_KEYS):
+                (together if request_delay else now).append(merged)
+                continue
+            try:
+                delay = self._delay(merged.entry.metadata)
+            except InvalidArgumentError as err:
+                failed.append(FailedEntry(item.entry_id, str(err)))
+                continue
+            if delay is None:
+                now.append(merged)
+                continue
+            m = merged.entry
+            envelope = self._envelope(
+                topic, delay, message=m.data, content_type=m.content_type, metadata=m.metadata
+            )
+            alone.append((item.entry_id, envelope))
+        envelopes = [e for _, e in alone]
+        if together and request_delay is not None:
+            bulk = [
+                env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
+                for i in together
             ]
-        return await self.broker.bulk_publish(topic, entries)
+            envelopes.append(self._envelope(topic, request_delay, metadata=metadata, bulk_entries=bulk))
+        if envelopes:
+            try:
+                await self._schedule(envelopes)
+            except DelayedPubSubError as err:
+                failed += [FailedEntry(i.entry_id, str(err)) for i in together]
+                failed += [FailedEntry(entry_id, str(err)) for entry_id, _ in alone]
+        if now:
+            failed += await self.broker.bulk_publish(topic, now)
+        return failed
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str]) -> Subscription:
         """Open a started subscription for one PullMessages stream."""
         _check_topic(topic)
         if not self.settings.consumer_id:
-            raise InvalidArgumentError("consumerID", "", "required to subscribe (daprd sets it to the app-id)")
+            raise InvalidArgumentError(
+                "consumerID", "", "required to subscribe (daprd sets it to the app-id)"
+            )
         consumer = f"{self.settings.consumer_id}:{self._host}:{os.getpid()}:{next(self._stream_numbers)}"
         sub = self.broker.subscription(topic, consumer, paused=self._paused)
         self._subscriptions.add(sub)
@@ -112,7 +237,15 @@ class Instance:
         await self.broker.ping()
 
     async def close(self) -> None:
-        """Close every subscription, then the Redis connection."""
+        """Stop the delay engine and close every subscription, then the Redis connection.
+
+        Nothing pending is lost: delayed messages wait in Redis for the next start.
+        """
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_task
+            self._engine_task = None
         subs = list(self._subscriptions)
         self._subscriptions.clear()
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)
@@ -140,8 +273,9 @@ class Instances:
         if old is not None:
             log.info("instance %r re-initialized; closing the previous one", name)
             await old.close()
-        log.info("instance %r initialized: redis %s, consumerID %r", name, settings.address,
-                 settings.consumer_id)
+        log.info(
+            "instance %r initialized: redis %s, consumerID %r", name, settings.address, settings.consumer_id
+        )
         return instance
 
     def get(self, name: str) -> Instance:
@@ -156,6 +290,15 @@ class Instances:
         instances = list(self._instances.values())
         self._instances.clear()
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
+
+
+def _trim(settings: Settings) -> Trim:
+    # The same rule as the broker's XADD: maxLenApprox wins over streamTTL.
+    if settings.max_len_approx:
+        return Trim(mode="MAXLEN", max_len=settings.max_len_approx)
+    if settings.stream_ttl_ms:
+        return Trim(mode="MINID", max_age_ms=settings.stream_ttl_ms)
+    return Trim()
 
 
 def _check_topic(topic: str) -> None:

@@ -227,9 +227,13 @@ class DelayEngine:
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
                 backoff = self._config.retry_min_s
-                async for _ in pubsub.listen():
+                while True:
+                    # get_message with a timeout, not listen(): an idle channel
+                    # must not look like a dead socket to the read timeout.
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     _honour_swallowed_cancel()
-                    self._wake.set()
+                    if msg is not None:
+                        self._wake.set()
             except RedisError as exc:
                 log.debug("wake listener on %s: %s", self._keys.wake, exc)
                 await asyncio.sleep(backoff)

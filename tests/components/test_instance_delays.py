@@ -1,0 +1,213 @@
+"""Delayed publishing through the component, driven over gRPC as daprd drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import redis
+
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import decode_envelope
+from delayed_middleware.instants import format_instant
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
+from tests.components.driver import Component
+from tests.redis_server import stream_entries
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@pytest.fixture
+def delayed_props(props: dict[str, str]) -> dict[str, str]:
+    return {**props, "enableDelayedMessaging": "true"}
+
+
+async def test_delay_refused_when_disabled_and_nothing_stored(
+    component: Callable[[str], Component], props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("plain")
+    await c.init(props)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"{}", {"scheduledSendDelay": "5s"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "scheduledSendDelay" in (err.value.details() or "")
+    assert "enableDelayedMessaging" in (err.value.details() or "")
+    assert redis_client.dbsize() == 0
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("scheduledSendTime", "2045-11-05T08:15:30"),  # no offset
+        ("scheduledSendTime", "tomorrow"),
+        ("scheduledSendTime", "2045-13-05T08:15:30Z"),
+        ("scheduledSendDelay", "90 seconds"),
+        ("scheduledSendDelay", "-5s"),
+        ("scheduledSendDelay", "1d"),
+        ("scheduledSendDelay", ""),
+    ],
+)
+async def test_bad_delay_values_refused_naming_key_and_value(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    key: str,
+    value: str,
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    before = redis_client.dbsize()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"{}", {key: value})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert key in details
+    assert repr(value) in details
+    assert redis_client.dbsize() == before  # nothing stored
+    assert not redis_client.exists("orders")
+
+
+async def test_max_delay_enforced(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**delayed_props, "maxDelay": "1h"})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"{}", {"scheduledSendDelay": "2h"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2h" in (err.value.details() or "")
+    await c.publish("orders", b"{}", {"scheduledSendDelay": "59m"})
+    assert redis_client.zcard("{app1-delayed}:due") == 1
+
+
+async def test_delayed_message_arrives_on_time_byte_exact_once(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    data = b'{"specversion":"1.0","id":"66","data":{"execute-order":"66"}}'
+    due = now_ms() + 1200
+    md = {"scheduledSendTime": format_instant(due), "traceparent": "00-abc-01", "cloudevent.id": "66"}
+    await c.publish("orders", data, md)
+
+    # While it waits, it is an envelope on the <consumerID>-delayed topic.
+    [(_, fields)] = stream_entries(redis_client, "app1-delayed")
+    envelope = decode_envelope(decode_entry(fields).data)
+    assert (envelope.topic, envelope.message, envelope.due_ms) == ("orders", data, due)
+    assert envelope.pubsub_name == "delayed"
+    assert await stream.nothing_for(0.8)
+
+    msg = await stream.next(within=3)
+    received = now_ms()
+    assert received >= due, f"early by {due - received} ms"
+    assert received - due < 300, f"late by {received - due} ms"
+    assert msg.data == data
+    assert msg.topic_name == "orders"
+    assert {k: msg.metadata[k] for k in md} == md  # every user key verbatim
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(0.5)  # exactly once
+    assert redis_client.xlen("app1-delayed") == 0
+    await stream.close()
+
+
+async def test_past_time_and_zero_delay_deliver_at_once(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    t0 = time.monotonic()
+    await c.publish("orders", b"past", {"scheduledSendTime": "2001-01-01T00:00:00Z"})
+    await c.publish("orders", b"zero", {"scheduledSendDelay": "0s"})
+    got = {(await stream.next(within=2)).data for _ in range(2)}
+    assert got == {b"past", b"zero"}
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_schedule_id_replaces_pending(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"first", {"scheduledSendDelay": "600ms", "scheduleId": "order-66"})
+    await c.publish("orders", b"second", {"scheduledSendDelay": "700ms", "scheduleId": "order-66"})
+    msg = await stream.next(within=3)
+    assert msg.data == b"second"
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(0.6)
+
+
+async def test_bulk_delayed_as_one_batch_with_entry_override_and_bad_entry(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    entries = [
+        pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=f"ev{i}".encode(), content_type="text/plain")
+        for i in range(20)
+    ]
+    entries.append(
+        pubsub_pb2.BulkMessageEntry(entry_id="late", event=b"late", metadata={"scheduledSendDelay": "1500ms"})
+    )
+    entries.append(
+        pubsub_pb2.BulkMessageEntry(entry_id="bad", event=b"bad", metadata={"scheduledSendDelay": "soon"})
+    )
+    reply = await c.bulk_publish("orders", entries, {"scheduledSendDelay": "500ms"})
+    assert [(f.entry_id, "soon" in f.error) for f in reply.failed_entries] == [("bad", True)]
+
+    envelopes = [
+        decode_envelope(decode_entry(f).data) for _, f in stream_entries(redis_client, "app1-delayed")
+    ]
+    assert sorted((e.is_bulk, len(e.bulk_entries)) for e in envelopes) == [(False, 0), (True, 20)]
+
+    stream = await c.subscribe("orders")
+    first = []
+    for _ in range(20):  # ack as we go: at most `concurrency` messages are in flight
+        first.append(await stream.next(within=3))
+        await stream.ack(first[-1].id)
+    assert [m.data for m in first] == [f"ev{i}".encode() for i in range(20)]
+    assert {m.content_type for m in first} == {"text/plain"}
+    ids = [tuple(int(p) for p in m.id.split("-")) for m in first]
+    assert ids == sorted(ids)  # in order
+    assert len({ms for ms, _ in ids}) == 1  # one atomic batch: the same millisecond
+    late = await stream.next(within=3)
+    assert late.data == b"late"
+    await stream.ack(late.id)
+    assert await stream.nothing_for(0.3)
+    assert b"bad" not in json.dumps([m.data.decode() for m in first]).encode()
+
+
+async def test_delayed_topic_is_a_topic_subscribers_can_pull(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    watcher = await c.subscribe("app1-delayed")
+    await c.publish("orders", b"later", {"scheduledSendDelay": "1h", "scheduleId": "x"})
+    msg = await watcher.next(within=3)
+    envelope = decode_envelope(msg.data)
+    assert (envelope.topic, envelope.message, envelope.schedule_id) == ("orders", b"later", "x")
+
+
+async def test_overdue_fire_when_instance_starts(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("orders", b"soon", {"scheduledSendDelay": "300ms"})
+    # The component goes down (re-Init closes the old instance) past the due time.
+    await c.init({**delayed_props, "enableDelayedMessaging": "false"})
+    await asyncio.sleep(0.6)
+    assert not redis_client.exists("orders")  # overdue, but nothing fires it
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    msg = await stream.next(within=3)
+    assert msg.data == b"soon"
