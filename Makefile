@@ -1,0 +1,23 @@
+# Every target delegates to a script in scripts/, so each also runs without make.
+.PHONY: demo test daprd lint bench proto setup
+
+demo:  ## the main job: Redis, the component, daprd and a subscriber; delayed messages published with curl
+	@scripts/demo.sh
+
+test:  ## set-up, lint, then the whole test suite (end-to-end under a real daprd included)
+	@scripts/test.sh
+
+daprd:  ## print the path of a daprd, building it into ~/.cache on first use (takes minutes)
+	@scripts/daprd.sh
+
+lint:  ## ruff + mypy --strict
+	@scripts/lint.sh
+
+bench:  ## the benchmarks of bench/ (see bench/RESULTS.md)
+	@scripts/bench.sh
+
+proto:  ## regenerate proto/delayed_pubsub_pb from the .proto sources
+	.venv/bin/python scripts/genproto.py
+
+setup:  ## idempotent: .venv, pip install -e '.[dev,spark]', redis-server, Java, daprd
+	@scripts/setup.sh

@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# The main job (`make demo`): the component for real under daprd, on this machine, in ~30 s.
+#
+# Starts, on private loopback ports in a temp dir: redis-server, `delayed-pubsub serve` (its
+# socket in a private socket folder), the subscriber app (examples/subscriber.py, printing each
+# arrival with its lateness) and daprd with a component YAML of `type: pubsub.delayed-pubsub`.
+# Then publishes with curl, exactly as a user would, a few messages delayed by 2-10 s
+# (scheduledSendDelay and scheduledSendTime) and a recurring `@every 2s` schedule, waits for
+# them, prints a summary and stops everything (also on Ctrl-C or error).
+# Exit code 0 only when every delayed message arrived, none before it was due.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+"$root/scripts/setup.sh"
+daprd="$("$root/scripts/daprd.sh")"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/delayed-pubsub-demo.XXXXXX")"
+pids=()
+cleanup() {
+    local status=$?
+    trap - EXIT INT TERM
+    # Each service runs in its own process group (setsid): stop the groups, daprd first.
+    local i pid
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        kill -TERM -- "-${pids[i]}" 2>/dev/null || true
+    done
+    for pid in "${pids[@]}"; do
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    done
+    if ((status != 0)); then
+        printf '\nlogs kept in %s\n' "$work" >&2
+    else
+        rm -rf "$work"
+    fi
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+now_ms() { "$py" -c 'import time; print(time.time_ns() // 1_000_000)'; }
+wait_for() {  # wait_for SECONDS WHAT PID COMMAND...
+    local seconds=$1 what=$2 pid=$3
+    shift 3
+    local deadline=$((SECONDS + seconds))
+    until "$@" >/dev/null 2>&1; do
+        kill -0 "$pid" 2>/dev/null || die "$what: the process exited; see $work"
+        ((SECONDS < deadline)) || die "timed out waiting for $what; see $work"
+        sleep 0.1
+    done
+}
+start() {  # start NAME LOGFILE COMMAND... : in its own process group, pid into $last_pid
+    local name=$1 log=$2
+    shift 2
+    setsid "$@" >"$log" 2>&1 </dev/null &
+    last_pid=$!
+    pids+=("$last_pid")
+    printf '  %-22s pid %-7s log %s\n' "$name" "$last_pid" "$log"
+}
+
+redis_port=$(free_port)
+app_port=$(free_port)
+http_port=$(free_port)
+grpc_port=$(free_port)
+sockets="$work/sockets"
+mkdir -p "$sockets" "$work/resources" "$work/redis"
+
+say "starting the stack in $work"
+start "redis-server :$redis_port" "$work/redis.log" \
+    redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$work/redis" --save "" --appendonly no
+wait_for 10 "redis-server" "$last_pid" redis-cli -p "$redis_port" ping
+
+# The socket must exist before daprd starts: daprd scans the socket folder once.
+start "delayed-pubsub serve" "$work/component.log" \
+    "$venv/bin/delayed-pubsub" serve --socket "$sockets/delayed-pubsub.sock"
+wait_for 30 "the component's socket" "$last_pid" test -S "$sockets/delayed-pubsub.sock"
+
+cat >"$work/resources/delayed.yaml" <<YAML
+apiVersion: dapr.io/v1alpha1
+kind: Component
+metadata:
+  name: delayed
+spec:
+  type: pubsub.delayed-pubsub
+  version: v1
+  metadata:
+    - name: redisHost
+      value: "127.0.0.1:$redis_port"
+    - name: enableDelayedMessaging
+      value: "true"
+    - name: redeliverInterval
+      value: "2s"
+YAML
+
+# The subscriber prints arrivals to this terminal (its output is the demo's).
+setsid "$py" examples/subscriber.py --port "$app_port" --sub delayed=orders --sub delayed=reminders \
+    --arrivals "$work/arrivals.jsonl" --print </dev/null 2>"$work/subscriber.log" &
+last_pid=$!
+pids+=("$last_pid")
+printf '  %-22s pid %-7s log %s\n' "subscriber :$app_port" "$last_pid" "$work/subscriber.log"
+wait_for 15 "the subscriber" "$last_pid" curl -fsS "http://127.0.0.1:$app_port/healthz"
+
+start "daprd $("$daprd" --version 2>/dev/null || echo)" "$work/daprd.log" \
+    env DAPR_COMPONENTS_SOCKETS_FOLDER="$sockets" HOME="$work" "$daprd" \
+    --app-id demo-app --app-port "$app_port" --app-protocol http --app-channel-address 127.0.0.1 \
+    --resources-path "$work/resources" \
+    --dapr-http-port "$http_port" --dapr-grpc-port "$grpc_port" --dapr-listen-addresses 127.0.0.1 \
+    --dapr-internal-grpc-port "$(free_port)" --dapr-internal-grpc-listen-address 127.0.0.1 \
+    --metrics-port "$(free_port)" --metrics-listen-address 127.0.0.1 --enable-metrics=false \
+    --placement-host-address "" --scheduler-host-address "" --log-level warn
+wait_for 60 "daprd /v1.0/healthz" "$last_pid" curl -fsS "http://127.0.0.1:$http_port/v1.0/healthz"
+daprd_pid=$last_pid
+dapr="http://127.0.0.1:$http_port/v1.0"
+
+# --- publish, exactly as a user would with curl ------------------------------------------------
+publish() {  # publish TOPIC LABEL DUE_MS QUERY  -> HTTP status
+    curl -sS -o "$work/last-response" -w '%{http_code}' -X POST "$dapr/publish/delayed/$1${4:+?$4}" \
+        -H 'Content-Type: application/json' -d "{\"label\": \"$2\", \"due_ms\": $3}"
+}
+error_message() {  # the component's own words from daprd's error body
+    "$py" -c 'import json, sys; m = json.load(open(sys.argv[1])).get("message", ""); print(m.split("desc = ")[-1][:200])' \
+        "$work/last-response" 2>/dev/null || head -c 200 "$work/last-response"
+}
+report() {  # report LABEL DELAY_MS HTTP_STATUS: one line; accepted ones are expected to arrive
+    if [[ $3 == 2* ]]; then
+        printf '  %-28s due +%5d ms  -> %s\n' "$1" "$2" "$3"
+        expected+=("$1")
+    else
+        printf '  %-28s due +%5d ms  -> %s refused: %s\n' "$1" "$2" "$3" \
+            "$(error_message)"
+        refused=$((refused + 1))
+    fi
+}
+refused=0
+rfc3339_in() { date -u -d "@$(($(date +%s) + $1))" +%Y-%m-%dT%H:%M:%SZ; }
+
+say "publishing with curl (what, due in, HTTP status); arrivals print as they come, with lateness = received - due"
+expected=()
+t=$(now_ms)
+for spec in "now::0" "delay 2s:scheduledSendDelay=2s:2000" "delay 5s:scheduledSendDelay=5s:5000" \
+    "delay 10s:scheduledSendDelay=10s:10000" "delay 3 (seconds):scheduledSendDelay=3:3000"; do
+    IFS=: read -r label query delay <<<"$spec"
+    code=$(publish orders "$label" $((t + delay)) "${query:+metadata.$query}")
+    report "$label" "$delay" "$code"
+done
+at=$(rfc3339_in 7)
+at_ms=$(($(date -u -d "$at" +%s) * 1000))
+code=$(publish orders "at $at" "$at_ms" "metadata.scheduledSendTime=$at")
+report "at $at" $((at_ms - t)) "$code"
+
+# --- recurring schedules -------------------------------------------------------------------------
+# >>> SCHEDULES: `schedule=@every 2s` with a scheduleId; cancelled with scheduleCancel at the end.
+# Until the schedules feature lands the component refuses it (or, if it passes the key through,
+# the message arrives once at once): the summary says which.
+schedule_ok=0
+code=$(publish reminders "every 2s" 0 "metadata.schedule=%40every%202s&metadata.scheduleId=demo-reminder")
+if [[ $code == 2* ]]; then
+    schedule_ok=1
+    printf '  %-28s every 2 s     -> %s\n' "schedule @every 2s" "$code"
+else
+    printf '  %-28s               -> %s: schedules not yet supported here (%s)\n' "schedule @every 2s" "$code" \
+        "$(error_message)"
+fi
+# <<< SCHEDULES
+
+say "waiting for the arrivals (at most 20 s)"
+deadline=$((SECONDS + 20))
+while ((SECONDS < deadline)); do
+    kill -0 "$daprd_pid" 2>/dev/null || die "daprd exited; see $work/daprd.log"
+    arrived=$(grep -c '"status": 200' "$work/arrivals.jsonl" 2>/dev/null || true)
+    # Everything one-shot arrived, and the schedule had time for a few fires.
+    if (( ${arrived:-0} >= ${#expected[@]} + 3 * schedule_ok )) && \
+        "$py" - "$work/arrivals.jsonl" "${expected[@]}" <<'PY'
+import json, sys
+seen = {json.loads(l)["data"].get("label") for l in open(sys.argv[1])}
+sys.exit(0 if set(sys.argv[2:]) <= seen else 1)
+PY
+    then
+        break
+    fi
+    sleep 0.2
+done
+
+if ((schedule_ok)); then
+    code=$(curl -sS -o /dev/null -w '%{http_code}' -X POST \
+        "$dapr/publish/delayed/reminders?metadata.scheduleId=demo-reminder&metadata.scheduleCancel=true" \
+        -H 'Content-Type: application/json' -d '{}')
+    printf '  (schedule demo-reminder cancelled -> %s)\n' "$code"
+fi
+sleep 0.5
+
+say "summary"
+((refused == 0)) || say "$refused delayed publish(es) refused by the component (see above)"
+"$py" - "$work/arrivals.jsonl" "$refused" "${expected[@]}" <<'PY'
+import json
+import statistics
+import sys
+
+path, refused, expected = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    arrivals = [json.loads(line) for line in open(path)]
+except FileNotFoundError:
+    arrivals = []
+ok = [a for a in arrivals if a["status"] == 200]
+by_label = {}
+for a in ok:
+    by_label.setdefault(a["data"].get("label"), []).append(a)
+
+failed = refused > 0
+delayed = [label for label in expected if label != "now"]
+lateness = []
+for label in expected:
+    got = by_label.get(label, [])
+    if not got:
+        print(f"  MISSING  {label}")
+        failed = True
+        continue
+    late = got[0]["received_ms"] - got[0]["data"]["due_ms"]
+    if label in delayed:
+        lateness.append(late)
+    verdict = "EARLY" if late < 0 else "ok"
+    failed |= late < 0
+    print(f"  {verdict:<7}  {label:<28} lateness {late:+6d} ms")
+if lateness:
+    print(
+        f"  delayed messages: {len(lateness)} arrived, lateness min {min(lateness)} / "
+        f"median {statistics.median(lateness):g} / max {max(lateness)} ms"
+    )
+fires = by_label.get("every 2s", [])
+if fires:
+    if len(fires) >= 2:
+        gaps = [b["received_ms"] - a["received_ms"] for a, b in zip(fires, fires[1:])]
+        print(f"  schedule @every 2s fired {len(fires)} times, gaps {gaps} ms")
+    else:
+        print("  schedule @every 2s: delivered once, at once: schedules are not yet supported")
+if any(late < 0 for late in lateness):
+    print("  delayed messages arrived EARLY: the delay engine is not active in this component yet")
+print("  result:", "FAILED" if failed else "all delayed messages on time")
+sys.exit(1 if failed else 0)
+PY

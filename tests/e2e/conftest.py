@@ -1,0 +1,136 @@
+"""Fixtures of the end-to-end suite: one real stack per session, torn down whatever happens.
+
+Order matters: Redis, then `delayed-pubsub serve` (its socket must exist before daprd starts,
+daprd scans the socket folder once), then the subscriber app (daprd asks it for its
+subscriptions at start), then daprd.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import harness
+from tests.e2e.harness import ManagedProcess, Stack
+from tests.redis_server import RedisServer, free_port
+
+APP_ID = "e2e-app"
+PUBSUB = "delayed"
+# A second instance of the same component type on the same socket, on its own Redis database.
+PUBSUB_B = "delayed-b"
+
+SUBSCRIPTIONS = (
+    f"{PUBSUB}=orders",
+    f"{PUBSUB}=raw:raw",
+    f"{PUBSUB}=bulk",
+    f"{PUBSUB}=flaky",
+    f"{PUBSUB}=iso",
+    f"{PUBSUB}=later",
+    f"{PUBSUB}=sdk",
+    f"{PUBSUB_B}=iso",
+)
+
+
+@pytest.fixture(scope="session")
+def daprd_path() -> str:
+    try:
+        return harness.find_daprd()
+    except harness.HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def e2e_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(Path(tmp_path_factory.mktemp("e2e-redis")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(
+    daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    workdir = Path(tmp_path_factory.mktemp("e2e-stack"))
+    socket_dir = workdir / "sockets"
+    resources = workdir / "resources"
+    resources.mkdir()
+    (resources / f"{PUBSUB}.yaml").write_text(
+        harness.component_yaml(PUBSUB, harness.component_metadata(e2e_redis.port))
+    )
+    (resources / f"{PUBSUB_B}.yaml").write_text(
+        harness.component_yaml(PUBSUB_B, harness.component_metadata(e2e_redis.port, redisDB="1"))
+    )
+
+    started: list[ManagedProcess] = []
+    try:
+        component = None
+        if not harness.BUILTIN:
+            component = harness.start_component(workdir, socket_dir)
+            started.append(component)
+        app_port = free_port()
+        subscriber = harness.start_subscriber(workdir, app_port, SUBSCRIPTIONS)
+        started.append(subscriber)
+        ports = harness.DaprdPorts.free()
+        daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
+        started.append(daprd)
+        s = Stack(
+            workdir=workdir,
+            redis_port=e2e_redis.port,
+            app_port=app_port,
+            ports=ports,
+            pubsubs=(PUBSUB, PUBSUB_B),
+            daprd=daprd,
+            component=component,
+            subscriber=subscriber,
+        )
+        wait_for_subscriptions(s)
+        yield s
+        s.client.close()
+    except harness.HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        # daprd first (it holds the streams), then the component, then the app.
+        for proc in reversed(started):
+            proc.stop()
+
+
+def wait_for_subscriptions(s: Stack) -> None:
+    """daprd lists the app's subscriptions in its metadata once it has loaded them."""
+
+    def loaded() -> bool:
+        meta = s.client.get(f"{s.dapr_url}/v1.0/metadata").json()
+        names = {c["name"] for c in meta.get("components", [])}
+        subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
+        want = {tuple(sub.split(":")[0].split("=", 1)) for sub in SUBSCRIPTIONS}
+        return {PUBSUB, PUBSUB_B} <= names and want <= subs
+
+    harness.wait_until(loaded, 30, "daprd to load both components and every subscription", s.daprd)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing e2e test's report carries the tails of the component, daprd and app logs."""
+    report: pytest.TestReport = yield
+    s = getattr(item, "funcargs", {}).get("stack")
+    if report.failed and isinstance(s, Stack):
+        report.sections.append(("e2e process logs", s.logs()))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    figures = harness.LATENESS
+    if not figures:
+        return
+    values = sorted(ms for _, ms in figures)
+    terminalreporter.write_sep("-", "e2e lateness of delayed messages under daprd (ms)")
+    terminalreporter.write_line(
+        f"n={len(values)} min={values[0]} median={statistics.median(values):g} max={values[-1]}"
+    )
+    for name, ms in figures:
+        terminalreporter.write_line(f"  {ms:6d}  {name}")
