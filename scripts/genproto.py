@@ -43,7 +43,7 @@ def generate(out_dir: Path) -> None:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for path in sorted(out_dir.rglob("*.py*")):
-        if path.suffix not in (".py", ".pyi"):
+        if path.suffix not in (".py", ".pyi") or path.name == "__init__.py":
             continue
         text = path.read_text()
         text = re.sub(
