@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc  # type: ignore[import-untyped]
+from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"

@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 
 from delayed_middleware import scripts
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import StreamEntry, encode_entry
-from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.entry import StreamEntry
+from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.keys import EngineKeys
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,7 @@ class DelayEngine:
         self._trim = trim
         self._config = config
         self._schedule = client.register_script(scripts.SCHEDULE)
-        self._peek = client.register_script(scripts.PEEK)
-        self._fire = client.register_script(scripts.FIRE)
-        self._drop = client.register_script(scripts.DROP)
+        self._fire_due = client.register_script(scripts.FIRE_DUE)
         self._cancel = client.register_script(scripts.CANCEL)
         self._wake = asyncio.Event()
         self.fired_total = 0
@@ -118,56 +116,27 @@ class DelayEngine:
         return int(await self._redis.zcard(self._keys.due))
 
     async def fire_due(self) -> tuple[int, int | None]:
-        """Fire one batch of what is due now.
+        """Fire one batch of what is due now, in one atomic script.
 
         Returns (envelopes fired by this call, earliest due time left or None).
         """
         now = self._clock.now_ms()
-        raw = await self._peek(keys=[self._keys.due, self._keys.stream], args=[now, self._config.batch_size])
-        head = int(float(raw[0])) if raw[0] else None
-        batch: list[tuple[str, Envelope]] = []
-        vanished: list[str] = []
-        for i in range(1, len(raw), 2):
-            sid = raw[i].decode()
-            data = raw[i + 1]
-            if not data:
-                vanished.append(sid)
-                continue
-            try:
-                batch.append((sid, decode_envelope(data)))
-            except EnvelopeDecodeError as exc:
-                # Undeliverable as it stands; leaving it indexed would spin the loop.
-                log.error("dropping undecodable envelope %s on %s: %s", sid, self._keys.stream, exc)
-                vanished.append(sid)
-        if vanished:
-            log.error("%d index entries of %s had no envelope; removed", len(vanished), self._keys.stream)
-            await self._drop(keys=[self._keys.due], args=vanished)
-        if not batch:
-            return 0, head
-        fired = await self._fire_batch(batch, now)
+        mode, threshold = self._trim.args(now)
+        raw = await self._fire_due(
+            keys=[self._keys.stream, self._keys.due, self._keys.ids],
+            args=[now, self._config.batch_size, mode, threshold],
+        )
+        fired, head = int(raw[0]), raw[1]
+        if len(raw) > 2:
+            bad = [b.decode() if isinstance(b, bytes) else str(b) for b in raw[2:]]
+            log.error(
+                "%d envelopes on %s could not be decoded and were not fired (left on the topic): %s",
+                len(bad),
+                self._keys.stream,
+                ", ".join(bad[:10]),
+            )
         self.fired_total += fired
-        return fired, head
-
-    async def _fire_batch(self, batch: Sequence[tuple[str, Envelope]], now_ms: int) -> int:
-        targets: dict[str, int] = {}
-        keys = [self._keys.stream, self._keys.due, self._keys.ids]
-
-        def target_index(topic: str) -> int:
-            if topic not in targets:
-                keys.append(topic)
-                targets[topic] = len(keys)  # Lua's KEYS is 1-based
-            return targets[topic]
-
-        mode, threshold = self._trim.args(now_ms)
-        args: list[Any] = [mode, threshold, len(batch)]
-        for sid, env in batch:
-            entries = _target_entries(env)
-            args += [sid, env.schedule_id, len(entries)]
-            idx = target_index(env.topic)
-            for entry in entries:
-                fields = encode_entry(entry)
-                args += [idx, fields["data"], fields["metadata"], entry.content_type]
-        return int(await self._fire(keys=keys, args=args))
+        return fired, (int(float(head)) if head else None)
 
     async def run(self) -> None:
         """Fire due messages until cancelled; survives Redis outages."""

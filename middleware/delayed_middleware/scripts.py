@@ -48,85 +48,189 @@ end
 return ids
 """
 
-# PEEK: read, without changing anything, what is due.
-# KEYS[1] due zset, KEYS[2] stream
-# ARGV[1] now ms, ARGV[2] limit
-# Returns {head, id1, data1, id2, data2, ...}: head is the earliest due time
-# left after this batch ('' when none); data is false for an id whose envelope
-# is missing from the stream (deleted by hand), so the caller can drop it.
-PEEK = f"""
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
-local out = {{''}}
-for _, id in ipairs(due) do
-  local e = redis.call('XRANGE', KEYS[2], id, id)
-  local data = false
+# The DelayedMessage decoder, in Lua, so firing needs no round trip through
+# the client: a batch is read, decoded and appended inside one script. It knows
+# only what firing needs (fields 1-5 and 10; DelayedBulk) and raises on
+# malformed input, which the caller catches with pcall.
+_DECODE = """
+local byte, sub = string.byte, string.sub
+
+-- Reads a varint at pos; returns value, next pos. A truncated one errors
+-- (comparing nil), which the caller's pcall turns into "undecodable".
+local function varint(s, pos)
+  local b = byte(s, pos)
+  if b < 128 then return b, pos + 1 end
+  local result, mul = b - 128, 128
+  pos = pos + 1
+  while true do
+    b = byte(s, pos)
+    pos = pos + 1
+    if b < 128 then return result + b * mul, pos end
+    result = result + (b - 128) * mul
+    mul = mul * 128
+  end
+end
+
+-- Skips a field of wire type wt at pos (0, 1, 5); length-delimited ones are
+-- handled by the callers, who need their bounds.
+local function skip(s, wt, pos)
+  if wt == 0 then local _, p = varint(s, pos); return p end
+  if wt == 1 then return pos + 8 end
+  if wt == 5 then return pos + 4 end
+  error('unsupported wire type')
+end
+
+-- A map<string,string> entry in s[from..to]: returns key, value.
+local function map_entry(s, from, to)
+  local k, v, pos = '', '', from
+  while pos <= to do
+    local key
+    key, pos = varint(s, pos)
+    local f, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(s, pos)
+      local e = pos + len - 1
+      if e > to then error('truncated map entry') end
+      if f == 1 then k = sub(s, pos, e) elseif f == 2 then v = sub(s, pos, e) end
+      pos = e + 1
+    else
+      pos = skip(s, wt, pos)
+    end
+  end
+  return k, v
+end
+
+-- One message in s[from..to] with data/contentType/metadata at the given
+-- field numbers (DelayedMessage: 2/3/4; DelayedBulkEntry: 2/3/4 as well).
+-- Returns data, content type, metadata table, and the fields 1, 5 and 10.
+local function message(s, from, to)
+  local f1, data, ct, md, f5, f10, pos = '', '', '', {}, 0, '', from
+  while pos <= to do
+    local key
+    key, pos = varint(s, pos)
+    local f, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(s, pos)
+      local e = pos + len - 1
+      if e > to then error('truncated field') end
+      if f == 1 then f1 = sub(s, pos, e)
+      elseif f == 2 then data = sub(s, pos, e)
+      elseif f == 3 then ct = sub(s, pos, e)
+      elseif f == 4 then local k, v = map_entry(s, pos, e); md[k] = v
+      elseif f == 10 then f10 = sub(s, pos, e)
+      end
+      pos = e + 1
+    elseif wt == 0 then
+      local v
+      v, pos = varint(s, pos)
+      if f == 5 then f5 = v end
+    else
+      pos = skip(s, wt, pos)
+    end
+  end
+  return f1, data, ct, md, f5, f10
+end
+
+-- Returns {topic, entries = {{data, metadata table, content type}, ...}, scheduleId}.
+local function decode(s)
+  local topic, body, ct, md, bulk, sid = message(s, 1, #s)
+  if topic == '' then error('no topic') end
+  if bulk == 0 then return {topic, {{body, md, ct}}, sid} end
+  local entries, pos, n = {}, 1, #body
+  while pos <= n do
+    local key
+    key, pos = varint(body, pos)
+    local f, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(body, pos)
+      local e = pos + len - 1
+      if e > n then error('truncated bulk entry') end
+      if f == 1 then
+        local _, event, ect, emd = message(body, pos, e)
+        entries[#entries + 1] = {event, emd, ect}
+      end
+      pos = e + 1
+    else
+      pos = skip(body, wt, pos)
+    end
+  end
+  return {topic, entries, sid}
+end
+"""
+
+# FIRE_DUE: move what is due to its target topics, exactly once.
+# KEYS[1] stream (the delayed topic), KEYS[2] due zset, KEYS[3] ids hash
+# ARGV[1] now ms, ARGV[2] batch limit,
+# ARGV[3] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[4] trim threshold
+# Returns {fired, head, bad id, bad id, ...}: head is the earliest due time
+# left ('' when none). An envelope is fired, and leaves the index and the
+# delayed topic, in the same atomic step, so no replica, retry or crash can
+# fire it twice. One that cannot be decoded leaves the index (so it cannot
+# spin the loop) but stays on the delayed topic for an operator to inspect.
+# Target topics are computed from the envelopes, so they are not in KEYS:
+# fine on a single node; Redis Cluster needs the two-phase variant.
+FIRE_DUE = (
+    _DECODE
+    + f"""
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+if #ids == 0 then
+  local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  return {{0, head[2] or ''}}
+end
+-- The batch is the lowest-ranked #ids members: one call removes them all.
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, #ids - 1)
+local fired, bad, done = 0, {{}}, {{}}
+for _, id in ipairs(ids) do
+  local e = redis.call('XRANGE', KEYS[1], id, id)
+  local data = nil
   if e[1] then
     local f = e[1][2]
     for j = 1, #f, 2 do
       if f[j] == '{DATA}' then data = f[j + 1] end
     end
   end
-  out[#out + 1] = id
-  out[#out + 1] = data
-end
-local nxt = redis.call('ZRANGE', KEYS[1], #due, #due, 'WITHSCORES')
-if nxt[2] then out[1] = nxt[2] end
-return out
-"""
-
-# FIRE: move due envelopes to their target topics, exactly once.
-# KEYS[1] stream, KEYS[2] due zset, KEYS[3] ids hash, KEYS[4..] target streams
-# ARGV[1] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[2] trim threshold
-# ARGV[3] number of envelopes, then for each envelope:
-#   envelope stream id, scheduleId ('' for none), number of entries m, then m times:
-#   target key index (into KEYS), data, metadata JSON, content type ('' for none)
-# Returns the number of envelopes fired by this call (others were already gone).
-FIRE = f"""
-local pos = 4
-local fired = 0
-for _ = 1, tonumber(ARGV[3]) do
-  local id = ARGV[pos]
-  local sid = ARGV[pos + 1]
-  local m = tonumber(ARGV[pos + 2])
-  pos = pos + 3
-  local won = redis.call('ZREM', KEYS[2], id) == 1
-  for _ = 1, m do
-    if won then
-      local args = {{KEYS[tonumber(ARGV[pos])]}}
-      if ARGV[1] ~= '' then
-        args[#args + 1] = ARGV[1]
+  local ok, env = false, nil
+  if data then ok, env = pcall(decode, data) end
+  if ok then
+    for _, entry in ipairs(env[2]) do
+      local args = {{env[1]}}
+      if ARGV[3] ~= '' then
+        args[#args + 1] = ARGV[3]
         args[#args + 1] = '~'
-        args[#args + 1] = ARGV[2]
+        args[#args + 1] = ARGV[4]
       end
       args[#args + 1] = '*'
       args[#args + 1] = '{DATA}'
-      args[#args + 1] = ARGV[pos + 1]
+      args[#args + 1] = entry[1]
       args[#args + 1] = '{METADATA}'
-      args[#args + 1] = ARGV[pos + 2]
-      if ARGV[pos + 3] ~= '' then
+      args[#args + 1] = next(entry[2]) == nil and '{{}}' or cjson.encode(entry[2])
+      if entry[3] ~= '' then
         args[#args + 1] = '{CONTENT_TYPE}'
-        args[#args + 1] = ARGV[pos + 3]
+        args[#args + 1] = entry[3]
       end
       redis.call('XADD', unpack(args))
     end
-    pos = pos + 4
-  end
-  if won then
-    redis.call('XDEL', KEYS[1], id)
-    if sid ~= '' and redis.call('HGET', KEYS[3], sid) == id then
-      redis.call('HDEL', KEYS[3], sid)
+    done[#done + 1] = id
+    if env[3] ~= '' and redis.call('HGET', KEYS[3], env[3]) == id then
+      redis.call('HDEL', KEYS[3], env[3])
     end
     fired = fired + 1
+  else
+    bad[#bad + 1] = id
   end
 end
-return fired
+for i = 1, #done, 1000 do
+  redis.call('XDEL', KEYS[1], unpack(done, i, math.min(i + 999, #done)))
+end
+local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+local out = {{fired, head[2] or ''}}
+for _, id in ipairs(bad) do out[#out + 1] = id end
+return out
 """
-
-# DROP: remove index entries whose envelope vanished from the stream.
-# KEYS[1] due zset; ARGV: the stream ids. Returns how many were removed.
-DROP = """
-return redis.call('ZREM', KEYS[1], unpack(ARGV))
-"""
+)
 
 # CANCEL: withdraw a pending envelope by scheduleId; nothing is delivered.
 # KEYS[1] stream, KEYS[2] due zset, KEYS[3] ids hash; ARGV[1] scheduleId

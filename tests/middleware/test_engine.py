@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis
 import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, Trim
@@ -270,3 +272,64 @@ async def _wait_for_entries(client: redis.Redis, topic: str, n: int, within_s: f
             return [int(i.split("-")[0]) for i, _ in entries]
         await asyncio.sleep(0.005)
     raise AssertionError(f"{topic}: fewer than {n} entries after {within_s}s")
+
+
+_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    message=st.binary(max_size=3000),
+    metadata=st.dictionaries(_text, _text, max_size=6),
+    content_type=_text,
+    bulk=st.lists(
+        st.tuples(_text, st.binary(max_size=300), _text, st.dictionaries(_text, _text, max_size=3)),
+        max_size=4,
+    ),
+)
+async def test_lua_decoder_agrees_with_protobuf(
+    aredis: Callable[[], aioredis.Redis],
+    redis_client: redis.Redis,
+    message: bytes,
+    metadata: dict[str, str],
+    content_type: str,
+    bulk: list[tuple[str, bytes, str, dict[str, str]]],
+) -> None:
+    """Whatever the envelope holds, the fired entries carry it exactly (the Lua decoder is ours)."""
+    redis_client.flushall()
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    entries = tuple(BulkEntry(*b) for b in bulk)
+    e = Envelope(
+        id="x",
+        topic="t",
+        due_ms=T0,
+        published_at_ms=T0,
+        message=message,
+        content_type=content_type,
+        metadata=metadata,
+        schedule_id="sid",
+        bulk_entries=entries,
+    )
+    await engine.schedule([e])
+    assert (await engine.fire_due())[0] == 1
+    got = [decode_entry(f) for _, f in target(redis_client, "t")]
+    if entries:
+        expected = [(b.event, dict(b.metadata), b.content_type) for b in entries]
+    else:
+        expected = [(message, metadata, content_type)]
+    assert [(g.data, dict(g.metadata), g.content_type) for g in got] == expected
+    assert redis_client.hlen(KEYS.ids) == 0
+
+
+async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    redis_client.xadd(KEYS.stream, {"data": b"\x0a\xff\xff\xff"})  # a truncated field
+    [(bad_id, _)] = target(redis_client, KEYS.stream)
+    redis_client.zadd(KEYS.due, {bad_id: T0})
+    await engine.schedule([env(1, T0)])
+    assert (await engine.fire_due())[0] == 1
+    assert [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)] == [1]
+    assert await engine.pending() == 0  # out of the index: it cannot spin the loop
+    assert [i for i, _ in target(redis_client, KEYS.stream)] == [bad_id]  # still there to inspect
