@@ -7,6 +7,8 @@ subscriptions at start), then daprd.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -134,3 +136,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     )
     for name, ms in figures:
         terminalreporter.write_line(f"  {ms:6d}  {name}")
+    # For bench/RESULTS.md: E2E_LATENESS_FILE=path appends this run's figures as JSON lines.
+    out = os.environ.get("E2E_LATENESS_FILE")
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            for name, ms in figures:
+                f.write(json.dumps({"test": name, "lateness_ms": ms}) + "\n")

@@ -362,9 +362,14 @@ class Stack:
             time.sleep(0.05)
 
     def logs(self) -> str:
-        parts = [
-            f"--- {p.name} ---\n{p.log_tail(60)}" for p in (self.component, self.daprd, self.subscriber) if p
-        ]
+        """The component's and the app's log tails, and daprd's warnings and errors (its info is noise)."""
+        parts = [f"--- {p.name} ---\n{p.log_tail(40)}" for p in (self.component, self.subscriber) if p]
+        try:
+            daprd_lines = self.daprd.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            daprd_lines = []
+        notable = [line for line in daprd_lines if "level=info" not in line and "level=debug" not in line]
+        parts.append("--- daprd (warnings and errors) ---\n" + "\n".join(notable[-40:]))
         return "\n".join(parts)
 
 

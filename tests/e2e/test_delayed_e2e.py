@@ -155,3 +155,24 @@ def test_bad_delay_metadata_is_refused(stack: Stack) -> None:
     assert response.status_code >= 400, response.text
     assert "scheduledSendDelay" in response.text
     assert stack.wait_arrivals(carries(marker), 1, timeout=3) == []
+
+
+def test_ttl_longer_than_the_delay_is_delivered(stack: Stack) -> None:
+    marker = unique("ttl-ok")
+    t0 = now_ms()
+    payload = {"id": marker, "due_ms": t0 + 1000}
+    response = stack.publish(
+        PUBSUB, "later", payload, metadata={"scheduledSendDelay": "1s", "ttlInSeconds": "30"}
+    )
+    assert response.status_code == 204, response.text
+    assert_on_time(stack, "http scheduledSendDelay=1s ttlInSeconds=30", marker, t0 + 1000, payload)
+
+
+def test_ttl_shorter_than_the_delay_is_never_delivered(stack: Stack) -> None:
+    """Expired while it waited: never delivered, not late, not at all."""
+    marker = unique("ttl-expired")
+    response = stack.publish(
+        PUBSUB, "later", {"id": marker}, metadata={"scheduledSendDelay": "2s", "ttlInSeconds": "1"}
+    )
+    assert response.status_code == 204, response.text
+    assert stack.wait_arrivals(carries(marker), 1, timeout=5) == []
