@@ -48,6 +48,10 @@ if usable "$cached"; then
     exit 0
 fi
 
+# Go's default install place, for shells whose PATH lacks it.
+if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
+    PATH="$PATH:/usr/local/go/bin"
+fi
 command -v go >/dev/null 2>&1 || die "no daprd found and no Go toolchain to build one.
   Install Go (https://go.dev/dl/, >= the 'go' line of tools/daprd/go.mod), or the Dapr CLI
   (\`dapr init --slim\` puts daprd in ~/.dapr/bin), or point DAPRD at a daprd binary."

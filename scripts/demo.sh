@@ -39,7 +39,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-now_ms() { "$py" -c 'import time; print(time.time_ns() // 1_000_000)'; }
+now_ms() { date +%s%3N; }
 wait_for() {  # wait_for SECONDS WHAT PID COMMAND...
     local seconds=$1 what=$2 pid=$3
     shift 3
@@ -137,17 +137,17 @@ rfc3339_in() { date -u -d "@$(($(date +%s) + $1))" +%Y-%m-%dT%H:%M:%SZ; }
 
 say "publishing with curl (what, due in, HTTP status); arrivals print as they come, with lateness = received - due"
 expected=()
-t=$(now_ms)
 for spec in "now::0" "delay 2s:scheduledSendDelay=2s:2000" "delay 5s:scheduledSendDelay=5s:5000" \
     "delay 10s:scheduledSendDelay=10s:10000" "delay 3 (seconds):scheduledSendDelay=3:3000"; do
     IFS=: read -r label query delay <<<"$spec"
+    t=$(now_ms)  # due = just before the publish: lateness includes curl's round trip
     code=$(publish orders "$label" $((t + delay)) "${query:+metadata.$query}")
     report "$label" "$delay" "$code"
 done
 at=$(rfc3339_in 7)
 at_ms=$(($(date -u -d "$at" +%s) * 1000))
 code=$(publish orders "at $at" "$at_ms" "metadata.scheduledSendTime=$at")
-report "at $at" $((at_ms - t)) "$code"
+report "at $at" $((at_ms - $(now_ms))) "$code"
 
 # --- recurring schedules -------------------------------------------------------------------------
 # >>> SCHEDULES: `schedule=@every 2s` with a scheduleId; cancelled with scheduleCancel at the end.
