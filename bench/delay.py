@@ -28,8 +28,10 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import grpc
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
@@ -61,7 +63,7 @@ def now_ms() -> int:
 
 def pct(values: list[int], p: float) -> int:
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def rss_kib(pid: int) -> int:
@@ -158,10 +160,8 @@ async def bulk_schedule(
     return len(dues) / (time.perf_counter() - t0)
 
 
-def landed(client: object, topic: str, count: int, timeout_s: float) -> list[tuple[int, bytes]]:
-    import redis
-
-    assert isinstance(client, redis.Redis)
+def landed(client: redis.Redis, topic: str, count: int, timeout_s: float) -> list[tuple[int, bytes]]:
+    """(landing ms, data) of every entry on `topic`, once `count` have landed."""
     deadline = time.monotonic() + timeout_s
     while client.xlen(topic) < count:
         if time.monotonic() > deadline:
@@ -170,7 +170,7 @@ def landed(client: object, topic: str, count: int, timeout_s: float) -> list[tup
     out: list[tuple[int, bytes]] = []
     last = "-"
     while True:
-        page = client.xrange(topic, min=last, count=10_000)
+        page = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(topic, min=last, count=10_000))
         if last != "-":
             page = page[1:]
         if not page:
@@ -180,7 +180,7 @@ def landed(client: object, topic: str, count: int, timeout_s: float) -> list[tup
         last = page[-1][0].decode()
 
 
-async def steady(stub: pubsub_pb2_grpc.PubSubStub, client: object, seconds: int) -> dict[str, int]:
+async def steady(stub: pubsub_pb2_grpc.PubSubStub, client: redis.Redis, seconds: int) -> dict[str, int]:
     n = seconds * 1000
     start = now_ms() + 3000 + seconds * 100  # after the publishing is done
     dues = [start + i for i in range(n)]
@@ -205,7 +205,7 @@ async def steady(stub: pubsub_pb2_grpc.PubSubStub, client: object, seconds: int)
     return {"n": n, "p50": pct(late, 50), "p99": pct(late, 99), "max": max(late)}
 
 
-async def burst(stub: pubsub_pb2_grpc.PubSubStub, client: object, n: int) -> dict[str, float]:
+async def burst(stub: pubsub_pb2_grpc.PubSubStub, client: redis.Redis, n: int) -> dict[str, float]:
     lead_ms = 5000 + n // 20
     due = now_ms() + lead_ms
     ingest = await bulk_schedule(stub, "burst", [due] * n, SMALL)

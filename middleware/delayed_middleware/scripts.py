@@ -161,10 +161,16 @@ local function decode(s)
 end
 """
 
+# Keys added to the metadata of every fired message (the public contract).
+SCHEDULER = "scheduler"
+SCHEDULE_NEXT = "scheduleNext"
+
 # FIRE_DUE: move what is due to its target topics, exactly once.
 # KEYS[1] stream (the delayed topic), KEYS[2] due zset, KEYS[3] ids hash
 # ARGV[1] now ms, ARGV[2] batch limit,
 # ARGV[3] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[4] trim threshold
+# Each fired message gets metadata `scheduler` (its scheduleId, else its
+# envelope's id on the delayed topic) and `scheduleNext` = 'purge' (one-shot).
 # Returns {fired, head, bad id, bad id, ...}: head is the earliest due time
 # left ('' when none). An envelope is fired, and leaves the index and the
 # delayed topic, in the same atomic step, so no replica, retry or crash can
@@ -196,6 +202,10 @@ for _, id in ipairs(ids) do
   if data then ok, env = pcall(decode, data) end
   if ok then
     for _, entry in ipairs(env[2]) do
+      -- What produced it, and that nothing follows (a one-shot): the contract's
+      -- delivered-message keys, beside the user's own.
+      entry[2]['{SCHEDULER}'] = env[3] ~= '' and env[3] or id
+      entry[2]['{SCHEDULE_NEXT}'] = 'purge'
       local args = {{env[1]}}
       if ARGV[3] ~= '' then
         args[#args + 1] = ARGV[3]
@@ -206,7 +216,7 @@ for _, id in ipairs(ids) do
       args[#args + 1] = '{DATA}'
       args[#args + 1] = entry[1]
       args[#args + 1] = '{METADATA}'
-      args[#args + 1] = next(entry[2]) == nil and '{{}}' or cjson.encode(entry[2])
+      args[#args + 1] = cjson.encode(entry[2])
       if entry[3] ~= '' then
         args[#args + 1] = '{CONTENT_TYPE}'
         args[#args + 1] = entry[3]

@@ -98,7 +98,7 @@ async def test_delayed_message_arrives_on_time_byte_exact_once(
     await c.publish("orders", data, md)
 
     # While it waits, it is an envelope on the <consumerID>-delayed topic.
-    [(_, fields)] = stream_entries(redis_client, "app1-delayed")
+    [(envelope_id, fields)] = stream_entries(redis_client, "app1-delayed")
     envelope = decode_envelope(decode_entry(fields).data)
     assert (envelope.topic, envelope.message, envelope.due_ms) == ("orders", data, due)
     assert envelope.pubsub_name == "delayed"
@@ -111,6 +111,9 @@ async def test_delayed_message_arrives_on_time_byte_exact_once(
     assert msg.data == data
     assert msg.topic_name == "orders"
     assert {k: msg.metadata[k] for k in md} == md  # every user key verbatim
+    assert msg.metadata["scheduleNext"] == "purge"  # a one-shot
+    assert msg.metadata["scheduler"] == envelope_id  # traceable to the delayed topic
+    assert msg.metadata["deliveryAttempt"] == "1"
     await stream.ack(msg.id)
     assert await stream.nothing_for(0.5)  # exactly once
     assert redis_client.xlen("app1-delayed") == 0
@@ -141,6 +144,7 @@ async def test_schedule_id_replaces_pending(
     await c.publish("orders", b"second", {"scheduledSendDelay": "700ms", "scheduleId": "order-66"})
     msg = await stream.next(within=3)
     assert msg.data == b"second"
+    assert msg.metadata["scheduler"] == "order-66"
     await stream.ack(msg.id)
     assert await stream.nothing_for(0.6)
 

@@ -61,7 +61,7 @@ async def test_not_before_due_then_exactly_once(
 ) -> None:
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock)
-    await engine.schedule([env(1, T0 + 5_000)])
+    [sid] = await engine.schedule([env(1, T0 + 5_000)])
 
     clock.set(T0 + 4_999)
     assert await engine.fire_due() == (0, T0 + 5_000)
@@ -73,7 +73,8 @@ async def test_not_before_due_then_exactly_once(
     [(_, fields)] = target(redis_client)
     entry = decode_entry(fields)
     assert entry.data == b'{"n":1}'
-    assert entry.metadata == {"k": "v1", "cloudevent.id": "1"}
+    # The user's keys verbatim, plus what produced it and that nothing follows.
+    assert entry.metadata == {"k": "v1", "cloudevent.id": "1", "scheduler": sid, "scheduleNext": "purge"}
     # Fired once: the index and the delayed topic no longer hold it.
     assert await engine.fire_due() == (0, None)
     assert len(target(redis_client)) == 1
@@ -165,7 +166,7 @@ async def test_bulk_fires_as_one_batch(
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock)
     entries = tuple(BulkEntry(f"e{i}", f"ev{i}".encode(), "text/plain", {"i": str(i)}) for i in range(50))
-    await engine.schedule(
+    [sid] = await engine.schedule(
         [Envelope(id="b", topic="bulk", due_ms=T0 + 100, published_at_ms=T0, bulk_entries=entries)]
     )
     assert redis_client.xlen(KEYS.stream) == 1  # one envelope for the whole bulk
@@ -173,7 +174,8 @@ async def test_bulk_fires_as_one_batch(
     assert (await engine.fire_due())[0] == 1
     got = [decode_entry(f) for _, f in target(redis_client, "bulk")]
     assert [(e.data, e.content_type, e.metadata) for e in got] == [
-        (f"ev{i}".encode(), "text/plain", {"i": str(i)}) for i in range(50)
+        (f"ev{i}".encode(), "text/plain", {"i": str(i), "scheduler": sid, "scheduleNext": "purge"})
+        for i in range(50)
     ]
 
 
@@ -313,10 +315,11 @@ async def test_lua_decoder_agrees_with_protobuf(
     await engine.schedule([e])
     assert (await engine.fire_due())[0] == 1
     got = [decode_entry(f) for _, f in target(redis_client, "t")]
+    added = {"scheduler": "sid", "scheduleNext": "purge"}
     if entries:
-        expected = [(b.event, dict(b.metadata), b.content_type) for b in entries]
+        expected = [(b.event, {**b.metadata, **added}, b.content_type) for b in entries]
     else:
-        expected = [(message, metadata, content_type)]
+        expected = [(message, {**metadata, **added}, content_type)]
     assert [(g.data, dict(g.metadata), g.content_type) for g in got] == expected
     assert redis_client.hlen(KEYS.ids) == 0
 
