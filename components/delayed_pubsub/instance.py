@@ -69,6 +69,15 @@ class Instance:
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
+        if settings.enable_delayed_messaging and settings.redis_type == "cluster":
+            # The fire script appends to target topics in other hash slots, which
+            # a cluster refuses inside one script; refusing here beats failing
+            # at the first due time with every message stuck.
+            raise InvalidArgumentError(
+                "enableDelayedMessaging",
+                "true",
+                "not supported with redisType cluster yet (single node or Sentinel)",
+            )
         if settings.enable_delayed_messaging and not settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID",

@@ -217,3 +217,14 @@ async def test_overdue_fire_when_instance_starts(
     stream = await c.subscribe("orders")
     msg = await stream.next(within=3)
     assert msg.data == b"soon"
+
+
+async def test_delayed_messaging_on_cluster_is_refused_at_init(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.init({**delayed_props, "redisType": "cluster"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "enableDelayedMessaging" in (err.value.details() or "")
+    assert "cluster" in (err.value.details() or "")
