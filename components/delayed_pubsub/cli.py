@@ -16,7 +16,9 @@ from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, separate from main() so tests and docs can inspect it."""
-    parser = argparse.ArgumentParser(prog="delayed-pubsub", description="Dapr pluggable pub/sub on Redis Streams")
+    parser = argparse.ArgumentParser(
+        prog="delayed-pubsub", description="Dapr pluggable pub/sub on Redis Streams"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="serve the component on a unix socket for daprd")
     run.add_argument(

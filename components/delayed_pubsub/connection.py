@@ -126,7 +126,8 @@ def connect(settings: Settings) -> Connection:
     elif settings.failover:
         sentinel_kwargs = {k: kwargs[k] for k in ("username", "password", "socket_connect_timeout")}
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            list(settings.hosts), sentinel_kwargs=sentinel_kwargs, db=settings.db, **kwargs)
+            list(settings.hosts), sentinel_kwargs=sentinel_kwargs, db=settings.db, **kwargs
+        )
         client = sentinel.master_for(settings.sentinel_master_name)
     else:
         host, port = settings.hosts[0]
@@ -135,9 +136,13 @@ def connect(settings: Settings) -> Connection:
             kwargs = {
                 "retry": kwargs["retry"],
                 "connection_pool": aioredis.ConnectionPool(
-                    host=host, port=port, db=settings.db, connection_class=HiredisPackingConnection,
-                    max_connections=settings.pool_size, **pool_kwargs,
-                )
+                    host=host,
+                    port=port,
+                    db=settings.db,
+                    connection_class=HiredisPackingConnection,
+                    max_connections=settings.pool_size,
+                    **pool_kwargs,
+                ),
             }
         client = aioredis.Redis(host=host, port=port, db=settings.db, **kwargs)
     return Connection(client, settings.address, call_timeout(settings), tempdir)

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from delayed_middleware import envelope as env
 from delayed_middleware.clock import Clock
 from delayed_middleware.delay import DELAY_KEYS, Delay, parse_delay
-from delayed_middleware.engine import DelayEngine, Trim
+from delayed_middleware.engine import DelayEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
@@ -58,7 +58,7 @@ class Instance:
                 connection.client,  # type: ignore[arg-type]
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
                 clock,
-                trim=_trim(settings),
+                trim=self.broker.trim,
             )
 
     def start(self) -> None:
@@ -170,11 +170,14 @@ class Instance:
         together: list[BulkEntry] = []
         alone: list[tuple[str, env.Envelope]] = []
         for item in entries:
-            merged = BulkEntry(
-                item.entry_id,
-                StreamEntry(item.entry.data, {**metadata, **item.entry.metadata}, item.entry.content_type),
-            )
-            if not any(k in item.entry.metadata for k in DELAY_KEYS):
+            # The common case, no metadata anywhere, allocates nothing new.
+            merged = item
+            if metadata:
+                e = item.entry
+                merged = BulkEntry(
+                    item.entry_id, StreamEntry(e.data, {**metadata, **e.metadata}, e.content_type)
+                )
+            if _DELAY_KEYS.isdisjoint(item.entry.metadata):
                 (together if request_delay else now).append(merged)
                 continue
             try:
@@ -302,13 +305,7 @@ class Instances:
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
 
 
-def _trim(settings: Settings) -> Trim:
-    # The same rule as the broker's XADD: maxLenApprox wins over streamTTL.
-    if settings.max_len_approx:
-        return Trim(mode="MAXLEN", max_len=settings.max_len_approx)
-    if settings.stream_ttl_ms:
-        return Trim(mode="MINID", max_age_ms=settings.stream_ttl_ms)
-    return Trim()
+_DELAY_KEYS = frozenset(DELAY_KEYS)
 
 
 def _check_topic(topic: str) -> None:

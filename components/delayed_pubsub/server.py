@@ -103,7 +103,9 @@ def _remove_stale_socket(path: Path) -> None:
     path.unlink()
 
 
-async def serve(socket_path: Path, clock: Clock, stop: asyncio.Event | None = None, grace: float = 5.0) -> None:
+async def serve(
+    socket_path: Path, clock: Clock, stop: asyncio.Event | None = None, grace: float = 5.0
+) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -105,7 +105,8 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self, request: pubsub_pb2.BulkPublishRequest, context: Context
     ) -> pubsub_pb2.BulkPublishResponse:
         entries = [
-            BulkEntry(e.entry_id, StreamEntry(e.event, dict(e.metadata), e.content_type)) for e in request.entries
+            BulkEntry(e.entry_id, StreamEntry(e.event, dict(e.metadata), e.content_type))
+            for e in request.entries
         ]
         try:
             failed = await self._instance(context).bulk_publish(request.topic, entries, request.metadata)
@@ -146,27 +147,21 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
                 await acks
             await instance.unsubscribe(sub)
 
-    async def Pause(
-        self, request: pubsub_pb2.PauseRequest, context: Context
-    ) -> pubsub_pb2.PauseResponse:
+    async def Pause(self, request: pubsub_pb2.PauseRequest, context: Context) -> pubsub_pb2.PauseResponse:
         try:
             self._instance(context).pause()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.PauseResponse()
 
-    async def Resume(
-        self, request: pubsub_pb2.ResumeRequest, context: Context
-    ) -> pubsub_pb2.ResumeResponse:
+    async def Resume(self, request: pubsub_pb2.ResumeRequest, context: Context) -> pubsub_pb2.ResumeResponse:
         try:
             self._instance(context).resume()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.ResumeResponse()
 
-    async def Ping(
-        self, request: common_pb2.PingRequest, context: Context
-    ) -> common_pb2.PingResponse:
+    async def Ping(self, request: common_pb2.PingRequest, context: Context) -> common_pb2.PingResponse:
         try:
             await self._instance(context).ping()
         except DelayedPubSubError as e:

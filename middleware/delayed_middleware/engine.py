@@ -23,31 +23,11 @@ from redis.exceptions import RedisError
 
 from delayed_middleware import scripts
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import StreamEntry
+from delayed_middleware.entry import StreamEntry, Trim
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.keys import EngineKeys
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Trim:
-    """How XADD trims the target topics, as the component's settings say.
-
-    mode '' (never), 'MAXLEN' (threshold = entry count) or 'MINID' (threshold =
-    a stream id computed per batch from max_age_ms).
-    """
-
-    mode: str = ""
-    max_len: int = 0
-    max_age_ms: int = 0
-
-    def args(self, now_ms: int) -> tuple[str, str]:
-        if self.mode == "MAXLEN":
-            return "MAXLEN", str(self.max_len)
-        if self.mode == "MINID":
-            return "MINID", f"{now_ms - self.max_age_ms}-1"
-        return "", ""
 
 
 @dataclass(frozen=True)
@@ -74,13 +54,13 @@ class DelayEngine:
         keys: EngineKeys,
         clock: Clock,
         *,
-        trim: Trim = Trim(),
+        trim: Trim | None = None,
         config: EngineConfig = EngineConfig(),
     ) -> None:
         self._redis = client
         self._keys = keys
         self._clock = clock
-        self._trim = trim
+        self._trim = trim or Trim()
         self._config = config
         self._schedule = client.register_script(scripts.SCHEDULE)
         self._fire_due = client.register_script(scripts.FIRE_DUE)

@@ -57,3 +57,23 @@ def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamE
             metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
     content_type = norm.get(CONTENT_TYPE, b"").decode(errors="replace")
     return StreamEntry(data=bytes(data), metadata=metadata, content_type=content_type)
+
+
+@dataclass(frozen=True)
+class Trim:
+    """How XADD trims a topic's stream (maxLenApprox / streamTTL), approximately (`~`).
+
+    mode '' (never), 'MAXLEN' (threshold = entry count) or 'MINID' (threshold =
+    a stream id computed per batch from max_age_ms).
+    """
+
+    mode: str = ""
+    max_len: int = 0
+    max_age_ms: int = 0
+
+    def args(self, now_ms: int) -> tuple[str, str]:
+        if self.mode == "MAXLEN":
+            return "MAXLEN", str(self.max_len)
+        if self.mode == "MINID":
+            return "MINID", f"{now_ms - self.max_age_ms}-1"
+        return "", ""
