@@ -94,6 +94,17 @@ class Instance:
         instance.start()
         return instance
 
+    def _check_publish_topic(self, topic: str) -> None:
+        _check_topic(topic)
+        # Only the engine writes the delayed topic: a plain publish there would
+        # be trimmed by maxLenApprox/streamTTL and take pending envelopes with it.
+        if topic == delayed_topic(self.settings.consumer_id):
+            raise InvalidArgumentError(
+                "topic",
+                topic,
+                "reserved for this app's pending delayed messages; publish with a delay instead",
+            )
+
     def _delay(self, metadata: Mapping[str, str]) -> Delay | None:
         return parse_delay(
             metadata,
@@ -144,7 +155,7 @@ class Instance:
         Delay metadata is validated before anything is written: a refused
         request stores nothing.
         """
-        _check_topic(topic)
+        self._check_publish_topic(topic)
         delay = self._delay(metadata)
         if delay is None:
             await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
@@ -163,7 +174,7 @@ class Instance:
         fires as one batch; an entry with delay keys of its own becomes an
         envelope of its own, and a bad value there fails that entry alone.
         """
-        _check_topic(topic)
+        self._check_publish_topic(topic)
         request_delay = self._delay(metadata)  # a bad request-level value refuses it all
         failed: list[FailedEntry] = []
         now: list[BulkEntry] = []

@@ -228,3 +228,23 @@ async def test_delayed_messaging_on_cluster_is_refused_at_init(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "enableDelayedMessaging" in (err.value.details() or "")
     assert "cluster" in (err.value.details() or "")
+
+
+async def test_retention_never_trims_pending_messages(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**delayed_props, "maxLenApprox": "10"})
+    for i in range(300):
+        await c.publish("orders", f"later {i}".encode(), {"scheduledSendDelay": "1h"})
+    await c.bulk_publish(
+        "orders", [pubsub_pb2.BulkMessageEntry(entry_id=str(i), event=b"now") for i in range(300)]
+    )
+    assert redis_client.xlen("orders") < 300  # ordinary topics are trimmed as configured
+    assert redis_client.xlen("app1-delayed") == 300  # the delayed topic never is
+    assert redis_client.zcard("{app1-delayed}:due") == 300
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("app1-delayed", b"x")  # nor can a plain publish land there
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "app1-delayed" in (err.value.details() or "")
+    assert redis_client.xlen("app1-delayed") == 300
