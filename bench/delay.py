@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,23 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
+from bench.common import MD, PAYLOAD, start_serve, stop  # noqa: E402
 from delayed_middleware.instants import format_instant  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
-MD = (("x-component-instance", "bench"),)
-PAYLOAD = json.dumps(
-    {
-        "specversion": "1.0",
-        "id": "5929aaac-a5e2-4ca1-859c-edfe73f11565",
-        "source": "bench",
-        "type": "com.dapr.event.sent",
-        "datacontenttype": "application/json",
-        "data": {"orderId": 66, "item": "x" * 64},
-        "topic": "orders",
-        "pubsubname": "delayed",
-    }
-).encode()
 SMALL = b'{"orderId":66}'
 
 
@@ -76,38 +62,13 @@ def rss_kib(pid: int) -> int:
 class Serve:
     def __init__(self, folder: Path) -> None:
         self.socket = folder / "delayed-pubsub.sock"
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components")),
-        }
-        self.log = (folder / "serve.log").open("ab")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "delayed_pubsub",
-                "serve",
-                "--socket",
-                str(self.socket),
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.perf_counter() - t0 > 30:
-                raise SystemExit("serve did not start")
-            time.sleep(0.01)
+        self.proc = start_serve(self.socket, folder / "serve.log")
         self.socket_ready_s = time.perf_counter() - t0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        if self.socket.exists():
-            self.socket.unlink()
+        stop(self.proc)
+        self.socket.unlink(missing_ok=True)
 
 
 async def init(stub: pubsub_pb2_grpc.PubSubStub, port: int) -> float:

@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import (  # noqa: E402
+    start_process,
+    start_serve,
+    stop,
+)
 from tests.redis_server import RedisServer  # noqa: E402
 
 GHZ_VERSION = "v0.120.0"
@@ -41,7 +45,6 @@ PROTO = [
     "--import-paths",
     str(ROOT / "proto"),
 ]
-PYPATH = os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components"))
 
 BARE_SERVER = """
 import asyncio, sys
@@ -74,19 +77,6 @@ def ghz_path() -> str:
         env={**os.environ, "GOBIN": str(CACHE_BIN), "GOFLAGS": ""},
     )
     return str(CACHE_BIN / "ghz")
-
-
-def start(args: list[str], sock: Path, log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args, env={**os.environ, "PYTHONPATH": PYPATH}, stdout=out, stderr=subprocess.STDOUT
-        )
-    deadline = time.monotonic() + 20
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{args} did not start: {log.read_text()}")
-        time.sleep(0.05)
-    return proc
 
 
 def ghz(exe: str, sock: Path, call: str, data: Mapping[str, object], n: int, c: int) -> dict[str, float]:
@@ -142,24 +132,11 @@ def main() -> None:
         try:
             bare_sock, ours_sock = folder / "bare.sock", folder / "ours.sock"
             procs.append(
-                start([sys.executable, "-c", BARE_SERVER, str(bare_sock)], bare_sock, folder / "bare.log")
-            )
-            procs.append(
-                start(
-                    [
-                        sys.executable,
-                        "-m",
-                        "delayed_pubsub",
-                        "serve",
-                        "--socket",
-                        str(ours_sock),
-                        "--log-level",
-                        "warning",
-                    ],
-                    ours_sock,
-                    folder / "ours.log",
+                start_process(
+                    [sys.executable, "-c", BARE_SERVER, str(bare_sock)], bare_sock, folder / "bare.log"
                 )
             )
+            procs.append(start_serve(ours_sock, folder / "ours.log"))
             init = {
                 "metadata": {
                     "properties": {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "bench"}
@@ -184,8 +161,7 @@ def main() -> None:
                 )
         finally:
             for p in procs:
-                p.terminate()
-                p.wait(timeout=10)
+                stop(p)
             redis_server.stop()
 
 

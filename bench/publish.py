@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
@@ -31,26 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
+from bench.common import MD, PAYLOAD, start_serve, stop  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
     common_pb2,
     pubsub_pb2,
     pubsub_pb2_grpc,
 )
 from tests.redis_server import RedisServer  # noqa: E402
-
-MD = (("x-component-instance", "bench"),)
-PAYLOAD = json.dumps(
-    {
-        "specversion": "1.0",
-        "id": "5929aaac-a5e2-4ca1-859c-edfe73f11565",
-        "source": "bench",
-        "type": "com.dapr.event.sent",
-        "datacontenttype": "application/json",
-        "data": {"orderId": 66, "item": "x" * 64},
-        "topic": "orders",
-        "pubsubname": "delayed",
-    }
-).encode()
 
 
 def redis_benchmark(port: int, clients: int, requests: int, pipeline: int) -> float:
@@ -59,23 +45,34 @@ def redis_benchmark(port: int, clients: int, requests: int, pipeline: int) -> fl
     if exe is None:
         raise SystemExit("redis-benchmark not found (apt-get install redis-tools)")
     out = subprocess.run(
-        [exe, "-p", str(port), "-c", str(clients), "-n", str(requests), "-P", str(pipeline), "-q",
-         "XADD", "bench-ceiling", "*", "data", PAYLOAD.decode(), "metadata", "{}"],
-        check=True, capture_output=True, text=True,
+        [
+            exe,
+            "-p",
+            str(port),
+            "-c",
+            str(clients),
+            "-n",
+            str(requests),
+            "-P",
+            str(pipeline),
+            "-q",
+            "XADD",
+            "bench-ceiling",
+            "*",
+            "data",
+            PAYLOAD.decode(),
+            "metadata",
+            "{}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     # -q prints progress lines separated by \r; the final figure is the last one.
     matches = re.findall(r"([\d.]+) requests per second", out)
     if not matches:
         raise SystemExit(f"cannot parse redis-benchmark output: {out!r}")
     return float(matches[-1])
-
-
-def wait_for_socket(path: Path, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 20
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("delayed-pubsub serve did not start")
-        time.sleep(0.05)
 
 
 async def bench_unary(stub: pubsub_pb2_grpc.PubSubStub, total: int, callers: int, topic: str) -> float:
@@ -104,7 +101,9 @@ async def bench_features(stub: pubsub_pb2_grpc.PubSubStub, total: int, callers: 
     return per_caller * callers / (time.perf_counter() - start)
 
 
-async def bench_bulk(stub: pubsub_pb2_grpc.PubSubStub, total: int, batch: int, callers: int, topic: str) -> float:
+async def bench_bulk(
+    stub: pubsub_pb2_grpc.PubSubStub, total: int, batch: int, callers: int, topic: str
+) -> float:
     req = pubsub_pb2.BulkPublishRequest(
         entries=[pubsub_pb2.BulkMessageEntry(entry_id=str(i), event=PAYLOAD) for i in range(batch)],
         pubsub_name="delayed",
@@ -190,25 +189,20 @@ def run(args: argparse.Namespace) -> None:
     redis_server = RedisServer(workdir / "redis", appendonly=False)
     redis_server.start()
     socket_path = workdir / "delayed-pubsub.sock"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components"))}
-    # A separate process, as beside daprd: the server does not share a GIL with this client.
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(socket_path), "--log-level", "warning"],
-        env=env,
-    )
+    serve = start_serve(socket_path, workdir / "serve.log")
     try:
-        wait_for_socket(socket_path, serve)
         results = asyncio.run(measure(args, socket_path, redis_server.port))
         ceiling = redis_benchmark(redis_server.port, 50, 200_000, 1)
         ceiling_pipelined = redis_benchmark(redis_server.port, 50, 1_000_000, 50)
     finally:
-        serve.terminate()
-        serve.wait(timeout=15)
+        stop(serve)
         redis_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"machine: {platform.node()}, nproc {os.cpu_count()}, Python {platform.python_version()}, "
-          f"grpcio {grpc.__version__}")
+    print(
+        f"machine: {platform.node()}, nproc {os.cpu_count()}, Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}"
+    )
     print(f"redis-benchmark -c 50 -n 200000 XADD (unpipelined):  {ceiling:>10,.0f} msg/s")
     print(f"redis-benchmark -c 50 -n 1000000 -P 50 XADD (pipelined): {ceiling_pipelined:>10,.0f} msg/s")
     print()
@@ -218,11 +212,17 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=20_000, help="messages per unary / e2e run (bulk: x5)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--messages", type=int, default=20_000, help="messages per unary / e2e run (bulk: x5)"
+    )
     parser.add_argument("--callers", type=int, default=64, help="concurrent unary Publish callers")
     parser.add_argument("--bulk-callers", type=int, default=4, help="concurrent BulkPublish callers")
-    parser.add_argument("--concurrency", type=int, default=100, help="component `concurrency` for the e2e run")
+    parser.add_argument(
+        "--concurrency", type=int, default=100, help="component `concurrency` for the e2e run"
+    )
     parser.add_argument("--queue-depth", type=int, default=100, help="component `queueDepth`")
     run(parser.parse_args())
 

@@ -1,0 +1,65 @@
+"""What every benchmark here shares: the payload, the daprd-like call metadata,
+and `delayed-pubsub serve` as its own process (as beside daprd, so the server
+does not share a GIL with the benchmark's client)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_PATH = os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components"))
+
+# daprd names the component instance on every call.
+MD = (("x-component-instance", "bench"),)
+
+# A CloudEvent as daprd builds one around a small JSON order (~300 bytes).
+PAYLOAD = json.dumps(
+    {
+        "specversion": "1.0",
+        "id": "5929aaac-a5e2-4ca1-859c-edfe73f11565",
+        "source": "bench",
+        "type": "com.dapr.event.sent",
+        "datacontenttype": "application/json",
+        "data": {"orderId": 66, "item": "x" * 64},
+        "topic": "orders",
+        "pubsubname": "delayed",
+    }
+).encode()
+
+
+def start_process(args: list[str], socket: Path, log: Path, within_s: float = 30) -> subprocess.Popen[bytes]:
+    """Start a server process with our packages importable; return once its socket exists."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            args, env={**os.environ, "PYTHONPATH": PACKAGE_PATH}, stdout=out, stderr=subprocess.STDOUT
+        )
+    deadline = time.monotonic() + within_s
+    while not socket.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{args[:4]} did not start; see {log}")
+        time.sleep(0.01)
+    return proc
+
+
+def start_serve(socket: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`delayed-pubsub serve` on `socket`, logging warnings to `log`."""
+    return start_process(
+        [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(socket), "--log-level", "warning"],
+        socket,
+        log,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
