@@ -28,12 +28,15 @@ log = logging.getLogger(__name__)
 RedisClient: TypeAlias = "aioredis.Redis | RedisCluster"
 
 # Errors that mean "Redis is not there right now" rather than "Redis said no".
+# RedisClusterException is no RedisError: redis-py raises it when no cluster
+# node answers (or none has cluster mode on) while it maps the slots.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.BusyLoadingError,
     redis.exceptions.TryAgainError,
     redis.exceptions.ClusterDownError,
+    redis.exceptions.RedisClusterException,
     MasterNotFoundError,
     OSError,
 )
@@ -70,12 +73,18 @@ class Connection:
     """
 
     def __init__(
-        self, client: RedisClient, address: str, call_timeout: float | None, tempdir: str | None = None
+        self,
+        client: RedisClient,
+        address: str,
+        call_timeout: float | None,
+        tempdir: str | None = None,
+        hang_up_hint: str = "",
     ) -> None:
         self.client = client
         self.address = address
         self.call_timeout = call_timeout
         self._tempdir = tempdir
+        self._hang_up_hint = hang_up_hint
 
     async def ping(self) -> None:
         """PING; BackendUnavailableError naming host:port if Redis does not answer."""
@@ -83,7 +92,17 @@ class Connection:
             async with asyncio.timeout(self.call_timeout):
                 await self.client.ping()
         except TRANSIENT_ERRORS as e:
-            raise BackendUnavailableError(f"redis at {self.address} is unreachable: {e}") from e
+            hint = ""
+            # Connected, then hung up on without a word: a TLS-only port read
+            # our plain text, or a TLS 1.3 server wanted a client certificate
+            # (its alert saying so is often lost to the reset).
+            if (
+                self._hang_up_hint
+                and isinstance(e, redis.exceptions.ConnectionError)
+                and "connecting to" not in str(e)
+            ):
+                hint = f" ({self._hang_up_hint})"
+            raise BackendUnavailableError(f"redis at {self.address} is unreachable: {e}{hint}") from e
         except redis.exceptions.RedisError as e:
             # AUTH failures and the like: not transient, but the operator must see the host.
             raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
@@ -124,7 +143,12 @@ def connect(settings: Settings) -> Connection:
         nodes = [ClusterNode(h, p) for h, p in settings.hosts]
         client = RedisCluster(startup_nodes=nodes, **kwargs)
     elif settings.failover:
-        sentinel_kwargs = {k: kwargs[k] for k in ("username", "password", "socket_connect_timeout")}
+        # As go-redis's failover client: the Sentinels get the same TLS settings as the master.
+        sentinel_kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k in ("username", "password", "socket_connect_timeout") or k.startswith("ssl")
+        }
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(settings.hosts), sentinel_kwargs=sentinel_kwargs, db=settings.db, **kwargs
         )
@@ -145,7 +169,12 @@ def connect(settings: Settings) -> Connection:
                 ),
             }
         client = aioredis.Redis(host=host, port=port, db=settings.db, **kwargs)
-    return Connection(client, settings.address, call_timeout(settings), tempdir)
+    hint = "if the server speaks TLS only, set enableTLS"
+    if settings.enable_tls:
+        hint = ""
+        if settings.client_cert is None:
+            hint = "if the server requires client certificates (tls-auth-clients yes), set clientCert and clientKey"
+    return Connection(client, settings.address, call_timeout(settings), tempdir, hint)
 
 
 def _seconds(ms: int | None) -> float | None:
