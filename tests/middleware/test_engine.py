@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delayed_middleware.clock import ManualClock, SystemClock
-from delayed_middleware.engine import DelayEngine, EngineConfig, Trim
-from delayed_middleware.entry import decode_entry
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope, decode_envelope
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.redis_server import RedisServer, stream_entries
