@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default off)"
     )
+    run.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        help="address of the metrics listener (default loopback; 0.0.0.0 to let a scraper in)",
+    )
     run.add_argument("--grace", type=float, default=5.0, help="seconds running calls get on shutdown")
     return parser
 
@@ -49,9 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Imported lazily: metrics are optional and off by default.
             import prometheus_client
 
-            prometheus_client.start_http_server(args.metrics_port)
+            prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_address)
         socket_path = args.socket or default_socket_path(os.environ)
-        asyncio.run(serve(socket_path, SystemClock(), grace=args.grace))
+        try:
+            asyncio.run(serve(socket_path, SystemClock(), grace=args.grace))
+        except (FileExistsError, PermissionError) as e:
+            # A socket path we must not or cannot take: say so, no traceback.
+            print(f"delayed-pubsub: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

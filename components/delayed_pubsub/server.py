@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,6 +100,15 @@ def _remove_stale_socket(path: Path) -> None:
     if not stat.S_ISSOCK(mode):
         # Never delete something that is not ours to delete.
         raise FileExistsError(f"{path} exists and is not a socket")
+    # Stale means nobody answers. A live socket belongs to a running server
+    # (a second `serve` by mistake): taking its path would cut daprd off it.
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            pass
+        else:
+            raise FileExistsError(f"{path} is in use by a running server; stop it or choose another --socket")
     log.info("removing stale socket %s", path)
     path.unlink()
 

@@ -115,6 +115,23 @@ def test_serve_replaces_a_stale_socket(folder: Path) -> None:
         assert terminate(proc) == 0
 
 
+def test_second_serve_does_not_steal_a_live_socket(folder: Path) -> None:
+    path = folder / "delayed-pubsub.sock"
+    first = start_serve("--socket", str(path))
+    try:
+        wait_for_socket(first, path)
+        inode = path.stat().st_ino
+        second = start_serve("--socket", str(path))
+        assert second.wait(timeout=15) != 0
+        out = second.stdout.read().decode() if second.stdout else ""
+        assert "in use" in out
+        assert path.stat().st_ino == inode  # still the first server's socket
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.connect(str(path))
+    finally:
+        assert terminate(first) == 0
+
+
 def test_serve_refuses_to_delete_a_regular_file(folder: Path) -> None:
     path = folder / "delayed-pubsub.sock"
     path.write_text("precious")
