@@ -26,6 +26,7 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
+from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,13 @@ class Delivery:
 class Broker:
     """Publishes to topic streams and opens subscriptions, all on one client."""
 
-    def __init__(self, client: RedisClient, settings: Settings, clock: Clock) -> None:
+    def __init__(
+        self, client: RedisClient, settings: Settings, clock: Clock, metrics: InstanceMetrics | None = None
+    ) -> None:
         self._client = client
         self._settings = settings
         self._clock = clock
+        self._metrics = metrics or Metrics().for_instance("")
         self._timeout = call_timeout(settings)
 
         self.trim = trim_policy(settings)
@@ -160,7 +164,7 @@ class Broker:
 
     def subscription(self, topic: str, consumer: str, paused: bool = False) -> Subscription:
         """A not-yet-started subscription to `topic` as `consumer` in the consumerID group."""
-        return Subscription(self._client, self._settings, self._clock, topic, consumer, paused)
+        return Subscription(self._client, self._settings, self._clock, topic, consumer, paused, self._metrics)
 
 
 @dataclass
@@ -200,8 +204,10 @@ class Subscription:
         topic: str,
         consumer: str,
         paused: bool = False,
+        metrics: InstanceMetrics | None = None,
     ) -> None:
         self.topic = topic
+        self._metrics = metrics or Metrics().for_instance("")
         self.consumer = consumer
         self._client = client
         self._settings = settings
@@ -286,6 +292,7 @@ class Subscription:
                 self._unacked.add(delivery.id)
                 if not self._ready:
                     self._wake.set()  # the fetch loop waits for an empty buffer
+                self._metrics.delivered.inc()
                 yield delivery
                 continue
             self._wake.clear()
@@ -298,6 +305,7 @@ class Subscription:
         except redis.exceptions.ResponseError as e:
             # A malformed id cannot be acked; never let it end the stream.
             log.warning("cannot ack %r on %s: %s", entry_id, self.topic, e)
+        self._metrics.acked.inc()
         self._release(entry_id)
 
     def nack(self, entry_id: str) -> None:
@@ -310,6 +318,7 @@ class Subscription:
             log.warning("nack of %r, which this stream did not send; ignored", entry_id)
             return
         self._unacked.discard(entry_id)
+        self._metrics.nacked.inc()
         self._wake.set()
         timer = asyncio.create_task(self._redeliver(entry_id), name=f"redeliver {entry_id}")
         self._timers.add(timer)

@@ -10,7 +10,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import prometheus_client
+
 from delayed_middleware.clock import SystemClock
+from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
 
 
@@ -50,14 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.command == "serve":
+        metrics = Metrics()
         if args.metrics_port is not None:
-            # Imported lazily: metrics are optional and off by default.
-            import prometheus_client
-
-            prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_address)
+            prometheus_client.start_http_server(
+                args.metrics_port, addr=args.metrics_address, registry=metrics.registry
+            )
         socket_path = args.socket or default_socket_path(os.environ)
         try:
-            asyncio.run(serve(socket_path, SystemClock(), grace=args.grace))
+            asyncio.run(serve(socket_path, SystemClock(), grace=args.grace, metrics=metrics))
         except (FileExistsError, PermissionError) as e:
             # A socket path we must not or cannot take: say so, no traceback.
             print(f"delayed-pubsub: error: {e}", file=sys.stderr)

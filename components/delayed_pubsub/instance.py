@@ -30,6 +30,7 @@ from delayed_middleware.errors import (
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, connect
+from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.settings import Settings, parse_settings
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,15 @@ class Instance:
     """An initialized component instance. Publish routing lives here (not in the
     servicer) so the delay engine can be put in front of the broker later."""
 
-    def __init__(self, name: str, settings: Settings, connection: Connection, clock: Clock) -> None:
+    def __init__(
+        self, name: str, settings: Settings, connection: Connection, clock: Clock, metrics: InstanceMetrics
+    ) -> None:
         self.name = name
         self.settings = settings
         self._connection = connection
         self._clock = clock
-        self.broker = Broker(connection.client, settings, clock)
+        self.metrics = metrics
+        self.broker = Broker(connection.client, settings, clock, metrics)
         self._subscriptions: set[Subscription] = set()
         self._paused = False
         # Consumer names must be unique per stream: a consumer shared by two
@@ -59,6 +63,7 @@ class Instance:
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
                 clock,
                 trim=self.broker.trim,
+                on_batch=metrics.on_fire,
             )
 
     def start(self) -> None:
@@ -67,7 +72,7 @@ class Instance:
             self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
 
     @classmethod
-    async def open(cls, name: str, settings: Settings, clock: Clock) -> Instance:
+    async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
         if settings.enable_delayed_messaging and settings.redis_type == "cluster":
             # The fire script appends to target topics in other hash slots, which
@@ -90,7 +95,7 @@ class Instance:
         except BaseException:
             await connection.aclose()
             raise
-        instance = cls(name, settings, connection, clock)
+        instance = cls(name, settings, connection, clock, metrics)
         instance.start()
         return instance
 
@@ -159,10 +164,12 @@ class Instance:
         delay = self._delay(metadata)
         if delay is None:
             await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
+            self.metrics.published_immediate.inc()
             return
         await self._schedule(
             [self._envelope(topic, delay, message=data, content_type=content_type, metadata=metadata)]
         )
+        self.metrics.published_delayed.inc()
 
     async def bulk_publish(
         self, topic: str, entries: Sequence[BulkEntry], metadata: Mapping[str, str]
@@ -214,11 +221,14 @@ class Instance:
         if envelopes:
             try:
                 await self._schedule(envelopes)
+                self.metrics.published_delayed.inc(len(together) + len(alone))
             except DelayedPubSubError as err:
                 failed += [FailedEntry(i.entry_id, str(err)) for i in together]
                 failed += [FailedEntry(entry_id, str(err)) for entry_id, _ in alone]
         if now:
-            failed += await self.broker.bulk_publish(topic, now)
+            refused = await self.broker.bulk_publish(topic, now)
+            self.metrics.published_immediate.inc(len(now) - len(refused))
+            failed += refused
         return failed
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str]) -> Subscription:
@@ -279,8 +289,9 @@ class Instance:
 class Instances:
     """The component instances served on one socket, by name."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, metrics: Metrics) -> None:
         self._clock = clock
+        self._metrics = metrics
         self._instances: dict[str, Instance] = {}
         self._lock = asyncio.Lock()
 
@@ -290,7 +301,7 @@ class Instances:
         On failure the previous instance, if any, stays as it was.
         """
         settings = parse_settings(props)
-        instance = await Instance.open(name, settings, self._clock)
+        instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
         async with self._lock:
             old = self._instances.get(name)
             self._instances[name] = instance

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from delayed_middleware.clock import Clock
 from delayed_pubsub.instance import Instances
+from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.servicer import PubSubServicer
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2, pubsub_pb2_grpc
 
@@ -48,9 +49,10 @@ def default_socket_path(environ: Mapping[str, str]) -> Path:
 class ComponentServer:
     """The component's gRPC server bound to one unix socket."""
 
-    def __init__(self, socket_path: Path, clock: Clock) -> None:
+    def __init__(self, socket_path: Path, clock: Clock, metrics: Metrics | None = None) -> None:
         self.socket_path = socket_path
-        self.instances = Instances(clock)
+        self.metrics = metrics or Metrics()
+        self.instances = Instances(clock, self.metrics)
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
@@ -114,14 +116,18 @@ def _remove_stale_socket(path: Path) -> None:
 
 
 async def serve(
-    socket_path: Path, clock: Clock, stop: asyncio.Event | None = None, grace: float = 5.0
+    socket_path: Path,
+    clock: Clock,
+    stop: asyncio.Event | None = None,
+    grace: float = 5.0,
+    metrics: Metrics | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = ComponentServer(socket_path, clock)
+    server = ComponentServer(socket_path, clock, metrics)
     await server.start()
     try:
         await stop.wait()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,17 @@ class EngineConfig:
     op_timeout_s: float = 30.0
 
 
+@dataclass(frozen=True)
+class FireReport:
+    """What one fire_due call did, for metrics: handed to the engine's on_batch hook."""
+
+    fired: int
+    # now - the earliest due time in the batch (0 when nothing fired).
+    max_lateness_ms: int
+    # Messages still waiting in the index after the batch.
+    pending: int
+
+
 class DelayEngine:
     """Schedules envelopes on one delayed topic and fires them when due."""
 
@@ -56,6 +67,7 @@ class DelayEngine:
         *,
         trim: Trim | None = None,
         config: EngineConfig = EngineConfig(),
+        on_batch: Callable[[FireReport], None] | None = None,
     ) -> None:
         self._redis = client
         self._keys = keys
@@ -65,6 +77,7 @@ class DelayEngine:
         self._schedule = client.register_script(scripts.SCHEDULE)
         self._fire_due = client.register_script(scripts.FIRE_DUE)
         self._cancel = client.register_script(scripts.CANCEL)
+        self._on_batch = on_batch
         self._wake = asyncio.Event()
         self.fired_total = 0
 
@@ -106,9 +119,13 @@ class DelayEngine:
             keys=[self._keys.stream, self._keys.due, self._keys.ids],
             args=[now, self._config.batch_size, mode, threshold],
         )
-        fired, head = int(raw[0]), raw[1]
-        if len(raw) > 2:
-            bad = [b.decode() if isinstance(b, bytes) else str(b) for b in raw[2:]]
+        fired, head, first, pending = int(raw[0]), raw[1], raw[2], int(raw[3])
+        if self._on_batch is not None:
+            # The batch's earliest due time is its latest message.
+            late_ms = now - int(float(first)) if first else 0
+            self._on_batch(FireReport(fired=fired, max_lateness_ms=late_ms, pending=pending))
+        if len(raw) > 4:
+            bad = [b.decode() if isinstance(b, bytes) else str(b) for b in raw[4:]]
             log.error(
                 "%d envelopes on %s could not be decoded and were not fired (left on the topic): %s",
                 len(bad),

@@ -171,8 +171,9 @@ SCHEDULE_NEXT = "scheduleNext"
 # ARGV[3] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[4] trim threshold
 # Each fired message gets metadata `scheduler` (its scheduleId, else its
 # envelope's id on the delayed topic) and `scheduleNext` = 'purge' (one-shot).
-# Returns {fired, head, bad id, bad id, ...}: head is the earliest due time
-# left ('' when none). An envelope is fired, and leaves the index and the
+# Returns {fired, head, first, pending, bad id, bad id, ...}: head is the
+# earliest due time left ('' when none), first the earliest due time of this
+# batch ('' when nothing was due), pending how many are left in the index. An envelope is fired, and leaves the index and the
 # delayed topic, in the same atomic step, so no replica, retry or crash can
 # fire it twice. One that cannot be decoded leaves the index (so it cannot
 # spin the loop) but stays on the delayed topic for an operator to inspect.
@@ -184,8 +185,10 @@ FIRE_DUE = (
 local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 if #ids == 0 then
   local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  return {{0, head[2] or ''}}
+  return {{0, head[2] or '', '', redis.call('ZCARD', KEYS[2])}}
 end
+-- The earliest due time of the batch, for the caller's lateness figure.
+local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')[2]
 -- The batch is the lowest-ranked #ids members: one call removes them all.
 redis.call('ZREMRANGEBYRANK', KEYS[2], 0, #ids - 1)
 local fired, bad, done = 0, {{}}, {{}}
@@ -236,7 +239,7 @@ for i = 1, #done, 1000 do
   redis.call('XDEL', KEYS[1], unpack(done, i, math.min(i + 999, #done)))
 end
 local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-local out = {{fired, head[2] or ''}}
+local out = {{fired, head[2] or '', first, redis.call('ZCARD', KEYS[2])}}
 for _, id in ipairs(bad) do out[#out + 1] = id end
 return out
 """
