@@ -176,3 +176,26 @@ def test_ttl_shorter_than_the_delay_is_never_delivered(stack: Stack) -> None:
     )
     assert response.status_code == 204, response.text
     assert stack.wait_arrivals(carries(marker), 1, timeout=5) == []
+
+
+def test_bulk_publish_delayed_as_one_batch(stack: Stack) -> None:
+    """`/v1.0-alpha1/publish/bulk?metadata.scheduledSendDelay=…`: every entry arrives when due, once."""
+    marker = unique("bulkdelay")
+    t0 = now_ms()
+    due = t0 + 2000
+    entries = [
+        {"entryId": str(i), "event": {"id": f"{marker}-{i}", "n": i}, "contentType": "application/json"}
+        for i in range(5)
+    ]
+    response = stack.bulk_publish(PUBSUB, "later", entries, metadata={"scheduledSendDelay": "2s"})
+    assert response.status_code == 204, response.text
+    assert stack.wait_arrivals(carries(marker), 1, timeout=(due - now_ms()) / 1000 - 0.2) == [], (
+        "arrived early"
+    )
+    got = stack.wait_arrivals(carries(marker), 5, timeout=10)
+    assert sorted(a["data"]["n"] for a in got) == [0, 1, 2, 3, 4]
+    for arrival in got:
+        lateness = arrival["received_ms"] - due
+        LATENESS.append(("http bulk scheduledSendDelay=2s", lateness))
+        assert 0 <= lateness <= LATENESS_TOLERANCE_MS, lateness
+        assert header(arrival, "scheduleNext") == "purge"
