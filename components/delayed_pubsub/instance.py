@@ -7,7 +7,6 @@ Several instances share one socket; daprd tells them apart by the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -18,7 +17,7 @@ from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
 from delayed_middleware.clock import Clock
-from delayed_middleware.delay import DELAY_KEYS, Delay, parse_delay
+from delayed_middleware.delay import DELAY_KEYS, SCHEDULE_ID, Delay, parse_delay
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
@@ -29,7 +28,7 @@ from delayed_middleware.errors import (
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
-from delayed_pubsub.connection import Connection, connect
+from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.settings import Settings, parse_settings
 
@@ -146,9 +145,14 @@ class Instance:
     async def _schedule(self, envelopes: Sequence[env.Envelope]) -> None:
         assert self.engine is not None  # parse_delay refuses delay keys when disabled
         try:
-            await self.engine.schedule(envelopes)
-        except RedisError as e:
-            raise BackendUnavailableError(f"scheduling on {self.engine.keys.stream!r}: redis: {e}") from e
+            # Bounded like every other Redis call: the client has no socket
+            # timeout, and a stalled Redis must not hang the publisher.
+            async with asyncio.timeout(call_timeout(self.settings)):
+                await self.engine.schedule(envelopes)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(
+                f"scheduling on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
+            ) from e
         if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
             self.engine.wake()
 
@@ -187,6 +191,9 @@ class Instance:
         now: list[BulkEntry] = []
         together: list[BulkEntry] = []
         alone: list[tuple[str, env.Envelope]] = []
+        ids_taken: set[str] = set()
+        if request_delay is not None and request_delay.schedule_id:
+            ids_taken.add(request_delay.schedule_id)
         for item in entries:
             # The common case, no metadata anywhere, allocates nothing new.
             merged = item
@@ -206,9 +213,31 @@ class Instance:
             if delay is None:
                 now.append(merged)
                 continue
+            # An entry of its own is identified by its own scheduleId only: the
+            # request's belongs to the batch envelope, and sharing it would make
+            # one envelope silently replace the other.
+            own_id = item.entry.metadata.get(SCHEDULE_ID) or None
+            if own_id is not None and own_id in ids_taken:
+                failed.append(
+                    FailedEntry(
+                        item.entry_id,
+                        str(
+                            InvalidArgumentError(
+                                SCHEDULE_ID, own_id, "given to two messages of one bulk publish"
+                            )
+                        ),
+                    )
+                )
+                continue
+            if own_id is not None:
+                ids_taken.add(own_id)
             m = merged.entry
             envelope = self._envelope(
-                topic, delay, message=m.data, content_type=m.content_type, metadata=m.metadata
+                topic,
+                Delay(delay.due_ms, own_id),
+                message=m.data,
+                content_type=m.content_type,
+                metadata=m.metadata,
             )
             alone.append((item.entry_id, envelope))
         envelopes = [e for _, e in alone]
@@ -218,15 +247,24 @@ class Instance:
                 for i in together
             ]
             envelopes.append(self._envelope(topic, request_delay, metadata=metadata, bulk_entries=bulk))
+        stored_some = False
         if envelopes:
             try:
                 await self._schedule(envelopes)
+                stored_some = True
                 self.metrics.published_delayed.inc(len(together) + len(alone))
             except DelayedPubSubError as err:
                 failed += [FailedEntry(i.entry_id, str(err)) for i in together]
                 failed += [FailedEntry(entry_id, str(err)) for entry_id, _ in alone]
         if now:
-            refused = await self.broker.bulk_publish(topic, now)
+            try:
+                refused = await self.broker.bulk_publish(topic, now)
+            except DelayedPubSubError as err:
+                if not stored_some:
+                    raise
+                # The delayed part is stored: report only what failed, so a
+                # retry by daprd or the app does not store it twice.
+                refused = [FailedEntry(i.entry_id, str(err)) for i in now]
             self.metrics.published_immediate.inc(len(now) - len(refused))
             failed += refused
         return failed
@@ -277,8 +315,13 @@ class Instance:
         """
         if self._engine_task is not None:
             self._engine_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._engine_task
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                # Whatever ended the engine must not keep the rest from closing.
+                log.exception("instance %r: delay engine had failed", self.name)
             self._engine_task = None
         subs = list(self._subscriptions)
         self._subscriptions.clear()

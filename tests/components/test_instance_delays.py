@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +18,7 @@ from delayed_middleware.envelope import decode_envelope
 from delayed_middleware.instants import format_instant
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
-from tests.redis_server import stream_entries
+from tests.redis_server import RedisServer, stream_entries
 
 
 def now_ms() -> int:
@@ -248,3 +250,70 @@ async def test_retention_never_trims_pending_messages(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "app1-delayed" in (err.value.details() or "")
     assert redis_client.xlen("app1-delayed") == 300
+
+
+async def test_request_schedule_id_is_the_batch_s_alone(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    """A request-level scheduleId names the batch envelope; entries delayed on their own keep theirs."""
+    c = component("delayed")
+    await c.init(delayed_props)
+    entries = [
+        pubsub_pb2.BulkMessageEntry(
+            entry_id=f"own{i}", event=f"own{i}".encode(), metadata={"scheduledSendDelay": "300ms"}
+        )
+        for i in range(3)
+    ]
+    entries += [pubsub_pb2.BulkMessageEntry(entry_id=f"b{i}", event=f"b{i}".encode()) for i in range(2)]
+    entries.append(
+        pubsub_pb2.BulkMessageEntry(
+            entry_id="dup1", event=b"dup1", metadata={"scheduledSendDelay": "300ms", "scheduleId": "x"}
+        )
+    )
+    entries.append(
+        pubsub_pb2.BulkMessageEntry(
+            entry_id="dup2", event=b"dup2", metadata={"scheduledSendDelay": "300ms", "scheduleId": "x"}
+        )
+    )
+    reply = await c.bulk_publish("orders", entries, {"scheduleId": "batch-7", "scheduledSendDelay": "200ms"})
+    assert [(f.entry_id, "scheduleId" in f.error and "'x'" in f.error) for f in reply.failed_entries] == [
+        ("dup2", True)
+    ]
+    stream = await c.subscribe("orders")
+    got = []
+    for _ in range(6):
+        msg = await stream.next(within=3)
+        got.append(msg.data)
+        await stream.ack(msg.id)
+    assert sorted(got) == [b"b0", b"b1", b"dup1", b"own0", b"own1", b"own2"]  # none silently replaced
+    assert await stream.nothing_for(0.3)
+
+
+async def test_delayed_publish_to_a_stalled_redis_fails_within_the_call_timeout(
+    component: Callable[[str], Component], tmp_path: Path
+) -> None:
+    private = RedisServer(tmp_path / "stalled")
+    private.start()
+    try:
+        c = component("delayed")
+        await c.init(
+            {
+                "redisHost": f"127.0.0.1:{private.port}",
+                "consumerID": "app1",
+                "enableDelayedMessaging": "true",
+                "readTimeout": "500ms",
+                "writeTimeout": "500ms",
+            }
+        )
+        assert private.proc is not None
+        private.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.publish("orders", b"later", {"scheduledSendDelay": "1h"})
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 < 3
+        finally:
+            private.proc.send_signal(signal.SIGCONT)
+    finally:
+        private.stop()
