@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,15 @@ if not ok then return -1 end
 if #pending > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
+"""
+
+# KEYS[1] = topic stream; ARGV[1] = group; ARGV[2] = consumer; ARGV[3] = min idle ms;
+# ARGV[4] = start id; ARGV[5] = count.
+# XAUTOCLAIM ... JUSTID, which does not bump delivery counts (entries we already
+# hold must not count as redelivered), with its whole reply: redis-py's parser
+# drops the next-start cursor of a JUSTID reply.
+AUTOCLAIM_JUSTID_LUA = """
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
 """
 
 
@@ -163,8 +174,13 @@ class Broker:
             raise BackendUnavailableError(f"redis ping failed: {e}") from e
 
     def subscription(self, topic: str, consumer: str, paused: bool = False) -> Subscription:
-        """A not-yet-started subscription to `topic` as `consumer` in the consumerID group."""
-        return Subscription(self._client, self._settings, self._clock, topic, consumer, paused, self._metrics)
+        """A not-yet-started subscription to `topic` in the consumerID group, as a
+        consumer named `consumer` plus a random suffix."""
+        # Two streams sharing a consumer would share a PEL, and each would XACK
+        # or re-deliver the other's entries; the caller's name alone is not
+        # unique (two instances of one consumerID in a process, a re-Init).
+        unique = f"{consumer}:{uuid.uuid4().hex[:8]}"
+        return Subscription(self._client, self._settings, self._clock, topic, unique, paused, self._metrics)
 
 
 @dataclass
@@ -237,6 +253,21 @@ class Subscription:
         """Create the consumer group (retrying while Redis is down) and start fetching."""
         await self._retrying("XGROUP CREATE", self._create_group)
         self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"fetch {self.topic} {self.consumer}")
+        self._fetcher.add_done_callback(self._fetch_ended)
+
+    def _fetch_ended(self, task: asyncio.Task[None]) -> None:
+        if self._closed:
+            return
+        # Without the fetch loop nothing new is ever sent, and daprd would wait
+        # on this stream forever: end it instead, loudly.
+        error = None if task.cancelled() else task.exception()
+        log.error(
+            "fetching %s as %s ended unexpectedly; ending the subscription",
+            self.topic,
+            self.consumer,
+            exc_info=error,
+        )
+        self.stop()
 
     def stop(self) -> None:
         """Make deliveries() end; close() finishes the job."""
@@ -341,52 +372,56 @@ class Subscription:
     async def _fetch_loop(self) -> None:
         next_reclaim = 0.0
         reclaim_every = self._settings.redeliver_interval_ms / 1000
+        backoff = _Backoff()
         while not self._closed:
-            # Fetch only when everything fetched so far has been sent and a slot
-            # is free: entries read into a buffer sit in our PEL, and could time
-            # out there and be claimed twice.
-            if self._paused or self._ready or len(self._unacked) >= self._settings.concurrency:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            now = time.monotonic()
-            # redeliverInterval 0 turns reclaiming off, as in pubsub.redis.
-            if reclaim_every > 0 and now >= next_reclaim:
-                next_reclaim = now + reclaim_every
-                if await self._retrying("XAUTOCLAIM", self._reclaim):
+            try:
+                # Fetch only when everything fetched so far has been sent and a slot
+                # is free, and no more than the free slots: entries read into a
+                # buffer sit in our PEL, and could time out there and be claimed twice.
+                free = self._settings.concurrency - len(self._unacked) - len(self._ready)
+                if self._paused or self._ready or free <= 0:
+                    self._wake.clear()
+                    await self._wake.wait()
                     continue
-            block = self._block_ms
-            if reclaim_every > 0:
-                block = max(1, min(block, int((next_reclaim - time.monotonic()) * 1000)))
-            await self._retrying("XREADGROUP", lambda b=block: self._read_new(b))  # type: ignore[misc]
+                count = min(self._settings.queue_depth, free)
+                now = time.monotonic()
+                # redeliverInterval 0 turns reclaiming off, as in pubsub.redis.
+                if reclaim_every > 0 and now >= next_reclaim:
+                    next_reclaim = now + reclaim_every
+                    if await self._reclaim(count):
+                        continue
+                block = self._block_ms
+                if reclaim_every > 0:
+                    block = max(1, min(block, int((next_reclaim - time.monotonic()) * 1000)))
+                await self._retrying("XREADGROUP", functools.partial(self._read_new, count, block))
+            except Exception:
+                # Whatever _retrying does not handle (a bug, a reply we did not
+                # expect) must not end the loop: daprd never re-opens the stream.
+                log.exception("fetching %s as %s failed; retrying", self.topic, self.consumer)
+                await self._clock.sleep(backoff.next())
+            else:
+                backoff.reset()
 
-    async def _read_new(self, block_ms: int) -> None:
+    async def _read_new(self, count: int, block_ms: int) -> None:
         reply: Any = await self._client.xreadgroup(
-            self._group, self.consumer, {self.topic: ">"}, count=self._settings.queue_depth, block=block_ms
+            self._group, self.consumer, {self.topic: ">"}, count=count, block=block_ms
         )
         for _stream, items in reply or ():
             for raw_id, fields in items:
                 self._push(_str(raw_id), fields, attempt=1)
 
-    async def _reclaim(self) -> int:
-        """XAUTOCLAIM one batch of entries idle past processingTimeout; returns how many were taken."""
-        reply = await self._client.xautoclaim(
-            self.topic,
-            self._group,
-            self.consumer,
-            min_idle_time=self._settings.processing_timeout_ms,
-            start_id=self._reclaim_cursor,
-            count=self._settings.queue_depth,
-        )
-        self._reclaim_cursor = _str(reply[0])
-        deleted = reply[2] if len(reply) > 2 else []
-        if deleted:
-            # Redis 7 drops deleted/trimmed ids from the PEL itself; nothing to deliver.
-            log.info("%d pending entries of %s were deleted before delivery", len(deleted), self.topic)
-        claimed = [(_str(i), f) for i, f in reply[1] if f is not None and _str(i) not in self._owned]
+    async def _reclaim(self, count: int) -> int:
+        """Take over up to `count` entries idle past processingTimeout; returns how many were taken."""
+        ids = await self._retrying("XAUTOCLAIM", lambda: self._autoclaim(count))
+        if not ids:
+            return 0
+        # They are ours from here, their idle time reset: a failure below must
+        # retry only the step that failed, as XAUTOCLAIM would now pass them over
+        # and strand them for another processingTimeout.
+        claimed = await self._retrying("XCLAIM", lambda: self._claim(ids))
         if not claimed:
             return 0
-        attempts = await self._attempts([i for i, _ in claimed])
+        attempts = await self._retrying("XPENDING", lambda: self._attempts([i for i, _ in claimed]))
         for entry_id, fields in claimed:
             self._push(entry_id, fields, attempts.get(entry_id, 2))
         log.info(
@@ -397,15 +432,41 @@ class Subscription:
         )
         return len(claimed)
 
+    async def _autoclaim(self, count: int) -> list[str]:
+        """XAUTOCLAIM JUSTID one batch; returns the ids we did not already hold."""
+        reply: Any = await self._client.eval(
+            AUTOCLAIM_JUSTID_LUA,
+            1,
+            self.topic,
+            self._group,
+            self.consumer,
+            self._settings.processing_timeout_ms,
+            self._reclaim_cursor,
+            count,
+        )
+        self._reclaim_cursor = _str(reply[0])
+        deleted = reply[2] if len(reply) > 2 else []
+        if deleted:
+            # Redis 7 drops deleted/trimmed ids from the PEL itself; nothing to deliver.
+            log.info("%d pending entries of %s were deleted before delivery", len(deleted), self.topic)
+        return [_str(i) for i in reply[1] if _str(i) not in self._owned]
+
+    async def _claim(self, ids: Sequence[str]) -> list[tuple[str, Any]]:
+        """XCLAIM entries of ours again, which bumps their delivery count; returns
+        those that still exist, with their fields."""
+        reply: Any = await self._client.xclaim(self.topic, self._group, self.consumer, 0, list(ids))
+        return [(_str(i), f) for i, f in reply if f is not None]
+
     async def _redeliver(self, entry_id: str) -> None:
+        # Reset its idle time now, or another consumer could reclaim it while it
+        # waits here; JUSTID leaves the delivery count alone.
+        await self._retrying(
+            "XCLAIM",
+            lambda: self._client.xclaim(self.topic, self._group, self.consumer, 0, [entry_id], justid=True),
+        )
         await self._clock.sleep(self._settings.redeliver_interval_ms / 1000)
-
-        async def claim() -> list[Any]:
-            # min-idle 0: it is ours; XCLAIM (not JUSTID) bumps the delivery count.
-            return list(await self._client.xclaim(self.topic, self._group, self.consumer, 0, [entry_id]))
-
-        claimed = await self._retrying("XCLAIM", claim)
-        if not claimed or claimed[0][1] is None:
+        claimed = await self._retrying("XCLAIM", lambda: self._claim([entry_id]))
+        if not claimed:
             # Deleted or trimmed while it waited, or acked elsewhere: nothing to redeliver.
             self._owned.discard(entry_id)
             self._wake.set()
@@ -429,15 +490,19 @@ class Subscription:
             return
         if entry_id in self._owned and not requeue:
             return
+        # Decoded before it counts as ours: if that fails, our own reclaim pass
+        # must still be able to pick it up.
+        delivery = Delivery(entry_id, self.topic, decode_entry(fields), attempt)
         self._owned.add(entry_id)
-        self._ready.append(Delivery(entry_id, self.topic, decode_entry(fields), attempt))
+        self._ready.append(delivery)
         self._wake.set()
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it succeeds: transient errors back off and retry, a
         missing group (Redis restarted empty) is recreated. Other Redis errors
         (e.g. WRONGTYPE) are retried with backoff too, logged as errors, except
-        for XACK where they are the caller's to handle."""
+        for XACK where they are the caller's to handle. Gives up (CancelledError)
+        once the subscription is stopped or the task is being cancelled."""
         backoff = _Backoff()
         while True:
             try:
@@ -460,6 +525,11 @@ class Subscription:
                 if backoff.failures:
                     log.info("%s on %s: redis is back", what, self.topic)
                 return result
+            # redis-py can swallow a CancelledError and fail the call instead:
+            # cancellation alone would not end this loop.
+            task = asyncio.current_task()
+            if self._closed or (task is not None and task.cancelling()):
+                raise asyncio.CancelledError
             await self._clock.sleep(backoff.next())
 
 

@@ -173,12 +173,15 @@ async def _pump_acks(requests: AsyncIterator[pubsub_pb2.PullMessagesRequest], su
     """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream)."""
     try:
         async for request in requests:
-            if not request.ack_message_id:
-                continue
-            if request.HasField("ack_error"):
-                sub.nack(request.ack_message_id)
-            else:
-                await sub.ack(request.ack_message_id)
+            if request.ack_message_id:
+                if request.HasField("ack_error"):
+                    sub.nack(request.ack_message_id)
+                else:
+                    await sub.ack(request.ack_message_id)
+            if sub.closed:
+                # redis-py can swallow the CancelledError meant for an ack in
+                # flight; the subscription's state is what ends this loop for sure.
+                break
     except grpc.aio.AioRpcError:
         pass  # the call is going away; the handler's finally cleans up
     finally:

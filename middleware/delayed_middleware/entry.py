@@ -51,7 +51,9 @@ def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamE
     if raw:
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: deeply nested JSON (e.g. 100000 '['), which would
+            # otherwise escape from here and kill the subscription's fetch loop.
             parsed = None
         if isinstance(parsed, dict):
             metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}

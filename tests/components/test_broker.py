@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+import delayed_pubsub.broker
 from delayed_middleware.clock import SystemClock
-from delayed_middleware.entry import StreamEntry, encode_entry
+from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.settings import Settings, parse_settings
 from tests.redis_server import RedisServer
@@ -39,6 +41,13 @@ def settings(redis_server: RedisServer, **extra: str) -> Settings:
 
 async def next_delivery(it: AsyncIterator[Delivery], within: float = 5.0) -> Delivery:
     return await asyncio.wait_for(anext(it), within)
+
+
+async def wait_until(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
 
 
 async def test_publish_is_readable_as_pubsub_redis_reads_it(
@@ -136,7 +145,252 @@ async def test_close_leaves_unacked_entries_pending_and_keeps_their_consumer(
     await next_delivery(sub.deliveries())
     await sub.close()
     consumers: Any = redis_client.xinfo_consumers("orders", "app1")
-    assert [(c["name"], c["pending"]) for c in consumers] == [(b"c1", 1)]
+    assert [(c["name"], c["pending"]) for c in consumers] == [(sub.consumer.encode(), 1)]
+
+
+async def test_two_replicas_deliver_each_message_once_when_reading_ahead_is_possible(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # queueDepth 100 but one slot: entries read ahead of a free slot would wait
+    # in our PEL past processingTimeout, and the other replica would claim them.
+    s = settings(redis_server, processingTimeout="500ms", concurrency="1", queueDepth="100")
+    broker = Broker(aclient, s, SystemClock())
+    for i in range(40):
+        await broker.publish("orders", StreamEntry(f"m{i}".encode()))
+    got: Counter[bytes] = Counter()
+
+    async def replica(name: str) -> None:
+        sub = broker.subscription("orders", name)
+        await sub.start()
+        try:
+            async for d in sub.deliveries():
+                got[d.entry.data] += 1
+                await asyncio.sleep(0.05)  # the app takes 50 ms per message
+                await sub.ack(d.id)
+        finally:
+            await sub.close()
+
+    replicas = [asyncio.create_task(replica("a"))]
+    await asyncio.sleep(0.05)
+    replicas.append(asyncio.create_task(replica("b")))
+    try:
+        await wait_until(lambda: len(got) == 40, within=10)
+        await asyncio.sleep(0.7)  # past processingTimeout: late duplicates show up too
+    finally:
+        for task in replicas:
+            task.cancel()
+        await asyncio.gather(*replicas, return_exceptions=True)
+    assert got == Counter(f"m{i}".encode() for i in range(40))
+
+
+async def test_an_entry_with_poison_metadata_is_delivered_and_the_rest_follow(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    # Nested past the recursion limit: json.loads raises RecursionError.
+    redis_client.xadd("orders", {"data": b"bad", "metadata": b"[" * 100_000})
+    for i in range(3):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"good{i}".encode(), {"k": "v"})))  # type: ignore[arg-type]
+    got = []
+    try:
+        it = sub.deliveries()
+        for _ in range(4):
+            d = await next_delivery(it)
+            got.append((d.entry.data, d.metadata))
+            await sub.ack(d.id)
+    finally:
+        await sub.close()
+    assert got == [
+        (b"bad", {"deliveryAttempt": "1"}),
+        *((f"good{i}".encode(), {"k": "v", "deliveryAttempt": "1"}) for i in range(3)),
+    ]
+
+
+async def test_the_fetch_loop_survives_an_unexpected_error(
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failures = [RuntimeError("a bug")]
+
+    def decode_once_badly(fields: Any) -> StreamEntry:
+        if failures:
+            raise failures.pop()
+        return decode_entry(fields)
+
+    monkeypatch.setattr(delayed_pubsub.broker, "decode_entry", decode_once_badly)
+    for i in range(3):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    got = set()
+    try:
+        it = sub.deliveries()
+        for _ in range(3):
+            # The failed batch stays in our PEL, and comes back after processingTimeout.
+            d = await next_delivery(it)
+            got.add(d.entry.data)
+            await sub.ack(d.id)
+    finally:
+        await sub.close()
+    assert got == {b"m0", b"m1", b"m2"}
+
+
+async def test_a_fetch_loop_that_ends_anyway_ends_the_stream(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    try:
+        assert sub._fetcher is not None
+        sub._fetcher.cancel()
+        # Rather than a stream that waits forever: daprd never re-opens one.
+        assert await asyncio.wait_for(_all(sub.deliveries()), 5) == []
+        assert sub.closed
+    finally:
+        await sub.close()
+
+
+async def test_a_reclaimed_batch_is_not_stranded_when_reading_its_delivery_counts_fails(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # A real failure of XPENDING alone, after XAUTOCLAIM took the entry (and reset
+    # its idle time): an ACL user that may not run XPENDING, for a while.
+    user = "no-xpending"
+    acl: Any = redis_client.execute_command  # untyped in redis-py
+    acl("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all", "-xpending")
+    client = aioredis.Redis(port=redis_server.port, username=user, password="pw")
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+    # A consumer read it and died long ago.
+    read: Any = redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+    entry_id = read[0][1][0][0]
+    redis_client.xclaim("orders", "app1", "dead", 0, [entry_id], idle=60_000, justid=True)
+
+    def owner() -> str:
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 1)
+        return _s(rows[0]["consumer"])
+
+    sub = Broker(client, settings(redis_server, processingTimeout="2s"), SystemClock()).subscription(
+        "orders", "c1"
+    )
+    try:
+        await sub.start()
+        delivered = asyncio.ensure_future(next_delivery(sub.deliveries(), within=10))
+        await wait_until(lambda: owner() == sub.consumer)
+        claimed_at = time.monotonic()
+        await asyncio.sleep(0.2)  # XPENDING fails, and is retried, meanwhile
+        acl("ACL", "SETUSER", user, "+xpending")
+        d = await delivered
+        # Not after another processingTimeout (2 s) in our PEL.
+        assert time.monotonic() - claimed_at < 1.2
+        assert (d.entry.data, d.attempt) == (b"m0", 2)
+    finally:
+        await sub.close()
+        await client.aclose()
+        acl("ACL", "DELUSER", user)
+
+
+async def test_a_nacked_entry_is_not_reclaimed_by_another_replica_while_it_waits(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Handling (600 ms) + redeliverInterval (600 ms) > processingTimeout (1 s),
+    # each alone less; the other replica looks every 50 ms.
+    a = Broker(
+        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="600ms"), SystemClock()
+    )
+    b = Broker(
+        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="50ms"), SystemClock()
+    )
+    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
+    await sub_a.start()
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+    stolen: asyncio.Future[Delivery] | None = None
+    try:
+        it = sub_a.deliveries()
+        d = await next_delivery(it)
+        await sub_b.start()
+        stolen = asyncio.ensure_future(anext(sub_b.deliveries()))
+        await asyncio.sleep(0.6)
+        sub_a.nack(d.id)
+        again = await next_delivery(it)
+        await sub_a.ack(again.id)
+        assert (again.id, again.attempt) == (d.id, 2)
+        assert not stolen.done()
+    finally:
+        if stolen is not None:
+            stolen.cancel()
+        await sub_a.close()
+        await sub_b.close()
+
+
+async def test_delivery_attempts_count_nacks_not_reclaim_passes(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+    attempts = []
+    try:
+        it = sub.deliveries()
+        for _ in range(3):
+            d = await next_delivery(it)
+            attempts.append(d.attempt)
+            # Handled past processingTimeout (400 ms): our own reclaim passes
+            # (every 100 ms) see it idle meanwhile.
+            await asyncio.sleep(0.6)
+            sub.nack(d.id)
+    finally:
+        await sub.close()
+    assert attempts == [1, 2, 3]
+
+
+async def test_stop_ends_a_subscription_that_is_retrying(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    redis_client.set("orders", "not a stream")
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    start = asyncio.create_task(sub.start())
+    await asyncio.sleep(0.3)
+    assert not start.done()
+    # Not by cancelling the task: redis-py can swallow a CancelledError.
+    sub.stop()
+    await asyncio.wait({start}, timeout=5)
+    try:
+        assert start.cancelled()
+    finally:
+        start.cancel()
+        await sub.close()
+
+
+async def test_subscriptions_given_the_same_consumer_name_get_distinct_consumers(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    broker = Broker(aclient, settings(redis_server, concurrency="1"), SystemClock())
+    subs = [broker.subscription("orders", "app1:host:42:1") for _ in range(2)]
+    for sub in subs:
+        await sub.start()
+    for i in range(2):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+
+    def consumers() -> list[str]:
+        rows: Any = redis_client.xinfo_consumers("orders", "app1")
+        return sorted(_s(row["name"]) for row in rows)
+
+    try:
+        # One slot each: each reads one entry, as a consumer of its own.
+        await wait_until(lambda: len(consumers()) == 2)
+        assert consumers() == sorted(sub.consumer for sub in subs)
+        assert all(name.startswith("app1:host:42:1:") for name in consumers())
+    finally:
+        for sub in subs:
+            await sub.close()
+
+
+async def _all(it: AsyncIterator[Delivery]) -> list[Delivery]:
+    return [d async for d in it]
 
 
 def _s(value: Any) -> str:

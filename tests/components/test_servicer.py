@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import pytest
 import redis
+import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from delayed_middleware.clock import SystemClock
+from delayed_pubsub.broker import Broker
+from delayed_pubsub.servicer import _pump_acks
+from delayed_pubsub.settings import parse_settings
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
 from tests.redis_server import RedisServer, free_port
@@ -516,3 +521,28 @@ async def test_second_init_replaces_the_first(
     assert db4.exists("orders") == 0
     db4.close()
     db5.close()
+
+
+async def test_the_ack_pump_stops_reading_once_its_subscription_is_closed(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Not by cancellation alone: redis-py can swallow the CancelledError meant
+    # for an ack in flight, and the pump would go on reading daprd's acks.
+    client = aioredis.Redis(port=redis_server.port)
+    settings = parse_settings({"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1"})
+    sub = Broker(client, settings, SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    pulled = []
+
+    async def requests() -> AsyncIterator[pubsub_pb2.PullMessagesRequest]:
+        for i in range(3):
+            pulled.append(i)
+            yield pubsub_pb2.PullMessagesRequest(ack_message_id=f"0-{i + 1}")
+
+    try:
+        sub.stop()
+        await asyncio.wait_for(_pump_acks(requests(), sub), 5)
+        assert pulled == [0]
+    finally:
+        await sub.close()
+        await client.aclose()
