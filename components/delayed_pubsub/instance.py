@@ -284,7 +284,7 @@ class Instance:
         except BaseException:
             self._subscriptions.discard(sub)
             raise
-        log.info("instance %r: subscribed to %r as %s", self.name, topic, consumer)
+        log.info("instance %r: subscribed to %r as %s", self.name, topic, sub.consumer)
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:
