@@ -93,20 +93,20 @@ class DelayEngine:
         """
         if not envelopes:
             return []
-        args: list[Any] = [self._keys.wake, len(envelopes)]
+        args: list[Any] = [self._keys.buckets, self._keys.wake, len(envelopes)]
         for env in envelopes:
             args += [encode_envelope(env), env.due_ms, env.schedule_id]
-        ids = await self._schedule(keys=[self._keys.stream, self._keys.due, self._keys.ids], args=args)
+        ids = await self._schedule(keys=self._keys.script_keys, args=args)
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     async def cancel(self, schedule_id: str) -> bool:
         """Withdraw the pending message with this scheduleId; True if one was pending."""
-        n = await self._cancel(keys=[self._keys.stream, self._keys.due, self._keys.ids], args=[schedule_id])
+        n = await self._cancel(keys=self._keys.script_keys, args=[self._keys.buckets, schedule_id])
         return bool(n)
 
     async def pending(self) -> int:
         """How many messages wait on this delayed topic."""
-        return int(await self._redis.zcard(self._keys.due))
+        return int(await self._redis.get(self._keys.count) or 0)
 
     async def fire_due(self) -> tuple[int, int | None]:
         """Fire one batch of what is due now, in one atomic script.
@@ -116,8 +116,8 @@ class DelayEngine:
         now = self._clock.now_ms()
         mode, threshold = self._trim.args(now)
         raw = await self._fire_due(
-            keys=[self._keys.stream, self._keys.due, self._keys.ids],
-            args=[now, self._config.batch_size, mode, threshold],
+            keys=self._keys.script_keys,
+            args=[self._keys.buckets, now, self._config.batch_size, mode, threshold],
         )
         fired, head, first, pending = int(raw[0]), raw[1], raw[2], int(raw[3])
         if self._on_batch is not None:

@@ -24,18 +24,38 @@ def delayed_topic(consumer_id: str, namespace: str = "") -> str:
 class EngineKeys:
     """The keys of one delayed topic.
 
-    stream: the envelopes (field `data` = DelayedMessage bytes), one per pending message.
-    due:    sorted set, member = envelope stream id, score = due time in epoch ms.
-    ids:    hash, scheduleId -> envelope stream id, for replace and cancel by id.
-    wake:   pub/sub channel announcing a new earliest due time to every replica.
+    stream:  the envelopes (field `data` = DelayedMessage bytes), one per pending message.
+    due:     the due index's top: sorted set of bucket ids scored by their lower bound.
+    buckets: prefix of the index buckets, `<prefix><id>`: sorted sets, member =
+             envelope stream id, score = due time in epoch ms (see scripts._INDEX).
+    seq:     the bucket id sequence.
+    count:   how many messages are pending.
+    ids:     hash, scheduleId -> "<envelope stream id> <due ms>", for replace and cancel by id.
+    wake:    pub/sub channel announcing a new earliest due time to every replica.
     """
 
     stream: str
     due: str
+    buckets: str
+    seq: str
+    count: str
     ids: str
     wake: str
 
     @classmethod
     def for_topic(cls, topic: str) -> EngineKeys:
         tag = "{" + topic + "}"
-        return cls(stream=topic, due=f"{tag}:due", ids=f"{tag}:ids", wake=f"{tag}:wake")
+        return cls(
+            stream=topic,
+            due=f"{tag}:due",
+            buckets=f"{tag}:due:",
+            seq=f"{tag}:due-seq",
+            count=f"{tag}:pending",
+            ids=f"{tag}:ids",
+            wake=f"{tag}:wake",
+        )
+
+    @property
+    def script_keys(self) -> list[str]:
+        """KEYS of every engine script, in their order (see scripts.py)."""
+        return [self.stream, self.due, self.ids, self.seq, self.count]

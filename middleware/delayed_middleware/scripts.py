@@ -12,41 +12,152 @@ from __future__ import annotations
 
 from delayed_middleware.entry import CONTENT_TYPE, DATA, METADATA
 
+# The due index, shared by the scripts below: a two-level structure so that a
+# pending message costs ~25 bytes of index instead of a skiplist element's ~120.
+# KEYS[2] (top) is a sorted set of buckets scored by their lower bound; each
+# bucket `ARGV[1]..id` is a small sorted set (member = envelope stream id,
+# score = due ms) that Redis keeps listpack-encoded. Buckets partition time:
+# bucket i holds the dues in [start_i, start_i+1). A bucket over BUCKET_MAX
+# entries splits in two at a due-time boundary; one whose entries all share a
+# due time cannot split and simply grows (a burst costs what a plain zset does).
+# KEYS[4] is the bucket id sequence, KEYS[5] the pending count.
+BUCKET_MAX = 100
+_INDEX = f"""
+local function bucket_key(b) return ARGV[1] .. b end
+
+-- The bucket that holds (or would hold) `due`; with `create`, makes room for it.
+local function locate(due, create)
+  local b = redis.call('ZREVRANGEBYSCORE', KEYS[2], due, '-inf', 'LIMIT', 0, 1)[1]
+  if b then return b end
+  b = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not create then return b end
+  if b then
+    -- Earlier than every bucket: the first one now starts at `due`.
+    redis.call('ZADD', KEYS[2], due, b)
+    return b
+  end
+  b = tostring(redis.call('INCR', KEYS[4]))
+  redis.call('ZADD', KEYS[2], due, b)
+  return b
+end
+
+local function split(b)
+  local key = bucket_key(b)
+  local n = redis.call('ZCARD', key)
+  local cut = tonumber(redis.call('ZRANGE', key, math.floor(n / 2), math.floor(n / 2), 'WITHSCORES')[2])
+  local low = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
+  if cut == low then
+    local nxt = redis.call('ZRANGEBYSCORE', key, '(' .. low, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if not nxt[1] then return end
+    cut = tonumber(nxt[2])
+  end
+  local moved = redis.call('ZRANGEBYSCORE', key, cut, '+inf', 'WITHSCORES')
+  local nb = tostring(redis.call('INCR', KEYS[4]))
+  local args = {{}}
+  for i = 1, #moved, 2 do
+    args[#args + 1] = moved[i + 1]
+    args[#args + 1] = moved[i]
+  end
+  redis.call('ZADD', bucket_key(nb), unpack(args))
+  redis.call('ZREMRANGEBYSCORE', key, cut, '+inf')
+  redis.call('ZADD', KEYS[2], cut, nb)
+end
+
+local function insert(id, due)
+  local b = locate(due, true)
+  local key = bucket_key(b)
+  redis.call('ZADD', key, due, id)
+  redis.call('INCR', KEYS[5])
+  if redis.call('ZCARD', key) > {BUCKET_MAX} then split(b) end
+end
+
+-- Removes `id` (due at `due`); returns 1 if it was pending.
+local function remove(id, due)
+  local b = locate(due, false)
+  if not b then return 0 end
+  local key = bucket_key(b)
+  local removed = redis.call('ZREM', key, id)
+  if removed == 1 then
+    redis.call('DECR', KEYS[5])
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+  end
+  return removed
+end
+
+-- The earliest due time pending, or nil.
+local function head()
+  local b = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not b then return nil end
+  return redis.call('ZRANGE', bucket_key(b), 0, 0, 'WITHSCORES')[2]
+end
+
+-- Takes up to `limit` ids due at `now` out of the index, earliest first.
+-- Returns the ids and the due time of the first.
+local function take_due(now, limit)
+  local ids, first = {{}}, nil
+  while #ids < limit do
+    local b = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if not b then break end
+    local key = bucket_key(b)
+    local got = redis.call('ZRANGEBYSCORE', key, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit - #ids)
+    if #got == 0 then break end
+    if first == nil then first = got[2] end
+    for i = 1, #got, 2 do ids[#ids + 1] = got[i] end
+    redis.call('ZREMRANGEBYRANK', key, 0, #got / 2 - 1)
+    if redis.call('EXISTS', key) == 1 then break end
+    -- Emptied: the next bucket may hold due ones too.
+    redis.call('ZREM', KEYS[2], b)
+  end
+  if #ids > 0 then redis.call('DECRBY', KEYS[5], #ids) end
+  return ids, first
+end
+
+-- ids hash values are "<stream id> <due ms>": enough to find the bucket.
+local function parse_ref(v)
+  local sp = string.find(v, ' ', 1, true)
+  return string.sub(v, 1, sp - 1), string.sub(v, sp + 1)
+end
+"""
+
 # SCHEDULE: store envelopes durably and index them by due time.
-# KEYS[1] stream (the delayed topic), KEYS[2] due zset, KEYS[3] ids hash
-# ARGV[1] wake channel
-# ARGV[2] n, then n triples: envelope bytes, due ms, scheduleId ('' for none)
+# KEYS: 1 stream (the delayed topic), 2 index top, 3 ids hash, 4 bucket seq, 5 pending count
+# ARGV[1] bucket key prefix, ARGV[2] wake channel,
+# ARGV[3] n, then n triples: envelope bytes, due ms, scheduleId ('' for none)
 # Returns the new envelope stream ids, in order.
 # A scheduleId already pending is replaced: its old envelope leaves the index
 # and the stream, so it can never fire. The wake channel is told when a new
 # envelope became the earliest, so sleeping replicas shorten their sleep.
-SCHEDULE = f"""
-local n = tonumber(ARGV[2])
+SCHEDULE = (
+    _INDEX
+    + f"""
+local n = tonumber(ARGV[3])
 local ids = {{}}
 local earliest = nil
 for i = 0, n - 1 do
-  local env = ARGV[3 + i * 3]
-  local due = ARGV[4 + i * 3]
-  local sid = ARGV[5 + i * 3]
+  local env = ARGV[4 + i * 3]
+  local due = ARGV[5 + i * 3]
+  local sid = ARGV[6 + i * 3]
   local id = redis.call('XADD', KEYS[1], '*', '{DATA}', env, '{METADATA}', '{{}}')
-  redis.call('ZADD', KEYS[2], due, id)
+  insert(id, due)
   if sid ~= '' then
     local old = redis.call('HGET', KEYS[3], sid)
     if old then
-      redis.call('ZREM', KEYS[2], old)
-      redis.call('XDEL', KEYS[1], old)
+      local old_id, old_due = parse_ref(old)
+      remove(old_id, old_due)
+      redis.call('XDEL', KEYS[1], old_id)
     end
-    redis.call('HSET', KEYS[3], sid, id)
+    redis.call('HSET', KEYS[3], sid, id .. ' ' .. due)
   end
   ids[#ids + 1] = id
   if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
 end
-local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-if earliest ~= nil and head[2] ~= nil and tonumber(head[2]) >= earliest then
-  redis.call('PUBLISH', ARGV[1], tostring(earliest))
+local h = head()
+if earliest ~= nil and h ~= nil and tonumber(h) >= earliest then
+  redis.call('PUBLISH', ARGV[2], tostring(earliest))
 end
 return ids
 """
+)
 
 # The DelayedMessage decoder, in Lua, so firing needs no round trip through
 # the client: a batch is read, decoded and appended inside one script. It knows
@@ -166,9 +277,9 @@ SCHEDULER = "scheduler"
 SCHEDULE_NEXT = "scheduleNext"
 
 # FIRE_DUE: move what is due to its target topics, exactly once.
-# KEYS[1] stream (the delayed topic), KEYS[2] due zset, KEYS[3] ids hash
-# ARGV[1] now ms, ARGV[2] batch limit,
-# ARGV[3] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[4] trim threshold
+# KEYS: 1 stream (the delayed topic), 2 index top, 3 ids hash, 4 bucket seq, 5 pending count
+# ARGV[1] bucket key prefix, ARGV[2] now ms, ARGV[3] batch limit,
+# ARGV[4] trim mode ('' | 'MAXLEN' | 'MINID'), ARGV[5] trim threshold
 # Each fired message gets metadata `scheduler` (its scheduleId, else its
 # envelope's id on the delayed topic) and `scheduleNext` = 'purge' (one-shot).
 # Returns {fired, head, first, pending, bad id, bad id, ...}: head is the
@@ -180,17 +291,14 @@ SCHEDULE_NEXT = "scheduleNext"
 # Target topics are computed from the envelopes, so they are not in KEYS:
 # fine on a single node; Redis Cluster needs the two-phase variant.
 FIRE_DUE = (
-    _DECODE
+    _INDEX
+    + _DECODE
     + f"""
-local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+local ids, first = take_due(ARGV[2], tonumber(ARGV[3]))
+local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 if #ids == 0 then
-  local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  return {{0, head[2] or '', '', redis.call('ZCARD', KEYS[2])}}
+  return {{0, head() or '', '', pending}}
 end
--- The earliest due time of the batch, for the caller's lateness figure.
-local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')[2]
--- The batch is the lowest-ranked #ids members: one call removes them all.
-redis.call('ZREMRANGEBYRANK', KEYS[2], 0, #ids - 1)
 local fired, bad, done = 0, {{}}, {{}}
 for _, id in ipairs(ids) do
   local e = redis.call('XRANGE', KEYS[1], id, id)
@@ -210,10 +318,10 @@ for _, id in ipairs(ids) do
       entry[2]['{SCHEDULER}'] = env[3] ~= '' and env[3] or id
       entry[2]['{SCHEDULE_NEXT}'] = 'purge'
       local args = {{env[1]}}
-      if ARGV[3] ~= '' then
-        args[#args + 1] = ARGV[3]
-        args[#args + 1] = '~'
+      if ARGV[4] ~= '' then
         args[#args + 1] = ARGV[4]
+        args[#args + 1] = '~'
+        args[#args + 1] = ARGV[5]
       end
       args[#args + 1] = '*'
       args[#args + 1] = '{DATA}'
@@ -227,8 +335,9 @@ for _, id in ipairs(ids) do
       redis.call('XADD', unpack(args))
     end
     done[#done + 1] = id
-    if env[3] ~= '' and redis.call('HGET', KEYS[3], env[3]) == id then
-      redis.call('HDEL', KEYS[3], env[3])
+    if env[3] ~= '' then
+      local ref = redis.call('HGET', KEYS[3], env[3])
+      if ref and parse_ref(ref) == id then redis.call('HDEL', KEYS[3], env[3]) end
     end
     fired = fired + 1
   else
@@ -238,21 +347,25 @@ end
 for i = 1, #done, 1000 do
   redis.call('XDEL', KEYS[1], unpack(done, i, math.min(i + 999, #done)))
 end
-local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-local out = {{fired, head[2] or '', first, redis.call('ZCARD', KEYS[2])}}
+local out = {{fired, head() or '', first, pending}}
 for _, id in ipairs(bad) do out[#out + 1] = id end
 return out
 """
 )
 
 # CANCEL: withdraw a pending envelope by scheduleId; nothing is delivered.
-# KEYS[1] stream, KEYS[2] due zset, KEYS[3] ids hash; ARGV[1] scheduleId
+# KEYS: 1 stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count
+# ARGV[1] bucket key prefix, ARGV[2] scheduleId
 # Returns 1 when something pending was canceled, 0 when nothing was pending.
-CANCEL = """
-local id = redis.call('HGET', KEYS[3], ARGV[1])
-if not id then return 0 end
-redis.call('HDEL', KEYS[3], ARGV[1])
-local removed = redis.call('ZREM', KEYS[2], id)
+CANCEL = (
+    _INDEX
+    + """
+local ref = redis.call('HGET', KEYS[3], ARGV[2])
+if not ref then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[2])
+local id, due = parse_ref(ref)
+local removed = remove(id, due)
 redis.call('XDEL', KEYS[1], id)
 return removed
 """
+)

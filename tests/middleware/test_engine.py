@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import Trim, decode_entry
@@ -79,7 +81,8 @@ async def test_not_before_due_then_exactly_once(
     assert await engine.fire_due() == (0, None)
     assert len(target(redis_client)) == 1
     assert redis_client.xlen(KEYS.stream) == 0
-    assert redis_client.zcard(KEYS.due) == 0
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.due) == 0  # the index is empty, no bucket left behind
 
 
 async def test_envelope_on_delayed_topic_decodes(
@@ -92,7 +95,7 @@ async def test_envelope_on_delayed_topic_decodes(
     assert stream_id == sid
     decoded = decode_envelope(decode_entry(fields).data)
     assert decoded == e
-    assert redis_client.zscore(KEYS.due, sid) == T0 + 60_000
+    assert await engine.pending() == 1
 
 
 async def test_content_type_and_raw_bytes_survive(
@@ -328,11 +331,95 @@ async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
     engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
-    redis_client.xadd(KEYS.stream, {"data": b"\x0a\xff\xff\xff"})  # a truncated field
+    # A truncated field, scheduled through the real script as any envelope is.
+    redis_client.eval(
+        scripts.SCHEDULE, 5, *KEYS.script_keys, KEYS.buckets, KEYS.wake, 1, b"\x0a\xff\xff\xff", T0, ""
+    )
     [(bad_id, _)] = target(redis_client, KEYS.stream)
-    redis_client.zadd(KEYS.due, {bad_id: T0})
     await engine.schedule([env(1, T0)])
     assert (await engine.fire_due())[0] == 1
     assert [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)] == [1]
     assert await engine.pending() == 0  # out of the index: it cannot spin the loop
     assert [i for i, _ in target(redis_client, KEYS.stream)] == [bad_id]  # still there to inspect
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_index_agrees_with_a_model_through_splits_replaces_and_cancels(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, seed: int
+) -> None:
+    """Random schedules (bursts sharing a due time, sparse ones, replaced and canceled ids) and fires,
+    checked after every step against a plain dict: the bucketed index loses nothing and fires in order."""
+    rng = random.Random(seed)
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(batch_size=rng.choice([7, 50, 500])))
+    model: dict[str, tuple[int, str]] = {}  # payload -> (due, scheduleId)
+    fired_order: list[str] = []
+    n = 0
+    for _step in range(60):
+        op = rng.random()
+        if op < 0.55:
+            batch = []
+            burst_due = clock.now_ms() + rng.choice([0, 5, 300, 5_000, 86_400_000])
+            for _ in range(rng.choice([1, 20, 150, 400])):
+                n += 1
+                due = burst_due if rng.random() < 0.5 else clock.now_ms() + rng.randrange(0, 20_000)
+                sid = f"s{rng.randrange(40)}" if rng.random() < 0.2 else ""
+                batch.append(env(n, due, sid=sid))
+            await engine.schedule(batch)
+            for e in batch:
+                if e.schedule_id:
+                    model = {k: v for k, v in model.items() if v[1] != e.schedule_id}
+                model[e.message.decode()] = (e.due_ms, e.schedule_id)
+        elif op < 0.65:
+            sid = f"s{rng.randrange(40)}"
+            was = any(v[1] == sid for v in model.values())
+            assert await engine.cancel(sid) is was
+            model = {k: v for k, v in model.items() if v[1] != sid}
+        else:
+            clock.advance(rng.choice([1, 50, 1_000, 10_000]))
+            before = len(target(redis_client))
+            while (await engine.fire_due())[0]:
+                pass
+            got = [decode_entry(f).data.decode() for _, f in target(redis_client)[before:]]
+            due_now = {k for k, (due, _) in model.items() if due <= clock.now_ms()}
+            assert set(got) == due_now
+            assert len(got) == len(due_now)
+            assert [model[k][0] for k in got] == sorted(model[k][0] for k in got)  # earliest first
+            fired_order += got
+            for k in got:
+                del model[k]
+        assert await engine.pending() == len(model)
+    clock.advance(100_000_000)
+    while (await engine.fire_due())[0]:
+        pass
+    delivered = [decode_entry(f).data.decode() for _, f in target(redis_client)]
+    assert len(delivered) == len(set(delivered))  # nothing twice
+    assert set(delivered) == set(fired_order) | set(model)  # nothing lost
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.due) == 0
+
+
+async def test_a_burst_sharing_one_due_time_outgrows_a_bucket_and_fires_whole(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(batch_size=64))
+    # Interleaved: a bucket fills with one due time, then with the next, and
+    # must split between them, never inside a run of equal due times.
+    await engine.schedule([env(i, T0 + 10 + i % 2) for i in range(600)])
+    assert await engine.pending() == 600
+
+    async def fire_at(now: int) -> list[int]:
+        clock.set(now)
+        before = len(target(redis_client))
+        while (await engine.fire_due())[0]:
+            pass
+        return [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)[before:]]
+
+    assert sorted(await fire_at(T0 + 10)) == list(range(0, 600, 2))
+    assert await engine.pending() == 300
+    await engine.schedule([env(1000 + i, T0 + 5) for i in range(250)])  # earlier than every bucket
+    assert sorted(await fire_at(T0 + 10)) == list(range(1000, 1250))
+    assert sorted(await fire_at(T0 + 11)) == list(range(1, 600, 2))
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.due) == 0
