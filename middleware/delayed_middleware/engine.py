@@ -79,7 +79,6 @@ class DelayEngine:
         self._cancel = client.register_script(scripts.CANCEL)
         self._on_batch = on_batch
         self._wake = asyncio.Event()
-        self.fired_total = 0
 
     @property
     def keys(self) -> EngineKeys:
@@ -132,7 +131,6 @@ class DelayEngine:
                 self._keys.stream,
                 ", ".join(bad[:10]),
             )
-        self.fired_total += fired
         return fired, (int(float(head)) if head else None)
 
     async def run(self) -> None:

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 DELAYED_SUFFIX = "-delayed"
 
 
-def delayed_topic(consumer_id: str, namespace: str = "") -> str:
-    """The topic on which delayed envelopes wait for one app (consumer group)."""
-    suffix = f"-{namespace}" if namespace else ""
-    return f"{consumer_id}{DELAYED_SUFFIX}{suffix}"
+def delayed_topic(consumer_id: str) -> str:
+    """The topic on which delayed envelopes wait for one app (consumer group).
+
+    Namespaced consumer groups need nothing here: daprd resolves a
+    `{namespace}` template in consumerID before Init, so it is in the name.
+    """
+    return f"{consumer_id}{DELAYED_SUFFIX}"
 
 
 @dataclass(frozen=True)
