@@ -4,7 +4,9 @@ pubsub.redis writes each message as an entry with a `data` field (the bytes as
 published) and a `metadata` field (the publish metadata as a JSON object), and
 reads nothing else, so streams written by either component read the same.
 We add `contentType` only when there is one: pubsub.redis ignores it, and it
-lets a bulk entry's content type survive the trip.
+lets a bulk entry's content type survive the trip. Likewise `expiresAt` (epoch
+ms) when the message has a TTL: our subscriptions never deliver it after that
+instant (pubsub.redis readers ignore the field).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 DATA = "data"
 METADATA = "metadata"
 CONTENT_TYPE = "contentType"
+EXPIRES_AT = "expiresAt"
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class StreamEntry:
     data: bytes
     metadata: Mapping[str, str] = field(default_factory=dict)
     content_type: str = ""
+    # Epoch ms after which the message must not be delivered; 0 = never expires.
+    expires_at_ms: int = 0
 
 
 def encode_entry(entry: StreamEntry) -> dict[str, bytes]:
@@ -35,6 +40,8 @@ def encode_entry(entry: StreamEntry) -> dict[str, bytes]:
     }
     if entry.content_type:
         fields[CONTENT_TYPE] = entry.content_type.encode()
+    if entry.expires_at_ms:
+        fields[EXPIRES_AT] = str(entry.expires_at_ms).encode()
     return fields
 
 
@@ -58,7 +65,17 @@ def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamE
         if isinstance(parsed, dict):
             metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
     content_type = norm.get(CONTENT_TYPE, b"").decode(errors="replace")
-    return StreamEntry(data=bytes(data), metadata=metadata, content_type=content_type)
+    expires_at_ms = 0
+    raw_expiry = norm.get(EXPIRES_AT)
+    if raw_expiry:
+        try:
+            expires_at_ms = int(raw_expiry)
+        except ValueError:
+            # Unreadable expiry: deliver rather than drop; losing data is worse.
+            expires_at_ms = 0
+    return StreamEntry(
+        data=bytes(data), metadata=metadata, content_type=content_type, expires_at_ms=expires_at_ms
+    )
 
 
 @dataclass(frozen=True)
