@@ -29,6 +29,7 @@ from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_ent
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
+from delayed_pubsub.retry import Retrier
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,8 @@ class Subscription:
         self._fetcher: asyncio.Task[None] | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "0-0"
+        # The retry policy's executor (retry.py), when one is configured; set before start().
+        self.retry: Retrier | None = None
         # Short blocks keep a dead connection from going unnoticed for long.
         self._block_ms = 1000
         base = call_timeout(settings)
@@ -254,6 +257,8 @@ class Subscription:
         await self._retrying("XGROUP CREATE", self._create_group)
         self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"fetch {self.topic} {self.consumer}")
         self._fetcher.add_done_callback(self._fetch_ended)
+        if self.retry is not None:
+            self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
 
     def _fetch_ended(self, task: asyncio.Task[None]) -> None:
         if self._closed:
@@ -288,6 +293,8 @@ class Subscription:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.retry is not None:
+            await self.retry.close()
         try:
             await asyncio.wait_for(
                 self._client.eval(DELETE_IDLE_CONSUMER_LUA, 1, self.topic, self._group, self.consumer),
@@ -339,8 +346,9 @@ class Subscription:
         self._metrics.acked.inc()
         self._release(entry_id)
 
-    def nack(self, entry_id: str) -> None:
-        """The subscriber failed `entry_id`: redeliver it after redeliverInterval.
+    def nack(self, entry_id: str, error: str = "") -> None:
+        """The subscriber failed `entry_id` (with `error`): redeliver it after
+        redeliverInterval, or as the retry policy says when there is one.
 
         The entry stays in the PEL meanwhile, so if this process dies it is
         reclaimed by another consumer after processingTimeout.
@@ -351,9 +359,18 @@ class Subscription:
         self._unacked.discard(entry_id)
         self._metrics.nacked.inc()
         self._wake.set()
-        timer = asyncio.create_task(self._redeliver(entry_id), name=f"redeliver {entry_id}")
+        redeliver = self._redeliver(entry_id) if self.retry is None else self._retry_nack(entry_id, error)
+        timer = asyncio.create_task(redeliver, name=f"redeliver {entry_id}")
         self._timers.add(timer)
         timer.add_done_callback(self._timers.discard)
+
+    async def _retry_nack(self, entry_id: str, error: str) -> None:
+        assert self.retry is not None
+        await self.retry.on_nack(entry_id, error)
+        # Its durable retry record (or its dead letter) owns it now: whichever
+        # stream of the group the record's time finds redelivers it.
+        self._owned.discard(entry_id)
+        self._wake.set()
 
     def _release(self, entry_id: str) -> None:
         self._unacked.discard(entry_id)
@@ -413,6 +430,9 @@ class Subscription:
     async def _reclaim(self, count: int) -> int:
         """Take over up to `count` entries idle past processingTimeout; returns how many were taken."""
         ids = await self._retrying("XAUTOCLAIM", lambda: self._autoclaim(count))
+        if ids and self.retry is not None:
+            # Entries waiting out a retry backoff are not abandoned: not yet.
+            ids = await self.retry.hold_back(ids)
         if not ids:
             return 0
         # They are ours from here, their idle time reset: a failure below must
@@ -509,6 +529,7 @@ class Subscription:
                 async with asyncio.timeout(self._timeout):
                     result = await call()
             except redis.exceptions.ResponseError as e:
+                self._metrics.redis_errors.inc()
                 if "NOGROUP" in str(e):
                     log.warning(
                         "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic
@@ -520,6 +541,7 @@ class Subscription:
                 else:
                     log.error("%s on %s failed: %s; retrying", what, self.topic, e)
             except TRANSIENT_ERRORS as e:
+                self._metrics.redis_errors.inc()
                 log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
             else:
                 if backoff.failures:

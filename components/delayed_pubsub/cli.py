@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 import prometheus_client
 
 from delayed_middleware.clock import SystemClock
+from delayed_pubsub import logs, operate
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
 
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line"
+    )
+    run.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default off)"
     )
     run.add_argument(
@@ -41,17 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="address of the metrics listener (default loopback; 0.0.0.0 to let a scraper in)",
     )
     run.add_argument("--grace", type=float, default=5.0, help="seconds running calls get on shutdown")
+    operate.register(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `delayed-pubsub` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    if getattr(args, "operate", None) is not None:
+        return operate.run(args)
+    logs.configure(args.log_level, args.log_format)
     if args.command == "serve":
         metrics = Metrics()
         if args.metrics_port is not None:

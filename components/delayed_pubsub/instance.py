@@ -30,6 +30,7 @@ from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
+from delayed_pubsub.retry import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
 
 log = logging.getLogger(__name__)
@@ -276,13 +277,29 @@ class Instance:
             raise InvalidArgumentError(
                 "consumerID", "", "required to subscribe (daprd sets it to the app-id)"
             )
+        # The subscription's own metadata may override the component's retry policy.
+        policy = self.settings.retry.overridden(metadata)
+        policy.check_topic(topic)
         consumer = f"{self.settings.consumer_id}:{self._host}:{os.getpid()}:{next(self._stream_numbers)}"
         sub = self.broker.subscription(topic, consumer, paused=self._paused)
+        if policy.active:
+            sub.retry = Retrier(
+                self._connection.client,
+                policy,
+                topic=topic,
+                group=self.settings.consumer_id,
+                consumer=sub.consumer,
+                clock=self._clock,
+                metrics=self.metrics,
+                call_timeout=call_timeout(self.settings),
+            )
         self._subscriptions.add(sub)
+        self.metrics.subscriptions.set(len(self._subscriptions))
         try:
             await sub.start()
         except BaseException:
             self._subscriptions.discard(sub)
+            self.metrics.subscriptions.set(len(self._subscriptions))
             raise
         log.info("instance %r: subscribed to %r as %s", self.name, topic, sub.consumer)
         return sub
@@ -290,6 +307,7 @@ class Instance:
     async def unsubscribe(self, sub: Subscription) -> None:
         """Close a subscription (its unacked entries stay pending in Redis)."""
         self._subscriptions.discard(sub)
+        self.metrics.subscriptions.set(len(self._subscriptions))
         await sub.close()
 
     def pause(self) -> None:
@@ -325,6 +343,7 @@ class Instance:
             self._engine_task = None
         subs = list(self._subscriptions)
         self._subscriptions.clear()
+        self.metrics.subscriptions.set(0)
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)
         await self._connection.aclose()
 

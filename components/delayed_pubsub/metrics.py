@@ -2,18 +2,24 @@
 
 `delayed-pubsub serve --metrics-port N` exposes them. Labels are the component
 instance (the YAML metadata.name) and, where it matters, how a message went;
-never the topic, whose cardinality is the user's.
+never the topic, whose cardinality is the user's -- except the pending-per-topic
+gauge, bounded to the largest topics plus one "(other)" series.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from delayed_middleware.engine import FireReport
 
+# Topics beyond the largest ones share this label: bounded cardinality.
+OTHER_TOPICS = "(other)"
+
 # Lateness of a fire, from 1 ms to a minute: precision is the product.
+
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 
@@ -60,6 +66,47 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        # --- operations (issue 9): retries, dead letters, cancels, parks, errors
+        self.retried = Counter(
+            "delayed_pubsub_retried_messages",
+            "Nacked messages scheduled for a later redelivery by the retry policy",
+            ["instance"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "delayed_pubsub_dead_lettered_messages",
+            "Messages that used up maxDeliveryAttempts; outcome=published (to deadLetterTopic) or dropped",
+            ["instance", "outcome"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "delayed_pubsub_cancelled_messages",
+            "Pending delayed messages cancelled (scheduleCancel)",
+            ["instance"],
+            registry=r,
+        )
+        self.parked = Counter(
+            "delayed_pubsub_parked_messages",
+            "Delayed messages the engine could not deliver and kept for an operator",
+            ["instance"],
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "delayed_pubsub_redis_errors",
+            "Redis calls that failed (each failed try of a retried call counts)",
+            ["instance"],
+            registry=r,
+        )
+        self.subscriptions = Gauge(
+            "delayed_pubsub_open_subscriptions", "Open PullMessages streams", ["instance"], registry=r
+        )
+        self.pending_by_topic = Gauge(
+            "delayed_pubsub_pending_by_topic_messages",
+            'Delayed messages waiting, per target topic (the largest topics; the rest as topic="(other)"), '
+            "refreshed by a bounded scan",
+            ["instance", "topic"],
+            registry=r,
+        )
 
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
@@ -72,6 +119,15 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            retried=self.retried.labels(name),
+            dead_lettered=self.dead_lettered.labels(name, "published"),
+            dropped=self.dead_lettered.labels(name, "dropped"),
+            cancelled=self.cancelled.labels(name),
+            parked=self.parked.labels(name),
+            redis_errors=self.redis_errors.labels(name),
+            subscriptions=self.subscriptions.labels(name),
+            pending_by_topic=self.pending_by_topic,
+            name=name,
         )
 
 
@@ -87,6 +143,31 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    retried: Counter
+    dead_lettered: Counter
+    dropped: Counter
+    cancelled: Counter
+    parked: Counter
+    redis_errors: Counter
+    subscriptions: Gauge
+    # The family, not a child: its topic label set changes with every refresh.
+    pending_by_topic: Gauge
+    name: str
+    topics_shown: set[str] = field(default_factory=set)
+
+    def set_pending_by_topic(self, counts: Mapping[str, int], top: int = 20) -> None:
+        """Replace this instance's per-topic pending gauge: the `top` largest, the rest summed as (other)."""
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = dict(ranked[:top])
+        other = sum(n for _, n in ranked[top:])
+        if other:
+            shown[OTHER_TOPICS] = other
+        for topic in self.topics_shown - shown.keys():
+            self.pending_by_topic.remove(self.name, topic)
+        for topic, n in shown.items():
+            self.pending_by_topic.labels(self.name, topic).set(n)
+        self.topics_shown.clear()
+        self.topics_shown.update(shown)
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""

@@ -175,7 +175,7 @@ async def _pump_acks(requests: AsyncIterator[pubsub_pb2.PullMessagesRequest], su
         async for request in requests:
             if request.ack_message_id:
                 if request.HasField("ack_error"):
-                    sub.nack(request.ack_message_id)
+                    sub.nack(request.ack_message_id, request.ack_error.message)
                 else:
                     await sub.ack(request.ack_message_id)
             if sub.closed:

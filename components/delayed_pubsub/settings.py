@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.retry import KEYS as RETRY_KEYS
+from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ KNOWN_KEYS = frozenset(
     }
 )
 
+# Subscriber retry policy (delayed_middleware.retry): same keys per subscription.
+KNOWN_KEYS = KNOWN_KEYS | frozenset(RETRY_KEYS)
+
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
 
@@ -86,6 +91,7 @@ class Settings:
     pool_size: int | None = None
     enable_delayed_messaging: bool = False
     max_delay_ms: int | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     @property
     def address(self) -> str:
@@ -159,6 +165,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         pool_size=_int(props, "poolSize", 0, minimum=0) or None,
         enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
+        retry=parse_retry_policy(props),
     )
 
 

@@ -1,0 +1,308 @@
+"""Carries out a subscription's RetryPolicy on Redis (the design is in delayed_middleware.retry).
+
+The hook into a Subscription is narrow, so it survives rewrites of the
+subscription itself. A subscription with `retry = Retrier(...)` calls:
+
+- `retry.start(push)` once it is fetching: the poller that redelivers due
+  entries; `push(entry_id, fields, attempt)` must queue a delivery even if the
+  subscription already saw that id (it is a redelivery);
+- `await retry.on_nack(entry_id, error)` instead of its own redelivery timer,
+  then forgets the id (it is no longer this stream's: the record is);
+- `await retry.hold_back(ids)` on ids XAUTOCLAIM took over, and delivers only
+  those returned: an entry with a future retry record must wait for it;
+- `await retry.close()` when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from delayed_middleware import history
+from delayed_middleware.backoff import Backoff
+from delayed_middleware.clock import Clock
+from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.retry import (
+    DL_AT,
+    DL_ATTEMPTS,
+    DL_CONSUMER,
+    DL_REASON,
+    DL_SOURCE_TOPIC,
+    DeadLetter,
+    RetryPolicy,
+    dead_letter_topics_key,
+    retry_key,
+)
+from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.metrics import InstanceMetrics
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The history stream is trimmed by the engine's settings once engine v2 lands;
+# until then our own appends keep it bounded.
+HISTORY_MAXLEN = 100_000
+# Longest the poller sleeps without looking: bounds how late a record written by
+# another replica (or before a restart) is noticed.
+POLL_CAP_S = 1.0
+POLL_BATCH = 100
+
+Push = Callable[[str, Any, int], None]
+
+_RETRIED: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError)
+
+
+class Retrier:
+    """One subscription's retries: durable records, the poller, dead letters."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        policy: RetryPolicy,
+        *,
+        topic: str,
+        group: str,
+        consumer: str,
+        clock: Clock,
+        metrics: InstanceMetrics,
+        call_timeout: float | None,
+    ) -> None:
+        self.policy = policy
+        self._client = client
+        self._topic = topic
+        self._group = group
+        self._consumer = consumer
+        self._clock = clock
+        self._metrics = metrics
+        self._timeout = call_timeout
+        self._key = retry_key(group, topic)
+        self._history = EngineKeys.for_topic(delayed_topic(group)).history
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- the hook -------------------------------------------------------------
+
+    def start(self, push: Push) -> None:
+        """Start redelivering due entries of this group and topic into `push`."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll(push), name=f"retry-poller {self._key}")
+
+    async def close(self) -> None:
+        """Stop the poller; records stay in Redis for the next stream of the group."""
+        self._closed = True
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+
+    async def on_nack(self, entry_id: str, error: str) -> None:
+        """Record when `entry_id` may come back, or dead-letter it after its last attempt."""
+        attempt, fields = await self._retrying("read nacked entry", lambda: self._read(entry_id))
+        if fields is None:
+            return  # acked elsewhere, deleted or trimmed: nothing left to retry
+        entry = decode_entry(fields)
+        decision = self.policy.on_nack(attempt, error)
+        if isinstance(decision, DeadLetter):
+            await self._dead_letter(entry_id, entry, decision)
+            return
+        due_ms = self._clock.now_ms() + int(decision.after_s * 1000)
+        await self._retrying("record retry", lambda: self._record(entry_id, due_ms))
+        self._metrics.retried.inc()
+        await self._append_history(
+            history.RETRIED, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=error
+        )
+        log.info(
+            "%s on %s: delivery %d failed; next in %.3fs",
+            entry_id,
+            self._topic,
+            attempt,
+            decision.after_s,
+        )
+        self._wake.set()
+
+    async def hold_back(self, ids: Sequence[str]) -> list[str]:
+        """The ids that may be delivered now: those without a retry record still in the future.
+
+        A record whose time has come is consumed here (ZREM as the token), so
+        exactly one stream delivers it.
+        """
+        if not ids:
+            return []
+        scores = await self._retrying("ZMSCORE", lambda: self._client.zmscore(self._key, list(ids)))
+        now = self._clock.now_ms()
+        free: list[str] = []
+        for entry_id, score in zip(ids, scores, strict=True):
+            if score is None or (score <= now and await self._take(entry_id)):
+                free.append(entry_id)
+        return free
+
+    # --- Redis ----------------------------------------------------------------
+
+    async def _read(self, entry_id: str) -> tuple[int, Any]:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xpending_range(self._topic, self._group, min=entry_id, max=entry_id, count=1)
+        pipe.xrange(self._topic, entry_id, entry_id)
+        pending, rows = await pipe.execute()
+        if not pending or not rows:
+            return 0, None
+        return int(pending[0]["times_delivered"]), rows[0][1]
+
+    async def _record(self, entry_id: str, due_ms: int) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zadd(self._key, {entry_id: due_ms})
+        # Keep it ours meanwhile (idle reset; JUSTID leaves the count alone).
+        pipe.xclaim(self._topic, self._group, self._consumer, 0, [entry_id], justid=True)
+        await pipe.execute()
+
+    async def _take(self, entry_id: str) -> bool:
+        removed = await self._retrying("ZREM", lambda: self._client.zrem(self._key, entry_id))
+        return bool(removed)
+
+    async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
+        topic = decision.topic
+        if topic:
+            metadata = {
+                **entry.metadata,
+                DL_REASON: decision.reason,
+                DL_ATTEMPTS: str(decision.attempts),
+                DL_SOURCE_TOPIC: self._topic,
+                DL_CONSUMER: self._group,
+                DL_AT: str(self._clock.now_ms()),
+            }
+            dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
+
+            async def publish() -> None:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.xadd(topic, encode_entry(dead))  # type: ignore[arg-type]
+                pipe.sadd(dead_letter_topics_key(self._group), topic)
+                await pipe.execute()
+
+            # Appended before the XACK: a crash in between dead-letters twice, never zero times.
+            await self._retrying("dead letter XADD", publish)
+        await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
+        (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
+        await self._append_history(
+            history.DEAD_LETTERED,
+            entry_id,
+            entry,
+            due_ms=None,
+            attempt=decision.attempts,
+            reason=decision.reason,
+        )
+        log.warning(
+            "%s on %s: gave up after %d deliveries; %s",
+            entry_id,
+            self._topic,
+            decision.attempts,
+            f"dead-lettered to {topic!r}" if topic else "dropped (no deadLetterTopic)",
+        )
+
+    async def _append_history(
+        self,
+        event: str,
+        entry_id: str,
+        entry: StreamEntry,
+        *,
+        due_ms: int | None,
+        attempt: int,
+        reason: str,
+    ) -> None:
+        # Linked to the delayed message that produced it when there was one
+        # (`scheduler` is its scheduleId or envelope id), else the entry id.
+        scheduler = entry.metadata.get("scheduler", "")
+        fields = {
+            "event": event,
+            "at": str(self._clock.now_ms()),
+            "id": scheduler or entry_id,
+            "sid": scheduler if scheduler and not _is_stream_id(scheduler) else "",
+            "topic": self._topic,
+            "kind": history.RETRY,
+            "due": "" if due_ms is None else str(due_ms),
+            "size": str(len(entry.data)),
+            "attempt": str(attempt),
+            "reason": reason[:200],
+        }
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._client.xadd(self._history, fields, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        except REDIS_ERRORS as e:
+            # History is for people; the retry itself is already durable.
+            self._metrics.redis_errors.inc()
+            log.warning("history of %s not written: %s", entry_id, e)
+
+    async def _poll(self, push: Push) -> None:
+        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        while not self._closed:
+            try:
+                next_ms = await self._redeliver_due(push)
+                backoff.reset()
+            except _RETRIED as e:
+                self._metrics.redis_errors.inc()
+                log.warning("retry poller on %s: %s", self._key, e)
+                await self._clock.sleep(backoff.next())
+                continue
+            except Exception:
+                # Must not die: its records would then wait for another stream.
+                log.exception("retry poller on %s failed; going on", self._key)
+                await self._clock.sleep(backoff.next())
+                continue
+            wait = POLL_CAP_S
+            if next_ms is not None:
+                wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
+            if wait > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+
+    async def _redeliver_due(self, push: Push) -> int | None:
+        """Redeliver what is due; returns the next record's time (ms) or None."""
+        now = self._clock.now_ms()
+        async with asyncio.timeout(self._timeout):
+            due: Any = await self._client.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
+        for raw in due:
+            entry_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            async with asyncio.timeout(self._timeout):
+                if not await self._client.zrem(self._key, entry_id):
+                    continue  # another stream of the group took it
+                # Bumps the PEL delivery count: that is the attempt number.
+                claimed: Any = await self._client.xclaim(
+                    self._topic, self._group, self._consumer, 0, [entry_id]
+                )
+                rows: Any = await self._client.xpending_range(
+                    self._topic, self._group, min=entry_id, max=entry_id, count=1
+                )
+            claimed = [(i, f) for i, f in claimed if f is not None]
+            if not claimed:
+                continue  # deleted or trimmed while it waited
+            attempt = int(rows[0]["times_delivered"]) if rows else 2
+            push(entry_id, claimed[0][1], attempt)
+        if len(due) == POLL_BATCH:
+            return now
+        async with asyncio.timeout(self._timeout):
+            head: Any = await self._client.zrange(self._key, 0, 0, withscores=True)
+        return int(head[0][1]) if head else None
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Run `call` until it works; gives up (CancelledError) once closed."""
+        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        while True:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    return await call()
+            except _RETRIED as e:
+                self._metrics.redis_errors.inc()
+                log.warning("%s on %s: %s; retrying", what, self._topic, e)
+            if self._closed:
+                raise asyncio.CancelledError
+            await self._clock.sleep(backoff.next())
+
+
+def _is_stream_id(text: str) -> bool:
+    ms, dash, seq = text.partition("-")
+    return bool(dash) and ms.isdigit() and seq.isdigit()

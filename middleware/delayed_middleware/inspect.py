@@ -1,0 +1,405 @@
+"""Read-only inspection of one app's delayed messages: what waits, one message, its history, dead letters.
+
+What arq's `jobs.Job` is to arq, for operators: the CLI (`delayed-pubsub
+pending|inspect|history|dead`), the metrics' pending-per-topic gauge and the
+Spark job read the engine's state through here instead of its key layout.
+Nothing here writes.
+
+Cost: listing walks the delayed topic with XRANGE in pages (never KEYS, never
+the whole stream in one reply), decoding each envelope and looking its due
+time up in the ids hash with one pipelined HMGET per page. Roughly O(pending)
+with a small constant; callers that run often bound it (`max_entries`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from delayed_middleware.entry import StreamEntry, decode_entry
+from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.history import ONESHOT, RECURRING, HistoryRecord, decode_record
+from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.retry import (
+    DL_AT,
+    DL_ATTEMPTS,
+    DL_CONSUMER,
+    DL_REASON,
+    DL_SOURCE_TOPIC,
+    dead_letter_topics_key,
+)
+
+PAGE_SIZE = 500
+DELIVERY_ATTEMPT = "deliveryAttempt"
+
+# (entries scanned so far, entries on the stream when the scan began)
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PendingMessage:
+    """One delayed message waiting for its due time."""
+
+    stream_id: str
+    schedule_id: str
+    topic: str
+    due_ms: int
+    kind: str
+    size: int
+    attempts: int
+    published_at_ms: int
+
+    @property
+    def id(self) -> str:
+        """How operators name it: the scheduleId when one was given, else the envelope id."""
+        return self.schedule_id or self.stream_id
+
+
+@dataclass(frozen=True)
+class PendingReport:
+    """A listing: the earliest `limit` matches by due time, and counts over every match."""
+
+    messages: tuple[PendingMessage, ...]
+    counts: Mapping[str, int]
+    matched: int
+    scanned: int
+    parked: int
+    undecodable: int
+
+
+@dataclass(frozen=True)
+class MessageInfo:
+    """One envelope decoded, with its state and its history."""
+
+    message: PendingMessage
+    envelope: Envelope
+    # pending | parked
+    state: str
+    parked_reason: str = ""
+    history: tuple[HistoryRecord, ...] = ()
+
+    def preview(self, limit: int = 256) -> str:
+        """The payload as text when it is UTF-8, else as hex; cut at `limit` bytes."""
+        if self.envelope.is_bulk:
+            first = self.envelope.bulk_entries[0].event if self.envelope.bulk_entries else b""
+            return f"[bulk of {len(self.envelope.bulk_entries)}] " + payload_preview(first, limit)
+        return payload_preview(self.envelope.message, limit)
+
+
+@dataclass(frozen=True)
+class DeadLetterInfo:
+    """A message that used up its delivery attempts, as it sits on a dead-letter topic."""
+
+    dead_letter_topic: str
+    stream_id: str
+    source_topic: str
+    reason: str
+    attempts: int
+    at_ms: int
+    entry: StreamEntry = field(repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.entry.data)
+
+
+def payload_preview(data: bytes, limit: int = 256) -> str:
+    """Printable view of a payload's first `limit` bytes."""
+    head = data[:limit]
+    suffix = f"… ({len(data)} bytes)" if len(data) > limit else ""
+    try:
+        return head.decode("utf-8") + suffix
+    except UnicodeDecodeError:
+        return "0x" + head.hex() + suffix
+
+
+def _s(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _payload_size(env: Envelope) -> int:
+    if env.is_bulk:
+        return sum(len(e.event) for e in env.bulk_entries)
+    return len(env.message)
+
+
+def _ref(value: bytes | str | None) -> tuple[str, int | None, str]:
+    """An ids-hash value: "<stream id> <due ms> [<next ms>]"."""
+    parts = _s(value).split(" ")
+    due = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
+    nxt = parts[2] if len(parts) > 2 else ""
+    return parts[0], due, nxt
+
+
+def looks_like_stream_id(text: str) -> bool:
+    ms, dash, seq = text.partition("-")
+    return bool(dash) and ms.isdigit() and seq.isdigit()
+
+
+class Inspector:
+    """Reads one app's (consumerID's) delayed topic, history and dead letters."""
+
+    def __init__(self, client: aioredis.Redis, consumer_id: str, page_size: int = PAGE_SIZE) -> None:
+        self._redis = client
+        self.consumer_id = consumer_id
+        self.keys = EngineKeys.for_topic(delayed_topic(consumer_id))
+        self._page = page_size
+
+    async def stream_length(self) -> int:
+        """Entries on the delayed topic (pending and parked envelopes)."""
+        return int(await self._redis.xlen(self.keys.stream))
+
+    async def scan(
+        self,
+        *,
+        topic: str | None = None,
+        due_before_ms: int | None = None,
+        max_entries: int | None = None,
+        progress: Progress | None = None,
+        stats: Counter[str] | None = None,
+    ) -> AsyncIterator[PendingMessage]:
+        """Every pending message (in stream order), filtered; parked and undecodable ones skipped
+        (counted in `stats` under "parked" / "undecodable" / "scanned")."""
+        total = await self.stream_length() if progress is not None else 0
+        start = "-"
+        scanned = 0
+        while max_entries is None or scanned < max_entries:
+            count = self._page if max_entries is None else min(self._page, max_entries - scanned)
+            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=count)
+            if not rows:
+                break
+            start = "(" + _s(rows[-1][0])
+            scanned += len(rows)
+            for message in await self._decode_page(rows, stats):
+                if topic is not None and message.topic != topic:
+                    continue
+                if due_before_ms is not None and message.due_ms >= due_before_ms:
+                    continue
+                yield message
+            if stats is not None:
+                stats["scanned"] += len(rows)
+            if progress is not None:
+                progress(scanned, max(total, scanned))
+            if len(rows) < count:
+                break
+
+    async def _decode_page(self, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
+        decoded: list[tuple[str, Envelope]] = []
+        for raw_id, fields in rows:
+            sid = _s(raw_id)
+            data = fields.get(b"data", fields.get("data"))
+            try:
+                decoded.append((sid, decode_envelope(data or b"")))
+            except EnvelopeDecodeError:
+                if stats is not None:
+                    stats["undecodable"] += 1
+        if not decoded:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hmget(self.keys.ids, [env.schedule_id or sid for sid, env in decoded])
+        pipe.hmget(self.keys.parked, [sid for sid, _ in decoded])
+        refs, parked = await pipe.execute()
+        out: list[PendingMessage] = []
+        for (sid, env), ref, park in zip(decoded, refs, parked, strict=True):
+            if park is not None:
+                if stats is not None:
+                    stats["parked"] += 1
+                continue
+            out.append(self._message(sid, env, ref))
+        return out
+
+    def _message(self, stream_id: str, env: Envelope, ref: bytes | str | None) -> PendingMessage:
+        due, kind = env.due_ms, ONESHOT
+        if ref is not None:
+            ref_id, ref_due, ref_next = _ref(ref)
+            # A recurring envelope's current occurrence lives in the ids hash.
+            if ref_id == stream_id and ref_due is not None:
+                due = ref_due
+            if ref_id == stream_id and ref_next:
+                kind = RECURRING
+        attempts = env.metadata.get(DELIVERY_ATTEMPT, "0")
+        return PendingMessage(
+            stream_id=stream_id,
+            schedule_id=env.schedule_id,
+            topic=env.topic,
+            due_ms=due,
+            kind=kind,
+            size=_payload_size(env),
+            attempts=int(attempts) if attempts.isdigit() else 0,
+            published_at_ms=env.published_at_ms,
+        )
+
+    async def pending(
+        self,
+        *,
+        topic: str | None = None,
+        due_before_ms: int | None = None,
+        limit: int | None = None,
+        progress: Progress | None = None,
+    ) -> PendingReport:
+        """The `limit` earliest-due pending messages (all when None) and counts per topic of every match."""
+        stats: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
+        tie = itertools.count()
+        # A max-heap (negated) of the `limit` earliest: memory bounded by limit.
+        heap: list[tuple[int, int, PendingMessage]] = []
+        kept: list[PendingMessage] = []
+        async for m in self.scan(topic=topic, due_before_ms=due_before_ms, progress=progress, stats=stats):
+            counts[m.topic] += 1
+            if limit is None:
+                kept.append(m)
+            elif limit > 0:
+                item = (-m.due_ms, -next(tie), m)
+                if len(heap) < limit:
+                    heapq.heappush(heap, item)
+                else:
+                    heapq.heappushpop(heap, item)
+        if limit is not None:
+            kept = [m for _, _, m in heap]
+        kept.sort(key=lambda m: (m.due_ms, m.stream_id))
+        return PendingReport(
+            messages=tuple(kept),
+            counts=dict(counts),
+            matched=sum(counts.values()),
+            scanned=stats["scanned"],
+            parked=stats["parked"],
+            undecodable=stats["undecodable"],
+        )
+
+    async def counts_by_topic(self, max_entries: int | None = None) -> tuple[dict[str, int], bool]:
+        """Pending messages per target topic; False when `max_entries` cut the scan short."""
+        counts: Counter[str] = Counter()
+        stats: Counter[str] = Counter()
+        async for m in self.scan(max_entries=max_entries, stats=stats):
+            counts[m.topic] += 1
+        complete = max_entries is None or stats["scanned"] < max_entries
+        return dict(counts), complete
+
+    async def get(self, id: str, progress: Progress | None = None) -> MessageInfo | None:
+        """One message by scheduleId or envelope id (its id on the delayed topic); None if not there."""
+        stream_id = ""
+        ref = await self._redis.hget(self.keys.ids, id)
+        if ref is not None:
+            stream_id = _ref(ref)[0]
+        elif looks_like_stream_id(id):
+            stream_id = id
+        info = await self._load(stream_id) if stream_id else None
+        if info is None:
+            # Last resort: an envelope whose own id field is `id` (engine v2
+            # envelopes may carry one) or a parked one whose ids entry is gone.
+            info = await self._find(id, progress)
+        if info is None:
+            return None
+        records = await self.history(id=info.message.id)
+        return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+
+    async def _load(self, stream_id: str) -> MessageInfo | None:
+        rows: Any = await self._redis.xrange(self.keys.stream, stream_id, stream_id)
+        if not rows:
+            return None
+        return await self._info(stream_id, rows[0][1])
+
+    async def _info(self, stream_id: str, fields: Any) -> MessageInfo | None:
+        try:
+            env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
+        except EnvelopeDecodeError:
+            return None
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(self.keys.ids, env.schedule_id or stream_id)
+        pipe.hget(self.keys.parked, stream_id)
+        ref, parked = await pipe.execute()
+        message = self._message(stream_id, env, ref)
+        if parked is not None:
+            return MessageInfo(message, env, "parked", _s(parked))
+        return MessageInfo(message, env, "pending")
+
+    async def _find(self, id: str, progress: Progress | None) -> MessageInfo | None:
+        total = await self.stream_length() if progress is not None else 0
+        start, scanned = "-", 0
+        while True:
+            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=self._page)
+            if not rows:
+                return None
+            start = "(" + _s(rows[-1][0])
+            scanned += len(rows)
+            for raw_id, fields in rows:
+                try:
+                    env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
+                except EnvelopeDecodeError:
+                    continue
+                if id in (env.id, env.schedule_id):
+                    return await self._info(_s(raw_id), fields)
+            if progress is not None:
+                progress(scanned, max(total, scanned))
+            if len(rows) < self._page:
+                return None
+
+    async def history(
+        self, *, id: str | None = None, since_ms: int | None = None, limit: int | None = None
+    ) -> list[HistoryRecord]:
+        """Lifecycle records, oldest first: of one message (by id or scheduleId) when `id` is given."""
+        start = f"{since_ms}-0" if since_ms is not None else "-"
+        out: list[HistoryRecord] = []
+        while limit is None or len(out) < limit:
+            rows: Any = await self._redis.xrange(self.keys.history, start, "+", count=self._page)
+            if not rows:
+                break
+            start = "(" + _s(rows[-1][0])
+            for raw_id, fields in rows:
+                record = decode_record(raw_id, fields)
+                if id is None or id in (record.id, record.schedule_id):
+                    out.append(record)
+            if len(rows) < self._page:
+                break
+        return out if limit is None else out[:limit]
+
+    async def dead_letter_topics(self) -> list[str]:
+        """The dead-letter topics this app's subscriptions have written to."""
+        members: Any = await self._redis.smembers(dead_letter_topics_key(self.consumer_id))
+        return sorted(_s(m) for m in members)
+
+    async def dead_letters(
+        self, *, source_topic: str | None = None, progress: Progress | None = None
+    ) -> list[DeadLetterInfo]:
+        """Dead letters of this app (its consumer group's), optionally of one source topic."""
+        out: list[DeadLetterInfo] = []
+        for dlt in await self.dead_letter_topics():
+            start = "-"
+            while True:
+                rows: Any = await self._redis.xrange(dlt, start, "+", count=self._page)
+                if not rows:
+                    break
+                start = "(" + _s(rows[-1][0])
+                for raw_id, fields in rows:
+                    entry = decode_entry(fields)
+                    md = entry.metadata
+                    if md.get(DL_CONSUMER) != self.consumer_id:
+                        continue  # a dead-letter topic may be shared by several apps
+                    if source_topic is not None and md.get(DL_SOURCE_TOPIC) != source_topic:
+                        continue
+                    out.append(
+                        DeadLetterInfo(
+                            dead_letter_topic=dlt,
+                            stream_id=_s(raw_id),
+                            source_topic=md.get(DL_SOURCE_TOPIC, ""),
+                            reason=md.get(DL_REASON, ""),
+                            attempts=int(md.get(DL_ATTEMPTS, "0") or 0)
+                            if md.get(DL_ATTEMPTS, "").isdigit()
+                            else 0,
+                            at_ms=int(md[DL_AT]) if md.get(DL_AT, "").isdigit() else 0,
+                            entry=entry,
+                        )
+                    )
+                if progress is not None:
+                    progress(len(out), len(out))
+                if len(rows) < self._page:
+                    break
+        return out

@@ -1,0 +1,250 @@
+"""Subscriber retry policy: when a nacked message comes back, and when it gives up.
+
+Pure: `RetryPolicy.on_nack(attempt, error)` says `Redeliver(after_s)` or
+`DeadLetter(reason)`; the Redis side (components/delayed_pubsub/retry.py)
+carries the decision out. Delays come from the one backoff,
+`delayed_middleware.backoff.compute_backoff`.
+
+Metadata (component YAML, overridable per subscription through the metadata
+daprd sends in PullMessages):
+
+| key                    | default            | meaning |
+|------------------------|--------------------|---------|
+| `maxDeliveryAttempts`  | unlimited          | deliveries before the message is dead-lettered (or dropped) |
+| `retryInitialInterval` | 1s                 | wait before the 2nd delivery (Go duration, or integer ms) |
+| `retryMaxInterval`     | 60s                | cap on any wait |
+| `retryMultiplier`      | 2                  | growth per attempt (>= 1; 1 = constant) |
+| `retryJitter`          | 0                  | fraction 0-1 of each wait taken off at random |
+| `deadLetterTopic`      | none (drop)        | where exhausted messages go |
+
+When none of these keys is set anywhere, the policy is inactive and a nack
+behaves as before this module existed: redelivery after `redeliverInterval`,
+forever, held in memory by the stream that got the nack.
+
+Why the retry stays in this consumer group's PEL (not a re-publish)
+--------------------------------------------------------------------
+Several apps (consumer groups) read one topic. Re-publishing a failed message
+to its topic, or firing it back through the delay engine, would deliver it
+again to every group, though only one failed it. So a retried entry never
+leaves its stream: it stays in THIS group's pending entries list, and the
+retry schedule is a durable record beside it, a sorted set per (group, topic)
+`{<consumerID>-delayed}:retry:<topic>` (member = stream entry id, score = the
+epoch ms from which it may be redelivered). Then:
+
+- a restart honours the backoff: the record is in Redis, not in a timer;
+- another stream of the group that XAUTOCLAIMs the entry after
+  processingTimeout finds the record and does not deliver it early;
+- redelivery is an XCLAIM by whichever stream of the group first removes the
+  record (ZREM returning 1 is the token), which bumps the PEL delivery count,
+  so `deliveryAttempt` = the PEL's times-delivered, crashes included;
+- the key sits in the reserved `-delayed}` namespace: no topic can collide with it.
+
+The rejected alternative, scheduling a retry envelope through the delay
+engine, would need a per-group target the broker does not have, and would
+copy the payload once per retry.
+
+Dead letters: after the last attempt the entry is appended to `deadLetterTopic`
+(its data, content type and metadata, plus `deadLetterReason`,
+`deadLetterAttempts`, `deadLetterSourceTopic`, `deadLetterConsumer`,
+`deadLetterAt`), then XACKed: at least once (a crash between the two writes
+a second dead letter, never loses one). The dead-letter topic's name is added
+to the set `{<consumerID>-delayed}:deadletters`, so operators find dead
+letters knowing only the app id.
+
+Interplay with daprd (facts from dapr/dapr pkg/runtime/subscription):
+- daprd calls the app under the component's *inbound resiliency policy*
+  first; only when that policy gives up does it ack us with `ack_error`. Our
+  attempts therefore count daprd's failed *rounds*, each of which may be
+  several HTTP calls. Keep one of the two small (e.g. no inbound retries).
+- A Dapr *subscription* `deadLetterTopic` wins over ours: daprd then
+  publishes the failed message to that topic itself and acks us with success,
+  so this policy never sees a failure (and `maxDeliveryAttempts` never counts).
+  Use one or the other: daprd's for the first failure, ours for backoff and
+  attempts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Final
+
+from delayed_middleware.backoff import compute_backoff
+from delayed_middleware.durations import parse_go_duration
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.keys import delayed_topic, is_delayed_topic, is_engine_key
+
+MAX_DELIVERY_ATTEMPTS: Final = "maxDeliveryAttempts"
+RETRY_INITIAL_INTERVAL: Final = "retryInitialInterval"
+RETRY_MAX_INTERVAL: Final = "retryMaxInterval"
+RETRY_MULTIPLIER: Final = "retryMultiplier"
+RETRY_JITTER: Final = "retryJitter"
+DEAD_LETTER_TOPIC: Final = "deadLetterTopic"
+KEYS: Final = (
+    MAX_DELIVERY_ATTEMPTS,
+    RETRY_INITIAL_INTERVAL,
+    RETRY_MAX_INTERVAL,
+    RETRY_MULTIPLIER,
+    RETRY_JITTER,
+    DEAD_LETTER_TOPIC,
+)
+
+# Metadata added to a dead letter (public contract).
+DL_REASON: Final = "deadLetterReason"
+DL_ATTEMPTS: Final = "deadLetterAttempts"
+DL_SOURCE_TOPIC: Final = "deadLetterSourceTopic"
+DL_CONSUMER: Final = "deadLetterConsumer"
+DL_AT: Final = "deadLetterAt"
+DL_KEYS: Final = (DL_REASON, DL_ATTEMPTS, DL_SOURCE_TOPIC, DL_CONSUMER, DL_AT)
+
+# An app's error text can be anything; a dead letter's metadata must stay small.
+MAX_REASON_CHARS: Final = 1024
+
+DEFAULT_INITIAL_MS: Final = 1_000
+DEFAULT_MAX_MS: Final = 60_000
+DEFAULT_MULTIPLIER: Final = 2.0
+
+
+def retry_key(consumer_id: str, topic: str) -> str:
+    """The durable retry schedule of one consumer group on one topic.
+
+    (Belongs beside keys.EngineKeys; kept here until the engine v2 merge.)
+    """
+    return "{" + delayed_topic(consumer_id) + "}:retry:" + topic
+
+
+def dead_letter_topics_key(consumer_id: str) -> str:
+    """Set of the dead-letter topics this app has written to."""
+    return "{" + delayed_topic(consumer_id) + "}:deadletters"
+
+
+@dataclass(frozen=True)
+class Redeliver:
+    """Deliver again, no sooner than `after_s` seconds from now."""
+
+    after_s: float
+    next_attempt: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Give up: publish to `topic` (or drop when it is empty), with `reason`."""
+
+    reason: str
+    attempts: int
+    topic: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """A subscription's retry policy. `active` is False when nothing was configured."""
+
+    max_attempts: int | None = None
+    initial_ms: int = DEFAULT_INITIAL_MS
+    max_ms: int = DEFAULT_MAX_MS
+    multiplier: float = DEFAULT_MULTIPLIER
+    jitter: float = 0.0
+    dead_letter_topic: str = ""
+    active: bool = False
+
+    def delay_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
+        """Seconds to wait after failed delivery `attempt` (1 = the first delivery failed)."""
+        return compute_backoff(
+            attempt,
+            base_s=self.initial_ms / 1000,
+            cap_s=self.max_ms / 1000,
+            multiplier=self.multiplier,
+            jitter=self.jitter,
+            rand=rand,
+        )
+
+    def on_nack(
+        self, attempt: int, error: str, rand: Callable[[], float] = random.random
+    ) -> Redeliver | DeadLetter:
+        """What to do after delivery number `attempt` (1, 2, ...) failed with `error`."""
+        attempt = max(1, attempt)
+        if self.max_attempts is not None and attempt >= self.max_attempts:
+            reason = error if len(error) <= MAX_REASON_CHARS else error[:MAX_REASON_CHARS] + "…"
+            return DeadLetter(reason=reason, attempts=attempt, topic=self.dead_letter_topic)
+        return Redeliver(after_s=self.delay_s(attempt, rand), next_attempt=attempt + 1)
+
+    def overridden(self, props: Mapping[str, str]) -> RetryPolicy:
+        """This policy with a subscription's metadata on top (same keys, same checks)."""
+        return parse_retry_policy(props, base=self)
+
+    def check_topic(self, topic: str) -> None:
+        """Refuse a dead-letter topic that would feed the subscription it serves."""
+        if self.dead_letter_topic and self.dead_letter_topic == topic:
+            raise InvalidArgumentError(
+                DEAD_LETTER_TOPIC, self.dead_letter_topic, "must differ from the subscribed topic"
+            )
+
+
+def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None) -> RetryPolicy:
+    """Read the retry keys from metadata over `base` (component settings, or the defaults).
+
+    Raises InvalidArgumentError naming the first bad key and value.
+    """
+    policy = base or RetryPolicy()
+    given = {k: props[k].strip() for k in KEYS if k in props and props[k].strip() != ""}
+    if not given:
+        return policy
+    changes: dict[str, object] = {"active": True}
+    if MAX_DELIVERY_ATTEMPTS in given:
+        raw = given[MAX_DELIVERY_ATTEMPTS]
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 2**31:
+            raise InvalidArgumentError(MAX_DELIVERY_ATTEMPTS, raw, "must be an integer from 1 to 2^31")
+        changes["max_attempts"] = int(raw)
+    if RETRY_INITIAL_INTERVAL in given:
+        changes["initial_ms"] = _interval(RETRY_INITIAL_INTERVAL, given[RETRY_INITIAL_INTERVAL])
+    if RETRY_MAX_INTERVAL in given:
+        changes["max_ms"] = _interval(RETRY_MAX_INTERVAL, given[RETRY_MAX_INTERVAL])
+    if RETRY_MULTIPLIER in given:
+        changes["multiplier"] = _float(RETRY_MULTIPLIER, given[RETRY_MULTIPLIER], 1.0, 1000.0)
+    if RETRY_JITTER in given:
+        changes["jitter"] = _float(RETRY_JITTER, given[RETRY_JITTER], 0.0, 1.0)
+    if DEAD_LETTER_TOPIC in given:
+        topic = given[DEAD_LETTER_TOPIC]
+        if is_engine_key(topic) or is_delayed_topic(topic):
+            raise InvalidArgumentError(
+                DEAD_LETTER_TOPIC, topic, "is reserved for the delay engine (ends with -delayed)"
+            )
+        changes["dead_letter_topic"] = topic
+    result = replace(policy, **changes)  # type: ignore[arg-type]
+    if result.max_ms < result.initial_ms:
+        key = RETRY_MAX_INTERVAL if RETRY_MAX_INTERVAL in given else RETRY_INITIAL_INTERVAL
+        raise InvalidArgumentError(
+            key,
+            given[key],
+            f"retryMaxInterval ({result.max_ms}ms) must not be below retryInitialInterval ({result.initial_ms}ms)",
+        )
+    return result
+
+
+# Ten years: anything longer is a typo, and keeps due times far from 2^63 ms.
+_MAX_INTERVAL_MS = 10 * 365 * 86_400_000
+
+
+def _interval(key: str, raw: str) -> int:
+    if raw.isascii() and raw.isdigit():
+        ms = int(raw)
+    else:
+        try:
+            ms = parse_go_duration(raw)
+        except ValueError:
+            raise InvalidArgumentError(key, raw, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
+    if ms < 0 or ms > _MAX_INTERVAL_MS:
+        raise InvalidArgumentError(key, raw, "must be between 0 and 10 years")
+    return ms
+
+
+def _float(key: str, raw: str, low: float, high: float) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(key, raw, "not a number") from None
+    if not math.isfinite(value) or not low <= value <= high:
+        raise InvalidArgumentError(key, raw, f"must be between {low:g} and {high:g}")
+    return value

@@ -1,0 +1,241 @@
+"""Retry policy over the real gRPC socket and a real Redis: backoff, attempts, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import prometheus_client
+import pytest
+import redis
+
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.retry import dead_letter_topics_key, retry_key
+from delayed_pubsub.server import ComponentServer
+from tests.components.driver import Component, Stream
+from tests.redis_server import free_port
+
+Factory = Callable[[str], Component]
+
+# 300 ms, then 600 ms: the backoff is visible without slowing the suite.
+POLICY = {
+    "maxDeliveryAttempts": "3",
+    "retryInitialInterval": "300ms",
+    "retryMultiplier": "2",
+    "retryMaxInterval": "10s",
+    "deadLetterTopic": "orders-dead",
+}
+
+
+async def receive(stream: Stream, within: float = 5.0) -> tuple[Any, float]:
+    msg = await stream.next(within)
+    return msg, time.monotonic()
+
+
+async def wait_for(check: Callable[[], bool], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def dead_letters(redis_client: redis.Redis, topic: str = "orders-dead") -> list[Any]:
+    rows: Any = redis_client.xrange(topic)
+    return [decode_entry(f) for _, f in rows]
+
+
+async def test_three_nacks_follow_the_backoff_then_dead_letter_with_the_error(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, **POLICY})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"payload", {"k": "v"})
+
+    arrivals: list[tuple[Any, float]] = []
+    for i in range(3):
+        msg, at = await receive(stream)
+        arrivals.append((msg, at))
+        await stream.nack(msg.id, f"boom {i + 1}")
+
+    assert [m.metadata["deliveryAttempt"] for m, _ in arrivals] == ["1", "2", "3"]
+    assert len({m.id for m, _ in arrivals}) == 1, "the same entry comes back"
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(arrivals)]
+    # 0.3 s then 0.6 s; never early, at most ~250 ms late on a shared machine.
+    assert 0.3 <= gaps[0] < 0.55, gaps
+    assert 0.6 <= gaps[1] < 0.85, gaps
+
+    await wait_for(lambda: len(dead_letters(redis_client)) == 1)
+    [dead] = dead_letters(redis_client)
+    assert dead.data == b"payload"
+    assert dead.metadata["k"] == "v"
+    assert dead.metadata["deadLetterReason"] == "boom 3"
+    assert dead.metadata["deadLetterAttempts"] == "3"
+    assert dead.metadata["deadLetterSourceTopic"] == "orders"
+    assert dead.metadata["deadLetterConsumer"] == "app1"
+    assert redis_client.smembers(dead_letters_key := dead_letter_topics_key("app1")) == {b"orders-dead"}, (
+        dead_letters_key
+    )
+    # Acked on the source: it never comes back, and nothing waits in the PEL.
+    assert await stream.nothing_for(1.0)
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+    # Two retried, one dead-lettered, in the history the CLI reads.
+    rows: Any = redis_client.xrange("{app1-delayed}:history")
+    events = [f[b"event"] for _, f in rows]
+    assert events == [b"retried", b"retried", b"deadlettered"]
+
+
+async def test_without_dead_letter_topic_the_last_failure_drops(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "maxDeliveryAttempts": "2", "retryInitialInterval": "50ms"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    for _ in range(2):
+        await stream.nack((await stream.next()).id, "nope")
+    assert await stream.nothing_for(1.0)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert not redis_client.exists(dead_letter_topics_key("app1"))
+
+
+async def test_subscription_metadata_overrides_the_component_policy(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, **POLICY})
+    # This subscription gives up at once, to its own dead-letter topic.
+    stream = await c.subscribe("orders", {"maxDeliveryAttempts": "1", "deadLetterTopic": "mine-dead"})
+    await c.publish("orders", b"x")
+    msg = await stream.next()
+    await stream.nack(msg.id, "first and last")
+    await wait_for(lambda: len(dead_letters(redis_client, "mine-dead")) == 1)
+    assert dead_letters(redis_client, "mine-dead")[0].metadata["deadLetterReason"] == "first and last"
+    assert dead_letters(redis_client, "orders-dead") == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("maxDeliveryAttempts", "0"),
+        ("maxDeliveryAttempts", "three"),
+        ("retryInitialInterval", "soon"),
+        ("retryMultiplier", "0.5"),
+        ("retryJitter", "1.5"),
+        ("retryMaxInterval", "10ms"),
+        ("deadLetterTopic", "other-delayed"),
+        ("deadLetterTopic", "orders"),
+    ],
+)
+async def test_bad_subscription_policy_is_invalid_argument(
+    component: Factory, props: dict[str, str], key: str, value: str
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "1s"})
+    code, details = await (await c.subscribe("orders", {key: value})).status()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in details
+    assert value in details
+
+
+async def test_bad_component_policy_refuses_init(component: Factory, props: dict[str, str]) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await component("delayed").init({**props, "retryJitter": "-0.1"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "retryJitter" in (err.value.details() or "")
+
+
+async def test_backoff_survives_a_restart_and_other_streams_do_not_redeliver_early(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # processingTimeout is 500 ms in `props`: far below the 3 s backoff, so a
+    # plain XAUTOCLAIM would hand the entry to the other stream long before.
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "3s"})
+    first = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    msg = await first.next()
+    other = await c.subscribe("orders")
+    nacked_at = time.monotonic()
+    await first.nack(msg.id, "later please")
+    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
+    # The stream that got the nack goes away (daprd restarted, say): no timer
+    # of it survives, only the record in Redis.
+    await first.cancel()
+    assert await other.nothing_for(2.0), "redelivered before its backoff"
+    again = await other.next(within=5)
+    waited = time.monotonic() - nacked_at
+    assert again.id == msg.id
+    assert again.metadata["deliveryAttempt"] == "2"
+    assert 3.0 <= waited < 4.5, waited
+    await other.ack(again.id)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_inactive_policy_keeps_the_redeliver_interval_behaviour(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)  # no retry keys: redeliverInterval (200 ms), forever
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    for attempt in range(1, 6):
+        msg = await stream.next()
+        assert msg.metadata["deliveryAttempt"] == str(attempt)
+        await stream.nack(msg.id)
+    assert not redis_client.exists(retry_key("app1", "orders"))
+
+
+async def test_metrics_over_http_show_retries_and_dead_letters(
+    server: ComponentServer, component: Factory, props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init({**props, **POLICY, "retryInitialInterval": "50ms"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    for _ in range(3):
+        await stream.nack((await stream.next()).id, "bad")
+
+    port = free_port()
+    httpd, thread = prometheus_client.start_http_server(
+        port, addr="127.0.0.1", registry=server.metrics.registry
+    )
+    try:
+
+        def scrape() -> dict[str, float]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                body = r.read().decode()
+            values: dict[str, float] = {}
+            for line in body.splitlines():
+                if line.startswith("delayed_pubsub_") and 'instance="delayed"' in line:
+                    name, _, value = line.rpartition(" ")
+                    values[name] = float(value)
+            return values
+
+        deadline = time.monotonic() + 5
+        while True:
+            m = scrape()
+            done = m.get(
+                'delayed_pubsub_dead_lettered_messages_total{instance="delayed",outcome="published"}'
+            )
+            if done == 1 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        assert m['delayed_pubsub_retried_messages_total{instance="delayed"}'] == 2
+        assert m['delayed_pubsub_dead_lettered_messages_total{instance="delayed",outcome="published"}'] == 1
+        assert m['delayed_pubsub_dead_lettered_messages_total{instance="delayed",outcome="dropped"}'] == 0
+        assert m['delayed_pubsub_nacked_messages_total{instance="delayed"}'] == 3
+        assert m['delayed_pubsub_delivered_messages_total{instance="delayed"}'] == 3
+        assert m['delayed_pubsub_open_subscriptions{instance="delayed"}'] == 1
+        await stream.close()
+        await wait_for(lambda: scrape()['delayed_pubsub_open_subscriptions{instance="delayed"}'] == 0)
+    finally:
+        httpd.shutdown()
+        thread.join(5)
