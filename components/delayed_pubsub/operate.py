@@ -127,9 +127,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the operator command `args` selected; returns the exit code."""
-    out = Console(soft_wrap=True, highlight=False)
+    out = Console(highlight=False)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        # Piped into grep or a file: never cut a column to fit 80 characters.
+        out = Console(highlight=False, width=1000)
     err = Console(stderr=True, highlight=False)
     try:
+        _check_flags(args)
         settings = load_settings(args, os.environ)
         return asyncio.run(_with_redis(settings, args, out, err))
     except UsageError as e:
@@ -144,6 +148,21 @@ def run(args: argparse.Namespace) -> int:
     except _REDIS_FAILURES as e:
         err.print(f"delayed-pubsub {args.command}: redis error: {e or 'timed out'}", markup=False)
         return EXIT_REDIS
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Parse the time flags up front: a typo fails before any connection is made."""
+    args.due_before_ms = None
+    if getattr(args, "due_before", None) is not None:
+        try:
+            args.due_before_ms = parse_instant(args.due_before)
+        except ValueError as e:
+            raise UsageError(f"--due-before {args.due_before!r}: {e}") from None
+    if getattr(args, "limit", 0) < 0:
+        raise UsageError(f"--limit {args.limit}: must be 0 (all) or more")
+    args.since_ms = None
+    if getattr(args, "since", None):
+        args.since_ms = parse_since(args.since, int(time.time() * 1000))
 
 
 async def _with_redis(settings: Settings, args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -295,18 +314,10 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
 async def _pending(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
-    due_before = None
-    if args.due_before is not None:
-        try:
-            due_before = parse_instant(args.due_before)
-        except ValueError as e:
-            raise UsageError(f"--due-before {args.due_before!r}: {e}") from None
-    if args.limit < 0:
-        raise UsageError(f"--limit {args.limit}: must be 0 (all) or more")
     inspector = _inspector(connection, settings)
     with _progress(err, "scanning", await inspector.stream_length()) as progress:
         report = await inspector.pending(
-            topic=args.topic, due_before_ms=due_before, limit=args.limit or None, progress=progress
+            topic=args.topic, due_before_ms=args.due_before_ms, limit=args.limit or None, progress=progress
         )
     if args.json:
         print(json.dumps([_as_json(m) for m in report.messages], ensure_ascii=False))
@@ -496,10 +507,7 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
 async def _history(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
-    since_ms = None
-    if args.since:
-        since_ms = parse_since(args.since, int(time.time() * 1000))
-    records = await _inspector(connection, settings).history(id=args.id, since_ms=since_ms)
+    records = await _inspector(connection, settings).history(id=args.id, since_ms=args.since_ms)
     out.print(_history_table(records, title=f"history of {settings.consumer_id}"))
     out.print(f"{len(records)} records")
     return EXIT_OK

@@ -1,0 +1,265 @@
+"""The operator CLI, run as a real process against a Redis populated through the real component."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from delayed_middleware.instants import format_instant
+from tests.components.driver import Component
+from tests.redis_server import RedisServer
+
+Factory = Callable[[str], Component]
+EXE = Path(sys.executable).with_name("delayed-pubsub")
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
+    proc = await asyncio.create_subprocess_exec(
+        str(EXE),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "250", **(env or {})},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+@pytest.fixture
+def conn(redis_server: RedisServer) -> list[str]:
+    return ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
+
+
+@pytest.fixture
+async def populated(component: Factory, props: dict[str, str]) -> Component:
+    """7 on orders and 5 on billing, due in an hour; 3 on orders due in 10 minutes; 2 published now."""
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    for i in range(7):
+        await c.publish("orders", f'{{"order":{i}}}'.encode(), {"scheduledSendDelay": "1h"})
+    for i in range(5):
+        await c.publish(
+            "billing", f"bill {i}".encode(), {"scheduledSendDelay": "1h", "scheduleId": f"bill-{i}"}
+        )
+    for i in range(3):
+        await c.publish("orders", f"soon {i}".encode(), {"scheduledSendDelay": "10m"})
+    await c.publish("orders", b"now")
+    await c.publish("billing", b"now")
+    return c
+
+
+async def test_pending_json_lists_exactly_what_waits(populated: Component, conn: list[str]) -> None:
+    result = await cli("pending", *conn, "--json")
+    assert result.code == 0, result.err
+    rows = result.json()
+    assert len(rows) == 15
+    assert {tuple(sorted(r)) for r in rows} == {
+        ("attempts", "due", "id", "kind", "scheduleId", "size", "topic")
+    }
+    assert sum(r["topic"] == "orders" for r in rows) == 10
+    billing = sorted((r for r in rows if r["topic"] == "billing"), key=lambda r: r["id"])
+    assert [(r["id"], r["scheduleId"]) for r in billing] == [(f"bill-{i}", f"bill-{i}") for i in range(5)]
+    orders = [r for r in rows if r["topic"] == "orders"]
+    assert all(r["scheduleId"] is None and r["id"].count("-") == 1 for r in orders)
+    assert all(r["kind"] == "oneshot" and r["attempts"] == 0 for r in rows)
+    assert sorted(r["size"] for r in billing) == [6] * 5
+    # Earliest first: the three due in ten minutes lead.
+    assert [r["size"] for r in rows[:3]] == [6, 6, 6]
+    assert rows == sorted(rows, key=lambda r: r["due"])
+
+
+async def test_pending_filters_and_limit(populated: Component, conn: list[str]) -> None:
+    soon = format_instant(int(time.time() * 1000) + 30 * 60_000)
+    result = await cli("pending", *conn, "--due-before", soon, "--json")
+    assert len(result.json()) == 3
+    result = await cli("pending", *conn, "--topic", "billing", "--json")
+    assert len(result.json()) == 5
+    result = await cli("pending", *conn, "--limit", "4", "--json")
+    assert len(result.json()) == 4
+
+
+async def test_pending_table_for_people_with_counts_per_topic(populated: Component, conn: list[str]) -> None:
+    result = await cli("pending", *conn, "--limit", "2")
+    assert result.code == 0, result.err
+    lines = [line.split() for line in result.out.splitlines()]
+    assert ["orders", "10"] in lines
+    assert ["billing", "5"] in lines
+    assert ["total", "15"] in lines
+    assert sum(1 for line in lines if len(line) == 6 and line[3] == "oneshot") == 2
+    assert "showing the earliest 2 of 15" in result.err
+
+
+async def test_inspect_shows_the_payload_and_metadata(populated: Component, conn: list[str]) -> None:
+    result = await cli("inspect", *conn, "bill-3")
+    assert result.code == 0, result.err
+    assert "bill 3" in result.out
+    assert "billing" in result.out
+    assert "scheduledSendDelay" in result.out
+    envelope_id = (await cli("pending", *conn, "--topic", "orders", "--limit", "1", "--json")).json()[0]["id"]
+    result = await cli("inspect", *conn, envelope_id)
+    assert result.code == 0, result.err
+    assert "soon" in result.out
+
+    missing = await cli("inspect", *conn, "no-such-id")
+    assert missing.code == 1
+    assert "no-such-id" in missing.err
+
+
+async def test_cancel_by_schedule_id_and_envelope_id_is_never_delivered(
+    component: Factory, props: dict[str, str], conn: list[str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"cancel me by id", {"scheduledSendDelay": "3s", "scheduleId": "x1"})
+    await c.publish("orders", b"cancel me by envelope", {"scheduledSendDelay": "3s"})
+    await c.publish("orders", b"keep me", {"scheduledSendDelay": "3s", "scheduleId": "keep"})
+    [by_envelope] = [
+        r["id"] for r in (await cli("pending", *conn, "--json")).json() if r["scheduleId"] is None
+    ]
+    result = await cli("cancel", *conn, "x1", by_envelope, "ghost", "also-ghost")
+    assert result.code == 1
+    assert result.out.split("\n")[:2] == ["cancelled x1", f"cancelled {by_envelope}"]
+    assert "ghost, also-ghost" in result.err
+    assert [r["id"] for r in (await cli("pending", *conn, "--json")).json()] == ["keep"]
+
+    msg = await stream.next(within=6)
+    assert msg.data == b"keep me"
+    assert await stream.nothing_for(1.5)
+    # Cancelling again finds nothing: exit 1, naming it.
+    again = await cli("cancel", *conn, "x1")
+    assert again.code == 1
+    assert "x1" in again.err
+    # The history says who cancelled.
+    hist = await cli("history", *conn, "--id", "x1")
+    assert "cancelled" in hist.out
+    assert "operator" in hist.out
+
+
+async def test_dead_then_retry_dead_delivers_again(
+    component: Factory, props: dict[str, str], conn: list[str]
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {**props, "maxDeliveryAttempts": "2", "retryInitialInterval": "50ms", "deadLetterTopic": "dlq"}
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"poison", {"k": "v"})
+    for _ in range(2):
+        await stream.nack((await stream.next()).id, "handler exploded")
+    deadline = time.monotonic() + 5
+    while "1 dead letters" not in (listing := await cli("dead", *conn)).out:
+        assert time.monotonic() < deadline, listing
+    assert "handler exploded" in listing.out
+    assert "orders" in listing.out
+    assert "0 dead letters" in (await cli("dead", *conn, "--topic", "billing")).out
+
+    moved = await cli("retry-dead", *conn)
+    assert moved.code == 0, moved.err
+    assert "1 dead letters moved back" in moved.out
+    back = await stream.next()
+    assert back.data == b"poison"
+    assert back.metadata["k"] == "v"
+    assert back.metadata["deliveryAttempt"] == "1"
+    assert "deadLetterReason" not in back.metadata
+    await stream.ack(back.id)
+    assert "0 dead letters" in (await cli("dead", *conn)).out
+
+
+async def test_history_shows_retries_since(
+    component: Factory, props: dict[str, str], conn: list[str]
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "50ms"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    first = await stream.next()
+    await stream.nack(first.id, "flaky")
+    await stream.ack((await stream.next()).id)
+    result = await cli("history", *conn, "--since", "1m")
+    assert result.code == 0, result.err
+    assert "retried" in result.out
+    assert "flaky" in result.out
+    assert "1 records" in result.out
+    assert "0 records" in (await cli("history", *conn, "--since", "2099-01-01T00:00:00Z")).out
+    bad = await cli("history", *conn, "--since", "yesterday")
+    assert bad.code == 2
+    assert "yesterday" in bad.err
+
+
+async def test_component_yaml_with_secret_from_environment(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    redis_client.config_set("requirepass", "s3cret")
+    try:
+        yaml_path = tmp_path / "c.yaml"
+        yaml_path.write_text(
+            "apiVersion: dapr.io/v1alpha1\nkind: Component\nmetadata:\n  name: delayed\nspec:\n"
+            "  type: pubsub.delayed-pubsub\n  version: v1\n  metadata:\n"
+            f"    - name: redisHost\n      value: 127.0.0.1:{redis_server.port}\n"
+            "    - name: redisPassword\n      secretKeyRef:\n        name: redis\n        key: redis-password\n"
+            "    - name: enableDelayedMessaging\n      value: true\n"
+        )
+        ok = await cli(
+            "pending",
+            "--component",
+            str(yaml_path),
+            "--app-id",
+            "app1",
+            "--json",
+            env={"REDIS_PASSWORD": "s3cret"},
+        )
+        assert ok.code == 0, ok.err
+        assert ok.json() == []
+        missing = await cli("pending", "--component", str(yaml_path), "--app-id", "app1")
+        assert missing.code == 2
+        assert "REDIS_PASSWORD" in missing.err
+        wrong = await cli(
+            "pending", "--component", str(yaml_path), "--app-id", "app1", env={"REDIS_PASSWORD": "no"}
+        )
+        assert wrong.code == 3
+        assert "s3cret" not in wrong.err
+    finally:
+        redis_client.config_set("requirepass", "")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["pending", "--app-id", "a"], 2, "--component"),
+        (["pending", "--redis-host", "127.0.0.1:1", "--app-id", "a"], 3, "127.0.0.1:1"),
+        (["pending", "--redis-host", "127.0.0.1:1"], 2, "--app-id"),
+        (
+            ["pending", "--redis-host", "127.0.0.1:1", "--app-id", "a", "--due-before", "tomorrow"],
+            2,
+            "tomorrow",
+        ),
+        (["pending", "--component", "/nonexistent.yaml", "--app-id", "a"], 2, "/nonexistent.yaml"),
+    ],
+)
+async def test_clean_errors_and_exit_codes(args: list[str], code: int, message: str) -> None:
+    result = await cli(*args)
+    assert result.code == code, (result.out, result.err)
+    assert message in result.err
+    assert "Traceback" not in result.err

@@ -1,0 +1,189 @@
+"""The read-only inspector against a real Redis populated by the real engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.entry import StreamEntry, encode_entry
+from delayed_middleware.envelope import BulkEntry, Envelope
+from delayed_middleware.inspect import Inspector, payload_preview
+from delayed_middleware.keys import EngineKeys, delayed_topic
+
+T0 = 1_800_000_000_000
+KEYS = EngineKeys.for_topic(delayed_topic("app"))
+
+
+def env(n: int, due: int, topic: str = "orders", sid: str = "", message: bytes | None = None) -> Envelope:
+    return Envelope(
+        id=sid,
+        topic=topic,
+        due_ms=due,
+        published_at_ms=T0,
+        message=message if message is not None else f'{{"n":{n}}}'.encode(),
+        metadata={"k": f"v{n}"},
+        schedule_id=sid,
+    )
+
+
+@pytest.fixture
+async def client(redis_client: redis.Redis) -> AsyncIterator[aioredis.Redis]:
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    c = aioredis.Redis(port=port)
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+def engine(client: aioredis.Redis) -> DelayEngine:
+    return DelayEngine(client, KEYS, ManualClock(T0))
+
+
+async def test_pending_pages_through_the_stream_with_exact_counts(
+    client: aioredis.Redis, engine: DelayEngine
+) -> None:
+    # 23 on orders and 14 on billing, due in reverse publish order; page size 5
+    # forces eight XRANGE pages, with a page boundary inside every kind of run.
+    await engine.schedule([env(i, T0 + 100_000 - i, "orders") for i in range(23)])
+    await engine.schedule([env(i, T0 + 50_000 + i, "billing") for i in range(14)])
+    inspector = Inspector(client, "app", page_size=5)
+    seen: list[tuple[int, int]] = []
+    report = await inspector.pending(progress=lambda done, total: seen.append((done, total)))
+    assert report.counts == {"orders": 23, "billing": 14}
+    assert report.matched == len(report.messages) == 37
+    assert report.scanned == 37
+    assert [m.due_ms for m in report.messages] == sorted(m.due_ms for m in report.messages)
+    assert seen[-1] == (37, 37)
+    assert len(seen) == 8
+
+    only = await inspector.pending(topic="billing", due_before_ms=T0 + 50_005)
+    assert [m.due_ms for m in only.messages] == [T0 + 50_000 + i for i in range(5)]
+
+    earliest = await inspector.pending(limit=3)
+    assert [m.due_ms for m in earliest.messages] == [T0 + 50_000, T0 + 50_001, T0 + 50_002]
+    assert earliest.matched == 37
+
+    counts, complete = await inspector.counts_by_topic(max_entries=10)
+    assert sum(counts.values()) == 10
+    assert not complete
+    assert await inspector.counts_by_topic() == ({"orders": 23, "billing": 14}, True)
+
+
+async def test_get_by_schedule_id_and_by_envelope_id(client: aioredis.Redis, engine: DelayEngine) -> None:
+    [with_sid, plain] = await engine.schedule(
+        [env(1, T0 + 1000, sid="invoice-7"), env(2, T0 + 2000, message=b"\xff\x00binary")]
+    )
+    inspector = Inspector(client, "app")
+    info = await inspector.get("invoice-7")
+    assert info is not None
+    assert info.message.stream_id == with_sid
+    assert info.message.id == "invoice-7"
+    assert info.state == "pending"
+    assert info.preview() == '{"n":1}'
+    assert info.envelope.metadata == {"k": "v1"}
+
+    info = await inspector.get(plain)
+    assert info is not None
+    assert info.message.id == plain
+    assert info.message.due_ms == T0 + 2000
+    assert info.preview() == "0xff0062696e617279"
+
+    assert await inspector.get("nope") is None
+    assert await inspector.get("0-1") is None
+
+
+async def test_replaced_schedule_shows_only_the_new_one(client: aioredis.Redis, engine: DelayEngine) -> None:
+    await engine.schedule([env(1, T0 + 1000, sid="s")])
+    await engine.schedule([env(2, T0 + 9000, sid="s")])
+    report = await Inspector(client, "app").pending()
+    assert [(m.id, m.due_ms) for m in report.messages] == [("s", T0 + 9000)]
+
+
+async def test_parked_and_undecodable_are_counted_not_listed(
+    client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis
+) -> None:
+    [a, b] = await engine.schedule([env(1, T0 + 1000), env(2, T0 + 2000)])
+    redis_client.hset(KEYS.parked, a, "target topic is a hash")
+    redis_client.xadd(KEYS.stream, {"data": b"\x0a\xff\xff"})  # truncated protobuf
+    inspector = Inspector(client, "app")
+    report = await inspector.pending()
+    assert [m.stream_id for m in report.messages] == [b]
+    assert (report.parked, report.undecodable) == (1, 1)
+    info = await inspector.get(a)
+    assert info is not None
+    assert info.state == "parked"
+    assert info.parked_reason == "target topic is a hash"
+
+
+async def test_recurring_due_comes_from_the_ids_hash(
+    client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis
+) -> None:
+    # Engine v2 keeps a recurring envelope's current occurrence in the ids hash:
+    # "<stream id> <due ms> <next ms>".
+    [sid] = await engine.schedule([env(1, T0 + 1000, sid="every-minute")])
+    redis_client.hset(KEYS.ids, "every-minute", f"{sid} {T0 + 60_000} {T0 + 120_000}")
+    [m] = (await Inspector(client, "app").pending()).messages
+    assert (m.kind, m.due_ms) == ("recurring", T0 + 60_000)
+
+
+async def test_bulk_envelope_size_and_preview(client: aioredis.Redis, engine: DelayEngine) -> None:
+    bulk = Envelope(
+        id="",
+        topic="orders",
+        due_ms=T0 + 1,
+        published_at_ms=T0,
+        bulk_entries=(BulkEntry("1", b"abc"), BulkEntry("2", b"defg")),
+    )
+    [sid] = await engine.schedule([bulk])
+    info = await Inspector(client, "app").get(sid)
+    assert info is not None
+    assert info.message.size == 7
+    assert info.preview() == "[bulk of 2] abc"
+
+
+async def test_history_filters_by_id_and_since(client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    for i, (event, id) in enumerate(
+        [("scheduled", "a"), ("scheduled", "b"), ("fired", "a"), ("retried", "a")]
+    ):
+        redis_client.xadd(
+            KEYS.history, {"event": event, "at": str(T0 + i), "id": id, "topic": "t"}, id=f"{T0 + i}-0"
+        )
+    inspector = Inspector(client, "app", page_size=2)
+    assert [r.event for r in await inspector.history(id="a")] == ["scheduled", "fired", "retried"]
+    assert [r.id for r in await inspector.history(since_ms=T0 + 1)] == ["b", "a", "a"]
+    assert len(await inspector.history()) == 4
+
+
+async def test_dead_letters_of_this_app_only(client: aioredis.Redis, redis_client: redis.Redis) -> None:
+    from delayed_middleware.retry import dead_letter_topics_key
+
+    def dead(app: str, source: str) -> dict[str, bytes]:
+        md = {
+            "deadLetterConsumer": app,
+            "deadLetterSourceTopic": source,
+            "deadLetterReason": "boom",
+            "deadLetterAttempts": "3",
+            "deadLetterAt": str(T0),
+        }
+        return encode_entry(StreamEntry(b"x", md))
+
+    redis_client.sadd(dead_letter_topics_key("app"), "dlq")
+    redis_client.xadd("dlq", dead("app", "orders"))  # type: ignore[arg-type]
+    redis_client.xadd("dlq", dead("other-app", "orders"))  # type: ignore[arg-type]
+    redis_client.xadd("dlq", dead("app", "billing"))  # type: ignore[arg-type]
+    inspector = Inspector(client, "app")
+    assert [(d.source_topic, d.reason, d.attempts) for d in await inspector.dead_letters()] == [
+        ("orders", "boom", 3),
+        ("billing", "boom", 3),
+    ]
+    assert len(await inspector.dead_letters(source_topic="billing")) == 1
+
+
+def test_payload_preview_cuts_and_hexes() -> None:
+    assert payload_preview(b"hello", 3) == "hel… (5 bytes)"
+    assert payload_preview(b"\x80", 3) == "0x80"
