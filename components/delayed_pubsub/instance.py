@@ -29,6 +29,7 @@ from delayed_middleware.errors import (
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
+from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.retry import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
@@ -57,6 +58,7 @@ class Instance:
         self._host = socket.gethostname()
         self.engine: DelayEngine | None = None
         self._engine_task: asyncio.Task[None] | None = None
+        self._gauge_task: asyncio.Task[None] | None = None
         if settings.enable_delayed_messaging:
             self.engine = DelayEngine(
                 connection.client,  # type: ignore[arg-type]
@@ -97,7 +99,21 @@ class Instance:
             raise
         instance = cls(name, settings, connection, clock, metrics)
         instance.start()
+        instance._start_gauges()
         return instance
+
+    def _start_gauges(self) -> None:
+        """The pending-per-topic gauge (gauges.py), for apps with delayed messaging on."""
+        if self.engine is None:
+            return
+        gauge = PendingByTopic(
+            self._connection.client,  # type: ignore[arg-type]
+            self.settings.consumer_id,
+            self.metrics,
+            self._clock,
+            call_timeout=call_timeout(self.settings),
+        )
+        self._gauge_task = asyncio.create_task(gauge.run(), name=f"pending-gauge:{self.name}")
 
     def _check_publish_topic(self, topic: str) -> None:
         _check_topic(topic)
@@ -341,6 +357,9 @@ class Instance:
                 # Whatever ended the engine must not keep the rest from closing.
                 log.exception("instance %r: delay engine had failed", self.name)
             self._engine_task = None
+        if self._gauge_task is not None:
+            self._gauge_task.cancel()
+            await asyncio.gather(self._gauge_task, return_exceptions=True)
         subs = list(self._subscriptions)
         self._subscriptions.clear()
         self.metrics.subscriptions.set(0)

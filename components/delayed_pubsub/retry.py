@@ -251,6 +251,10 @@ class Retrier:
                 log.exception("retry poller on %s failed; going on", self._key)
                 await self._clock.sleep(backoff.next())
                 continue
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # redis-py can swallow the CancelledError meant for us.
+                raise asyncio.CancelledError
             wait = POLL_CAP_S
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))

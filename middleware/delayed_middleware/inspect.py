@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
@@ -34,8 +35,11 @@ from delayed_middleware.retry import (
     DL_SOURCE_TOPIC,
     dead_letter_topics_key,
 )
+from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500
+# Up to this many parked envelopes are loaded once per count instead of looked up per page.
+_PARKED_IN_MEMORY = 10_000
 DELIVERY_ATTEMPT = "deliveryAttempt"
 
 # (entries scanned so far, entries on the stream when the scan began)
@@ -275,12 +279,43 @@ class Inspector:
         )
 
     async def counts_by_topic(self, max_entries: int | None = None) -> tuple[dict[str, int], bool]:
-        """Pending messages per target topic; False when `max_entries` cut the scan short."""
+        """Pending messages per target topic; False when `max_entries` cut the scan short.
+
+        The fast path of `pending()` (used by the metrics on a timer): only each
+        envelope's topic is decoded, and parked envelopes are skipped through
+        one HKEYS of the (small) parked hash instead of a lookup per page.
+        """
+        parked: set[bytes] | None = None
+        if int(await self._redis.hlen(self.keys.parked)) <= _PARKED_IN_MEMORY:
+            keys: Any = await self._redis.hkeys(self.keys.parked)
+            parked = set(keys)
         counts: Counter[str] = Counter()
-        stats: Counter[str] = Counter()
-        async for m in self.scan(max_entries=max_entries, stats=stats):
-            counts[m.topic] += 1
-        complete = max_entries is None or stats["scanned"] < max_entries
+        start: Any = "-"
+        scanned = 0
+        parse = delayed_pb2.DelayedMessage.FromString
+        while max_entries is None or scanned < max_entries:
+            count = self._page if max_entries is None else min(self._page, max_entries - scanned)
+            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=count)
+            if not rows:
+                break
+            start = b"(" + rows[-1][0] if isinstance(rows[-1][0], bytes) else "(" + rows[-1][0]
+            scanned += len(rows)
+            skip: set[bytes] | list[Any] = parked if parked is not None else []
+            if parked is None:
+                flags = await self._redis.hmget(self.keys.parked, [r[0] for r in rows])
+                skip = {r[0] for r, f in zip(rows, flags, strict=True) if f is not None}
+            for raw_id, fields in rows:
+                if raw_id in skip:
+                    continue
+                try:
+                    topic = parse(fields.get(b"data", b"")).topic
+                except DecodeError:
+                    continue
+                if topic:
+                    counts[topic] += 1
+            if len(rows) < count:
+                break
+        complete = max_entries is None or scanned < max_entries
         return dict(counts), complete
 
     async def get(self, id: str, progress: Progress | None = None) -> MessageInfo | None:

@@ -8,6 +8,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+import delayed_middleware.inspect
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -105,7 +106,7 @@ async def test_replaced_schedule_shows_only_the_new_one(client: aioredis.Redis, 
 
 
 async def test_parked_and_undecodable_are_counted_not_listed(
-    client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis
+    client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     [a, b] = await engine.schedule([env(1, T0 + 1000), env(2, T0 + 2000)])
     redis_client.hset(KEYS.parked, a, "target topic is a hash")
@@ -114,6 +115,10 @@ async def test_parked_and_undecodable_are_counted_not_listed(
     report = await inspector.pending()
     assert [m.stream_id for m in report.messages] == [b]
     assert (report.parked, report.undecodable) == (1, 1)
+    assert await inspector.counts_by_topic() == ({"orders": 1}, True)
+    # Many parked: looked up per page instead of loaded at once, same answer.
+    monkeypatch.setattr(delayed_middleware.inspect, "_PARKED_IN_MEMORY", 0)
+    assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     info = await inspector.get(a)
     assert info is not None
     assert info.state == "parked"
