@@ -36,11 +36,14 @@ from urllib.parse import parse_qs, urlparse
 
 @dataclass(frozen=True)
 class Subscription:
-    """One programmatic subscription: ``pubsub=topic`` or ``pubsub=topic:raw`` (rawPayload)."""
+    """One programmatic subscription: ``pubsub=topic`` or ``pubsub=topic:raw`` (rawPayload),
+    optionally followed by subscription metadata ``;key=value;key=value`` (daprd hands it to
+    the component, e.g. a per-subscription retry policy)."""
 
     pubsub: str
     topic: str
     raw: bool = False
+    metadata: tuple[tuple[str, str], ...] = ()
 
     @property
     def route(self) -> str:
@@ -48,19 +51,29 @@ class Subscription:
 
     def to_dapr(self) -> dict[str, Any]:
         sub: dict[str, Any] = {"pubsubname": self.pubsub, "topic": self.topic, "route": self.route}
+        metadata = dict(self.metadata)
         if self.raw:
-            sub["metadata"] = {"rawPayload": "true"}
+            metadata["rawPayload"] = "true"
+        if metadata:
+            sub["metadata"] = metadata
         return sub
 
     @classmethod
     def parse(cls, text: str) -> Subscription:
+        text, *pairs = text.split(";")
+        metadata: list[tuple[str, str]] = []
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not eq or not key:
+                raise argparse.ArgumentTypeError(f"--sub metadata wants ;KEY=VALUE, got {pair!r}")
+            metadata.append((key, value))
         pubsub, sep, rest = text.partition("=")
         if not sep or not pubsub or not rest:
             raise argparse.ArgumentTypeError(f"--sub wants PUBSUB=TOPIC[:raw], got {text!r}")
         topic, _, flag = rest.partition(":")
         if flag not in ("", "raw"):
             raise argparse.ArgumentTypeError(f"--sub flag must be 'raw', got {flag!r}")
-        return cls(pubsub, topic, raw=flag == "raw")
+        return cls(pubsub, topic, raw=flag == "raw", metadata=tuple(metadata))
 
 
 @dataclass

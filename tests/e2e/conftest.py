@@ -33,6 +33,10 @@ SUBSCRIPTIONS = (
     f"{PUBSUB}=later",
     f"{PUBSUB}=sdk",
     f"{PUBSUB_B}=iso",
+    # A retry policy of this subscription alone (test_retry_e2e), through daprd's metadata.
+    f"{PUBSUB}=retry;maxDeliveryAttempts=5;retryInitialInterval=300ms;retryMultiplier=2"
+    ";deadLetterTopic=retry-dead",
+    f"{PUBSUB}=retry-dead",
 )
 
 
@@ -107,7 +111,7 @@ def wait_for_subscriptions(s: Stack) -> None:
         meta = s.client.get(f"{s.dapr_url}/v1.0/metadata").json()
         names = {c["name"] for c in meta.get("components", [])}
         subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
-        want = {tuple(sub.split(":")[0].split("=", 1)) for sub in SUBSCRIPTIONS}
+        want = {tuple(sub.split(";")[0].split(":")[0].split("=", 1)) for sub in SUBSCRIPTIONS}
         return {PUBSUB, PUBSUB_B} <= names and want <= subs
 
     harness.wait_until(loaded, 30, "daprd to load both components and every subscription", s.daprd)
