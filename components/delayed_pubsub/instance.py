@@ -394,6 +394,22 @@ class Instances:
         )
         return instance
 
+    async def unreachable(self, limit_s: float = 2.0) -> list[str]:
+        """Names of the instances whose Redis does not answer PING within `limit_s` seconds."""
+        instances = list(self._instances.items())
+
+        async def down(instance: Instance) -> bool:
+            try:
+                async with asyncio.timeout(limit_s):
+                    await instance.ping()
+            except (DelayedPubSubError, RedisError, TimeoutError):
+                instance.metrics.redis_errors.inc()
+                return True
+            return False
+
+        results = await asyncio.gather(*(down(i) for _, i in instances))
+        return [name for (name, _), bad in zip(instances, results, strict=True) if bad]
+
     def get(self, name: str) -> Instance:
         """The instance named `name`; NotInitializedError if daprd has not called Init for it."""
         try:

@@ -32,6 +32,9 @@ SOCKET_MODE = 0o660
 
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 
+# How often grpc.health.v1 is brought up to date with Redis reachability.
+HEALTH_INTERVAL_S = 2.0
+
 # daprd's bulk publishes can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = (
@@ -53,6 +56,8 @@ class ComponentServer:
         self.socket_path = socket_path
         self.metrics = metrics or Metrics()
         self.instances = Instances(clock, self.metrics)
+        self._clock = clock
+        self._health_task: asyncio.Task[None] | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
@@ -78,7 +83,32 @@ class ComponentServer:
         os.chmod(self.socket_path, SOCKET_MODE)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._health_task = asyncio.create_task(self._watch_redis(), name="health")
         log.info("serving %s on unix://%s", PUBSUB_SERVICE, self.socket_path)
+
+    async def _watch_redis(self) -> None:
+        """NOT_SERVING while any initialized instance cannot reach its Redis; SERVING again after."""
+        serving = True
+        while True:
+            await self._clock.sleep(HEALTH_INTERVAL_S)
+            try:
+                down = await self.instances.unreachable()
+            except Exception:
+                log.exception("health check failed")
+                continue
+            if bool(down) == serving:
+                serving = not down
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if serving
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for service in ("", PUBSUB_SERVICE):
+                    await self._health.set(service, status)
+                if serving:
+                    log.info("redis reachable again: health SERVING")
+                else:
+                    log.warning("redis unreachable for instance(s) %s: health NOT_SERVING", ", ".join(down))
 
     async def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, give running ones `grace` seconds, close every instance, remove the socket.
@@ -86,6 +116,9 @@ class ComponentServer:
         Open PullMessages streams end; their unacked messages stay pending in
         Redis and come back after processingTimeout.
         """
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
         await self.instances.close()

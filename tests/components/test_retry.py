@@ -239,3 +239,52 @@ async def test_metrics_over_http_show_retries_and_dead_letters(
     finally:
         httpd.shutdown()
         thread.join(5)
+
+
+async def test_streams_of_one_group_redeliver_each_retry_exactly_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # Three streams of one group race for the same retry records (each runs a
+    # poller on the same key): every message comes back once per nack, never twice.
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "100ms"})
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    n = 60
+    for i in range(n):
+        await c.publish("orders", f"m{i}".encode())
+    seen: dict[str, list[str]] = {}
+
+    async def work(stream: Stream) -> None:
+        while True:
+            try:
+                msg = await stream.next(within=2.0)
+            except AssertionError:
+                return  # quiet for 2 s: done
+            seen.setdefault(msg.data.decode(), []).append(msg.metadata["deliveryAttempt"])
+            if msg.metadata["deliveryAttempt"] == "1":
+                await stream.nack(msg.id, "once")
+            else:
+                await stream.ack(msg.id)
+
+    await asyncio.gather(*(work(s) for s in streams))
+    assert len(seen) == n
+    assert all(attempts == ["1", "2"] for attempts in seen.values()), {
+        k: v for k, v in seen.items() if v != ["1", "2"]
+    }
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_an_entry_deleted_while_it_waits_is_not_redelivered_and_its_record_goes(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "300ms"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    msg = await stream.next()
+    await stream.nack(msg.id, "e")
+    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
+    redis_client.xdel("orders", msg.id)  # trimmed (maxLenApprox) or deleted by an operator
+    assert await stream.nothing_for(1.0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
