@@ -151,8 +151,12 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait after failed delivery `attempt` (1 = the first delivery failed)."""
+        # compute_backoff steps once per attempt until the cap: with unlimited
+        # attempts a message failing for weeks must not make each nack O(attempts).
+        # Past 10,000 steps any multiplier > 1.001 is long capped; 1 never grows.
+        steps = 1 if self.multiplier == 1 else min(attempt, 10_000)
         return compute_backoff(
-            attempt,
+            steps,
             base_s=self.initial_ms / 1000,
             cap_s=self.max_ms / 1000,
             multiplier=self.multiplier,

@@ -263,3 +263,22 @@ async def test_clean_errors_and_exit_codes(args: list[str], code: int, message: 
     assert result.code == code, (result.out, result.err)
     assert message in result.err
     assert "Traceback" not in result.err
+
+
+def test_the_shipped_component_yaml_loads_with_a_secret_from_the_environment() -> None:
+    import argparse
+
+    from delayed_pubsub.operate import load_settings, secret_env_names
+
+    shipped = Path(__file__).resolve().parents[2] / "dapr" / "components" / "delayed-pubsub.yaml"
+    args = argparse.Namespace(component=shipped, redis_host=None, redis_password=None, app_id="myapp")
+    settings = load_settings(args, {})
+    assert settings.address == "localhost:6379"
+    assert settings.consumer_id == "myapp"
+    assert settings.enable_delayed_messaging
+    assert secret_env_names({"name": "redis", "key": "redis-password"}) == [
+        "REDIS_PASSWORD",
+        "REDIS_REDIS_PASSWORD",
+    ]
+    assert secret_env_names({"name": "redis-tls", "key": "tls.key"}) == ["TLS_KEY", "REDIS_TLS_TLS_KEY"]
+    assert secret_env_names({"name": "MY_ENV", "key": "MY_ENV"}) == ["MY_ENV"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -122,3 +124,13 @@ def test_delay_is_never_negative_nor_above_the_cap(
     decision = policy.on_nack(attempt, "")
     assert isinstance(decision, Redeliver)
     assert 0 <= decision.after_s <= (initial + extra) / 1000
+
+
+def test_a_huge_attempt_count_is_decided_at_once() -> None:
+    # A message failing forever under an unlimited policy: 2^31 deliveries later
+    # the decision still takes microseconds, and is the cap.
+    for mult in ("1", "1.5"):
+        policy = parse_retry_policy({"retryMultiplier": mult, "retryMaxInterval": "30s"})
+        t = time.perf_counter()
+        assert policy.on_nack(2**31, "e") == Redeliver(1.0 if mult == "1" else 30.0, 2**31 + 1)
+        assert time.perf_counter() - t < 0.05
