@@ -110,12 +110,13 @@ class Retrier:
         if isinstance(decision, DeadLetter):
             await self._dead_letter(entry_id, entry, decision)
             return
-        due_ms = self._clock.now_ms() + int(decision.after_s * 1000)
-        await self._retrying("record retry", lambda: self._record(entry_id, due_ms))
-        self._metrics.retried.inc()
-        await self._append_history(
-            history.RETRIED, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=error
+        now = self._clock.now_ms()
+        due_ms = now + int(decision.after_s * 1000)
+        record = self._history_fields(
+            history.RETRIED, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=error, at_ms=now
         )
+        await self._retrying("record retry", lambda: self._record(entry_id, due_ms, record))
+        self._metrics.retried.inc()
         log.info(
             "%s on %s: delivery %d failed; next in %.3fs",
             entry_id,
@@ -152,12 +153,21 @@ class Retrier:
             return 0, None
         return int(pending[0]["times_delivered"]), rows[0][1]
 
-    async def _record(self, entry_id: str, due_ms: int) -> None:
+    async def _record(self, entry_id: str, due_ms: int, record: dict[str, str]) -> None:
+        """The retry record, the idle reset and the history entry, in one round trip."""
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self._key, {entry_id: due_ms})
         # Keep it ours meanwhile (idle reset; JUSTID leaves the count alone).
         pipe.xclaim(self._topic, self._group, self._consumer, 0, [entry_id], justid=True)
-        await pipe.execute()
+        pipe.xadd(self._history, record, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        zadd, xclaim, xadd = await pipe.execute(raise_on_error=False)
+        for result in (zadd, xclaim):
+            if isinstance(result, Exception):
+                raise result  # retried whole: both steps are idempotent
+        if isinstance(xadd, Exception):
+            # History is for people; the retry itself is durable.
+            self._metrics.redis_errors.inc()
+            log.warning("history of %s not written: %s", entry_id, xadd)
 
     async def _take(self, entry_id: str) -> bool:
         removed = await self._retrying("ZREM", lambda: self._client.zrem(self._key, entry_id))
@@ -212,12 +222,32 @@ class Retrier:
         attempt: int,
         reason: str,
     ) -> None:
+        fields = self._history_fields(event, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=reason)
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._client.xadd(self._history, fields, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        except _RETRIED as e:
+            # History is for people; the decision itself is already carried out.
+            self._metrics.redis_errors.inc()
+            log.warning("history of %s not written: %s", entry_id, e)
+
+    def _history_fields(
+        self,
+        event: str,
+        entry_id: str,
+        entry: StreamEntry,
+        *,
+        due_ms: int | None,
+        attempt: int,
+        reason: str,
+        at_ms: int | None = None,
+    ) -> dict[str, str]:
         # Linked to the delayed message that produced it when there was one
         # (`scheduler` is its scheduleId or envelope id), else the entry id.
         scheduler = entry.metadata.get("scheduler", "")
-        fields = {
+        return {
             "event": event,
-            "at": str(self._clock.now_ms()),
+            "at": str(self._clock.now_ms() if at_ms is None else at_ms),
             "id": scheduler or entry_id,
             "sid": scheduler if scheduler and not _is_stream_id(scheduler) else "",
             "topic": self._topic,
@@ -227,13 +257,6 @@ class Retrier:
             "attempt": str(attempt),
             "reason": reason[:200],
         }
-        try:
-            async with asyncio.timeout(self._timeout):
-                await self._client.xadd(self._history, fields, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        except REDIS_ERRORS as e:
-            # History is for people; the retry itself is already durable.
-            self._metrics.redis_errors.inc()
-            log.warning("history of %s not written: %s", entry_id, e)
 
     async def _poll(self, push: Push) -> None:
         backoff = Backoff(base_s=0.05, cap_s=2.0)
@@ -265,32 +288,45 @@ class Retrier:
                         await self._wake.wait()
 
     async def _redeliver_due(self, push: Push) -> int | None:
-        """Redeliver what is due; returns the next record's time (ms) or None."""
+        """Redeliver what is due, in four round trips per batch; returns the next record's time (ms) or None."""
         now = self._clock.now_ms()
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
+        pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
         async with asyncio.timeout(self._timeout):
-            due: Any = await self._client.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
-        for raw in due:
-            entry_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            due, later = await pipe.execute()
+        if due:
+            ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in due]
             async with asyncio.timeout(self._timeout):
-                if not await self._client.zrem(self._key, entry_id):
-                    continue  # another stream of the group took it
-                # Bumps the PEL delivery count: that is the attempt number.
-                claimed: Any = await self._client.xclaim(
-                    self._topic, self._group, self._consumer, 0, [entry_id]
-                )
-                rows: Any = await self._client.xpending_range(
-                    self._topic, self._group, min=entry_id, max=entry_id, count=1
-                )
-            claimed = [(i, f) for i, f in claimed if f is not None]
-            if not claimed:
-                continue  # deleted or trimmed while it waited
-            attempt = int(rows[0]["times_delivered"]) if rows else 2
-            push(entry_id, claimed[0][1], attempt)
-        if len(due) == POLL_BATCH:
-            return now
-        async with asyncio.timeout(self._timeout):
-            head: Any = await self._client.zrange(self._key, 0, 0, withscores=True)
-        return int(head[0][1]) if head else None
+                # ZREM returning 1 is the token: of racing streams, one redelivers.
+                pipe = self._client.pipeline(transaction=False)
+                for entry_id in ids:
+                    pipe.zrem(self._key, entry_id)
+                mine: list[Any] = [i for i, removed in zip(ids, await pipe.execute(), strict=True) if removed]
+                claimed: Any = []
+                if mine:
+                    # Bumps each PEL delivery count: that is the attempt number.
+                    claimed = await self._client.xclaim(self._topic, self._group, self._consumer, 0, mine)
+                # Deleted or trimmed while they waited: nothing to redeliver.
+                live = [(_id(i), f) for i, f in claimed if f is not None]
+                attempts = await self._attempts([i for i, _ in live])
+            for entry_id, fields in live:
+                push(entry_id, fields, attempts.get(entry_id, 2))
+            if len(due) == POLL_BATCH:
+                return now
+        return int(later[0][1]) if later else None
+
+    async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
+        if not ids:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xpending_range(self._topic, self._group, min=entry_id, max=entry_id, count=1)
+        counts: dict[str, int] = {}
+        for rows in await pipe.execute():
+            for row in rows:
+                counts[_id(row["message_id"])] = int(row["times_delivered"])
+        return counts
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it works; gives up (CancelledError) once closed."""
@@ -305,6 +341,10 @@ class Retrier:
             if self._closed:
                 raise asyncio.CancelledError
             await self._clock.sleep(backoff.next())
+
+
+def _id(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _is_stream_id(text: str) -> bool:

@@ -143,6 +143,45 @@ def _ref(value: bytes | str | None) -> tuple[str, int | None, str]:
     return parts[0], due, nxt
 
 
+def _raw_size(msg: Any) -> int:
+    """Payload bytes of a raw DelayedMessage (all entries of a bulk one)."""
+    if not msg.bulkPublish:
+        return len(msg.message)
+    bulk = delayed_pb2.DelayedBulk.FromString(msg.message)
+    return sum(len(e.event) for e in bulk.entries)
+
+
+def _pending(
+    stream_id: str,
+    ref: bytes | str | None,
+    *,
+    schedule_id: str,
+    topic: str,
+    due_ms: int,
+    size: int,
+    attempts: str,
+    published_at_ms: int,
+) -> PendingMessage:
+    due, kind = due_ms, ONESHOT
+    if ref is not None:
+        ref_id, ref_due, ref_next = _ref(ref)
+        # A recurring envelope's current occurrence lives in the ids hash.
+        if ref_id == stream_id and ref_due is not None:
+            due = ref_due
+        if ref_id == stream_id and ref_next:
+            kind = RECURRING
+    return PendingMessage(
+        stream_id=stream_id,
+        schedule_id=schedule_id,
+        topic=topic,
+        due_ms=due,
+        kind=kind,
+        size=size,
+        attempts=int(attempts) if attempts.isdigit() else 0,
+        published_at_ms=published_at_ms,
+    )
+
+
 def looks_like_stream_id(text: str) -> bool:
     ms, dash, seq = text.partition("-")
     return bool(dash) and ms.isdigit() and seq.isdigit()
@@ -196,48 +235,56 @@ class Inspector:
                 break
 
     async def _decode_page(self, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
-        decoded: list[tuple[str, Envelope]] = []
+        # The listing needs a few fields, not a whole Envelope (metadata and
+        # payload copied): the raw protobuf is read directly, ~4x cheaper.
+        decoded: list[tuple[str, Any, int]] = []
         for raw_id, fields in rows:
-            sid = _s(raw_id)
-            data = fields.get(b"data", fields.get("data"))
             try:
-                decoded.append((sid, decode_envelope(data or b"")))
-            except EnvelopeDecodeError:
+                msg = delayed_pb2.DelayedMessage.FromString(fields.get(b"data", fields.get("data")) or b"")
+                size = _raw_size(msg)
+            except DecodeError:
+                msg = None
+            if msg is None or not msg.topic:
                 if stats is not None:
                     stats["undecodable"] += 1
+                continue
+            decoded.append((_s(raw_id), msg, size))
         if not decoded:
             return []
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.ids, [env.schedule_id or sid for sid, env in decoded])
-        pipe.hmget(self.keys.parked, [sid for sid, _ in decoded])
+        pipe.hmget(self.keys.ids, [msg.scheduleId or sid for sid, msg, _ in decoded])
+        pipe.hmget(self.keys.parked, [sid for sid, _, _ in decoded])
         refs, parked = await pipe.execute()
         out: list[PendingMessage] = []
-        for (sid, env), ref, park in zip(decoded, refs, parked, strict=True):
+        for (sid, msg, size), ref, park in zip(decoded, refs, parked, strict=True):
             if park is not None:
                 if stats is not None:
                     stats["parked"] += 1
                 continue
-            out.append(self._message(sid, env, ref))
+            attempts = msg.metadata.get(DELIVERY_ATTEMPT, "0")
+            out.append(
+                _pending(
+                    sid,
+                    ref,
+                    schedule_id=msg.scheduleId,
+                    topic=msg.topic,
+                    due_ms=msg.dueTimeMs,
+                    size=size,
+                    attempts=attempts,
+                    published_at_ms=msg.publishedAtMs,
+                )
+            )
         return out
 
     def _message(self, stream_id: str, env: Envelope, ref: bytes | str | None) -> PendingMessage:
-        due, kind = env.due_ms, ONESHOT
-        if ref is not None:
-            ref_id, ref_due, ref_next = _ref(ref)
-            # A recurring envelope's current occurrence lives in the ids hash.
-            if ref_id == stream_id and ref_due is not None:
-                due = ref_due
-            if ref_id == stream_id and ref_next:
-                kind = RECURRING
-        attempts = env.metadata.get(DELIVERY_ATTEMPT, "0")
-        return PendingMessage(
-            stream_id=stream_id,
+        return _pending(
+            stream_id,
+            ref,
             schedule_id=env.schedule_id,
             topic=env.topic,
-            due_ms=due,
-            kind=kind,
+            due_ms=env.due_ms,
             size=_payload_size(env),
-            attempts=int(attempts) if attempts.isdigit() else 0,
+            attempts=env.metadata.get(DELIVERY_ATTEMPT, "0"),
             published_at_ms=env.published_at_ms,
         )
 

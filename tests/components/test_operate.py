@@ -132,9 +132,10 @@ async def test_cancel_by_schedule_id_and_envelope_id_is_never_delivered(
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     stream = await c.subscribe("orders")
-    await c.publish("orders", b"cancel me by id", {"scheduledSendDelay": "3s", "scheduleId": "x1"})
-    await c.publish("orders", b"cancel me by envelope", {"scheduledSendDelay": "3s"})
-    await c.publish("orders", b"keep me", {"scheduledSendDelay": "3s", "scheduleId": "keep"})
+    # Due in 8 s: time for two CLI runs even on a loaded machine.
+    await c.publish("orders", b"cancel me by id", {"scheduledSendDelay": "8s", "scheduleId": "x1"})
+    await c.publish("orders", b"cancel me by envelope", {"scheduledSendDelay": "8s"})
+    await c.publish("orders", b"keep me", {"scheduledSendDelay": "8s", "scheduleId": "keep"})
     [by_envelope] = [
         r["id"] for r in (await cli("pending", *conn, "--json")).json() if r["scheduleId"] is None
     ]
@@ -144,7 +145,7 @@ async def test_cancel_by_schedule_id_and_envelope_id_is_never_delivered(
     assert "ghost, also-ghost" in result.err
     assert [r["id"] for r in (await cli("pending", *conn, "--json")).json()] == ["keep"]
 
-    msg = await stream.next(within=6)
+    msg = await stream.next(within=15)
     assert msg.data == b"keep me"
     assert await stream.nothing_for(1.5)
     # Cancelling again finds nothing: exit 1, naming it.

@@ -1,0 +1,189 @@
+"""Issue 9: what operating costs — inspection scans, the operator CLI, and the retry path.
+
+    .venv/bin/python bench/ops.py [--pending 100000] [--topics 30] [--nacks 2000]
+
+A private redis-server (AOF off). Measures:
+- Inspector.pending (full decode, due lookup) and counts_by_topic (the metrics gauge's
+  topic-only scan) over N pending envelopes, in µs per envelope;
+- the real CLI as a process: `pending --json` (limit 100 of N), `inspect` by scheduleId
+  (one HGET) and by an id found only by scanning;
+- the nack path in-process (Broker + Subscription, no gRPC): M messages each failed once
+  then acked, with no policy (the redeliverInterval timer) vs a retry policy with a zero
+  initial interval (durable record + poller), same run: the ratio is the record's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("proto", "middleware", "components", "."):
+    sys.path.insert(0, str(ROOT / sub))
+
+import redis.asyncio as aioredis  # noqa: E402
+
+from bench.common import PAYLOAD  # noqa: E402
+from delayed_middleware.clock import SystemClock  # noqa: E402
+from delayed_middleware.engine import DelayEngine  # noqa: E402
+from delayed_middleware.entry import StreamEntry  # noqa: E402
+from delayed_middleware.envelope import Envelope  # noqa: E402
+from delayed_middleware.inspect import Inspector  # noqa: E402
+from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
+from delayed_pubsub.broker import Broker  # noqa: E402
+from delayed_pubsub.connection import connect  # noqa: E402
+from delayed_pubsub.metrics import Metrics  # noqa: E402
+from delayed_pubsub.retry import Retrier  # noqa: E402
+from delayed_pubsub.settings import parse_settings  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+EXE = Path(sys.executable).with_name("delayed-pubsub")
+
+
+async def populate(port: int, n: int, topics: int) -> None:
+    client = aioredis.Redis(port=port)
+    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic("bench")), SystemClock())
+    now = int(time.time() * 1000)
+    batch: list[Envelope] = []
+    for i in range(n):
+        batch.append(
+            Envelope(
+                id="",
+                topic=f"topic-{i % topics}",
+                due_ms=now + 3_600_000 + i,
+                published_at_ms=now,
+                message=PAYLOAD,
+                metadata={"cloudevent.id": str(i)},
+                schedule_id=f"sched-{i}" if i % 10 == 0 else "",
+            )
+        )
+        if len(batch) == 1000:
+            await engine.schedule(batch)
+            batch = []
+    if batch:
+        await engine.schedule(batch)
+    await client.aclose()
+
+
+async def scans(port: int, n: int) -> dict[str, float]:
+    client = aioredis.Redis(port=port)
+    inspector = Inspector(client, "bench")
+    t = time.perf_counter()
+    report = await inspector.pending(limit=100)
+    pending_s = time.perf_counter() - t
+    assert report.matched == n, report.matched
+    t = time.perf_counter()
+    counts, complete = await inspector.counts_by_topic()
+    counts_s = time.perf_counter() - t
+    assert complete
+    assert sum(counts.values()) == n
+    await client.aclose()
+    return {
+        "pending_us": pending_s / n * 1e6,
+        "pending_s": pending_s,
+        "counts_us": counts_s / n * 1e6,
+        "counts_s": counts_s,
+    }
+
+
+def cli(port: int, *args: str) -> float:
+    t = time.perf_counter()
+    out = subprocess.run(
+        [str(EXE), *args, "--redis-host", f"127.0.0.1:{port}", "--app-id", "bench"],
+        capture_output=True,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    took = time.perf_counter() - t
+    assert out.returncode == 0, out.stderr.decode()
+    return took
+
+
+async def nack_path(port: int, m: int, policy: bool) -> float:
+    props = {
+        "redisHost": f"127.0.0.1:{port}",
+        "consumerID": f"nack-{policy}",
+        "redeliverInterval": "1",  # ms: the legacy timer's wait; equal work for both variants otherwise
+        "processingTimeout": "60s",
+    }
+    if policy:
+        props["retryInitialInterval"] = "0"
+    settings = parse_settings(props)
+    connection = connect(settings)
+    metrics = Metrics().for_instance("bench")
+    broker = Broker(connection.client, settings, SystemClock(), metrics)
+    topic = f"nack-{policy}"
+    sub = broker.subscription(topic, "c")
+    if policy:
+        sub.retry = Retrier(
+            connection.client,
+            settings.retry,
+            topic=topic,
+            group=settings.consumer_id,
+            consumer=sub.consumer,
+            clock=SystemClock(),
+            metrics=metrics,
+            call_timeout=5.0,
+        )
+    await sub.start()
+    for i in range(0, m, 500):
+        from delayed_pubsub.broker import BulkEntry
+
+        await broker.bulk_publish(
+            topic, [BulkEntry(str(j), StreamEntry(PAYLOAD)) for j in range(i, min(m, i + 500))]
+        )
+    acked = 0
+    t = time.perf_counter()
+    async for d in sub.deliveries():
+        if d.attempt == 1:
+            sub.nack(d.id, "bench")
+        else:
+            await sub.ack(d.id)
+            acked += 1
+            if acked == m:
+                break
+    took = time.perf_counter() - t
+    await sub.close()
+    await connection.aclose()
+    return took
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pending", type=int, default=100_000)
+    parser.add_argument("--topics", type=int, default=30)
+    parser.add_argument("--nacks", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-ops-") as d:
+        server = RedisServer(Path(d) / "redis", appendonly=False)
+        server.start()
+        try:
+            await populate(server.port, args.pending, args.topics)
+            s = await scans(server.port, args.pending)
+            print(
+                f"Inspector.pending over {args.pending}: {s['pending_s']:.2f} s ({s['pending_us']:.1f} µs/envelope)"
+            )
+            print(f"Inspector.counts_by_topic: {s['counts_s']:.2f} s ({s['counts_us']:.1f} µs/envelope)")
+            print(
+                f"CLI pending --json (100 of {args.pending}): {cli(server.port, 'pending', '--json'):.2f} s"
+            )
+            print(f"CLI inspect sched-500 (by scheduleId): {cli(server.port, 'inspect', 'sched-500'):.2f} s")
+            print(f"CLI --help-free start (pending on an empty app): {cli(server.port, 'dead'):.2f} s")
+            legacy = await nack_path(server.port, args.nacks, policy=False)
+            durable = await nack_path(server.port, args.nacks, policy=True)
+            print(
+                f"nack once then ack, {args.nacks} messages: redeliverInterval timer {args.nacks / legacy:.0f} msg/s, "
+                f"retry policy {args.nacks / durable:.0f} msg/s (ratio {legacy / durable:.2f})"
+            )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
