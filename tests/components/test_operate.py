@@ -283,3 +283,50 @@ def test_the_shipped_component_yaml_loads_with_a_secret_from_the_environment() -
     ]
     assert secret_env_names({"name": "redis-tls", "key": "tls.key"}) == ["TLS_KEY", "REDIS_TLS_TLS_KEY"]
     assert secret_env_names({"name": "MY_ENV", "key": "MY_ENV"}) == ["MY_ENV"]
+
+
+async def test_long_scan_shows_a_progress_bar_on_a_terminal(
+    redis_server: RedisServer, conn: list[str]
+) -> None:
+    import pty
+
+    import redis.asyncio as aioredis
+
+    from delayed_middleware.clock import SystemClock
+    from delayed_middleware.engine import DelayEngine
+    from delayed_middleware.envelope import Envelope
+    from delayed_middleware.keys import EngineKeys, delayed_topic
+
+    client = aioredis.Redis(port=redis_server.port)
+    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic("app1")), SystemClock())
+    due = int(time.time() * 1000) + 3_600_000
+    for _ in range(5):
+        await engine.schedule(
+            [Envelope(id="", topic="t", due_ms=due, published_at_ms=0, message=b"x") for _i in range(1000)]
+        )
+    await client.aclose()
+    leader, follower = pty.openpty()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(EXE), "pending", *conn, "--json", stdout=asyncio.subprocess.PIPE, stderr=follower
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        os.close(follower)
+        follower = -1
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break  # the terminal's other side is closed: all read
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0
+    assert len(json.loads(out)) == 100  # stdout stays pure JSON
+    assert b"scanning" in drawn
+    assert "━".encode() in drawn  # the bar itself
