@@ -3,8 +3,8 @@
 Why a timer and a bound: the engine keeps one pending count per app, not one
 per topic (a per-topic counter in its scripts is the exact, O(1) way; until
 engine v2 has one, we count). Counting means walking the delayed topic
-(`Inspector.counts_by_topic`, ~10 µs per pending message on the 2-core dev
-machine), which must not run per scrape nor over millions of entries: every
+(`Inspector.counts_by_topic`, ~3.5 µs of CPU per pending message on the
+2-core dev machine, see bench/RESULTS.md), which must not run per scrape nor over millions of entries: every
 REFRESH_S seconds at most MAX_SCAN entries are read; past the bound, the
 messages not scanned are reported under topic="(other)" (computed from the
 engine's exact total), so the series always sum to the pending count.
