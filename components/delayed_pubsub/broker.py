@@ -366,11 +366,16 @@ class Subscription:
 
     async def _retry_nack(self, entry_id: str, error: str) -> None:
         assert self.retry is not None
-        await self.retry.on_nack(entry_id, error)
-        # Its durable retry record (or its dead letter) owns it now: whichever
-        # stream of the group the record's time finds redelivers it.
-        self._owned.discard(entry_id)
-        self._wake.set()
+        try:
+            await self.retry.on_nack(entry_id, error)
+        except Exception:
+            # Still in the PEL: reclaimed after processingTimeout like any abandoned entry.
+            log.exception("retry of %s on %s failed", entry_id, self.topic)
+        finally:
+            # Its durable retry record (or its dead letter) owns it now: whichever
+            # stream of the group the record's time finds redelivers it.
+            self._owned.discard(entry_id)
+            self._wake.set()
 
     def _release(self, entry_id: str) -> None:
         self._unacked.discard(entry_id)

@@ -292,3 +292,28 @@ async def test_an_entry_deleted_while_it_waits_is_not_redelivered_and_its_record
     redis_client.xdel("orders", msg.id)  # trimmed (maxLenApprox) or deleted by an operator
     assert await stream.nothing_for(1.0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_an_unwritable_dead_letter_topic_loses_nothing_and_blocks_nothing(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # The dead-letter topic's key holds a hash (a mistake, or a hostile app):
+    # XADD fails with WRONGTYPE. The failed message must stay pending, other
+    # messages keep flowing, and once the key is fixed the dead letter lands.
+    redis_client.hset("dlq", "not", "a stream")
+    c = component("delayed")
+    await c.init({**props, "maxDeliveryAttempts": "1", "deadLetterTopic": "dlq"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"poison")
+    await c.publish("orders", b"fine")
+    first = await stream.next()
+    await stream.nack(first.id, "bad")
+    second = await stream.next()
+    assert second.data == b"fine"
+    await stream.ack(second.id)
+    await asyncio.sleep(1.0)
+    assert redis_client.xpending("orders", "app1")["pending"] == 1  # the poison one, kept
+    redis_client.delete("dlq")
+    await wait_for(lambda: redis_client.exists("dlq") and redis_client.xlen("dlq") == 1, within=10)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert dead_letters(redis_client, "dlq")[0].data == b"poison"
