@@ -314,6 +314,6 @@ async def test_an_unwritable_dead_letter_topic_loses_nothing_and_blocks_nothing(
     await asyncio.sleep(1.0)
     assert redis_client.xpending("orders", "app1")["pending"] == 1  # the poison one, kept
     redis_client.delete("dlq")
-    await wait_for(lambda: redis_client.exists("dlq") and redis_client.xlen("dlq") == 1, within=10)
+    await wait_for(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within=10)
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert dead_letters(redis_client, "dlq")[0].data == b"poison"
