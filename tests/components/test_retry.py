@@ -317,3 +317,25 @@ async def test_an_unwritable_dead_letter_topic_loses_nothing_and_blocks_nothing(
     await wait_for(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within=10)
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert dead_letters(redis_client, "dlq")[0].data == b"poison"
+
+
+async def test_a_retry_comes_back_to_the_failing_app_only(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # Two apps (consumer groups) read one topic; app1 fails the message three
+    # times, app2 handles it at once: app2 must see it once, never the retries.
+    failing, handling = component("app1"), component("app2")
+    await failing.init({**props, "retryInitialInterval": "100ms"})
+    await handling.init({**props, "consumerID": "app2"})
+    a = await failing.subscribe("orders")
+    b = await handling.subscribe("orders")
+    await failing.publish("orders", b"shared")
+    got_b = await b.next()
+    await b.ack(got_b.id)
+    for attempt in range(1, 4):
+        msg = await a.next()
+        assert msg.metadata["deliveryAttempt"] == str(attempt)
+        await a.nack(msg.id, "not yet")
+    await a.ack((await a.next()).id)
+    assert await b.nothing_for(1.0)
+    assert redis_client.xlen("orders") == 1  # nothing was re-published
