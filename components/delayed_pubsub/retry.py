@@ -36,6 +36,7 @@ from delayed_middleware.retry import (
     RetryPolicy,
     dead_letter_topics_key,
     retry_key,
+    retry_topics_key,
 )
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
 from delayed_pubsub.metrics import InstanceMetrics
@@ -160,8 +161,10 @@ class Retrier:
         # Keep it ours meanwhile (idle reset; JUSTID leaves the count alone).
         pipe.xclaim(self._topic, self._group, self._consumer, 0, [entry_id], justid=True)
         pipe.xadd(self._history, record, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        zadd, xclaim, xadd = await pipe.execute(raise_on_error=False)
-        for result in (zadd, xclaim):
+        # So operators find the waiting retries knowing only the app id.
+        pipe.sadd(retry_topics_key(self._group), self._topic)
+        zadd, xclaim, xadd, sadd = await pipe.execute(raise_on_error=False)
+        for result in (zadd, xclaim, sadd):
             if isinstance(result, Exception):
                 raise result  # retried whole: both steps are idempotent
         if isinstance(xadd, Exception):

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
-from delayed_middleware.history import ONESHOT, RECURRING, HistoryRecord, decode_record
+from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_middleware.retry import (
     DL_AT,
@@ -34,6 +34,8 @@ from delayed_middleware.retry import (
     DL_REASON,
     DL_SOURCE_TOPIC,
     dead_letter_topics_key,
+    retry_key,
+    retry_topics_key,
 )
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
@@ -83,7 +85,7 @@ class MessageInfo:
 
     message: PendingMessage
     envelope: Envelope
-    # pending | parked
+    # pending | parked | retry (a failed message waiting for its next delivery)
     state: str
     parked_reason: str = ""
     history: tuple[HistoryRecord, ...] = ()
@@ -141,6 +143,12 @@ def _ref(value: bytes | str | None) -> tuple[str, int | None, str]:
     due = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
     nxt = parts[2] if len(parts) > 2 else ""
     return parts[0], due, nxt
+
+
+async def _each(iterators: tuple[AsyncIterator[PendingMessage], ...]) -> AsyncIterator[PendingMessage]:
+    for it in iterators:
+        async for m in it:
+            yield m
 
 
 def _raw_size(msg: Any) -> int:
@@ -303,7 +311,11 @@ class Inspector:
         # A max-heap (negated) of the `limit` earliest: memory bounded by limit.
         heap: list[tuple[int, int, PendingMessage]] = []
         kept: list[PendingMessage] = []
-        async for m in self.scan(topic=topic, due_before_ms=due_before_ms, progress=progress, stats=stats):
+        waiting = (
+            self.scan(topic=topic, due_before_ms=due_before_ms, progress=progress, stats=stats),
+            self.retries(topic=topic, due_before_ms=due_before_ms),
+        )
+        async for m in _each(waiting):
             counts[m.topic] += 1
             if limit is None:
                 kept.append(m)
@@ -324,6 +336,53 @@ class Inspector:
             parked=stats["parked"],
             undecodable=stats["undecodable"],
         )
+
+    async def retries(
+        self, *, topic: str | None = None, due_before_ms: int | None = None
+    ) -> AsyncIterator[PendingMessage]:
+        """Failed messages waiting for their next delivery (retry policy), kind "retry".
+
+        Their id is the entry's id on its topic, `due` the earliest redelivery,
+        `attempts` the deliveries so far (the consumer group's PEL count).
+        """
+        topics: Any = await self._redis.smembers(retry_topics_key(self.consumer_id))
+        for name in sorted(_s(t) for t in topics):
+            if topic is not None and name != topic:
+                continue
+            key = retry_key(self.consumer_id, name)
+            high = "+inf" if due_before_ms is None else f"({due_before_ms}"
+            offset = 0
+            while True:
+                page: Any = await self._redis.zrangebyscore(
+                    key, "-inf", high, start=offset, num=self._page, withscores=True
+                )
+                if not page:
+                    break
+                offset += len(page)
+                pipe = self._redis.pipeline(transaction=False)
+                for member, _ in page:
+                    entry_id = _s(member)
+                    pipe.xrange(name, entry_id, entry_id)
+                    pipe.xpending_range(name, self.consumer_id, min=entry_id, max=entry_id, count=1)
+                replies = await pipe.execute(raise_on_error=False)
+                for i, (member, score) in enumerate(page):
+                    rows, pel = replies[2 * i], replies[2 * i + 1]
+                    if isinstance(rows, Exception) or isinstance(pel, Exception) or not rows:
+                        continue  # gone (acked, trimmed): the poller drops its record
+                    entry = decode_entry(rows[0][1])
+                    entry_id = _s(member)
+                    yield PendingMessage(
+                        stream_id=entry_id,
+                        schedule_id="",
+                        topic=name,
+                        due_ms=int(score),
+                        kind=RETRY,
+                        size=len(entry.data),
+                        attempts=int(pel[0]["times_delivered"]) if pel else 0,
+                        published_at_ms=int(entry_id.split("-")[0]) if looks_like_stream_id(entry_id) else 0,
+                    )
+                if len(page) < self._page:
+                    break
 
     async def counts_by_topic(self, max_entries: int | None = None) -> tuple[dict[str, int], bool]:
         """Pending messages per target topic; False when `max_entries` cut the scan short.
@@ -374,6 +433,8 @@ class Inspector:
         elif looks_like_stream_id(id):
             stream_id = id
         info = await self._load(stream_id) if stream_id else None
+        if info is None and looks_like_stream_id(id):
+            info = await self._retry_info(id)
         if info is None:
             # Last resort: an envelope whose own id field is `id` (engine v2
             # envelopes may carry one) or a parked one whose ids entry is gone.
@@ -382,6 +443,43 @@ class Inspector:
             return None
         records = await self.history(id=info.message.id)
         return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+
+    async def _retry_info(self, entry_id: str) -> MessageInfo | None:
+        """A failed message waiting for redelivery, by its entry id on its topic."""
+        topics: Any = await self._redis.smembers(retry_topics_key(self.consumer_id))
+        for name in sorted(_s(t) for t in topics):
+            score = await self._redis.zscore(retry_key(self.consumer_id, name), entry_id)
+            if score is None:
+                continue
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.xrange(name, entry_id, entry_id)
+            pipe.xpending_range(name, self.consumer_id, min=entry_id, max=entry_id, count=1)
+            rows, pel = await pipe.execute()
+            if not rows:
+                return None
+            entry = decode_entry(rows[0][1])
+            published = int(entry_id.split("-")[0])
+            message = PendingMessage(
+                stream_id=entry_id,
+                schedule_id="",
+                topic=name,
+                due_ms=int(score),
+                kind=RETRY,
+                size=len(entry.data),
+                attempts=int(pel[0]["times_delivered"]) if pel else 0,
+                published_at_ms=published,
+            )
+            env = Envelope(
+                id=entry_id,
+                topic=name,
+                due_ms=int(score),
+                published_at_ms=published,
+                message=entry.data,
+                content_type=entry.content_type,
+                metadata=dict(entry.metadata),
+            )
+            return MessageInfo(message, env, "retry")
+        return None
 
     async def _load(self, stream_id: str) -> MessageInfo | None:
         rows: Any = await self._redis.xrange(self.keys.stream, stream_id, stream_id)

@@ -115,6 +115,11 @@ def retry_key(consumer_id: str, topic: str) -> str:
     return "{" + delayed_topic(consumer_id) + "}:retry:" + topic
 
 
+def retry_topics_key(consumer_id: str) -> str:
+    """Set of the topics that have (or had) a retry schedule for this app: found without KEYS."""
+    return "{" + delayed_topic(consumer_id) + "}:retrying"
+
+
 def dead_letter_topics_key(consumer_id: str) -> str:
     """Set of the dead-letter topics this app has written to."""
     return "{" + delayed_topic(consumer_id) + "}:deadletters"

@@ -330,3 +330,29 @@ async def test_long_scan_shows_a_progress_bar_on_a_terminal(
     assert len(json.loads(out)) == 100  # stdout stays pure JSON
     assert b"scanning" in drawn
     assert "━".encode() in drawn  # the bar itself
+
+
+async def test_failed_messages_waiting_for_a_retry_are_listed_and_inspectable(
+    component: Factory, props: dict[str, str], conn: list[str]
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "1h", "retryMaxInterval": "2h"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"try me later", {"k": "v"})
+    msg = await stream.next()
+    before = int(time.time() * 1000)
+    await stream.nack(msg.id, "db down")
+    deadline = time.monotonic() + 5
+    while not (rows := (await cli("pending", *conn, "--json")).json()):
+        assert time.monotonic() < deadline
+    [row] = rows
+    assert row["id"] == msg.id
+    assert row["scheduleId"] is None
+    assert (row["topic"], row["kind"], row["attempts"], row["size"]) == ("orders", "retry", 1, 12)
+    assert row["due"] >= format_instant(before + 3_600_000 - 1000)
+    assert (await cli("pending", *conn, "--json", "--topic", "billing")).json() == []
+    shown = await cli("inspect", *conn, msg.id)
+    assert shown.code == 0, shown.err
+    assert "try me later" in shown.out
+    assert "retry" in shown.out
+    assert "db down" in shown.out  # its history: retried, with the app's error
