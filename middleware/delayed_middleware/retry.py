@@ -37,7 +37,10 @@ epoch ms from which it may be redelivered). Then:
 - redelivery is an XCLAIM by whichever stream of the group first removes the
   record (ZREM returning 1 is the token), which bumps the PEL delivery count,
   so `deliveryAttempt` = the PEL's times-delivered, crashes included;
-- the key sits in the reserved `-delayed}` namespace: no topic can collide with it.
+- the key sits in the reserved `-delayed}` namespace: no topic can collide with it
+  (once publish/subscribe refuse engine keys, see keys.is_engine_key);
+- the topics having such a schedule are listed in the set `{<consumerID>-delayed}:retrying`,
+  so operators (delayed_middleware.inspect) find the waiting retries without KEYS.
 
 The rejected alternative, scheduling a retry envelope through the delay
 engine, would need a per-group target the broker does not have, and would
