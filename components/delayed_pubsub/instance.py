@@ -16,13 +16,14 @@ from collections.abc import Mapping, Sequence
 from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
+from delayed_middleware import plan
 from delayed_middleware.clock import Clock
-from delayed_middleware.delay import DELAY_KEYS, SCHEDULE_ID, Delay, parse_delay
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
     DelayedPubSubError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
 )
@@ -63,7 +64,14 @@ class Instance:
                 clock,
                 trim=self.broker.trim,
                 on_batch=metrics.on_fire,
+                config=EngineConfig(
+                    history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
+                ),
             )
+        # Topics seen to be streams (or absent), so a delayed publish checks the
+        # target's type once, not per call; bounded, and forgotten after a while
+        # because a key's type can change under us (the fire path parks then).
+        self._stream_topics: dict[str, int] = {}
 
     def start(self) -> None:
         """Start firing delayed messages (overdue ones fire at once)."""
@@ -98,52 +106,39 @@ class Instance:
         instance.start()
         return instance
 
-    def _check_publish_topic(self, topic: str) -> None:
-        _check_topic(topic)
-        # Only the engine writes the delayed topic: a plain publish there would
-        # be trimmed by maxLenApprox/streamTTL and take pending envelopes with it.
-        if topic == delayed_topic(self.settings.consumer_id):
-            raise InvalidArgumentError(
-                "topic",
-                topic,
-                "reserved for this app's pending delayed messages; publish with a delay instead",
-            )
-
-    def _delay(self, metadata: Mapping[str, str]) -> Delay | None:
-        return parse_delay(
-            metadata,
+    def _context(self) -> plan.PlanContext:
+        return plan.PlanContext(
             now_ms=self._clock.now_ms(),
+            pubsub_name=self.name,
             enabled=self.settings.enable_delayed_messaging,
             max_delay_ms=self.settings.max_delay_ms,
         )
 
-    def _envelope(
-        self,
-        topic: str,
-        delay: Delay,
-        *,
-        message: bytes = b"",
-        content_type: str = "",
-        metadata: Mapping[str, str] | None = None,
-        bulk_entries: Sequence[env.BulkEntry] = (),
-    ) -> env.Envelope:
-        return env.Envelope(
-            # The envelope's stream entry id already identifies it; a generated id
-            # would cost ~34 bytes per pending message for nothing.
-            id=delay.schedule_id or "",
-            topic=topic,
-            due_ms=delay.due_ms,
-            published_at_ms=self._clock.now_ms(),
-            message=message,
-            content_type=content_type,
-            metadata=dict(metadata or {}),
-            pubsub_name=self.name,
-            schedule_id=delay.schedule_id or "",
-            bulk_entries=tuple(bulk_entries),
-        )
+    async def _check_stream(self, topic: str) -> None:
+        """FailedPreconditionError unless `topic`'s key is a stream or absent."""
+        now = self._clock.now_ms()
+        if now - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS:
+            return
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                kind = await self._connection.client.type(topic)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(f"checking topic {topic!r}: redis: {e or 'timed out'}") from e
+        kind_s = kind.decode() if isinstance(kind, bytes) else str(kind)
+        if kind_s not in ("stream", "none"):
+            raise FailedPreconditionError(
+                f"topic {topic!r}: its Redis key holds a {kind_s}, not a stream; choose another topic name"
+            )
+        if len(self._stream_topics) >= _TYPE_CACHE_SIZE:
+            self._stream_topics.clear()
+        self._stream_topics[topic] = now
 
     async def _schedule(self, envelopes: Sequence[env.Envelope]) -> None:
-        assert self.engine is not None  # parse_delay refuses delay keys when disabled
+        if self.engine is None:
+            # parse_delay refuses delay keys while delayed messaging is off.
+            raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        for topic in {e.topic for e in envelopes}:
+            await self._check_stream(topic)
         try:
             # Bounded like every other Redis call: the client has no socket
             # timeout, and a stalled Redis must not hang the publisher.
@@ -161,102 +156,47 @@ class Instance:
     ) -> None:
         """Store one message on `topic`, or on the delayed topic when its metadata delays it.
 
-        Delay metadata is validated before anything is written: a refused
-        request stores nothing.
+        Everything is validated (plan.plan_publish) before anything is written:
+        a refused request stores nothing.
         """
-        self._check_publish_topic(topic)
-        delay = self._delay(metadata)
-        if delay is None:
-            await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
+        p = plan.plan_publish(topic, data, metadata, content_type, self._context())
+        if p.immediate:
+            await self._publish_now(topic, p.immediate[0].entry)
             self.metrics.published_immediate.inc()
-            return
-        await self._schedule(
-            [self._envelope(topic, delay, message=data, content_type=content_type, metadata=metadata)]
-        )
-        self.metrics.published_delayed.inc()
+        if p.delayed:
+            await self._schedule([d.envelope for d in p.delayed])
+            self.metrics.published_delayed.inc()
+
+    async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
+        try:
+            await self.broker.publish(topic, entry)
+        except DelayedPubSubError as e:
+            if "WRONGTYPE" in str(e):
+                raise FailedPreconditionError(
+                    f"topic {topic!r}: its Redis key is not a stream; choose another topic name"
+                ) from e
+            raise
 
     async def bulk_publish(
         self, topic: str, entries: Sequence[BulkEntry], metadata: Mapping[str, str]
     ) -> list[FailedEntry]:
         """Store many messages on `topic` in one round trip; returns the ones that failed.
 
-        The request's metadata applies to every entry; an entry's own keys win.
-        Request-level delay metadata delays the whole bulk as one envelope that
-        fires as one batch; an entry with delay keys of its own becomes an
-        envelope of its own, and a bad value there fails that entry alone.
+        Planning (plan.plan_bulk) decides what is stored now, what is delayed
+        and what is refused; this executes it.
         """
-        self._check_publish_topic(topic)
-        request_delay = self._delay(metadata)  # a bad request-level value refuses it all
-        failed: list[FailedEntry] = []
-        now: list[BulkEntry] = []
-        together: list[BulkEntry] = []
-        alone: list[tuple[str, env.Envelope]] = []
-        ids_taken: set[str] = set()
-        if request_delay is not None and request_delay.schedule_id:
-            ids_taken.add(request_delay.schedule_id)
-        for item in entries:
-            # The common case, no metadata anywhere, allocates nothing new.
-            merged = item
-            if metadata:
-                e = item.entry
-                merged = BulkEntry(
-                    item.entry_id, StreamEntry(e.data, {**metadata, **e.metadata}, e.content_type)
-                )
-            if _DELAY_KEYS.isdisjoint(item.entry.metadata):
-                (together if request_delay else now).append(merged)
-                continue
-            try:
-                delay = self._delay(merged.entry.metadata)
-            except InvalidArgumentError as err:
-                failed.append(FailedEntry(item.entry_id, str(err)))
-                continue
-            if delay is None:
-                now.append(merged)
-                continue
-            # An entry of its own is identified by its own scheduleId only: the
-            # request's belongs to the batch envelope, and sharing it would make
-            # one envelope silently replace the other.
-            own_id = item.entry.metadata.get(SCHEDULE_ID) or None
-            if own_id is not None and own_id in ids_taken:
-                failed.append(
-                    FailedEntry(
-                        item.entry_id,
-                        str(
-                            InvalidArgumentError(
-                                SCHEDULE_ID, own_id, "given to two messages of one bulk publish"
-                            )
-                        ),
-                    )
-                )
-                continue
-            if own_id is not None:
-                ids_taken.add(own_id)
-            m = merged.entry
-            envelope = self._envelope(
-                topic,
-                Delay(delay.due_ms, own_id),
-                message=m.data,
-                content_type=m.content_type,
-                metadata=m.metadata,
-            )
-            alone.append((item.entry_id, envelope))
-        envelopes = [e for _, e in alone]
-        if together and request_delay is not None:
-            bulk = [
-                env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
-                for i in together
-            ]
-            envelopes.append(self._envelope(topic, request_delay, metadata=metadata, bulk_entries=bulk))
+        p = plan.plan_bulk(topic, [(i.entry_id, i.entry) for i in entries], metadata, self._context())
+        failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
         stored_some = False
-        if envelopes:
+        if p.delayed:
             try:
-                await self._schedule(envelopes)
+                await self._schedule([d.envelope for d in p.delayed])
                 stored_some = True
-                self.metrics.published_delayed.inc(len(together) + len(alone))
+                self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed))
             except DelayedPubSubError as err:
-                failed += [FailedEntry(i.entry_id, str(err)) for i in together]
-                failed += [FailedEntry(entry_id, str(err)) for entry_id, _ in alone]
-        if now:
+                failed += [FailedEntry(i, str(err)) for d in p.delayed for i in d.entry_ids]
+        if p.immediate:
+            now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:
                 refused = await self.broker.bulk_publish(topic, now)
             except DelayedPubSubError as err:
@@ -271,7 +211,10 @@ class Instance:
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str]) -> Subscription:
         """Open a started subscription for one PullMessages stream."""
-        _check_topic(topic)
+        plan.check_topic(topic, subscribe=True)
+        # A key of another type would fail XGROUP CREATE forever: say so now.
+        self._stream_topics.pop(topic, None)
+        await self._check_stream(topic)
         if not self.settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID", "", "required to subscribe (daprd sets it to the app-id)"
@@ -370,9 +313,5 @@ class Instances:
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
 
 
-_DELAY_KEYS = frozenset(DELAY_KEYS)
-
-
-def _check_topic(topic: str) -> None:
-    if not topic:
-        raise InvalidArgumentError("topic", topic, "must not be empty")
+_TYPE_CACHE_MS = 60_000
+_TYPE_CACHE_SIZE = 10_000

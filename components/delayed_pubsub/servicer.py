@@ -18,6 +18,7 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
     DelayedPubSubError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
 )
@@ -38,6 +39,7 @@ FEATURES = ("BULK_PUBSUB",)
 _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DelayedPubSubError, grpc.StatusCode.INTERNAL),
 )

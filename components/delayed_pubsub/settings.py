@@ -50,6 +50,8 @@ KNOWN_KEYS = frozenset(
         "poolSize",
         "enableDelayedMessaging",
         "maxDelay",
+        "historyMaxLen",
+        "historyMaxAge",
     }
 )
 
@@ -86,6 +88,9 @@ class Settings:
     pool_size: int | None = None
     enable_delayed_messaging: bool = False
     max_delay_ms: int | None = None
+    # The delay engine's lifecycle history: entries kept (0 = no history) and age.
+    history_max_len: int = 1_000_000
+    history_max_age_ms: int = 86_400_000
 
     @property
     def address(self) -> str:
@@ -159,6 +164,8 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         pool_size=_int(props, "poolSize", 0, minimum=0) or None,
         enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
+        history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
+        history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
     )
 
 

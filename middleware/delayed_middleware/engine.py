@@ -1,12 +1,31 @@
-"""The delay engine: durable scheduling and exactly-once firing on Redis.
+"""The delay engine: durable scheduling and exactly-once, failure-atomic firing on Redis.
 
 State lives only in Redis (see keys.EngineKeys): the component keeps nothing
 per message in memory, so a million pending messages cost Redis memory, not
 ours. Firing never polls on a fixed tick: the loop sleeps until the earliest
 due time and is woken early through a pub/sub channel when any replica
-schedules an earlier one. Each batch is fired by one atomic script (scripts.FIRE),
-so every message lands on its target exactly once whatever dies when and however
-many replicas race for it.
+schedules an earlier one.
+
+Every state change is one Lua script (lua/*.lua, see scripts.py) that also
+appends its lifecycle record (history.py) in the same atomic step:
+  - SCHEDULE stores envelopes and indexes them; a per-call token makes a
+    client's retry after a lost reply a no-op;
+  - FIRE moves a bounded batch of due occurrences to their targets; a target
+    that cannot take them parks that one envelope, the rest fire;
+  - CANCEL withdraws one by scheduleId or envelope id;
+  - REFILL gives a recurring envelope its next due time.
+
+Recurring envelopes: cron arithmetic cannot run in Lua, so each recurring
+envelope's ids-hash ref holds its current due time and the NEXT one,
+precomputed. FIRE delivers the occurrence, re-indexes the envelope at the next
+time and marks it for refill; the firing replica then computes the time after
+that with the injected `recurrence` function and stores it with REFILL (a
+compare-and-set). A crash between the two loses nothing: the refill mark is in
+Redis and any replica's loop completes it before that envelope can fire again
+(FIRE never fires an occurrence whose successor is unknown). An occurrence
+whose successor has passed too (the component or Redis was down across
+several fire times) is handed to REFILL with the current time, so it fires
+once on recovery and then continues on its schedule.
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,27 +42,45 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from delayed_middleware import scripts
+from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import StreamEntry, Trim
-from delayed_middleware.envelope import Envelope, encode_envelope
+from delayed_middleware.entry import Trim
+from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys
 
 log = logging.getLogger(__name__)
+
+# The next fire time of a recurring envelope strictly after `after_ms`, or None
+# when its schedule has no further fire.
+Recurrence = Callable[[Envelope, int], "int | None"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Tuning knobs; the defaults suit most deployments."""
 
+    # One fire call's budget: envelopes, appended entries, payload bytes. Sized
+    # so a call stays within ~20 ms of Redis time (bench/delay.py, SLOWLOG).
     batch_size: int = 500
+    batch_entries: int = 2000
+    batch_bytes: int = 4 << 20
+    # Envelopes per SCHEDULE call: a huge bulk publish is stored in bounded steps.
+    schedule_chunk: int = 500
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0
     retry_min_s: float = 0.05
     retry_max_s: float = 2.0
-    # Bound on one peek-and-fire round trip: a connection that died without a
-    # FIN (a partitioned Redis) must not stall the loop forever.
+    # Bound on one script round trip: a connection that died without a FIN
+    # (a partitioned Redis) must not stall the loop forever.
     op_timeout_s: float = 30.0
+    # Lifecycle history retention: entries (approximate, 0 = no history) and age.
+    history_max_len: int = 1_000_000
+    history_max_age_ms: int = 86_400_000
+    # How long a schedule call's token is remembered (a client's retry after a
+    # lost reply must come within it).
+    token_window_ms: int = 120_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +92,8 @@ class FireReport:
     max_lateness_ms: int
     # Messages still waiting in the index after the batch.
     pending: int
+    parked: int = 0
+    entries: int = 0
 
 
 class DelayEngine:
@@ -68,6 +108,7 @@ class DelayEngine:
         trim: Trim | None = None,
         config: EngineConfig = EngineConfig(),
         on_batch: Callable[[FireReport], None] | None = None,
+        recurrence: Recurrence | None = None,
     ) -> None:
         self._redis = client
         self._keys = keys
@@ -75,86 +116,220 @@ class DelayEngine:
         self._trim = trim or Trim()
         self._config = config
         self._schedule = client.register_script(scripts.SCHEDULE)
-        self._fire_due = client.register_script(scripts.FIRE_DUE)
+        self._fire = client.register_script(scripts.FIRE)
         self._cancel = client.register_script(scripts.CANCEL)
+        self._refill = client.register_script(scripts.REFILL)
         self._on_batch = on_batch
+        self._recurrence = recurrence
         self._wake = asyncio.Event()
+        self._last_history_trim = 0
 
     @property
     def keys(self) -> EngineKeys:
         return self._keys
 
-    async def schedule(self, envelopes: Sequence[Envelope]) -> list[str]:
-        """Store envelopes durably; returns their ids on the delayed topic.
+    def _history_len(self) -> int:
+        return self._config.history_max_len
+
+    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+        """Store envelopes durably; returns their ids (scheduleId, else their stream id).
 
         When this returns, Redis holds them: a crash of this process from here
-        on loses nothing.
+        on loses nothing. Each SCHEDULE call carries a token the script
+        remembers, so the client library's automatic retry after a lost reply
+        stores nothing twice. Recurring envelopes must have a `recurrence`.
         """
+        ids: list[str] = []
+        chunk = self._config.schedule_chunk
+        for start in range(0, len(envelopes), chunk):
+            ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
+            token = None  # a caller's token names the first chunk only
+        return ids
+
+    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str | None) -> list[str]:
         if not envelopes:
             return []
-        args: list[Any] = [self._keys.buckets, self._keys.wake, len(envelopes)]
+        now = self._clock.now_ms()
+        args: list[Any] = [
+            self._keys.buckets,
+            self._keys.wake,
+            now,
+            token or secrets.token_hex(8),
+            self._history_len(),
+            self._config.token_window_ms,
+            len(envelopes),
+        ]
         for env in envelopes:
-            args += [encode_envelope(env), env.due_ms, env.schedule_id]
-        ids = await self._schedule(keys=self._keys.script_keys, args=args)
-        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+            nxt, iso = "-", "-"
+            if env.is_recurring:
+                nxt, iso = self._next_after(env, env.due_ms)
+            args += [
+                encode_envelope(env),
+                env.due_ms,
+                env.schedule_id,
+                env.kind,
+                env.topic,
+                env.size,
+                env.schedule,
+                nxt,
+                iso,
+            ]
+        raw = await self._schedule(keys=self._keys.script_keys, args=args)
+        out = [_s(i) for i in raw]
+        if out == ["dup"]:
+            # Stored by an earlier attempt of this very call.
+            return []
+        return out
 
-    async def cancel(self, schedule_id: str) -> bool:
-        """Withdraw the pending message with this scheduleId; True if one was pending."""
-        n = await self._cancel(keys=self._keys.script_keys, args=[self._keys.buckets, schedule_id])
+    def _next_after(self, env: Envelope, after_ms: int) -> tuple[str, str]:
+        if self._recurrence is None:
+            raise ValueError("a recurring envelope needs the engine's recurrence function")
+        nxt = self._recurrence(env, after_ms)
+        if nxt is None:
+            return scripts.PURGE, "-"
+        if nxt <= after_ms:
+            raise ValueError(f"recurrence gave {nxt}, not after {after_ms}")
+        return str(nxt), format_instant(nxt)
+
+    async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
+        """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""
+        n = await self._cancel(
+            keys=self._keys.script_keys,
+            args=[self._keys.buckets, self._clock.now_ms(), self._history_len(), id, reason],
+        )
         return bool(n)
 
     async def pending(self) -> int:
-        """How many messages wait on this delayed topic."""
+        """How many messages wait in the index of this delayed topic."""
         return int(await self._redis.get(self._keys.count) or 0)
 
     async def fire_due(self) -> tuple[int, int | None]:
-        """Fire one batch of what is due now, in one atomic script.
+        """Fire one bounded batch of what is due now, in one atomic script, then
+        complete the refills it asked for (and fire again once if that made
+        something due: a recurring envelope whose refill was still pending).
 
         Returns (envelopes fired by this call, earliest due time left or None).
         """
+        fired, head, refill = await self._fire_once()
+        if refill:
+            await self.refill_pending()
+            if not fired:
+                fired, head, _ = await self._fire_once()
+        return fired, head
+
+    async def _fire_once(self) -> tuple[int, int | None, int]:
         now = self._clock.now_ms()
         mode, threshold = self._trim.args(now)
-        raw = await self._fire_due(
+        cfg = self._config
+        raw = await self._fire(
             keys=self._keys.script_keys,
-            args=[self._keys.buckets, now, self._config.batch_size, mode, threshold],
+            args=[
+                self._keys.buckets,
+                now,
+                cfg.batch_size,
+                cfg.batch_entries,
+                cfg.batch_bytes,
+                mode,
+                threshold,
+                self._history_len(),
+            ],
         )
-        fired, head, first, pending = int(raw[0]), raw[1], raw[2], int(raw[3])
-        if self._on_batch is not None:
-            # The batch's earliest due time is its latest message.
-            late_ms = now - int(float(first)) if first else 0
-            self._on_batch(FireReport(fired=fired, max_lateness_ms=late_ms, pending=pending))
-        if len(raw) > 4:
-            bad = [b.decode() if isinstance(b, bytes) else str(b) for b in raw[4:]]
+        fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
+        parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
+        if parked:
             log.error(
-                "%d envelopes on %s could not be decoded and were not fired (left on the topic): %s",
-                len(bad),
+                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
+                parked,
                 self._keys.stream,
-                ", ".join(bad[:10]),
+                self._keys.parked,
             )
-        return fired, (int(float(head)) if head else None)
+        if self._on_batch is not None and (fired or parked):
+            # The batch's earliest due time is its latest message.
+            late_ms = now - int(first) if first else 0
+            self._on_batch(
+                FireReport(
+                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
+                )
+            )
+        return fired, (int(float(head)) if head else None), refill
+
+    async def refill_pending(self, limit: int = 1000) -> int:
+        """Give every recurring envelope waiting for it its next due time; returns how many."""
+        done = 0
+        while done < limit:
+            members = await self._redis.zrange(self._keys.refill, 0, 99)
+            if not members:
+                break
+            progressed = False
+            for member in members:
+                key = _s(member)
+                result = await self._refill_one(key)
+                if result != 0:
+                    progressed = True
+                    done += 1
+            if not progressed:
+                break
+        return done
+
+    async def _refill_one(self, key: str) -> int:
+        ref = await self._redis.hget(self._keys.ids, key)
+        if ref is None:
+            await self._redis.zrem(self._keys.refill, key)
+            return -1
+        ref_s = _s(ref)
+        parts = ref_s.split()
+        stream_id, due = parts[0], int(parts[1])
+        rows = await self._redis.xrange(self._keys.stream, stream_id, stream_id)
+        try:
+            if not rows:
+                raise EnvelopeDecodeError(f"envelope {stream_id} is gone")
+            raw = dict(rows[0][1] or {}).get(b"data")
+            if not isinstance(raw, bytes):
+                raise EnvelopeDecodeError(f"envelope {stream_id} has no data")
+            env = decode_envelope(raw)
+            nxt, iso = self._next_after(env, max(due, self._clock.now_ms()))
+        except (EnvelopeDecodeError, ValueError) as exc:
+            log.error("recurring %r on %s cannot be refilled: %s; cancelling it", key, self._keys.stream, exc)
+            await self.cancel(key, reason=f"unschedulable: {exc}")
+            return -1
+        return int(
+            await self._refill(
+                keys=self._keys.script_keys, args=[self._keys.buckets, self._keys.wake, key, ref_s, nxt, iso]
+            )
+        )
+
+    async def _trim_history(self) -> None:
+        """Age-based history retention (the length bound rides on every XADD)."""
+        max_age = self._config.history_max_age_ms
+        now = self._clock.now_ms()
+        if not max_age or not self._config.history_max_len or now - self._last_history_trim < 60_000:
+            return
+        self._last_history_trim = now
+        await self._redis.xtrim(self._keys.history, minid=f"{now - max_age}-0", approximate=True)
 
     async def run(self) -> None:
         """Fire due messages until cancelled; survives Redis outages."""
         listener = asyncio.create_task(self._listen_wake(), name=f"wake:{self._keys.stream}")
-        backoff = self._config.retry_min_s
+        backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         try:
             while True:
                 try:
                     # asyncio.timeout, not wait_for: wait_for can swallow a
                     # cancellation that races with completion (Python < 3.12).
                     async with asyncio.timeout(self._config.op_timeout_s):
+                        if backoff.failures or not self._last_history_trim:
+                            # After start-up or an outage: refills a dead replica left.
+                            await self.refill_pending()
                         fired, head = await self.fire_due()
+                        await self._trim_history()
                     _honour_swallowed_cancel()
-                    backoff = self._config.retry_min_s
+                    backoff.reset()
                 except (RedisError, TimeoutError) as exc:
+                    delay = backoff.next()
                     log.warning(
-                        "delay engine on %s: redis error %s; retrying in %.2fs",
-                        self._keys.stream,
-                        exc,
-                        backoff,
+                        "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
                     )
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self._config.retry_max_s)
+                    await asyncio.sleep(delay)
                     continue
                 if fired or (head is not None and head <= self._clock.now_ms()):
                     continue  # more may be due right now: no sleep between batches
@@ -182,7 +357,7 @@ class DelayEngine:
         self._wake.set()
 
     async def _listen_wake(self) -> None:
-        backoff = self._config.retry_min_s
+        backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         while True:
             _honour_swallowed_cancel()
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
@@ -190,7 +365,7 @@ class DelayEngine:
                 await pubsub.subscribe(self._keys.wake)
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
-                backoff = self._config.retry_min_s
+                backoff.reset()
                 while True:
                     # get_message with a timeout, not listen(): an idle channel
                     # must not look like a dead socket to the read timeout.
@@ -200,12 +375,17 @@ class DelayEngine:
                         self._wake.set()
             except RedisError as exc:
                 log.debug("wake listener on %s: %s", self._keys.wake, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._config.retry_max_s)
+                await asyncio.sleep(backoff.next())
             finally:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1.0):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _s(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode()
+    return "" if value is None else str(value)
 
 
 def _honour_swallowed_cancel() -> None:
@@ -219,9 +399,3 @@ def _honour_swallowed_cancel() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-def _target_entries(env: Envelope) -> list[StreamEntry]:
-    if env.is_bulk:
-        return [StreamEntry(e.event, e.metadata, e.content_type) for e in env.bulk_entries]
-    return [StreamEntry(env.message, env.metadata, env.content_type)]

@@ -41,3 +41,8 @@ class BackendUnavailableError(DelayedPubSubError):
 
     Maps to gRPC UNAVAILABLE: daprd and its resiliency policies may retry.
     """
+
+
+class FailedPreconditionError(DelayedPubSubError):
+    """The request is well-formed but the state of Redis refuses it (e.g. a topic
+    whose key holds a hash, not a stream). Maps to gRPC FAILED_PRECONDITION."""

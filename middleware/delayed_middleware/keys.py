@@ -102,4 +102,15 @@ class EngineKeys:
     @property
     def script_keys(self) -> list[str]:
         """KEYS of every engine script, in their order (see the .lua headers)."""
-        return [self.stream, self.due, self.ids, self.seq, self.count]
+        return [
+            self.stream,
+            self.due,
+            self.ids,
+            self.seq,
+            self.count,
+            self.history,
+            self.parked,
+            self.calls,
+            self.refill,
+            self.outbox,
+        ]

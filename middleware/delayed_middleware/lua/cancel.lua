@@ -1,0 +1,47 @@
+-- CANCEL: withdraw a pending message or schedule; nothing more is delivered.
+-- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+-- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen, 4 id (a scheduleId, or
+--       the envelope's stream id on the delayed topic), 5 reason
+-- Returns 1 when something pending (or parked) was cancelled, 0 when the id is unknown.
+--!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
+local key = ARGV[4]
+local ref = redis.call('HGET', KEYS[3], key)
+local sid, due
+if ref then
+  sid = parse_ref(ref)
+else
+  -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
+  if not string.match(key, '^%d+%-%d+$') then return 0 end
+  sid = key
+end
+local env = read_envelope(sid)
+if ref then
+  local _
+  _, due = drop_ref(key, ref)
+  redis.call('HDEL', KEYS[3], key)
+else
+  if redis.call('XDEL', KEYS[1], sid) == 0 then return 0 end
+  if env then
+    due = env.due
+    remove(sid, due)
+    if env.sid ~= '' then
+      local r = redis.call('HGET', KEYS[3], env.sid)
+      if r and parse_ref(r) == sid then
+        redis.call('HDEL', KEYS[3], env.sid)
+        redis.call('ZREM', KEYS[9], env.sid)
+      end
+    end
+  end
+  redis.call('HDEL', KEYS[7], sid)
+end
+if env then
+  hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[5], env.schedule)
+else
+  hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[5], '')
+end
+return 1
