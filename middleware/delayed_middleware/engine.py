@@ -65,6 +65,9 @@ class EngineConfig:
     batch_size: int = 500
     batch_entries: int = 2000
     batch_bytes: int = 4 << 20
+    # ...and Redis time: a batch stops after this long (checked with Redis TIME),
+    # so no call holds Redis for more than ~this, however loaded the machine.
+    fire_budget_us: int = 10_000
     # Envelopes per SCHEDULE call: a huge bulk publish is stored in bounded steps.
     schedule_chunk: int = 500
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
@@ -232,6 +235,7 @@ class DelayEngine:
                 mode,
                 threshold,
                 self._history_len(),
+                cfg.fire_budget_us,
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])

@@ -482,3 +482,18 @@ async def test_history_is_trimmed_to_its_length(
         await engine.schedule([env(i * 100 + j, T0) for j in range(100)])
     # Approximate trimming (whole stream nodes): bounded, never far above the setting.
     assert redis_client.xlen(KEYS.history) <= 300
+
+
+async def test_fire_batches_stop_at_their_time_budget(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    reports: list[FireReport] = []
+    engine = DelayEngine(
+        aredis(), KEYS, ManualClock(T0), config=EngineConfig(fire_budget_us=1), on_batch=reports.append
+    )
+    await engine.schedule([env(i, T0) for i in range(100)])
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(100))
+    # Time is checked every eight envelopes: a 1 us budget stops each call there.
+    assert max(r.fired for r in reports) == 8
+    assert await engine.pending() == 0

@@ -16,8 +16,9 @@
 -- delivered is parked (kept on the delayed topic, listed in KEYS[7], recorded
 -- in the history) and the rest of the batch fires. Redis does not roll a
 -- script back, so nothing here may raise after the first write.
--- Bounded: a batch stops before max entries or max bytes (after at least one
--- envelope), so one call never holds Redis for long.
+-- Bounded: a batch stops before max entries or max bytes, or once it has run
+-- for the time budget (after at least one envelope), so one call never holds
+-- Redis for long, however loaded the machine.
 -- Recurring envelopes fire only when their next due time is known (ids ref);
 -- else, or when that time has passed too (missed fires), they wait in KEYS[9]
 -- for a REFILL and fire once afterwards: never a storm of missed occurrences.
@@ -33,6 +34,16 @@ local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), to
 local trim_mode, trim_at = ARGV[6], ARGV[7]
 local fired, parked, refill, appended, bytes, first = 0, 0, 0, 0, 0, nil
 local types = {}
+-- Index removals and stream deletions are applied together at the end, and
+-- recurring envelopes re-enter the index only after that (their ids would
+-- otherwise be removed again with their old bucket's batch).
+local taken, deletes, reinserts = {}, {}, {}
+local budget_us = tonumber(ARGV[9] or '0')
+local function clock_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local started = budget_us > 0 and clock_us() or 0
 
 -- Why `topic` cannot take our XADD, or nil.
 local function bad_target(topic)
@@ -58,7 +69,7 @@ local function park(id, env, key, due, why)
 end
 
 local function forget(id, env, key)
-  redis.call('XDEL', KEYS[1], id)
+  deletes[#deletes + 1] = id
   if env.sid ~= '' or env.kind == 1 then
     local r = redis.call('HGET', KEYS[3], key)
     if r and parse_ref(r) == id then
@@ -86,17 +97,18 @@ local function sampled(source)
   return {{data, md, ct}}
 end
 
-for _, c in ipairs(due_candidates(now, max_env)) do
+for i, c in ipairs(due_candidates(now, max_env)) do
   local id, due = c[1], c[2]
+  if budget_us > 0 and i > 1 and i % 8 == 1 and clock_us() - started > budget_us then break end
   local env, why = read_envelope(id)
   if not env then
-    remove(id, due)
+    taken[#taken + 1] = c
     if why ~= 'gone' then park(id, nil, id, due, why) end
   else
     local n = #env.entries
     if env.source ~= '' then n = 1 end
-    if fired + parked > 0 and (appended + n > max_entries or bytes + env.size > max_bytes) then break end
-    remove(id, due)
+    if #taken > 0 and (appended + n > max_entries or bytes + env.size > max_bytes) then break end
+    taken[#taken + 1] = c
     local key = id
     if env.sid ~= '' then key = env.sid end
     local attempt = math.max(env.attempt, 1)
@@ -105,7 +117,7 @@ for _, c in ipairs(due_candidates(now, max_env)) do
       local ref = redis.call('HGET', KEYS[3], key)
       if not ref or parse_ref(ref) ~= id then
         -- An envelope nothing refers to any more: nothing to fire, nothing to keep.
-        redis.call('XDEL', KEYS[1], id)
+        deletes[#deletes + 1] = id
         skip = true
       else
         local _, rdue, rnext, riso = parse_ref(ref)
@@ -187,7 +199,7 @@ for _, c in ipairs(due_candidates(now, max_env)) do
           if final then
             forget(id, env, key)
           else
-            insert(id, next_due)
+            reinserts[#reinserts + 1] = {id, next_due}
             redis.call('HSET', KEYS[3], key, make_ref(id, next_due, '-', '-', 'i'))
             redis.call('ZADD', KEYS[9], next_due, key)
             refill = refill + 1
@@ -201,5 +213,10 @@ for _, c in ipairs(due_candidates(now, max_env)) do
     end
   end
 end
+remove_candidates(taken)
+for i = 1, #deletes, 500 do
+  redis.call('XDEL', KEYS[1], unpack(deletes, i, math.min(i + 499, #deletes)))
+end
+for _, r in ipairs(reinserts) do insert(r[1], r[2]) end
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended}

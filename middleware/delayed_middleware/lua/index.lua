@@ -102,7 +102,7 @@ local function head()
   end
 end
 
--- Up to `limit` {stream id, due} pairs due at `now`, earliest first; removes nothing.
+-- Up to `limit` {stream id, due, bucket} due at `now`, earliest first; removes nothing.
 local function due_candidates(now, limit)
   local out, offset = {}, 0
   while #out < limit do
@@ -110,12 +110,36 @@ local function due_candidates(now, limit)
     if #bs == 0 then break end
     for _, b in ipairs(bs) do
       local got = redis.call('ZRANGEBYSCORE', bucket_key(b), '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit - #out)
-      for i = 1, #got, 2 do out[#out + 1] = {got[i], got[i + 1]} end
+      for i = 1, #got, 2 do out[#out + 1] = {got[i], got[i + 1], b} end
       if #out >= limit then break end
     end
     offset = offset + #bs
   end
   return out
+end
+
+-- Removes candidates (as due_candidates gave them, buckets unchanged since)
+-- from the index in one ZREM per bucket, CHUNK ids per command.
+local function remove_candidates(cs)
+  local by_bucket, order = {}, {}
+  for _, c in ipairs(cs) do
+    local list = by_bucket[c[3]]
+    if not list then
+      list = {}
+      by_bucket[c[3]] = list
+      order[#order + 1] = c[3]
+    end
+    list[#list + 1] = c[1]
+  end
+  local removed = 0
+  for _, b in ipairs(order) do
+    local key, ids = bucket_key(b), by_bucket[b]
+    for i = 1, #ids, CHUNK do
+      removed = removed + redis.call('ZREM', key, unpack(ids, i, math.min(i + CHUNK - 1, #ids)))
+    end
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+  end
+  if removed > 0 then redis.call('DECRBY', KEYS[5], removed) end
 end
 
 -- ids hash values: "<stream id> <due ms> <next ms | - | purge> <next RFC3339 | -> <i | u>"
