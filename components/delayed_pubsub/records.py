@@ -112,7 +112,11 @@ class RecordStore:
 
     def path_for(self, instance: str) -> Path:
         """The file of `instance` (its name percent-encoded: any name is one safe file name)."""
-        return self.folder / (quote(instance, safe="") + SUFFIX)
+        encoded = quote(instance, safe="")
+        if encoded.startswith("."):
+            # Never a hidden name: those are our temporary files.
+            encoded = "%2E" + encoded[1:]
+        return self.folder / (encoded + SUFFIX)
 
     def _ensure_folder(self) -> None:
         self.folder.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
