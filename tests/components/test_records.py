@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from delayed_pubsub import records as records_module
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore, records_folder
 
 PROPS = {"redisHost": "127.0.0.1:6379", "redisPassword": "s3cret", "consumerID": "app1"}
@@ -61,7 +60,7 @@ def test_a_record_is_replaced_atomically(store: RecordStore, monkeypatch: pytest
             assert record is not None
             seen_during_write.append(record.topics)
 
-    monkeypatch.setattr(records_module.os, "fsync", fsync_then_look)
+    monkeypatch.setattr(os, "fsync", fsync_then_look)
     store.save(InitRecord("delayed", PROPS, ("new",)))
     assert seen_during_write == [("old",)]
     assert store.load("delayed") == InitRecord("delayed", PROPS, ("new",))
@@ -69,7 +68,7 @@ def test_a_record_is_replaced_atomically(store: RecordStore, monkeypatch: pytest
     def rename_dies(src: str, dst: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(records_module.os, "replace", rename_dies)
+    monkeypatch.setattr(os, "replace", rename_dies)
     with pytest.raises(OSError, match="No space"):
         store.save(InitRecord("delayed", PROPS, ("lost",)))
     assert store.load("delayed") == InitRecord("delayed", PROPS, ("new",))
