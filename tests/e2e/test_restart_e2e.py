@@ -95,6 +95,11 @@ class RestartStack:
         return int(reply.status)
 
 
+def _entries(db: redis.Redis) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = db.xrange(TOPIC)  # type: ignore[assignment]
+    return entries
+
+
 def start_component(workdir: Path, socket_dir: Path, metrics_port: int) -> ManagedProcess:
     """`delayed-pubsub serve` with metrics, appending to one log across restarts."""
     socket_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +190,7 @@ def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscripti
     db = redis.Redis(port=s.redis.port, db=3)
     try:
         deadline = time.monotonic() + 10
-        while not any(b"delayed-after-restart" in f[b"data"] for _, f in db.xrange(TOPIC)):
+        while not any(b"delayed-after-restart" in f[b"data"] for _, f in _entries(db)):
             assert time.monotonic() < deadline, "the delayed message never fired"
             time.sleep(0.05)
         assert time.time() - began >= 1.0
