@@ -354,7 +354,10 @@ class Instances:
     its Init arrives within seconds and clears it. It turns orphaned when a
     call for the instance arrives without an Init (proof that the daprd which
     opened the streams is alive and will not re-open them) or when
-    `orphan_grace_s` passes with neither.
+    `orphan_grace_s` passes with neither. But when daprd Init'ed *other*
+    instances in this process and, `orphan_grace_s` later, neither Init'ed nor
+    called this one, its component is gone from daprd (its YAML was removed
+    before daprd restarted): its topics are dropped, not reported.
     """
 
     def __init__(
@@ -384,6 +387,10 @@ class Instances:
         self._told: set[tuple[str, str]] = set()
         self._restore_failures: dict[str, _RestoreFailure] = {}
         self._grace_task: asyncio.Task[None] | None = None
+        self._after_init_task: asyncio.Task[None] | None = None
+        self._daprd_inited = False
+        # The records read at start, for rewriting those of instances daprd no longer has.
+        self._found: dict[str, InitRecord] = {}
         self._closing = False
         self.on_change: Callable[[], None] | None = None
         """Called when the set of orphaned subscriptions changes."""
@@ -395,6 +402,7 @@ class Instances:
         for record in self._records.load_all():
             if record.topics and record.instance not in self._instances:
                 self._suspect[record.instance] = set(record.topics)
+                self._found[record.instance] = record
         if self._suspect:
             log.warning(
                 "a previous process had subscriptions open: %s; unless daprd Inits them again (it restarted "
@@ -406,8 +414,36 @@ class Instances:
 
     async def _grace(self) -> None:
         await self._clock.sleep(self._orphan_grace_s)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Decide about the recorded topics nobody has claimed `orphan_grace_s` after the start
+        (or after daprd's last Init): orphaned, or dropped if daprd no longer has the instance."""
         for name in list(self._suspect):
-            self._orphan(name, self._suspect.pop(name))
+            if not self._daprd_inited:
+                self._orphan(name, self._suspect.pop(name))
+        if not self._daprd_inited:
+            return
+        for name in sorted(set(self._suspect) | set(self._orphaned)):
+            if name in self._instances:
+                continue  # called or Init'ed in this process: daprd has it
+            topics = self._suspect.pop(name, set()) | self._orphaned.pop(name, set())
+            log.info(
+                "instance %r: daprd Init'ed other instances but has not called this one for %gs: its "
+                "component is gone from daprd; its recorded subscriptions (%s) are dropped, not orphaned",
+                name,
+                self._orphan_grace_s,
+                ", ".join(sorted(topics)),
+            )
+            found = self._found.pop(name, None)
+            if found is not None and self._records is not None:
+                with contextlib.suppress(OSError, RecordRefusedError):
+                    self._records.save(InitRecord(name, found.properties, (), self._clock.now_ms()))
+            self._orphans_changed(name)
+
+    async def _after_init(self) -> None:
+        await self._clock.sleep(self._orphan_grace_s)
+        self._settle()
 
     def _name_lock(self, name: str) -> asyncio.Lock:
         return self._name_locks.setdefault(name, asyncio.Lock())
@@ -429,7 +465,15 @@ class Instances:
             self._props[name] = dict(props)
             self._restore_failures.pop(name, None)
             cleared = self._suspect.pop(name, set()) | self._orphaned.pop(name, set())
+            self._found.pop(name, None)
             self._write_record(name)
+            # A daprd (re)started or reloaded: the instances it has are Init'ed in a
+            # burst; recorded ones it does not Init are settled once the burst is over.
+            self._daprd_inited = True
+            if self._suspect or self._orphaned:
+                if self._after_init_task is not None:
+                    self._after_init_task.cancel()
+                self._after_init_task = asyncio.create_task(self._after_init(), name="orphan settle")
         if cleared:
             log.info("instance %r: daprd Init'ed it again; it re-opens its subscriptions itself", name)
             self._orphans_changed(name)
@@ -459,7 +503,8 @@ class Instances:
         instance = self._instances.get(name)
         if instance is not None:
             return instance
-        if self._records is None:
+        if self._records is None or not self._records.has(name):
+            # Nothing to restore (and no lock kept for names nobody Init'ed).
             raise NotInitializedError(name)
         async with self._name_lock(name):
             # Whoever held the lock may have restored it (or daprd Init'ed it).
@@ -519,6 +564,7 @@ class Instances:
         )
         # The daprd that opened this instance's streams is alive and did not
         # re-Init it: those streams died with the previous process for good.
+        self._found.pop(name, None)
         self._orphan(name, self._suspect.pop(name, set()) | set(record.topics))
         return instance
 
@@ -632,11 +678,12 @@ class Instances:
     async def close(self) -> None:
         """Close every instance (recorded topics stay recorded)."""
         self._closing = True
-        if self._grace_task is not None:
-            self._grace_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._grace_task
-            self._grace_task = None
+        for task in (self._grace_task, self._after_init_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._grace_task = self._after_init_task = None
         instances = list(self._instances.values())
         self._instances.clear()
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)

@@ -152,6 +152,10 @@ class RecordStore:
             os.close(dir_fd)
         return final
 
+    def has(self, instance: str) -> bool:
+        """Whether a file (usable or not) stands where the record of `instance` would."""
+        return os.path.lexists(self.path_for(instance))
+
     def load(self, instance: str) -> InitRecord | None:
         """The record of `instance`; None if there is none; RecordRefusedError if it must not be used."""
         return self._read(self.path_for(instance), expect=instance)

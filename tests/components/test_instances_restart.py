@@ -332,8 +332,8 @@ async def test_a_stream_daprd_closed_is_not_orphaned_by_a_restart(
     assert not error_lines(caplog, "daprd never re-opens")
 
 
-async def _topics_are(srv: ComponentServer, topics: list[str]) -> bool:
-    return bool(json.loads(srv.records.path_for("delayed").read_bytes())["topics"] == topics)
+async def _topics_are(srv: ComponentServer, topics: list[str], name: str = "delayed") -> bool:
+    return bool(json.loads(srv.records.path_for(name).read_bytes())["topics"] == topics)
 
 
 # --- Redis health --------------------------------------------------------------
@@ -411,3 +411,25 @@ async def test_a_graceful_stop_leaves_a_never_acked_message_pending(
         assert time.monotonic() - began < 2.5
     pending: Any = redis_client.xpending("orders", "app1")
     assert pending["pending"] == 1
+
+
+async def test_a_component_daprd_no_longer_has_is_dropped_not_orphaned(
+    start: Start, props: dict[str, str], redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """daprd restarted without the YAML of `gone`: it Inits `kept` only. `gone`'s recorded
+    subscription must not stay orphaned (health NOT_SERVING) forever."""
+    first = await start()
+    async with channel_to(first) as ch:
+        for name in ("kept", "gone"):
+            await Component(ch, name).init(props)
+            await Component(ch, name).subscribe(f"{name}-orders")
+        await eventually(lambda: _topics_are(first, ["gone-orders"], "gone"))
+        await eventually(lambda: _topics_are(first, ["kept-orders"], "kept"))
+        second = await restart(first, start, orphan_grace=0.3)
+    async with channel_to(second) as ch:
+        await Component(ch, "kept").init(props)  # the restarted daprd
+        await asyncio.sleep(0.8)
+        assert await health(ch, SUBSCRIPTIONS_HEALTH_SERVICE) == SERVING
+    assert second.instances.orphaned() == {}
+    assert not error_lines(caplog, "daprd never re-opens")
+    assert await _topics_are(second, [], "gone")  # the next restart will not suspect it either
