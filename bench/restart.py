@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -122,6 +123,8 @@ def run(daprd: str, redis: RedisServer, how: signal.Signals, resiliency: bool, w
         component.proc.wait(30)
         component.proc = None
         component = harness.start_component(workdir, socket_dir)
+        # After SIGKILL the stale socket file is there at once: wait until the new process answers.
+        harness.wait_until(lambda: _answers(socket_dir / "delayed-pubsub.sock"), 30, "new serve", component)
         restart_s = time.monotonic() - signalled
         time.sleep(4.0)
     finally:
@@ -133,6 +136,12 @@ def run(daprd: str, redis: RedisServer, how: signal.Signals, resiliency: bool, w
     out = summarize(log)
     out.restart_s = restart_s
     return out
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(path))
+    return True
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ APP_ID = "restart-app"
 PUBSUB = "delayed"
 TOPIC = "restart-orders"
 SUBS_HEALTH = "delayed-pubsub.subscriptions"
+# The built-in pubsub.redis component of the fast-path layout.
+FAST = "fast"
 
 
 @dataclass
@@ -65,9 +68,11 @@ class RestartStack:
             self.daprd_path, self.workdir, self.socket_dir, APP_ID, self.app_port, self.resources, self.ports
         )
 
-    def publish(self, body: dict[str, str], metadata: dict[str, str] | None = None) -> httpx.Response:
+    def publish(
+        self, body: dict[str, str], metadata: dict[str, str] | None = None, pubsub: str = PUBSUB
+    ) -> httpx.Response:
         query = "&".join(f"metadata.{k}={v}" for k, v in (metadata or {}).items())
-        url = f"http://127.0.0.1:{self.ports.http}/v1.0/publish/{PUBSUB}/{TOPIC}" + (
+        url = f"http://127.0.0.1:{self.ports.http}/v1.0/publish/{pubsub}/{TOPIC}" + (
             f"?{query}" if query else ""
         )
         return self.client.post(url, json=body)
@@ -123,33 +128,30 @@ def _answers(sock: Path) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def rstack(
-    daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+@contextmanager
+def build_stack(
+    daprd_path: str, redis_server: RedisServer, workdir: Path, yamls: dict[str, str], subs: list[str]
 ) -> Iterator[RestartStack]:
+    """Component (with metrics), subscriber app and daprd, in that order; all stopped at the end."""
     if harness.BUILTIN:
         pytest.fail("the restart tests are about our component: run them without E2E_COMPONENT=builtin")
-    workdir = Path(tmp_path_factory.mktemp("e2e-restart"))
     socket_dir = workdir / "sockets"
     resources = workdir / "resources"
     resources.mkdir()
-    (resources / f"{PUBSUB}.yaml").write_text(
-        harness.component_yaml(
-            PUBSUB, harness.component_metadata(e2e_redis.port, redisDB="3", consumerID=APP_ID)
-        )
-    )
+    for name, text in yamls.items():
+        (resources / f"{name}.yaml").write_text(text)
     metrics_port = free_port()
     started: list[ManagedProcess] = []
     try:
         component = start_component(workdir, socket_dir, metrics_port)
         started.append(component)
         app_port = free_port()
-        subscriber = harness.start_subscriber(workdir, app_port, [f"{PUBSUB}={TOPIC}"])
+        subscriber = harness.start_subscriber(workdir, app_port, subs)
         started.append(subscriber)
         ports = harness.DaprdPorts.free()
         daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
         s = RestartStack(
-            workdir, socket_dir, resources, daprd_path, e2e_redis, ports, app_port, metrics_port,
+            workdir, socket_dir, resources, daprd_path, redis_server, ports, app_port, metrics_port,
             component, subscriber, daprd, httpx.Client(timeout=30),
         )  # fmt: skip
         yield s
@@ -160,6 +162,43 @@ def rstack(
     finally:
         for proc in started:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def rstack(
+    daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RestartStack]:
+    """Our component, subscribed through it (the layout a restart orphans)."""
+    meta = harness.component_metadata(e2e_redis.port, redisDB="3", consumerID=APP_ID)
+    with build_stack(
+        daprd_path,
+        e2e_redis,
+        Path(tmp_path_factory.mktemp("e2e-restart")),
+        {PUBSUB: harness.component_yaml(PUBSUB, meta)},
+        [f"{PUBSUB}={TOPIC}"],
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fast_stack(
+    daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RestartStack]:
+    """The fast-path layout: publish through our component, subscribe through daprd's built-in
+    pubsub.redis on the same Redis database and consumer group."""
+    ours = harness.component_metadata(e2e_redis.port, redisDB="4", consumerID=APP_ID)
+    builtin = {"redisHost": f"127.0.0.1:{e2e_redis.port}", "redisDB": "4", "consumerID": APP_ID}
+    with build_stack(
+        daprd_path,
+        e2e_redis,
+        Path(tmp_path_factory.mktemp("e2e-fast-restart")),
+        {
+            PUBSUB: harness.component_yaml(PUBSUB, ours),
+            FAST: harness.component_yaml(FAST, builtin, component_type="pubsub.redis"),
+        },
+        [f"{FAST}={TOPIC}"],
+    ) as s:
+        yield s
 
 
 def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscription_is_told(
@@ -174,11 +213,7 @@ def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscripti
     assert json.loads(record.read_bytes())["topics"] == [TOPIC]
 
     # An OOM kill: nothing is cleaned up, the socket stays behind, daprd keeps running.
-    assert s.component.proc is not None
-    os.killpg(s.component.proc.pid, signal.SIGKILL)
-    s.component.proc.wait(10)
-    s.component.proc = None
-    s.start_component()
+    kill_and_restart_component(s)
 
     began = time.time()
     plain = s.publish({"id": "plain-after-restart"})
@@ -220,3 +255,38 @@ def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscripti
         lambda: s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.SERVING, 10, "health back"
     )
     assert s.orphan_gauge() == 0.0
+
+
+def kill_and_restart_component(s: RestartStack) -> None:
+    assert s.component.proc is not None
+    os.killpg(s.component.proc.pid, signal.SIGKILL)
+    s.component.proc.wait(10)
+    s.component.proc = None
+    s.start_component()
+
+
+def test_fast_path_subscribers_keep_receiving_across_a_component_restart(fast_stack: RestartStack) -> None:
+    s = fast_stack
+    assert s.publish({"id": "fast-delayed-before"}, {"scheduledSendDelay": "1s"}).status_code == 204
+    assert s.wait_arrival("fast-delayed-before", 15), (
+        "a delayed message did not reach the pubsub.redis subscriber"
+    )
+
+    assert s.component.proc is not None
+    os.killpg(s.component.proc.pid, signal.SIGKILL)
+    s.component.proc.wait(10)
+    s.component.proc = None
+    # Our component is down: the built-in subscription does not care.
+    assert s.publish({"id": "fast-while-down"}, pubsub=FAST).status_code == 204
+    assert s.wait_arrival("fast-while-down", 15)
+    s.start_component()
+
+    r = s.publish({"id": "fast-delayed-after"}, {"scheduledSendDelay": "1s"})
+    assert r.status_code == 204, r.text
+    assert s.wait_arrival("fast-delayed-after", 15), s.component.log_tail()
+    assert s.publish({"id": "fast-plain-after"}, pubsub=FAST).status_code == 204
+    assert s.wait_arrival("fast-plain-after", 15)
+    # Nothing of ours was subscribed: nothing is orphaned, nothing to restart.
+    assert s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.SERVING
+    assert s.orphan_gauge() in (None, 0.0)
+    assert "daprd never re-opens" not in s.component.log_path.read_text()
