@@ -290,3 +290,26 @@ def test_fast_path_subscribers_keep_receiving_across_a_component_restart(fast_st
     assert s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.SERVING
     assert s.orphan_gauge() in (None, 0.0)
     assert "daprd never re-opens" not in s.component.log_path.read_text()
+
+
+def test_a_record_left_by_another_user_is_refused_and_daprd_reports_why(rstack: RestartStack) -> None:
+    s = rstack
+    assert s.publish({"id": "before-foreign"}).status_code == 204
+    record = s.socket_dir / "delayed-pubsub.records" / f"{PUBSUB}.json"
+    # Someone else's file in our place (or ours, tampered with): never trusted.
+    os.chown(record, 65534, 65534)
+    kill_and_restart_component(s)
+    r = s.publish({"id": "after-foreign"})
+    assert r.status_code == 500
+    assert "owned by uid 65534" in r.text, r.text
+    assert "restart daprd" in r.text
+    log = s.component.log_path.read_text()
+    assert any(" ERROR " in line and "owned by uid 65534" in line for line in log.splitlines())
+
+    # The way out works here too: daprd's Init writes a fresh record of our own.
+    s.daprd.stop()
+    s.start_daprd()
+    assert s.publish({"id": "after-daprd-restart"}).status_code == 204
+    assert s.wait_arrival("after-daprd-restart", 15)
+    assert record.stat().st_uid == os.geteuid()
+    assert oct(record.stat().st_mode & 0o777) == "0o600"
