@@ -410,9 +410,9 @@ class Instances:
                 _describe(self._suspect),
                 self._orphan_grace_s,
             )
-            self._grace_task = asyncio.create_task(self._grace(), name="orphan grace")
+            self._grace_task = asyncio.create_task(self._settle_later(), name="orphan grace")
 
-    async def _grace(self) -> None:
+    async def _settle_later(self) -> None:
         await self._clock.sleep(self._orphan_grace_s)
         self._settle()
 
@@ -440,10 +440,6 @@ class Instances:
                 with contextlib.suppress(OSError, RecordRefusedError):
                     self._records.save(InitRecord(name, found.properties, (), self._clock.now_ms()))
             self._orphans_changed(name)
-
-    async def _after_init(self) -> None:
-        await self._clock.sleep(self._orphan_grace_s)
-        self._settle()
 
     def _name_lock(self, name: str) -> asyncio.Lock:
         return self._name_locks.setdefault(name, asyncio.Lock())
@@ -473,7 +469,7 @@ class Instances:
             if self._suspect or self._orphaned:
                 if self._after_init_task is not None:
                     self._after_init_task.cancel()
-                self._after_init_task = asyncio.create_task(self._after_init(), name="orphan settle")
+                self._after_init_task = asyncio.create_task(self._settle_later(), name="orphan settle")
         if cleared:
             log.info("instance %r: daprd Init'ed it again; it re-opens its subscriptions itself", name)
             self._orphans_changed(name)
