@@ -433,3 +433,43 @@ async def test_a_component_daprd_no_longer_has_is_dropped_not_orphaned(
     assert second.instances.orphaned() == {}
     assert not error_lines(caplog, "daprd never re-opens")
     assert await _topics_are(second, [], "gone")  # the next restart will not suspect it either
+
+
+async def test_a_restore_while_redis_is_down_recovers_once_redis_is_back(
+    start: Start, tmp_path: Path
+) -> None:
+    own = RedisServer(tmp_path / "redis")
+    own.start()
+    try:
+        first = await start()
+        props = {"redisHost": f"127.0.0.1:{own.port}", "consumerID": "app1", "dialTimeout": "200ms"}
+        async with channel_to(first) as ch:
+            await Component(ch, "delayed").init(props)
+        second = await restart(first, start)
+        own.stop()
+        async with channel_to(second) as ch:
+            c = Component(ch, "delayed")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.publish("orders", b"x")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # daprd (or its resiliency) may retry
+            own.start()
+            await asyncio.sleep(0.6)  # the first backoff step is 0.5 s
+            await c.publish("orders", b"after redis came back")
+        client = own.client()
+        try:
+            assert client.xlen("orders") == 1
+        finally:
+            client.close()
+    finally:
+        own.stop()
+
+
+@pytest.mark.parametrize("name", ["../../../tmp/evil", "/etc/passwd", "x" * 300, ""])
+async def test_hostile_instance_names_restore_nothing_and_write_nothing(start: Start, name: str) -> None:
+    srv = await start()
+    async with channel_to(srv) as ch:
+        for _ in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await Component(ch, name).publish("orders", b"x")
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not srv.records.folder.exists() or list(srv.records.folder.iterdir()) == []
