@@ -35,7 +35,8 @@ SOCKET_MODE = 0o660
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 # grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
 # instance's Redis does not answer; this one is NOT_SERVING while subscriptions
-# are orphaned (only a daprd restart resumes them: a liveness probe's target).
+# are orphaned (only a daprd restart resumes them: for alerts and for whatever
+# supervises daprd; see README, Operations: restarts).
 SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
 # How often each instance's Redis is PINGed for the health status, and how long a PING may take.
 HEALTH_INTERVAL_S = 5.0
@@ -168,7 +169,7 @@ class ComponentServer:
 
 
 async def _ping(ping: Callable[[], Awaitable[None]]) -> str:
-    """ "" if Redis answered within HEALTH_PING_TIMEOUT_S, else why not."""
+    """Why Redis did not answer within HEALTH_PING_TIMEOUT_S; the empty string if it did."""
     try:
         async with asyncio.timeout(HEALTH_PING_TIMEOUT_S):
             await ping()
