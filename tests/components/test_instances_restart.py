@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.records import InitRecord
 from delayed_pubsub.server import PUBSUB_SERVICE, SUBSCRIPTIONS_HEALTH_SERVICE, ComponentServer
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
 from tests.redis_server import RedisServer, free_port
 
@@ -104,11 +105,15 @@ async def test_a_restarted_component_serves_every_call_without_a_new_init(
         c = Component(ch, "delayed")
         await c.publish("orders", b"plain")  # daprd calls straight away: no Init
         await c.publish("orders", b"delayed", {"scheduledSendDelay": "300ms"})
+        reply = await c.bulk_publish(
+            "orders", [pubsub_pb2.BulkMessageEntry(entry_id="1", event=b"bulk", content_type="text/plain")]
+        )
+        assert list(reply.failed_entries) == []
         assert await c.features() == ["BULK_PUBSUB"]
         await c.ping()
         stream = await c.subscribe("orders")
-        got = [(await stream.next()).data for _ in range(2)]
-    assert got == [b"plain", b"delayed"]
+        got = [(await stream.next()).data for _ in range(3)]
+    assert got == [b"plain", b"bulk", b"delayed"]
     assert sum(RESTORED in r.getMessage() for r in caplog.records) == 1
 
 
