@@ -187,6 +187,17 @@ class RecordStore:
 
     def _read(self, path: Path, expect: str) -> InitRecord | None:
         try:
+            folder = self.folder.lstat()
+        except FileNotFoundError:
+            return None
+        # Whoever can write the folder can swap records (a hard link to an old one
+        # of ours passes every check on the file itself): it must be ours alone.
+        if not stat.S_ISDIR(folder.st_mode) or folder.st_uid != os.geteuid() or folder.st_mode & 0o022:
+            raise RecordRefusedError(
+                f"{self.folder} must be a directory owned by uid {os.geteuid()} and writable by it alone "
+                f"(owner uid {folder.st_uid}, mode {stat.S_IMODE(folder.st_mode):04o})"
+            )
+        try:
             # O_NOFOLLOW: a symlink planted in the folder is refused, not followed.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:

@@ -146,3 +146,15 @@ def test_a_missing_record_is_none_and_delete_is_idempotent(store: RecordStore) -
     store.delete("delayed")
     store.delete("delayed")
     assert store.load("delayed") is None
+
+
+@pytest.mark.parametrize("change", ["chown", "chmod"])
+def test_records_in_a_folder_others_can_write_are_refused(store: RecordStore, change: str) -> None:
+    """Whoever can write the folder can swap in an old record of ours (a hard link keeps our owner)."""
+    store.save(InitRecord("delayed", PROPS))
+    if change == "chown":
+        os.chown(store.folder, NOBODY, NOBODY)
+    else:
+        os.chmod(store.folder, 0o777)
+    with pytest.raises(RecordRefusedError, match="writable by it alone"):
+        store.load("delayed")
