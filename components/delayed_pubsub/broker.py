@@ -302,6 +302,11 @@ class Subscription:
         """True once stop() or close() has been called."""
         return self._closed
 
+    @property
+    def in_flight(self) -> int:
+        """Messages sent to the subscriber and not yet acked or nacked (a graceful stop waits for them)."""
+        return len(self._unacked)
+
     def pause(self) -> None:
         """Stop handing out new messages (acks still go through)."""
         self._paused = True

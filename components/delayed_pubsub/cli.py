@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address of the metrics listener (default loopback; 0.0.0.0 to let a scraper in)",
     )
-    run.add_argument("--grace", type=float, default=5.0, help="seconds running calls get on shutdown")
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds of a graceful stop (SIGTERM): half for messages in flight to be acked, the rest for "
+        "running calls",
+    )
     return parser
 
 

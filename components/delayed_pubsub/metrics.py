@@ -61,6 +61,21 @@ class Metrics:
             registry=r,
         )
 
+        # Restart safety and health (set by the registry and the server's health check).
+        self.orphaned_subscriptions = Gauge(
+            "delayed_pubsub_orphaned_subscriptions",
+            "Topics whose PullMessages stream a previous process had open and daprd has not re-opened "
+            "(daprd never re-opens one: restart daprd)",
+            ["instance"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "delayed_pubsub_redis_up",
+            "1 if the instance's Redis answered the last health check's PING, else 0",
+            ["instance"],
+            registry=r,
+        )
+
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
         return InstanceMetrics(

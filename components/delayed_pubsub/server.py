@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -17,8 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from delayed_middleware.clock import Clock
+from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.records import RecordStore, records_folder
 from delayed_pubsub.servicer import PubSubServicer
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2, pubsub_pb2_grpc
 
@@ -31,6 +33,14 @@ SOCKET_NAME = "delayed-pubsub.sock"
 SOCKET_MODE = 0o660
 
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
+# grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
+# instance's Redis does not answer; this one is NOT_SERVING while subscriptions
+# are orphaned (only a daprd restart resumes them: for alerts and for whatever
+# supervises daprd; see README, Operations: restarts).
+SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
+# How often each instance's Redis is PINGed for the health status, and how long a PING may take.
+HEALTH_INTERVAL_S = 5.0
+HEALTH_PING_TIMEOUT_S = 2.0
 
 # daprd's bulk publishes can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -49,10 +59,25 @@ def default_socket_path(environ: Mapping[str, str]) -> Path:
 class ComponentServer:
     """The component's gRPC server bound to one unix socket."""
 
-    def __init__(self, socket_path: Path, clock: Clock, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        clock: Clock,
+        metrics: Metrics | None = None,
+        records: RecordStore | None = None,
+        health_interval: float = HEALTH_INTERVAL_S,
+        orphan_grace: float = 30.0,
+    ) -> None:
         self.socket_path = socket_path
         self.metrics = metrics or Metrics()
-        self.instances = Instances(clock, self.metrics)
+        self.records = records or RecordStore(records_folder(socket_path))
+        self.instances = Instances(clock, self.metrics, self.records, orphan_grace_s=orphan_grace)
+        self._clock = clock
+        self._health_interval = health_interval
+        self._health_changed = asyncio.Event()
+        self.instances.on_change = self._health_changed.set
+        self._health_task: asyncio.Task[None] | None = None
+        self._redis_down: frozenset[str] = frozenset()
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
@@ -78,20 +103,81 @@ class ComponentServer:
         os.chmod(self.socket_path, SOCKET_MODE)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.instances.start()
+        self._health_task = asyncio.create_task(self._watch_health(), name="health")
         log.info("serving %s on unix://%s", PUBSUB_SERVICE, self.socket_path)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Refuse new calls, give running ones `grace` seconds, close every instance, remove the socket.
+    async def _watch_health(self) -> None:
+        """Keep grpc.health.v1 current: Redis of every instance every interval, orphans at once."""
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # a bug here must not end health reporting for good
+                log.exception("health check failed")
+            changed = asyncio.create_task(self._health_changed.wait())
+            tick = asyncio.create_task(self._clock.sleep(self._health_interval))
+            try:
+                await asyncio.wait((changed, tick), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                tick.cancel()
+            self._health_changed.clear()
 
-        Open PullMessages streams end; their unacked messages stay pending in
-        Redis and come back after processingTimeout.
+    async def check_health(self) -> None:
+        """PING every instance's Redis and set the health statuses (also run by the periodic check)."""
+        instances = self.instances.items()
+        results = await asyncio.gather(*(_ping(i.ping) for _, i in instances))
+        down = frozenset(name for (name, _), error in zip(instances, results, strict=True) if error)
+        for (name, _), error in zip(instances, results, strict=True):
+            self.metrics.redis_up.labels(name).set(0 if error else 1)
+            if error and name not in self._redis_down:
+                log.warning("instance %r: redis does not answer (%s); health NOT_SERVING", name, error)
+            elif not error and name in self._redis_down:
+                log.info("instance %r: redis answers again", name)
+        self._redis_down = down
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", not_serving if down else serving)
+        await self._health.set(PUBSUB_SERVICE, not_serving if down else serving)
+        orphaned = self.instances.orphaned()
+        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, not_serving if orphaned else serving)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop gracefully within about `grace` seconds, then close every instance and remove the socket.
+
+        First the streams: nothing new is sent, messages daprd is processing
+        get up to half the grace to be acked, then every stream ends (publishes
+        are still served meanwhile). Then new calls are refused and running
+        ones get the rest of the grace. Unacked messages stay pending in Redis
+        and come back after processingTimeout; the Init records stay for the
+        next process.
         """
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.instances.drain(grace / 2)
+        await self._server.stop(max(0.1, grace - (loop.time() - started)))
         await self.instances.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         log.info("stopped; removed %s", self.socket_path)
+
+
+async def _ping(ping: Callable[[], Awaitable[None]]) -> str:
+    """Why Redis did not answer within HEALTH_PING_TIMEOUT_S; the empty string if it did."""
+    try:
+        async with asyncio.timeout(HEALTH_PING_TIMEOUT_S):
+            await ping()
+    except TimeoutError:
+        return f"no answer within {HEALTH_PING_TIMEOUT_S:g}s"
+    except DelayedPubSubError as e:
+        return str(e) or type(e).__name__
+    return ""
 
 
 def _remove_stale_socket(path: Path) -> None:

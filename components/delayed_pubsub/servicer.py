@@ -71,8 +71,10 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     def __init__(self, instances: Instances) -> None:
         self._instances = instances
 
-    def _instance(self, context: Context) -> Instance:
-        return self._instances.get(instance_name(context))
+    async def _instance(self, context: Context) -> Instance:
+        # Restored from its Init record when this process has not seen daprd's
+        # Init (the component restarted under a running daprd).
+        return await self._instances.ready(instance_name(context))
 
     async def Init(
         self, request: pubsub_pb2.PubSubInitRequest, context: Context
@@ -87,7 +89,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self, request: common_pb2.FeaturesRequest, context: Context
     ) -> common_pb2.FeaturesResponse:
         try:
-            self._instance(context)
+            await self._instance(context)
         except DelayedPubSubError as e:
             await _abort(context, e)
         return common_pb2.FeaturesResponse(features=FEATURES)
@@ -96,7 +98,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self, request: pubsub_pb2.PublishRequest, context: Context
     ) -> pubsub_pb2.PublishResponse:
         try:
-            await self._instance(context).publish(
+            await (await self._instance(context)).publish(
                 request.topic, request.data, request.metadata, request.content_type
             )
         except DelayedPubSubError as e:
@@ -111,7 +113,8 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
             for e in request.entries
         ]
         try:
-            failed = await self._instance(context).bulk_publish(request.topic, entries, request.metadata)
+            instance = await self._instance(context)
+            failed = await instance.bulk_publish(request.topic, entries, request.metadata)
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.BulkPublishResponse(
@@ -126,11 +129,14 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         context: Context,
     ) -> AsyncIterator[pubsub_pb2.PullMessagesResponse]:
         try:
-            instance = self._instance(context)
+            name = instance_name(context)
+            instance = await self._instance(context)
             first = await anext(request_iterator, None)
             if first is None:
                 return
-            sub = await instance.subscribe(first.topic.name, dict(first.topic.metadata))
+            sub = await self._instances.subscribe(
+                name, instance, first.topic.name, dict(first.topic.metadata)
+            )
         except DelayedPubSubError as e:
             await _abort(context, e)
         acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
@@ -147,25 +153,25 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await acks
-            await instance.unsubscribe(sub)
+            await self._instances.unsubscribe(instance, sub)
 
     async def Pause(self, request: pubsub_pb2.PauseRequest, context: Context) -> pubsub_pb2.PauseResponse:
         try:
-            self._instance(context).pause()
+            (await self._instance(context)).pause()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.PauseResponse()
 
     async def Resume(self, request: pubsub_pb2.ResumeRequest, context: Context) -> pubsub_pb2.ResumeResponse:
         try:
-            self._instance(context).resume()
+            (await self._instance(context)).resume()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.ResumeResponse()
 
     async def Ping(self, request: common_pb2.PingRequest, context: Context) -> common_pb2.PingResponse:
         try:
-            await self._instance(context).ping()
+            await (await self._instance(context)).ping()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return common_pb2.PingResponse()

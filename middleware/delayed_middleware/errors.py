@@ -46,3 +46,21 @@ class BackendUnavailableError(DelayedPubSubError):
 class FailedPreconditionError(DelayedPubSubError):
     """The request is well-formed but the state of Redis refuses it (e.g. a topic
     whose key holds a hash, not a stream). Maps to gRPC FAILED_PRECONDITION."""
+
+
+class RestoreFailedError(NotInitializedError):
+    """A restarted component could not re-Init an instance from its Init record.
+
+    daprd Init'ed the instance in an earlier process; this one tried the
+    record and failed (or found none usable). Maps to gRPC FAILED_PRECONDITION,
+    like any call before Init: restarting daprd Inits it afresh.
+    """
+
+    def __init__(self, instance: str, reason: str) -> None:
+        super().__init__(instance)
+        self.reason = reason
+        self.args = (
+            f"component instance {instance!r} was not initialized in this process (the component "
+            f"restarted under a running daprd) and could not be restored from its Init record: {reason}; "
+            "restart daprd to Init it again",
+        )
