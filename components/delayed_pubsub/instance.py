@@ -47,7 +47,9 @@ class Instance:
         self._connection = connection
         self._clock = clock
         self.metrics = metrics
-        self.broker = Broker(connection.client, settings, clock, metrics)
+        self.broker = Broker(
+            connection.client, settings, clock, metrics, blocking_client=connection.blocking_client
+        )
         self._subscriptions: set[Subscription] = set()
         self._paused = False
         # Consumer names must be unique per stream: a consumer shared by two
