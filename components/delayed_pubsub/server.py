@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import signal
@@ -40,6 +41,65 @@ GRPC_OPTIONS = (
 )
 
 
+class UnsafeSocketFolderError(PermissionError):
+    """The socket folder lets someone else replace our socket (and so stand in
+    for the component before daprd). `serve` refuses it unless told otherwise."""
+
+
+def socket_folder_problems(st: os.stat_result, link: os.stat_result | None, euid: int) -> list[str]:
+    """Why a socket folder with status `st` (and `link`, the lstat of its path
+    when that is a symlink) is unsafe for a process running as `euid`; [] if safe.
+
+    Safe: owned by us or root, and not writable by others unless the sticky bit
+    keeps them from removing what is not theirs (as /tmp does).
+    """
+    problems = []
+    trusted = (euid, 0)
+    if link is not None and link.st_uid not in trusted:
+        problems.append(f"it is a symlink owned by uid {link.st_uid}, who can point it elsewhere")
+    if st.st_uid not in trusted:
+        problems.append(f"it is owned by uid {st.st_uid}, not by us (uid {euid}) or root")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        problems.append(
+            f"it is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    return problems
+
+
+def check_socket_folder(folder: Path, allow_insecure: bool = False) -> None:
+    """Refuse (UnsafeSocketFolderError) a folder where someone else could replace
+    our socket; with `allow_insecure`, log a warning instead."""
+    link = folder.lstat()
+    problems = socket_folder_problems(
+        folder.stat(), link if stat.S_ISLNK(link.st_mode) else None, os.geteuid()
+    )
+    if not problems:
+        if folder.stat().st_mode & stat.S_IWGRP:
+            log.warning(
+                "socket folder %s is group-writable: members of its group can replace the socket", folder
+            )
+        return
+    text = f"socket folder {folder} is unsafe: {'; '.join(problems)}"
+    if allow_insecure:
+        log.warning("%s (serving anyway: --allow-insecure-socket-folder)", text)
+        return
+    raise UnsafeSocketFolderError(
+        f"{text}. Use a folder only this user can write (e.g. chmod o-w or chmod +t), "
+        "or pass --allow-insecure-socket-folder if every local user is trusted "
+        "(e.g. a pod's emptyDir shared with daprd)"
+    )
+
+
+def socket_group_id(name: str) -> int:
+    """The gid of group `name` (or a decimal gid); LookupError naming it if unknown."""
+    if name.isascii() and name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise LookupError(f"unknown group {name!r} for --socket-group") from None
+
+
 def default_socket_path(environ: Mapping[str, str]) -> Path:
     """`$DAPR_COMPONENTS_SOCKETS_FOLDER/delayed-pubsub.sock` (folder default /tmp/dapr-components-sockets)."""
     folder = environ.get(SOCKETS_FOLDER_ENV) or DEFAULT_SOCKETS_FOLDER
@@ -49,8 +109,18 @@ def default_socket_path(environ: Mapping[str, str]) -> Path:
 class ComponentServer:
     """The component's gRPC server bound to one unix socket."""
 
-    def __init__(self, socket_path: Path, clock: Clock, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        clock: Clock,
+        metrics: Metrics | None = None,
+        *,
+        socket_group: int | None = None,
+        allow_insecure_folder: bool = False,
+    ) -> None:
         self.socket_path = socket_path
+        self._socket_group = socket_group
+        self._allow_insecure_folder = allow_insecure_folder
         self.metrics = metrics or Metrics()
         self.instances = Instances(clock, self.metrics)
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -64,8 +134,10 @@ class ComponentServer:
         )
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale one) with mode 0660 and start serving."""
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        """Check the folder, bind the socket (replacing a stale one) with mode 0660
+        (group `socket_group` if given) and start serving."""
+        self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        check_socket_folder(self.socket_path.parent, self._allow_insecure_folder)
         _remove_stale_socket(self.socket_path)
         # The umask makes the socket 0660 from birth: no window where daprd's
         # group cannot connect, or where others can.
@@ -75,7 +147,16 @@ class ComponentServer:
             await self._server.start()
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, SOCKET_MODE)
+        try:
+            if self._socket_group is not None:
+                # daprd connects as a member of this group: 0660 lets it in, nobody else.
+                os.chown(self.socket_path, -1, self._socket_group)
+            os.chmod(self.socket_path, SOCKET_MODE)
+        except OSError:
+            await self._server.stop(0)
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            raise
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on unix://%s", PUBSUB_SERVICE, self.socket_path)
@@ -121,14 +202,24 @@ async def serve(
     stop: asyncio.Event | None = None,
     grace: float = 5.0,
     metrics: Metrics | None = None,
+    *,
+    socket_group: int | None = None,
+    allow_insecure_folder: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = ComponentServer(socket_path, clock, metrics)
-    await server.start()
+    server = ComponentServer(
+        socket_path, clock, metrics, socket_group=socket_group, allow_insecure_folder=allow_insecure_folder
+    )
+    try:
+        await server.start()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        raise
     try:
         await stop.wait()
         log.info("shutting down")
