@@ -234,7 +234,7 @@ def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum
     # int() alone would also take "5_000", "+5" and non-ASCII digits.
     if not _is_decimal(raw.removeprefix("-")):
         raise InvalidArgumentError(key, raw, "not an integer")
-    value = int(raw)
+    value = _decimal(raw)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
         raise InvalidArgumentError(key, raw, f"must be {bound}")
@@ -270,7 +270,7 @@ def _legacy_ms(props: Mapping[str, str], key: str, default_ms: int) -> int:
     """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
     raw = props.get(key, "").strip()
     if _is_decimal(raw):
-        return _at_most(key, raw, int(raw), MAX_DURATION_MS)
+        return _at_most(key, raw, _decimal(raw), MAX_DURATION_MS)
     return _duration(props, key, default_ms)
 
 
@@ -285,6 +285,14 @@ def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int 
     if not props.get(key, "").strip():
         return default_ms
     return _legacy_ms(props, key, 0) or None
+
+
+def _decimal(text: str) -> int:
+    """int(text) of a checked decimal; past 30 digits a stand-in of the same sign
+    that every range refuses (int() itself raises ValueError past 4300 digits)."""
+    if len(text.lstrip("-").lstrip("0")) > 30:
+        return -(10**30) if text.startswith("-") else 10**30
+    return int(text)
 
 
 def _is_decimal(text: str) -> bool:

@@ -230,6 +230,10 @@ GO_MAX_MS = str((2**63 - 1) // 1_000_000)
         ("streamTTL", "-1s"),
         ("dialTimeout", "-1s"),
         ("writeTimeout", "-5"),
+        # Past 4300 digits int() itself raises ValueError: still a refusal naming the key.
+        ("queueDepth", "7" * 16_384),
+        ("processingTimeout", "7" * 16_384),
+        ("redisDB", "-" + "7" * 5_000),
     ],
 )
 def test_out_of_range_numbers_are_refused_at_init_naming_key_and_value(key: str, value: str) -> None:
@@ -237,7 +241,7 @@ def test_out_of_range_numbers_are_refused_at_init_naming_key_and_value(key: str,
         parse_settings({**BASE, key: value})
     assert (err.value.key, err.value.value) == (key, value)
     assert key in str(err.value)
-    assert value in str(err.value)
+    assert value[:200] in str(err.value)  # long values are cut
 
 
 def test_the_largest_accepted_values_parse() -> None:
