@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import prometheus_client
 import pytest
 import redis
 
 from delayed_pubsub.connection import connect
+from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.settings import parse_settings
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
@@ -197,3 +199,49 @@ async def test_an_acl_user_with_its_password_publishes_and_subscribes_and_no_log
     for secret in SECRETS:
         assert secret not in caplog.text
     admin.close()
+
+
+# --- no secret in any status, log or metric ------------------------------------------
+
+CLIENT_KEY_BODY = "MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgSECRETKEYMATERIAL"
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        {"redisHost": "redis://app:app-pw-91c@127.0.0.1:6379"},
+        {"redisHost": "app:app-pw-91c@127.0.0.1"},
+        {"redisHost": "rediss://:app-pw-91c@127.0.0.1:6379,127.0.0.1:6380"},
+        {
+            "redisHost": "127.0.0.1",
+            "enableTLS": "true",
+            "clientCert": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+            "clientKey": CLIENT_KEY_BODY,
+        },
+    ],
+)
+async def test_refused_init_metadata_never_echoes_a_password_or_key(
+    component: Factory, server: ComponentServer, props: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await component("delayed").init({"consumerID": "a", **props})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    seen = "\n".join([err.value.details() or "", caplog.text, _metrics_text(server)])
+    for secret in ("app-pw-91c", CLIENT_KEY_BODY[:8], "SECRETKEY"):
+        assert secret not in seen
+
+
+async def test_a_working_authenticated_instance_leaves_no_password_in_metrics(
+    component: Factory, server: ComponentServer, acl_server: RedisServer
+) -> None:
+    c = component("delayed")
+    await c.init({"redisHost": acl_server.address, "redisUsername": "app", "redisPassword": "app-pw-91c"})
+    await c.publish("orders", b"x")
+    text = _metrics_text(server)
+    assert 'instance="delayed"' in text
+    assert "app-pw-91c" not in text
+
+
+def _metrics_text(server: ComponentServer) -> str:
+    return prometheus_client.generate_latest(server.metrics.registry).decode()
