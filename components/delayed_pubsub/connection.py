@@ -17,7 +17,7 @@ import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
 from delayed_middleware.errors import BackendAuthError, BackendUnavailableError
@@ -44,7 +44,35 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 REDIS_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, redis.exceptions.RedisError)
 
 
-class HiredisPackingConnection(aioredis.Connection):
+class RetryConnectOnly:
+    """Retries establishing a connection, never a command.
+
+    redis-py retries a command whose connection broke after it was sent: when
+    only the reply was lost, the command runs twice. Measured here through a
+    proxy that cuts the connection after forwarding an XADD: the publish was
+    reported OK and stored twice. A lost reply must instead fail the call (the
+    caller then knows the outcome is unknown, see RELIABILITY.md), so commands
+    get no retry and `connect_retry` (redisMaxRetries) covers dialing alone.
+    """
+
+    retry: Retry
+
+    def __init__(self, *args: Any, connect_retry: Retry | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connect_retry = connect_retry if connect_retry is not None else Retry(NoBackoff(), 0)
+
+    async def connect(self) -> None:
+        # A connection serves one caller at a time (it is checked out of the
+        # pool), so swapping the policy for the dial is seen by nobody else.
+        command_retry = self.retry
+        self.retry = self._connect_retry
+        try:
+            await super().connect()  # type: ignore[misc]
+        finally:
+            self.retry = command_retry
+
+
+class HiredisPackingConnection(RetryConnectOnly, aioredis.Connection):
     """redis.asyncio packs commands in Python, ~20µs per XADD; hiredis packs them
     in C (redis-py's sync client already does). Bulk publish is mostly packing."""
 
@@ -53,6 +81,10 @@ class HiredisPackingConnection(aioredis.Connection):
 
     def pack_commands(self, commands: Any) -> list[bytes]:
         return [b"".join(_pack(tuple(c)) for c in commands)]
+
+
+class TlsConnection(RetryConnectOnly, aioredis.SSLConnection):
+    """TLS, with RetryConnectOnly's retry policy."""
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
@@ -176,8 +208,8 @@ def connect(settings: Settings) -> Connection:
         "password": settings.password,
         "socket_connect_timeout": _seconds(settings.dial_timeout_ms),
         "socket_timeout": None,  # see Connection: calls are bounded as a whole
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
-        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        # No command is ever sent twice by the client (see RetryConnectOnly).
+        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
         "client_name": f"delayed-pubsub:{settings.consumer_id}" if settings.consumer_id else "delayed-pubsub",
     }
@@ -235,20 +267,24 @@ def _client(
         )
         master: aioredis.Redis
         if pool_size is None:
-            master = sentinel.master_for(settings.sentinel_master_name)
+            master = sentinel.master_for(settings.sentinel_master_name, **_without_maint_notifications())
         else:
             master = sentinel.master_for(
                 settings.sentinel_master_name,
+                **_without_maint_notifications(),
                 connection_pool_class=BlockingSentinelConnectionPool,
                 max_connections=pool_size,
                 timeout=wait_s,
             )
         return master
     host, port = settings.hosts[0]
-    pool_kwargs = dict(kwargs)
+    pool_kwargs = {**kwargs, **_without_maint_notifications()}
+    pool_kwargs["connect_retry"] = Retry(
+        ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries
+    )
     if settings.enable_tls:
         pool_kwargs.pop("ssl")
-        pool_kwargs["connection_class"] = aioredis.SSLConnection
+        pool_kwargs["connection_class"] = TlsConnection
     else:
         pool_kwargs["connection_class"] = HiredisPackingConnection
     pool: aioredis.ConnectionPool
@@ -259,6 +295,19 @@ def _client(
             host=host, port=port, db=settings.db, max_connections=pool_size, timeout=wait_s, **pool_kwargs
         )
     return aioredis.Redis(connection_pool=pool, retry=kwargs["retry"])
+
+
+def _without_maint_notifications() -> dict[str, Any]:
+    """Pool kwargs turning off redis-py 8's maintenance notifications (a Redis
+    Enterprise feature). While they are on ("auto" under RESP3), the pool skips
+    its check that a pooled connection is still open, so the first command
+    after a Redis restart fails "Connection closed by server": with no command
+    retry (RetryConnectOnly) that check is what reconnects."""
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py < 8: no such feature, and the check always runs
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
 def _seconds(ms: int | None) -> float | None:
