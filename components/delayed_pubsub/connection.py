@@ -252,9 +252,20 @@ def _client(
     finding them all busy waiting up to `wait_s` (None: until the call's own bound)."""
     if settings.redis_type == "cluster":
         # redis-py's cluster pools cannot wait for a free connection: a burst
-        # beyond poolSize per node fails "Too many connections" (see RELIABILITY.md).
+        # beyond poolSize per node fails "Too many connections". And its cluster
+        # client forces its own connection class, which finds a connection
+        # closed by a restart only by failing a command on it: it keeps
+        # command retries (redisMaxRetries), so there a lost reply may store a
+        # write twice (RELIABILITY.md).
         nodes = [ClusterNode(h, p) for h, p in settings.hosts]
-        return RedisCluster(startup_nodes=nodes, max_connections=pool_size or 2**31 - 1, **kwargs)
+        return RedisCluster(
+            startup_nodes=nodes,
+            max_connections=pool_size or 2**31 - 1,
+            **{
+                **kwargs,
+                "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
+            },
+        )
     if settings.failover:
         # As go-redis's failover client: the Sentinels get the same TLS settings as the master.
         sentinel_kwargs = {

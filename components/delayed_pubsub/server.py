@@ -10,10 +10,12 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -100,6 +102,51 @@ def socket_group_id(name: str) -> int:
         raise LookupError(f"unknown group {name!r} for --socket-group") from None
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not decode."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+if TYPE_CHECKING:
+    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # generic in the stubs only
+    _ServerInterceptor = grpc.aio.ServerInterceptor
+
+
+class MalformedRequestInterceptor(_ServerInterceptor):
+    """Answers a unary request that is not valid protobuf with INVALID_ARGUMENT.
+
+    gRPC would fail it with UNKNOWN and log an ERROR traceback: the request
+    itself is bad, and the caller should be told so, plainly.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        behaviour = handler.unary_unary
+
+        def deserializer(raw: bytes) -> Any:
+            try:
+                return decode(raw)
+            except DecodeError as e:
+                return _Malformed(str(e))
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+            return await behaviour(request, context)  # type: ignore[arg-type]
+
+        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+
+
 def default_socket_path(environ: Mapping[str, str]) -> Path:
     """`$DAPR_COMPONENTS_SOCKETS_FOLDER/delayed-pubsub.sock` (folder default /tmp/dapr-components-sockets)."""
     folder = environ.get(SOCKETS_FOLDER_ENV) or DEFAULT_SOCKETS_FOLDER
@@ -124,7 +171,7 @@ class ComponentServer:
         self.metrics = metrics or Metrics()
         self.instances = Instances(clock, self.metrics)
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances), self._server
         )
