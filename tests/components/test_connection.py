@@ -19,7 +19,7 @@ from delayed_pubsub.connection import connect
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.settings import parse_settings
 from tests.components.driver import Component
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisSentinel, RedisServer, TlsRedisServer, make_tls_files
 
 Factory = Callable[[str], Component]
 
@@ -245,3 +245,54 @@ async def test_a_working_authenticated_instance_leaves_no_password_in_metrics(
 
 def _metrics_text(server: ComponentServer) -> str:
     return prometheus_client.generate_latest(server.metrics.registry).decode()
+
+
+# --- poolSize on TLS (client certificates) and Sentinel ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
+    """A TLS-only master and Sentinel, both requiring a client certificate of a fresh CA."""
+    tls = make_tls_files(tmp_path_factory.mktemp("tls"))
+    s = RedisSentinel(tmp_path_factory.mktemp("tls-sentinel"), tls=tls)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("via", ["tls", "sentinel-tls"])
+async def test_pool_size_holds_under_tls_with_client_certificates_and_sentinel(
+    component: Factory, tls_sentinel: RedisSentinel, via: str
+) -> None:
+    master = tls_sentinel.master
+    assert isinstance(master, TlsRedisServer)
+    admin = master.client()
+    admin.flushall()
+    props = {
+        "redisHost": master.address,
+        "enableTLS": "true",
+        "insecureSkipTLSVerify": "true",
+        "clientCert": master.tls.client_cert.read_text(),
+        "clientKey": master.tls.client_key.read_text(),
+        "consumerID": "app1",
+        "poolSize": "3",
+        "enableDelayedMessaging": "true",
+    }
+    if via == "sentinel-tls":
+        props |= {"redisHost": tls_sentinel.address, "failover": "true", "sentinelMasterName": "mymaster"}
+    c = component("delayed")
+    await c.init(props)
+    streams = [await c.subscribe(f"t{i}") for i in range(4)]
+    await asyncio.sleep(0.3)
+    results = await asyncio.gather(*(c.publish(f"t{i % 4}", b"m") for i in range(40)), return_exceptions=True)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    await c.publish("t0", b"later", {"scheduledSendDelay": "300ms"})
+    got = []
+    for _ in range(11):
+        msg = await streams[0].next(within=10)
+        got.append(msg.data)
+        await streams[0].ack(msg.id)
+    assert got.count(b"later") == 1
+    short = [cl for cl in admin.client_list() if cl["name"] == "delayed-pubsub:app1"]
+    assert len(short) <= 3
+    admin.close()
