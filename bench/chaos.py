@@ -13,6 +13,13 @@ for C cycles. At the end every target entry is counted:
 Both must be 0. Also reported: the time from the last due time until all had
 landed, and the lateness (entry id ms - due ms) p50/p99/max.
 
+With --subscribe (default), each replica also serves one PullMessages stream
+on the target topic, acking every message, as daprd would; a killed replica's
+stream dies with it and is re-opened after the restart. Subscriber duplicates
+(a message delivered again because its ack was lost with the process, or it
+sat unacked past processingTimeout) are counted, not failed; a message never
+delivered is a failure.
+
     .venv/bin/python bench/chaos.py [--messages 100000] [--cycles 20] [--window 60]
 """
 
@@ -56,6 +63,7 @@ class Replica:
         self.props = props
         self.proc: Any = None
         self.md = (("x-component-instance", "chaos"),)
+        self.subscriber: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.socket.unlink(missing_ok=True)
@@ -71,8 +79,31 @@ class Replica:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        if self.subscriber is not None:
+            self.subscriber.cancel()
+
+    def subscribe(self, delivered: list[str]) -> None:
+        """Open one PullMessages stream on the target topic; every message is recorded and acked."""
+        self.subscriber = asyncio.create_task(self._pull(delivered))
+
+    async def _pull(self, delivered: list[str]) -> None:
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{self.socket}") as ch:
+                stub = pubsub_pb2_grpc.PubSubStub(ch)  # type: ignore[no-untyped-call]
+                call = stub.PullMessages(metadata=self.md)
+                await call.write(pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=TOPIC)))
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+                        return
+                    delivered.append(msg.data.decode())
+                    await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            return  # the replica died; a new stream opens after its restart
 
     def stop(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.cancel()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -130,10 +161,21 @@ async def run(args: argparse.Namespace) -> None:
         server = RedisServer(folder / "redis", extra_args=["--appendfsync", "always"])
         server.start()
         admin = server.client()
-        props = {"redisHost": server.address, "consumerID": "app1", "enableDelayedMessaging": "true"}
+        props = {
+            "redisHost": server.address,
+            "consumerID": "app1",
+            "enableDelayedMessaging": "true",
+            # A dead stream's unacked messages come back within seconds.
+            "processingTimeout": "5s",
+            "redeliverInterval": "1s",
+        }
         replicas = [Replica(name, folder, props) for name in ("a", "b")]
+        delivered: list[str] = []
         try:
             await asyncio.gather(*(r.start() for r in replicas))
+            if args.subscribe:
+                for r in replicas:
+                    r.subscribe(delivered)
             start_ms = int(time.time() * 1000) + args.lead * 1000
             t0 = time.monotonic()
             due = await schedule(replicas[0], args.messages, start_ms, args.window * 1000)
@@ -151,13 +193,24 @@ async def run(args: argparse.Namespace) -> None:
                 victim = rng.choice(replicas)
                 victim.kill()
                 await victim.start()
+                if args.subscribe:
+                    victim.subscribe(delivered)
                 print(f"cycle {k}: killed and restarted {victim.name}; landed so far {admin.xlen(TOPIC)}")
             for _ in range(args.settle * 2):  # bounded: at most --settle seconds
                 if admin.xlen(TOPIC) >= len(due):
                     break
                 await asyncio.sleep(0.5)
             all_landed_s = time.time() - last_due_ms / 1000
-            await asyncio.sleep(2.0)  # anything doubled would land now
+            all_delivered_s = 0.0
+            if args.subscribe:
+                for _ in range(args.settle * 10):
+                    if len(set(delivered)) >= len(due):
+                        break
+                    await asyncio.sleep(0.1)
+                all_delivered_s = time.time() - last_due_ms / 1000
+            # Anything fired twice would land by now, and anything redelivered
+            # after processingTimeout (5 s) would arrive.
+            await asyncio.sleep(7.0)
             entries = landed(admin)
         finally:
             for r in replicas:
@@ -177,7 +230,17 @@ async def run(args: argparse.Namespace) -> None:
     print(f"lost {lost}, doubled {doubled}, landed {len(bodies)}")
     print(f"all landed {all_landed_s:.1f}s after the last due time")
     print(f"lateness ms: p50 {q[49]:.0f}, p99 {q[98]:.0f}, max {lateness[-1] if lateness else 0}")
-    if lost or doubled:
+    failed = bool(lost or doubled)
+    if args.subscribe:
+        never = len(set(due) - set(delivered))
+        again = len(delivered) - len(set(delivered))
+        print(
+            f"subscribers: delivered {len(delivered)}, never delivered {never}, "
+            f"delivered again (lost acks / past processingTimeout) {again}, "
+            f"all delivered {all_delivered_s:.1f}s after the last due time"
+        )
+        failed = failed or bool(never)
+    if failed:
         raise SystemExit(1)
 
 
@@ -193,6 +256,12 @@ def main() -> None:
     )
     parser.add_argument("--settle", type=int, default=120, help="seconds to wait for the last fires")
     parser.add_argument("--seed", type=int, default=12)
+    parser.add_argument(
+        "--subscribe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a PullMessages stream per replica, counting subscriber duplicates",
+    )
     asyncio.run(run(parser.parse_args()))
 
 
