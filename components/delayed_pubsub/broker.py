@@ -111,9 +111,16 @@ class Broker:
     """Publishes to topic streams and opens subscriptions, all on one client."""
 
     def __init__(
-        self, client: RedisClient, settings: Settings, clock: Clock, metrics: InstanceMetrics | None = None
+        self,
+        client: RedisClient,
+        settings: Settings,
+        clock: Clock,
+        metrics: InstanceMetrics | None = None,
+        blocking_client: RedisClient | None = None,
     ) -> None:
         self._client = client
+        # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
+        self._blocking_client = blocking_client if blocking_client is not None else client
         self._settings = settings
         self._clock = clock
         self._metrics = metrics or Metrics().for_instance("")
@@ -180,7 +187,16 @@ class Broker:
         # or re-deliver the other's entries; the caller's name alone is not
         # unique (two instances of one consumerID in a process, a re-Init).
         unique = f"{consumer}:{uuid.uuid4().hex[:8]}"
-        return Subscription(self._client, self._settings, self._clock, topic, unique, paused, self._metrics)
+        return Subscription(
+            self._client,
+            self._settings,
+            self._clock,
+            topic,
+            unique,
+            paused,
+            self._metrics,
+            blocking_client=self._blocking_client,
+        )
 
 
 @dataclass
@@ -221,11 +237,13 @@ class Subscription:
         consumer: str,
         paused: bool = False,
         metrics: InstanceMetrics | None = None,
+        blocking_client: RedisClient | None = None,
     ) -> None:
         self.topic = topic
         self._metrics = metrics or Metrics().for_instance("")
         self.consumer = consumer
         self._client = client
+        self._blocking_client = blocking_client if blocking_client is not None else client
         self._settings = settings
         self._clock = clock
         self._group = settings.consumer_id
@@ -408,7 +426,7 @@ class Subscription:
                 backoff.reset()
 
     async def _read_new(self, count: int, block_ms: int) -> None:
-        reply: Any = await self._client.xreadgroup(
+        reply: Any = await self._blocking_client.xreadgroup(
             self._group, self.consumer, {self.topic: ">"}, count=count, block=block_ms
         )
         for _stream, items in reply or ():

@@ -54,7 +54,9 @@ class Instance:
         self._connection = connection
         self._clock = clock
         self.metrics = metrics
-        self.broker = Broker(connection.client, settings, clock, metrics)
+        self.broker = Broker(
+            connection.client, settings, clock, metrics, blocking_client=connection.blocking_client
+        )
         self._subscriptions: set[Subscription] = set()
         self._paused = False
         # Consumer names must be unique per stream: a consumer shared by two
@@ -73,6 +75,7 @@ class Instance:
                 config=EngineConfig(
                     history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
                 ),
+                listen_client=connection.blocking_client,  # type: ignore[arg-type]
             )
         # Topics seen to be streams (or absent), so a delayed publish checks the
         # target's type once, not per call; bounded, and forgotten after a while
@@ -645,4 +648,3 @@ def _describe(topics: Mapping[str, set[str]]) -> str:
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")
-

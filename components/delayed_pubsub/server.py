@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import signal
@@ -11,8 +12,10 @@ import socket
 import stat
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -50,6 +53,110 @@ GRPC_OPTIONS = (
 )
 
 
+class UnsafeSocketFolderError(PermissionError):
+    """The socket folder lets someone else replace our socket (and so stand in
+    for the component before daprd). `serve` refuses it unless told otherwise."""
+
+
+def socket_folder_problems(st: os.stat_result, link: os.stat_result | None, euid: int) -> list[str]:
+    """Why a socket folder with status `st` (and `link`, the lstat of its path
+    when that is a symlink) is unsafe for a process running as `euid`; [] if safe.
+
+    Safe: owned by us or root, and not writable by others unless the sticky bit
+    keeps them from removing what is not theirs (as /tmp does).
+    """
+    problems = []
+    trusted = (euid, 0)
+    if link is not None and link.st_uid not in trusted:
+        problems.append(f"it is a symlink owned by uid {link.st_uid}, who can point it elsewhere")
+    if st.st_uid not in trusted:
+        problems.append(f"it is owned by uid {st.st_uid}, not by us (uid {euid}) or root")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        problems.append(
+            f"it is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    return problems
+
+
+def check_socket_folder(folder: Path, allow_insecure: bool = False) -> None:
+    """Refuse (UnsafeSocketFolderError) a folder where someone else could replace
+    our socket; with `allow_insecure`, log a warning instead."""
+    link = folder.lstat()
+    problems = socket_folder_problems(
+        folder.stat(), link if stat.S_ISLNK(link.st_mode) else None, os.geteuid()
+    )
+    if not problems:
+        if folder.stat().st_mode & stat.S_IWGRP:
+            log.warning(
+                "socket folder %s is group-writable: members of its group can replace the socket", folder
+            )
+        return
+    text = f"socket folder {folder} is unsafe: {'; '.join(problems)}"
+    if allow_insecure:
+        log.warning("%s (serving anyway: --allow-insecure-socket-folder)", text)
+        return
+    raise UnsafeSocketFolderError(
+        f"{text}. Use a folder only this user can write (e.g. chmod o-w or chmod +t), "
+        "or pass --allow-insecure-socket-folder if every local user is trusted "
+        "(e.g. a pod's emptyDir shared with daprd)"
+    )
+
+
+def socket_group_id(name: str) -> int:
+    """The gid of group `name` (or a decimal gid); LookupError naming it if unknown."""
+    if name.isascii() and name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise LookupError(f"unknown group {name!r} for --socket-group") from None
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not decode."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+if TYPE_CHECKING:
+    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # generic in the stubs only
+    _ServerInterceptor = grpc.aio.ServerInterceptor
+
+
+class MalformedRequestInterceptor(_ServerInterceptor):
+    """Answers a unary request that is not valid protobuf with INVALID_ARGUMENT.
+
+    gRPC would fail it with UNKNOWN and log an ERROR traceback: the request
+    itself is bad, and the caller should be told so, plainly.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        behaviour = handler.unary_unary
+
+        def deserializer(raw: bytes) -> Any:
+            try:
+                return decode(raw)
+            except DecodeError as e:
+                return _Malformed(str(e))
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+            return await behaviour(request, context)  # type: ignore[arg-type]
+
+        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+
+
 def default_socket_path(environ: Mapping[str, str]) -> Path:
     """`$DAPR_COMPONENTS_SOCKETS_FOLDER/delayed-pubsub.sock` (folder default /tmp/dapr-components-sockets)."""
     folder = environ.get(SOCKETS_FOLDER_ENV) or DEFAULT_SOCKETS_FOLDER
@@ -67,8 +174,13 @@ class ComponentServer:
         records: RecordStore | None = None,
         health_interval: float = HEALTH_INTERVAL_S,
         orphan_grace: float = 30.0,
+        *,
+        socket_group: int | None = None,
+        allow_insecure_folder: bool = False,
     ) -> None:
         self.socket_path = socket_path
+        self._socket_group = socket_group
+        self._allow_insecure_folder = allow_insecure_folder
         self.metrics = metrics or Metrics()
         self.records = records or RecordStore(records_folder(socket_path))
         self.instances = Instances(clock, self.metrics, self.records, orphan_grace_s=orphan_grace)
@@ -79,7 +191,7 @@ class ComponentServer:
         self._health_task: asyncio.Task[None] | None = None
         self._redis_down: frozenset[str] = frozenset()
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances), self._server
         )
@@ -89,8 +201,10 @@ class ComponentServer:
         )
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale one) with mode 0660 and start serving."""
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        """Check the folder, bind the socket (replacing a stale one) with mode 0660
+        (group `socket_group` if given) and start serving."""
+        self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        check_socket_folder(self.socket_path.parent, self._allow_insecure_folder)
         _remove_stale_socket(self.socket_path)
         # The umask makes the socket 0660 from birth: no window where daprd's
         # group cannot connect, or where others can.
@@ -100,7 +214,16 @@ class ComponentServer:
             await self._server.start()
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, SOCKET_MODE)
+        try:
+            if self._socket_group is not None:
+                # daprd connects as a member of this group: 0660 lets it in, nobody else.
+                os.chown(self.socket_path, -1, self._socket_group)
+            os.chmod(self.socket_path, SOCKET_MODE)
+        except OSError:
+            await self._server.stop(0)
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            raise
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -207,14 +330,24 @@ async def serve(
     stop: asyncio.Event | None = None,
     grace: float = 5.0,
     metrics: Metrics | None = None,
+    *,
+    socket_group: int | None = None,
+    allow_insecure_folder: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = ComponentServer(socket_path, clock, metrics)
-    await server.start()
+    server = ComponentServer(
+        socket_path, clock, metrics, socket_group=socket_group, allow_insecure_folder=allow_insecure_folder
+    )
+    try:
+        await server.start()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        raise
     try:
         await stop.wait()
         log.info("shutting down")

@@ -16,6 +16,7 @@ import grpc
 
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
+    BackendAuthError,
     BackendUnavailableError,
     DelayedPubSubError,
     FailedPreconditionError,
@@ -40,6 +41,7 @@ _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BackendAuthError, grpc.StatusCode.PERMISSION_DENIED),
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DelayedPubSubError, grpc.StatusCode.INTERNAL),
 )
@@ -50,11 +52,26 @@ def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
     return next(code for cls, code in _STATUS if isinstance(error, cls))
 
 
+# The status message travels in a trailer, and gRPC refuses trailers over 8 KiB
+# by default (RESOURCE_EXHAUSTED at the client, the real code lost). Anything
+# echoed into a message (a topic, a Redis reply) is cut well below that.
+MAX_STATUS_MESSAGE_CHARS = 2048
+
+
+def status_message(error: DelayedPubSubError) -> str:
+    """The error's message, cut to MAX_STATUS_MESSAGE_CHARS."""
+    text = str(error)
+    if len(text) <= MAX_STATUS_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_STATUS_MESSAGE_CHARS]}...({len(text.encode())} bytes)"
+
+
 async def _abort(context: Context, error: DelayedPubSubError) -> NoReturn:
     code = status_code(error)
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-        log.warning("%s: %s", code.name, error)
-    await context.abort(code, str(error))
+    message = status_message(error)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED):
+        log.warning("%s: %s", code.name, message)
+    await context.abort(code, message)
 
 
 def instance_name(context: Context) -> str:

@@ -112,8 +112,12 @@ class DelayEngine:
         config: EngineConfig = EngineConfig(),
         on_batch: Callable[[FireReport], None] | None = None,
         recurrence: Recurrence | None = None,
+        listen_client: aioredis.Redis | None = None,
     ) -> None:
         self._redis = client
+        # The wake listener parks a connection for good: on a client of its own
+        # it cannot starve short commands of a bounded pool (poolSize).
+        self._listen_redis = listen_client if listen_client is not None else client
         self._keys = keys
         self._clock = clock
         self._trim = trim or Trim()
@@ -364,7 +368,7 @@ class DelayEngine:
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         while True:
             _honour_swallowed_cancel()
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._listen_redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self._keys.wake)
                 # A message may have been missed while (re)subscribing.

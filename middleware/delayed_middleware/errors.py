@@ -11,18 +11,44 @@ class DelayedPubSubError(Exception):
     """Base of every error this project raises on purpose."""
 
 
+# How much of a key or value an error message echoes: enough to recognise it,
+# never so much that the status outgrows gRPC's 8 KiB trailer limit (a 16 KB bad
+# value must still come back as INVALID_ARGUMENT, not RESOURCE_EXHAUSTED).
+MAX_ECHO_CHARS = 200
+
+
+def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` as repr() shows it, cut to `limit` characters plus "...(N bytes)"."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}...({_size(text)} bytes)"
+
+
+def cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` as it is, cut to `limit` characters plus "...(N bytes)"."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({_size(text)} bytes)"
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 class InvalidArgumentError(DelayedPubSubError):
     """A metadata value (Init or publish) is malformed or out of range.
 
-    The message names the key and the offending value, so the publisher can fix
-    the request without reading our logs. Maps to gRPC INVALID_ARGUMENT.
+    The message names the key and the offending value (long ones cut, see
+    `echo`), so the publisher can fix the request without reading our logs.
+    `value` keeps the whole value. Maps to gRPC INVALID_ARGUMENT.
     """
 
     def __init__(self, key: str, value: str, reason: str) -> None:
         self.key = key
         self.value = value
         self.reason = reason
-        super().__init__(f"invalid metadata {key}={value!r}: {reason}")
+        # A reason may quote the value again (e.g. one bad host of a list).
+        super().__init__(f"invalid metadata {cut(key)}={echo(value)}: {cut(reason, 4 * MAX_ECHO_CHARS)}")
 
 
 class NotInitializedError(DelayedPubSubError):
@@ -64,3 +90,12 @@ class RestoreFailedError(NotInitializedError):
             f"restarted under a running daprd) and could not be restored from its Init record: {reason}; "
             "restart daprd to Init it again",
         )
+
+
+class BackendAuthError(DelayedPubSubError):
+    """Redis refused our credentials (wrong password, unknown or disabled ACL
+    user, a user without the commands we need).
+
+    Not transient: retrying with the same settings cannot help. Maps to gRPC
+    PERMISSION_DENIED, with Redis's own reason and no secret in the message.
+    """

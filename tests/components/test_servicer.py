@@ -546,3 +546,94 @@ async def test_the_ack_pump_stops_reading_once_its_subscription_is_closed(
     finally:
         await sub.close()
         await client.aclose()
+
+
+# --- huge and out-of-range values still come back as INVALID_ARGUMENT --------------
+
+
+async def _refused(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details() or ""
+
+
+@pytest.mark.parametrize("key", ["scheduledSendDelay", "scheduledSendTime", "scheduleId"])
+async def test_a_16kb_bad_publish_value_is_invalid_argument_with_the_value_cut(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, key: str
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    value = "9" * 16 * 1024 + "x"
+    metadata = {"scheduledSendDelay": "1s"} if key == "scheduleId" else {}
+    code, details = await _refused(c.publish("orders", b"x", {**metadata, key: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in details
+    assert f"...({len(value)} bytes)" in details
+    assert len(details) < 2100
+    assert redis_client.keys("*") == []  # nothing stored
+
+
+async def test_a_16kb_bad_init_value_is_invalid_argument_with_the_value_cut(
+    component: Factory, props: dict[str, str]
+) -> None:
+    code, details = await _refused(component("delayed").init({**props, "queueDepth": "7" * 16_384}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "queueDepth" in details
+    assert "...(16384 bytes)" in details
+
+
+async def test_a_16kb_topic_that_redis_refuses_still_gets_a_short_status(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    topic = "t" * 16 * 1024
+    redis_client.set(topic, "not a stream")  # XADD fails WRONGTYPE, and the error names the topic
+    code, details = await _refused(c.publish(topic, b"x"))
+    # The real code arrives (not RESOURCE_EXHAUSTED from an oversized trailer), the message cut.
+    assert code == grpc.StatusCode.INTERNAL
+    assert details.endswith(" bytes)")
+    assert len(details) <= 2048 + 30
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("maxLenApprox", str(2**63)), ("processingTimeout", str(2**63)), ("redeliverInterval", "-1")],
+)
+async def test_init_refuses_out_of_range_numbers_and_connects_to_nothing(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, key: str, value: str
+) -> None:
+    before = len(redis_client.client_list())
+    code, details = await _refused(component("delayed").init({**props, key: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in details
+    assert value in details
+    assert len(redis_client.client_list()) == before
+
+
+async def test_the_largest_accepted_numbers_work_end_to_end(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    go_max_ms = str((2**63 - 1) // 1_000_000)
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            "maxLenApprox": str(2**63 - 1),
+            "processingTimeout": go_max_ms,
+            "redeliverInterval": go_max_ms,
+            "readTimeout": go_max_ms,
+            "dialTimeout": go_max_ms,
+            "enableDelayedMessaging": "true",
+            "maxDelay": "2562047h",
+        }
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"now")
+    await c.publish("orders", b"soon", {"scheduledSendDelay": "100ms"})
+    got = []
+    for _ in range(2):
+        msg = await stream.next(within=10)
+        got.append(msg.data)
+        await stream.ack(msg.id)
+    assert sorted(got) == [b"now", b"soon"]
