@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from delayed_middleware.errors import (
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
-from delayed_pubsub.connection import Connection, call_timeout, connect
+from delayed_pubsub.connection import TRANSIENT_ERRORS, Connection, call_timeout, connect
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.settings import Settings, parse_settings
@@ -148,12 +149,24 @@ class Instance:
             raise DelayedPubSubError("delayed messaging is not enabled on this instance")
         for topic in {e.topic for e in envelopes}:
             await self._check_stream(topic)
+        # One token for the call and its retries: a reply lost after the write
+        # landed makes the retry a no-op in Redis, so the publish is answered
+        # OK and stored once (the client library itself never resends).
+        token = secrets.token_hex(8)
+        backoff = Backoff(base_s=0.02, cap_s=0.5)
         try:
             # Bounded like every other Redis call: the client has no socket
             # timeout, and a stalled Redis must not hang the publisher.
             async with asyncio.timeout(call_timeout(self.settings)):
-                await self.engine.schedule(envelopes)
-        except (RedisError, TimeoutError) as e:
+                while True:
+                    try:
+                        await self.engine.schedule(envelopes, token=token)
+                        break
+                    except TRANSIENT_ERRORS:
+                        if backoff.failures >= max(1, self.settings.max_retries):
+                            raise
+                    await asyncio.sleep(backoff.next())
+        except (RedisError, TimeoutError, OSError) as e:
             raise BackendUnavailableError(
                 f"scheduling on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
             ) from e

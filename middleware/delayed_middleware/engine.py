@@ -143,17 +143,18 @@ class DelayEngine:
 
         When this returns, Redis holds them: a crash of this process from here
         on loses nothing. Each SCHEDULE call carries a token the script
-        remembers, so the client library's automatic retry after a lost reply
-        stores nothing twice. Recurring envelopes must have a `recurrence`.
+        remembers (`<token>.<chunk>`): calling again with the same `token`
+        after a lost reply stores nothing twice, so the caller may retry.
+        Recurring envelopes need the engine's `recurrence`.
         """
         ids: list[str] = []
+        base = token or secrets.token_hex(8)
         chunk = self._config.schedule_chunk
-        for start in range(0, len(envelopes), chunk):
-            ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
-            token = None  # a caller's token names the first chunk only
+        for n, start in enumerate(range(0, len(envelopes), chunk)):
+            ids += await self._schedule_chunk(envelopes[start : start + chunk], f"{base}.{n}")
         return ids
 
-    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str | None) -> list[str]:
+    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str) -> list[str]:
         if not envelopes:
             return []
         now = self._clock.now_ms()
@@ -161,7 +162,7 @@ class DelayEngine:
             self._keys.buckets,
             self._keys.wake,
             now,
-            token or secrets.token_hex(8),
+            token,
             self._history_len(),
             self._config.token_window_ms,
             len(envelopes),

@@ -4,8 +4,9 @@ command to Redis and cuts the connection before the answer comes back.
 The component must not hide the uncertainty: the call fails UNAVAILABLE (never
 OK with a silent second copy, which redis-py's automatic retry used to make),
 and the entry is stored exactly once. A retry by daprd or the app may then
-store a second copy of a plain publish (at-least-once, RELIABILITY.md); a
-delayed publish with a scheduleId replaces itself and fires once.
+store a second copy of a plain publish (at-least-once, RELIABILITY.md). A
+delayed publish is different: the schedule step is idempotent (a per-call
+token), so the component retries it itself and answers OK, stored once.
 """
 
 from __future__ import annotations
@@ -92,14 +93,38 @@ async def test_a_delayed_publish_with_a_schedule_id_retried_after_a_lost_reply_f
     stream = await c.subscribe("orders")
     md = {"scheduledSendDelay": "1s", "scheduleId": "order-66"}
     proxy.armed = True
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await c.publish("orders", MARKER, md)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    await c.publish("orders", MARKER, md)  # the component's own retry finds its token: OK
     assert proxy.cuts == 1
-    await c.publish("orders", MARKER, md)  # the retry replaces the stored one
+    await c.publish("orders", MARKER, md)  # an app's retry anyway replaces the stored one
     msg = await stream.next(within=10)
     assert msg.data == MARKER
     await stream.ack(msg.id)
     assert await stream.nothing_for(2.0)
     assert stored(admin, "orders") == [MARKER]
+    admin.close()
+
+
+async def test_a_delayed_publish_without_schedule_id_whose_reply_is_lost_is_answered_ok_and_fires_once(
+    component: Factory, own_redis: RedisServer, proxy: LosingProxy
+) -> None:
+    """The engine's schedule step is idempotent (a per-call token the script
+    remembers): the component retries the call itself, Redis finds the token
+    and stores nothing more, and the publisher gets OK, not an error it would retry."""
+    admin = own_redis.client()
+    c = component("delayed")
+    await c.init(
+        {"redisHost": f"127.0.0.1:{proxy.port}", "consumerID": "app1", "enableDelayedMessaging": "true"}
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"warm-up", {"scheduledSendDelay": "0s"})  # the script is loaded
+    assert (await stream.next(within=10)).data == b"warm-up"
+    proxy.armed = True
+    await c.publish("orders", MARKER, {"scheduledSendDelay": "1s"})
+    assert proxy.cuts == 1
+    assert admin.xlen("app1-delayed") == 1
+    msg = await stream.next(within=10)
+    assert msg.data == MARKER
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(2.0)
+    assert stored(admin, "orders") == [b"warm-up", MARKER]
     admin.close()

@@ -21,7 +21,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, BulkEntry, Envelope
 from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.instants import format_instant
-from tests.lossy_proxy import LossyProxy
+from tests.chaos.proxy import LosingProxy
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.redis_server import stream_entries
 
@@ -183,27 +183,31 @@ async def test_same_call_token_twice_stores_once(
     assert payloads(redis_client) == [1]
 
 
-async def test_lost_reply_after_the_write_landed_is_not_stored_twice(
+async def test_a_call_retried_with_its_token_after_a_lost_reply_is_stored_once(
     redis_client: redis.Redis,
 ) -> None:
     port = redis_client.connection_pool.connection_kwargs["port"]
-    async with LossyProxy(port, trigger=b"EVALSHA") as proxy:
-        # The client retries a dead connection by itself, as the component's does.
-        client = aioredis.Redis(
-            port=proxy.port,
-            retry=Retry(NoBackoff(), 3),
-            retry_on_error=[redis.exceptions.ConnectionError],
-            socket_timeout=5,
+    proxy = LosingProxy(port, marker=b"lost-reply-marker")
+    await proxy.start()
+    # No automatic resend (as the component's client): the caller retries, with its token.
+    client = aioredis.Redis(port=proxy.port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    try:
+        engine = DelayEngine(client, KEYS, ManualClock(T0))
+        await engine.schedule([env(0, T0 + 10)])  # loads the script: the cut hits EVALSHA
+        marked = Envelope(
+            id="", topic="orders", due_ms=T0 + 10, published_at_ms=T0, message=b"lost-reply-marker"
         )
-        try:
-            engine = DelayEngine(client, KEYS, ManualClock(T0))
-            await engine.schedule([env(1, T0 + 10)])
-        finally:
-            await client.aclose()
-        assert proxy.cut == 1  # the reply really was lost once
-    assert len(target(redis_client, KEYS.stream)) == 1
-    assert redis_client.get(KEYS.count) == b"1"
-    assert [h.event for h in history(redis_client)] == ["scheduled"]
+        proxy.armed = True
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await engine.schedule([marked], token="call-7")
+        assert proxy.cuts == 1  # the write landed, the reply was lost
+        assert await engine.schedule([marked], token="call-7") == []  # the retry is a no-op
+    finally:
+        await client.aclose()
+        await proxy.stop()
+    assert len(target(redis_client, KEYS.stream)) == 2
+    assert redis_client.get(KEYS.count) == b"2"
+    assert [h.event for h in history(redis_client)] == ["scheduled", "scheduled"]
 
 
 # --- defect 5: one fire call has a bounded amount of work -----------------------------------
