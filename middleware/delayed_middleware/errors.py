@@ -41,3 +41,10 @@ class BackendUnavailableError(DelayedPubSubError):
 
     Maps to gRPC UNAVAILABLE: daprd and its resiliency policies may retry.
     """
+
+
+class MalformedEntryError(DelayedPubSubError):
+    """A stream entry the component wrote for itself (e.g. an outbox entry) cannot be read.
+
+    Retrying cannot fix it: the reader dead-letters or drops it, and says why.
+    """
