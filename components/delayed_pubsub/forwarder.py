@@ -35,7 +35,6 @@ for the component-wide retry policy (issue 9) to replace.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -198,10 +197,15 @@ class Forwarder:
     async def close(self) -> None:
         """Stop; whatever is not yet acknowledged stays pending in Redis for the next start."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            task, self._task = self._task, None
+            task.cancel()
+            # Bounded: a stop must never hang the instance's close behind a
+            # call that ignores cancellation.
+            done, _ = await asyncio.wait({task}, timeout=10)
+            if not done:
+                log.error("forwarder %s: did not stop within 10s; abandoning it", self._name)
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("forwarder %s: had failed: %r", self._name, task.exception())
         if self._channel is not None:
             await self._channel.close(None)
             self._channel = None
