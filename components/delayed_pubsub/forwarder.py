@@ -183,6 +183,10 @@ class Forwarder:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._task: asyncio.Task[None] | None = None
+        # Checked by every loop as well as cancelling the task: a library that
+        # swallows one CancelledError (seen under grpc.aio + redis-py 8) must
+        # not keep the loop alive after close().
+        self._stopping = False
         self._call_md: tuple[tuple[str, str], ...] = (
             (("dapr-api-token", config.api_token),) if config.api_token else ()
         )
@@ -196,6 +200,7 @@ class Forwarder:
 
     async def close(self) -> None:
         """Stop; whatever is not yet acknowledged stays pending in Redis for the next start."""
+        self._stopping = True
         if self._task is not None:
             task, self._task = self._task, None
             task.cancel()
@@ -215,7 +220,7 @@ class Forwarder:
         """The forwarding loop; survives Redis and sidecar outages, ends only when cancelled."""
         redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
         group_ready = False
-        while True:
+        while not self._stopping:
             try:
                 if not group_ready:
                     await self._ensure_group()
@@ -350,7 +355,7 @@ class Forwarder:
             base_s=self._config.sidecar_backoff_base_s, cap_s=self._config.sidecar_backoff_cap_s
         )
         todo = live
-        while todo:
+        while todo and not self._stopping:
 
             async def one(job: _Job) -> bool:
                 async with sem:

@@ -186,12 +186,7 @@ async def make_forwarder(sidecar: Sidecar, outbox_db: Any) -> AsyncIterator[Call
     make.metrics = metrics  # type: ignore[attr-defined]
     yield make
     for f in made:
-        try:
-            await asyncio.wait_for(f.close(), 10)
-        except TimeoutError:
-            for t in asyncio.all_tasks():
-                t.print_stack()
-            raise
+        await f.close()
     for c in clients:
         await c.aclose()
 
