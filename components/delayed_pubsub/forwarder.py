@@ -57,10 +57,11 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.delay import TTL_IN_SECONDS
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import MalformedEntryError
-from delayed_middleware.keys import EngineKeys
+from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_middleware.outbox import OutboxEntry, decode_outbox_entry
 from delayed_middleware.target import forwarded_metadata
 from delayed_pubsub.metrics import ForwarderMetrics
+from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,35 @@ class Forwarder:
         self._call_md: tuple[tuple[str, str], ...] = (
             (("dapr-api-token", config.api_token),) if config.api_token else ()
         )
+
+    @classmethod
+    def from_settings(
+        cls,
+        client: Any,
+        settings: Settings,
+        clock: Clock,
+        metrics: ForwarderMetrics | None,
+        *,
+        name: str,
+        env: Mapping[str, str] | None = None,
+    ) -> Forwarder:
+        """The forwarder of one component instance (its consumerID's outbox)."""
+        config = forwarder_config(
+            dapr_grpc_address=settings.dapr_grpc_address,
+            dead_letter_topic=settings.dead_letter_topic,
+            claim_idle_ms=settings.processing_timeout_ms,
+            env=env,
+        )
+        keys = EngineKeys.for_topic(delayed_topic(settings.consumer_id))
+        return cls(client, keys, clock, config, metrics, name=name)
+
+    @property
+    def config(self) -> ForwarderConfig:
+        return self._config
+
+    @property
+    def keys(self) -> EngineKeys:
+        return self._keys
 
     # --- lifecycle ---------------------------------------------------------
 

@@ -74,6 +74,7 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            forwarder=self.forwarder,
         )
 
 
@@ -89,6 +90,8 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
+    forwarder: ForwarderMetrics | None = None
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""

@@ -36,6 +36,7 @@ from delayed_pubsub.forwarder import (
     resolve_dapr_address,
 )
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.settings import parse_settings
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
 from tests.redis_server import RedisServer, free_port
@@ -73,6 +74,26 @@ def test_config_takes_the_api_token_and_dead_letter_topic() -> None:
 def test_policy_backoff_grows_to_its_cap() -> None:
     policy = HandOffPolicy(base_s=1, cap_s=60, multiplier=2)
     assert [policy.delay_ms(n) for n in (1, 2, 3, 7, 8, 50)] == [1000, 2000, 4000, 60_000, 60_000, 60_000]
+
+
+def test_from_settings_reads_the_component_metadata() -> None:
+    settings = parse_settings(
+        {
+            "redisHost": "127.0.0.1:1",
+            "consumerID": "app9",
+            "daprGrpcAddress": "127.0.0.1:7777",
+            "deadLetterTopic": "undeliverable",
+            "processingTimeout": "90s",
+        }
+    )
+    fwd = Forwarder.from_settings(
+        aioredis.Redis(port=1), settings, SystemClock(), None, name="d", env={"DAPR_API_TOKEN": "t"}
+    )
+    assert fwd.keys.outbox == "{app9-delayed}:outbox"
+    assert fwd.config.address == "127.0.0.1:7777"
+    assert fwd.config.api_token == "t"
+    assert fwd.config.policy.dead_letter_topic == "undeliverable"
+    assert fwd.config.claim_idle_ms == 90_000
 
 
 # --- the real stack -------------------------------------------------------------
