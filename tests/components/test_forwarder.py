@@ -191,15 +191,14 @@ async def make_forwarder(sidecar: Sidecar, outbox_db: Any) -> AsyncIterator[Call
         client = aioredis.Redis(host="127.0.0.1", port=sidecar.redis.port, db=0)
         clients.append(client)
         policy = overrides.pop("policy", HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=1.0, jitter=0))
-        config = ForwarderConfig(
-            address=sidecar.grpc_address,
-            policy=policy,
-            block_ms=200,
-            call_timeout_s=5,
-            sidecar_backoff_base_s=0.1,
-            sidecar_backoff_cap_s=0.5,
-            **overrides,
-        )
+        settings: dict[str, Any] = {
+            "address": sidecar.grpc_address,
+            "block_ms": 200,
+            "call_timeout_s": 5,
+            "sidecar_backoff_base_s": 0.1,
+            "sidecar_backoff_cap_s": 0.5,
+        }
+        config = ForwarderConfig(policy=policy, **{**settings, **overrides})
         fwd = Forwarder(client, KEYS, SystemClock(), config, metrics.forwarder, name="delayed")
         made.append(fwd)
         return fwd
@@ -511,3 +510,58 @@ async def test_daprd_killed_and_restarted_while_entries_wait_loses_nothing(
     assert all(ids == {json.loads(events[k])["id"]} for k, ids in by_n.items())
     assert int(outbox_db.xlen("dlq")) == 0
     await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "the outbox to empty")
+
+
+@pytest.fixture(scope="module")
+def token_daprd(sidecar: Sidecar) -> Iterator[DaprdPorts]:
+    """A second daprd that demands an API token, with only an in-memory pub/sub (`mem`)."""
+    resources = sidecar.workdir / "token-resources"
+    resources.mkdir()
+    (resources / "mem.yaml").write_text(harness.component_yaml("mem", {}, "pubsub.in-memory"))
+    workdir = sidecar.workdir / "token"
+    workdir.mkdir()
+    ports = DaprdPorts.free()
+    with pytest.MonkeyPatch.context() as mp:
+        # daprd demands the token on its APIs when started with it in its environment.
+        mp.setenv("DAPR_API_TOKEN", "s3cret-token")
+        # Its own app-id: the app's `target` subscriptions fail there (no such pub/sub) and
+        # `mem` is its own in-memory bus, so the first daprd's tests see nothing of it.
+        proc = harness.start_daprd(
+            sidecar.daprd_path,
+            workdir,
+            sidecar.workdir / "sockets",
+            "fwd-token",
+            sidecar.app_port,
+            resources,
+            ports,
+        )
+    yield ports
+    proc.stop()
+
+
+async def test_the_api_token_is_sent_and_required(
+    sidecar: Sidecar,
+    token_daprd: DaprdPorts,
+    outbox_db: Any,
+    make_forwarder: Callable[..., Forwarder],
+) -> None:
+    marker = f"token-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent(marker), id="t1"))
+    wrong = make_forwarder(
+        address=f"127.0.0.1:{token_daprd.grpc}",
+        policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+    )
+    wrong.start()
+
+    async def refused() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(refused, 10, "the token-less hand-off to be refused")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert "UNAUTHENTICATED" in json.loads(fields[b"metadata"])["deadLetterReason"]
+    await wrong.close()
+
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent(marker), id="t2"))
+    make_forwarder(address=f"127.0.0.1:{token_daprd.grpc}", api_token="s3cret-token").start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
+    assert arrival["data"] == {"marker": marker}
