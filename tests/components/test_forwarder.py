@@ -565,3 +565,72 @@ async def test_the_api_token_is_sent_and_required(
     make_forwarder(address=f"127.0.0.1:{token_daprd.grpc}", api_token="s3cret-token").start()
     [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
     assert arrival["data"] == {"marker": marker}
+
+
+async def test_an_expiry_of_2_pow_63_is_no_overflow(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"far-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="f1", expires_at_ms=2**63 - 1))
+    make_forwarder().start()
+    await wait_arrivals(sidecar, marker, 1)
+    assert [r.event for r in history(outbox_db)] == ["handedoff"]
+
+
+async def test_a_message_too_large_for_daprd_is_dead_lettered_not_retried_forever(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    big = b'{"specversion":"1.0","id":"big","data":"' + b"x" * (5 << 20) + b'"}'
+    add(outbox_db, OutboxEntry("target", "orders", big, id="big"))
+    make_forwarder(
+        policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq")
+    ).start()
+
+    async def dead_lettered() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(dead_lettered, 20, "the oversized message to be dead-lettered")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert fields[b"data"] == big
+    # daprd's gRPC server refuses it (4 MiB by default): a refusal, counted, not "sidecar down".
+    assert "RESOURCE_EXHAUSTED" in json.loads(fields[b"metadata"])["deadLetterReason"]
+    assert outbox_left(outbox_db) == (0, 0)
+
+
+async def test_the_loop_survives_its_redis_restarting_and_losing_everything(
+    sidecar: Sidecar, tmp_path: Path, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    """The outbox on a Redis of its own (the target stays on the sidecar's): restarted, then wiped."""
+    own = RedisServer(tmp_path / "outbox-redis")
+    own.start()
+    client = aioredis.Redis(port=own.port)
+    sync: Any = own.client()
+    fwd = Forwarder(
+        client,
+        KEYS,
+        SystemClock(),
+        ForwarderConfig(address=sidecar.grpc_address, block_ms=200),
+        name="own",
+    )
+    try:
+        fwd.start()
+        markers = [f"survive{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[0]), id="s0"))
+        await wait_arrivals(sidecar, markers[0], 1)
+        sync.close()
+        await asyncio.to_thread(own.restart)  # SIGTERM: the AOF keeps what was acked and deleted
+        sync = own.client()
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[1]), id="s1"))
+        await wait_arrivals(sidecar, markers[1], 1)
+        sync.flushall()  # the group is gone too (NOGROUP): the forwarder must create it again
+        await asyncio.sleep(0.5)
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[2]), id="s2"))
+        await wait_arrivals(sidecar, markers[2], 1)
+        await asyncio.sleep(1)
+        for marker in markers:
+            assert len(await arrivals(sidecar, marker)) == 1, f"{marker} delivered twice"
+    finally:
+        await fwd.close()
+        await client.aclose()
+        sync.close()
+        own.stop()
