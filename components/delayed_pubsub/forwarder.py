@@ -307,6 +307,10 @@ class Forwarder:
     async def _claim_retries(self) -> list[tuple[tuple[bytes, Any], int]]:
         """Pending entries whose next attempt is due: our own refused ones after their
         backoff, another replica's after claim_idle_ms. Returns (row, attempt) pairs."""
+        # XPENDING + XCLAIM rather than XAUTOCLAIM: the delivery count is the
+        # attempt number (it survives restarts and replicas), and XAUTOCLAIM
+        # does not return it. Only the oldest batch_size*4 pending entries are
+        # looked at per round; they are retried (or dead-lettered) in id order.
         policy, cfg = self._config.policy, self._config
         floor = min(policy.delay_ms(1), cfg.claim_idle_ms)
         pending: list[dict[str, Any]] = await self._bounded(
