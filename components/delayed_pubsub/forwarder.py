@@ -105,7 +105,6 @@ class HandOffPolicy:
     base_s: float = 1.0
     cap_s: float = 60.0
     multiplier: float = 2.0
-    jitter: float = 0.2
     # '' = no dead letter: keep retrying at cap_s (reported, never dropped).
     dead_letter_topic: str = ""
 

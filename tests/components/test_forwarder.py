@@ -190,7 +190,7 @@ async def make_forwarder(sidecar: Sidecar, outbox_db: Any) -> AsyncIterator[Call
     def make(**overrides: Any) -> Forwarder:
         client = aioredis.Redis(host="127.0.0.1", port=sidecar.redis.port, db=0)
         clients.append(client)
-        policy = overrides.pop("policy", HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=1.0, jitter=0))
+        policy = overrides.pop("policy", HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=1.0))
         settings: dict[str, Any] = {
             "address": sidecar.grpc_address,
             "block_ms": 200,
@@ -418,7 +418,7 @@ async def test_without_a_dead_letter_topic_a_refused_message_is_kept_and_retried
     sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
 ) -> None:
     add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("kept"), id="k1"))
-    make_forwarder(policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.3, jitter=0)).start()
+    make_forwarder(policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.3)).start()
 
     async def tried_a_lot() -> bool:
         try:
