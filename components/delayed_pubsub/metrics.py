@@ -75,6 +75,7 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.forwarder = ForwarderMetrics.register(r)
 
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
@@ -87,6 +88,7 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            forwarder=self.forwarder,
         )
 
 
@@ -102,6 +104,8 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
+    forwarder: ForwarderMetrics | None = None
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""
@@ -109,3 +113,43 @@ class InstanceMetrics:
         if report.fired:
             self.fired.inc(report.fired)
             self.fire_lateness.observe(max(0, report.max_lateness_ms) / 1000)
+
+
+@dataclass(frozen=True)
+class ForwarderMetrics:
+    """Hand-offs of due messages to another Dapr pub/sub (targetPubsub), labelled by instance."""
+
+    handed_off: Counter
+    # reason: unavailable (sidecar unreachable), unknown_target, refused (by daprd or the target)
+    failures: Counter
+    dead_lettered: Counter
+    expired: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> ForwarderMetrics:
+        return cls(
+            handed_off=Counter(
+                "delayed_pubsub_handed_off_messages",
+                "Due messages published through the sidecar to their targetPubsub",
+                ["instance"],
+                registry=registry,
+            ),
+            failures=Counter(
+                "delayed_pubsub_handoff_failures",
+                "Failed hand-off attempts (retried); reason=unavailable, unknown_target or refused",
+                ["instance", "reason"],
+                registry=registry,
+            ),
+            dead_lettered=Counter(
+                "delayed_pubsub_handoff_dead_lettered_messages",
+                "Hand-offs given up after the last attempt and written to deadLetterTopic",
+                ["instance"],
+                registry=registry,
+            ),
+            expired=Counter(
+                "delayed_pubsub_handoff_expired_messages",
+                "Messages bound for a targetPubsub that expired (ttl) before their hand-off",
+                ["instance"],
+                registry=registry,
+            ),
+        )

@@ -15,6 +15,8 @@ from typing import Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.target import check_target_name
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ KNOWN_KEYS = frozenset(
         "maxDelay",
         "historyMaxLen",
         "historyMaxAge",
+        # Delays for any Dapr pub/sub (see delayed_pubsub.forwarder).
+        "defaultTargetPubsub",
+        "daprGrpcAddress",
+        "deadLetterTopic",
     }
 )
 
@@ -108,6 +114,12 @@ class Settings:
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
     history_max_len: int = 1_000_000
     history_max_age_ms: int = 86_400_000
+    # Delayed messages without targetPubsub go to this pub/sub when due ('' = our own topics).
+    default_target_pubsub: str = ""
+    # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
+    dapr_grpc_address: str = ""
+    # Where a hand-off that failed its last attempt goes ('' = keep retrying).
+    dead_letter_topic: str = ""
 
     @property
     def address(self) -> str:
@@ -155,6 +167,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
 
     read_timeout = _timeout(props, "readTimeout", 3_000)
     max_retries = _int(props, "redisMaxRetries", 3, minimum=-1, maximum=MAX_RETRIES)
+    default_target, dapr_address, dead_letter = _forwarding(props)
 
     return Settings(
         hosts=hosts,
@@ -185,7 +198,26 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
         history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
         history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
+        default_target_pubsub=default_target,
+        dapr_grpc_address=dapr_address,
+        dead_letter_topic=dead_letter,
     )
+
+
+def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:
+    """defaultTargetPubsub, daprGrpcAddress, deadLetterTopic (delays for any pub/sub)."""
+    default_target = props.get("defaultTargetPubsub", "")
+    if default_target:
+        check_target_name("defaultTargetPubsub", default_target)
+    address = props.get("daprGrpcAddress", "").strip()
+    if address and any(c.isspace() for c in address):
+        raise InvalidArgumentError("daprGrpcAddress", address, "not host:port (or unix:///path)")
+    dead_letter = props.get("deadLetterTopic", "").strip()
+    if dead_letter and (is_engine_key(dead_letter) or is_delayed_topic(dead_letter)):
+        raise InvalidArgumentError(
+            "deadLetterTopic", dead_letter, "reserved: names ending in -delayed belong to the delay engine"
+        )
+    return default_target, address, dead_letter
 
 
 # --- field parsers ------------------------------------------------------------

@@ -99,3 +99,10 @@ class BackendAuthError(DelayedPubSubError):
     Not transient: retrying with the same settings cannot help. Maps to gRPC
     PERMISSION_DENIED, with Redis's own reason and no secret in the message.
     """
+
+
+class MalformedEntryError(DelayedPubSubError):
+    """A stream entry the component wrote for itself (e.g. an outbox entry) cannot be read.
+
+    Retrying cannot fix it: the reader dead-letters or drops it, and says why.
+    """

@@ -294,3 +294,39 @@ def test_a_client_key_that_is_not_pem_is_refused_without_echoing_any_of_it() -> 
     assert err.value.key == "clientKey"
     assert key[:4] not in str(err.value)
     assert "redacted" in str(err.value)
+
+
+def test_forwarding_keys_default_to_off() -> None:
+    s = parse_settings(BASE)
+    assert (s.default_target_pubsub, s.dapr_grpc_address, s.dead_letter_topic) == ("", "", "")
+
+
+def test_forwarding_keys_are_read() -> None:
+    s = parse_settings(
+        {
+            **BASE,
+            "defaultTargetPubsub": "kafka",
+            "daprGrpcAddress": "127.0.0.1:50002",
+            "deadLetterTopic": "undeliverable",
+        }
+    )
+    assert (s.default_target_pubsub, s.dapr_grpc_address, s.dead_letter_topic) == (
+        "kafka",
+        "127.0.0.1:50002",
+        "undeliverable",
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("defaultTargetPubsub", "kaf ka"),
+        ("daprGrpcAddress", "127.0.0.1 :50001"),
+        ("deadLetterTopic", "app1-delayed"),
+        ("deadLetterTopic", "{app1-delayed}:ids"),
+    ],
+)
+def test_bad_forwarding_values_are_refused_naming_the_key(key: str, value: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, key: value})
+    assert err.value.key == key
