@@ -172,8 +172,12 @@ class Forwarder:
         metrics: ForwarderMetrics | None = None,
         *,
         name: str = "",
+        read_client: aioredis.Redis | None = None,
     ) -> None:
         self._redis = client
+        # Blocking reads park a connection: on their own client they cannot
+        # starve short commands of a bounded pool (poolSize).
+        self._read_redis = read_client if read_client is not None else client
         self._keys = keys
         self._clock = clock
         self._config = config
@@ -201,6 +205,7 @@ class Forwarder:
         *,
         name: str,
         env: Mapping[str, str] | None = None,
+        read_client: Any = None,
     ) -> Forwarder:
         """The forwarder of one component instance (its consumerID's outbox)."""
         config = forwarder_config(
@@ -210,7 +215,7 @@ class Forwarder:
             env=env,
         )
         keys = EngineKeys.for_topic(delayed_topic(settings.consumer_id))
-        return cls(client, keys, clock, config, metrics, name=name)
+        return cls(client, keys, clock, config, metrics, name=name, read_client=read_client)
 
     @property
     def config(self) -> ForwarderConfig:
@@ -273,7 +278,7 @@ class Forwarder:
         """
         settled = await self._handle(await self._claim_retries())
         reply: Any = await self._bounded(
-            self._redis.xreadgroup(
+            self._read_redis.xreadgroup(
                 self._config.group,
                 self.consumer,
                 {self._keys.outbox: ">"},
@@ -291,6 +296,10 @@ class Forwarder:
     async def _bounded(self, call: Awaitable[Any], extra_s: float = 0.0) -> Any:
         async with asyncio.timeout(self._config.redis_timeout_s + extra_s):
             return await call
+
+    async def prepare(self) -> None:
+        """Create the outbox and its consumer group now (run() does it too, and after a loss)."""
+        await self._ensure_group()
 
     async def _ensure_group(self) -> None:
         try:

@@ -36,6 +36,7 @@ from delayed_middleware.errors import (
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import TRANSIENT_ERRORS, Connection, call_timeout, connect
+from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.settings import Settings, parse_settings
@@ -66,7 +67,17 @@ class Instance:
         self._host = socket.gethostname()
         self.engine: DelayEngine | None = None
         self._engine_task: asyncio.Task[None] | None = None
+        # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
+        self.forwarder: Forwarder | None = None
         if settings.enable_delayed_messaging:
+            self.forwarder = Forwarder.from_settings(
+                connection.client,
+                settings,
+                clock,
+                metrics.forwarder,
+                name=name,
+                read_client=connection.blocking_client,
+            )
             self.engine = DelayEngine(
                 connection.client,  # type: ignore[arg-type]
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
@@ -87,6 +98,8 @@ class Instance:
         """Start firing delayed messages (overdue ones fire at once)."""
         if self.engine is not None and self._engine_task is None:
             self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
+        if self.forwarder is not None:
+            self.forwarder.start()
 
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
@@ -113,6 +126,13 @@ class Instance:
             await connection.aclose()
             raise
         instance = cls(name, settings, connection, clock, metrics)
+        if instance.forwarder is not None:
+            # The outbox and its group exist once Init returns, not at some
+            # moment after: what Init leaves in Redis is settled when it answers.
+            try:
+                await instance.forwarder.prepare()
+            except (RedisError, TimeoutError, OSError) as e:
+                log.warning("instance %r: outbox group not created yet (%s); the forwarder retries", name, e)
         instance.start()
         return instance
 
@@ -288,6 +308,11 @@ class Instance:
                 # Whatever ended the engine must not keep the rest from closing.
                 log.exception("instance %r: delay engine had failed", self.name)
             self._engine_task = None
+        if self.forwarder is not None:
+            try:
+                await self.forwarder.close()
+            except Exception:
+                log.exception("instance %r: the forwarder had failed", self.name)
         subs = list(self._subscriptions)
         self._subscriptions.clear()
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)

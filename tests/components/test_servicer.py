@@ -563,6 +563,7 @@ async def test_a_16kb_bad_publish_value_is_invalid_argument_with_the_value_cut(
 ) -> None:
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
+    before = sorted(redis_client.scan_iter())  # what Init itself creates (the outbox)
     value = "9" * 16 * 1024 + "x"
     metadata = {"scheduledSendDelay": "1s"} if key == "scheduleId" else {}
     code, details = await _refused(c.publish("orders", b"x", {**metadata, key: value}))
@@ -570,7 +571,7 @@ async def test_a_16kb_bad_publish_value_is_invalid_argument_with_the_value_cut(
     assert key in details
     assert f"...({len(value)} bytes)" in details
     assert len(details) < 2100
-    assert redis_client.keys("*") == []  # nothing stored
+    assert sorted(redis_client.scan_iter()) == before  # nothing stored
 
 
 async def test_a_16kb_bad_init_value_is_invalid_argument_with_the_value_cut(
@@ -582,17 +583,31 @@ async def test_a_16kb_bad_init_value_is_invalid_argument_with_the_value_cut(
     assert "...(16384 bytes)" in details
 
 
-async def test_a_16kb_topic_that_redis_refuses_still_gets_a_short_status(
+async def test_a_16kb_topic_gets_a_short_status(
     component: Factory, props: dict[str, str], redis_client: redis.Redis
 ) -> None:
     c = component("delayed")
     await c.init(props)
     topic = "t" * 16 * 1024
-    redis_client.set(topic, "not a stream")  # XADD fails WRONGTYPE, and the error names the topic
+    redis_client.set(topic, "not a stream")
     code, details = await _refused(c.publish(topic, b"x"))
-    # The real code arrives (not RESOURCE_EXHAUSTED from an oversized trailer), the message cut.
-    assert code == grpc.StatusCode.INTERNAL
-    assert details.endswith(" bytes)")
+    # The real code arrives (not RESOURCE_EXHAUSTED from an oversized trailer), the topic cut.
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"...({len(topic)} bytes)" in details
+    assert len(details) <= 2048 + 30
+    assert redis_client.get(topic) == b"not a stream"
+
+
+async def test_a_topic_whose_key_is_not_a_stream_gets_failed_precondition_naming_it(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    topic = "t" * 1000
+    redis_client.set(topic, "not a stream")  # XADD fails WRONGTYPE
+    code, details = await _refused(c.publish(topic, b"x"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert topic in details
     assert len(details) <= 2048 + 30
 
 
