@@ -412,6 +412,33 @@ def missed_fires(schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int,
     return count
 
 
+class NextFireMemo:
+    """``following_fire`` with cron results remembered, for an engine firing many schedules at once.
+
+    A cron step costs croniter ~0.1-0.4 ms, ``@every`` well under a microsecond.
+    A cron answer depends only on the expression and the whole second it starts
+    from, so when 10,000 envelopes of ``* * * * * *`` fire in the same second
+    they share one computation. One instance per engine (never module-wide);
+    bounded: it forgets everything once it holds ``max_entries`` answers.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._max_entries = max_entries
+        self._cron: dict[tuple[str, int], int | None] = {}
+
+    def following_fire(self, schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int) -> int | None:
+        """Same answer as the module's ``following_fire``."""
+        if schedule.kind != "cron" or schedule.cron is None:
+            return following_fire(schedule, start_ms=start_ms, due_ms=due_ms, now_ms=now_ms)
+        after_s = max(due_ms, now_ms) // 1000
+        key = (schedule.cron, after_s)
+        if key not in self._cron:
+            if len(self._cron) >= self._max_entries:
+                self._cron.clear()
+            self._cron[key] = _cron_next(schedule.cron, after_s * 1000)
+        return self._cron[key]
+
+
 def schedule_next_value(next_ms: int | None) -> str:
     """The ``scheduleNext`` metadata a fired message carries: RFC 3339 UTC, or ``purge`` if none follows."""
     return PURGE if next_ms is None else format_instant(next_ms)

@@ -19,6 +19,7 @@ from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_i
 from delayed_middleware.schedules import (
     MIN_EVERY_MS,
     PURGE,
+    NextFireMemo,
     Schedule,
     first_fire,
     following_fire,
@@ -753,3 +754,23 @@ def test_missed_fires_is_zero_for_one_shots_and_on_time() -> None:
 def test_instant_bounds_are_years_1_to_9999() -> None:
     assert format_instant(MIN_INSTANT_MS) == "0001-01-01T00:00:00.000Z"
     assert date(9999, 12, 31).isoformat() in format_instant(MAX_INSTANT_MS)
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    CRON_SAMPLES | st.sampled_from(["@every 1s", "@every 7s", "@at 2030-01-01T00:00:00Z"]),
+    INSTANTS,
+    st.integers(0, 10 * DAY),
+)
+def test_memo_gives_the_same_answers_as_following_fire(expr: str, due: int, lag: int) -> None:
+    schedule = parse_schedule(expr, now_ms=NOW)
+    memo = NextFireMemo(max_entries=3)
+    for now in (
+        due + lag,
+        due + lag,
+        due + lag // 2,
+        due,
+    ):  # repeats hit the memo, the rest fill and clear it
+        assert memo.following_fire(schedule, start_ms=NOW, due_ms=due, now_ms=now) == following_fire(
+            schedule, start_ms=NOW, due_ms=due, now_ms=now
+        )
