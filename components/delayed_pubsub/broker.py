@@ -27,6 +27,7 @@ import redis.exceptions
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
+from delayed_middleware.ttl import is_expired
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.settings import Settings
@@ -343,6 +344,11 @@ class Subscription:
         while not self._closed:
             if not self._paused and self._ready and len(self._unacked) < limit:
                 delivery = self._ready.popleft()
+                if is_expired(delivery.entry.expires_at_ms, self._clock.now_ms()):
+                    # Its TTL ended while it waited (in the stream, in our
+                    # buffer, or for a redelivery): never delivered after that.
+                    await self._drop_expired(delivery.id)
+                    continue
                 self._unacked.add(delivery.id)
                 if not self._ready:
                     self._wake.set()  # the fetch loop waits for an empty buffer
@@ -360,6 +366,15 @@ class Subscription:
             # A malformed id cannot be acked; never let it end the stream.
             log.warning("cannot ack %r on %s: %s", entry_id, self.topic, e)
         self._metrics.acked.inc()
+        self._release(entry_id)
+
+    async def _drop_expired(self, entry_id: str) -> None:
+        """XACK an expired entry without delivering it: it leaves our PEL for good."""
+        try:
+            await self._retrying("XACK", lambda: self._client.xack(self.topic, self._group, entry_id))
+        except redis.exceptions.ResponseError as e:
+            log.warning("cannot drop expired %r on %s: %s", entry_id, self.topic, e)
+        log.debug("dropped %s on %s: its TTL ended before delivery", entry_id, self.topic)
         self._release(entry_id)
 
     def nack(self, entry_id: str) -> None:

@@ -34,6 +34,7 @@ from delayed_middleware.errors import (
     RestoreFailedError,
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import TRANSIENT_ERRORS, Connection, call_timeout, connect
 from delayed_pubsub.forwarder import Forwarder
@@ -88,6 +89,7 @@ class Instance:
                     history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
                 ),
                 listen_client=connection.blocking_client,  # type: ignore[arg-type]
+                recurrence=EnvelopeRecurrence(),
             )
         # Topics seen to be streams (or absent), so a delayed publish checks the
         # target's type once, not per call; bounded, and forgotten after a while
@@ -193,6 +195,27 @@ class Instance:
         if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
             self.engine.wake()
 
+    async def _cancel(self, cancel: plan.Cancel) -> None:
+        """Withdraw a pending message or schedule (scheduleCancel). An unknown id
+        is not an error: it may have fired or been cancelled already."""
+        if self.engine is None:
+            raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                found = await self.engine.cancel(cancel.schedule_id)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(
+                f"cancelling {cancel.schedule_id!r} on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
+            ) from e
+        if found:
+            log.info("cancelled %r on %s", cancel.schedule_id, self.engine.keys.stream)
+        else:
+            log.info(
+                "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
+                cancel.schedule_id,
+                self.engine.keys.stream,
+            )
+
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""
     ) -> None:
@@ -208,6 +231,8 @@ class Instance:
         if p.delayed:
             await self._schedule([d.envelope for d in p.delayed])
             self.metrics.published_delayed.inc()
+        for cancel in p.cancels:
+            await self._cancel(cancel)
 
     async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
         try:
@@ -237,6 +262,12 @@ class Instance:
                 self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed))
             except DelayedPubSubError as err:
                 failed += [FailedEntry(i, str(err)) for d in p.delayed for i in d.entry_ids]
+        for cancel in p.cancels:
+            try:
+                await self._cancel(cancel)
+                stored_some = True
+            except DelayedPubSubError as err:
+                failed += [FailedEntry(i, str(err)) for i in cancel.entry_ids]
         if p.immediate:
             now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:

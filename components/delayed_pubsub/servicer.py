@@ -34,8 +34,10 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 INSTANCE_METADATA_KEY = "x-component-instance"
 
 # What daprd should rely on. BULK_PUBSUB: BulkPublish is one pipelined round
-# trip. Not MESSAGE_TTL: daprd enforces the CloudEvent expiration itself.
-FEATURES = ("BULK_PUBSUB",)
+# trip. MESSAGE_TTL: we enforce ttlInSeconds/ttl ourselves (stream, delay
+# index, redeliveries, raw payloads too), so daprd does not; it would only
+# handle CloudEvents, and not a delayed message's time in the index.
+FEATURES = ("BULK_PUBSUB", "MESSAGE_TTL")
 
 _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),

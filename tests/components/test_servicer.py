@@ -82,7 +82,7 @@ async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
 async def test_init_then_features_advertise_bulk_only(component: Factory, props: dict[str, str]) -> None:
     c = component("delayed")
     await c.init(props)
-    assert await c.features() == ["BULK_PUBSUB"]
+    assert await c.features() == ["BULK_PUBSUB", "MESSAGE_TTL"]
     await c.ping()
 
 
