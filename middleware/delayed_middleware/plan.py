@@ -357,8 +357,12 @@ def plan_bulk(
         # The common case, no metadata anywhere, allocates nothing new.
         merged = entry
         if metadata:
+            inherited: Mapping[str, str] = metadata
+            if not _TTL_KEYS.isdisjoint(entry.metadata):
+                # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
+                inherited = {k: v for k, v in metadata.items() if k not in _TTL_KEYS}
             merged = StreamEntry(
-                entry.data, {**metadata, **entry.metadata}, entry.content_type, entry.expires_at_ms
+                entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
             )
         if _DELAY_KEYS.isdisjoint(entry.metadata) and _TTL_KEYS.isdisjoint(entry.metadata):
             if request_timing is not None:
