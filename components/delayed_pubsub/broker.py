@@ -375,6 +375,7 @@ class Subscription:
         except redis.exceptions.ResponseError as e:
             log.warning("cannot drop expired %r on %s: %s", entry_id, self.topic, e)
         log.debug("dropped %s on %s: its TTL ended before delivery", entry_id, self.topic)
+        self._metrics.expired.inc()
         self._release(entry_id)
 
     def nack(self, entry_id: str) -> None:

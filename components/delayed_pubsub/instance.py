@@ -208,8 +208,10 @@ class Instance:
                 f"cancelling {cancel.schedule_id!r} on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
             ) from e
         if found:
+            self.metrics.cancelled.inc()
             log.info("cancelled %r on %s", cancel.schedule_id, self.engine.keys.stream)
         else:
+            self.metrics.cancel_unknown.inc()
             log.info(
                 "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
                 cancel.schedule_id,

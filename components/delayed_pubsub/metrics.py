@@ -76,6 +76,18 @@ class Metrics:
             registry=r,
         )
         self.forwarder = ForwarderMetrics.register(r)
+        self.cancels = Counter(
+            "delayed_pubsub_cancels",
+            "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",
+            ["instance", "result"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "delayed_pubsub_expired_messages",
+            "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
+            ["instance"],
+            registry=r,
+        )
 
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
@@ -89,6 +101,9 @@ class Metrics:
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
             forwarder=self.forwarder,
+            cancelled=self.cancels.labels(name, "cancelled"),
+            cancel_unknown=self.cancels.labels(name, "unknown"),
+            expired=self.expired.labels(name),
         )
 
 
@@ -104,6 +119,9 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    cancelled: Counter
+    cancel_unknown: Counter
+    expired: Counter
     # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
     forwarder: ForwarderMetrics | None = None
 

@@ -96,8 +96,16 @@ async def test_cron_every_second_and_anonymous_schedule_cancelled_by_its_schedul
     await stream.close()
 
 
+def sample(server: ComponentServer, name: str, **labels: str) -> float:
+    value = server.metrics.registry.get_sample_value(name, {"instance": "delayed", **labels})
+    return 0.0 if value is None else value
+
+
 async def test_cancel_of_unknown_id_succeeds_and_cancel_of_pending_one_shot_delivers_nothing(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    server: ComponentServer,
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
 ) -> None:
     c = component("delayed")
     await c.init(delayed_props)
@@ -108,6 +116,9 @@ async def test_cancel_of_unknown_id_succeeds_and_cancel_of_pending_one_shot_deli
     assert await stream.nothing_for(1.8)
     assert int(redis_client.get("{app1-delayed}:pending") or 0) == 0
     assert not redis_client.exists("orders") or redis_client.xlen("orders") == 0
+    # The unknown id is not an error, but it is counted apart.
+    assert sample(server, "delayed_pubsub_cancels_total", result="unknown") == 1
+    assert sample(server, "delayed_pubsub_cancels_total", result="cancelled") == 1
     await stream.close()
 
 
@@ -153,7 +164,10 @@ async def test_schedule_source_delivers_the_latest_message_or_nothing(
 
 
 async def test_ttl_ends_before_due_never_fires_and_ttl_expired_in_the_stream_is_never_delivered(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    server: ComponentServer,
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
 ) -> None:
     c = component("delayed")
     await c.init(delayed_props)
@@ -169,6 +183,7 @@ async def test_ttl_ends_before_due_never_fires_and_ttl_expired_in_the_stream_is_
     # The expired one was dropped from the group (acked), not left pending.
     pending = redis_client.xpending("orders", "app1")
     assert pending["pending"] == 2  # the two delivered, not yet acked
+    assert sample(server, "delayed_pubsub_expired_messages_total") == 1  # "stale"; "late" never fired
     await stream.close()
 
 
