@@ -234,14 +234,22 @@ async def one_shot_peer(
     if now_ms() >= start:
         raise SystemExit("publishing the peer took longer than its lead time")
     serve0 = cpu_s(serve_pid)
-    await asyncio.sleep((dues[-1] - now_ms()) / 1000 + 3)
+    t0 = now_ms()
+    await asyncio.sleep(max(0.0, (dues[-1] - now_ms()) / 1000))
+    # Then wait for the stragglers (a slow machine drains late), at most a minute.
+    for _ in range(600):  # polling Redis: there is no event to wait on here
+        if client.xlen("peer") >= len(dues):
+            break
+        await asyncio.sleep(0.1)
     serve1 = cpu_s(serve_pid)
+    span_s = (now_ms() - t0) / 1000
     landed = [ms for ms, _ in entries_since(client, "peer", "0-0")]
     if len(landed) != len(dues):
-        raise SystemExit(f"peer: {len(landed)} of {len(dues)} one-shots landed")
+        raise SystemExit(
+            f"peer: {len(landed)} of {len(dues)} one-shots landed within a minute of the last due"
+        )
     # Entries land in due order (one index); pair them with the sorted dues.
     late = [x - d for x, d in zip(sorted(landed), dues, strict=True)]
-    span_s = (dues[-1] - start) / 1000 + 3
     return {
         "fires": len(dues),
         "ingest_per_s": ingest,
