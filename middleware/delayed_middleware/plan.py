@@ -154,10 +154,13 @@ def read_request(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
     - ``ttl``/``ttlInSeconds`` on a recurring schedule end the schedule (its
       fires stop then); ``scheduleTTL`` is the TTL of each produced message.
     """
-    expires_at_ms = parse_ttl(metadata, now_ms=ctx.now_ms) or 0
+    expires_at_ms = 0 if _TTL_KEYS.isdisjoint(metadata) else parse_ttl(metadata, now_ms=ctx.now_ms) or 0
+    if _SCHEDULE_KEYS.isdisjoint(metadata):
+        # The common case (a one-shot delay, or nothing): parse_delay alone.
+        delay = _delay(metadata, ctx)
+        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
+        return Request(timing=timing, expires_at_ms=expires_at_ms)
     present = [key for key in DELAY_KEYS if key in metadata]
-    if not present:
-        return Request(expires_at_ms=expires_at_ms)
     # parse_delay refuses every delay key while disabled, and empty values, for
     # the schedule keys too: call it on the whole metadata first only for that.
     if not ctx.enabled or any(metadata[key] == "" for key in present):
@@ -397,7 +400,7 @@ def plan_bulk(
             ids_taken.add(own_id)
         envelope = _envelope(
             topic,
-            replace(own.timing, schedule_id=own_id),
+            own.timing if own.timing.schedule_id == own_id else replace(own.timing, schedule_id=own_id),
             ctx,
             expires_at_ms=own.expires_at_ms,
             message=merged.data,
