@@ -15,8 +15,10 @@ The grammar is the NATS message scheduler's (ADR-51), all in UTC:
   ``a,b``, steps ``*/n``, ``a-b/n`` and ``a/n`` (= ``a-<last>/n``), month and
   weekday names (``jan``, ``mon``; any case), Sunday as 0 or 7. When both day
   fields are restricted, either matching fires (crontab(5)); a day field written
-  ``*`` (or ``*/1``) is unrestricted, ``*/2`` is restricted (as in NATS and
-  croniter).
+  ``*``, ``?`` or ``*/1`` is unrestricted, anything else (``*/2``, ``0-6``) is
+  restricted, as in NATS (robfig/cron) and vixie cron. (croniter alone decides
+  by the values instead, so the normalised form folds "restricted, but every
+  day" into ``* *``; a brute-force oracle test holds the two to the same answers.)
 
 We check the grammar ourselves, strictly (the robfig/NATS rules: exactly six
 fields, no backwards ranges, no ``L``/``W``/``#``/``H`` extensions), then hand a
@@ -238,7 +240,32 @@ def _normalise_cron(expr: str, words: list[str]) -> str:
             expr,
             f"cron needs 6 fields (sec min hour day-of-month month day-of-week), got {len(words)}{hint}",
         )
-    return " ".join(_normalise_field(expr, field, word) for field, word in zip(_FIELDS, words, strict=True))
+    fields = [_normalise_field(expr, field, word) for field, word in zip(_FIELDS, words, strict=True)]
+    dom, dow = fields[3], fields[5]
+    if (
+        dom != "*"
+        and dow != "*"
+        and (_expand(dom) >= set(range(1, 32)) or {v % 7 for v in _expand(dow)} >= set(range(7)))
+    ):
+        # Both day fields restricted and one of them names every day: by the
+        # either rule that is every day. Said as '* *', because croniter reads
+        # a day-of-week covering the whole week as unrestricted (and then ANDs).
+        fields[3] = fields[5] = "*"
+    return " ".join(fields)
+
+
+def _expand(normalised: str) -> set[int]:
+    """The values of a normalised day field other than '*' (numbers, a-b, a-b/n, */n, lists)."""
+    values: set[int] = set()
+    for item in normalised.split(","):
+        span, _, step = item.partition("/")
+        if span == "*":
+            # Only '*/n' reaches here; its first value is the field's (1 or 0):
+            # callers ask "covers everything?", which '*/n' with n > 1 never does.
+            continue
+        start, _, end = span.partition("-")
+        values.update(range(int(start), int(end or start) + 1, int(step or "1")))
+    return values
 
 
 def _normalise_field(expr: str, field: _Field, word: str) -> str:

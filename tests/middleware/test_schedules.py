@@ -98,6 +98,14 @@ def fires(expr: str, after: str, count: int) -> list[str]:
         ("0 0 0 5-5 * *", "cron", "0 0 0 5 * *"),
         ("  0   0\t0 * * *\n", "cron", "0 0 0 * * *"),
         ("59 59 23 31 12 6", "cron", "59 59 23 31 12 6"),
+        # both day fields restricted, one of them every day: the either rule makes it every day
+        ("0 0 0 */2 * 0-6", "cron", "0 0 0 * * *"),
+        ("0 0 0 */2 * sun-sat", "cron", "0 0 0 * * *"),
+        ("0 0 0 15 * 1-7", "cron", "0 0 0 * * *"),
+        ("0 0 0 1-31 * mon", "cron", "0 0 0 * * *"),
+        ("0 0 0 */2 * 0,1,2,3,4,5,6", "cron", "0 0 0 * * *"),
+        ("0 0 0 1-31 * *", "cron", "0 0 0 1-31 * *"),  # only one restricted: nothing to fold
+        ("0 0 0 */2 * 1-6", "cron", "0 0 0 */2 * 1-6"),
     ],
 )
 def test_accepted(expr: str, kind: str, normalised: str) -> None:
@@ -333,6 +341,12 @@ def test_cron_shaped_text_is_a_schedule_or_an_invalid_argument(text: str) -> Non
         ("0 0 0 13 * *", "2024-01-01T00:00:00Z", ["2024-01-13T00:00:00.000Z", "2024-02-13T00:00:00.000Z"]),
         ("0 0 0 13 * ?", "2024-01-01T00:00:00Z", ["2024-01-13T00:00:00.000Z", "2024-02-13T00:00:00.000Z"]),
         ("0 0 0 ? * fri", "2024-01-01T00:00:00Z", ["2024-01-05T00:00:00.000Z", "2024-01-12T00:00:00.000Z"]),
+        # ... odd days OR any day of the week (0-6, restricted): every day
+        (
+            "0 0 0 */2 * 0-6",
+            "2024-01-01T00:00:00Z",
+            ["2024-01-02T00:00:00.000Z", "2024-01-03T00:00:00.000Z", "2024-01-04T00:00:00.000Z"],
+        ),
         # ... */1 is '*' (unrestricted), so this is the 1st of each month only, not every day
         ("0 0 0 1 * */1", "2024-01-01T00:00:00Z", ["2024-02-01T00:00:00.000Z", "2024-03-01T00:00:00.000Z"]),
         # ... */2 in day-of-month is restricted: odd days OR Mondays
