@@ -109,7 +109,7 @@ async def test_a_restarted_component_serves_every_call_without_a_new_init(
             "orders", [pubsub_pb2.BulkMessageEntry(entry_id="1", event=b"bulk", content_type="text/plain")]
         )
         assert list(reply.failed_entries) == []
-        assert await c.features() == ["BULK_PUBSUB"]
+        assert await c.features() == ["BULK_PUBSUB", "MESSAGE_TTL"]
         await c.ping()
         stream = await c.subscribe("orders")
         got = [(await stream.next()).data for _ in range(3)]

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.errors import InvalidArgumentError, echo
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_instant, parse_instant
 from delayed_middleware.schedules import (
     MIN_EVERY_MS,
@@ -192,7 +192,7 @@ def test_refused(expr: str, reason: str) -> None:
     assert caught.value.value == expr
     assert reason in caught.value.reason
     # The message a publisher sees names the key and the value.
-    assert str(caught.value).startswith(f"invalid metadata schedule={expr!r}: ")
+    assert str(caught.value).startswith(f"invalid metadata schedule={echo(expr)}: ")
 
 
 def test_recurring_schedule_that_only_fires_after_year_9999_is_refused() -> None:
