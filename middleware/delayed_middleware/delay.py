@@ -51,7 +51,7 @@ DELAY_KEYS: Final[tuple[str, ...]] = (
 )
 
 # Keys this one-shot parser does not handle (plan.read_request does).
-_NOT_YET_SUPPORTED: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
+_NOT_ONE_SHOT: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
 
 MAX_SCHEDULE_ID_LENGTH: Final = 256
 
@@ -113,7 +113,7 @@ def parse_delay(
         if metadata[key] == "":
             raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
     for key in present:
-        if key in _NOT_YET_SUPPORTED:
+        if key in _NOT_ONE_SHOT:
             raise InvalidArgumentError(
                 key,
                 metadata[key],
