@@ -292,8 +292,11 @@ class DelayEngine:
                 raise EnvelopeDecodeError(f"envelope {stream_id} has no data")
             env = decode_envelope(raw)
             nxt, iso = self._next_after(env, max(due, self._clock.now_ms()))
-        except (EnvelopeDecodeError, ValueError) as exc:
-            log.error("recurring %r on %s cannot be refilled: %s; cancelling it", key, self._keys.stream, exc)
+        except Exception as exc:
+            # EnvelopeDecodeError, ValueError (no later time), or whatever else the
+            # recurrence raises: one schedule the engine cannot advance must not
+            # stop firing for the whole app. It is withdrawn, with its history record.
+            log.error("recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc)
             await self.cancel(key, reason=f"unschedulable: {exc}")
             return -1
         return int(
@@ -333,6 +336,13 @@ class DelayEngine:
                     log.warning(
                         "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
                     )
+                    await asyncio.sleep(delay)
+                    continue
+                except Exception:
+                    # A bug here or in a hook must not end firing for the whole
+                    # app (the task would just be gone): log it, back off, go on.
+                    delay = backoff.next()
+                    log.exception("delay engine on %s failed; retrying in %.2fs", self._keys.stream, delay)
                     await asyncio.sleep(delay)
                     continue
                 if fired or (head is not None and head <= self._clock.now_ms()):

@@ -17,6 +17,9 @@ if ref then
 else
   -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
   if not string.match(key, '^%d+%-%d+$') then return 0 end
+  -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
+  -- id that cannot exist names nothing pending.
+  if not pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1) then return 0 end
   sid = key
 end
 local env = read_envelope(sid)

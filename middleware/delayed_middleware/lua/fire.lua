@@ -6,7 +6,7 @@
 -- Returns {fired, head, first, pending, parked, refill, entries}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes that
--- wait for a REFILL; entries appended.
+-- wait for a REFILL (including due ones another replica left); entries appended.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
 -- next due time) in the same atomic step that appends it to its target, so a
@@ -90,8 +90,11 @@ local function sampled(source)
     if f[j] == 'data' then data = f[j + 1]
     elseif f[j] == 'contentType' then ct = f[j + 1]
     elseif f[j] == 'metadata' then
+      -- Anyone writes the source: keep its metadata only if it encodes again
+      -- (cjson decodes 1e400 as inf, then refuses to encode it), else drop it
+      -- as a reader of a malformed entry does; the data still goes out.
       local ok, t = pcall(cjson.decode, f[j + 1])
-      if ok and type(t) == 'table' then md = t end
+      if ok and type(t) == 'table' and pcall(cjson.encode, t) then md = t end
     end
   end
   return {{data, md, ct}}
@@ -162,8 +165,14 @@ for i, c in ipairs(due_candidates(now, max_env)) do
           args[#args + 1] = '*'
           args[#args + 1] = 'data'
           args[#args + 1] = entry[1]
+          -- Guarded like the XADD: nothing may raise after the first write.
+          local encoded, json = pcall(cjson.encode, md)
+          if not encoded then
+            failed = 'metadata: ' .. tostring(json)
+            break
+          end
           args[#args + 1] = 'metadata'
-          args[#args + 1] = cjson.encode(md)
+          args[#args + 1] = json
           if entry[3] ~= '' then
             args[#args + 1] = 'contentType'
             args[#args + 1] = entry[3]
@@ -219,4 +228,8 @@ for i = 1, #deletes, 500 do
 end
 for _, r in ipairs(reinserts) do insert(r[1], r[2]) end
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
+-- Refills another replica left undone (it stopped between its FIRE and its
+-- REFILL): occurrences already due whose successor nobody computed. Reported
+-- so that whichever replica fires next completes them.
+refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
 return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended}

@@ -1,0 +1,158 @@
+"""Engine v2 attacked: inputs, timings and faults that would lose, double or block a delayed
+message, or make a script stop half way (Redis does not roll a script back). Real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware import scripts
+from delayed_middleware.clock import ManualClock, SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
+from tests.middleware.test_engine import KEYS, T0, env, target
+from tests.middleware.test_engine_v2 import drain, every, history, payloads, recurring
+
+
+def bare_fire(client: redis.Redis, now: int) -> list[object]:
+    """The FIRE script alone: a replica that fires and dies before its REFILL step."""
+    args = (KEYS.buckets, now, 500, 2000, 1 << 20, "", "", 100)
+    return list(client.eval(scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys, *args))
+
+
+def raw_schedule(client: redis.Redis, e: Envelope, now: int, nxt: int | str) -> None:
+    """The SCHEDULE script alone, with the next due time a replica computed (or '-')."""
+    client.eval(
+        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        *(KEYS.buckets, "nowake", now, f"tok-{e.schedule_id}", 100, 120_000, 1),
+        *(encode_envelope(e), e.due_ms, e.schedule_id, e.kind, e.topic, e.size, e.schedule, nxt, "-"),
+    )  # fmt: skip
+
+
+def named_recurring(sid: str, due: int, published: int, interval: int, n: int) -> Envelope:
+    return Envelope(
+        id=sid,
+        topic="orders",
+        due_ms=due,
+        published_at_ms=published,
+        message=f'{{"n":{n}}}'.encode(),
+        schedule_id=sid,
+        kind=RECURRING,
+        schedule=f"@test {interval}",
+    )
+
+
+# --- a script must never raise after its first write ----------------------------------------
+
+
+async def test_sampled_metadata_json_can_not_break_the_fire_batch(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A scheduleSource topic is written by anyone: its latest entry's metadata is JSON that
+    Lua's cjson decodes (1e400 -> inf) but cannot encode again. That raised in FIRE after
+    the batch's earlier messages were appended: they stayed in the index and were appended
+    again by every retry, for ever."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    redis_client.xadd("sensor", {"data": b"21C", "metadata": b'{"unit":"C","x":1e400}'})
+    await engine.schedule([env(1, T0 + 1_000)])
+    await engine.schedule([recurring(2, 1_000, schedule_source="sensor")])
+    await engine.schedule([env(3, T0 + 1_000)])
+    clock.set(T0 + 1_000)
+    for _ in range(3):  # the engine loop retries a failed batch
+        with contextlib.suppress(redis.exceptions.ResponseError):
+            await drain(engine)
+    rows = [decode_entry(f) for _, f in target(redis_client)]
+    assert sorted(e.data for e in rows) == [b"21C", b'{"n":1}', b'{"n":3}']
+    [sampled] = [e for e in rows if e.data == b"21C"]
+    assert sampled.metadata["scheduler"]  # delivered, with what could be kept
+    assert await engine.pending() == 1  # the recurring one, at its next time
+
+
+# --- a replica that stops between FIRE and REFILL must not strand a schedule -----------------
+
+
+async def test_a_refill_left_by_a_stopped_replica_is_completed_by_a_running_one(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Replica A fires occurrence 1 and stops before REFILL; replica B's FIRE at occurrence 2
+    takes the envelope out of the index to wait for its refill, and B stops too (a rolling
+    update). A replica that was already running refilled only at its own start or after a
+    Redis error: the schedule never fired again."""
+    clock = SystemClock()
+    t0 = clock.now_ms()
+    survivor = DelayEngine(aredis(), KEYS, clock, recurrence=every, config=EngineConfig(max_sleep_s=0.1))
+    task = asyncio.create_task(survivor.run())
+    try:
+        await asyncio.sleep(0.3)  # past its start-up refill
+        # Its next time is unknown ("-"), as after A fired it and stopped before REFILL.
+        raw_schedule(redis_client, named_recurring("tick", t0 + 200, t0 - 99_800, 100_000, 1), t0, "-")
+        # "B": its FIRE finds no next time, parks the occurrence for REFILL, then B stops.
+        bare_fire(redis_client, t0 + 200)
+        assert redis_client.zrange(KEYS.refill, 0, -1) == [b"tick"]
+        for _ in range(60):
+            if target(redis_client):
+                break
+            await asyncio.sleep(0.1)
+        assert payloads(redis_client) == [1]
+        assert await survivor.pending() == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+# --- the engine loop must survive what a recurrence function raises ---------------------------
+
+
+async def test_engine_loop_survives_a_recurrence_that_raises(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A recurrence (cron library) that raises something other than ValueError killed the
+    engine task: no delayed message of the app fired any more."""
+
+    def broken(e: Envelope, after: int) -> int | None:
+        if e.schedule_id == "bad":
+            raise TypeError("a bug in a cron library")
+        return every(e, after)
+
+    clock = SystemClock()
+    t0 = clock.now_ms()
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=broken, config=EngineConfig(max_sleep_s=0.1))
+    # "bad" is stored with a next time, so schedule() itself does not call the recurrence.
+    raw_schedule(redis_client, named_recurring("bad", t0 + 100, t0, 100, 0), t0, t0 + 200)
+    task = asyncio.create_task(engine.run())
+    try:
+        await engine.schedule([env(5, t0 + 600)])
+        for _ in range(60):
+            if 5 in payloads(redis_client):
+                break
+            await asyncio.sleep(0.1)
+        assert not task.done(), task.exception() if task.done() else None
+        assert 5 in payloads(redis_client)
+        # The schedule it cannot advance is withdrawn, visibly.
+        [gone] = [h for h in history(redis_client) if h.event == "cancelled"]
+        assert gone.id == "bad"
+        assert "a bug in a cron library" in gone.reason
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, TypeError):
+            await task
+
+
+# --- a malformed id must not make CANCEL raise -------------------------------------------------
+
+
+async def test_cancel_of_a_stream_id_out_of_range_is_a_clean_no(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(1, T0 + 10)])
+    assert await engine.cancel("99999999999999999999999-1") is False
+    assert await engine.cancel("1-99999999999999999999999") is False
+    assert await engine.pending() == 1
