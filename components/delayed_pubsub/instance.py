@@ -30,6 +30,7 @@ from delayed_middleware.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
+    PartiallyStoredError,
     RestoreFailedError,
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
@@ -147,9 +148,10 @@ class Instance:
             await self._check_stream(topic)
         try:
             # Bounded like every other Redis call: the client has no socket
-            # timeout, and a stalled Redis must not hang the publisher.
-            async with asyncio.timeout(call_timeout(self.settings)):
-                await self.engine.schedule(envelopes)
+            # timeout, and a stalled Redis must not hang the publisher. (Per
+            # chunk: a failure part way raises PartiallyStoredError, saying
+            # how many are stored.)
+            await self.engine.schedule(envelopes, timeout_s=call_timeout(self.settings))
         except (RedisError, TimeoutError) as e:
             raise BackendUnavailableError(
                 f"scheduling on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
@@ -195,12 +197,16 @@ class Instance:
         failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
         stored_some = False
         if p.delayed:
+            stored = len(p.delayed)
             try:
                 await self._schedule([d.envelope for d in p.delayed])
-                stored_some = True
-                self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed))
             except DelayedPubSubError as err:
-                failed += [FailedEntry(i, str(err)) for d in p.delayed for i in d.entry_ids]
+                # Only what is not stored failed: a retry of the rest would
+                # store those twice.
+                stored = err.stored if isinstance(err, PartiallyStoredError) else 0
+                failed += [FailedEntry(i, str(err)) for d in p.delayed[stored:] for i in d.entry_ids]
+            stored_some = stored > 0
+            self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed[:stored]))
         if p.immediate:
             now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:
@@ -645,4 +651,3 @@ def _describe(topics: Mapping[str, set[str]]) -> str:
 
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")
-

@@ -46,6 +46,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.errors import PartiallyStoredError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys
 
@@ -134,18 +135,35 @@ class DelayEngine:
     def _history_len(self) -> int:
         return self._config.history_max_len
 
-    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
         """Store envelopes durably; returns their ids (scheduleId, else their stream id).
 
         When this returns, Redis holds them: a crash of this process from here
         on loses nothing. Each SCHEDULE call carries a token the script
         remembers, so the client library's automatic retry after a lost reply
         stores nothing twice. Recurring envelopes must have a `recurrence`.
+
+        Many envelopes are stored in chunks, each bounded by `timeout_s`. When
+        a chunk fails after earlier ones were stored, PartiallyStoredError says
+        how many envelopes (in order) are stored; a failure before any chunk
+        was stored raises the Redis error (or TimeoutError) itself.
         """
         ids: list[str] = []
         chunk = self._config.schedule_chunk
         for start in range(0, len(envelopes), chunk):
-            ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
+            except (RedisError, TimeoutError) as exc:
+                if not start:
+                    raise
+                raise PartiallyStoredError(
+                    start,
+                    f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
+                    f"redis: {exc or 'timed out'}",
+                ) from exc
             token = None  # a caller's token names the first chunk only
         return ids
 
