@@ -61,7 +61,8 @@ Recurrence = Callable[[Envelope, int], "int | None"]
 class EngineConfig:
     """Tuning knobs; the defaults suit most deployments."""
 
-    # One fire call's budget: envelopes, appended entries, payload bytes. Sized
+    # One fire call's budget: envelopes, work (appended entries, plus one per
+    # four metadata pairs: see fire.lua) and envelope bytes (metadata included). Sized
     # so a call stays within ~20 ms of Redis time (bench/delay.py, SLOWLOG).
     batch_size: int = 500
     batch_entries: int = 2000

@@ -26,9 +26,14 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 
-# The most entries one delayed bulk envelope carries: one envelope fires in
-# one script call, and the fire budget (~20 ms of Redis) must hold it.
+# The most work one delayed envelope carries: one envelope fires in one script
+# call whatever it costs, and the fire budget (~20 ms of Redis) must hold it.
+# Work is entries plus one per METADATA_PER_ENTRY metadata pairs (decoding and
+# JSON-encoding a pair costs about a quarter of appending an entry: fire.lua
+# counts the same way); bytes are data, metadata and content types together.
 MAX_BULK_ENVELOPE_ENTRIES = 1000
+METADATA_PER_ENTRY = 4
+MAX_ENVELOPE_BYTES = 4 << 20
 MAX_TOPIC_LENGTH = 1024
 
 _DELAY_KEYS = frozenset(DELAY_KEYS)
@@ -89,6 +94,33 @@ def check_topic(topic: str, *, subscribe: bool = False) -> None:
         )
 
 
+def _cost(entry: StreamEntry) -> tuple[int, int]:
+    """(work, bytes) of one message in a delayed envelope (see MAX_BULK_ENVELOPE_ENTRIES)."""
+    md = entry.metadata
+    size = len(entry.data) + len(entry.content_type) + sum(len(k) + len(v) + 4 for k, v in md.items())
+    return 1 + len(md) // METADATA_PER_ENTRY, size
+
+
+def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
+    """Why one message cannot wait in the delay engine, or None."""
+    work, size = _cost(entry)
+    if work > MAX_BULK_ENVELOPE_ENTRIES:
+        most = (MAX_BULK_ENVELOPE_ENTRIES - 1) * METADATA_PER_ENTRY + METADATA_PER_ENTRY - 1
+        return InvalidArgumentError(
+            "metadata",
+            f"{len(entry.metadata)} keys",
+            f"a delayed message carries at most {most} metadata keys",
+        )
+    if size > MAX_ENVELOPE_BYTES:
+        return InvalidArgumentError(
+            "data",
+            f"{size} bytes",
+            f"a delayed message holds at most {MAX_ENVELOPE_BYTES} bytes of data and metadata (firing a "
+            "larger one would block Redis); publish it without a delay, or delay a reference to it",
+        )
+    return None
+
+
 def _delay(metadata: Mapping[str, str], ctx: PlanContext) -> Delay | None:
     return parse_delay(metadata, now_ms=ctx.now_ms, enabled=ctx.enabled, max_delay_ms=ctx.max_delay_ms)
 
@@ -127,6 +159,9 @@ def plan_publish(
     delay = _delay(metadata, ctx)
     if delay is None:
         return PublishPlan(immediate=(Immediate("", StreamEntry(data, dict(metadata), content_type)),))
+    costly = _too_costly(StreamEntry(data, metadata, content_type))
+    if costly is not None:
+        raise costly
     envelope = _envelope(topic, delay, ctx, message=data, content_type=content_type, metadata=metadata)
     return PublishPlan(delayed=(Delayed(("",), envelope),))
 
@@ -141,7 +176,9 @@ def plan_bulk(
 
     The request's metadata applies to every entry; an entry's own keys win.
     Request-level delay metadata delays the whole bulk as envelopes of at most
-    MAX_BULK_ENVELOPE_ENTRIES entries, each firing as one batch; an entry with
+    MAX_BULK_ENVELOPE_ENTRIES entries (fewer with much metadata, see _cost) and
+    MAX_ENVELOPE_BYTES, each firing as one batch; a message too costly to
+    fire in one step fails alone (plan_publish refuses it); an entry with
     delay keys of its own becomes an envelope of its own, and a bad value there
     fails that entry alone. A bad request-level value refuses the request.
     """
@@ -162,6 +199,9 @@ def plan_bulk(
                 entry.data, {**metadata, **entry.metadata}, entry.content_type, entry.expires_at_ms
             )
         if _DELAY_KEYS.isdisjoint(entry.metadata):
+            if request_delay and (costly := _too_costly(merged)) is not None:
+                failed.append(Failed(entry_id, str(costly)))
+                continue
             (together if request_delay else now).append(Immediate(entry_id, merged))
             continue
         try:
@@ -171,6 +211,9 @@ def plan_bulk(
             continue
         if delay is None:
             now.append(Immediate(entry_id, merged))
+            continue
+        if (costly := _too_costly(merged)) is not None:
+            failed.append(Failed(entry_id, str(costly)))
             continue
         # An entry of its own is identified by its own scheduleId only: the
         # request's belongs to the batch envelope, and sharing it would make
@@ -192,15 +235,16 @@ def plan_bulk(
         )
         delayed.append(Delayed((entry_id,), envelope))
     if together and request_delay is not None:
-        if request_delay.schedule_id and len(together) > MAX_BULK_ENVELOPE_ENTRIES:
+        parts = _split(together)
+        if request_delay.schedule_id and len(parts) > 1:
             raise InvalidArgumentError(
                 SCHEDULE_ID,
                 request_delay.schedule_id,
                 f"a delayed bulk publish with one scheduleId holds at most {MAX_BULK_ENVELOPE_ENTRIES} "
-                f"entries, got {len(together)}",
+                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(together)} "
+                "entries",
             )
-        for start in range(0, len(together), MAX_BULK_ENVELOPE_ENTRIES):
-            part = together[start : start + MAX_BULK_ENVELOPE_ENTRIES]
+        for part in parts:
             bulk = [
                 env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
                 for i in part
@@ -208,3 +252,18 @@ def plan_bulk(
             envelope = _envelope(topic, request_delay, ctx, metadata=metadata, bulk_entries=bulk)
             delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
     return PublishPlan(immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed))
+
+
+def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:
+    """Consecutive runs of messages, each within one envelope's work and bytes."""
+    parts: list[Sequence[Immediate]] = []
+    start, work, size = 0, 0, 0
+    for i, m in enumerate(messages):
+        w, b = _cost(m.entry)
+        if i > start and (work + w > MAX_BULK_ENVELOPE_ENTRIES or size + b > MAX_ENVELOPE_BYTES):
+            parts.append(messages[start:i])
+            start, work, size = i, 0, 0
+        work, size = work + w, size + b
+    if start < len(messages):
+        parts.append(messages[start:])
+    return parts

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 import redis
 
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import decode_envelope
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
+from tests.redis_server import stream_entries
 
 
 @pytest.fixture
@@ -56,3 +60,52 @@ async def test_bulk_publish_failing_part_way_reports_only_what_was_not_stored(
     assert failed == [f"e{i}" for i in range(500, 1000)]
     assert all("OOM" in f.error or "memory" in f.error for f in reply.failed_entries)
     assert int(redis_client.get("{app1-delayed}:pending") or 0) == 500
+
+
+async def test_delayed_messages_too_costly_to_fire_are_refused_naming_what(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """One envelope fires in one script call, whatever it costs: a delayed publish with
+    100,000 metadata keys (1.3 MB) blocked Redis for over a second when it fell due (SLOWLOG,
+    shared 2-core machine), a 16 MiB one
+    for ~0.4 s. Refused at publish now; without a delay they are ordinary messages."""
+    c = component("delayed")
+    await c.init(delayed_props)
+    many = {f"k{i}": "v" for i in range(100_000)}
+    cases = [
+        (b"x", {**many, "scheduledSendDelay": "1h"}, "metadata", "100001 keys"),
+        (b"x" * (16 << 20), {"scheduledSendDelay": "1h"}, "data=", "at most 4194304 bytes"),
+    ]
+    for data, md, key, value in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.publish("orders", data, md)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert key in details
+        assert value in details
+    assert redis_client.exists("app1-delayed") == 0
+    await c.publish("orders", b"x", many)
+    await c.publish("orders", b"x" * (16 << 20))
+    assert redis_client.xlen("orders") == 2
+
+
+async def test_delayed_bulk_is_split_by_cost_not_only_by_entries(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """1,000 entries with 40 metadata keys each made one envelope of 40,000 pairs (~50 ms of
+    Redis to fire). Now envelopes hold 1,000 units of work; an entry too costly alone fails."""
+    c = component("delayed")
+    await c.init(delayed_props)
+    md = {f"k{j}": "v" for j in range(40)}
+    entries = [pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=b"x", metadata=md) for i in range(1000)]
+    entries.append(
+        pubsub_pb2.BulkMessageEntry(entry_id="huge", event=b"x", metadata={f"k{j}": "v" for j in range(5000)})
+    )
+    reply = await c.bulk_publish("orders", entries, {"scheduledSendDelay": "1h"})
+    assert [(f.entry_id, "metadata" in f.error) for f in reply.failed_entries] == [("huge", True)]
+    envelopes = [
+        decode_envelope(decode_entry(f).data) for _, f in stream_entries(redis_client, "app1-delayed")
+    ]
+    # 40 pairs are 10 units, and the entry 1: 90 entries per envelope.
+    assert [len(e.bulk_entries) for e in envelopes] == [90] * 11 + [10]
+    assert [b.entry_id for e in envelopes for b in e.bulk_entries] == [f"e{i}" for i in range(1000)]

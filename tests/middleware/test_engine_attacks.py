@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock, SystemClock
-from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
 from tests.middleware.test_engine import KEYS, T0, env, target
@@ -156,3 +156,65 @@ async def test_cancel_of_a_stream_id_out_of_range_is_a_clean_no(
     assert await engine.cancel("99999999999999999999999-1") is False
     assert await engine.cancel("1-99999999999999999999999") is False
     assert await engine.pending() == 1
+
+
+# --- one fire call's work is bounded whatever the envelopes carry -----------------------------
+
+
+def heavy(n: int, *, keys: int = 0, value_bytes: int = 0) -> Envelope:
+    """A message with a tiny payload and a lot of metadata: `keys` keys, or one key of `value_bytes`."""
+    metadata = {f"k{i}": "v" for i in range(keys)} if keys else {"big": "v" * value_bytes}
+    return Envelope(
+        id="",
+        topic="orders",
+        due_ms=T0,
+        published_at_ms=T0,
+        message=f'{{"n":{n}}}'.encode(),
+        metadata=metadata,
+    )
+
+
+async def test_metadata_pairs_count_against_the_fire_budget(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Metadata keys were free in the budget: 500 messages of 4,000 metadata keys each fired
+    in one script call (2M pairs decoded and JSON-encoded: seconds of blocked Redis)."""
+    reports: list[FireReport] = []
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), on_batch=reports.append)
+    await engine.schedule([heavy(i, keys=4_000) for i in range(6)])
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(6))
+    # 4,000 pairs are 1,000 units of work of the 2,000 a call may do (with the entry).
+    assert [r.fired for r in reports] == [1] * 6
+
+
+async def test_metadata_bytes_count_against_the_fire_budget(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Only payload bytes were counted: messages with 1 MiB metadata values and a 7-byte
+    payload all fired in one call, however many."""
+    reports: list[FireReport] = []
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), on_batch=reports.append)
+    await engine.schedule([heavy(i, value_bytes=1 << 20) for i in range(10)])
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(10))
+    assert max(r.fired for r in reports) <= 3  # 4 MiB per call, metadata included
+
+
+async def test_costly_envelopes_read_the_clock_before_the_next(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The time budget was checked every 8 envelopes whatever they cost: 8 costly ones ran
+    before the first look at the clock."""
+    reports: list[FireReport] = []
+    engine = DelayEngine(
+        aredis(),
+        KEYS,
+        ManualClock(T0),
+        config=EngineConfig(fire_budget_us=1, batch_entries=1 << 30, batch_bytes=1 << 30),
+        on_batch=reports.append,
+    )
+    await engine.schedule([heavy(i, keys=200) for i in range(16)])
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(16))
+    assert max(r.fired for r in reports) == 1
