@@ -218,3 +218,27 @@ async def test_costly_envelopes_read_the_clock_before_the_next(
     await drain(engine)
     assert sorted(payloads(redis_client)) == list(range(16))
     assert max(r.fired for r in reports) == 1
+
+
+# --- cancel by stream id of a recurring envelope that has a scheduleId --------------------------
+
+
+async def test_cancel_by_stream_id_of_a_named_recurring_leaves_no_index_entry(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The stream-id path removed the index entry at the envelope's first due time; a
+    recurring envelope that fired since waits at a later one. Its index entry stayed,
+    counted as pending, until that time came."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await engine.schedule([recurring(1, 1_000, sid="job")])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    stream_id = redis_client.hget(KEYS.ids, "job").split()[0].decode()  # type: ignore[union-attr]
+    assert await engine.cancel(stream_id)
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.due, KEYS.ids, KEYS.refill) == 0
+    clock.set(T0 + 60_000)
+    await drain(engine)
+    assert payloads(redis_client) == [1]

@@ -31,13 +31,17 @@ else
   if redis.call('XDEL', KEYS[1], sid) == 0 then return 0 end
   if env then
     due = env.due
-    remove(sid, due)
-    if env.sid ~= '' then
-      local r = redis.call('HGET', KEYS[3], env.sid)
-      if r and parse_ref(r) == sid then
-        redis.call('HDEL', KEYS[3], env.sid)
-        redis.call('ZREM', KEYS[9], env.sid)
-      end
+    local r = env.sid ~= '' and redis.call('HGET', KEYS[3], env.sid)
+    if r and parse_ref(r) == sid then
+      -- Its ref knows where it waits now: a recurring envelope moves on after
+      -- each fire (or waits for REFILL outside the index).
+      local _, rdue, _, _, flag = parse_ref(r)
+      due = rdue
+      if flag ~= 'u' then remove(sid, rdue) end
+      redis.call('HDEL', KEYS[3], env.sid)
+      redis.call('ZREM', KEYS[9], env.sid)
+    else
+      remove(sid, due)
     end
   end
   redis.call('HDEL', KEYS[7], sid)
