@@ -154,9 +154,11 @@ class DelayEngine:
         ids: list[str] = []
         chunk = self._config.schedule_chunk
         for start in range(0, len(envelopes), chunk):
+            # A caller's token names each chunk (a retry of the call repeats them all).
+            chunk_token = token if token is None or not start else f"{token}/{start}"
             try:
                 async with asyncio.timeout(timeout_s):
-                    ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
+                    ids += await self._schedule_chunk(envelopes[start : start + chunk], chunk_token)
             except (RedisError, TimeoutError) as exc:
                 if not start:
                     raise
@@ -165,7 +167,6 @@ class DelayEngine:
                     f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
                     f"redis: {exc or 'timed out'}",
                 ) from exc
-            token = None  # a caller's token names the first chunk only
         return ids
 
     async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str | None) -> list[str]:

@@ -242,3 +242,19 @@ async def test_cancel_by_stream_id_of_a_named_recurring_leaves_no_index_entry(
     clock.set(T0 + 60_000)
     await drain(engine)
     assert payloads(redis_client) == [1]
+
+
+# --- a caller's retry with its token stores nothing twice, however many chunks ------------------
+
+
+async def test_a_retried_call_token_covers_every_chunk(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The caller's token named the first chunk only; the later chunks of a retried call
+    got fresh tokens and were stored again."""
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=EngineConfig(schedule_chunk=2))
+    envs = [env(i, T0 + 10) for i in range(5)]
+    await engine.schedule(envs, token="call-9")
+    await engine.schedule(envs, token="call-9")  # the caller's retry after a lost reply
+    assert await engine.pending() == 5
+    assert redis_client.xlen(KEYS.stream) == 5
