@@ -279,6 +279,10 @@ class DelayEngine:
 
     async def refill_pending(self, limit: int = 1000) -> int:
         """Give every recurring envelope waiting for it its next due time; returns how many."""
+        if self._recurrence is None:
+            # This replica cannot compute one (e.g. an older version in a rolling
+            # upgrade): leave them, untouched, to a replica that can.
+            return 0
         done = 0
         while done < limit:
             members = await self._redis.zrange(self._keys.refill, 0, 99)

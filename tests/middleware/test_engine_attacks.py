@@ -258,3 +258,26 @@ async def test_a_retried_call_token_covers_every_chunk(
     await engine.schedule(envs, token="call-9")  # the caller's retry after a lost reply
     assert await engine.pending() == 5
     assert redis_client.xlen(KEYS.stream) == 5
+
+
+# --- a replica that cannot compute recurrences must leave them to one that can ---------------
+
+
+async def test_an_engine_without_recurrence_does_not_cancel_recurring_schedules(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The component builds its engine without a recurrence function (cron is another
+    issue): during a rolling upgrade such a replica met a refill and cancelled the schedule
+    ("needs the engine's recurrence function" treated as unschedulable)."""
+    clock = ManualClock(T0)
+    raw_schedule(redis_client, named_recurring("cron", T0 + 1_000, T0, 1_000, 1), T0, "-")
+    clock.set(T0 + 1_000)
+    plain = DelayEngine(aredis(), KEYS, clock)
+    await drain(plain)
+    await plain.refill_pending()
+    assert redis_client.hexists(KEYS.ids, "cron")
+    assert [h.event for h in history(redis_client)] == ["scheduled"]
+    capable = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await drain(capable)
+    assert payloads(redis_client) == [1]
+    assert await capable.pending() == 1
