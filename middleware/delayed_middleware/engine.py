@@ -70,8 +70,10 @@ class EngineConfig:
     # ...and Redis time: a batch stops after this long (checked with Redis TIME),
     # so no call holds Redis for more than ~this, however loaded the machine.
     fire_budget_us: int = 10_000
-    # Envelopes per SCHEDULE call: a huge bulk publish is stored in bounded steps.
+    # Envelopes and bytes per SCHEDULE call: a huge bulk publish is stored in
+    # bounded steps (64 MiB in one call held Redis ~200 ms; SLOWLOG).
     schedule_chunk: int = 500
+    schedule_chunk_bytes: int = 1 << 20
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0
@@ -152,13 +154,13 @@ class DelayEngine:
         was stored raises the Redis error (or TimeoutError) itself.
         """
         ids: list[str] = []
-        chunk = self._config.schedule_chunk
-        for start in range(0, len(envelopes), chunk):
+        encoded = [encode_envelope(env) for env in envelopes]
+        for start, end in self._chunks(encoded):
             # A caller's token names each chunk (a retry of the call repeats them all).
             chunk_token = token if token is None or not start else f"{token}/{start}"
             try:
                 async with asyncio.timeout(timeout_s):
-                    ids += await self._schedule_chunk(envelopes[start : start + chunk], chunk_token)
+                    ids += await self._schedule_chunk(envelopes[start:end], encoded[start:end], chunk_token)
             except (RedisError, TimeoutError) as exc:
                 if not start:
                     raise
@@ -169,7 +171,27 @@ class DelayEngine:
                 ) from exc
         return ids
 
-    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str | None) -> list[str]:
+    def _chunks(self, encoded: Sequence[bytes]) -> list[tuple[int, int]]:
+        """[start, end) runs of at most schedule_chunk envelopes and schedule_chunk_bytes
+        (one envelope above that is a run of its own)."""
+        runs: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, raw in enumerate(encoded):
+            full = (
+                i - start >= self._config.schedule_chunk
+                or size + len(raw) > self._config.schedule_chunk_bytes
+            )
+            if i > start and full:
+                runs.append((start, i))
+                start, size = i, 0
+            size += len(raw)
+        if start < len(encoded):
+            runs.append((start, len(encoded)))
+        return runs
+
+    async def _schedule_chunk(
+        self, envelopes: Sequence[Envelope], encoded: Sequence[bytes], token: str | None
+    ) -> list[str]:
         if not envelopes:
             return []
         now = self._clock.now_ms()
@@ -182,12 +204,12 @@ class DelayEngine:
             self._config.token_window_ms,
             len(envelopes),
         ]
-        for env in envelopes:
+        for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
             if env.is_recurring:
                 nxt, iso = self._next_after(env, env.due_ms)
             args += [
-                encode_envelope(env),
+                raw,
                 env.due_ms,
                 env.schedule_id,
                 env.kind,

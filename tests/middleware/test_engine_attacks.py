@@ -281,3 +281,35 @@ async def test_an_engine_without_recurrence_does_not_cancel_recurring_schedules(
     await drain(capable)
     assert payloads(redis_client) == [1]
     assert await capable.pending() == 1
+
+
+# --- one SCHEDULE call is bounded by bytes too ------------------------------------------------
+
+
+async def test_a_large_schedule_is_stored_in_calls_bounded_by_bytes(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Chunks counted envelopes only: a 64 MiB bulk publish (16 envelopes of 4 MiB) was one
+    SCHEDULE call holding Redis ~200 ms."""
+
+    def calls() -> int:
+        stats = redis_client.info("commandstats")
+        return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    big = [
+        Envelope(
+            id="",
+            topic="orders",
+            due_ms=T0,
+            published_at_ms=T0,
+            message=f'{{"n":{i}}}'.encode().ljust(1 << 20),
+        )
+        for i in range(8)
+    ]
+    before = calls()
+    await engine.schedule(big)
+    assert calls() - before >= 8
+    assert await engine.pending() == 8
+    await drain(engine)
+    assert redis_client.xlen("orders") == 8
