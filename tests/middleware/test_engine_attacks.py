@@ -313,3 +313,31 @@ async def test_a_large_schedule_is_stored_in_calls_bounded_by_bytes(
     assert await engine.pending() == 8
     await drain(engine)
     assert redis_client.xlen("orders") == 8
+
+
+# --- out of memory mid-fire: nothing half done ------------------------------------------------
+
+
+async def test_fire_refused_for_memory_changes_nothing_then_fires_each_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """With maxmemory reached (noeviction), FIRE's first write is refused and, the script
+    having written nothing, nothing is half done; once memory is back, each fires once.
+    (Redis lets a script that has written go on past the limit: no later write fails.)"""
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(i, T0) for i in range(50)])
+    redis_client.config_set("maxmemory-policy", "noeviction")
+    redis_client.config_set("maxmemory", 1)
+    try:
+        for _ in range(3):
+            with contextlib.suppress(redis.exceptions.ResponseError):
+                await engine.fire_due()
+        assert redis_client.exists("orders", KEYS.parked) == 0
+        assert {h.event for h in history(redis_client)} == {"scheduled"}
+        assert await engine.pending() == 50
+        assert redis_client.xlen(KEYS.stream) == 50
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(50))
+    assert await engine.pending() == 0
