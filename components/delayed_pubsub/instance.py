@@ -110,8 +110,35 @@ class Instance:
             await connection.aclose()
             raise
         instance = cls(name, settings, connection, clock, metrics)
+        if settings.enable_delayed_messaging:
+            await instance._warn_if_evicting()
         instance.start()
         return instance
+
+    async def _warn_if_evicting(self) -> None:
+        """Log an error when Redis may evict the delay engine's keys.
+
+        An allkeys-* maxmemory-policy drops any key under memory pressure: an
+        index bucket, the ids hash or the delayed topic itself, and with them
+        pending messages, silently. (volatile-* policies evict only keys with a
+        TTL, which the engine's keys never have.) Managed Redis may refuse
+        CONFIG: then nothing can be said.
+        """
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                got = await self._connection.client.config_get("maxmemory-policy")
+        except (RedisError, TimeoutError):
+            return
+        value = next(iter(dict(got).values()), b"")
+        policy = value.decode() if isinstance(value, bytes) else str(value)
+        if policy.startswith("allkeys"):
+            log.error(
+                "instance %r: Redis maxmemory-policy is %s: under memory pressure Redis may evict the delay "
+                "engine's keys and pending delayed messages with them; use noeviction (or a volatile-* "
+                "policy) for this Redis",
+                self.name,
+                policy,
+            )
 
     def _context(self) -> plan.PlanContext:
         return plan.PlanContext(

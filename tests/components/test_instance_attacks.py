@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -109,3 +110,26 @@ async def test_delayed_bulk_is_split_by_cost_not_only_by_entries(
     # 40 pairs are 10 units, and the entry 1: 90 entries per envelope.
     assert [len(e.bulk_entries) for e in envelopes] == [90] * 11 + [10]
     assert [b.entry_id for e in envelopes for b in e.bulk_entries] == [f"e{i}" for i in range(1000)]
+
+
+async def test_init_says_when_redis_may_evict_pending_delayed_messages(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With maxmemory-policy allkeys-lru Redis evicts any key under memory pressure: an index
+    bucket, the ids hash, the delayed topic. Pending messages vanished without a word."""
+    redis_client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level(logging.ERROR, logger="delayed_pubsub.instance"):
+            await component("delayed").init(delayed_props)
+    finally:
+        redis_client.config_set("maxmemory-policy", "noeviction")
+    [record] = [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+    assert "allkeys-lru" in record.getMessage()
+    assert "noeviction" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="delayed_pubsub.instance"):
+        await component("again").init(delayed_props)
+    assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
