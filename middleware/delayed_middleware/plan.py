@@ -26,13 +26,15 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 
-# The most work one delayed envelope carries: one envelope fires in one script
-# call whatever it costs, and the fire budget (~20 ms of Redis) must hold it.
-# Work is entries plus one per METADATA_PER_ENTRY metadata pairs (decoding and
-# JSON-encoding a pair costs about a quarter of appending an entry: fire.lua
-# counts the same way); bytes are data, metadata and content types together.
+# What one delayed envelope may carry: one envelope fires in one script call
+# whatever it costs, and that call must stay within ~20 ms of Redis. Work is
+# entries plus one per METADATA_PER_ENTRY metadata pairs (decoding and
+# JSON-encoding a pair costs about a quarter of appending an entry; fire.lua
+# counts the same way, and its default batch is MAX_ENVELOPE_WORK); bytes are
+# data, metadata and content types together.
 MAX_BULK_ENVELOPE_ENTRIES = 1000
 METADATA_PER_ENTRY = 4
+MAX_ENVELOPE_WORK = 2000
 MAX_ENVELOPE_BYTES = 4 << 20
 MAX_TOPIC_LENGTH = 1024
 
@@ -95,7 +97,7 @@ def check_topic(topic: str, *, subscribe: bool = False) -> None:
 
 
 def _cost(entry: StreamEntry) -> tuple[int, int]:
-    """(work, bytes) of one message in a delayed envelope (see MAX_BULK_ENVELOPE_ENTRIES)."""
+    """(work, bytes) of one message in a delayed envelope (see MAX_ENVELOPE_WORK)."""
     md = entry.metadata
     size = len(entry.data) + len(entry.content_type) + sum(len(k) + len(v) + 4 for k, v in md.items())
     return 1 + len(md) // METADATA_PER_ENTRY, size
@@ -104,8 +106,8 @@ def _cost(entry: StreamEntry) -> tuple[int, int]:
 def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
     """Why one message cannot wait in the delay engine, or None."""
     work, size = _cost(entry)
-    if work > MAX_BULK_ENVELOPE_ENTRIES:
-        most = (MAX_BULK_ENVELOPE_ENTRIES - 1) * METADATA_PER_ENTRY + METADATA_PER_ENTRY - 1
+    if work > MAX_ENVELOPE_WORK:
+        most = MAX_ENVELOPE_WORK * METADATA_PER_ENTRY - 1
         return InvalidArgumentError(
             "metadata",
             f"{len(entry.metadata)} keys",
@@ -260,7 +262,8 @@ def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:
     start, work, size = 0, 0, 0
     for i, m in enumerate(messages):
         w, b = _cost(m.entry)
-        if i > start and (work + w > MAX_BULK_ENVELOPE_ENTRIES or size + b > MAX_ENVELOPE_BYTES):
+        full = i - start >= MAX_BULK_ENVELOPE_ENTRIES
+        if i > start and (full or work + w > MAX_ENVELOPE_WORK or size + b > MAX_ENVELOPE_BYTES):
             parts.append(messages[start:i])
             start, work, size = i, 0, 0
         work, size = work + w, size + b

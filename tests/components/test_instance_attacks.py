@@ -94,21 +94,21 @@ async def test_delayed_bulk_is_split_by_cost_not_only_by_entries(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
     """1,000 entries with 40 metadata keys each made one envelope of 40,000 pairs (~50 ms of
-    Redis to fire). Now envelopes hold 1,000 units of work; an entry too costly alone fails."""
+    Redis to fire). Now envelopes hold 2,000 units of work; an entry too costly alone fails."""
     c = component("delayed")
     await c.init(delayed_props)
     md = {f"k{j}": "v" for j in range(40)}
     entries = [pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=b"x", metadata=md) for i in range(1000)]
     entries.append(
-        pubsub_pb2.BulkMessageEntry(entry_id="huge", event=b"x", metadata={f"k{j}": "v" for j in range(5000)})
+        pubsub_pb2.BulkMessageEntry(entry_id="huge", event=b"x", metadata={f"k{j}": "v" for j in range(9000)})
     )
     reply = await c.bulk_publish("orders", entries, {"scheduledSendDelay": "1h"})
     assert [(f.entry_id, "metadata" in f.error) for f in reply.failed_entries] == [("huge", True)]
     envelopes = [
         decode_envelope(decode_entry(f).data) for _, f in stream_entries(redis_client, "app1-delayed")
     ]
-    # 40 pairs are 10 units, and the entry 1: 90 entries per envelope.
-    assert [len(e.bulk_entries) for e in envelopes] == [90] * 11 + [10]
+    # 40 pairs are 10 units, and the entry 1: 181 entries per envelope.
+    assert [len(e.bulk_entries) for e in envelopes] == [181] * 5 + [95]
     assert [b.entry_id for e in envelopes for b in e.bulk_entries] == [f"e{i}" for i in range(1000)]
 
 
@@ -133,3 +133,20 @@ async def test_init_says_when_redis_may_evict_pending_delayed_messages(
     with caplog.at_level(logging.ERROR, logger="delayed_pubsub.instance"):
         await component("again").init(delayed_props)
     assert not [r for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+
+
+async def test_a_named_bulk_of_1000_with_everyday_metadata_is_still_one_envelope(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """The cost bound must not refuse what firing handles well: 1,000 entries, each with the
+    request's keys merged in (here 6), fire in ~10 ms."""
+    c = component("delayed")
+    await c.init(delayed_props)
+    entries = [
+        pubsub_pb2.BulkMessageEntry(entry_id=f"e{i}", event=b"{}", metadata={"k": "v"}) for i in range(1000)
+    ]
+    md = {"scheduleId": "batch", "scheduledSendDelay": "1h", "a": "1", "b": "2", "c": "3"}
+    reply = await c.bulk_publish("orders", entries, md)
+    assert list(reply.failed_entries) == []
+    [(_, fields)] = stream_entries(redis_client, "app1-delayed")
+    assert len(decode_envelope(decode_entry(fields).data).bulk_entries) == 1000
