@@ -70,6 +70,7 @@ class Instance:
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
                 clock,
                 trim=self.broker.trim,
+                pubsub_name=name,
                 on_batch=metrics.on_fire,
                 config=EngineConfig(
                     history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms

@@ -116,6 +116,7 @@ class DelayEngine:
         config: EngineConfig = EngineConfig(),
         on_batch: Callable[[FireReport], None] | None = None,
         recurrence: Recurrence | None = None,
+        pubsub_name: str = "",
     ) -> None:
         self._redis = client
         self._keys = keys
@@ -128,6 +129,9 @@ class DelayEngine:
         self._refill = client.register_script(scripts.REFILL)
         self._on_batch = on_batch
         self._recurrence = recurrence
+        # `trim` applies to messages published through this component only
+        # (others sharing the delayed topic have their own); '' = to all.
+        self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
 
@@ -278,6 +282,7 @@ class DelayEngine:
                 threshold,
                 self._history_len(),
                 cfg.fire_budget_us,
+                self._pubsub_name,
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])

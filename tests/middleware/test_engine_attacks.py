@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
-from delayed_middleware.entry import decode_entry
+from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_v2 import drain, every, history, payloads, recurring
@@ -341,3 +341,24 @@ async def test_fire_refused_for_memory_changes_nothing_then_fires_each_once(
     await drain(engine)
     assert sorted(payloads(redis_client)) == list(range(50))
     assert await engine.pending() == 0
+
+
+# --- a component's trim applies to its own messages only --------------------------------------
+
+
+async def test_another_components_max_len_does_not_trim_topics_it_did_not_publish_to(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Two components of one app (consumerID = app-id) share the delayed topic and fire each
+    other's messages. Component b's maxLenApprox=10 trimmed the topics of messages published
+    through a (no trimming): their unread messages were lost."""
+    clock = ManualClock(T0)
+    a = DelayEngine(aredis(), KEYS, clock, pubsub_name="a")
+    b = DelayEngine(aredis(), KEYS, clock, trim=Trim(mode="MAXLEN", max_len=10), pubsub_name="b")
+    await a.schedule([env(i, T0, pubsub_name="a") for i in range(300)])
+    await drain(b)  # b's replica happens to fire them all
+    assert redis_client.xlen("orders") == 300
+    # Its own messages b does trim, as configured.
+    await b.schedule([env(i, T0, topic="b-topic", pubsub_name="b") for i in range(300)])
+    await drain(b)
+    assert redis_client.xlen("b-topic") < 300

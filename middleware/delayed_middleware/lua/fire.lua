@@ -3,7 +3,9 @@
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
 -- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max work (entries appended, plus
 --       one per METADATA_PER_ENTRY metadata pairs decoded), 5 max envelope bytes,
---       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off)
+--       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
+--       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
+--       trim applies only to messages published through it
 -- Returns {fired, head, first, pending, parked, refill, entries}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes that
@@ -47,6 +49,10 @@ local types = {}
 -- otherwise be removed again with their old bucket's batch).
 local taken, deletes, reinserts = {}, {}, {}
 local budget_us = tonumber(ARGV[9] or '0')
+-- Several components of one app (same consumerID) share the delayed topic and
+-- fire each other's messages: a topic is trimmed by the settings of the
+-- component it was published through, never by another's maxLenApprox.
+local own_pubsub = ARGV[10] or ''
 local function clock_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -174,7 +180,7 @@ for i, c in ipairs(due_candidates(now, max_env)) do
           md['scheduler'] = key
           md['scheduleNext'] = iso
           local args = {target}
-          if env.target == '' and trim_mode ~= '' then
+          if env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub) then
             args[2], args[3], args[4] = trim_mode, '~', trim_at
           end
           args[#args + 1] = '*'
