@@ -362,3 +362,19 @@ async def test_another_components_max_len_does_not_trim_topics_it_did_not_publis
     await b.schedule([env(i, T0, topic="b-topic", pubsub_name="b") for i in range(300)])
     await drain(b)
     assert redis_client.xlen("b-topic") < 300
+
+
+async def test_sampled_messages_count_against_the_fire_budget(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A scheduleSource's latest message is copied at each fire, whatever its size; it was
+    not counted: 20 schedules sampling a 1 MiB message fired as 20 MiB in one call."""
+    reports: list[FireReport] = []
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every, on_batch=reports.append)
+    redis_client.xadd("sensor", {"data": b"x" * (1 << 20), "metadata": b"{}"})
+    await engine.schedule([recurring(i, 1_000, schedule_source="sensor") for i in range(20)])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert redis_client.xlen("orders") == 20
+    assert max(r.fired for r in reports) <= 4  # 4 MiB per call

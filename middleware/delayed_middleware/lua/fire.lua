@@ -171,7 +171,13 @@ for i, c in ipairs(due_candidates(now, max_env)) do
         park(id, env, key, due, bad)
       else
         local entries = env.entries
-        if env.source ~= '' then entries = sampled(env.source) end
+        if env.source ~= '' then
+          entries = sampled(env.source)
+          -- The sampled message is anyone's size: it counts like the envelope's own.
+          local got = entries[1] and #entries[1][1] or 0
+          bytes = bytes + got
+          unchecked = unchecked + math.floor(got / 65536)
+        end
         local expires = env.expires
         if env.sttl > 0 then expires = now + env.sttl end
         local failed, done = nil, 0
