@@ -378,3 +378,21 @@ async def test_sampled_messages_count_against_the_fire_budget(
     await drain(engine)
     assert redis_client.xlen("orders") == 20
     assert max(r.fired for r in reports) <= 4  # 4 MiB per call
+
+
+# --- idempotency must not depend on the replicas' clocks ----------------------------------------
+
+
+async def test_a_replica_with_a_fast_clock_does_not_forget_other_replicas_call_tokens(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Call tokens were scored and pruned by the calling replica's clock: one running an hour
+    ahead pruned every token of the others as 'older than the window', so another replica's
+    retry after a lost reply stored its messages twice."""
+    t0 = SystemClock().now_ms()
+    honest = DelayEngine(aredis(), KEYS, ManualClock(t0))
+    ahead = DelayEngine(aredis(), KEYS, ManualClock(t0 + 3_600_000))
+    await honest.schedule([env(1, t0 + 60_000)], token="honest-call")
+    await ahead.schedule([env(2, t0 + 60_000)])  # any call of the fast replica
+    await honest.schedule([env(1, t0 + 60_000)], token="honest-call")  # the retry
+    assert await honest.pending() == 2

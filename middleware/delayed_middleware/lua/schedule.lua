@@ -19,10 +19,14 @@ HIST_MAXLEN, HIST_NOW = tonumber(ARGV[5]), ARGV[3]
 local now, token = tonumber(ARGV[3]), ARGV[4]
 if token ~= '' then
   if redis.call('ZSCORE', KEYS[8], token) then return {'dup'} end
+  -- Tokens age by the Redis clock, the one clock every replica shares: a
+  -- replica whose clock runs ahead must not forget the others' tokens.
+  local t = redis.call('TIME')
+  local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- Forget tokens older than the window, a bounded number per call.
-  local old = redis.call('ZCOUNT', KEYS[8], '-inf', now - tonumber(ARGV[6]))
+  local old = redis.call('ZCOUNT', KEYS[8], '-inf', server_ms - tonumber(ARGV[6]))
   if old > 0 then redis.call('ZREMRANGEBYRANK', KEYS[8], 0, math.min(old, 100) - 1) end
-  redis.call('ZADD', KEYS[8], now, token)
+  redis.call('ZADD', KEYS[8], server_ms, token)
 end
 local before = head()
 local ids, earliest = {}, nil
