@@ -1,7 +1,7 @@
 -- SCHEDULE: store envelopes durably and index them by due time.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
--- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms, 4 call token ('' = none),
+-- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms (history), 4 call token ('' = none),
 --       5 history maxlen (0 = off), 6 token window ms, 7 n, then n groups of 9:
 --       envelope bytes, due ms, scheduleId, kind (0 one-shot, 1 recurring, 2 retry),
 --       topic, size, schedule expression, next due ms ('-' none, 'purge'), next RFC3339 ('-')
@@ -16,7 +16,7 @@
 --!include history.lua
 --!include common.lua
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[5]), ARGV[3]
-local now, token = tonumber(ARGV[3]), ARGV[4]
+local token = ARGV[4]
 if token ~= '' then
   if redis.call('ZSCORE', KEYS[8], token) then return {'dup'} end
   -- Tokens age by the Redis clock, the one clock every replica shares: a
