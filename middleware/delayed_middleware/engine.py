@@ -287,6 +287,13 @@ class DelayEngine:
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
         parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
+        if len(raw) > 7 and int(raw[7]):
+            log.error(
+                "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
+                "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
+                int(raw[7]),
+                self._keys.stream,
+            )
         if parked:
             log.error(
                 "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",

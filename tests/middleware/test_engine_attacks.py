@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -425,3 +426,22 @@ async def test_long_delays_interleaved_with_short_ones_do_not_multiply_memory(
     assert await engine.pending() == 2_000
     per_pending = int(redis_client.memory_usage(KEYS.stream, samples=0) or 0) / 2_000
     assert per_pending < 1_000
+
+
+# --- a message deleted behind the engine's back is lost loudly -----------------------------------
+
+
+async def test_envelopes_deleted_outside_the_engine_are_reported(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An XTRIM by an operator, or a MAXLEN publish by another client (the stock pubsub.redis
+    on the same Redis), deletes envelopes from the delayed topic. Their index entries were
+    dropped at the due time without a word."""
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    ids = await engine.schedule([env(i, T0) for i in range(3)])
+    redis_client.xdel(KEYS.stream, ids[1])
+    with caplog.at_level(logging.ERROR, logger="delayed_middleware.engine"):
+        await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 2]
+    [record] = [r for r in caplog.records if "lost" in r.getMessage()]
+    assert "1 pending message(s) on app-delayed were lost" in record.getMessage()

@@ -6,10 +6,11 @@
 --       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
 --       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
 --       trim applies only to messages published through it
--- Returns {fired, head, first, pending, parked, refill, entries}: envelopes fired;
+-- Returns {fired, head, first, pending, parked, refill, entries, gone}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes that
--- wait for a REFILL (including due ones another replica left); entries appended.
+-- wait for a REFILL (including due ones another replica left); entries appended;
+-- index entries whose envelope someone else deleted from the delayed topic.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
 -- next due time) in the same atomic step that appends it to its target, so a
@@ -42,7 +43,7 @@ local trim_mode, trim_at = ARGV[6], ARGV[7]
 local fired, parked, refill, appended, bytes, first = 0, 0, 0, 0, 0, nil
 -- Decoding and encoding a metadata pair costs about a quarter of appending an entry.
 local METADATA_PER_ENTRY = 4
-local work, unchecked = 0, 0
+local work, unchecked, gone = 0, 0, 0
 local types = {}
 -- Index removals and stream deletions are applied together at the end, and
 -- recurring envelopes re-enter the index only after that (their ids would
@@ -124,7 +125,13 @@ for i, c in ipairs(due_candidates(now, max_env)) do
   local env, why = read_envelope(id)
   if not env then
     taken[#taken + 1] = c
-    if why ~= 'gone' then park(id, nil, id, due, why) end
+    if why == 'gone' then
+      -- Deleted from the delayed topic by something else than the engine (an
+      -- XTRIM, another client's MAXLEN): lost, but not silently.
+      gone = gone + 1
+    else
+      park(id, nil, id, due, why)
+    end
   else
     local n = #env.entries
     if env.source ~= '' then n = 1 end
@@ -258,4 +265,4 @@ local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 -- REFILL): occurrences already due whose successor nobody computed. Reported
 -- so that whichever replica fires next completes them.
 refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
-return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended}
+return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone}
