@@ -445,3 +445,24 @@ async def test_envelopes_deleted_outside_the_engine_are_reported(
     assert sorted(payloads(redis_client)) == [0, 2]
     [record] = [r for r in caplog.records if "lost" in r.getMessage()]
     assert "1 pending message(s) on app-delayed were lost" in record.getMessage()
+
+
+# --- clock skew ---------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FIRE compares due times with the firing replica's clock (the injected Clock); a single clock "
+    "for due times (Redis TIME, or a bound on the skew) is a design decision for the lead.",
+)
+async def test_a_replica_with_a_fast_clock_does_not_fire_early(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A message due in a minute by the publisher's clock (and Redis's) is delivered at once by
+    a replica whose clock runs ten minutes ahead."""
+    t0 = SystemClock().now_ms()
+    publisher = DelayEngine(aredis(), KEYS, ManualClock(t0))
+    fast = DelayEngine(aredis(), KEYS, ManualClock(t0 + 600_000))
+    await publisher.schedule([env(1, t0 + 60_000)])
+    await drain(fast)
+    assert payloads(redis_client) == []
