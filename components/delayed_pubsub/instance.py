@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
@@ -31,12 +32,13 @@ from delayed_middleware.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
+    PartiallyStoredError,
     RestoreFailedError,
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
-from delayed_pubsub.connection import TRANSIENT_ERRORS, Connection, call_timeout, connect
+from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
@@ -84,6 +86,7 @@ class Instance:
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
                 clock,
                 trim=self.broker.trim,
+                pubsub_name=name,
                 on_batch=metrics.on_fire,
                 config=EngineConfig(
                     history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
@@ -135,8 +138,35 @@ class Instance:
                 await instance.forwarder.prepare()
             except (RedisError, TimeoutError, OSError) as e:
                 log.warning("instance %r: outbox group not created yet (%s); the forwarder retries", name, e)
+        if settings.enable_delayed_messaging:
+            await instance._warn_if_evicting()
         instance.start()
         return instance
+
+    async def _warn_if_evicting(self) -> None:
+        """Log an error when Redis may evict the delay engine's keys.
+
+        An allkeys-* maxmemory-policy drops any key under memory pressure: an
+        index bucket, the ids hash or the delayed topic itself, and with them
+        pending messages, silently. (volatile-* policies evict only keys with a
+        TTL, which the engine's keys never have.) Managed Redis may refuse
+        CONFIG: then nothing can be said.
+        """
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                got = await self._connection.client.config_get("maxmemory-policy")
+        except (RedisError, TimeoutError):
+            return
+        value = next(iter(dict(got).values()), b"")
+        policy = value.decode() if isinstance(value, bytes) else str(value)
+        if policy.startswith("allkeys"):
+            log.error(
+                "instance %r: Redis maxmemory-policy is %s: under memory pressure Redis may evict the delay "
+                "engine's keys and pending delayed messages with them; use noeviction (or a volatile-* "
+                "policy) for this Redis",
+                self.name,
+                policy,
+            )
 
     def _context(self) -> plan.PlanContext:
         return plan.PlanContext(
@@ -178,16 +208,21 @@ class Instance:
         backoff = Backoff(base_s=0.02, cap_s=0.5)
         try:
             # Bounded like every other Redis call: the client has no socket
-            # timeout, and a stalled Redis must not hang the publisher.
-            async with asyncio.timeout(call_timeout(self.settings)):
-                while True:
-                    try:
-                        await self.engine.schedule(envelopes, token=token)
-                        break
-                    except TRANSIENT_ERRORS:
-                        if backoff.failures >= max(1, self.settings.max_retries):
-                            raise
-                    await asyncio.sleep(backoff.next())
+            # timeout, and a stalled Redis must not hang the publisher (per
+            # chunk: a failure part way raises PartiallyStoredError, saying how
+            # many are stored). A dropped connection is retried with the same
+            # token; a timeout is not (a frozen Redis must fail fast).
+            while True:
+                try:
+                    await self.engine.schedule(envelopes, token=token, timeout_s=call_timeout(self.settings))
+                    break
+                except (PartiallyStoredError, OSError, RedisConnectionError) as e:
+                    cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
+                    if not isinstance(cause, _DROPPED) or backoff.failures >= max(
+                        1, self.settings.max_retries
+                    ):
+                        raise
+                await asyncio.sleep(backoff.next())
         except (RedisError, TimeoutError, OSError) as e:
             raise BackendUnavailableError(
                 f"scheduling on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
@@ -258,12 +293,16 @@ class Instance:
         failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
         stored_some = False
         if p.delayed:
+            stored = len(p.delayed)
             try:
                 await self._schedule([d.envelope for d in p.delayed])
-                stored_some = True
-                self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed))
             except DelayedPubSubError as err:
-                failed += [FailedEntry(i, str(err)) for d in p.delayed for i in d.entry_ids]
+                # Only what is not stored failed: a retry of the rest would
+                # store those twice.
+                stored = err.stored if isinstance(err, PartiallyStoredError) else 0
+                failed += [FailedEntry(i, str(err)) for d in p.delayed[stored:] for i in d.entry_ids]
+            stored_some = stored > 0
+            self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed[:stored]))
         for cancel in p.cancels:
             try:
                 await self._cancel(cancel)
@@ -701,6 +740,10 @@ class Instances:
         self._instances.clear()
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
 
+
+# A connection that dropped (a lost reply among them): the schedule step is
+# idempotent under its token, so it is retried.
+_DROPPED = (OSError, RedisConnectionError)
 
 _TYPE_CACHE_MS = 60_000
 _TYPE_CACHE_SIZE = 10_000

@@ -46,6 +46,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.errors import PartiallyStoredError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys
 
@@ -60,7 +61,8 @@ Recurrence = Callable[[Envelope, int], "int | None"]
 class EngineConfig:
     """Tuning knobs; the defaults suit most deployments."""
 
-    # One fire call's budget: envelopes, appended entries, payload bytes. Sized
+    # One fire call's budget: envelopes, work (appended entries, plus one per
+    # four metadata pairs: see fire.lua) and envelope bytes (metadata included). Sized
     # so a call stays within ~20 ms of Redis time (bench/delay.py, SLOWLOG).
     batch_size: int = 500
     batch_entries: int = 2000
@@ -68,8 +70,10 @@ class EngineConfig:
     # ...and Redis time: a batch stops after this long (checked with Redis TIME),
     # so no call holds Redis for more than ~this, however loaded the machine.
     fire_budget_us: int = 10_000
-    # Envelopes per SCHEDULE call: a huge bulk publish is stored in bounded steps.
+    # Envelopes and bytes per SCHEDULE call: a huge bulk publish is stored in
+    # bounded steps (64 MiB in one call held Redis ~200 ms; SLOWLOG).
     schedule_chunk: int = 500
+    schedule_chunk_bytes: int = 1 << 20
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0
@@ -113,6 +117,7 @@ class DelayEngine:
         on_batch: Callable[[FireReport], None] | None = None,
         recurrence: Recurrence | None = None,
         listen_client: aioredis.Redis | None = None,
+        pubsub_name: str = "",
     ) -> None:
         self._redis = client
         # The wake listener parks a connection for good: on a client of its own
@@ -128,6 +133,9 @@ class DelayEngine:
         self._refill = client.register_script(scripts.REFILL)
         self._on_batch = on_batch
         self._recurrence = recurrence
+        # `trim` applies to messages published through this component only
+        # (others sharing the delayed topic have their own); '' = to all.
+        self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
 
@@ -138,23 +146,61 @@ class DelayEngine:
     def _history_len(self) -> int:
         return self._config.history_max_len
 
-    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
         """Store envelopes durably; returns their ids (scheduleId, else their stream id).
 
         When this returns, Redis holds them: a crash of this process from here
         on loses nothing. Each SCHEDULE call carries a token the script
-        remembers (`<token>.<chunk>`): calling again with the same `token`
-        after a lost reply stores nothing twice, so the caller may retry.
-        Recurring envelopes need the engine's `recurrence`.
+        remembers (`<token>/<offset>` per chunk): calling again with the same
+        `token` after a lost reply stores nothing twice, so the caller may
+        retry. Recurring envelopes must have a `recurrence`.
+
+        Many envelopes are stored in chunks, each bounded by `timeout_s`. When
+        a chunk fails after earlier ones were stored, PartiallyStoredError says
+        how many envelopes (in order) are stored; a failure before any chunk
+        was stored raises the Redis error (or TimeoutError) itself.
         """
         ids: list[str] = []
-        base = token or secrets.token_hex(8)
-        chunk = self._config.schedule_chunk
-        for n, start in enumerate(range(0, len(envelopes), chunk)):
-            ids += await self._schedule_chunk(envelopes[start : start + chunk], f"{base}.{n}")
+        encoded = [encode_envelope(env) for env in envelopes]
+        for start, end in self._chunks(encoded):
+            # A caller's token names each chunk (a retry of the call repeats them all).
+            chunk_token = token if token is None or not start else f"{token}/{start}"
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ids += await self._schedule_chunk(envelopes[start:end], encoded[start:end], chunk_token)
+            except (RedisError, TimeoutError) as exc:
+                if not start:
+                    raise
+                raise PartiallyStoredError(
+                    start,
+                    f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
+                    f"redis: {exc or 'timed out'}",
+                ) from exc
         return ids
 
-    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str) -> list[str]:
+    def _chunks(self, encoded: Sequence[bytes]) -> list[tuple[int, int]]:
+        """[start, end) runs of at most schedule_chunk envelopes and schedule_chunk_bytes
+        (one envelope above that is a run of its own)."""
+        runs: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, raw in enumerate(encoded):
+            full = (
+                i - start >= self._config.schedule_chunk
+                or size + len(raw) > self._config.schedule_chunk_bytes
+            )
+            if i > start and full:
+                runs.append((start, i))
+                start, size = i, 0
+            size += len(raw)
+        if start < len(encoded):
+            runs.append((start, len(encoded)))
+        return runs
+
+    async def _schedule_chunk(
+        self, envelopes: Sequence[Envelope], encoded: Sequence[bytes], token: str | None
+    ) -> list[str]:
         if not envelopes:
             return []
         now = self._clock.now_ms()
@@ -162,17 +208,17 @@ class DelayEngine:
             self._keys.buckets,
             self._keys.wake,
             now,
-            token,
+            token or secrets.token_hex(8),
             self._history_len(),
             self._config.token_window_ms,
             len(envelopes),
         ]
-        for env in envelopes:
+        for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
             if env.is_recurring:
                 nxt, iso = self._next_after(env, env.due_ms)
             args += [
-                encode_envelope(env),
+                raw,
                 env.due_ms,
                 env.schedule_id,
                 env.kind,
@@ -241,10 +287,18 @@ class DelayEngine:
                 threshold,
                 self._history_len(),
                 cfg.fire_budget_us,
+                self._pubsub_name,
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
         parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
+        if len(raw) > 7 and int(raw[7]):
+            log.error(
+                "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
+                "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
+                int(raw[7]),
+                self._keys.stream,
+            )
         if parked:
             log.error(
                 "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
@@ -264,6 +318,10 @@ class DelayEngine:
 
     async def refill_pending(self, limit: int = 1000) -> int:
         """Give every recurring envelope waiting for it its next due time; returns how many."""
+        if self._recurrence is None:
+            # This replica cannot compute one (e.g. an older version in a rolling
+            # upgrade): leave them, untouched, to a replica that can.
+            return 0
         done = 0
         while done < limit:
             members = await self._redis.zrange(self._keys.refill, 0, 99)
@@ -297,8 +355,11 @@ class DelayEngine:
                 raise EnvelopeDecodeError(f"envelope {stream_id} has no data")
             env = decode_envelope(raw)
             nxt, iso = self._next_after(env, max(due, self._clock.now_ms()))
-        except (EnvelopeDecodeError, ValueError) as exc:
-            log.error("recurring %r on %s cannot be refilled: %s; cancelling it", key, self._keys.stream, exc)
+        except Exception as exc:
+            # EnvelopeDecodeError, ValueError (no later time), or whatever else the
+            # recurrence raises: one schedule the engine cannot advance must not
+            # stop firing for the whole app. It is withdrawn, with its history record.
+            log.error("recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc)
             await self.cancel(key, reason=f"unschedulable: {exc}")
             return -1
         return int(
@@ -338,6 +399,13 @@ class DelayEngine:
                     log.warning(
                         "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
                     )
+                    await asyncio.sleep(delay)
+                    continue
+                except Exception:
+                    # A bug here or in a hook must not end firing for the whole
+                    # app (the task would just be gone): log it, back off, go on.
+                    delay = backoff.next()
+                    log.exception("delay engine on %s failed; retrying in %.2fs", self._keys.stream, delay)
                     await asyncio.sleep(delay)
                     continue
                 if fired or (head is not None and head <= self._clock.now_ms()):

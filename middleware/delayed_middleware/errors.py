@@ -69,6 +69,19 @@ class BackendUnavailableError(DelayedPubSubError):
     """
 
 
+class PartiallyStoredError(BackendUnavailableError):
+    """Redis failed part way through a store done in several steps: the first
+    `stored` items are stored (and will be delivered), the rest are not.
+
+    A caller reports only the rest as failed: a retry of everything would store
+    the first ones twice. Maps to gRPC UNAVAILABLE like its base.
+    """
+
+    def __init__(self, stored: int, message: str) -> None:
+        self.stored = stored
+        super().__init__(message)
+
+
 class FailedPreconditionError(DelayedPubSubError):
     """The request is well-formed but the state of Redis refuses it (e.g. a topic
     whose key holds a hash, not a stream). Maps to gRPC FAILED_PRECONDITION."""

@@ -40,9 +40,16 @@ from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule
 from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
 
-# The most entries one delayed bulk envelope carries: one envelope fires in
-# one script call, and the fire budget (~20 ms of Redis) must hold it.
+# What one delayed envelope may carry: one envelope fires in one script call
+# whatever it costs, and that call must stay within ~20 ms of Redis. Work is
+# entries plus one per METADATA_PER_ENTRY metadata pairs (decoding and
+# JSON-encoding a pair costs about a quarter of appending an entry; fire.lua
+# counts the same way, and its default batch is MAX_ENVELOPE_WORK); bytes are
+# data, metadata and content types together.
 MAX_BULK_ENVELOPE_ENTRIES = 1000
+METADATA_PER_ENTRY = 4
+MAX_ENVELOPE_WORK = 2000
+MAX_ENVELOPE_BYTES = 4 << 20
 MAX_TOPIC_LENGTH = 1024
 
 _DELAY_KEYS = frozenset(DELAY_KEYS)
@@ -300,6 +307,33 @@ def _now(
     return Immediate(entry_id, StreamEntry(data, dict(metadata), content_type, expires))
 
 
+def _cost(entry: StreamEntry) -> tuple[int, int]:
+    """(work, bytes) of one message in a delayed envelope (see MAX_ENVELOPE_WORK)."""
+    md = entry.metadata
+    size = len(entry.data) + len(entry.content_type) + sum(len(k) + len(v) + 4 for k, v in md.items())
+    return 1 + len(md) // METADATA_PER_ENTRY, size
+
+
+def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
+    """Why one message cannot wait in the delay engine, or None."""
+    work, size = _cost(entry)
+    if work > MAX_ENVELOPE_WORK:
+        most = MAX_ENVELOPE_WORK * METADATA_PER_ENTRY - 1
+        return InvalidArgumentError(
+            "metadata",
+            f"{len(entry.metadata)} keys",
+            f"a delayed message carries at most {most} metadata keys",
+        )
+    if size > MAX_ENVELOPE_BYTES:
+        return InvalidArgumentError(
+            "data",
+            f"{size} bytes",
+            f"a delayed message holds at most {MAX_ENVELOPE_BYTES} bytes of data and metadata (firing a "
+            "larger one would block Redis); publish it without a delay, or delay a reference to it",
+        )
+    return None
+
+
 def plan_publish(
     topic: str, data: bytes, metadata: Mapping[str, str], content_type: str, ctx: PlanContext
 ) -> PublishPlan:
@@ -310,6 +344,9 @@ def plan_publish(
         return PublishPlan(cancels=(Cancel(("",), request.cancel),))
     if request.timing is None:
         return PublishPlan(immediate=(_now("", data, metadata, content_type, request.expires_at_ms),))
+    costly = _too_costly(StreamEntry(data, metadata, content_type))
+    if costly is not None:
+        raise costly
     envelope = _envelope(
         topic,
         request.timing,
@@ -369,6 +406,9 @@ def plan_bulk(
             )
         if _DELAY_KEYS.isdisjoint(entry.metadata) and _TTL_KEYS.isdisjoint(entry.metadata):
             if request_timing is not None:
+                if (costly := _too_costly(merged)) is not None:
+                    failed.append(Failed(entry_id, str(costly)))
+                    continue
                 together.append(Immediate(entry_id, merged))
             elif request.expires_at_ms:
                 now.append(
@@ -396,6 +436,9 @@ def plan_bulk(
             dup = InvalidArgumentError(SCHEDULE_ID, own_id, "given to two messages of one bulk publish")
             failed.append(Failed(entry_id, str(dup)))
             continue
+        if (costly := _too_costly(merged)) is not None:
+            failed.append(Failed(entry_id, str(costly)))
+            continue
         if own_id is not None:
             ids_taken.add(own_id)
         envelope = _envelope(
@@ -409,15 +452,16 @@ def plan_bulk(
         )
         delayed.append(Delayed((entry_id,), envelope))
     if together and request_timing is not None:
-        if request_timing.schedule_id and len(together) > MAX_BULK_ENVELOPE_ENTRIES:
+        parts = _split(together)
+        if request_timing.schedule_id and len(parts) > 1:
             raise InvalidArgumentError(
                 SCHEDULE_ID,
                 request_timing.schedule_id,
                 f"a delayed bulk publish with one scheduleId holds at most {MAX_BULK_ENVELOPE_ENTRIES} "
-                f"entries, got {len(together)}",
+                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(together)} "
+                "entries",
             )
-        for start in range(0, len(together), MAX_BULK_ENVELOPE_ENTRIES):
-            part = together[start : start + MAX_BULK_ENVELOPE_ENTRIES]
+        for part in parts:
             bulk = [
                 env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
                 for i in part
@@ -434,3 +478,19 @@ def plan_bulk(
     return PublishPlan(
         immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed), cancels=tuple(cancels)
     )
+
+
+def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:
+    """Consecutive runs of messages, each within one envelope's work and bytes."""
+    parts: list[Sequence[Immediate]] = []
+    start, work, size = 0, 0, 0
+    for i, m in enumerate(messages):
+        w, b = _cost(m.entry)
+        full = i - start >= MAX_BULK_ENVELOPE_ENTRIES
+        if i > start and (full or work + w > MAX_ENVELOPE_WORK or size + b > MAX_ENVELOPE_BYTES):
+            parts.append(messages[start:i])
+            start, work, size = i, 0, 0
+        work, size = work + w, size + b
+    if start < len(messages):
+        parts.append(messages[start:])
+    return parts

@@ -17,6 +17,9 @@ if ref then
 else
   -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
   if not string.match(key, '^%d+%-%d+$') then return 0 end
+  -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
+  -- id that cannot exist names nothing pending.
+  if not pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1) then return 0 end
   sid = key
 end
 local env = read_envelope(sid)
@@ -28,13 +31,17 @@ else
   if redis.call('XDEL', KEYS[1], sid) == 0 then return 0 end
   if env then
     due = env.due
-    remove(sid, due)
-    if env.sid ~= '' then
-      local r = redis.call('HGET', KEYS[3], env.sid)
-      if r and parse_ref(r) == sid then
-        redis.call('HDEL', KEYS[3], env.sid)
-        redis.call('ZREM', KEYS[9], env.sid)
-      end
+    local r = env.sid ~= '' and redis.call('HGET', KEYS[3], env.sid)
+    if r and parse_ref(r) == sid then
+      -- Its ref knows where it waits now: a recurring envelope moves on after
+      -- each fire (or waits for REFILL outside the index).
+      local _, rdue, _, _, flag = parse_ref(r)
+      due = rdue
+      if flag ~= 'u' then remove(sid, rdue) end
+      redis.call('HDEL', KEYS[3], env.sid)
+      redis.call('ZREM', KEYS[9], env.sid)
+    else
+      remove(sid, due)
     end
   end
   redis.call('HDEL', KEYS[7], sid)
