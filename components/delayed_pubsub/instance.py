@@ -89,7 +89,9 @@ class Instance:
                 pubsub_name=name,
                 on_batch=metrics.on_fire,
                 config=EngineConfig(
-                    history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
+                    history_max_len=settings.history_max_len,
+                    history_max_age_ms=settings.history_max_age_ms,
+                    marker_ttl_ms=settings.delete_marker_ttl_ms,
                 ),
                 listen_client=connection.blocking_client,  # type: ignore[arg-type]
                 recurrence=EnvelopeRecurrence(),
@@ -230,28 +232,30 @@ class Instance:
         if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
             self.engine.wake()
 
-    async def _cancel(self, cancel: plan.Cancel) -> None:
-        """Withdraw a pending message or schedule (scheduleCancel). An unknown id
-        is not an error: it may have fired or been cancelled already."""
+    async def _cancel(self, cancels: Sequence[plan.Cancel]) -> None:
+        """Withdraw pending messages or schedules (scheduleCancel), in one script call per
+        few hundred. An unknown id is not an error: it may have fired or been cancelled already."""
         if self.engine is None:
             raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        ids = [c.schedule_id for c in cancels]
         try:
             async with asyncio.timeout(call_timeout(self.settings)):
-                found = await self.engine.cancel(cancel.schedule_id)
+                results = await self.engine.cancel_many(ids)
         except (RedisError, TimeoutError) as e:
             raise BackendUnavailableError(
-                f"cancelling {cancel.schedule_id!r} on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
+                f"cancelling {len(ids)} id(s) on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
             ) from e
-        if found:
-            self.metrics.cancelled.inc()
-            log.info("cancelled %r on %s", cancel.schedule_id, self.engine.keys.stream)
-        else:
-            self.metrics.cancel_unknown.inc()
-            log.info(
-                "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
-                cancel.schedule_id,
-                self.engine.keys.stream,
-            )
+        for sid, (found, _) in zip(ids, results, strict=True):
+            if found:
+                self.metrics.cancelled.inc()
+                log.info("cancelled %r on %s", sid, self.engine.keys.stream)
+            else:
+                self.metrics.cancel_unknown.inc()
+                log.info(
+                    "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
+                    sid,
+                    self.engine.keys.stream,
+                )
 
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""
@@ -268,8 +272,8 @@ class Instance:
         if p.delayed:
             await self._schedule([d.envelope for d in p.delayed])
             self.metrics.published_delayed.inc()
-        for cancel in p.cancels:
-            await self._cancel(cancel)
+        if p.cancels:
+            await self._cancel(p.cancels)
 
     async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
         try:
@@ -303,12 +307,12 @@ class Instance:
                 failed += [FailedEntry(i, str(err)) for d in p.delayed[stored:] for i in d.entry_ids]
             stored_some = stored > 0
             self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed[:stored]))
-        for cancel in p.cancels:
+        if p.cancels:
             try:
-                await self._cancel(cancel)
+                await self._cancel(p.cancels)
                 stored_some = True
             except DelayedPubSubError as err:
-                failed += [FailedEntry(i, str(err)) for i in cancel.entry_ids]
+                failed += [FailedEntry(i, str(err)) for c in p.cancels for i in c.entry_ids]
         if p.immediate:
             now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:

@@ -54,6 +54,7 @@ KNOWN_KEYS = frozenset(
         "maxDelay",
         "historyMaxLen",
         "historyMaxAge",
+        "deleteMarkerTTL",
         # Delays for any Dapr pub/sub (see delayed_pubsub.forwarder).
         "defaultTargetPubsub",
         "daprGrpcAddress",
@@ -114,6 +115,8 @@ class Settings:
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
     history_max_len: int = 1_000_000
     history_max_age_ms: int = 86_400_000
+    # Markers on a topic when a cancel or an expiry removes its message: their TTL; 0 = no markers.
+    delete_marker_ttl_ms: int = 0
     # Delayed messages without targetPubsub go to this pub/sub when due ('' = our own topics).
     default_target_pubsub: str = ""
     # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
@@ -198,6 +201,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
         history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
         history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
+        delete_marker_ttl_ms=_duration(props, "deleteMarkerTTL", 0),
         default_target_pubsub=default_target,
         dapr_grpc_address=dapr_address,
         dead_letter_topic=dead_letter,

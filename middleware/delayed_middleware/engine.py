@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -55,6 +56,13 @@ log = logging.getLogger(__name__)
 # The next fire time of a recurring envelope strictly after `after_ms`, or None
 # when its schedule has no further fire.
 Recurrence = Callable[[Envelope, int], "int | None"]
+
+
+# Recurring envelopes refilled per round trip, and ids cancelled per script call.
+REFILL_BATCH = 200
+CANCEL_BATCH = 500
+# The metadata key of a marker message (deleteMarkerTTL): why the message will not come.
+MARKER_REASON = "markerReason"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,9 @@ class EngineConfig:
     # How long a schedule call's token is remembered (a client's retry after a
     # lost reply must come within it).
     token_window_ms: int = 120_000
+    # deleteMarkerTTL: when a cancel or an expiry removes a message, a marker
+    # (markerReason Remove / MaxAge) goes on its topic, living this long; 0 = none.
+    marker_ttl_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -247,11 +258,51 @@ class DelayEngine:
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""
-        n = await self._cancel(
-            keys=self._keys.script_keys,
-            args=[self._keys.buckets, self._clock.now_ms(), self._history_len(), id, reason],
-        )
-        return bool(n)
+        [(found, _)] = await self.cancel_many([id], reason=reason)
+        return found
+
+    async def cancel_many(self, ids: Sequence[str], *, reason: str = "Remove") -> list[tuple[bool, str]]:
+        """Withdraw many by scheduleId or envelope id, CANCEL_BATCH per script call.
+
+        Returns (cancelled?, the message's topic or '') per id, in order; with
+        deleteMarkerTTL set, a `Remove` marker goes on each cancelled topic.
+        """
+        out: list[tuple[bool, str]] = []
+        for start in range(0, len(ids), CANCEL_BATCH):
+            part = list(ids[start : start + CANCEL_BATCH])
+            raw = await self._cancel(
+                keys=self._keys.script_keys,
+                args=[
+                    self._keys.buckets,
+                    self._clock.now_ms(),
+                    self._history_len(),
+                    reason,
+                    len(part),
+                    *part,
+                ],
+            )
+            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
+        await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
+        return out
+
+    async def _markers(self, reason: str, cancelled: Sequence[tuple[str, str]]) -> None:
+        """Marker messages (deleteMarkerTTL): one per topic whose message was removed.
+
+        Best effort, after the change they report: a marker tells subscribers
+        that something they might wait for will not come; losing one to a crash
+        loses no data, so it is not worth holding the script across slots.
+        """
+        ttl = self._config.marker_ttl_ms
+        if not ttl or not cancelled:
+            return
+        expires = str(self._clock.now_ms() + ttl)
+        pipe = self._redis.pipeline(transaction=False)
+        for sid, topic in cancelled:
+            metadata = json.dumps({MARKER_REASON: reason, scripts.SCHEDULER: sid}, separators=(",", ":"))
+            pipe.xadd(topic, {"data": b"", "metadata": metadata, "expiresAt": expires})
+        for result in await pipe.execute(raise_on_error=False):
+            if isinstance(result, Exception):
+                log.warning("marker (%s) on %s not written: %s", reason, self._keys.stream, result)
 
     async def pending(self) -> int:
         """How many messages wait in the index of this delayed topic."""
@@ -292,6 +343,9 @@ class DelayEngine:
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
         parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
+        expired = [(_s(raw[i]), _s(raw[i + 1])) for i in range(8, len(raw) - 1, 2)]
+        if expired:
+            await self._markers("MaxAge", expired)
         if len(raw) > 7 and int(raw[7]):
             log.error(
                 "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
@@ -316,57 +370,70 @@ class DelayEngine:
             )
         return fired, (int(float(head)) if head else None), refill
 
-    async def refill_pending(self, limit: int = 1000) -> int:
-        """Give every recurring envelope waiting for it its next due time; returns how many."""
+    async def refill_pending(self, limit: int = 10_000) -> int:
+        """Give every recurring envelope waiting for it its next due time; returns how many.
+
+        In batches of REFILL_BATCH: one read of the refill set, one pipelined
+        read of the refs and envelopes, one REFILL script call. (One envelope at
+        a time, 10,000 schedules firing each second could not keep up.)
+        """
         if self._recurrence is None:
             # This replica cannot compute one (e.g. an older version in a rolling
             # upgrade): leave them, untouched, to a replica that can.
             return 0
         done = 0
         while done < limit:
-            members = await self._redis.zrange(self._keys.refill, 0, 99)
+            members = [_s(m) for m in await self._redis.zrange(self._keys.refill, 0, REFILL_BATCH - 1)]
             if not members:
                 break
-            progressed = False
-            for member in members:
-                key = _s(member)
-                result = await self._refill_one(key)
-                if result != 0:
-                    progressed = True
-                    done += 1
-            if not progressed:
+            applied = await self._refill_batch(members)
+            done += applied
+            if not applied:
                 break
         return done
 
-    async def _refill_one(self, key: str) -> int:
-        ref = await self._redis.hget(self._keys.ids, key)
-        if ref is None:
-            await self._redis.zrem(self._keys.refill, key)
-            return -1
-        ref_s = _s(ref)
-        parts = ref_s.split()
-        stream_id, due = parts[0], int(parts[1])
-        rows = await self._redis.xrange(self._keys.stream, stream_id, stream_id)
-        try:
-            if not rows:
-                raise EnvelopeDecodeError(f"envelope {stream_id} is gone")
-            raw = dict(rows[0][1] or {}).get(b"data")
-            if not isinstance(raw, bytes):
-                raise EnvelopeDecodeError(f"envelope {stream_id} has no data")
-            env = decode_envelope(raw)
-            nxt, iso = self._next_after(env, max(due, self._clock.now_ms()))
-        except Exception as exc:
-            # EnvelopeDecodeError, ValueError (no later time), or whatever else the
-            # recurrence raises: one schedule the engine cannot advance must not
-            # stop firing for the whole app. It is withdrawn, with its history record.
-            log.error("recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc)
-            await self.cancel(key, reason=f"unschedulable: {exc}")
-            return -1
-        return int(
-            await self._refill(
-                keys=self._keys.script_keys, args=[self._keys.buckets, self._keys.wake, key, ref_s, nxt, iso]
-            )
-        )
+    async def _refill_batch(self, keys: Sequence[str]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(self._keys.ids, key)
+        refs = [None if r is None else _s(r) for r in await pipe.execute()]
+        gone = [k for k, r in zip(keys, refs, strict=True) if r is None]
+        if gone:
+            await self._redis.zrem(self._keys.refill, *gone)
+        live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None]
+        if not live:
+            return len(gone)
+        pipe = self._redis.pipeline(transaction=False)
+        for _, ref in live:
+            stream_id = ref.split()[0]
+            pipe.xrange(self._keys.stream, stream_id, stream_id)
+        rows_of = await pipe.execute()
+        now = self._clock.now_ms()
+        args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
+        for (key, ref), rows in zip(live, rows_of, strict=True):
+            try:
+                due = int(ref.split()[1])
+                if not rows:
+                    raise EnvelopeDecodeError(f"envelope {ref.split()[0]} is gone")
+                raw = dict(rows[0][1] or {}).get(b"data")
+                if not isinstance(raw, bytes):
+                    raise EnvelopeDecodeError(f"envelope {ref.split()[0]} has no data")
+                nxt, iso = self._next_after(decode_envelope(raw), max(due, now))
+            except Exception as exc:
+                # EnvelopeDecodeError, ValueError (no later time), or whatever else the
+                # recurrence raises: one schedule the engine cannot advance must not
+                # stop firing for the whole app. It is withdrawn, with its history record.
+                log.error(
+                    "recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc
+                )
+                await self.cancel(key, reason=f"unschedulable: {exc}")
+                continue
+            args += [key, ref, nxt, iso]
+            args[2] += 1
+        if not args[2]:
+            return len(gone)
+        results = await self._refill(keys=self._keys.script_keys, args=args)
+        return len(gone) + sum(1 for r in results if int(r) != 0)
 
     async def _trim_history(self) -> None:
         """Age-based history retention (the length bound rides on every XADD)."""

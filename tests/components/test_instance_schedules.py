@@ -315,3 +315,16 @@ async def test_missed_fires_across_an_outage_fire_once_then_continue(
             await stream.close()
     finally:
         await second.stop(grace=1)
+
+
+async def test_markers_through_the_component_when_delete_marker_ttl_is_set(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init({**delayed_props, "deleteMarkerTTL": "1m"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"never", {"scheduledSendDelay": "1h", "scheduleId": "gone"})
+    await c.publish("orders", b"", {"scheduleCancel": "true", "scheduleId": "gone"})
+    marker = await stream.next(within=5)
+    assert marker.data == b""
+    assert (marker.metadata["markerReason"], marker.metadata["scheduler"]) == ("Remove", "gone")

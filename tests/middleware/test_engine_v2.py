@@ -507,3 +507,42 @@ async def test_fire_batches_stop_at_their_time_budget(
     # Time is checked every eight envelopes: a 1 us budget stops each call there.
     assert max(r.fired for r in reports) == 8
     assert await engine.pending() == 0
+
+
+# --- batched cancels and markers (deleteMarkerTTL) ------------------------------------------
+
+
+async def test_cancel_many_in_one_call_reports_each_id(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(i, T0 + 100, sid=f"s{i}") for i in range(1_200)])
+    [anon] = await engine.schedule([env(9_999, T0 + 100, topic="billing")])
+    ids = [f"s{i}" for i in range(0, 1_200, 2)] + ["nope", anon, "s0"]
+    results = await engine.cancel_many(ids)
+    assert results[:600] == [(True, "orders")] * 600
+    assert results[600:] == [(False, ""), (True, "billing"), (False, "")]  # s0 once only
+    assert await engine.pending() == 600
+    assert sum(1 for h in history(redis_client) if h.event == "cancelled") == 601
+    assert redis_client.exists("orders") == 0  # no markers unless asked for
+
+
+async def test_markers_go_on_the_topic_when_a_cancel_or_an_expiry_removes_a_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(marker_ttl_ms=60_000))
+    await engine.schedule(
+        [env(1, T0 + 100, sid="c"), env(2, T0 + 100, topic="billing", expires_at_ms=T0 + 10)]
+    )
+    assert await engine.cancel("c")
+    clock.set(T0 + 100)
+    await drain(engine)
+    [(_, removed)] = target(redis_client, "orders")
+    [(_, aged)] = target(redis_client, "billing")
+    for fields, reason in ((removed, "Remove"), (aged, "MaxAge")):
+        marker = decode_entry(fields)
+        assert marker.data == b""
+        assert marker.metadata["markerReason"] == reason
+        assert marker.expires_at_ms in (T0 + 60_000, T0 + 100 + 60_000)
+    assert decode_entry(removed).metadata["scheduler"] == "c"

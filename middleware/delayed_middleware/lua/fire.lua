@@ -10,7 +10,8 @@
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes that
 -- wait for a REFILL (including due ones another replica left); entries appended;
--- index entries whose envelope someone else deleted from the delayed topic.
+-- index entries whose envelope someone else deleted from the delayed topic;
+-- then (envelope id, topic) pairs of the envelopes that expired unfired.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
 -- next due time) in the same atomic step that appends it to its target, so a
@@ -49,6 +50,8 @@ local types = {}
 -- recurring envelopes re-enter the index only after that (their ids would
 -- otherwise be removed again with their old bucket's batch).
 local taken, deletes, reinserts = {}, {}, {}
+-- (id, topic) of each envelope that expired unfired, for the caller's markers.
+local expired = {}
 local budget_us = tonumber(ARGV[9] or '0')
 -- Several components of one app (same consumerID) share the delayed topic and
 -- fire each other's messages: a topic is trimmed by the settings of the
@@ -167,6 +170,8 @@ for i, c in ipairs(due_candidates(now, max_env)) do
     elseif env.expires > 0 and env.expires <= now then
       forget(id, env, key)
       hist('expired', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, 'MaxAge', env.schedule)
+      expired[#expired + 1] = key
+      expired[#expired + 1] = env.topic
     else
       -- The outbox is our own stream; a topic must be a stream (or not exist yet).
       local target, bad = KEYS[10], nil
@@ -265,4 +270,6 @@ local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 -- REFILL): occurrences already due whose successor nobody computed. Reported
 -- so that whichever replica fires next completes them.
 refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
-return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone}
+local out = {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone}
+for _, v in ipairs(expired) do out[#out + 1] = v end
+return out
