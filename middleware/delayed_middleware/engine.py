@@ -316,10 +316,11 @@ class DelayEngine:
         Returns (envelopes fired by this call, earliest due time left or None).
         """
         fired, head, refill = await self._fire_once()
-        if refill:
-            await self.refill_pending()
-            if not fired:
-                fired, head, _ = await self._fire_once()
+        # Refills in proportion to what this batch fired (each round trip
+        # refills REFILL_BATCH), soonest needed first: successors are known
+        # long before their time, and firing never queues behind a backlog.
+        if refill and await self.refill_pending(limit=max(refill, REFILL_BATCH)) and not fired:
+            fired, head, _ = await self._fire_once()
         return fired, head
 
     async def _fire_once(self) -> tuple[int, int | None, int]:
@@ -370,8 +371,12 @@ class DelayEngine:
             )
         return fired, (int(float(head)) if head else None), refill
 
-    async def refill_pending(self, limit: int = 10_000) -> int:
-        """Give every recurring envelope waiting for it its next due time; returns how many.
+    async def refill_pending(self, limit: int = 10_000, *, until_ms: int | None = None) -> int:
+        """Give recurring envelopes waiting for it their next due time; returns how many.
+
+        The refill set is scored by when each envelope next needs its successor
+        known: with `until_ms`, only those needed by then (an occurrence held
+        back until its successor is known is scored at its own due time).
 
         In batches of REFILL_BATCH: one read of the refill set, one pipelined
         read of the refs and envelopes, one REFILL script call. (One envelope at
@@ -383,7 +388,13 @@ class DelayEngine:
             return 0
         done = 0
         while done < limit:
-            members = [_s(m) for m in await self._redis.zrange(self._keys.refill, 0, REFILL_BATCH - 1)]
+            top = "+inf" if until_ms is None else until_ms
+            members = [
+                _s(m)
+                for m in await self._redis.zrangebyscore(
+                    self._keys.refill, "-inf", top, start=0, num=REFILL_BATCH
+                )
+            ]
             if not members:
                 break
             applied = await self._refill_batch(members)
@@ -454,9 +465,8 @@ class DelayEngine:
                     # asyncio.timeout, not wait_for: wait_for can swallow a
                     # cancellation that races with completion (Python < 3.12).
                     async with asyncio.timeout(self._config.op_timeout_s):
-                        if backoff.failures or not self._last_history_trim:
-                            # After start-up or an outage: refills a dead replica left.
-                            await self.refill_pending()
+                        # Refills a dead replica left are reported by FIRE as due
+                        # and completed by fire_due, like this replica's own.
                         fired, head = await self.fire_due()
                         await self._trim_history()
                     _honour_swallowed_cancel()
