@@ -61,6 +61,13 @@ class Metrics:
             registry=r,
         )
 
+        self.expired = Counter(
+            "delayed_pubsub_expired_messages",
+            "Messages found past their TTL (expiresAt) when fetched: acked away, never delivered",
+            ["instance"],
+            registry=r,
+        )
+
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
         return InstanceMetrics(
@@ -72,6 +79,7 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            expired=self.expired.labels(name),
         )
 
 
@@ -87,6 +95,7 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    expired: Counter
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""
