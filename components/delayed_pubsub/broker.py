@@ -437,12 +437,12 @@ class Subscription:
             if not self._acks:
                 self._ack_wake.clear()
                 await self._ack_wake.wait()
+                continue
+            if len(self._acks) < self._low_water:
                 # Under load acks arrive one per message: gathering them for a
                 # moment makes one XACK of many (each Redis call costs ~50 us of
                 # CPU in redis-py). Slots are freed already; only Redis waits.
-                if len(self._acks) < self._low_water:
-                    await asyncio.sleep(ACK_LINGER_S)
-                continue
+                await asyncio.sleep(ACK_LINGER_S)
             batch, landed = self._acks, self._acks_landed
             self._acks, self._acks_landed, self._acking = [], None, batch
             try:
