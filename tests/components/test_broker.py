@@ -425,7 +425,7 @@ async def test_an_entry_past_its_expiry_is_acked_away_never_delivered_and_counte
         for d in got:
             await sub.ack(d.id)
         # The stale one was XACKed too: nothing waits for processingTimeout.
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)  # type: ignore[index]
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
         assert expired_count(metrics) == 1
         # And it is not claimed back later either (processingTimeout is 400 ms).
         with pytest.raises(TimeoutError):
