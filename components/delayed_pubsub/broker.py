@@ -123,6 +123,7 @@ class Broker:
         self._clock = clock
         self._metrics = metrics or Metrics().for_instance("")
         self._timeout = call_timeout(settings)
+        self._batcher = _PublishBatcher(client)
 
         self.trim = trim_policy(settings)
 
@@ -135,10 +136,14 @@ class Broker:
         return {}
 
     async def publish(self, topic: str, entry: StreamEntry) -> str:
-        """XADD one entry; returns its stream id."""
+        """XADD one entry; returns its stream id.
+
+        Publishes that arrive together (daprd's concurrent calls) share one
+        pipelined round trip: see _PublishBatcher.
+        """
         try:
             async with asyncio.timeout(self._timeout):
-                entry_id = await self._client.xadd(topic, encode_entry(entry), **self._trim())  # type: ignore[arg-type]
+                entry_id = await self._batcher.xadd(topic, encode_entry(entry), self._trim())
         except TRANSIENT_ERRORS as e:
             raise BackendUnavailableError(f"publish to {topic!r}: redis unavailable: {e}") from e
         except redis.exceptions.RedisError as e:
@@ -186,6 +191,66 @@ class Broker:
         # unique (two instances of one consumerID in a process, a re-Init).
         unique = f"{consumer}:{uuid.uuid4().hex[:8]}"
         return Subscription(self._client, self._settings, self._clock, topic, unique, paused, self._metrics)
+
+
+class _PublishBatcher:
+    """Coalesces concurrent XADDs into one pipelined round trip.
+
+    The first XADD of a burst starts a flush task; by the time it runs, every
+    call that arrived in the same event-loop pass has queued behind it, and
+    while a pipeline is on the wire the next batch gathers. Each caller gets its
+    own result or error (a refused XADD fails only its caller; a connection
+    error fails the whole batch, as no caller can know whether it landed). Saves
+    redis-py's per-command overhead (~50 us CPU) on all but one call of a batch.
+    """
+
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self._queue: list[tuple[str, dict[str, bytes], dict[str, Any], asyncio.Future[Any]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def xadd(self, topic: str, fields: dict[str, bytes], trim: dict[str, Any]) -> Any:
+        """XADD `fields` to `topic` with trim arguments `trim`; returns the entry id."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.append((topic, fields, trim, future))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush(), name="publish batcher")
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                # A caller that gave up (timeout, cancelled call) is still
+                # written: it may have been on the wire already, and one write
+                # beats a guess.
+                try:
+                    if len(batch) == 1:
+                        topic, fields, trim, _ = batch[0]
+                        results: list[Any] = [await self._client.xadd(topic, fields, **trim)]  # type: ignore[arg-type]
+                    else:
+                        pipe = self._client.pipeline(transaction=False)
+                        for topic, fields, trim, _ in batch:
+                            pipe.xadd(topic, fields, **trim)  # type: ignore[arg-type]
+                        results = await pipe.execute(raise_on_error=False)
+                except asyncio.CancelledError:
+                    for *_, future in batch:
+                        future.cancel()
+                    raise
+                except Exception as e:
+                    for *_, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (*_, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._flusher = None
 
 
 @dataclass

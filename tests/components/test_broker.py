@@ -15,10 +15,11 @@ import redis.asyncio as aioredis
 import delayed_pubsub.broker
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import Settings, parse_settings
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 
 @pytest.fixture
@@ -526,3 +527,55 @@ async def test_close_sends_the_acks_not_yet_xacked(
         sub.ack_nowait((await next_delivery(it)).id)
     await sub.close()  # at once: the acks may still be queued
     assert redis_client.xpending("orders", "app1")["pending"] == 0
+
+
+# --- coalesced publishes (issue 13) --------------------------------------------
+
+
+async def test_concurrent_publishes_each_get_the_id_of_their_own_entry(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    broker = Broker(aclient, settings(redis_server), SystemClock())
+    n = 500
+    ids = await asyncio.gather(
+        *(broker.publish(f"topic{i % 3}", StreamEntry(f"m{i}".encode(), {"i": str(i)})) for i in range(n))
+    )
+    assert len({(i % 3, entry_id) for i, entry_id in enumerate(ids)}) == n  # ids are per stream
+    for i, entry_id in enumerate(ids):
+        rows: Any = redis_client.xrange(f"topic{i % 3}", entry_id, entry_id)
+        assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode()]
+    assert sum(redis_client.xlen(f"topic{t}") for t in range(3)) == n
+
+
+async def test_a_refused_publish_in_a_coalesced_batch_fails_only_its_caller(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    redis_client.set("not-a-stream", "x")
+    broker = Broker(aclient, settings(redis_server), SystemClock())
+    topics = ["orders" if i % 4 else "not-a-stream" for i in range(40)]
+    results = await asyncio.gather(
+        *(broker.publish(t, StreamEntry(f"m{i}".encode())) for i, t in enumerate(topics)),
+        return_exceptions=True,
+    )
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert failed == [i for i, t in enumerate(topics) if t == "not-a-stream"]
+    assert all(isinstance(results[i], DelayedPubSubError) for i in failed)
+    assert all("WRONGTYPE" in str(results[i]) for i in failed)
+    rows: Any = redis_client.xrange("orders")
+    stored = [decode_entry(f).data for _, f in rows]
+    assert stored == [f"m{i}".encode() for i, t in enumerate(topics) if t == "orders"]
+
+
+async def test_coalesced_publishes_fail_unavailable_when_redis_is_down(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    port = free_port()
+    client = aioredis.Redis(port=port)
+    broker = Broker(client, settings(redis_server, redisHost=f"127.0.0.1:{port}"), SystemClock())
+    try:
+        results = await asyncio.gather(
+            *(broker.publish("orders", StreamEntry(b"x")) for _ in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, BackendUnavailableError) for r in results)
+    finally:
+        await client.aclose()
