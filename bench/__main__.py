@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-NAMES = ("peers", "deliver", "unary", "publish", "delay", "grpc_ceiling")
+NAMES = ("peers", "deliver", "unary", "memory", "publish", "delay", "grpc_ceiling")
 
 
 def main() -> None:
