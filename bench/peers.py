@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -118,6 +119,13 @@ def rss_bytes(pid: int) -> int:
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def describe(error: Exception) -> str:
+    """A short, countable description of a failed call."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {(error.details() or '')[:60]}"
+    return f"{type(error).__name__}: {str(error)[:60]}"
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -511,6 +519,7 @@ class Run:
     sizes: Sizes
     rows: list[Row] = field(default_factory=list)
     lateness: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def put(self, workload: str, unit: str, system: str, value: float, better: str = "lower") -> None:
         row = next((r for r in self.rows if r.workload == workload), None)
@@ -543,6 +552,15 @@ async def steady(system: System, run: Run) -> None:
             seen.add(i)
             late.append(at - due_of(data))
 
+    failed: Counter[str] = Counter()
+
+    async def publish(i: int, due: float) -> None:
+        # A refused publish is counted, not fatal: the run goes on and says so.
+        try:
+            await system.schedule(i, due)
+        except Exception as e:
+            failed[describe(e)] += 1
+
     stop_sub = await system.subscribe(got)
     start = time.time() + 0.2
     tick = 0.01
@@ -552,16 +570,23 @@ async def steady(system: System, run: Run) -> None:
         send_at = start + k / s.rate
         await asyncio.sleep(max(0.0, send_at - time.time()))
         batch = range(k, min(n, k + per_tick))
-        calls.append(asyncio.gather(*(system.schedule(i, send_at + 1.0) for i in batch)))
+        calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
     await asyncio.gather(*calls)
+    expect = n - sum(failed.values())
     deadline = time.time() + 30
-    while len(seen) < n and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
+    while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
         await asyncio.sleep(0.05)
     await stop_sub()
     late.sort()
     run.lateness[system.name] = late
-    if len(late) < n:
-        print(f"  {system.name}: steady: only {len(late)} of {n} arrived")
+    if failed:
+        run.notes.append(
+            f"{system.name}, steady: {sum(failed.values())} of {n} publishes failed: {dict(failed)}"
+        )
+    if len(late) < expect:
+        run.notes.append(
+            f"{system.name}, steady: only {len(late)} of {expect} accepted messages arrived in time"
+        )
     run.put(f"steady {s.rate}/s, due -> subscriber p50", "ms", system.name, percentile(late, 0.5) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber p99", "ms", system.name, percentile(late, 0.99) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber max", "ms", system.name, late[-1] * 1000 if late else 0)
@@ -583,7 +608,7 @@ async def burst(system: System, run: Run) -> None:
     for first in range(0, n, 1000):
         await system.schedule_many(first, [due] * min(1000, n - first))
     if time.time() > due:
-        print(f"  {system.name}: burst: storing took past the due time; figures include that")
+        run.notes.append(f"{system.name}, burst: storing took past the due time; figures include that")
     stop_sub = await system.subscribe(got)
     cpu: list[float] = []
     with cpu_of(system, cpu):
@@ -596,7 +621,7 @@ async def burst(system: System, run: Run) -> None:
             await asyncio.sleep(0.05)
     await stop_sub()
     if received < n:
-        print(f"  {system.name}: burst: only {received} of {n} received")
+        run.notes.append(f"{system.name}, burst: only {received} of {n} received")
     # `fired` counts what landed on the target topic (acked or not), polled every 50 ms.
     run.put(f"{n // 1000}k due at one instant: T -> all fired", "s", system.name, (fired_at or last) - due)
     run.put(f"{n // 1000}k due at one instant: T -> last delivered", "s", system.name, last - due)
@@ -673,7 +698,9 @@ async def memory_and_restart(system: System, run: Run) -> None:
     after = await system.pending()
     run.put(f"restart with {n // 1000}k pending: until firing again", "s", system.name, restart_s)
     if after < pending - 1 or pending - before < n:
-        print(f"  {system.name}: pending before restart {pending}, after {after} (stored {pending - before})")
+        run.notes.append(
+            f"{system.name}, restart: pending before restart {pending}, after {after} (stored {pending - before})"
+        )
 
 
 WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
@@ -761,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"agents' work, load {os.getloadavg()[0]:.1f}; {version}; "
         f"`python -m bench peers {'--full' if a.full else '--quick'}` took {took / 60:.1f} min"
     )
-    lines = table(run)
+    lines = table(run) + [f"\n- note: {note}" for note in run.notes]
     print(head)
     print("\n".join(lines))
     print(f"lateness CDF: {CHART.relative_to(ROOT)}")
