@@ -51,19 +51,18 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.expired = Counter(
+            "delayed_pubsub_expired_messages",
+            "Messages found past their TTL (expiresAt) when fetched: acked away, never delivered",
+            ["instance"],
+            registry=r,
+        )
         self.acked = Counter(
             "delayed_pubsub_acked_messages", "Messages daprd acknowledged", ["instance"], registry=r
         )
         self.nacked = Counter(
             "delayed_pubsub_nacked_messages",
             "Messages daprd reported failed (redelivered)",
-            ["instance"],
-            registry=r,
-        )
-
-        self.expired = Counter(
-            "delayed_pubsub_expired_messages",
-            "Messages found past their TTL (expiresAt) when fetched: acked away, never delivered",
             ["instance"],
             registry=r,
         )
