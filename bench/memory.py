@@ -109,7 +109,14 @@ def main() -> None:
     a = ap.parse_args()
     payload = b"x" * a.payload
     metadata = {f"key{k}": f"value-{k:08d}" for k in range(a.metadata_keys)}
-    user_bytes = a.payload + sum(len(k) + len(v) for k, v in metadata.items())
+    # The user's metadata counts as payload, the delay key and its value too.
+    due_example = datetime.fromtimestamp(time.time(), UTC).isoformat(timespec="milliseconds")
+    user_bytes = (
+        a.payload
+        + sum(len(k) + len(v) for k, v in metadata.items())
+        + len("scheduledSendTime")
+        + len(due_example)
+    )
     keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
     with tempfile.TemporaryDirectory(prefix="dps-mem-") as d:
         work = Path(d)
@@ -138,7 +145,7 @@ def main() -> None:
     n = a.messages
     print(
         f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC {platform.node()} nproc {os.cpu_count()}; {n} pending, "
-        f"payload {a.payload} B + {a.metadata_keys} metadata keys = {user_bytes} user bytes; "
+        f"payload {a.payload} B + {a.metadata_keys} metadata keys + scheduledSendTime = {user_bytes} user bytes; "
         f"scheduled in {took:.1f} s ({n / took:,.0f}/s); envelopes on the stream: {xlen}"
     )
     print(f"used_memory growth: {(after - before) / n:8.1f} B per message ({user_bytes} of it the user's)")
