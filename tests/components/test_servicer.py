@@ -479,75 +479,6 @@ async def test_two_streams_of_one_group_share_the_work(component: Factory, props
     assert sorted(seen) == sorted(str(i).encode() for i in range(20))
 
 
-# --- instances ---------------------------------------------------------------
-
-
-async def test_instances_on_one_socket_are_isolated(
-    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
-) -> None:
-    a, b = component("a"), component("b")
-    await a.init({**props, "redisDB": "1", "consumerID": "app-a"})
-    await b.init({**props, "redisDB": "2", "consumerID": "app-b"})
-    await a.publish("orders", b"for-a")
-    await b.publish("orders", b"for-b")
-    db1 = redis.Redis(port=redis_server.port, db=1)
-    db2 = redis.Redis(port=redis_server.port, db=2)
-    assert [f[b"data"] for _, f in entries(db1, "orders")] == [b"for-a"]
-    assert [f[b"data"] for _, f in entries(db2, "orders")] == [b"for-b"]
-
-    sa = await a.subscribe("orders")
-    assert (await sa.next()).data == b"for-a"
-    # Re-initializing b (even badly) leaves a alone.
-    with pytest.raises(grpc.aio.AioRpcError):
-        await b.init({**props, "redisDB": "x"})
-    await b.init({**props, "redisDB": "3", "consumerID": "app-b"})
-    await a.publish("orders", b"a-again")
-    assert (await sa.next()).data == b"a-again"
-    assert db2.xlen("orders") == 1
-    db1.close()
-    db2.close()
-
-
-async def test_second_init_replaces_the_first(
-    component: Factory, props: dict[str, str], redis_server: RedisServer
-) -> None:
-    c = component("delayed")
-    await c.init({**props, "redisDB": "4"})
-    await c.init({**props, "redisDB": "5"})
-    await c.publish("orders", b"x")
-    db5 = redis.Redis(port=redis_server.port, db=5)
-    db4 = redis.Redis(port=redis_server.port, db=4)
-    assert db5.xlen("orders") == 1
-    assert db4.exists("orders") == 0
-    db4.close()
-    db5.close()
-
-
-async def test_the_ack_pump_stops_reading_once_its_subscription_is_closed(
-    redis_server: RedisServer, redis_client: redis.Redis
-) -> None:
-    # Not by cancellation alone: redis-py can swallow the CancelledError meant
-    # for an ack in flight, and the pump would go on reading daprd's acks.
-    client = aioredis.Redis(port=redis_server.port)
-    settings = parse_settings({"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1"})
-    sub = Broker(client, settings, SystemClock()).subscription("orders", "c1")
-    await sub.start()
-    pulled = []
-
-    async def requests() -> AsyncIterator[pubsub_pb2.PullMessagesRequest]:
-        for i in range(3):
-            pulled.append(i)
-            yield pubsub_pb2.PullMessagesRequest(ack_message_id=f"0-{i + 1}")
-
-    try:
-        sub.stop()
-        await asyncio.wait_for(_pump_acks(requests(), sub), 5)
-        assert pulled == [0]
-    finally:
-        await sub.close()
-        await client.aclose()
-
-
 # --- acks only for what a stream holds; bursts (issues 12 and 13) -------------
 
 
@@ -642,3 +573,72 @@ async def test_expired_messages_are_never_sent_on_the_stream(
         "delayed_pubsub_expired_messages_total", {"instance": "delayed"}
     )
     assert expired == 1
+
+
+# --- instances ---------------------------------------------------------------
+
+
+async def test_instances_on_one_socket_are_isolated(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    a, b = component("a"), component("b")
+    await a.init({**props, "redisDB": "1", "consumerID": "app-a"})
+    await b.init({**props, "redisDB": "2", "consumerID": "app-b"})
+    await a.publish("orders", b"for-a")
+    await b.publish("orders", b"for-b")
+    db1 = redis.Redis(port=redis_server.port, db=1)
+    db2 = redis.Redis(port=redis_server.port, db=2)
+    assert [f[b"data"] for _, f in entries(db1, "orders")] == [b"for-a"]
+    assert [f[b"data"] for _, f in entries(db2, "orders")] == [b"for-b"]
+
+    sa = await a.subscribe("orders")
+    assert (await sa.next()).data == b"for-a"
+    # Re-initializing b (even badly) leaves a alone.
+    with pytest.raises(grpc.aio.AioRpcError):
+        await b.init({**props, "redisDB": "x"})
+    await b.init({**props, "redisDB": "3", "consumerID": "app-b"})
+    await a.publish("orders", b"a-again")
+    assert (await sa.next()).data == b"a-again"
+    assert db2.xlen("orders") == 1
+    db1.close()
+    db2.close()
+
+
+async def test_second_init_replaces_the_first(
+    component: Factory, props: dict[str, str], redis_server: RedisServer
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "redisDB": "4"})
+    await c.init({**props, "redisDB": "5"})
+    await c.publish("orders", b"x")
+    db5 = redis.Redis(port=redis_server.port, db=5)
+    db4 = redis.Redis(port=redis_server.port, db=4)
+    assert db5.xlen("orders") == 1
+    assert db4.exists("orders") == 0
+    db4.close()
+    db5.close()
+
+
+async def test_the_ack_pump_stops_reading_once_its_subscription_is_closed(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # Not by cancellation alone: redis-py can swallow the CancelledError meant
+    # for an ack in flight, and the pump would go on reading daprd's acks.
+    client = aioredis.Redis(port=redis_server.port)
+    settings = parse_settings({"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1"})
+    sub = Broker(client, settings, SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    pulled = []
+
+    async def requests() -> AsyncIterator[pubsub_pb2.PullMessagesRequest]:
+        for i in range(3):
+            pulled.append(i)
+            yield pubsub_pb2.PullMessagesRequest(ack_message_id=f"0-{i + 1}")
+
+    try:
+        sub.stop()
+        await asyncio.wait_for(_pump_acks(requests(), sub), 5)
+        assert pulled == [0]
+    finally:
+        await sub.close()
+        await client.aclose()
