@@ -709,6 +709,7 @@ async def memory_and_restart(system: System, run: Run) -> None:
         )
 
 
+FRESH = {"memory+restart"}
 WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
     ("steady", steady),
     ("unary", unary),
@@ -722,14 +723,31 @@ async def run_all(sizes: Sizes, workdir: Path, nats_exe: str) -> Run:
     from tqdm import tqdm
 
     run = Run(sizes)
-    systems: list[System] = [Ours(workdir / "ours"), Nats(nats_exe, workdir / "nats")]
-    for s in systems:
-        (workdir / s.name.lower()).mkdir(parents=True, exist_ok=True)
-    with tqdm(total=len(WORKLOADS) * len(systems), unit="step", ncols=90) as bar:
+    generation = 0
+
+    def fresh() -> list[System]:
+        nonlocal generation
+        generation += 1
+        made: list[System] = [
+            Ours(workdir / f"ours{generation}"),
+            Nats(nats_exe, workdir / f"nats{generation}"),
+        ]
+        for s in made:
+            (workdir / f"{s.name.lower()}{generation}").mkdir(parents=True, exist_ok=True)
+        return made
+
+    systems: list[System] = []
+    with tqdm(total=len(WORKLOADS) * 2, unit="step", ncols=90) as bar:
         try:
-            for s in systems:
-                await s.setup()
             for name, workload in WORKLOADS:
+                # Memory is measured on servers that hold nothing else (and
+                # restarted with only those messages pending).
+                if not systems or name in FRESH:
+                    for s in systems:
+                        await s.close()
+                    systems = fresh()
+                    for s in systems:
+                        await s.setup()
                 for s in systems:
                     bar.set_description(f"{name}: {s.name}")
                     await workload(s, run)
