@@ -103,7 +103,8 @@ def rfc3339(epoch_s: float) -> str:
 def body(i: int, due: float) -> bytes:
     """A payload of PAYLOAD_BYTES that carries its due time (ms) and index."""
     head = f"{int(due * 1000)}:{i}:".encode()
-    return head + b"x" * (PAYLOAD_BYTES - len(head))
+    # Random filler: a compressible body would flatter any store that compresses on disk.
+    return head + os.urandom(PAYLOAD_BYTES).hex().encode()[: PAYLOAD_BYTES - len(head)]
 
 
 def due_of(data: bytes) -> float:
