@@ -76,9 +76,9 @@ class Metrics:
             fire_lateness=self.fire_lateness.labels(name),
             pending=self.pending.labels(name),
             delivered=self.delivered.labels(name),
+            expired=self.expired.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
-            expired=self.expired.labels(name),
         )
 
 
@@ -92,9 +92,9 @@ class InstanceMetrics:
     fire_lateness: Histogram
     pending: Gauge
     delivered: Counter
+    expired: Counter
     acked: Counter
     nacked: Counter
-    expired: Counter
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""
