@@ -438,19 +438,20 @@ async def test_an_entry_past_its_expiry_is_acked_away_never_delivered_and_counte
 async def test_an_entry_that_expires_while_waiting_for_redelivery_is_not_redelivered(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    expires = int(time.time() * 1000) + 300
+    expires = int(time.time() * 1000) + 1000
     redis_client.xadd("orders", encode_entry(StreamEntry(b"brief", expires_at_ms=expires)))  # type: ignore[arg-type]
     metrics = Metrics()
-    s = settings(redis_server, redeliverInterval="500ms", processingTimeout="10s")
+    s = settings(redis_server, redeliverInterval="1500ms", processingTimeout="10s")
     sub = Broker(aclient, s, SystemClock(), metrics.for_instance("t")).subscription("orders", "c1")
     await sub.start()
     try:
         it = sub.deliveries()
         d = await next_delivery(it)
         assert d.entry.data == b"brief"
-        sub.nack(d.id)  # comes back after 500 ms: past its expiry
+        assert time.time() * 1000 < expires  # delivered in time, at first
+        sub.nack(d.id)  # comes back after 1.5 s: past its expiry
         with pytest.raises(TimeoutError):
-            await next_delivery(it, within=1.0)
+            await next_delivery(it, within=2.0)
         await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
         assert expired_count(metrics) == 1
     finally:
