@@ -116,9 +116,16 @@ class Broker:
     """Publishes to topic streams and opens subscriptions, all on one client."""
 
     def __init__(
-        self, client: RedisClient, settings: Settings, clock: Clock, metrics: InstanceMetrics | None = None
+        self,
+        client: RedisClient,
+        settings: Settings,
+        clock: Clock,
+        metrics: InstanceMetrics | None = None,
+        blocking_client: RedisClient | None = None,
     ) -> None:
         self._client = client
+        # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
+        self._blocking_client = blocking_client if blocking_client is not None else client
         self._settings = settings
         self._clock = clock
         self._metrics = metrics or Metrics().for_instance("")
@@ -190,7 +197,16 @@ class Broker:
         # or re-deliver the other's entries; the caller's name alone is not
         # unique (two instances of one consumerID in a process, a re-Init).
         unique = f"{consumer}:{uuid.uuid4().hex[:8]}"
-        return Subscription(self._client, self._settings, self._clock, topic, unique, paused, self._metrics)
+        return Subscription(
+            self._client,
+            self._settings,
+            self._clock,
+            topic,
+            unique,
+            paused,
+            self._metrics,
+            blocking_client=self._blocking_client,
+        )
 
 
 class _PublishBatcher:
@@ -299,11 +315,13 @@ class Subscription:
         consumer: str,
         paused: bool = False,
         metrics: InstanceMetrics | None = None,
+        blocking_client: RedisClient | None = None,
     ) -> None:
         self.topic = topic
         self._metrics = metrics or Metrics().for_instance("")
         self.consumer = consumer
         self._client = client
+        self._blocking_client = blocking_client if blocking_client is not None else client
         self._settings = settings
         self._clock = clock
         self._group = settings.consumer_id
@@ -409,6 +427,11 @@ class Subscription:
         """True once stop() or close() has been called."""
         return self._closed
 
+    @property
+    def in_flight(self) -> int:
+        """Messages sent to the subscriber and not yet acked or nacked (a graceful stop waits for them)."""
+        return len(self._unacked)
+
     def pause(self) -> None:
         """Stop handing out new messages (acks still go through)."""
         self._paused = True
@@ -429,6 +452,12 @@ class Subscription:
         while not self._closed:
             if ready and not self._paused and len(unacked) < limit:
                 delivery = ready.popleft()
+                if _expired(delivery.entry, self._clock):
+                    # Its TTL ended while it waited in our buffer: never delivered.
+                    self._expire(delivery.id)
+                    if not ready:
+                        self._can_fetch.set()
+                    continue
                 unacked[delivery.id] = delivery.attempt
                 if not ready:
                     self._can_fetch.set()  # the fetch loop waits for an empty buffer
@@ -492,6 +521,12 @@ class Subscription:
         free = self._settings.concurrency - len(self._unacked) - len(self._ready)
         if free >= self._low_water or free == 1 or not self._unacked:
             self._can_fetch.set()
+
+    def _expire(self, entry_id: str) -> None:
+        """Never deliver `entry_id` (its TTL ended): XACK it with the next batch and count it."""
+        log.debug("dropping %s on %s: its TTL ended before delivery", entry_id, self.topic)
+        self._metrics.expired.inc()
+        self._queue_ack(entry_id)
 
     def _queue_ack(self, entry_id: str) -> None:
         self._acks.append(entry_id)
@@ -589,7 +624,7 @@ class Subscription:
                 await self._can_fetch.wait()
 
     async def _read_new(self, count: int, block_ms: int) -> None:
-        reply: Any = await self._client.xreadgroup(
+        reply: Any = await self._blocking_client.xreadgroup(
             self._group, self.consumer, {self.topic: ">"}, count=count, block=block_ms
         )
         for _stream, items in reply or ():
@@ -680,10 +715,9 @@ class Subscription:
         # must still be able to pick it up.
         entry = decode_entry(fields)
         self._owned.add(entry_id)
-        if entry.expires_at_ms and entry.expires_at_ms <= self._clock.now_ms():
-            # Past its TTL: never delivered, acked away with the next batch.
-            self._metrics.expired.inc()
-            self._queue_ack(entry_id)
+        if _expired(entry, self._clock):
+            # Its TTL ended in the stream or while waiting for a redelivery.
+            self._expire(entry_id)
             return
         self._ready.append(Delivery(entry_id, self.topic, entry, attempt))
         self._can_send.set()
@@ -722,6 +756,11 @@ class Subscription:
             if self._closed or (task is not None and task.cancelling()):
                 raise asyncio.CancelledError
             await self._clock.sleep(backoff.next())
+
+
+def _expired(entry: StreamEntry, clock: Clock) -> bool:
+    """True once the entry's expiry (0 = never) has come: the instant itself counts as expired."""
+    return entry.expires_at_ms > 0 and clock.now_ms() >= entry.expires_at_ms
 
 
 def _str(value: bytes | str) -> str:

@@ -580,3 +580,25 @@ async def test_coalesced_publishes_fail_unavailable_when_redis_is_down(
         assert all(isinstance(r, BackendUnavailableError) for r in results)
     finally:
         await client.aclose()
+
+
+async def test_an_entry_that_expires_in_the_buffer_is_not_handed_out(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    expires = int(time.time() * 1000) + 500
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"brief", expires_at_ms=expires)))  # type: ignore[arg-type]
+    metrics = Metrics()
+    s = settings(redis_server, processingTimeout="10s")
+    sub = Broker(aclient, s, SystemClock(), metrics.for_instance("t")).subscription("orders", "c1")
+    await sub.start()
+    try:
+        # Fetched into the buffer (it is in our PEL) while nobody takes deliveries.
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 1)
+        assert time.time() * 1000 < expires
+        await asyncio.sleep(max(0.0, expires / 1000 - time.time()) + 0.05)
+        with pytest.raises(TimeoutError):
+            await next_delivery(sub.deliveries(), within=0.5)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        assert expired_count(metrics) == 1
+    finally:
+        await sub.close()
