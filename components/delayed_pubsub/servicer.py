@@ -23,7 +23,7 @@ from delayed_middleware.errors import (
     InvalidArgumentError,
     NotInitializedError,
 )
-from delayed_pubsub.broker import BulkEntry, Subscription
+from delayed_pubsub.broker import DELIVERY_ATTEMPT, BulkEntry, Subscription
 from delayed_pubsub.instance import Instance, Instances
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
 
@@ -47,6 +47,10 @@ _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DelayedPubSubError, grpc.StatusCode.INTERNAL),
 )
+
+
+# deliveryAttempt values as strings, made once.
+_ATTEMPTS = tuple(str(i) for i in range(8))
 
 
 def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
@@ -159,15 +163,20 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         except DelayedPubSubError as e:
             await _abort(context, e)
         acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
+        response = pubsub_pb2.PullMessagesResponse
         try:
             async for d in sub.deliveries():
-                yield pubsub_pb2.PullMessagesResponse(
+                # The entry's metadata goes straight into the message's map, and
+                # deliveryAttempt after it: no merged copy per message.
+                msg = response(
                     data=d.entry.data,
                     topic_name=d.topic,
-                    metadata=d.metadata,
+                    metadata=d.entry.metadata,
                     content_type=d.entry.content_type,
                     id=d.id,
                 )
+                msg.metadata[DELIVERY_ATTEMPT] = _ATTEMPTS[d.attempt] if d.attempt < 8 else str(d.attempt)
+                yield msg
         finally:
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -197,17 +206,21 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
 
 
 async def _pump_acks(requests: AsyncIterator[pubsub_pb2.PullMessagesRequest], sub: Subscription) -> None:
-    """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream)."""
+    """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream).
+
+    Acks are queued, not awaited: the subscription XACKs everything that came
+    in meanwhile in one command, so reading the next ack never waits on Redis.
+    """
     try:
         async for request in requests:
-            if request.ack_message_id:
+            entry_id = request.ack_message_id
+            if entry_id:
                 if request.HasField("ack_error"):
-                    sub.nack(request.ack_message_id)
+                    sub.nack(entry_id)
                 else:
-                    await sub.ack(request.ack_message_id)
+                    sub.ack_nowait(entry_id)
             if sub.closed:
-                # redis-py can swallow the CancelledError meant for an ack in
-                # flight; the subscription's state is what ends this loop for sure.
+                # The subscription's state, not only cancellation, ends this loop.
                 break
     except grpc.aio.AioRpcError:
         pass  # the call is going away; the handler's finally cleans up

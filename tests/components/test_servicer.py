@@ -479,6 +479,102 @@ async def test_two_streams_of_one_group_share_the_work(component: Factory, props
     assert sorted(seen) == sorted(str(i).encode() for i in range(20))
 
 
+# --- acks only for what a stream holds; bursts (issues 12 and 13) -------------
+
+
+async def test_a_stream_cannot_ack_a_message_another_stream_holds(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "concurrency": "1"})  # processingTimeout 500ms
+    a = await c.subscribe("orders")
+    await c.publish("orders", b"m0")
+    held_by_a = await a.next()
+    b = await c.subscribe("orders")
+    await c.publish("orders", b"m1")
+    held_by_b = await b.next()
+    # b acks a's message (a misbehaving or confused client), then its own.
+    await b.ack(held_by_a.id)
+    await b.ack(held_by_b.id)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 1)
+    # a's client dies without acking: the message comes back, to b.
+    await a.cancel()
+    again = await b.next(within=5)
+    assert (again.id, again.data, again.metadata["deliveryAttempt"]) == (held_by_a.id, b"m0", "2")
+    await b.ack(again.id)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert not b.ended.is_set()
+
+
+async def test_garbage_and_repeated_acks_do_not_end_the_stream(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"m0")
+    msg = await stream.next()
+    for bogus in ("not-an-id", "0-0", "18446744073709551615-18446744073709551615", "x" * 10_000):
+        await stream.ack(bogus)
+    await stream.ack(msg.id)
+    await stream.ack(msg.id)
+    await c.publish("orders", b"m1")
+    assert (await stream.next()).data == b"m1"
+    assert not stream.ended.is_set()
+
+
+async def test_a_burst_through_several_streams_arrives_exactly_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    n = 3000
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("orders", {"data": str(i).encode(), "metadata": b"{}"})
+    pipe.execute()
+    c = component("delayed")
+    await c.init({**props, "concurrency": "50", "processingTimeout": "60s"})
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    seen: list[bytes] = []
+
+    async def drain(s: Any) -> None:
+        while len(seen) < n:
+            try:
+                msg = await asyncio.wait_for(s.received.get(), 0.5)
+            except TimeoutError:
+                continue
+            seen.append(msg.data)
+            await s.ack(msg.id)
+
+    await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 60)
+    assert sorted(seen, key=int) == [str(i).encode() for i in range(n)]
+    for s in streams:
+        assert await s.close() == grpc.StatusCode.OK
+    # The orderly close XACKed every ack it had read: nothing comes back.
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+    late = await c.subscribe("orders")
+    assert await late.nothing_for(0.3)
+
+
+async def test_expired_messages_are_never_sent_on_the_stream(
+    server: Any, component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    now_ms = int(time.time() * 1000)
+    redis_client.xadd("orders", {"data": b"gone", "metadata": b"{}", "expiresAt": str(now_ms - 1000)})
+    redis_client.xadd("orders", {"data": b"live", "metadata": b"{}", "expiresAt": str(now_ms + 60_000)})
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    msg = await stream.next()
+    assert msg.data == b"live"
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(0.8)  # past processingTimeout: not reclaimed either
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+    expired = server.metrics.registry.get_sample_value(
+        "delayed_pubsub_expired_messages_total", {"instance": "delayed"}
+    )
+    assert expired == 1
+
+
 # --- instances ---------------------------------------------------------------
 
 
