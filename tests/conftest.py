@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import settings as hypothesis_settings
 
 from tests.redis_server import RedisServer
 
@@ -26,3 +27,9 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+# The machine running the suite may be busy (two cores, parallel jobs): a
+# property test is about what it computes, not how fast, so no deadline.
+hypothesis_settings.register_profile("suite", deadline=None)
+hypothesis_settings.load_profile("suite")

@@ -7,30 +7,42 @@ Several instances share one socket; daprd tells them apart by the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+import secrets
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
+from delayed_middleware import plan
+from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.delay import DELAY_KEYS, SCHEDULE_ID, Delay, parse_delay
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
     DelayedPubSubError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
+    PartiallyStoredError,
+    RestoreFailedError,
 )
 from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
+from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
+from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.retry import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
 
@@ -49,7 +61,9 @@ class Instance:
         self._connection = connection
         self._clock = clock
         self.metrics = metrics
-        self.broker = Broker(connection.client, settings, clock, metrics)
+        self.broker = Broker(
+            connection.client, settings, clock, metrics, blocking_client=connection.blocking_client
+        )
         self._subscriptions: set[Subscription] = set()
         self._paused = False
         # Consumer names must be unique per stream: a consumer shared by two
@@ -59,19 +73,43 @@ class Instance:
         self.engine: DelayEngine | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self._gauge_task: asyncio.Task[None] | None = None
+        # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
+        self.forwarder: Forwarder | None = None
         if settings.enable_delayed_messaging:
+            self.forwarder = Forwarder.from_settings(
+                connection.client,
+                settings,
+                clock,
+                metrics.forwarder,
+                name=name,
+                read_client=connection.blocking_client,
+            )
             self.engine = DelayEngine(
                 connection.client,  # type: ignore[arg-type]
                 EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
                 clock,
                 trim=self.broker.trim,
+                pubsub_name=name,
                 on_batch=metrics.on_fire,
+                config=EngineConfig(
+                    history_max_len=settings.history_max_len,
+                    history_max_age_ms=settings.history_max_age_ms,
+                    marker_ttl_ms=settings.delete_marker_ttl_ms,
+                ),
+                listen_client=connection.blocking_client,  # type: ignore[arg-type]
+                recurrence=EnvelopeRecurrence(),
             )
+        # Topics seen to be streams (or absent), so a delayed publish checks the
+        # target's type once, not per call; bounded, and forgotten after a while
+        # because a key's type can change under us (the fire path parks then).
+        self._stream_topics: dict[str, int] = {}
 
     def start(self) -> None:
         """Start firing delayed messages (overdue ones fire at once)."""
         if self.engine is not None and self._engine_task is None:
             self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
+        if self.forwarder is not None:
+            self.forwarder.start()
 
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
@@ -98,6 +136,15 @@ class Instance:
             await connection.aclose()
             raise
         instance = cls(name, settings, connection, clock, metrics)
+        if instance.forwarder is not None:
+            # The outbox and its group exist once Init returns, not at some
+            # moment after: what Init leaves in Redis is settled when it answers.
+            try:
+                await instance.forwarder.prepare()
+            except (RedisError, TimeoutError, OSError) as e:
+                log.warning("instance %r: outbox group not created yet (%s); the forwarder retries", name, e)
+        if settings.enable_delayed_messaging:
+            await instance._warn_if_evicting()
         instance.start()
         instance._start_gauges()
         return instance
@@ -115,165 +162,176 @@ class Instance:
         )
         self._gauge_task = asyncio.create_task(gauge.run(), name=f"pending-gauge:{self.name}")
 
-    def _check_publish_topic(self, topic: str) -> None:
-        _check_topic(topic)
-        # Only the engine writes the delayed topic: a plain publish there would
-        # be trimmed by maxLenApprox/streamTTL and take pending envelopes with it.
-        if topic == delayed_topic(self.settings.consumer_id):
-            raise InvalidArgumentError(
-                "topic",
-                topic,
-                "reserved for this app's pending delayed messages; publish with a delay instead",
+    async def _warn_if_evicting(self) -> None:
+        """Log an error when Redis may evict the delay engine's keys.
+
+        An allkeys-* maxmemory-policy drops any key under memory pressure: an
+        index bucket, the ids hash or the delayed topic itself, and with them
+        pending messages, silently. (volatile-* policies evict only keys with a
+        TTL, which the engine's keys never have.) Managed Redis may refuse
+        CONFIG: then nothing can be said.
+        """
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                got = await self._connection.client.config_get("maxmemory-policy")
+        except (RedisError, TimeoutError):
+            return
+        value = next(iter(dict(got).values()), b"")
+        policy = value.decode() if isinstance(value, bytes) else str(value)
+        if policy.startswith("allkeys"):
+            log.error(
+                "instance %r: Redis maxmemory-policy is %s: under memory pressure Redis may evict the delay "
+                "engine's keys and pending delayed messages with them; use noeviction (or a volatile-* "
+                "policy) for this Redis",
+                self.name,
+                policy,
             )
 
-    def _delay(self, metadata: Mapping[str, str]) -> Delay | None:
-        return parse_delay(
-            metadata,
+    def _context(self) -> plan.PlanContext:
+        return plan.PlanContext(
             now_ms=self._clock.now_ms(),
+            pubsub_name=self.name,
             enabled=self.settings.enable_delayed_messaging,
             max_delay_ms=self.settings.max_delay_ms,
         )
 
-    def _envelope(
-        self,
-        topic: str,
-        delay: Delay,
-        *,
-        message: bytes = b"",
-        content_type: str = "",
-        metadata: Mapping[str, str] | None = None,
-        bulk_entries: Sequence[env.BulkEntry] = (),
-    ) -> env.Envelope:
-        return env.Envelope(
-            # The envelope's stream entry id already identifies it; a generated id
-            # would cost ~34 bytes per pending message for nothing.
-            id=delay.schedule_id or "",
-            topic=topic,
-            due_ms=delay.due_ms,
-            published_at_ms=self._clock.now_ms(),
-            message=message,
-            content_type=content_type,
-            metadata=dict(metadata or {}),
-            pubsub_name=self.name,
-            schedule_id=delay.schedule_id or "",
-            bulk_entries=tuple(bulk_entries),
-        )
+    async def _check_stream(self, topic: str) -> None:
+        """FailedPreconditionError unless `topic`'s key is a stream or absent."""
+        now = self._clock.now_ms()
+        if now - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS:
+            return
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                kind = await self._connection.client.type(topic)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(f"checking topic {topic!r}: redis: {e or 'timed out'}") from e
+        kind_s = kind.decode() if isinstance(kind, bytes) else str(kind)
+        if kind_s not in ("stream", "none"):
+            raise FailedPreconditionError(
+                f"topic {topic!r}: its Redis key holds a {kind_s}, not a stream; choose another topic name"
+            )
+        if len(self._stream_topics) >= _TYPE_CACHE_SIZE:
+            self._stream_topics.clear()
+        self._stream_topics[topic] = now
 
     async def _schedule(self, envelopes: Sequence[env.Envelope]) -> None:
-        assert self.engine is not None  # parse_delay refuses delay keys when disabled
+        if self.engine is None:
+            # parse_delay refuses delay keys while delayed messaging is off.
+            raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        for topic in {e.topic for e in envelopes}:
+            await self._check_stream(topic)
+        # One token for the call and its retries: a reply lost after the write
+        # landed makes the retry a no-op in Redis, so the publish is answered
+        # OK and stored once (the client library itself never resends).
+        token = secrets.token_hex(8)
+        backoff = Backoff(base_s=0.02, cap_s=0.5)
         try:
             # Bounded like every other Redis call: the client has no socket
-            # timeout, and a stalled Redis must not hang the publisher.
-            async with asyncio.timeout(call_timeout(self.settings)):
-                await self.engine.schedule(envelopes)
-        except (RedisError, TimeoutError) as e:
+            # timeout, and a stalled Redis must not hang the publisher (per
+            # chunk: a failure part way raises PartiallyStoredError, saying how
+            # many are stored). A dropped connection is retried with the same
+            # token; a timeout is not (a frozen Redis must fail fast).
+            while True:
+                try:
+                    await self.engine.schedule(envelopes, token=token, timeout_s=call_timeout(self.settings))
+                    break
+                except (PartiallyStoredError, OSError, RedisConnectionError) as e:
+                    cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
+                    if not isinstance(cause, _DROPPED) or backoff.failures >= max(
+                        1, self.settings.max_retries
+                    ):
+                        raise
+                await asyncio.sleep(backoff.next())
+        except (RedisError, TimeoutError, OSError) as e:
             raise BackendUnavailableError(
                 f"scheduling on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
             ) from e
         if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
             self.engine.wake()
 
+    async def _cancel(self, cancels: Sequence[plan.Cancel]) -> None:
+        """Withdraw pending messages or schedules (scheduleCancel), in one script call per
+        few hundred. An unknown id is not an error: it may have fired or been cancelled already."""
+        if self.engine is None:
+            raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        ids = [c.schedule_id for c in cancels]
+        try:
+            async with asyncio.timeout(call_timeout(self.settings)):
+                results = await self.engine.cancel_many(ids)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(
+                f"cancelling {len(ids)} id(s) on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
+            ) from e
+        for sid, (found, _) in zip(ids, results, strict=True):
+            if found:
+                self.metrics.cancelled.inc()
+                log.info("cancelled %r on %s", sid, self.engine.keys.stream)
+            else:
+                self.metrics.cancel_unknown.inc()
+                log.info(
+                    "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
+                    sid,
+                    self.engine.keys.stream,
+                )
+
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""
     ) -> None:
         """Store one message on `topic`, or on the delayed topic when its metadata delays it.
 
-        Delay metadata is validated before anything is written: a refused
-        request stores nothing.
+        Everything is validated (plan.plan_publish) before anything is written:
+        a refused request stores nothing.
         """
-        self._check_publish_topic(topic)
-        delay = self._delay(metadata)
-        if delay is None:
-            await self.broker.publish(topic, StreamEntry(data, dict(metadata), content_type))
+        p = plan.plan_publish(topic, data, metadata, content_type, self._context())
+        if p.immediate:
+            await self._publish_now(topic, p.immediate[0].entry)
             self.metrics.published_immediate.inc()
-            return
-        await self._schedule(
-            [self._envelope(topic, delay, message=data, content_type=content_type, metadata=metadata)]
-        )
-        self.metrics.published_delayed.inc()
+        if p.delayed:
+            await self._schedule([d.envelope for d in p.delayed])
+            self.metrics.published_delayed.inc()
+        if p.cancels:
+            await self._cancel(p.cancels)
+
+    async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
+        try:
+            await self.broker.publish(topic, entry)
+        except DelayedPubSubError as e:
+            if "WRONGTYPE" in str(e):
+                raise FailedPreconditionError(
+                    f"topic {topic!r}: its Redis key is not a stream; choose another topic name"
+                ) from e
+            raise
 
     async def bulk_publish(
         self, topic: str, entries: Sequence[BulkEntry], metadata: Mapping[str, str]
     ) -> list[FailedEntry]:
         """Store many messages on `topic` in one round trip; returns the ones that failed.
 
-        The request's metadata applies to every entry; an entry's own keys win.
-        Request-level delay metadata delays the whole bulk as one envelope that
-        fires as one batch; an entry with delay keys of its own becomes an
-        envelope of its own, and a bad value there fails that entry alone.
+        Planning (plan.plan_bulk) decides what is stored now, what is delayed
+        and what is refused; this executes it.
         """
-        self._check_publish_topic(topic)
-        request_delay = self._delay(metadata)  # a bad request-level value refuses it all
-        failed: list[FailedEntry] = []
-        now: list[BulkEntry] = []
-        together: list[BulkEntry] = []
-        alone: list[tuple[str, env.Envelope]] = []
-        ids_taken: set[str] = set()
-        if request_delay is not None and request_delay.schedule_id:
-            ids_taken.add(request_delay.schedule_id)
-        for item in entries:
-            # The common case, no metadata anywhere, allocates nothing new.
-            merged = item
-            if metadata:
-                e = item.entry
-                merged = BulkEntry(
-                    item.entry_id, StreamEntry(e.data, {**metadata, **e.metadata}, e.content_type)
-                )
-            if _DELAY_KEYS.isdisjoint(item.entry.metadata):
-                (together if request_delay else now).append(merged)
-                continue
-            try:
-                delay = self._delay(merged.entry.metadata)
-            except InvalidArgumentError as err:
-                failed.append(FailedEntry(item.entry_id, str(err)))
-                continue
-            if delay is None:
-                now.append(merged)
-                continue
-            # An entry of its own is identified by its own scheduleId only: the
-            # request's belongs to the batch envelope, and sharing it would make
-            # one envelope silently replace the other.
-            own_id = item.entry.metadata.get(SCHEDULE_ID) or None
-            if own_id is not None and own_id in ids_taken:
-                failed.append(
-                    FailedEntry(
-                        item.entry_id,
-                        str(
-                            InvalidArgumentError(
-                                SCHEDULE_ID, own_id, "given to two messages of one bulk publish"
-                            )
-                        ),
-                    )
-                )
-                continue
-            if own_id is not None:
-                ids_taken.add(own_id)
-            m = merged.entry
-            envelope = self._envelope(
-                topic,
-                Delay(delay.due_ms, own_id),
-                message=m.data,
-                content_type=m.content_type,
-                metadata=m.metadata,
-            )
-            alone.append((item.entry_id, envelope))
-        envelopes = [e for _, e in alone]
-        if together and request_delay is not None:
-            bulk = [
-                env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
-                for i in together
-            ]
-            envelopes.append(self._envelope(topic, request_delay, metadata=metadata, bulk_entries=bulk))
+        p = plan.plan_bulk(topic, [(i.entry_id, i.entry) for i in entries], metadata, self._context())
+        failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
         stored_some = False
-        if envelopes:
+        if p.delayed:
+            stored = len(p.delayed)
             try:
-                await self._schedule(envelopes)
-                stored_some = True
-                self.metrics.published_delayed.inc(len(together) + len(alone))
+                await self._schedule([d.envelope for d in p.delayed])
             except DelayedPubSubError as err:
-                failed += [FailedEntry(i.entry_id, str(err)) for i in together]
-                failed += [FailedEntry(entry_id, str(err)) for entry_id, _ in alone]
-        if now:
+                # Only what is not stored failed: a retry of the rest would
+                # store those twice.
+                stored = err.stored if isinstance(err, PartiallyStoredError) else 0
+                failed += [FailedEntry(i, str(err)) for d in p.delayed[stored:] for i in d.entry_ids]
+            stored_some = stored > 0
+            self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in p.delayed[:stored]))
+        if p.cancels:
+            try:
+                await self._cancel(p.cancels)
+                stored_some = True
+            except DelayedPubSubError as err:
+                failed += [FailedEntry(i, str(err)) for c in p.cancels for i in c.entry_ids]
+        if p.immediate:
+            now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:
                 refused = await self.broker.bulk_publish(topic, now)
             except DelayedPubSubError as err:
@@ -288,7 +346,10 @@ class Instance:
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str]) -> Subscription:
         """Open a started subscription for one PullMessages stream."""
-        _check_topic(topic)
+        plan.check_topic(topic, subscribe=True)
+        # A key of another type would fail XGROUP CREATE forever: say so now.
+        self._stream_topics.pop(topic, None)
+        await self._check_stream(topic)
         if not self.settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID", "", "required to subscribe (daprd sets it to the app-id)"
@@ -360,6 +421,11 @@ class Instance:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
             await asyncio.gather(self._gauge_task, return_exceptions=True)
+        if self.forwarder is not None:
+            try:
+                await self.forwarder.close()
+            except Exception:
+                log.exception("instance %r: the forwarder had failed", self.name)
         subs = list(self._subscriptions)
         self._subscriptions.clear()
         self.metrics.subscriptions.set(0)
@@ -368,24 +434,143 @@ class Instance:
 
 
 class Instances:
-    """The component instances served on one socket, by name."""
+    """The component instances served on one socket, by name.
 
-    def __init__(self, clock: Clock, metrics: Metrics) -> None:
+    With a RecordStore it also makes a restart of `serve` survivable under a
+    running daprd (which calls Init only once, at its own start):
+
+    - every successful Init is recorded (records.py), and a call for an
+      instance this process has not seen Init'ed restores it from its record
+      first: once, under that instance's lock, while concurrent callers wait;
+    - the topics with open PullMessages streams are recorded too. daprd never
+      re-opens a stream, so topics a previous process had open are *orphaned*
+      until daprd re-opens them (it restarted) or re-Inits the instance. They
+      are logged at ERROR once each, counted in a gauge, and reported to
+      `on_change` (the server turns its subscriptions health NOT_SERVING).
+
+    A topic from a record is only *suspect* at first: if daprd restarted too,
+    its Init arrives within seconds and clears it. It turns orphaned when a
+    call for the instance arrives without an Init (proof that the daprd which
+    opened the streams is alive and will not re-open them) or when
+    `orphan_grace_s` passes with neither. But when daprd Init'ed *other*
+    instances in this process and, `orphan_grace_s` later, neither Init'ed nor
+    called this one, its component is gone from daprd (its YAML was removed
+    before daprd restarted): its topics are dropped, not reported.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        metrics: Metrics,
+        records: RecordStore | None = None,
+        orphan_grace_s: float = 30.0,
+    ) -> None:
         self._clock = clock
         self._metrics = metrics
         self._instances: dict[str, Instance] = {}
         self._lock = asyncio.Lock()
+        self._records = records
+        self._orphan_grace_s = orphan_grace_s
+        # One lock per instance name: Init and restore of one name are serialized,
+        # and a slow Redis behind one instance does not hold up the others.
+        self._name_locks: dict[str, asyncio.Lock] = {}
+        # The Init metadata each live instance was built from (rewritten into
+        # its record whenever its topics change).
+        self._props: dict[str, dict[str, str]] = {}
+        # Open PullMessages streams: name -> topic -> count, and stream -> (name, topic).
+        self._open: dict[str, dict[str, int]] = {}
+        self._streams: dict[Subscription, tuple[str, str]] = {}
+        self._suspect: dict[str, set[str]] = {}
+        self._orphaned: dict[str, set[str]] = {}
+        self._told: set[tuple[str, str]] = set()
+        self._restore_failures: dict[str, _RestoreFailure] = {}
+        self._grace_task: asyncio.Task[None] | None = None
+        self._after_init_task: asyncio.Task[None] | None = None
+        self._daprd_inited = False
+        # The records read at start, for rewriting those of instances daprd no longer has.
+        self._found: dict[str, InitRecord] = {}
+        self._closing = False
+        self.on_change: Callable[[], None] | None = None
+        """Called when the set of orphaned subscriptions changes."""
+
+    def start(self) -> None:
+        """Read the records a previous process left; arm the orphan timer for their topics."""
+        if self._records is None:
+            return
+        for record in self._records.load_all():
+            if record.topics and record.instance not in self._instances:
+                self._suspect[record.instance] = set(record.topics)
+                self._found[record.instance] = record
+        if self._suspect:
+            log.warning(
+                "a previous process had subscriptions open: %s; unless daprd Inits them again (it restarted "
+                "too) they are orphaned, at once when daprd calls them or after %gs",
+                _describe(self._suspect),
+                self._orphan_grace_s,
+            )
+            self._grace_task = asyncio.create_task(self._settle_later(), name="orphan grace")
+
+    async def _settle_later(self) -> None:
+        await self._clock.sleep(self._orphan_grace_s)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Decide about the recorded topics nobody has claimed `orphan_grace_s` after the start
+        (or after daprd's last Init): orphaned, or dropped if daprd no longer has the instance."""
+        for name in list(self._suspect):
+            if not self._daprd_inited:
+                self._orphan(name, self._suspect.pop(name))
+        if not self._daprd_inited:
+            return
+        for name in sorted(set(self._suspect) | set(self._orphaned)):
+            if name in self._instances:
+                continue  # called or Init'ed in this process: daprd has it
+            topics = self._suspect.pop(name, set()) | self._orphaned.pop(name, set())
+            log.info(
+                "instance %r: daprd Init'ed other instances but has not called this one for %gs: its "
+                "component is gone from daprd; its recorded subscriptions (%s) are dropped, not orphaned",
+                name,
+                self._orphan_grace_s,
+                ", ".join(sorted(topics)),
+            )
+            found = self._found.pop(name, None)
+            if found is not None and self._records is not None:
+                with contextlib.suppress(OSError, RecordRefusedError):
+                    self._records.save(InitRecord(name, found.properties, (), self._clock.now_ms()))
+            self._orphans_changed(name)
+
+    def _name_lock(self, name: str) -> asyncio.Lock:
+        return self._name_locks.setdefault(name, asyncio.Lock())
 
     async def init(self, name: str, props: Mapping[str, str]) -> Instance:
         """Parse, connect and register `name`, replacing (and closing) any previous Init of it.
 
-        On failure the previous instance, if any, stays as it was.
+        On failure the previous instance, if any, stays as it was. On success
+        the Init is recorded, and subscriptions a previous process had open for
+        `name` are no longer counted orphaned: daprd re-Inits a component when
+        it (re)starts or reloads it, and then opens whatever it subscribes.
         """
         settings = parse_settings(props)
-        instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
-        async with self._lock:
-            old = self._instances.get(name)
-            self._instances[name] = instance
+        async with self._name_lock(name):
+            instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
+            async with self._lock:
+                old = self._instances.get(name)
+                self._instances[name] = instance
+            self._props[name] = dict(props)
+            self._restore_failures.pop(name, None)
+            cleared = self._suspect.pop(name, set()) | self._orphaned.pop(name, set())
+            self._found.pop(name, None)
+            self._write_record(name)
+            # A daprd (re)started or reloaded: the instances it has are Init'ed in a
+            # burst; recorded ones it does not Init are settled once the burst is over.
+            self._daprd_inited = True
+            if self._suspect or self._orphaned:
+                if self._after_init_task is not None:
+                    self._after_init_task.cancel()
+                self._after_init_task = asyncio.create_task(self._settle_later(), name="orphan settle")
+        if cleared:
+            log.info("instance %r: daprd Init'ed it again; it re-opens its subscriptions itself", name)
+            self._orphans_changed(name)
         if old is not None:
             log.info("instance %r re-initialized; closing the previous one", name)
             await old.close()
@@ -394,22 +579,6 @@ class Instances:
         )
         return instance
 
-    async def unreachable(self, limit_s: float = 2.0) -> list[str]:
-        """Names of the instances whose Redis does not answer PING within `limit_s` seconds."""
-        instances = list(self._instances.items())
-
-        async def down(instance: Instance) -> bool:
-            try:
-                async with asyncio.timeout(limit_s):
-                    await instance.ping()
-            except (DelayedPubSubError, RedisError, TimeoutError):
-                instance.metrics.redis_errors.inc()
-                return True
-            return False
-
-        results = await asyncio.gather(*(down(i) for _, i in instances))
-        return [name for (name, _), bad in zip(instances, results, strict=True) if bad]
-
     def get(self, name: str) -> Instance:
         """The instance named `name`; NotInitializedError if daprd has not called Init for it."""
         try:
@@ -417,16 +586,221 @@ class Instances:
         except KeyError:
             raise NotInitializedError(name) from None
 
+    async def ready(self, name: str) -> Instance:
+        """The instance named `name`, restored from its Init record if this process has not seen its Init.
+
+        NotInitializedError if there is no record; RestoreFailedError (also a
+        NotInitializedError) if the record is refused or its Init fails for
+        good; BackendUnavailableError if Redis is unreachable (a later call
+        tries again, after a backoff during which calls fail at once).
+        """
+        instance = self._instances.get(name)
+        if instance is not None:
+            return instance
+        if self._records is None or not self._records.has(name):
+            # Nothing to restore (and no lock kept for names nobody Init'ed).
+            raise NotInitializedError(name)
+        async with self._name_lock(name):
+            # Whoever held the lock may have restored it (or daprd Init'ed it).
+            instance = self._instances.get(name)
+            if instance is not None:
+                return instance
+            failure = self._restore_failures.get(name)
+            if failure is not None and self._clock.now_ms() < failure.retry_at_ms:
+                raise failure.error
+            try:
+                instance = await self._restore(name)
+            except NotInitializedError as e:
+                if not isinstance(e, RestoreFailedError):
+                    raise  # never Init'ed, nothing recorded: the plain "call Init first"
+                self._failed_restore(name, e, failure)
+                raise
+            except BackendUnavailableError as e:
+                self._failed_restore(name, e, failure)
+                raise
+            self._restore_failures.pop(name, None)
+            return instance
+
+    def _failed_restore(self, name: str, error: DelayedPubSubError, previous: _RestoreFailure | None) -> None:
+        backoff = previous.backoff if previous is not None else Backoff(base_s=0.5, cap_s=10.0)
+        retry_at_ms = self._clock.now_ms() + int(backoff.next() * 1000)
+        self._restore_failures[name] = _RestoreFailure(error, retry_at_ms, backoff)
+        log.error("%s", error)
+
+    async def _restore(self, name: str) -> Instance:
+        assert self._records is not None
+        try:
+            record = self._records.load(name)
+        except (RecordRefusedError, OSError) as e:
+            raise RestoreFailedError(name, f"its record was refused: {e}") from e
+        if record is None:
+            raise NotInitializedError(name)
+        try:
+            settings = parse_settings(record.properties)
+            instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"component instance {name!r} restarting from its Init record {record.path}: {e}"
+            ) from e
+        except DelayedPubSubError as e:
+            raise RestoreFailedError(name, f"Init from {record.path} failed: {e}") from e
+        async with self._lock:
+            self._instances[name] = instance
+        self._props[name] = dict(record.properties)
+        log.warning(
+            "instance %r: called without an Init in this process (the component restarted under a "
+            "running daprd); re-initialized from its Init record %s of %s: redis %s, consumerID %r",
+            name,
+            record.path,
+            _iso(record.written_at_ms),
+            settings.address,
+            settings.consumer_id,
+        )
+        # The daprd that opened this instance's streams is alive and did not
+        # re-Init it: those streams died with the previous process for good.
+        self._found.pop(name, None)
+        self._orphan(name, self._suspect.pop(name, set()) | set(record.topics))
+        return instance
+
+    async def subscribe(
+        self, name: str, instance: Instance, topic: str, metadata: Mapping[str, str]
+    ) -> Subscription:
+        """Open a subscription on `instance` for one PullMessages stream, and record its topic."""
+        sub = await instance.subscribe(topic, metadata)
+        counts = self._open.setdefault(name, {})
+        counts[topic] = counts.get(topic, 0) + 1
+        self._streams[sub] = (name, topic)
+        resumed = False
+        for known in (self._suspect.get(name), self._orphaned.get(name)):
+            if known is not None and topic in known:
+                known.discard(topic)
+                resumed = True
+        if resumed:
+            log.info("instance %r: daprd opened topic %r again; it is no longer orphaned", name, topic)
+            self._orphans_changed(name)
+        if counts[topic] == 1 or resumed:
+            self._write_record(name)
+        return sub
+
+    async def unsubscribe(self, instance: Instance, sub: Subscription) -> None:
+        """Close a stream's subscription. Unless this process is shutting down
+        (then daprd loses the stream for good, and the record must keep it),
+        its topic leaves the record once no stream of it is open."""
+        where = self._streams.pop(sub, None)
+        await instance.unsubscribe(sub)
+        if where is None or self._closing:
+            return
+        name, topic = where
+        counts = self._open.get(name, {})
+        counts[topic] = counts.get(topic, 1) - 1
+        if counts[topic] <= 0:
+            del counts[topic]
+            self._write_record(name)
+
+    def orphaned(self) -> dict[str, frozenset[str]]:
+        """instance -> topics whose streams a previous process had open and daprd has not re-opened."""
+        return {name: frozenset(t) for name, t in self._orphaned.items() if t}
+
+    def items(self) -> list[tuple[str, Instance]]:
+        """The live instances (a snapshot)."""
+        return list(self._instances.items())
+
+    def _orphan(self, name: str, topics: set[str]) -> None:
+        topics = topics - set(self._open.get(name, ()))
+        if not topics:
+            return
+        self._orphaned.setdefault(name, set()).update(topics)
+        for topic in sorted(topics):
+            if (name, topic) in self._told:
+                continue
+            self._told.add((name, topic))
+            log.error(
+                "instance %r: the subscription to topic %r was open before this component restarted and "
+                "daprd never re-opens a subscription stream: nothing is delivered on it until daprd is "
+                "restarted. Restart daprd (in Kubernetes: the pod) to resume it; its messages wait in "
+                "Redis meanwhile, none is lost",
+                name,
+                topic,
+            )
+        self._orphans_changed(name)
+
+    def _orphans_changed(self, name: str) -> None:
+        self._metrics.orphaned_subscriptions.labels(name).set(len(self._orphaned.get(name, ())))
+        if self.on_change is not None:
+            self.on_change()
+
+    def _write_record(self, name: str) -> None:
+        if self._records is None or name not in self._props:
+            return
+        topics = (
+            set(self._open.get(name, ())) | self._suspect.get(name, set()) | self._orphaned.get(name, set())
+        )
+        record = InitRecord(name, self._props[name], tuple(sorted(topics)), self._clock.now_ms())
+        try:
+            self._records.save(record)
+        except (OSError, RecordRefusedError) as e:
+            # The call itself succeeded; only restart safety is lost: say so loudly.
+            log.error(
+                "instance %r: cannot write its Init record in %s (%s): a restart of this component will "
+                "need a restart of daprd",
+                name,
+                self._records.folder,
+                e,
+            )
+
+    async def drain(self, within_s: float) -> None:
+        """First step of a graceful stop: send nothing new on any stream, give the
+        messages daprd is processing up to `within_s` seconds to be acked, then end
+        every stream. Unacked messages stay pending in Redis; the streams' topics
+        stay recorded, so the next process reports them orphaned."""
+        self._closing = True
+        for _, instance in self.items():
+            instance.pause()
+        subs = list(self._streams)
+        waited = 0.0
+        while any(s.in_flight for s in subs) and waited < within_s:
+            await self._clock.sleep(0.05)
+            waited += 0.05
+        left = sum(s.in_flight for s in subs)
+        if left:
+            log.warning(
+                "%d delivered messages not acked within %gs; they stay pending in Redis", left, within_s
+            )
+        for sub in subs:
+            sub.stop()
+
     async def close(self) -> None:
-        """Close every instance."""
+        """Close every instance (recorded topics stay recorded)."""
+        self._closing = True
+        for task in (self._grace_task, self._after_init_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._grace_task = self._after_init_task = None
         instances = list(self._instances.values())
         self._instances.clear()
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
 
 
-_DELAY_KEYS = frozenset(DELAY_KEYS)
+# A connection that dropped (a lost reply among them): the schedule step is
+# idempotent under its token, so it is retried.
+_DROPPED = (OSError, RedisConnectionError)
+
+_TYPE_CACHE_MS = 60_000
+_TYPE_CACHE_SIZE = 10_000
 
 
-def _check_topic(topic: str) -> None:
-    if not topic:
-        raise InvalidArgumentError("topic", topic, "must not be empty")
+@dataclass(frozen=True)
+class _RestoreFailure:
+    error: DelayedPubSubError
+    retry_at_ms: int
+    backoff: Backoff
+
+
+def _describe(topics: Mapping[str, set[str]]) -> str:
+    return "; ".join(f"{name!r}: {', '.join(sorted(t))}" for name, t in sorted(topics.items()))
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds")

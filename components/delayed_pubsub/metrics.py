@@ -66,7 +66,7 @@ class Metrics:
             ["instance"],
             registry=r,
         )
-        # --- operations (issue 9): retries, dead letters, cancels, parks, errors
+        # --- operations (issue 9): retries, dead letters, parks, errors (cancels: `cancels` below)
         self.retried = Counter(
             "delayed_pubsub_retried_messages",
             "Nacked messages scheduled for a later redelivery by the retry policy",
@@ -77,12 +77,6 @@ class Metrics:
             "delayed_pubsub_dead_lettered_messages",
             "Messages that used up maxDeliveryAttempts; outcome=published (to deadLetterTopic) or dropped",
             ["instance", "outcome"],
-            registry=r,
-        )
-        self.cancelled = Counter(
-            "delayed_pubsub_cancelled_messages",
-            "Pending delayed messages cancelled (scheduleCancel)",
-            ["instance"],
             registry=r,
         )
         self.parked = Counter(
@@ -108,6 +102,34 @@ class Metrics:
             registry=r,
         )
 
+        # Restart safety and health (set by the registry and the server's health check).
+        self.orphaned_subscriptions = Gauge(
+            "delayed_pubsub_orphaned_subscriptions",
+            "Topics whose PullMessages stream a previous process had open and daprd has not re-opened "
+            "(daprd never re-opens one: restart daprd)",
+            ["instance"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "delayed_pubsub_redis_up",
+            "1 if the instance's Redis answered the last health check's PING, else 0",
+            ["instance"],
+            registry=r,
+        )
+        self.forwarder = ForwarderMetrics.register(r)
+        self.cancels = Counter(
+            "delayed_pubsub_cancels",
+            "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",
+            ["instance", "result"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "delayed_pubsub_expired_messages",
+            "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
+            ["instance"],
+            registry=r,
+        )
+
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
         return InstanceMetrics(
@@ -119,10 +141,13 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            forwarder=self.forwarder,
+            cancelled=self.cancels.labels(name, "cancelled"),
+            cancel_unknown=self.cancels.labels(name, "unknown"),
+            expired=self.expired.labels(name),
             retried=self.retried.labels(name),
             dead_lettered=self.dead_lettered.labels(name, "published"),
             dropped=self.dead_lettered.labels(name, "dropped"),
-            cancelled=self.cancelled.labels(name),
             parked=self.parked.labels(name),
             redis_errors=self.redis_errors.labels(name),
             subscriptions=self.subscriptions.labels(name),
@@ -143,16 +168,20 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    cancelled: Counter
+    cancel_unknown: Counter
+    expired: Counter
     retried: Counter
     dead_lettered: Counter
     dropped: Counter
-    cancelled: Counter
     parked: Counter
     redis_errors: Counter
     subscriptions: Gauge
     # The family, not a child: its topic label set changes with every refresh.
     pending_by_topic: Gauge
     name: str
+    # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
+    forwarder: ForwarderMetrics | None = None
     topics_shown: set[str] = field(default_factory=set)
 
     def set_pending_by_topic(self, counts: Mapping[str, int], top: int = 20) -> None:
@@ -175,3 +204,45 @@ class InstanceMetrics:
         if report.fired:
             self.fired.inc(report.fired)
             self.fire_lateness.observe(max(0, report.max_lateness_ms) / 1000)
+        if report.parked:
+            self.parked.inc(report.parked)
+
+
+@dataclass(frozen=True)
+class ForwarderMetrics:
+    """Hand-offs of due messages to another Dapr pub/sub (targetPubsub), labelled by instance."""
+
+    handed_off: Counter
+    # reason: unavailable (sidecar unreachable), unknown_target, refused (by daprd or the target)
+    failures: Counter
+    dead_lettered: Counter
+    expired: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> ForwarderMetrics:
+        return cls(
+            handed_off=Counter(
+                "delayed_pubsub_handed_off_messages",
+                "Due messages published through the sidecar to their targetPubsub",
+                ["instance"],
+                registry=registry,
+            ),
+            failures=Counter(
+                "delayed_pubsub_handoff_failures",
+                "Failed hand-off attempts (retried); reason=unavailable, unknown_target or refused",
+                ["instance", "reason"],
+                registry=registry,
+            ),
+            dead_lettered=Counter(
+                "delayed_pubsub_handoff_dead_lettered_messages",
+                "Hand-offs given up after the last attempt and written to deadLetterTopic",
+                ["instance"],
+                registry=registry,
+            ),
+            expired=Counter(
+                "delayed_pubsub_handoff_expired_messages",
+                "Messages bound for a targetPubsub that expired (ttl) before their hand-off",
+                ["instance"],
+                registry=registry,
+            ),
+        )

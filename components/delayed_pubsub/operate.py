@@ -38,10 +38,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from delayed_middleware import history as hist
-from delayed_middleware import scripts
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.durations import parse_go_duration
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_middleware.inspect import Inspector, PendingMessage
@@ -379,64 +378,34 @@ async def _inspect(
     return EXIT_OK
 
 
-# INTERIM (until engine v2's DelayEngine.cancel(id) lands, which cancels by
-# scheduleId OR envelope id and records the `cancelled` history event itself):
-# cancel an envelope that has no scheduleId by its stream id. Built on the
-# engine's own index functions (scripts._INDEX), so the index stays consistent.
-# KEYS: as scripts.CANCEL; ARGV[1] bucket key prefix, ARGV[2] stream id, ARGV[3] due ms.
-_CANCEL_BY_STREAM_ID = (
-    scripts._INDEX
-    + """
-local removed = remove(ARGV[2], ARGV[3])
-if removed == 1 then redis.call('XDEL', KEYS[1], ARGV[2]) end
-return removed
-"""
-)
+# The `reason` of the `cancelled` history record the CLI's cancel writes.
+CANCEL_REASON = "operator (delayed-pubsub cancel)"
 
 
 async def cancel_ids(
     connection: Connection, settings: Settings, ids: Sequence[str]
 ) -> tuple[list[str], list[str]]:
-    """Cancel each id (scheduleId or envelope id); returns (cancelled, not found)."""
-    inspector = _inspector(connection, settings)
-    keys = inspector.keys
-    client: Any = connection.client
-    engine = DelayEngine(client, keys, SystemClock())
-    by_stream_id = client.register_script(_CANCEL_BY_STREAM_ID)
-    done: list[str] = []
-    missing: list[str] = []
-    for id in ids:
-        # SWITCH to `ok = await engine.cancel(id)` once engine v2 is merged.
-        info = await inspector.get(id)
-        ok = False
-        if info is not None and info.state == "pending":
-            m = info.message
-            if m.schedule_id:
-                ok = await engine.cancel(m.schedule_id)
-            else:
-                ok = bool(
-                    await by_stream_id(keys=keys.script_keys, args=[keys.buckets, m.stream_id, m.due_ms])
-                )
-            if ok:
-                await _record_cancel(client, keys.history, m)
-        (done if ok else missing).append(id)
+    """Cancel each id (scheduleId or envelope id) as scheduleCancel does; returns (cancelled, not found).
+
+    The engine's own cancel: it removes the index entry and the envelope and
+    writes the `cancelled` history record in one script, in batches, with the
+    component's history and marker settings.
+    """
+    engine = DelayEngine(
+        connection.client,  # type: ignore[arg-type]
+        _inspector(connection, settings).keys,
+        SystemClock(),
+        config=EngineConfig(
+            history_max_len=settings.history_max_len,
+            history_max_age_ms=settings.history_max_age_ms,
+            marker_ttl_ms=settings.delete_marker_ttl_ms,
+        ),
+    )
+    # The history's reason tells an operator's cancel from a publisher's scheduleCancel (`Remove`).
+    results = await engine.cancel_many(list(ids), reason=CANCEL_REASON)
+    done = [id for id, (found, _) in zip(ids, results, strict=True) if found]
+    missing = [id for id, (found, _) in zip(ids, results, strict=True) if not found]
     return done, missing
-
-
-async def _record_cancel(client: Any, history_key: str, m: PendingMessage) -> None:
-    # INTERIM as above: engine v2 writes this record inside its cancel script.
-    fields = {
-        "event": hist.CANCELLED,
-        "at": str(int(time.time() * 1000)),
-        "id": m.id,
-        "sid": m.schedule_id,
-        "topic": m.topic,
-        "kind": m.kind,
-        "due": str(m.due_ms),
-        "size": str(m.size),
-        "reason": "operator (delayed-pubsub cancel)",
-    }
-    await client.xadd(history_key, fields, maxlen=100_000, approximate=True)
 
 
 async def _cancel(

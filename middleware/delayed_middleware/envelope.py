@@ -16,6 +16,11 @@ from google.protobuf.message import DecodeError as _ProtoDecodeError
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
+# DelayedMessage.kind
+ONESHOT = 0
+RECURRING = 1
+RETRY = 2
+
 
 class EnvelopeDecodeError(DelayedPubSubError):
     """Bytes on the delayed topic that are not a DelayedMessage we can fire."""
@@ -49,10 +54,30 @@ class Envelope:
     pubsub_name: str = ""
     schedule_id: str = ""
     bulk_entries: Sequence[BulkEntry] = ()
+    kind: int = ONESHOT
+    # The schedule expression of a recurring envelope.
+    schedule: str = ""
+    # Epoch ms after which the message is never delivered; 0 = never expires.
+    expires_at_ms: int = 0
+    schedule_source: str = ""
+    schedule_ttl_ms: int = 0
+    target_pubsub: str = ""
+    delivery_attempt: int = 0
 
     @property
     def is_bulk(self) -> bool:
         return bool(self.bulk_entries)
+
+    @property
+    def is_recurring(self) -> bool:
+        return self.kind == RECURRING
+
+    @property
+    def size(self) -> int:
+        """Payload bytes: the message, or every entry of a bulk envelope."""
+        if self.is_bulk:
+            return sum(len(e.event) for e in self.bulk_entries)
+        return len(self.message)
 
 
 def encode_envelope(env: Envelope) -> bytes:
@@ -67,6 +92,13 @@ def encode_envelope(env: Envelope) -> bytes:
         publishedAtMs=env.published_at_ms,
         pubsubName=env.pubsub_name,
         scheduleId=env.schedule_id,
+        kind=env.kind,
+        schedule=env.schedule,
+        expiresAtMs=env.expires_at_ms,
+        scheduleSource=env.schedule_source,
+        scheduleTtlMs=env.schedule_ttl_ms,
+        targetPubsub=env.target_pubsub,
+        deliveryAttempt=env.delivery_attempt,
     )
     if env.is_bulk:
         bulk = delayed_pb2.DelayedBulk(
@@ -113,4 +145,11 @@ def decode_envelope(raw: bytes) -> Envelope:
         pubsub_name=msg.pubsubName,
         schedule_id=msg.scheduleId,
         bulk_entries=entries,
+        kind=msg.kind,
+        schedule=msg.schedule,
+        expires_at_ms=msg.expiresAtMs,
+        schedule_source=msg.scheduleSource,
+        schedule_ttl_ms=msg.scheduleTtlMs,
+        target_pubsub=msg.targetPubsub,
+        delivery_attempt=msg.deliveryAttempt,
     )

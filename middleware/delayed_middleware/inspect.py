@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 
 from delayed_middleware.entry import StreamEntry, decode_entry
+from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic
@@ -138,11 +139,11 @@ def _payload_size(env: Envelope) -> int:
 
 
 def _ref(value: bytes | str | None) -> tuple[str, int | None, str]:
-    """An ids-hash value: "<stream id> <due ms> [<next ms>]"."""
-    parts = _s(value).split(" ")
+    """An ids-hash value: "<stream id> <due ms> <next ms> <next RFC3339> <flag>" ('-' = none)."""
+    parts = _s(value).split()
     due = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
-    nxt = parts[2] if len(parts) > 2 else ""
-    return parts[0], due, nxt
+    nxt = parts[2] if len(parts) > 2 and parts[2] != "-" else ""
+    return parts[0] if parts else "", due, nxt
 
 
 async def _each(iterators: tuple[AsyncIterator[PendingMessage], ...]) -> AsyncIterator[PendingMessage]:
@@ -169,8 +170,11 @@ def _pending(
     size: int,
     attempts: str,
     published_at_ms: int,
+    recurring: bool = False,
 ) -> PendingMessage:
-    due, kind = due_ms, ONESHOT
+    # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
+    # or older ids entry with a next occurrence says so too.
+    due, kind = due_ms, RECURRING if recurring else ONESHOT
     if ref is not None:
         ref_id, ref_due, ref_next = _ref(ref)
         # A recurring envelope's current occurrence lives in the ids hash.
@@ -280,6 +284,7 @@ class Inspector:
                     size=size,
                     attempts=attempts,
                     published_at_ms=msg.publishedAtMs,
+                    recurring=msg.kind == RECURRING_KIND,
                 )
             )
         return out
@@ -294,6 +299,7 @@ class Inspector:
             size=_payload_size(env),
             attempts=env.metadata.get(DELIVERY_ATTEMPT, "0"),
             published_at_ms=env.published_at_ms,
+            recurring=env.is_recurring,
         )
 
     async def pending(

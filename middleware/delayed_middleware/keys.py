@@ -99,7 +99,33 @@ class EngineKeys:
             outbox=f"{tag}:outbox",
         )
 
+    # Subscriber retries (delayed_pubsub.retry): not touched by the engine's scripts.
+    def retry(self, topic: str) -> str:
+        """Sorted set: entry ids of `topic` waiting out a retry backoff, scored by their next delivery (ms)."""
+        return "{" + self.stream + "}:retry:" + topic
+
+    @property
+    def retrying(self) -> str:
+        """Set of the topics that have (or had) a retry schedule: found without KEYS."""
+        return "{" + self.stream + "}:retrying"
+
+    @property
+    def dead_letters(self) -> str:
+        """Set of the dead-letter topics the retry policy has written to."""
+        return "{" + self.stream + "}:deadletters"
+
     @property
     def script_keys(self) -> list[str]:
         """KEYS of every engine script, in their order (see the .lua headers)."""
-        return [self.stream, self.due, self.ids, self.seq, self.count]
+        return [
+            self.stream,
+            self.due,
+            self.ids,
+            self.seq,
+            self.count,
+            self.history,
+            self.parked,
+            self.calls,
+            self.refill,
+            self.outbox,
+        ]

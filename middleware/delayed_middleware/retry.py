@@ -77,7 +77,7 @@ from typing import Final
 from delayed_middleware.backoff import compute_backoff
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.keys import delayed_topic, is_delayed_topic, is_engine_key
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_delayed_topic, is_engine_key
 
 MAX_DELIVERY_ATTEMPTS: Final = "maxDeliveryAttempts"
 RETRY_INITIAL_INTERVAL: Final = "retryInitialInterval"
@@ -111,21 +111,18 @@ DEFAULT_MULTIPLIER: Final = 2.0
 
 
 def retry_key(consumer_id: str, topic: str) -> str:
-    """The durable retry schedule of one consumer group on one topic.
-
-    (Belongs beside keys.EngineKeys; kept here until the engine v2 merge.)
-    """
-    return "{" + delayed_topic(consumer_id) + "}:retry:" + topic
+    """The durable retry schedule of one consumer group on one topic (EngineKeys.retry)."""
+    return EngineKeys.for_topic(delayed_topic(consumer_id)).retry(topic)
 
 
 def retry_topics_key(consumer_id: str) -> str:
-    """Set of the topics that have (or had) a retry schedule for this app: found without KEYS."""
-    return "{" + delayed_topic(consumer_id) + "}:retrying"
+    """Set of the topics that have (or had) a retry schedule for this app (EngineKeys.retrying)."""
+    return EngineKeys.for_topic(delayed_topic(consumer_id)).retrying
 
 
 def dead_letter_topics_key(consumer_id: str) -> str:
-    """Set of the dead-letter topics this app has written to."""
-    return "{" + delayed_topic(consumer_id) + "}:deadletters"
+    """Set of the dead-letter topics this app has written to (EngineKeys.dead_letters)."""
+    return EngineKeys.for_topic(delayed_topic(consumer_id)).dead_letters
 
 
 @dataclass(frozen=True)
@@ -203,7 +200,9 @@ def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None
     given = {k: props[k].strip() for k in KEYS if k in props and props[k].strip() != ""}
     if not given:
         return policy
-    changes: dict[str, object] = {"active": True}
+    # On the component, deadLetterTopic alone is also the forwarder's (hand-offs that failed
+    # their last attempt): it must not turn subscriber retries on. On a subscription it does.
+    changes: dict[str, object] = {"active": base is not None or given.keys() != {DEAD_LETTER_TOPIC}}
     if MAX_DELIVERY_ATTEMPTS in given:
         raw = given[MAX_DELIVERY_ATTEMPTS]
         if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 2**31:

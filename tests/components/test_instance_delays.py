@@ -317,3 +317,97 @@ async def test_delayed_publish_to_a_stalled_redis_fails_within_the_call_timeout(
             private.proc.send_signal(signal.SIGCONT)
     finally:
         private.stop()
+
+
+# --- engine v2: the reserved namespace and topics that are not streams ---------------------
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "{app1-delayed}:due",
+        "{app1-delayed}:ids",
+        "{app1-delayed}:pending",
+        "{app1-delayed}:history",
+        "{other-delayed}:due:1",
+        "other-delayed",  # another app's delayed topic
+        "app1-delayed",
+    ],
+)
+async def test_engine_keys_and_every_apps_delayed_topic_refuse_plain_publishes(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    topic: str,
+) -> None:
+    c = component("delayed")
+    # Another app (consumerID) with trimming on: it must not reach app1's keys.
+    await c.init({**delayed_props, "consumerID": "intruder", "maxLenApprox": "1"})
+    for call in (
+        c.publish(topic, b"x"),
+        c.publish(topic, b"x", {"scheduledSendDelay": "1s"}),
+        c.bulk_publish(topic, [pubsub_pb2.BulkMessageEntry(entry_id="1", event=b"x")]),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert topic in (err.value.details() or "")
+    assert redis_client.exists(topic) == 0
+
+
+async def test_another_app_cannot_trim_a_delayed_topic(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    owner, other = component("owner"), component("other")
+    await owner.init(delayed_props)
+    await other.init({**delayed_props, "consumerID": "other", "maxLenApprox": "10"})
+    for i in range(300):
+        await owner.publish("orders", f"{i}".encode(), {"scheduledSendDelay": "1h"})
+    with pytest.raises(grpc.aio.AioRpcError):
+        await other.publish("app1-delayed", b"x")
+    assert redis_client.xlen("app1-delayed") == 300
+
+
+async def test_engine_keys_cannot_be_subscribed_but_delayed_topics_can(
+    component: Callable[[str], Component], delayed_props: dict[str, str]
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("{app1-delayed}:due")
+    code, details = await stream.status()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "{app1-delayed}:due" in details
+    watcher = await c.subscribe("other-delayed")  # reading any delayed topic is allowed
+    assert watcher is not None
+
+
+async def test_topics_whose_key_is_not_a_stream_are_refused_clearly(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    redis_client.hset("a-hash", "f", "v")
+    for call in (c.publish("a-hash", b"x"), c.publish("a-hash", b"x", {"scheduledSendDelay": "1s"})):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a-hash" in (err.value.details() or "")
+    assert redis_client.xlen("app1-delayed") == 0  # nothing stored
+    assert redis_client.hgetall("a-hash") == {b"f": b"v"}
+    # Subscribing answers at once instead of retrying XGROUP CREATE forever.
+    stream = await c.subscribe("a-hash")
+    code, details = await stream.status()
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "a-hash" in details
+
+
+async def test_delayed_publish_records_its_history(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("orders", b"soon", {"scheduledSendDelay": "200ms", "scheduleId": "h1"})
+    stream = await c.subscribe("orders")
+    assert (await stream.next(within=5)).data == b"soon"
+    events = [f[b"event"] for _, f in stream_entries(redis_client, "{app1-delayed}:history")]
+    assert events == [b"scheduled", b"fired"]

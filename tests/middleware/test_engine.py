@@ -6,7 +6,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -37,21 +37,6 @@ def env(n: int, due: int, topic: str = "orders", sid: str = "", **kw: object) ->
         schedule_id=sid,
         **kw,  # type: ignore[arg-type]
     )
-
-
-@pytest.fixture
-async def aredis(redis_client: redis.Redis) -> AsyncIterator[Callable[[], aioredis.Redis]]:
-    port = redis_client.connection_pool.connection_kwargs["port"]
-    made: list[aioredis.Redis] = []
-
-    def make() -> aioredis.Redis:
-        c = aioredis.Redis(port=port, socket_timeout=5, socket_connect_timeout=2)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        await c.aclose()
 
 
 def target(redis_client: redis.Redis, topic: str = "orders") -> list[tuple[str, dict[bytes, bytes]]]:
@@ -333,7 +318,11 @@ async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
     engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
     # A truncated field, scheduled through the real script as any envelope is.
     redis_client.eval(
-        scripts.SCHEDULE, 5, *KEYS.script_keys, KEYS.buckets, KEYS.wake, 1, b"\x0a\xff\xff\xff", T0, ""
+        scripts.SCHEDULE,
+        len(KEYS.script_keys),
+        *KEYS.script_keys,
+        *(KEYS.buckets, KEYS.wake, T0, "", 0, 1000, 1),
+        *(b"\x0a\xff\xff\xff", T0, "", 0, "orders", 4, "", "-", "-"),
     )
     [(bad_id, _)] = target(redis_client, KEYS.stream)
     await engine.schedule([env(1, T0)])
@@ -341,6 +330,7 @@ async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
     assert [json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client)] == [1]
     assert await engine.pending() == 0  # out of the index: it cannot spin the loop
     assert [i for i, _ in target(redis_client, KEYS.stream)] == [bad_id]  # still there to inspect
+    assert "undecodable" in str(redis_client.hget(KEYS.parked, bad_id))  # and listed for operators
 
 
 @pytest.mark.parametrize("seed", range(4))

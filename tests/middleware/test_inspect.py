@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
@@ -13,7 +14,7 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope
-from delayed_middleware.inspect import Inspector, payload_preview
+from delayed_middleware.inspect import Inspector, looks_like_stream_id, payload_preview
 from delayed_middleware.keys import EngineKeys, delayed_topic
 
 T0 = 1_800_000_000_000
@@ -79,14 +80,19 @@ async def test_get_by_schedule_id_and_by_envelope_id(client: aioredis.Redis, eng
     [with_sid, plain] = await engine.schedule(
         [env(1, T0 + 1000, sid="invoice-7"), env(2, T0 + 2000, message=b"\xff\x00binary")]
     )
+    # Engine v2's schedule returns the scheduleId when there is one, else the stream id.
+    assert with_sid == "invoice-7"
     inspector = Inspector(client, "app")
     info = await inspector.get("invoice-7")
     assert info is not None
-    assert info.message.stream_id == with_sid
+    assert looks_like_stream_id(info.message.stream_id)
     assert info.message.id == "invoice-7"
     assert info.state == "pending"
     assert info.preview() == '{"n":1}'
     assert info.envelope.metadata == {"k": "v1"}
+    by_stream_id = await inspector.get(info.message.stream_id)
+    assert by_stream_id is not None
+    assert by_stream_id.message.id == "invoice-7"
 
     info = await inspector.get(plain)
     assert info is not None
@@ -130,8 +136,10 @@ async def test_recurring_due_comes_from_the_ids_hash(
 ) -> None:
     # Engine v2 keeps a recurring envelope's current occurrence in the ids hash:
     # "<stream id> <due ms> <next ms>".
-    [sid] = await engine.schedule([env(1, T0 + 1000, sid="every-minute")])
-    redis_client.hset(KEYS.ids, "every-minute", f"{sid} {T0 + 60_000} {T0 + 120_000}")
+    await engine.schedule([env(1, T0 + 1000, sid="every-minute")])
+    ref: Any = redis_client.hget(KEYS.ids, "every-minute")
+    stream_id = ref.decode().split()[0]
+    redis_client.hset(KEYS.ids, "every-minute", f"{stream_id} {T0 + 60_000} {T0 + 120_000} - i")
     [m] = (await Inspector(client, "app").pending()).messages
     assert (m.kind, m.due_ms) == ("recurring", T0 + 60_000)
 

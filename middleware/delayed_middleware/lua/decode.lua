@@ -1,0 +1,125 @@
+-- LIBRARY decode.lua: a DelayedMessage decoder, so firing needs no round trip
+-- through the client. Knows the fields firing needs (see proto/delayedpubsub/v1/
+-- delayed.proto) and DelayedBulk; raises on malformed input, which callers
+-- catch with pcall. Property-tested against the protobuf library.
+local byte, sub = string.byte, string.sub
+
+-- Reads a varint at pos; returns value, next pos. A truncated one errors.
+local function varint(s, pos)
+  local b = byte(s, pos)
+  if b < 128 then return b, pos + 1 end
+  local result, mul = b - 128, 128
+  pos = pos + 1
+  while true do
+    b = byte(s, pos)
+    pos = pos + 1
+    if b < 128 then return result + b * mul, pos end
+    result = result + (b - 128) * mul
+    mul = mul * 128
+  end
+end
+
+local function skip(wt, s, pos)
+  if wt == 0 then local _, p = varint(s, pos); return p end
+  if wt == 1 then return pos + 8 end
+  if wt == 5 then return pos + 4 end
+  error('unsupported wire type')
+end
+
+-- A map<string,string> entry in s[from..to]: returns key, value.
+local function map_entry(s, from, to)
+  local k, v, pos = '', '', from
+  while pos <= to do
+    local key
+    key, pos = varint(s, pos)
+    local f, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(s, pos)
+      local e = pos + len - 1
+      if e > to then error('truncated map entry') end
+      if f == 1 then k = sub(s, pos, e) elseif f == 2 then v = sub(s, pos, e) end
+      pos = e + 1
+    else
+      pos = skip(wt, s, pos)
+    end
+  end
+  return k, v
+end
+
+-- One message in s[from..to]: a table of its scalar fields by number (bytes
+-- fields as strings, varints as numbers), the map at field 4 and how many
+-- map entries it read (what firing the message costs grows with it).
+local function message(s, from, to)
+  local f, md, pos, pairs_read = {}, {}, from, 0
+  while pos <= to do
+    local key
+    key, pos = varint(s, pos)
+    local n, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(s, pos)
+      local e = pos + len - 1
+      if e > to then error('truncated field') end
+      if n == 4 then
+        local k, v = map_entry(s, pos, e)
+        md[k] = v
+        pairs_read = pairs_read + 1
+      else
+        f[n] = sub(s, pos, e)
+      end
+      pos = e + 1
+    elseif wt == 0 then
+      f[n], pos = varint(s, pos)
+    else
+      pos = skip(wt, s, pos)
+    end
+  end
+  return f, md, pairs_read
+end
+
+local function num(v) if type(v) == 'number' then return v end return 0 end
+local function str(v) if type(v) == 'string' then return v end return '' end
+
+-- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
+-- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
+-- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl, target, attempt.
+local function decode(s)
+  local f, md, np = message(s, 1, #s)
+  local env = {
+    topic = str(f[1]), id = str(f[6]), due = num(f[7]), sid = str(f[10]), kind = num(f[11]),
+    schedule = str(f[12]), expires = num(f[13]), source = str(f[14]), sttl = num(f[15]),
+    target = str(f[16]), attempt = num(f[17]), bulk = num(f[5]) ~= 0, entries = {}, size = 0,
+    raw = #s, pairs = np, pubsub = str(f[9]),
+  }
+  if env.topic == '' then error('no topic') end
+  local body = str(f[2])
+  if not env.bulk then
+    env.entries[1] = {body, md, str(f[3])}
+    env.size = #body
+    return env
+  end
+  local pos, n = 1, #body
+  while pos <= n do
+    local key
+    key, pos = varint(body, pos)
+    local fno, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local len
+      len, pos = varint(body, pos)
+      local e = pos + len - 1
+      if e > n then error('truncated bulk entry') end
+      if fno == 1 then
+        local ef, emd, enp = message(body, pos, e)
+        env.pairs = env.pairs + enp
+        local event = str(ef[2])
+        env.entries[#env.entries + 1] = {event, emd, str(ef[3])}
+        env.size = env.size + #event
+      end
+      pos = e + 1
+    else
+      pos = skip(wt, body, pos)
+    end
+  end
+  return env
+end

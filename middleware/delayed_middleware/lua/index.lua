@@ -1,0 +1,155 @@
+-- LIBRARY index.lua: the due index (included by the engine's scripts).
+-- Expects the engine's KEYS layout: KEYS[2] index top, KEYS[4] bucket id sequence,
+-- KEYS[5] pending count; and ARGV[1] = bucket key prefix.
+--
+-- Two levels, so a pending message costs ~10 bytes of index instead of a
+-- skiplist element's ~120: KEYS[2] is a sorted set of bucket ids scored by
+-- their lower bound; bucket `ARGV[1]..id` is a small sorted set (member =
+-- envelope stream id, score = due ms) that Redis keeps listpack-encoded.
+-- Buckets partition time: bucket i holds the dues in [start_i, start_i+1).
+--
+-- Bounded work, whatever the data: a due earlier than every bucket opens a new
+-- bucket (nothing moves); a split moves the smaller side only, CHUNK members
+-- per command, so no command unpacks a list whose length a user controls. A
+-- bucket whose members all share one due time cannot split and just grows.
+local BUCKET_MAX = 100
+local CHUNK = 500
+
+local function bucket_key(b) return ARGV[1] .. b end
+
+-- The bucket that holds (or would hold) `due`, or nil when `due` is earlier than all.
+local function locate(due)
+  return redis.call('ZREVRANGEBYSCORE', KEYS[2], due, '-inf', 'LIMIT', 0, 1)[1]
+end
+
+local function new_bucket(start)
+  local b = tostring(redis.call('INCR', KEYS[4]))
+  redis.call('ZADD', KEYS[2], start, b)
+  return b
+end
+
+-- Moves the members of src scored within [from, to] (Redis range syntax) to dst.
+local function move(src, dst, from, to)
+  while true do
+    local got = redis.call('ZRANGEBYSCORE', src, from, to, 'WITHSCORES', 'LIMIT', 0, CHUNK)
+    if #got == 0 then return end
+    local args, ids = {}, {}
+    for i = 1, #got, 2 do
+      args[#args + 1] = got[i + 1]
+      args[#args + 1] = got[i]
+      ids[#ids + 1] = got[i]
+    end
+    redis.call('ZADD', dst, unpack(args))
+    redis.call('ZREM', src, unpack(ids))
+  end
+end
+
+local function split(b)
+  local key = bucket_key(b)
+  local n = redis.call('ZCARD', key)
+  local mid = math.floor(n / 2)
+  local cut = tonumber(redis.call('ZRANGE', key, mid, mid, 'WITHSCORES')[2])
+  local low = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
+  if cut == low then
+    local nxt = redis.call('ZRANGEBYSCORE', key, '(' .. low, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if not nxt[1] then return end
+    cut = tonumber(nxt[2])
+  end
+  local below = redis.call('ZCOUNT', key, '-inf', '(' .. cut)
+  local nb = tostring(redis.call('INCR', KEYS[4]))
+  if below <= n - below then
+    -- The part below the cut is the smaller: it moves to a new bucket that
+    -- takes over this bucket's start, and this one now starts at the cut.
+    local start = redis.call('ZSCORE', KEYS[2], b)
+    move(key, bucket_key(nb), '-inf', '(' .. cut)
+    redis.call('ZADD', KEYS[2], start, nb)
+    redis.call('ZADD', KEYS[2], cut, b)
+  else
+    move(key, bucket_key(nb), cut, '+inf')
+    redis.call('ZADD', KEYS[2], cut, nb)
+  end
+end
+
+local function insert(id, due)
+  local b = locate(due) or new_bucket(due)
+  local key = bucket_key(b)
+  redis.call('ZADD', key, due, id)
+  redis.call('INCR', KEYS[5])
+  if redis.call('ZCARD', key) > BUCKET_MAX then split(b) end
+end
+
+-- Removes `id` (due at `due`); returns 1 if it was in the index.
+local function remove(id, due)
+  local b = locate(due)
+  if not b then return 0 end
+  local key = bucket_key(b)
+  local removed = redis.call('ZREM', key, id)
+  if removed == 1 then
+    redis.call('DECR', KEYS[5])
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+  end
+  return removed
+end
+
+-- The earliest due time pending, or nil.
+local function head()
+  while true do
+    local b = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if not b then return nil end
+    local h = redis.call('ZRANGE', bucket_key(b), 0, 0, 'WITHSCORES')[2]
+    if h then return h end
+    redis.call('ZREM', KEYS[2], b)
+  end
+end
+
+-- Up to `limit` {stream id, due, bucket} due at `now`, earliest first; removes nothing.
+local function due_candidates(now, limit)
+  local out, offset = {}, 0
+  while #out < limit do
+    local bs = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', offset, 8)
+    if #bs == 0 then break end
+    for _, b in ipairs(bs) do
+      local got = redis.call('ZRANGEBYSCORE', bucket_key(b), '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit - #out)
+      for i = 1, #got, 2 do out[#out + 1] = {got[i], got[i + 1], b} end
+      if #out >= limit then break end
+    end
+    offset = offset + #bs
+  end
+  return out
+end
+
+-- Removes candidates (as due_candidates gave them, buckets unchanged since)
+-- from the index in one ZREM per bucket, CHUNK ids per command.
+local function remove_candidates(cs)
+  local by_bucket, order = {}, {}
+  for _, c in ipairs(cs) do
+    local list = by_bucket[c[3]]
+    if not list then
+      list = {}
+      by_bucket[c[3]] = list
+      order[#order + 1] = c[3]
+    end
+    list[#list + 1] = c[1]
+  end
+  local removed = 0
+  for _, b in ipairs(order) do
+    local key, ids = bucket_key(b), by_bucket[b]
+    for i = 1, #ids, CHUNK do
+      removed = removed + redis.call('ZREM', key, unpack(ids, i, math.min(i + CHUNK - 1, #ids)))
+    end
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+  end
+  if removed > 0 then redis.call('DECRBY', KEYS[5], removed) end
+end
+
+-- ids hash values: "<stream id> <due ms> <next ms | - | purge> <next RFC3339 | -> <i | u>"
+-- (i: in the index, u: waiting for REFILL). Version 1 wrote "<stream id> <due ms>".
+local function parse_ref(v)
+  local parts = {}
+  for p in string.gmatch(v, '%S+') do parts[#parts + 1] = p end
+  return parts[1], parts[2], parts[3] or '-', parts[4] or '-', parts[5] or 'i'
+end
+
+local function make_ref(id, due, nxt, iso, flag)
+  return id .. ' ' .. due .. ' ' .. nxt .. ' ' .. iso .. ' ' .. flag
+end

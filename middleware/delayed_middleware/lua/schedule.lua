@@ -1,0 +1,58 @@
+-- SCHEDULE: store envelopes durably and index them by due time.
+-- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+-- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms (history), 4 call token ('' = none),
+--       5 history maxlen (0 = off), 6 token window ms, 7 n, then n groups of 9:
+--       envelope bytes, due ms, scheduleId, kind (0 one-shot, 1 recurring, 2 retry),
+--       topic, size, schedule expression, next due ms ('-' none, 'purge'), next RFC3339 ('-')
+-- Returns the envelope ids in order (the scheduleId, else for a recurring
+-- envelope or one without id its stream id), or {'dup'} when this call token
+-- was applied before: a client retrying after a lost reply stores nothing twice.
+-- A scheduleId already pending is replaced: its old envelope leaves the index
+-- and the stream in the same step. The wake channel is told when a new
+-- envelope became the earliest, so sleeping replicas shorten their sleep.
+--!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[5]), ARGV[3]
+local token = ARGV[4]
+if token ~= '' then
+  if redis.call('ZSCORE', KEYS[8], token) then return {'dup'} end
+  -- Tokens age by the Redis clock, the one clock every replica shares: a
+  -- replica whose clock runs ahead must not forget the others' tokens.
+  local t = redis.call('TIME')
+  local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  -- Forget tokens older than the window, a bounded number per call.
+  local old = redis.call('ZCOUNT', KEYS[8], '-inf', server_ms - tonumber(ARGV[6]))
+  if old > 0 then redis.call('ZREMRANGEBYRANK', KEYS[8], 0, math.min(old, 100) - 1) end
+  redis.call('ZADD', KEYS[8], server_ms, token)
+end
+local before = head()
+local ids, earliest = {}, nil
+for i = 0, tonumber(ARGV[7]) - 1 do
+  local base = 8 + i * 9
+  local env, due, sid, kind = ARGV[base], ARGV[base + 1], ARGV[base + 2], tonumber(ARGV[base + 3])
+  local topic, size, expr = ARGV[base + 4], ARGV[base + 5], ARGV[base + 6]
+  local nxt, iso = ARGV[base + 7], ARGV[base + 8]
+  if sid ~= '' then
+    local old = redis.call('HGET', KEYS[3], sid)
+    if old then
+      local old_id, old_due = drop_ref(sid, old)
+      hist('replaced', sid, sid, topic, kind, old_due, '', '', 1, old_id, expr)
+    end
+  end
+  local id = redis.call('XADD', KEYS[1], '*', 'data', env, 'metadata', '{}')
+  insert(id, due)
+  local key = sid
+  if key == '' and kind == 1 then key = id end
+  if key ~= '' then redis.call('HSET', KEYS[3], key, make_ref(id, due, nxt, iso, 'i')) end
+  if key == '' then key = id end
+  hist('scheduled', key, sid, topic, kind, due, '', size, 1, '', expr)
+  ids[#ids + 1] = key
+  if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
+end
+if earliest ~= nil and (before == nil or tonumber(before) > earliest) then
+  redis.call('PUBLISH', ARGV[2], tostring(earliest))
+end
+return ids
