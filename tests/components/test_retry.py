@@ -339,3 +339,29 @@ async def test_a_retry_comes_back_to_the_failing_app_only(
     await a.ack((await a.next()).id)
     assert await b.nothing_for(1.0)
     assert redis_client.xlen("orders") == 1  # nothing was re-published
+
+
+async def test_dead_letter_topic_alone_on_the_component_keeps_the_plain_redelivery(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # deadLetterTopic is also the forwarder's key (failed hand-offs): set alone on
+    # the component it must not turn subscriber retries on. A nack then comes back
+    # after redeliverInterval (200 ms here) without a retry record, forever.
+    c = component("delayed")
+    await c.init({**props, "deadLetterTopic": "orders-dead"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    for attempt in range(1, 4):
+        msg, _ = await receive(stream)
+        assert msg.metadata["deliveryAttempt"] == str(attempt)
+        await stream.nack(msg.id, "again")
+    msg, _ = await receive(stream)
+    await stream.ack(msg.id)
+    assert not redis_client.exists(retry_key("app1", "orders"))
+    assert not redis_client.exists("orders-dead")
+    # On a subscription, the same key alone does turn the policy on.
+    sub = await c.subscribe("billing", {"deadLetterTopic": "billing-dead"})
+    await c.publish("billing", b"y")
+    msg, _ = await receive(sub)
+    await sub.nack(msg.id, "e")
+    await wait_for(lambda: redis_client.zcard(retry_key("app1", "billing")) == 1)

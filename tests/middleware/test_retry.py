@@ -65,6 +65,18 @@ def test_subscription_overrides_only_what_it_names() -> None:
     assert component.overridden({}) is component
 
 
+def test_component_dead_letter_topic_alone_is_not_a_policy() -> None:
+    # The component-level deadLetterTopic is also the forwarder's: alone it keeps
+    # retries off, but a policy turned on by another key uses it.
+    alone = parse_retry_policy({"deadLetterTopic": "dead"})
+    assert not alone.active
+    assert alone.dead_letter_topic == "dead"
+    with_attempts = parse_retry_policy({"deadLetterTopic": "dead", "maxDeliveryAttempts": "2"})
+    assert with_attempts.active
+    assert with_attempts.on_nack(2, "boom") == DeadLetter(reason="boom", attempts=2, topic="dead")
+    assert alone.overridden({"retryJitter": "0.1"}).dead_letter_topic == "dead"
+
+
 def test_subscription_alone_can_turn_the_policy_on() -> None:
     sub = RetryPolicy().overridden({"deadLetterTopic": "dead"})
     assert sub.active
