@@ -43,7 +43,7 @@ HISTORY_COLUMNS: Final[tuple[tuple[str, str, pa.DataType], ...]] = (
     ("fired_at", "TIMESTAMP", _TS),
     ("lateness_ms", "BIGINT", pa.int64()),
     ("size_bytes", "BIGINT", pa.int64()),
-    ("attempt", "INT", pa.int32()),
+    ("attempt", "BIGINT", pa.int64()),
     ("reason", "STRING", pa.string()),
 )
 
@@ -63,7 +63,7 @@ PENDING_COLUMNS: Final[tuple[tuple[str, str, pa.DataType], ...]] = (
     ("expires_at", "TIMESTAMP", _TS),
     ("size_bytes", "BIGINT", pa.int64()),
     ("entries", "INT", pa.int32()),
-    ("attempt", "INT", pa.int32()),
+    ("attempt", "BIGINT", pa.int64()),
     ("content_type", "STRING", pa.string()),
     ("pubsub_name", "STRING", pa.string()),
     ("target_pubsub", "STRING", pa.string()),
@@ -89,10 +89,26 @@ HISTORY_SCHEMA: Final = arrow_schema(HISTORY_COLUMNS)
 PENDING_SCHEMA: Final = arrow_schema(PENDING_COLUMNS)
 
 
+# Spark's timestamps span years 1-9999; int64 columns span int64. A value outside
+# (a hostile or corrupt record) becomes null instead of failing the whole read.
+_TS_MIN_MS: Final = -62_135_596_800_000
+_TS_MAX_MS: Final = 253_402_300_799_999
+_I64_MIN: Final = -(2**63)
+_I64_MAX: Final = 2**63 - 1
+
+
 def _ms_to_ts(values: list[int | None]) -> pa.Array:
+    bounded = [v if v is not None and _TS_MIN_MS <= v <= _TS_MAX_MS else None for v in values]
     # ms -> us in Arrow: one C loop instead of a million Python multiplications.
-    arr = pa.array(values, pa.int64())
-    return pa.compute.multiply_checked(arr, 1000).cast(_TS)
+    return pa.compute.multiply(pa.array(bounded, pa.int64()), 1000).cast(_TS)
+
+
+def _column(values: list[Any], typ: pa.DataType) -> pa.Array:
+    if typ == _TS:
+        return _ms_to_ts(values)
+    if typ == pa.int64():
+        values = [v if v is None or _I64_MIN <= v <= _I64_MAX else None for v in values]
+    return pa.array(values, typ)
 
 
 def history_batch(delayed_topic: str, entries: Sequence[tuple[Any, Mapping[Any, Any]]]) -> pa.RecordBatch:
@@ -116,9 +132,7 @@ def history_batch(delayed_topic: str, entries: Sequence[tuple[Any, Mapping[Any, 
         cols["reason"].append(r.reason)
     n = len(entries)
     cols["delayed_topic"] = [delayed_topic] * n
-    arrays = [
-        _ms_to_ts(cols[name]) if typ == _TS else pa.array(cols[name], typ) for name, _, typ in HISTORY_COLUMNS
-    ]
+    arrays = [_column(cols[name], typ) for name, _, typ in HISTORY_COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=HISTORY_SCHEMA)
 
 
@@ -336,7 +350,5 @@ def pending_batch(
         values["delayed_topic"] = delayed_topic
         for name, value in values.items():
             cols[name].append(value)
-    arrays = [
-        _ms_to_ts(cols[name]) if typ == _TS else pa.array(cols[name], typ) for name, _, typ in PENDING_COLUMNS
-    ]
+    arrays = [_column(cols[name], typ) for name, _, typ in PENDING_COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=PENDING_SCHEMA)
