@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -130,6 +132,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         out.write(text)
         out.flush()
         return 0
+    except KeyboardInterrupt:
+        # pyspark's handler has cancelled the running jobs already.
+        print("delayed-pubsub stats: interrupted", file=sys.stderr)
+        return 130
     except DelayedPubSubError as e:
         print(f"delayed-pubsub stats: error: {e}", file=sys.stderr)
         return 1
@@ -148,7 +154,9 @@ def _spark_error(e: Exception) -> str:
 
 
 def _load(spark: Any, source: str, options: Mapping[str, str]) -> Any:
-    return spark.read.format(source).options(**options).load()
+    # One partition per core Spark has (local[N]: N; a cluster: its executors' cores).
+    parts = str(max(1, int(spark.sparkContext.defaultParallelism)))
+    return spark.read.format(source).options(**{"numPartitions": parts, **options}).load()
 
 
 def _once(spark: Any, args: argparse.Namespace, options: Mapping[str, str], progress: Any) -> str:
@@ -200,9 +208,20 @@ def _follow(spark: Any, args: argparse.Namespace, options: Mapping[str, str], ou
         .trigger(processingTime=f"{FOLLOW_INTERVAL_S} seconds")
         .start()
     )
+    # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside a Py4J call (what
+    # pyspark's own handler does) would break the gateway before query.stop().
+    # A second Ctrl-C gets the previous handler back, for a stuck refresh.
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         refreshes = 0
-        while query.isActive:
+        while query.isActive and not stop.is_set():
             now_ms = time.time_ns() // 1_000_000
             if any(events_dir.glob("*.parquet")):
                 history = spark.read.parquet(str(events_dir))
@@ -215,13 +234,12 @@ def _follow(spark: Any, args: argparse.Namespace, options: Mapping[str, str], ou
             footer = f"(following: refresh {refreshes}, every {FOLLOW_INTERVAL_S} s; Ctrl-C to stop)\n"
             out.write(("\033[H\033[2J" if tty else "") + render(stats, args.app_id) + footer)
             out.flush()
-            query.awaitTermination(FOLLOW_INTERVAL_S)
+            stop.wait(FOLLOW_INTERVAL_S)
         if query.exception() is not None:
             print(f"delayed-pubsub stats: error: {_spark_error(query.exception())}", file=sys.stderr)
             return 1
-    except KeyboardInterrupt:
-        pass
     finally:
+        signal.signal(signal.SIGINT, previous)
         query.stop()
         shutil.rmtree(work, ignore_errors=True)
     return 0
