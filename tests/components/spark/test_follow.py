@@ -29,13 +29,29 @@ def _fired_on(line: str, topic: str) -> int | None:
 
 
 @pytest.mark.timeout(STARTUP_S + 300)
-def test_follow_refreshes_until_ctrl_c(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> None:
+def test_follow_refreshes_until_ctrl_c(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
     add_history(redis_client, [fired("a", 1_000, n) for n in range(20)])
     script = Path(sys.executable).parent / "delayed-pubsub"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_LOCAL_IP", "VIRTUAL_ENV")
+    }
     env["PATH"] = "/usr/bin:/bin"  # the venv is not activated
     proc = subprocess.Popen(
-        [str(script), "stats", "--redis-host", redis_server.address, "--app-id", APP, "--follow", "--out", str(tmp_path)],
+        [
+            str(script),
+            "stats",
+            "--redis-host",
+            redis_server.address,
+            "--app-id",
+            APP,
+            "--follow",
+            "--out",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -43,7 +59,12 @@ def test_follow_refreshes_until_ctrl_c(redis_server: RedisServer, redis_client: 
         cwd=tmp_path,
     )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or []], daemon=True).start()
+
+    def pump() -> None:
+        for line in proc.stdout or []:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     errors: list[str] = []
     threading.Thread(target=lambda: errors.extend(proc.stderr or []), daemon=True).start()
 
@@ -57,7 +78,9 @@ def test_follow_refreshes_until_ctrl_c(redis_server: RedisServer, redis_client: 
                 continue
             if _fired_on(line, "a") == n:
                 return
-        raise AssertionError(f"no refresh showing {n} fired on a within {within_s} s: {''.join(errors)[-2000:]}")
+        raise AssertionError(
+            f"no refresh showing {n} fired on a within {within_s} s: {''.join(errors)[-2000:]}"
+        )
 
     try:
         wait_for_fired(20, STARTUP_S)

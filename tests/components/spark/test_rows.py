@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
@@ -124,6 +124,9 @@ def _in(v: int | None, bounds: range) -> int | None:
 
 
 @given(st.dictionaries(st.sampled_from(FIELDS), value))
+@example({"at": "+5", "due": " 7", "late": "1_000", "size": "\u0663", "attempt": "0"})
+@example({"at": "1e3", "due": "-0", "late": "007", "size": "99999999999999999999", "attempt": "-1"})
+@example({"event": "fired", "topic": "caf\u00e9", "reason": "\U0001f600", "kind": ""})
 def test_history_rows_equal_decode_record(fields: dict[str, str]) -> None:
     raw = {k.encode(): v.encode() for k, v in fields.items()}
     [row] = history_batch("app1-delayed", [(b"9-1", raw)]).to_pylist()
