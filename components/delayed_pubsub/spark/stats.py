@@ -58,18 +58,31 @@ class StatsTables:
 
 
 def compute_stats(history: DataFrame, pending: DataFrame, now_ms: int) -> StatsTables:
-    """All tables from a history and a pending DataFrame (as the data sources give them)."""
+    """All tables from a history and a pending DataFrame (as the data sources give them).
+
+    Four Spark jobs in all (each source is read from Redis once, then cached):
+    pending per topic, pending per due bin, fires per topic, and one
+    grouping-sets pass for event counts, fires per minute and the lateness
+    histogram.
+    """
     h = history.select("event", "topic", "fired_at", "lateness_ms").persist()
     p = pending.select("topic", "status", "due_at", "size_bytes").persist()
     try:
+        per_topic = _pending_per_topic(p, now_ms)
+        fired = _fired_by_topic(h)
+        events, throughput, histogram = _history_breakdown(h, fired)
         return StatsTables(
-            pending_by_topic=_pending_by_topic(p),
-            pending_by_window=_pending_by_window(p, now_ms),
-            fired_by_topic=_fired_by_topic(h),
-            throughput=_throughput(h),
-            events=_events(h),
-            lateness_histogram=_lateness_histogram(h),
-            pending_by_due=_pending_by_due(p, now_ms),
+            pending_by_topic=per_topic[
+                ["topic", "pending", "parked", "undecodable", "size_bytes", "next_due_at"]
+            ],
+            pending_by_window=per_topic.loc[
+                per_topic["pending"] > 0, ["topic", *(n for n, _ in WINDOWS), LATER]
+            ].reset_index(drop=True),
+            fired_by_topic=fired.drop(columns=["lateness_min_ms"]),
+            throughput=throughput,
+            events=events,
+            lateness_histogram=histogram,
+            pending_by_due=_pending_by_due(p, now_ms, per_topic["max_due_ms"].max()),
             now_ms=now_ms,
         )
     finally:
@@ -81,37 +94,38 @@ def _count_if(cond: Any) -> Any:
     return F.sum(F.when(cond, 1).otherwise(0)).cast("long")
 
 
-def _pending_by_topic(p: DataFrame) -> pd.DataFrame:
-    df = (
-        p.groupBy("topic")
-        .agg(
-            _count_if(F.col("status") == PENDING).alias("pending"),
-            _count_if(F.col("status") == PARKED).alias("parked"),
-            _count_if(F.col("status") == UNDECODABLE).alias("undecodable"),
-            F.sum("size_bytes").cast("long").alias("size_bytes"),
-            F.min(F.when(F.col("status") == PENDING, F.col("due_at"))).alias("next_due_at"),
-        )
-        .orderBy("topic")
-    )
-    return _pandas(df, ["topic", "pending", "parked", "undecodable", "size_bytes", "next_due_at"])
-
-
 def _due_ms(col: str = "due_at") -> Any:
     return F.unix_millis(F.col(col))
 
 
-def _pending_by_window(p: DataFrame, now_ms: int) -> pd.DataFrame:
-    waiting = p.where(F.col("status") == PENDING)
+def _pending_per_topic(p: DataFrame, now_ms: int) -> pd.DataFrame:
+    waiting = F.col("status") == PENDING
     due_in = _due_ms() - F.lit(now_ms)
-    aggs = []
+    windows = []
     lower: int | None = None
     for name, upper in WINDOWS:
         cond = due_in <= upper if lower is None else (due_in > lower) & (due_in <= upper)
-        aggs.append(_count_if(cond).alias(name))
+        windows.append(_count_if(waiting & cond).alias(name))
         lower = upper
-    aggs.append(_count_if(due_in > lower).alias(LATER))
-    df = waiting.groupBy("topic").agg(*aggs).orderBy("topic")
-    return _pandas(df, ["topic", *(n for n, _ in WINDOWS), LATER])
+    windows.append(_count_if(waiting & (due_in > lower)).alias(LATER))
+    df = (
+        p.groupBy("topic")
+        .agg(
+            _count_if(waiting).alias("pending"),
+            _count_if(F.col("status") == PARKED).alias("parked"),
+            _count_if(F.col("status") == UNDECODABLE).alias("undecodable"),
+            F.sum("size_bytes").cast("long").alias("size_bytes"),
+            # Times cross to the driver as epoch ms: collect() would give naive local-time datetimes.
+            F.min(F.when(waiting, _due_ms())).alias("next_due_at"),
+            F.max(F.when(waiting, _due_ms())).alias("max_due_ms"),
+            *windows,
+        )
+        .orderBy("topic")
+    )
+    columns = ["topic", "pending", "parked", "undecodable", "size_bytes", "next_due_at", "max_due_ms"]
+    out = _pandas(df, [*columns, *(n for n, _ in WINDOWS), LATER])
+    out["next_due_at"] = pd.to_datetime(out["next_due_at"], unit="ms", utc=True)
+    return out
 
 
 def _fired_by_topic(h: DataFrame) -> pd.DataFrame:
@@ -119,62 +133,87 @@ def _fired_by_topic(h: DataFrame) -> pd.DataFrame:
     pct = F.percentile(F.col("lateness_ms"), F.array(F.lit(0.5), F.lit(0.95), F.lit(0.99)))
     df = (
         fired.groupBy("topic")
-        .agg(F.count("*").alias("fired"), pct.alias("pct"), F.max("lateness_ms").alias("lateness_max_ms"))
+        .agg(
+            F.count("*").alias("fired"),
+            pct.alias("pct"),
+            F.max("lateness_ms").alias("lateness_max_ms"),
+            F.min("lateness_ms").alias("lateness_min_ms"),
+        )
         .orderBy("topic")
     )
-    out = _pandas(df, ["topic", "fired", "pct", "lateness_max_ms"])
+    out = _pandas(df, ["topic", "fired", "pct", "lateness_max_ms", "lateness_min_ms"])
     for i, name in enumerate(("lateness_p50_ms", "lateness_p95_ms", "lateness_p99_ms")):
         out[name] = [None if v is None or len(v) <= i else float(v[i]) for v in out["pct"]]
-    return out[["topic", "fired", "lateness_p50_ms", "lateness_p95_ms", "lateness_p99_ms", "lateness_max_ms"]]
+    return out[
+        [
+            "topic",
+            "fired",
+            "lateness_p50_ms",
+            "lateness_p95_ms",
+            "lateness_p99_ms",
+            "lateness_max_ms",
+            "lateness_min_ms",
+        ]
+    ]
 
 
-def _throughput(h: DataFrame) -> pd.DataFrame:
-    df = (
-        h.where((F.col("event") == FIRED) & F.col("fired_at").isNotNull())
-        .groupBy(F.date_trunc("minute", F.col("fired_at")).alias("minute"))
-        .agg(F.count("*").alias("fired"))
-        .orderBy("minute")
+def _history_breakdown(h: DataFrame, fired: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Event counts, fires per minute and the lateness histogram, in one pass (grouping sets)."""
+    lo = fired["lateness_min_ms"].dropna()
+    hi = fired["lateness_max_ms"].dropna()
+    lo_ms = int(lo.min()) if len(lo) else 0
+    hi_ms = int(hi.max()) if len(hi) else 0
+    width = max(1, math.ceil((hi_ms - lo_ms + 1) / HISTOGRAM_BINS))
+    is_fired = F.col("event") == FIRED
+    minute = F.when(
+        is_fired & F.col("fired_at").isNotNull(), F.unix_millis(F.date_trunc("minute", F.col("fired_at")))
     )
-    return _pandas(df, ["minute", "fired"])
-
-
-def _events(h: DataFrame) -> pd.DataFrame:
-    counted = {r["event"]: int(r["count"]) for r in h.groupBy("event").count().collect()}
+    late_bin = F.when(
+        is_fired & F.col("lateness_ms").isNotNull(), F.floor((F.col("lateness_ms") - lo_ms) / width)
+    )
+    rows = (
+        h.select("event", minute.alias("minute"), late_bin.alias("bin"))
+        .groupingSets([["event"], ["minute"], ["bin"]], "event", "minute", "bin")
+        .agg(F.count("*").alias("n"), F.grouping_id().alias("g"))
+        .collect()
+    )
+    # grouping_id bits (event, minute, bin): 0b011 = by event, 0b101 = by minute, 0b110 = by bin.
+    counted = {r["event"]: int(r["n"]) for r in rows if r["g"] == 0b011}
     names = list(EVENTS) + sorted(set(counted) - set(EVENTS))
-    return pd.DataFrame({"event": names, "count": [counted.get(n, 0) for n in names]})
-
-
-def _lateness_histogram(h: DataFrame) -> pd.DataFrame:
-    late = h.where((F.col("event") == FIRED) & F.col("lateness_ms").isNotNull()).select("lateness_ms")
-    row = late.agg(F.min("lateness_ms").alias("lo"), F.max("lateness_ms").alias("hi")).collect()[0]
-    if row["lo"] is None:
-        return pd.DataFrame({"bin_start_ms": [], "bin_end_ms": [], "count": []})
-    lo, hi = int(row["lo"]), int(row["hi"])
-    width = max(1, math.ceil((hi - lo + 1) / HISTOGRAM_BINS))
-    counts = {
-        int(r["b"]): int(r["count"])
-        for r in late.groupBy(F.floor((F.col("lateness_ms") - lo) / width).alias("b")).count().collect()
-    }
-    bins = range((hi - lo) // width + 1)
-    return pd.DataFrame(
+    events = pd.DataFrame({"event": names, "count": [counted.get(n, 0) for n in names]})
+    per_minute = sorted(
+        (int(r["minute"]), int(r["n"])) for r in rows if r["g"] == 0b101 and r["minute"] is not None
+    )
+    throughput = pd.DataFrame(
         {
-            "bin_start_ms": [lo + b * width for b in bins],
-            "bin_end_ms": [lo + (b + 1) * width for b in bins],
-            "count": [counts.get(b, 0) for b in bins],
+            "minute": pd.to_datetime([m for m, _ in per_minute], unit="ms", utc=True),
+            "fired": pd.Series([n for _, n in per_minute], dtype="int64"),
         }
     )
+    by_bin = {int(r["bin"]): int(r["n"]) for r in rows if r["g"] == 0b110 and r["bin"] is not None}
+    if not by_bin:
+        histogram = pd.DataFrame({"bin_start_ms": [], "bin_end_ms": [], "count": []})
+    else:
+        bins = range((hi_ms - lo_ms) // width + 1)
+        histogram = pd.DataFrame(
+            {
+                "bin_start_ms": [lo_ms + b * width for b in bins],
+                "bin_end_ms": [lo_ms + (b + 1) * width for b in bins],
+                "count": [by_bin.get(b, 0) for b in bins],
+            }
+        )
+    return events, throughput, histogram
 
 
 # Bin widths for the pending-by-due chart: the smallest that gives at most 60 bars.
 _DUE_WIDTHS_MS: Final = (1_000, 10_000, 60_000, 600_000, 3_600_000, 21_600_000, 86_400_000, 7 * 86_400_000)
 
 
-def _pending_by_due(p: DataFrame, now_ms: int) -> pd.DataFrame:
-    waiting = p.where((F.col("status") == PENDING) & F.col("due_at").isNotNull())
-    row = waiting.agg(F.max(_due_ms()).alias("hi")).collect()[0]
-    if row["hi"] is None:
+def _pending_by_due(p: DataFrame, now_ms: int, max_due_ms: Any) -> pd.DataFrame:
+    if max_due_ms is None or pd.isna(max_due_ms):
         return pd.DataFrame({"due_from": [], "due_to": [], "topic": [], "count": []})
-    span = max(0, int(row["hi"]) - now_ms)
+    waiting = p.where((F.col("status") == PENDING) & F.col("due_at").isNotNull())
+    span = max(0, int(max_due_ms) - now_ms)
     width = next((w for w in _DUE_WIDTHS_MS if span / w <= 60), 30 * 86_400_000)
     # Overdue envelopes fall into the first bin ("due now").
     b = F.greatest(F.floor((_due_ms() - F.lit(now_ms)) / width), F.lit(0)).alias("b")
@@ -209,7 +248,7 @@ def write_parquet(stats: StatsTables, out_dir: Path) -> list[Path]:
 
 
 def _fmt(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None or value is pd.NaT or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, pd.Timestamp) or hasattr(value, "strftime"):
         return str(value.strftime("%Y-%m-%d %H:%M:%S"))

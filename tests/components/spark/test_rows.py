@@ -145,3 +145,10 @@ def test_history_rows_equal_decode_record(fields: dict[str, str]) -> None:
     assert (row["at"] is None) if at is None else (round(row["at"].timestamp() * 1000) == at)
     assert (row["due_at"] is None) == (_in(rec.due_ms, TS_MS) is None)
     assert (row["fired_at"] is None) == (rec.event != "fired")
+
+
+def test_history_bytes_that_are_not_utf8_read_as_decode_record_reads_them() -> None:
+    raw = {b"event": b"fired", b"topic": b"caf\xff", b"late": b"12", b"at": b"1000"}
+    [row] = history_batch("d", [(b"1-0", raw)]).to_pylist()
+    assert row["topic"] == decode_record(b"1-0", raw).topic == "caf\ufffd"
+    assert row["lateness_ms"] == 12
