@@ -87,8 +87,8 @@ def build_session(master: str = "local[*]", app_name: str = "delayed-pubsub stat
 class Progress:
     """A one-line status on a terminal while Spark works: the phase and its stage's task counts.
 
-    Polls Spark's status tracker from a daemon thread; a no-op when `out` is not
-    a terminal (logs and pipes get the final table only).
+    Polls Spark's status tracker from a daemon thread, redrawing one line; when
+    `out` is not a terminal, each phase is written once as a plain line.
     """
 
     def __init__(self, spark: Any, out: TextIO = sys.stderr, interval_s: float = 0.25) -> None:
@@ -102,6 +102,10 @@ class Progress:
 
     def phase(self, text: str) -> None:
         self._phase = text
+        if not self._enabled:
+            # Logs and pipes get one line per phase instead of a redrawn one.
+            self._out.write(f"delayed-pubsub stats: {text}…\n")
+            self._out.flush()
 
     def __enter__(self) -> Progress:
         if self._enabled:
