@@ -121,9 +121,19 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from delayed_pubsub.spark.session import Progress, build_session
 
-    progress_out = sys.stderr
-    print(f"delayed-pubsub stats: starting Spark ({args.master})…", file=progress_out, flush=True)
-    spark = build_session(args.master)
+    print(f"delayed-pubsub stats: starting Spark ({args.master})…", file=sys.stderr, flush=True)
+    try:
+        spark = build_session(args.master)
+    except KeyboardInterrupt:
+        print("delayed-pubsub stats: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # no Java, a master that does not answer, ...
+        print(
+            f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); "
+            "it needs Java 17 (java on PATH or JAVA_HOME)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         if args.follow:
             return _follow(spark, args, options, out)

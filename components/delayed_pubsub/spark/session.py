@@ -41,11 +41,16 @@ logger.sparkproject.level = error
 """
 
 
-def prepare_environment(env: MutableMapping[str, str]) -> None:
-    """Set PYSPARK_PYTHON (this interpreter) and SPARK_LOCAL_IP (loopback) when unset."""
+def prepare_environment(env: MutableMapping[str, str], master: str = "local[*]") -> None:
+    """Set PYSPARK_PYTHON (this interpreter) and, for a local master, SPARK_LOCAL_IP (loopback) when unset.
+
+    A cluster's executors must reach the driver, so with a remote master the
+    driver keeps Spark's own choice of address (or the user's SPARK_LOCAL_IP).
+    """
     env.setdefault("PYSPARK_PYTHON", sys.executable)
     env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if master.startswith("local"):
+        env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
 def _log4j_file() -> Path:
@@ -64,7 +69,7 @@ def build_session(master: str = "local[*]", app_name: str = "delayed-pubsub stat
 
     from delayed_pubsub.spark.datasource import register
 
-    prepare_environment(os.environ)
+    prepare_environment(os.environ, master)
     log4j = _log4j_file()
     spark = (
         SparkSession.builder.master(master)
