@@ -56,7 +56,7 @@ def test_recurring_due_from_ids_hash_and_parked_status(
 ) -> None:
     keys = EngineKeys.for_topic(delayed_topic(APP))
     rec_id: bytes = redis_client.xadd(  # type: ignore[assignment]
-        keys.stream, {"data": v2_envelope(kind="recurring", schedule="@every 2s"), "metadata": "{}"}
+        keys.stream, {"data": v2_envelope(kind=1, schedule="@every 2s"), "metadata": "{}"}
     )
     parked_id: bytes = redis_client.xadd(  # type: ignore[assignment]
         keys.stream,

@@ -36,7 +36,11 @@ def _field(number: int, value: str | int) -> bytes:
 
 
 def v2_envelope(**fields: str | int) -> bytes:
-    """An envelope as the engine v2 writes it: fields 11-17 after ours (unknown to today's stubs)."""
+    """An envelope as the engine v2 writes it: fields 11-17 after ours (unknown to older stubs).
+
+    Types as in the v2 proto: kind int32 (0 one-shot, 1 recurring, 2 retry),
+    expiresAtMs int64, deliveryAttempt int32, the rest strings.
+    """
     base = encode_envelope(
         Envelope(id="rem", topic="reminders", due_ms=1_000, published_at_ms=500, message=b"12345")
     )
@@ -53,7 +57,7 @@ def v2_envelope(**fields: str | int) -> bytes:
 
 def test_v2_fields_are_read_from_unknown_fields() -> None:
     raw = v2_envelope(
-        kind="recurring",
+        kind=1,
         schedule="@every 2s",
         expiresAtMs=9_000,
         scheduleSource="prices",
@@ -68,7 +72,7 @@ def test_v2_fields_are_read_from_unknown_fields() -> None:
 
 
 def test_recurring_due_comes_from_the_ids_hash_only_for_its_own_envelope() -> None:
-    raw = v2_envelope(kind="recurring", schedule="@every 2s")
+    raw = v2_envelope(kind=1, schedule="@every 2s")
     decoded = decode_pending([(b"7-0", {b"data": raw}), (b"8-0", {b"data": raw})])
     assert recurring_keys(decoded) == ["rem", "rem"]
     current = {"rem": parse_ids_value(b"7-0 4000 6000")}
