@@ -19,7 +19,7 @@ from delayed_pubsub.spark.charts import FIRES_PNG, LATENESS_PNG, PENDING_PNG
 from delayed_pubsub.spark.cli import ComponentFileError, component_metadata, run
 from tests.components.driver import Component
 from tests.components.spark import workload as w
-from tests.components.spark.conftest import APP
+from tests.components.spark.conftest import APP, add_history, fired
 from tests.redis_server import RedisServer, free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -198,3 +198,21 @@ def test_missing_extra_is_one_clear_message() -> None:
     assert proc.returncode == 1
     assert "ImportError: the Spark subscriber needs pyspark" in proc.stderr
     assert "pip install 'dapr-delayed-pubsub[spark]'" in proc.stderr
+
+
+def test_stats_reads_redis_settings_from_the_component_yaml(
+    spark: Any, redis_client: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    add_history(redis_client, [fired("a", 1_000, 5) for _ in range(3)], app=f"{APP}-eu")
+    yaml_file = tmp_path / "delayed.yaml"
+    yaml_file.write_text(
+        "apiVersion: dapr.io/v1alpha1\nkind: Component\nmetadata: {name: delayed}\nspec:\n"
+        "  type: pubsub.delayed-pubsub\n  version: v1\n  metadata:\n"
+        f'    - {{name: redisHost, value: "{redis_server.address}"}}\n'
+        '    - {name: consumerID, value: "{appID}-eu"}\n'
+        '    - {name: enableDelayedMessaging, value: "true"}\n'
+    )
+    out = io.StringIO()
+    assert run(stats_args("--component", str(yaml_file), "--app-id", APP), out) == 0
+    fired_line = next(line for line in out.getvalue().splitlines() if line.strip().startswith("a "))
+    assert fired_line.split()[:2] == ["a", "3"]
