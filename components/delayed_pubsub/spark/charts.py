@@ -60,7 +60,7 @@ def _lateness(stats: StatsTables, path: Path, app_id: str) -> Path:
         _empty(ax, "no fires in the history")
     else:
         widths = hist["bin_end_ms"] - hist["bin_start_ms"]
-        ax.bar(hist["bin_start_ms"], hist["count"], width=widths, align="edge", color="#4c72b0")
+        ax.bar(hist["bin_start_ms"], hist["count"], width=0.9 * widths, align="edge", color="#4c72b0")
         fired = stats.fired_by_topic
         if not fired.empty:
             for q, style in (("lateness_p50_ms", "--"), ("lateness_p99_ms", ":")):
