@@ -15,6 +15,7 @@ from delayed_pubsub.spark import require_extra
 require_extra()
 
 import matplotlib  # noqa: E402
+import pandas as pd  # noqa: E402
 
 matplotlib.use("Agg")  # no display on servers; set before pyplot is imported
 
@@ -121,6 +122,10 @@ def _fires(stats: StatsTables, path: Path, app_id: str) -> Path:
         _empty(ax, "no fires in the history")
     else:
         ax.plot(tp["minute"], tp["fired"], marker="o", color="#55a868")
+        first, last = tp["minute"].min(), tp["minute"].max()
+        if last - first < pd.Timedelta(minutes=10):
+            # A few minutes of data: matplotlib would stretch one point over years.
+            ax.set_xlim(first - pd.Timedelta(minutes=5), last + pd.Timedelta(minutes=5))
         ax.set_ylim(bottom=0)
         ax.set_xlabel("minute (UTC)")
         ax.set_ylabel("fired")

@@ -2,10 +2,12 @@
 
 Pending: 100 messages on topic `a` delayed 300 ms (they fire), 50 on topic `b`
 delayed 1 h (they wait), published through the real component's gRPC socket.
-History: the engine on main does not write it yet (engine v2), so the matching
-records are written with XADD in the documented format: 100 `fired` on `a` with
-lateness 0..99 ms (60 in one minute, 40 in the next), 150 `scheduled`, and
-3 cancelled, 2 expired, 4 retried, 1 dead-lettered on `b`.
+History: the engine writes `scheduled` and `fired` records itself as the
+workload runs (real_fired reads them back, for figures to compare with);
+write_history is a hand-written history of the same shape with exactly known
+figures (lateness 0..99 ms, 60 fires in one minute and 40 in the next) for
+tests without the component; write_other_events adds the rarer events (3
+cancelled, 2 expired, 4 retried, 1 dead-lettered on `b`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 
 import redis
 
+from delayed_middleware.history import HistoryRecord, decode_record
 from tests.components.driver import Component
 from tests.components.spark.conftest import add_history, fired
+from tests.redis_server import stream_entries
 
 FIRE_TOPIC, WAIT_TOPIC = "a", "b"
 FIRED, WAITING = 100, 50
@@ -43,6 +47,23 @@ async def publish_workload(
     while r.xlen(FIRE_TOPIC) < FIRED:
         assert time.monotonic() < deadline, f"only {r.xlen(FIRE_TOPIC)} of {FIRED} fired in 30 s"
         await asyncio.sleep(0.1)
+
+
+def write_other_events(r: redis.Redis) -> None:
+    add_history(
+        r,
+        [
+            {"event": event, "topic": WAIT_TOPIC, "at": MINUTE0, "reason": "test"}
+            for event, n in COUNTS.items()
+            for _ in range(n)
+        ],
+    )
+
+
+def real_fired(r: redis.Redis) -> list[HistoryRecord]:
+    """The `fired` records the engine wrote for the workload."""
+    rows = stream_entries(r, "{app1-delayed}:history")
+    return [rec for rec in (decode_record(i, f) for i, f in rows) if rec.event == "fired"]
 
 
 def write_history(r: redis.Redis) -> None:
