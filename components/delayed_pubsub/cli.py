@@ -15,6 +15,7 @@ from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
+from delayed_pubsub.spark import cli as spark_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without the sticky bit (only where every local user is trusted, e.g. a pod's emptyDir)",
     )
     operate.register(commands)
+    spark_cli.register(commands)
     return parser
 
 
@@ -71,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "operate", None) is not None:
         return operate.run(args)
+    if getattr(args, "handler", None) is not None:  # stats (delayed_pubsub.spark.cli)
+        return int(args.handler(args))
     logs.configure(args.log_level, args.log_format)
     if args.command == "serve":
         metrics = Metrics()
