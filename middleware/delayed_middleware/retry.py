@@ -205,7 +205,8 @@ def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None
     changes: dict[str, object] = {"active": base is not None or given.keys() != {DEAD_LETTER_TOPIC}}
     if MAX_DELIVERY_ATTEMPTS in given:
         raw = given[MAX_DELIVERY_ATTEMPTS]
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 2**31:
+        # Length first: int() of thousands of digits raises ValueError (and costs time).
+        if not (raw.isascii() and raw.isdigit()) or len(raw.lstrip("0")) > 10 or not 1 <= int(raw) <= 2**31:
             raise InvalidArgumentError(MAX_DELIVERY_ATTEMPTS, raw, "must be an integer from 1 to 2^31")
         changes["max_attempts"] = int(raw)
     if RETRY_INITIAL_INTERVAL in given:
@@ -240,7 +241,8 @@ _MAX_INTERVAL_MS = 10 * 365 * 86_400_000
 
 def _interval(key: str, raw: str) -> int:
     if raw.isascii() and raw.isdigit():
-        ms = int(raw)
+        # Past 19 digits it is beyond any bound below; int() of thousands of digits raises.
+        ms = int(raw) if len(raw.lstrip("0")) <= 19 else _MAX_INTERVAL_MS + 1
     else:
         try:
             ms = parse_go_duration(raw)
