@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import redis
@@ -37,6 +39,7 @@ from delayed_pubsub.forwarder import (
 )
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
+from tests.components.driver import Component
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
 from tests.redis_server import RedisServer, free_port
@@ -634,3 +637,52 @@ async def test_the_loop_survives_its_redis_restarting_and_losing_everything(
         await client.aclose()
         sync.close()
         own.stop()
+
+
+async def test_a_delayed_publish_with_target_pubsub_fires_through_the_outbox_to_the_builtin_pubsub(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    """The whole path: publish (our component, over its gRPC socket) -> the engine holds it ->
+    due -> the fire script appends it to the outbox -> the forwarder hands it to daprd ->
+    the built-in pubsub.redis delivers it to the app, with the publisher's CloudEvent id."""
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": KEYS.stream.removesuffix("-delayed"),
+            "enableDelayedMessaging": "true",
+            "daprGrpcAddress": sidecar.grpc_address,
+        }
+    )
+    marker = f"e2e-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    sent_at = time.time()
+    await c.publish(
+        "orders", data, {"scheduledSendDelay": "1s", "targetPubsub": "target", "customer": "acme-7"}
+    )
+    assert outbox_db.exists("orders") == 0  # never on our own topic
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/target/orders")
+    assert time.time() - sent_at >= 1.0  # not before it was due
+    assert arrival["id"] == json.loads(data)["id"]
+    assert header(arrival, "customer") == "acme-7"
+    assert header(arrival, "targetPubsub") is None  # our keys stay with us
+    events = [r.event for r in history(outbox_db)]
+    assert events == ["scheduled", "fired", "handedoff"]
+
+
+async def test_target_pubsub_without_a_delay_is_refused_and_nothing_stored(
+    outbox_db: Any, sidecar: Sidecar, component: Callable[[str], Component]
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": KEYS.stream.removesuffix("-delayed"),
+            "enableDelayedMessaging": "true",
+        }
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"x", {"targetPubsub": "target"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "targetPubsub" in (err.value.details() or "")
+    assert outbox_db.exists("orders") == 0
