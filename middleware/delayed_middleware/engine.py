@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,13 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
 from delayed_middleware.instants import format_instant
-from delayed_middleware.keys import EngineKeys
+from delayed_middleware.keys import (
+    EngineKeys,
+    fire_marker_prefix,
+    is_delayed_topic,
+    is_engine_key,
+    shard_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,16 @@ class EngineConfig:
     # How long a schedule call's token is remembered (a client's retry after a
     # lost reply must come within it).
     token_window_ms: int = 120_000
+    # Redis Cluster: fire in three steps (CLAIM, APPEND, RELEASE; see
+    # DelayEngine), since target topics live in other hash slots.
+    two_phase: bool = False
+    # A claimed batch is this replica's for this long; then any replica takes it over.
+    lease_ms: int = 5_000
+    # How long a fire marker outlives its APPEND: the bound on how long a claim
+    # may stay in flight (a stalled replica, or every replica down between
+    # APPEND and RELEASE) and still not be appended twice. Costs ~100 B of
+    # Redis memory per fired message for this long.
+    marker_ttl_ms: int = 900_000
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,7 @@ class DelayEngine:
         config: EngineConfig = EngineConfig(),
         on_batch: Callable[[FireReport], None] | None = None,
         recurrence: Recurrence | None = None,
+        fault: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = client
         self._keys = keys
@@ -122,6 +141,12 @@ class DelayEngine:
         self._fire = client.register_script(scripts.FIRE)
         self._cancel = client.register_script(scripts.CANCEL)
         self._refill = client.register_script(scripts.REFILL)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._append = client.register_script(scripts.APPEND)
+        self._release = client.register_script(scripts.RELEASE)
+        # Test hook: awaited at each step of the two-phase fire ("claimed",
+        # "appended:<n>", "released"); raising there stops the fire like a crash.
+        self._fault = fault
         self._on_batch = on_batch
         self._recurrence = recurrence
         self._wake = asyncio.Event()
@@ -221,6 +246,8 @@ class DelayEngine:
         return fired, head
 
     async def _fire_once(self) -> tuple[int, int | None, int]:
+        if self._config.two_phase:
+            return await self._fire_two_phase()
         now = self._clock.now_ms()
         mode, threshold = self._trim.args(now)
         cfg = self._config
@@ -256,6 +283,120 @@ class DelayEngine:
                 )
             )
         return fired, (int(float(head)) if head else None), refill
+
+    # --- the two-phase fire (Redis Cluster): CLAIM, APPEND, RELEASE ----------
+
+    async def _fire_two_phase(self) -> tuple[int, int | None, int]:
+        """FIRE's steps split where the target topics leave the shard's slot.
+
+        CLAIM moves a bounded due batch (and any claim whose lease ended) to
+        the in-flight set; APPEND writes each target's envelopes, one call per
+        target, guarded by fire markers; RELEASE finalizes what was appended
+        and parks what could not be. See the module docstring for why no crash
+        point loses or doubles a message.
+        """
+        now = self._clock.now_ms()
+        cfg = self._config
+        raw = await self._claim(
+            keys=self._keys.two_phase_keys,
+            args=[
+                self._keys.buckets,
+                now,
+                cfg.batch_size,
+                cfg.batch_entries,
+                cfg.batch_bytes,
+                self._history_len(),
+                cfg.fire_budget_us,
+                cfg.lease_ms,
+            ],
+        )
+        head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
+        claims = _parse_claims(raw[5:])
+        fired = entries = 0
+        if claims:
+            await self._at("claimed")
+            outcomes = await self._append_claims(claims, now)
+            args: list[Any] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), len(claims)]
+            for c in claims:
+                args += [c.id, outcomes[c.id]]
+            done = await self._release(keys=self._keys.two_phase_keys, args=args)
+            await self._at("released")
+            parked += int(done[1])
+            refill += int(done[2])
+            fired = int(done[3])
+            head = _s(done[4])
+            entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
+        if parked:
+            log.error(
+                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
+                parked,
+                self._keys.stream,
+                self._keys.parked,
+            )
+        if self._on_batch is not None and (fired or parked):
+            late_ms = now - int(first) if first else 0
+            self._on_batch(
+                FireReport(
+                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
+                )
+            )
+        # A batch cut short by its budget leaves more due: say so, so the loop goes on.
+        more = len(claims)
+        return more, (int(float(head)) if head else None), refill
+
+    async def _append_claims(self, claims: Sequence[_Claim], claimed_at: int) -> dict[str, str]:
+        """APPEND every claimed envelope, one call per target; outcome per envelope id."""
+        cfg = self._config
+        outcomes: dict[str, str] = {}
+        groups: dict[str, list[_Claim]] = {}
+        for c in claims:
+            if c.target:
+                groups.setdefault(c.target, []).append(c)
+            else:
+                outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
+        mode, threshold = self._trim.args(self._clock.now_ms())
+        for n, (target, group) in enumerate(groups.items(), 1):
+            # A replica that stalled this long may find its markers expired:
+            # it must leave the claim to the replica that took its lease over.
+            if self._clock.now_ms() - claimed_at > cfg.marker_ttl_ms // 2:
+                raise TimeoutError(
+                    f"claim on {self._keys.stream} is {cfg.marker_ttl_ms // 2} ms old; abandoned"
+                )
+            prefix = fire_marker_prefix(target, self._keys.stream)
+            outbox = bool(group[0].target_pubsub)
+            args: list[Any] = [cfg.marker_ttl_ms, "" if outbox else mode, threshold, len(group)]
+            for c in group:
+                entries = c.entries if not c.source else await self._sampled(c.source, c)
+                args.append(len(entries))
+                for fields in entries:
+                    args.append(len(fields) // 2)
+                    args += fields
+            raw = await self._append(keys=[target, *(f"{prefix}{c.id}:{c.due}" for c in group)], args=args)
+            for c, status in zip(group, raw, strict=True):
+                outcomes[c.id] = _s(status)
+            await self._at(f"appended:{n}")
+        return outcomes
+
+    async def _sampled(self, source: str, c: _Claim) -> list[list[str | bytes]]:
+        """scheduleSource: the source topic's latest entry, read now (it lives in another slot)."""
+        if is_delayed_topic(source) or is_engine_key(source):
+            return []
+        rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        if not rows:
+            return []
+        f = {_s(k): v for k, v in dict(rows[0][1] or {}).items()}
+        md: dict[str, Any] = {}
+        with contextlib.suppress(ValueError, TypeError):
+            loaded = json.loads(f.get("metadata", b"{}"))
+            if isinstance(loaded, dict):
+                md = loaded
+        md["scheduler"], md["scheduleNext"] = c.scheduler, c.schedule_next
+        ct = f.get("contentType", b"")
+        return [c.fields(f.get("data", b""), json.dumps(md, separators=(",", ":")), ct)]
+
+    async def _at(self, point: str) -> None:
+        if self._fault is not None:
+            await self._fault(point)
 
     async def refill_pending(self, limit: int = 1000) -> int:
         """Give every recurring envelope waiting for it its next due time; returns how many."""
@@ -384,6 +525,154 @@ class DelayEngine:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1.0):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class ShardedEngine:
+    """One app's delayed topic over several shard streams (keys.shard_topics), one DelayEngine each.
+
+    On Redis Cluster each shard's keys share one hash slot and the shards
+    spread over the masters; on a single node one shard is the plain engine.
+    A publish with a scheduleId goes to the shard its id hashes to, so a
+    replace or a cancel finds it; the rest go to one shard per call, in turn,
+    so a bulk publish without ids is still one atomic SCHEDULE. Every replica
+    fires every shard: the shards need no owner and replicas no coordination.
+    """
+
+    def __init__(self, engines: Sequence[DelayEngine]) -> None:
+        if not engines:
+            raise ValueError("a sharded engine needs at least one shard")
+        self.engines = list(engines)
+        self._turn = secrets.randbelow(len(self.engines))
+
+    @property
+    def keys(self) -> EngineKeys:
+        """Shard 0's keys (`<consumerID>-delayed`, the single-node layout)."""
+        return self.engines[0].keys
+
+    def shard_of(self, schedule_id: str) -> DelayEngine:
+        """The shard a scheduleId lives on."""
+        return self.engines[shard_index(schedule_id, len(self.engines))]
+
+    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+        """As DelayEngine.schedule; ids in the order given."""
+        if len(self.engines) == 1:
+            return await self.engines[0].schedule(envelopes, token=token)
+        self._turn = (self._turn + 1) % len(self.engines)
+        spread = self.engines[self._turn]
+        groups: dict[int, list[int]] = {}
+        for i, e in enumerate(envelopes):
+            engine = self.shard_of(e.schedule_id) if e.schedule_id else spread
+            groups.setdefault(self.engines.index(engine), []).append(i)
+        ids: list[str] = [""] * len(envelopes)
+        for shard, positions in groups.items():
+            got = await self.engines[shard].schedule(
+                [envelopes[i] for i in positions], token=f"{token}:{shard}" if token else None
+            )
+            for i, id in zip(positions, got, strict=False):
+                ids[i] = id
+        return ids
+
+    async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
+        """As DelayEngine.cancel: a scheduleId on its shard; an envelope stream id on whichever holds it."""
+        first = self.shard_of(id)
+        if await first.cancel(id, reason=reason):
+            return True
+        if not _STREAM_ID.fullmatch(id):
+            return False
+        for engine in self.engines:
+            if engine is not first and await engine.cancel(id, reason=reason):
+                return True
+        return False
+
+    async def pending(self) -> int:
+        """Messages waiting over every shard."""
+        return sum([await e.pending() for e in self.engines])
+
+    async def fire_due(self) -> tuple[int, int | None]:
+        """One fire_due on every shard: (fired in all, earliest due time left)."""
+        fired, head = 0, None
+        for e in self.engines:
+            n, h = await e.fire_due()
+            fired += n
+            if h is not None and (head is None or h < head):
+                head = h
+        return fired, head
+
+    async def run(self) -> None:
+        """Fire every shard until cancelled (one loop per shard)."""
+        tasks = [asyncio.create_task(e.run(), name=f"delay-engine:{e.keys.stream}") for e in self.engines]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=2.0)
+
+    def wake(self) -> None:
+        """Re-check every shard's index now."""
+        for e in self.engines:
+            e.wake()
+
+
+_STREAM_ID = re.compile(r"\d+-\d+")
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """One envelope CLAIM handed out (see lua/claim.lua's reply)."""
+
+    id: str
+    due: str
+    scheduler: str
+    schedule_next: str
+    target: str  # the key APPEND writes: the topic, or the outbox
+    target_pubsub: str
+    topic: str
+    bulk: bool
+    expires_at: int
+    source: str
+    entries: list[list[str | bytes]]  # XADD field/value lists
+
+    def fields(
+        self, data: str | bytes, metadata: str | bytes, content_type: str | bytes
+    ) -> list[str | bytes]:
+        """One entry's XADD fields, as FIRE writes them."""
+        out: list[str | bytes] = ["data", data, "metadata", metadata]
+        if content_type:
+            out += ["contentType", content_type]
+        if self.expires_at > 0:
+            out += ["expiresAt", str(self.expires_at)]
+        if self.target_pubsub:
+            out += ["pubsub", self.target_pubsub, "topic", self.topic, "id", self.scheduler]
+            if self.bulk:
+                out += ["bulk", self.scheduler]
+        return out
+
+
+def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
+    n, pos, out = int(raw[0]), 1, []
+    for _ in range(n):
+        head = raw[pos : pos + 11]
+        pos += 11
+        c = _Claim(
+            id=_s(head[0]),
+            due=_s(head[1]),
+            scheduler=_s(head[2]),
+            schedule_next=_s(head[3]),
+            target=_s(head[4]),
+            target_pubsub=_s(head[5]),
+            topic=_s(head[6]),
+            bulk=_s(head[7]) == "1",
+            expires_at=int(head[8]),
+            source=_s(head[9]),
+            entries=[],
+        )
+        for _ in range(int(head[10])):
+            data, md, ct = raw[pos], raw[pos + 1], raw[pos + 2]
+            pos += 3
+            c.entries.append(c.fields(data, md, ct))
+        out.append(c)
+    return out
 
 
 def _s(value: object) -> str:
