@@ -321,9 +321,10 @@ class ClusterNode(RedisServer):
     """A redis-server with cluster mode on and an explicit bus port (the default,
     port + 10000, fails for ports above 55535)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, node_timeout_ms: int = 5000) -> None:
         super().__init__(workdir, appendonly=False)
         self.bus_port = free_port()
+        self.node_timeout_ms = node_timeout_ms
 
     def pick_ports(self) -> None:
         super().pick_ports()
@@ -339,16 +340,19 @@ class ClusterNode(RedisServer):
             "--cluster-port",
             str(self.bus_port),
             "--cluster-node-timeout",
-            "5000",
+            str(self.node_timeout_ms),
         ]
 
 
 class RedisCluster:
-    """Three cluster masters (no replicas) on private ports, slots split by `redis-cli --cluster create`."""
+    """Three cluster masters on private ports, slots split by `redis-cli --cluster create`;
+    `replicas` per master (for failover tests), each with a short node timeout then."""
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
         self.redis_cli = _which("redis-cli")
-        self.nodes = [ClusterNode(workdir / f"node{i}") for i in range(masters)]
+        self.replicas = replicas
+        timeout = 1000 if replicas else 5000
+        self.nodes = [ClusterNode(workdir / f"node{i}", timeout) for i in range(masters * (1 + replicas))]
 
     @property
     def addresses(self) -> list[str]:
@@ -365,7 +369,7 @@ class RedisCluster:
                     "create",
                     *self.addresses,
                     "--cluster-replicas",
-                    "0",
+                    str(self.replicas),
                     "--cluster-yes",
                 ],
                 capture_output=True,

@@ -7,18 +7,19 @@ Several instances share one socket; daprd tells them apart by the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
 from delayed_middleware import plan
 from delayed_middleware.clock import Clock
-from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport, ShardedEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
@@ -27,7 +28,7 @@ from delayed_middleware.errors import (
     InvalidArgumentError,
     NotInitializedError,
 )
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -55,19 +56,10 @@ class Instance:
         # streams would let one stream's XREADGROUP swallow the other's entries.
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
-        self.engine: DelayEngine | None = None
+        self.engine: ShardedEngine | None = None
         self._engine_task: asyncio.Task[None] | None = None
         if settings.enable_delayed_messaging:
-            self.engine = DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
-                clock,
-                trim=self.broker.trim,
-                on_batch=metrics.on_fire,
-                config=EngineConfig(
-                    history_max_len=settings.history_max_len, history_max_age_ms=settings.history_max_age_ms
-                ),
-            )
+            self.engine = _sharded_engine(connection, settings, clock, self.broker, metrics)
         # Topics seen to be streams (or absent), so a delayed publish checks the
         # target's type once, not per call; bounded, and forgotten after a while
         # because a key's type can change under us (the fire path parks then).
@@ -81,15 +73,6 @@ class Instance:
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
-        if settings.enable_delayed_messaging and settings.redis_type == "cluster":
-            # The fire script appends to target topics in other hash slots, which
-            # a cluster refuses inside one script; refusing here beats failing
-            # at the first due time with every message stuck.
-            raise InvalidArgumentError(
-                "enableDelayedMessaging",
-                "true",
-                "not supported with redisType cluster yet (single node or Sentinel)",
-            )
         if settings.enable_delayed_messaging and not settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID",
@@ -270,6 +253,45 @@ class Instance:
         self._subscriptions.clear()
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)
         await self._connection.aclose()
+
+
+def _sharded_engine(
+    connection: Connection, settings: Settings, clock: Clock, broker: Broker, metrics: InstanceMetrics
+) -> ShardedEngine:
+    """The delay engine over the delayed topic's shard streams (keys.shard_topics).
+
+    On Redis Cluster the fire is two-phase (target topics live in other hash
+    slots than the shard); on a single node or Sentinel it is one script.
+    """
+    config = EngineConfig(
+        history_max_len=settings.history_max_len,
+        history_max_age_ms=settings.history_max_age_ms,
+        two_phase=settings.redis_type == "cluster",
+    )
+    topics = shard_topics(settings.consumer_id, settings.shards)
+    pending = [0] * len(topics)
+
+    def on_batch(shard: int) -> Callable[[FireReport], None]:
+        # The pending gauge is the instance's total over its shards.
+        def hook(report: FireReport) -> None:
+            pending[shard] = report.pending
+            metrics.on_fire(dataclasses.replace(report, pending=sum(pending)))
+
+        return hook
+
+    return ShardedEngine(
+        [
+            DelayEngine(
+                connection.client,  # type: ignore[arg-type]
+                EngineKeys.for_topic(topic),
+                clock,
+                trim=broker.trim,
+                on_batch=on_batch(n),
+                config=config,
+            )
+            for n, topic in enumerate(topics)
+        ]
+    )
 
 
 class Instances:

@@ -19,6 +19,9 @@ from delayed_middleware.errors import InvalidArgumentError
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 6379
+# delayShards: default on Redis Cluster (spreads over 3..16 masters), and the most allowed.
+DEFAULT_CLUSTER_SHARDS = 16
+MAX_DELAY_SHARDS = 1024
 
 # Every key we read. Anything else daprd hands us (it passes a few of its own,
 # and pubsub.redis YAMLs carry go-redis pool knobs we have no use for) is ignored.
@@ -52,6 +55,7 @@ KNOWN_KEYS = frozenset(
         "maxDelay",
         "historyMaxLen",
         "historyMaxAge",
+        "delayShards",
     }
 )
 
@@ -91,6 +95,15 @@ class Settings:
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
     history_max_len: int = 1_000_000
     history_max_age_ms: int = 86_400_000
+    # Shard streams of the delayed topic (None: 16 on Redis Cluster, 1 on a single node).
+    delay_shards: int | None = None
+
+    @property
+    def shards(self) -> int:
+        """How many shard streams the delayed topic has (delayShards, else the deployment's default)."""
+        if self.delay_shards:
+            return self.delay_shards
+        return DEFAULT_CLUSTER_SHARDS if self.redis_type == "cluster" else 1
 
     @property
     def address(self) -> str:
@@ -166,6 +179,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
         history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
         history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
+        delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
     )
 
 
