@@ -48,6 +48,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import (
     EngineKeys,
@@ -226,6 +227,14 @@ class DelayEngine:
             args=[self._keys.buckets, self._clock.now_ms(), self._history_len(), id, reason],
         )
         return bool(n)
+
+    async def has_key(self, key: str) -> bool:
+        """True if `key` is a pending scheduleId (or recurring envelope id) here."""
+        return bool(await self._redis.hexists(self._keys.ids, key))
+
+    async def holds(self, stream_id: str) -> bool:
+        """True if this delayed topic holds an envelope at `stream_id`."""
+        return bool(await self._redis.xrange(self._keys.stream, stream_id, stream_id))
 
     async def pending(self) -> int:
         """How many messages wait in the index of this delayed topic."""
@@ -554,35 +563,46 @@ class ShardedEngine:
         return self.engines[shard_index(schedule_id, len(self.engines))]
 
     async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
-        """As DelayEngine.schedule; ids in the order given."""
+        """As DelayEngine.schedule; ids in the order given.
+
+        Envelope stream ids are unique per shard stream only (each master
+        makes its own), so with several shards an id that is not a scheduleId
+        comes back as `<stream id>@<shard>`, which cancel understands.
+        """
         if len(self.engines) == 1:
             return await self.engines[0].schedule(envelopes, token=token)
         self._turn = (self._turn + 1) % len(self.engines)
-        spread = self.engines[self._turn]
         groups: dict[int, list[int]] = {}
         for i, e in enumerate(envelopes):
-            engine = self.shard_of(e.schedule_id) if e.schedule_id else spread
-            groups.setdefault(self.engines.index(engine), []).append(i)
+            shard = shard_index(e.schedule_id, len(self.engines)) if e.schedule_id else self._turn
+            groups.setdefault(shard, []).append(i)
         ids: list[str] = [""] * len(envelopes)
         for shard, positions in groups.items():
             got = await self.engines[shard].schedule(
                 [envelopes[i] for i in positions], token=f"{token}:{shard}" if token else None
             )
             for i, id in zip(positions, got, strict=False):
-                ids[i] = id
+                ids[i] = id if envelopes[i].schedule_id else f"{id}@{shard}"
         return ids
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
-        """As DelayEngine.cancel: a scheduleId on its shard; an envelope stream id on whichever holds it."""
+        """As DelayEngine.cancel: a scheduleId on its shard; an envelope id
+        (`<stream id>@<shard>`, or a bare stream id held by one shard only) on its shard.
+
+        InvalidArgumentError when a bare stream id names envelopes on several shards.
+        """
+        m = _SHARD_ID.fullmatch(id)
+        if m and int(m.group(2)) < len(self.engines):
+            return await self.engines[int(m.group(2))].cancel(m.group(1), reason=reason)
         first = self.shard_of(id)
-        if await first.cancel(id, reason=reason):
-            return True
-        if not _STREAM_ID.fullmatch(id):
-            return False
-        for engine in self.engines:
-            if engine is not first and await engine.cancel(id, reason=reason):
-                return True
-        return False
+        if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await first.has_key(id):
+            return await first.cancel(id, reason=reason)
+        holders = [e for e in self.engines if await e.holds(id)]
+        if len(holders) > 1:
+            raise InvalidArgumentError(
+                "id", id, f"on {len(holders)} shards; name one as {id}@<shard> (see keys.shard_topics)"
+            )
+        return bool(holders) and await holders[0].cancel(id, reason=reason)
 
     async def pending(self) -> int:
         """Messages waiting over every shard."""
@@ -615,6 +635,7 @@ class ShardedEngine:
 
 
 _STREAM_ID = re.compile(r"\d+-\d+")
+_SHARD_ID = re.compile(r"(\d+-\d+)@(\d+)")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope
+from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
@@ -286,8 +287,11 @@ async def test_sharded_engine_spreads_over_masters_and_cancel_finds_every_shard(
     await shards.schedule(with_sid)
     used = [e.keys.stream for e in shards.engines if admin.xlen(e.keys.stream)]
     assert len(used) > 1
-    # By envelope stream id (its shard unknown) and by scheduleId (its shard by hash).
+    # By envelope id (shard-qualified: stream ids repeat across shards) and by
+    # scheduleId (its shard by hash).
+    assert all("@" in i for i in ids)
     assert await shards.cancel(ids[5])
+    assert not await shards.cancel(ids[5])
     assert await shards.cancel("s3")
     assert not await shards.cancel("s3")
     assert not await shards.cancel("1-1")
@@ -301,3 +305,20 @@ async def test_sharded_engine_spreads_over_masters_and_cancel_finds_every_shard(
     assert got == sorted(
         [i for i in range(12) if i != 5] + [100 + i for i in range(12) if i not in (3, 4)] + [999]
     )
+
+
+async def test_a_bare_stream_id_on_two_shards_is_refused_not_guessed(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [engine(aclient, clock, keys=EngineKeys.for_topic(t)) for t in shard_topics("app", 2)]
+    )
+    for e in shards.engines:
+        admin.xadd(e.keys.stream, {"data": "x"}, id="5-1")
+    with pytest.raises(InvalidArgumentError, match="5-1"):
+        await shards.cancel("5-1")
+    assert [admin.xlen(e.keys.stream) for e in shards.engines] == [1, 1]
+    assert await shards.cancel("5-1@1")
+    assert [admin.xlen(e.keys.stream) for e in shards.engines] == [1, 0]
+    assert await shards.cancel("5-1")  # now only one shard holds it
