@@ -450,19 +450,33 @@ class RedisSentinel:
     Sentinel reaches the master over TLS too.
     """
 
-    def __init__(self, workdir: Path, master_name: str = "mymaster", tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, workdir: Path, master_name: str = "mymaster", tls: TlsFiles | None = None, replica: bool = False
+    ) -> None:
         self.master_name = master_name
         self.master = (
             RedisServer(workdir / "master", appendonly=False)
             if tls is None
             else TlsRedisServer(workdir / "master", tls, auth_clients="yes")
         )
+        # With `replica` (plain only): one replica, and a quick failover for failover tests.
+        self.replica = (
+            RedisServer(
+                workdir / "replica",
+                appendonly=False,
+                extra_args=("--replicaof", "127.0.0.1", str(self.master.port)),
+            )
+            if replica
+            else None
+        )
         conf = workdir / "sentinel" / "sentinel.conf"
         conf.parent.mkdir(parents=True, exist_ok=True)
+        down_ms = 1000 if replica else 5000
         # Sentinel rewrites its config file, so it gets a private writable one.
         conf.write_text(
             f"bind 127.0.0.1\nsentinel monitor {master_name} 127.0.0.1 {self.master.port} 1\n"
-            f"sentinel down-after-milliseconds {master_name} 5000\n"
+            f"sentinel down-after-milliseconds {master_name} {down_ms}\n"
+            f"sentinel failover-timeout {master_name} 10000\n"
         )
         self.sentinel = (
             RedisServer(conf.parent, appendonly=False, config_file=conf, extra_args=("--sentinel",))
@@ -484,6 +498,8 @@ class RedisSentinel:
     def start(self) -> None:
         try:
             self.master.start()
+            if self.replica is not None:
+                self.replica.start()
             self.sentinel.start()
             _wait_for(f"sentinel reporting master {self.master_name}", self._reports_master)
         except BaseException:
@@ -507,6 +523,8 @@ class RedisSentinel:
     def stop(self) -> None:
         self.sentinel.stop()
         self.master.stop()
+        if self.replica is not None:
+            self.replica.stop()
 
 
 def stream_entries(client: redis.Redis, key: str) -> list[tuple[str, dict[bytes, bytes]]]:

@@ -1,0 +1,202 @@
+"""Delayed messaging on a real Redis Cluster and on Sentinel, through `delayed-pubsub serve`
+processes driven over their sockets: exactly once across replicas, kill -9 and failovers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio.cluster as acluster
+import redis.cluster
+
+from delayed_middleware.clock import SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import Envelope
+from delayed_middleware.keys import EngineKeys, shard_topics
+from tests.components.test_serve_replicas import Serve, delayed_entries, folder, instance, now_ms
+from tests.redis_server import RedisCluster
+
+__all__ = ["folder"]  # the fixture, imported for its use here
+pytestmark = pytest.mark.slow
+
+SHARDS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
+    cluster.flushall()
+    c = cluster.client()
+    yield c
+    c.close()
+
+
+def cluster_props(c: RedisCluster) -> dict[str, str]:
+    return {
+        "redisHost": c.nodes[0].address,
+        "redisType": "cluster",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+
+
+def topics_on_every_master(c: RedisCluster, n: int) -> list[str]:
+    topics = [f"topic-{i}" for i in range(n)]
+    masters = {c.owner(t).port for t in topics}
+    assert len(masters) == len({c.owner(t).port for t in shard_topics("app1", SHARDS)}) == 3
+    return topics
+
+
+def rows(admin: Any, key: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    got: list[tuple[bytes, dict[bytes, bytes]]] = admin.xrange(key)
+    return got
+
+
+def delivered(admin: Any, topic: str) -> list[int]:
+    return sorted(json.loads(decode_entry(f).data)["n"] for _, f in rows(admin, topic))
+
+
+async def publish_spread(
+    c: Any, topics: list[str], total: int, first_due: int, spread_ms: int
+) -> dict[str, list[int]]:
+    """`total` delayed messages over `topics` (one bulk call per topic, n = i * len + k)."""
+    want: dict[str, list[int]] = {}
+    per = total // len(topics)
+    for k, t in enumerate(topics):
+        entries = delayed_entries(per, first_due, spread_ms)
+        for i, e in enumerate(entries):
+            e.event = json.dumps({"n": k * per + i}).encode()
+        reply = await c.bulk_publish(t, entries)
+        assert list(reply.failed_entries) == []
+        want[t] = [k * per + i for i in range(per)]
+    return want
+
+
+async def wait_delivered(admin: Any, topics: list[str], total: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (got := sum(admin.xlen(t) for t in topics)) < total:
+        assert time.monotonic() < deadline, f"{got} of {total} delivered after {within_s}s"
+        await asyncio.sleep(0.1)
+
+
+def engine_left(admin: Any) -> dict[str, int]:
+    """What the engine still holds over every shard: pending, in flight, envelopes."""
+    keys = [EngineKeys.for_topic(t) for t in shard_topics("app1", SHARDS)]
+    return {
+        "pending": sum(int(admin.get(k.count) or 0) for k in keys),
+        "inflight": sum(admin.zcard(k.inflight) for k in keys),
+        "envelopes": sum(admin.xlen(k.stream) for k in keys),
+    }
+
+
+async def test_two_replicas_fire_10k_to_50_topics_over_every_master_exactly_once(
+    folder: Path, cluster: RedisCluster, admin: Any
+) -> None:
+    topics = topics_on_every_master(cluster, 50)
+    a, b = Serve(folder, "a"), Serve(folder, "b")
+    try:
+        props = cluster_props(cluster)
+        async with instance(a, props) as ca, instance(b, props):
+            t0 = time.monotonic()
+            want = await publish_spread(ca, topics, 10_000, now_ms() + 4_000, 1_000)
+            print(f"published in {time.monotonic() - t0:.1f}s")
+            # The 50 calls spread over the shards (each shard's history saw them).
+            used = [t for t in shard_topics("app1", SHARDS) if admin.xlen(EngineKeys.for_topic(t).history)]
+            assert len(used) > 8
+            await wait_delivered(admin, topics, 10_000, within_s=40)
+            await asyncio.sleep(1.0)  # a duplicate would land now, if ever
+            assert {t: delivered(admin, t) for t in topics} == want
+            assert engine_left(admin) == {"pending": 0, "inflight": 0, "envelopes": 0}
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_kill_9_of_a_replica_while_firing_loses_and_doubles_nothing(
+    folder: Path, cluster: RedisCluster, admin: Any
+) -> None:
+    topics = topics_on_every_master(cluster, 12)
+    n = 6_000
+    a, b = Serve(folder, "a"), Serve(folder, "b")
+    try:
+        props = cluster_props(cluster)
+        async with instance(a, props) as ca, instance(b, props):
+            t0 = time.monotonic()
+            want = await publish_spread(ca, topics, n, now_ms() + 3_000, 4_000)
+            print(f"published in {time.monotonic() - t0:.1f}s")
+            deadline = time.monotonic() + 15
+            while sum(admin.xlen(t) for t in topics) < 1_000:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            a.kill9()  # mid-batch, most likely: its claims wait for their lease to end
+            fired_at_kill = sum(admin.xlen(t) for t in topics)
+            assert fired_at_kill < n, "the kill must land while messages are pending"
+            # Lease 5 s + takeover within 2 s + the rest of the spread.
+            await wait_delivered(admin, topics, n, within_s=20)
+            await asyncio.sleep(1.0)
+            assert {t: delivered(admin, t) for t in topics} == want
+            assert engine_left(admin) == {"pending": 0, "inflight": 0, "envelopes": 0}
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_a_dead_replicas_claim_is_taken_over_within_2s_of_its_lease_ending_not_before(
+    folder: Path, cluster: RedisCluster, admin: Any
+) -> None:
+    topics = topics_on_every_master(cluster, 6)
+    shard = EngineKeys.for_topic(shard_topics("app1", SHARDS)[0])
+
+    async def die(point: str) -> None:
+        if point == "claimed":
+            raise RuntimeError("killed after CLAIM")
+
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        # A replica (the real engine code, in this process) claims a due batch and dies.
+        dead = DelayEngine(client, shard, SystemClock(), config=EngineConfig(two_phase=True), fault=die)  # type: ignore[arg-type]
+        await dead.schedule(
+            [
+                Envelope(
+                    id=f"m{i}",
+                    topic=topics[i % 6],
+                    due_ms=now_ms(),
+                    published_at_ms=now_ms(),
+                    message=json.dumps({"n": i}).encode(),
+                )
+                for i in range(300)
+            ]
+        )
+        with pytest.raises(RuntimeError):
+            await dead.fire_due()
+    finally:
+        await client.aclose()
+    [(_, lease_end)] = admin.zrange(shard.inflight, 0, 0, withscores=True)
+    assert admin.zcard(shard.inflight) == 300
+    c = Serve(folder, "c")
+    try:
+        async with instance(c, cluster_props(cluster)):
+            deadline = time.monotonic() + 15
+            while admin.zcard(shard.inflight):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            released_at = now_ms()
+            await wait_delivered(admin, topics, 300, within_s=5)
+    finally:
+        c.stop()
+    assert lease_end <= released_at < lease_end + 2_000
+    assert sorted(n for t in topics for n in delivered(admin, t)) == list(range(300))
