@@ -26,6 +26,68 @@ Redis and any replica's loop completes it before that envelope can fire again
 whose successor has passed too (the component or Redis was down across
 several fire times) is handed to REFILL with the current time, so it fires
 once on recovery and then continues on its schedule.
+
+Redis Cluster: the two-phase fire
+---------------------------------
+A script may only touch keys of one hash slot, and target topics live in
+other slots than the delayed topic. So on Cluster (EngineConfig.two_phase)
+FIRE's steps run as three scripts, with the same decisions at each step:
+  1. CLAIM (the shard's slot) takes a bounded due batch, handles what FIRE
+     handles without appending (gone, expired, reserved target, recurring
+     waiting for REFILL) and moves the rest from the due index to an in-flight
+     sorted set, scored by a lease end (now + lease_ms), recording each
+     occurrence's due time in a claims hash; it returns the entries to append.
+  2. APPEND (the target's slot), one call per target key: for each envelope,
+     `SET <marker> 1 NX PX marker_ttl_ms` and, only if that set it, the XADDs,
+     in one script. The marker `{<target's tag>}:<shard stream>}fired:<envelope
+     id>:<occurrence due ms>` (keys.fire_marker_prefix) hashes to the target's
+     slot and is an engine key (it contains `-delayed}`), so no user can write it.
+  3. RELEASE (the shard's slot) finalizes what was appended exactly as FIRE
+     does (stream entry, ids hash, history, recurring re-insert and refill
+     mark) and parks what APPEND could not write; it acts only on envelopes
+     it removes from the in-flight set (ZREM returns 1 once).
+CLAIM also takes back in-flight entries whose lease ended, with a new lease,
+so a replica that died or stalled is replaced by whichever replica claims
+next; each loop sleeps at most until the earliest lease end, so a takeover
+comes within the loop's wake-up slack of the lease ending.
+
+Why no crash point loses a message: an occurrence leaves the due index only
+into the in-flight set (CLAIM is atomic), and leaves the in-flight set only
+in RELEASE, which runs after APPEND wrote it (or parks it, keeping the
+envelope). A crash before RELEASE leaves it in flight; its lease ends; the
+next CLAIM hands it out again. Why none doubles one: the entries of an
+occurrence are appended only by the APPEND call that set its marker (SET NX
+and XADD are one atomic script), so a re-run after a crash, a takeover while
+the first replica is slow, or two replicas appending at once write it once;
+RELEASE acts once (ZREM). Crash points, each tested in
+tests/middleware/test_engine_cluster.py: after CLAIM (nothing appended: the
+takeover appends all); after APPEND of some targets (the takeover's APPEND
+finds those markers and writes only the rest); after every APPEND, before
+RELEASE (the takeover writes nothing, then releases); after RELEASE (nothing
+left in flight); a replica stalled past its lease while another takes over
+(its late APPENDs find markers, its RELEASE finds nothing).
+The bound: a marker lives marker_ttl_ms (15 min by default). A claim left in
+flight longer than that after its APPEND (every replica down that long
+between APPEND and RELEASE) may be appended again on takeover: delivered at
+least once, never lost. A replica does not start an APPEND for a claim older
+than half that. A cancel or replace that lands while an occurrence is in
+flight (milliseconds) withdraws the envelope but may not stop that one
+delivery; on a single node FIRE has no such window.
+
+Replication (Sentinel and Cluster failover): Redis replicates asynchronously.
+Writes a master acknowledged but had not yet sent to the replica that gets
+promoted are lost in a failover, for the engine as for any Redis user. What
+that means here: a lost SCHEDULE loses that publish; a lost FIRE (Sentinel)
+is undone whole, target entry and index change together, so it fires again
+(a subscriber that had read the lost entry from the old master sees it
+twice); on Cluster, a lost CLAIM or RELEASE whose APPEND survived is handed
+out again and the surviving marker stops a second append, while a lost
+APPEND whose RELEASE survived (target and shard on different masters) loses
+that message. The window is the replication lag, normally milliseconds
+(`WAIT` is not used: it would cost a round trip to a replica per call).
+After the failover the engine's loop gets
+connection errors, backs off (at most retry_max_s), reconnects through
+Sentinel or the refreshed cluster slot map, and fires whatever is due.
 """
 
 from __future__ import annotations
