@@ -426,7 +426,10 @@ class DelayEngine:
             else:
                 outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
         mode, threshold = self._trim.args(self._clock.now_ms())
-        for n, (target, group) in enumerate(groups.items(), 1):
+        done = 0
+
+        async def append(target: str, group: list[_Claim]) -> None:
+            nonlocal done
             # A replica that stalled this long may find its markers expired:
             # it must leave the claim to the replica that took its lease over.
             if self._clock.now_ms() - claimed_at > cfg.marker_ttl_ms // 2:
@@ -445,7 +448,18 @@ class DelayEngine:
             raw = await self._append(keys=[target, *(f"{prefix}{c.id}:{c.due}" for c in group)], args=args)
             for c, status in zip(group, raw, strict=True):
                 outcomes[c.id] = _s(status)
-            await self._at(f"appended:{n}")
+            done += 1
+            await self._at(f"appended:{done}")
+
+        # Targets are independent (other slots, often other masters): append
+        # to them concurrently. A failure cancels the rest, like a crash would.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for target, group in groups.items():
+                    tg.create_task(append(target, group))
+        except BaseExceptionGroup as eg:
+            # The loop handles RedisError and TimeoutError, not groups of them.
+            raise eg.exceptions[0] from None
         return outcomes
 
     async def _sampled(self, source: str, c: _Claim) -> list[list[str | bytes]]:
