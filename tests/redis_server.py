@@ -385,9 +385,17 @@ class RedisCluster:
             raise
 
     def wait_ready(self) -> None:
-        """Until every node reports cluster_state:ok, knows every other and sees all slots served."""
+        """Until every node reports cluster_state:ok, knows every other and sees all slots served,
+        and every replica has synced with its master (a replica that never did will not fail over)."""
         for node in self.nodes:
             _wait_for(f"cluster_state:ok on node {node.address}", functools.partial(self._ready, node))
+        for node in self.nodes:
+            _wait_for(f"replica {node.address} in sync", functools.partial(self._synced, node))
+
+    def _synced(self, node: RedisServer) -> bool:
+        with node.client(decode_responses=True) as c:
+            info: Any = c.info("replication")
+        return str(info.get("role")) == "master" or str(info.get("master_link_status")) == "up"
 
     def restart(self, down_for: float = 0.0) -> None:
         """Stop every node, wait `down_for` seconds, start them again (slots kept in nodes.conf, data lost)."""
@@ -500,11 +508,18 @@ class RedisSentinel:
             self.master.start()
             if self.replica is not None:
                 self.replica.start()
+                _wait_for("the replica in sync", self._replica_synced)
             self.sentinel.start()
             _wait_for(f"sentinel reporting master {self.master_name}", self._reports_master)
         except BaseException:
             self.stop()
             raise
+
+    def _replica_synced(self) -> bool:
+        assert self.replica is not None
+        with self.replica.client(decode_responses=True) as c:
+            info: Any = c.info("replication")
+        return str(info.get("master_link_status")) == "up"
 
     def _reports_master(self) -> bool:
         with self.sentinel.client(decode_responses=True) as c:
