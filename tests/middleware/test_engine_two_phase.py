@@ -8,10 +8,17 @@ and a claim whose lease ended is taken over.
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Callable
 
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
 from tests.middleware import test_engine, test_engine_v2
+from tests.middleware.test_engine import KEYS, T0, env
+from tests.middleware.test_engine_v2 import drain, history
 
 # Same records, another order: the two-phase path learns a target's wrong type
 # in APPEND, so its 'parked' record comes after the batch's 'expired' ones
@@ -28,3 +35,28 @@ for _module in (test_engine, test_engine_v2):
     for _name in dir(_module):
         if _name.startswith("test_") and _name not in _FIRE_ONLY:
             globals()[f"{_name}__two_phase"] = getattr(_module, _name)
+
+
+async def test_history_in_the_two_phase_path(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The same records as FIRE's; a wrong-type target is learnt in APPEND, so its
+    'parked' comes after CLAIM's 'expired', with the 'fired' of the same RELEASE."""
+    redis_client.hset("a-hash", "f", "v")
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(1, T0 + 100, sid="x")])
+    await engine.schedule([env(2, T0 + 200, sid="x")])  # replaces x
+    await engine.schedule([env(3, T0 + 100, sid="y"), env(4, T0 + 100, topic="a-hash")])
+    await engine.schedule([env(5, T0 + 100, expires_at_ms=T0 + 1)])
+    assert await engine.cancel("y")
+    clock.set(T0 + 250)
+    await drain(engine)
+    h = history(redis_client)
+    assert [r.event for r in h[:7]] == ["scheduled", "replaced", *["scheduled"] * 4, "cancelled"]
+    assert [r.event for r in h[7:]] == ["expired", "parked", "fired"]
+    parked, fired = h[8], h[9]
+    assert (parked.topic, parked.reason) == ("a-hash", "WRONGTYPE: the key is a hash, not a stream")
+    assert (fired.id, fired.due_ms, fired.lateness_ms, fired.at_ms) == ("x", T0 + 200, 50, T0 + 250)
+    assert redis_client.hlen(KEYS.parked) == 1
+    assert redis_client.zcard(KEYS.inflight) == 0
