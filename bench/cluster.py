@@ -115,6 +115,37 @@ async def drain(
             await r.close()
 
 
+async def redis_us_per_message(single: RedisServer, topics: list[str], n: int, two_phase: bool) -> float:
+    """Redis time (EVALSHA usec, INFO commandstats) per message of draining n due messages in-process."""
+    with single.client() as admin:
+        admin.flushall()
+        client = aioredis.Redis(port=single.port)
+        try:
+            engine = DelayEngine(
+                client,
+                EngineKeys.for_topic("bench-delayed"),
+                SystemClock(),
+                config=EngineConfig(two_phase=two_phase, history_max_len=0),
+            )
+            now = now_ms()
+            await engine.schedule(
+                [
+                    Envelope(
+                        id="", topic=topics[i % len(topics)], due_ms=now, published_at_ms=now, message=PAYLOAD
+                    )
+                    for i in range(n)
+                ]
+            )
+            await engine.fire_due()  # loads the scripts
+            admin.config_resetstat()
+            while (await engine.fire_due())[0]:
+                pass
+            stats: Any = admin.info("commandstats")
+            return int(stats["cmdstat_evalsha"]["usec"]) / n
+        finally:
+            await client.aclose()
+
+
 def used_memory(nodes: Sequence[RedisServer]) -> int:
     total = 0
     for node in nodes:
@@ -204,6 +235,9 @@ async def main() -> None:
                 pipe.execute()
                 per = (used_memory([owner]) - before) / args.pending
             print(f"fire marker: {per:.1f} B each (kept marker_ttl_ms = 15 min after its fire)")
+            for two in (False, True):
+                us = await redis_us_per_message(single, topics, args.burst, two)
+                print(f"Redis time per message, {'two-phase' if two else 'FIRE'} (one node): {us:.1f} us")
             admin.close()
             await client.aclose()
         finally:
