@@ -592,6 +592,9 @@ class DelayEngine:
             _honour_swallowed_cancel()
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
+                # A Redis Cluster client maps the slots on its first command; its
+                # pub/sub cannot find the channel's node before that (KeyError).
+                await self._redis.ping()
                 await pubsub.subscribe(self._keys.wake)
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
@@ -605,6 +608,10 @@ class DelayEngine:
                         self._wake.set()
             except RedisError as exc:
                 log.debug("wake listener on %s: %s", self._keys.wake, exc)
+                await asyncio.sleep(backoff.next())
+            except Exception:
+                # Never die silently: a dead listener delays fires by up to max_sleep_s.
+                log.warning("wake listener on %s failed; restarting it", self._keys.wake, exc_info=True)
                 await asyncio.sleep(backoff.next())
             finally:
                 with contextlib.suppress(Exception):

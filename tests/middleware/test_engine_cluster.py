@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import redis.asyncio.cluster as acluster
 import redis.cluster
 
-from delayed_middleware.clock import ManualClock
+from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope
@@ -323,3 +324,32 @@ async def test_a_bare_stream_id_on_two_shards_is_refused_not_guessed(
     assert await shards.cancel("5-1@1")
     assert [admin.xlen(e.keys.stream) for e in shards.engines] == [1, 0]
     assert await shards.cancel("5-1")  # now only one shard holds it
+
+
+async def test_a_sleeping_replica_is_woken_through_the_cluster_by_an_earlier_schedule(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """The wake channel works on Cluster: a replica with nothing due sleeps up to
+    max_sleep_s (here 30 s); another's schedule of a message due in 0.3 s wakes it."""
+    keys = EngineKeys.for_topic(shard_topics("app", 3)[2])
+    sleeper = DelayEngine(
+        aclient,  # type: ignore[arg-type]
+        keys,
+        SystemClock(),
+        config=EngineConfig(two_phase=True, max_sleep_s=30.0),
+    )
+    task = asyncio.create_task(sleeper.run())
+    try:
+        await asyncio.sleep(1.0)  # asleep, subscribed
+        publisher = engine(aclient, ManualClock(T0), keys=keys)
+        due = int(time.time() * 1000) + 300
+        await publisher.schedule([env(1, "woken", due=due)])
+        deadline = time.monotonic() + 5
+        while not admin.xlen("woken"):
+            assert time.monotonic() < deadline, "the sleeping replica was not woken"
+            await asyncio.sleep(0.02)
+        landed = int(rows(admin, "woken")[0][0].split("-")[0])
+        assert due <= landed < due + 1_000
+    finally:
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
