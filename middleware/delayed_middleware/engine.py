@@ -544,6 +544,10 @@ class DelayEngine:
         try:
             while True:
                 try:
+                    # Cleared before looking, not before sleeping: a wake-up that
+                    # arrives while this batch runs (the listener's first one
+                    # after subscribing, a schedule) must cut the next sleep short.
+                    self._wake.clear()
                     # asyncio.timeout, not wait_for: wait_for can swallow a
                     # cancellation that races with completion (Python < 3.12).
                     async with asyncio.timeout(self._config.op_timeout_s):
@@ -573,7 +577,6 @@ class DelayEngine:
         timeout = self._config.max_sleep_s
         if head is not None:
             timeout = min(timeout, max(0.0, (head - self._clock.now_ms()) / 1000))
-        self._wake.clear()
         waker = asyncio.ensure_future(self._wake.wait())
         sleeper = asyncio.ensure_future(self._clock.sleep(timeout))
         try:
