@@ -353,3 +353,22 @@ async def test_a_sleeping_replica_is_woken_through_the_cluster_by_an_earlier_sch
     finally:
         task.cancel()
         await asyncio.wait({task}, timeout=5)
+
+
+async def test_topics_with_their_own_hash_tags_or_odd_braces_fire_once_after_a_crash(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Markers of `{tenant}orders`, `x}y`, `{}z` and `a{b}c` land in their topics' slots
+    (APPEND declares them with the topic: a wrong slot would fail with CROSSSLOT)."""
+    topics = ["{tenant}orders", "{tenant}payments", "x}y", "{}z", "a{b}c", "é{ü}"]
+    clock = ManualClock(T0 + 100)
+    doomed = engine(aclient, clock, crash_at("appended:3"))
+    want = await schedule_spread(doomed, topics, 60)
+    with pytest.raises(Crash):
+        await doomed.fire_due()
+    clock.advance(LEASE + 1)
+    survivor = engine(aclient, clock)
+    while (await survivor.fire_due())[0]:
+        pass
+    assert delivered(admin, topics) == want
+    assert admin.hlen(SHARD.parked) == 0
