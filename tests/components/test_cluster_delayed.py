@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
+from tests.components.driver import Component
 from tests.components.test_serve_replicas import Serve, delayed_entries, folder, instance, now_ms
 from tests.redis_server import RedisCluster, RedisSentinel
 
@@ -307,3 +308,26 @@ async def test_sentinel_failover_then_firing_resumes_exactly_once(
                 assert promoted.info("replication")["role"] == "master"
     finally:
         a.stop()
+
+
+async def test_delay_shards_on_a_single_node_spread_publishes_and_fire_them_all_once(
+    component: Callable[[str], Component], props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """delayShards works on one node too (one-script FIRE per shard): a deployment can
+    shard before it moves to a cluster, and readers find every shard by keys.shard_topics."""
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true", "delayShards": "4"})
+    due = now_ms() + 1_500
+    for _ in range(8):  # one shard per call, in turn
+        reply = await c.bulk_publish("orders", delayed_entries(25, due, 10))
+        assert list(reply.failed_entries) == []
+    held = [redis_client.xlen(t) for t in shard_topics("app1", 4)]
+    assert sum(held) == 200
+    assert all(held), held  # every shard got calls
+    deadline = time.monotonic() + 10
+    while redis_client.xlen("orders") < 200:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    assert redis_client.xlen("orders") == 200
+    assert [redis_client.xlen(t) for t in shard_topics("app1", 4)] == [0, 0, 0, 0]
