@@ -7,7 +7,7 @@ for each shard count S and replica count R:
     one instant; time from the due instant to the last one landing, and the
     firing throughput that gives (N / drain);
 Then, once: Redis bytes per pending message over the cluster (M pending,
-6 shards) and per fire marker (the markers live marker_ttl_ms after a fire);
+6 shards) and per fire marker (the markers live fire_marker_ttl_ms after a fire);
 and the single-node one-script FIRE as the peer, same burst, same machine.
 
 Landing times are the target entries' stream ids (Redis's clock, ms).
@@ -234,7 +234,7 @@ async def main() -> None:
                         pipe.execute()
                 pipe.execute()
                 per = (used_memory([owner]) - before) / args.pending
-            print(f"fire marker: {per:.1f} B each (kept marker_ttl_ms = 15 min after its fire)")
+            print(f"fire marker: {per:.1f} B each (kept fire_marker_ttl_ms = 15 min after its fire)")
             for two in (False, True):
                 us = await redis_us_per_message(single, topics, args.burst, two)
                 print(f"Redis time per message, {'two-phase' if two else 'FIRE'} (one node): {us:.1f} us")

@@ -50,7 +50,16 @@ def start_process(args: list[str], socket: Path, log: Path, within_s: float = 30
 def start_serve(socket: Path, log: Path) -> subprocess.Popen[bytes]:
     """`delayed-pubsub serve` on `socket`, logging warnings to `log`."""
     return start_process(
-        [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(socket), "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "delayed_pubsub",
+            "serve",
+            "--socket",
+            str(socket),
+            "--log-level",
+            os.environ.get("DPS_BENCH_LOG", "warning"),
+        ],
         socket,
         log,
     )

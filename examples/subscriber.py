@@ -36,11 +36,16 @@ from urllib.parse import parse_qs, urlparse
 
 @dataclass(frozen=True)
 class Subscription:
-    """One programmatic subscription: ``pubsub=topic`` or ``pubsub=topic:raw`` (rawPayload)."""
+    """One programmatic subscription: ``pubsub=topic`` or ``pubsub=topic:raw`` (rawPayload).
+
+    ``pubsub=topic:declared``: only the route; the subscription itself comes from a
+    declarative Subscription YAML (so it is not listed on /dapr/subscribe).
+    """
 
     pubsub: str
     topic: str
     raw: bool = False
+    declared: bool = False
 
     @property
     def route(self) -> str:
@@ -58,9 +63,9 @@ class Subscription:
         if not sep or not pubsub or not rest:
             raise argparse.ArgumentTypeError(f"--sub wants PUBSUB=TOPIC[:raw], got {text!r}")
         topic, _, flag = rest.partition(":")
-        if flag not in ("", "raw"):
-            raise argparse.ArgumentTypeError(f"--sub flag must be 'raw', got {flag!r}")
-        return cls(pubsub, topic, raw=flag == "raw")
+        if flag not in ("", "raw", "declared"):
+            raise argparse.ArgumentTypeError(f"--sub flag must be 'raw' or 'declared', got {flag!r}")
+        return cls(pubsub, topic, raw=flag == "raw", declared=flag == "declared")
 
 
 @dataclass
@@ -133,7 +138,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path == "/dapr/subscribe":
-                self._reply(200, [sub.to_dapr() for sub in state.subscriptions])
+                self._reply(200, [sub.to_dapr() for sub in state.subscriptions if not sub.declared])
             elif url.path == "/dapr/config":
                 self._reply(200, {})
             elif url.path == "/arrivals":
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Subscription.parse,
         action="append",
         default=[],
-        help="subscription PUBSUB=TOPIC or PUBSUB=TOPIC:raw (rawPayload); repeatable",
+        help="subscription PUBSUB=TOPIC, PUBSUB=TOPIC:raw (rawPayload) or PUBSUB=TOPIC:declared "
+        "(route only: a Subscription YAML subscribes); repeatable",
     )
     parser.add_argument("--arrivals", type=Path, help="append each arrival as a JSON line to this file")
     parser.add_argument(

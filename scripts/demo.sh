@@ -5,7 +5,8 @@
 # socket in a private socket folder), the subscriber app (examples/subscriber.py, printing each
 # arrival with its lateness) and daprd with a component YAML of `type: pubsub.delayed-pubsub`.
 # Then publishes with curl, exactly as a user would, a few messages delayed by 2-10 s
-# (scheduledSendDelay and scheduledSendTime) and a recurring `@every 2s` schedule, waits for
+# (scheduledSendDelay and scheduledSendTime), a recurring `@every 2s` schedule and a cron one
+# (`*/3 * * * * *`), cancels them with curl (scheduleCancel), checks they stopped, waits for
 # them, prints a summary and stops everything (also on Ctrl-C or error).
 # Exit code 0 only when every delayed message arrived, none before it was due.
 set -euo pipefail
@@ -150,28 +151,42 @@ code=$(publish orders "at $at" "$at_ms" "metadata.scheduledSendTime=$at")
 report "at $at" $((at_ms - $(now_ms))) "$code"
 
 # --- recurring schedules -------------------------------------------------------------------------
-# >>> SCHEDULES: `schedule=@every 2s` with a scheduleId; cancelled with scheduleCancel at the end.
-# Until the schedules feature lands the component refuses it (or, if it passes the key through,
-# the message arrives once at once): the summary says which.
-schedule_ok=0
-code=$(publish reminders "every 2s" 0 "metadata.schedule=%40every%202s&metadata.scheduleId=demo-reminder")
-if [[ $code == 2* ]]; then
-    schedule_ok=1
-    printf '  %-28s every 2 s     -> %s\n' "schedule @every 2s" "$code"
-else
-    printf '  %-28s               -> %s: schedules not yet supported here (%s)\n' "schedule @every 2s" "$code" \
-        "$(error_message)"
-fi
-# <<< SCHEDULES
+# An `@every 2s` schedule and a cron one (every 3 s, on whole seconds), each with a scheduleId.
+# Each fire's `scheduleNext` header names the next due instant, so the summary can tell every
+# fire's lateness. Once both have fired a few times the `@every` one is cancelled with curl, the
+# cron one keeps firing a little longer (to show only the cancelled one stopped), then it goes too.
+schedules=()
+schedule_publish() {  # schedule_publish LABEL ID QUERY_VALUE(url-encoded)
+    local code
+    code=$(publish reminders "$1" null "metadata.schedule=$3&metadata.scheduleId=$2")
+    if [[ $code == 2* ]]; then
+        schedules+=("$1")
+        printf '  %-28s id %-14s -> %s\n' "schedule $1" "$2" "$code"
+    else
+        printf '  %-28s id %-14s -> %s refused: %s\n' "schedule $1" "$2" "$code" "$(error_message)"
+        refused=$((refused + 1))
+    fi
+}
+schedule_publish "every 2s" demo-every "@every%202s"
+schedule_publish "cron */3" demo-cron "*/3%20*%20*%20*%20*%20*"
+
+fires_of() {  # fires_of LABEL: successful arrivals of that label so far
+    "$py" - "$work/arrivals.jsonl" "$1" <<'PY' 2>/dev/null || echo 0
+import json, sys
+print(sum(1 for l in open(sys.argv[1]) if json.loads(l)["status"] == 200 and json.loads(l)["data"].get("label") == sys.argv[2]))
+PY
+}
 
 say "waiting for the arrivals (at most 20 s)"
 deadline=$((SECONDS + 20))
 while ((SECONDS < deadline)); do
     kill -0 "$daprd_pid" 2>/dev/null || die "daprd exited; see $work/daprd.log"
-    arrived=$(grep -c '"status": 200' "$work/arrivals.jsonl" 2>/dev/null || true)
-    # Everything one-shot arrived, and the schedule had time for a few fires.
-    if (( ${arrived:-0} >= ${#expected[@]} + 3 * schedule_ok )) && \
-        "$py" - "$work/arrivals.jsonl" "${expected[@]}" <<'PY'
+    # Everything one-shot arrived, and each schedule fired at least three times.
+    enough=1
+    for label in "${schedules[@]}"; do
+        (( $(fires_of "$label") >= 3 )) || enough=0
+    done
+    if ((enough)) && "$py" - "$work/arrivals.jsonl" "${expected[@]}" <<'PY'
 import json, sys
 seen = {json.loads(l)["data"].get("label") for l in open(sys.argv[1])}
 sys.exit(0 if set(sys.argv[2:]) <= seen else 1)
@@ -182,22 +197,41 @@ PY
     sleep 0.2
 done
 
-if ((schedule_ok)); then
+cancel_schedule() {  # cancel_schedule ID: prints the HTTP status and the time (ms) it returned
+    local code
     code=$(curl -sS -o /dev/null -w '%{http_code}' -X POST \
-        "$dapr/publish/delayed/reminders?metadata.scheduleId=demo-reminder&metadata.scheduleCancel=true" \
+        "$dapr/publish/delayed/reminders?metadata.scheduleId=$1&metadata.scheduleCancel=true" \
         -H 'Content-Type: application/json' -d '{}')
-    printf '  (schedule demo-reminder cancelled -> %s)\n' "$code"
+    printf '  schedule %-14s cancelled with curl -> %s\n' "$1" "$code"
+    [[ $code == 2* ]] || refused=$((refused + 1))
+}
+cancelled_every_ms=0
+cancelled_cron_ms=0
+if [[ " ${schedules[*]} " == *" every 2s "* ]]; then
+    say "cancelling demo-every; demo-cron goes on for 5 s more"
+    cancel_schedule demo-every
+    cancelled_every_ms=$(now_ms)
+    sleep 5
+fi
+if [[ " ${schedules[*]} " == *" cron */3 "* ]]; then
+    cancel_schedule demo-cron
+    cancelled_cron_ms=$(now_ms)
+    sleep 2
 fi
 sleep 0.5
 
 say "summary"
 ((refused == 0)) || say "$refused delayed publish(es) refused by the component (see above)"
-"$py" - "$work/arrivals.jsonl" "$refused" "${expected[@]}" <<'PY'
+"$py" - "$work/arrivals.jsonl" "$refused" "$cancelled_every_ms" "$cancelled_cron_ms" "${#schedules[@]}" \
+    "${expected[@]}" <<'PY'
 import json
 import statistics
 import sys
+from datetime import datetime
 
-path, refused, expected = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+path, refused = sys.argv[1], int(sys.argv[2])
+cancelled = {"every 2s": int(sys.argv[3]), "cron */3": int(sys.argv[4])}
+n_schedules, expected = int(sys.argv[5]), sys.argv[6:]
 try:
     arrivals = [json.loads(line) for line in open(path)]
 except FileNotFoundError:
@@ -227,15 +261,38 @@ if lateness:
         f"  delayed messages: {len(lateness)} arrived, lateness min {min(lateness)} / "
         f"median {statistics.median(lateness):g} / max {max(lateness)} ms"
     )
-fires = by_label.get("every 2s", [])
-if fires:
-    if len(fires) >= 2:
-        gaps = [b["received_ms"] - a["received_ms"] for a, b in zip(fires, fires[1:])]
-        print(f"  schedule @every 2s fired {len(fires)} times, gaps {gaps} ms")
-    else:
-        print("  schedule @every 2s: delivered once, at once: schedules are not yet supported")
-if any(late < 0 for late in lateness):
-    print("  delayed messages arrived EARLY: the delay engine is not active in this component yet")
+
+
+def header(arrival, key):
+    return next((v for k, v in arrival["headers"].items() if k.lower() == key.lower()), None)
+
+
+def instant_ms(text):
+    return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+# Each fire names the next due instant (scheduleNext): its own due time is one interval before.
+for label, interval in (("every 2s", 2000), ("cron */3", 3000)):
+    fires = by_label.get(label, [])
+    if not n_schedules:
+        break
+    if cancelled[label] == 0 and not fires:
+        continue  # refused at publish (counted above)
+    late = []
+    for fire in fires:
+        nxt = header(fire, "scheduleNext")
+        if nxt is None or nxt == "purge":
+            late.append(None)
+            continue
+        late.append(fire["received_ms"] - (instant_ms(nxt) - interval))
+    # A fire already on its way when the cancel returned may land just after it; nothing later.
+    after = [f for f in fires if cancelled[label] and f["received_ms"] > cancelled[label] + 1500]
+    bad = len(fires) < 3 or any(x is None or x < 0 for x in late) or bool(after)
+    failed |= bad
+    shown = ", ".join("?" if x is None else f"{x:+d}" for x in late)
+    print(f"  {'ok' if not bad else 'FAILED':<7}  schedule {label:<19} fired {len(fires)} times, lateness [{shown}] ms")
+    if after:
+        print(f"           {len(after)} fire(s) after it was cancelled")
 print("  result:", "FAILED" if failed else "all delayed messages on time")
 sys.exit(1 if failed else 0)
 PY

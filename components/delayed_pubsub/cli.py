@@ -14,7 +14,7 @@ import prometheus_client
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.metrics import Metrics
-from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
+from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address of the metrics listener (default loopback; 0.0.0.0 to let a scraper in)",
     )
-    run.add_argument("--grace", type=float, default=5.0, help="seconds running calls get on shutdown")
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds of a graceful stop (SIGTERM): half for messages in flight to be acked, the rest for "
+        "running calls",
+    )
+    run.add_argument(
+        "--socket-group",
+        default=None,
+        metavar="NAME",
+        help="give the 0660 socket to this group (name or gid), e.g. the group daprd runs in",
+    )
+    run.add_argument(
+        "--allow-insecure-socket-folder",
+        action="store_true",
+        help="serve even if the socket folder is owned by another user or writable by others "
+        "without the sticky bit (only where every local user is trusted, e.g. a pod's emptyDir)",
+    )
     return parser
 
 
@@ -60,8 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         socket_path = args.socket or default_socket_path(os.environ)
         try:
-            asyncio.run(serve(socket_path, SystemClock(), grace=args.grace, metrics=metrics))
-        except (FileExistsError, PermissionError) as e:
+            group = None if args.socket_group is None else socket_group_id(args.socket_group)
+            asyncio.run(
+                serve(
+                    socket_path,
+                    SystemClock(),
+                    grace=args.grace,
+                    metrics=metrics,
+                    socket_group=group,
+                    allow_insecure_folder=args.allow_insecure_socket_folder,
+                )
+            )
+        except (FileExistsError, PermissionError, LookupError) as e:
             # A socket path we must not or cannot take: say so, no traceback.
             print(f"delayed-pubsub: error: {e}", file=sys.stderr)
             return 2

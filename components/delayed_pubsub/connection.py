@@ -16,11 +16,11 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
-from delayed_middleware.errors import BackendUnavailableError
+from delayed_middleware.errors import BackendAuthError, BackendUnavailableError
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,35 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 REDIS_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, redis.exceptions.RedisError)
 
 
-class HiredisPackingConnection(aioredis.Connection):
+class RetryConnectOnly:
+    """Retries establishing a connection, never a command.
+
+    redis-py retries a command whose connection broke after it was sent: when
+    only the reply was lost, the command runs twice. Measured here through a
+    proxy that cuts the connection after forwarding an XADD: the publish was
+    reported OK and stored twice. A lost reply must instead fail the call (the
+    caller then knows the outcome is unknown, see RELIABILITY.md), so commands
+    get no retry and `connect_retry` (redisMaxRetries) covers dialing alone.
+    """
+
+    retry: Retry
+
+    def __init__(self, *args: Any, connect_retry: Retry | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connect_retry = connect_retry if connect_retry is not None else Retry(NoBackoff(), 0)
+
+    async def connect(self) -> None:
+        # A connection serves one caller at a time (it is checked out of the
+        # pool), so swapping the policy for the dial is seen by nobody else.
+        command_retry = self.retry
+        self.retry = self._connect_retry
+        try:
+            await super().connect()  # type: ignore[misc]
+        finally:
+            self.retry = command_retry
+
+
+class HiredisPackingConnection(RetryConnectOnly, aioredis.Connection):
     """redis.asyncio packs commands in Python, ~20µs per XADD; hiredis packs them
     in C (redis-py's sync client already does). Bulk publish is mostly packing."""
 
@@ -53,6 +81,10 @@ class HiredisPackingConnection(aioredis.Connection):
 
     def pack_commands(self, commands: Any) -> list[bytes]:
         return [b"".join(_pack(tuple(c)) for c in commands)]
+
+
+class TlsConnection(RetryConnectOnly, aioredis.SSLConnection):
+    """TLS, with RetryConnectOnly's retry policy."""
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
@@ -64,12 +96,31 @@ def _pack(args: tuple[Any, ...]) -> bytes:
     return packed
 
 
-class Connection:
-    """A client and whatever it needs kept alive (TLS key files).
+class BlockingSentinelConnectionPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """A Sentinel-managed pool that waits for a free connection instead of failing
+    "Too many connections" (redis-py has the waiting pool for plain nodes only)."""
 
-    The client has no socket timeout: redis-py would arm one per response read,
-    which costs a third of a pipelined XADD. Callers bound each call as a whole
-    with `call_timeout` (readTimeout) instead.
+
+# Init's PING is bounded even when readTimeout/writeTimeout are 0 ("none"): a
+# server that accepts and never answers must not hang daprd's Init.
+INIT_PING_DEFAULT_S = 5.0
+INIT_PING_MAX_S = 30.0
+
+
+class Connection:
+    """The clients of one component instance and whatever they need kept alive (TLS key files).
+
+    `client` carries short commands (XADD, XACK, scripts...). Its pool holds at
+    most poolSize connections, and a caller that finds them all busy waits for
+    one (bounded by its call timeout) instead of failing, as go-redis does.
+
+    `blocking_client` carries reads that park a connection for a long time
+    (XREADGROUP BLOCK, pub/sub listeners). It has a pool of its own, outside
+    poolSize: nine subscriptions must not starve publishes of connections.
+
+    The clients have no socket timeout: redis-py would arm one per response
+    read, which costs a third of a pipelined XADD. Callers bound each call as a
+    whole with `call_timeout` (readTimeout) instead.
     """
 
     def __init__(
@@ -79,18 +130,38 @@ class Connection:
         call_timeout: float | None,
         tempdir: str | None = None,
         hang_up_hint: str = "",
+        blocking_client: RedisClient | None = None,
+        ping_timeout: float = INIT_PING_DEFAULT_S,
     ) -> None:
         self.client = client
+        self.blocking_client = blocking_client if blocking_client is not None else client
         self.address = address
         self.call_timeout = call_timeout
+        self.ping_timeout = ping_timeout
         self._tempdir = tempdir
         self._hang_up_hint = hang_up_hint
 
     async def ping(self) -> None:
-        """PING; BackendUnavailableError naming host:port if Redis does not answer."""
+        """PING, bounded by `ping_timeout` whatever the settings say.
+
+        BackendAuthError if Redis refused our credentials (or the ACL user may
+        not PING), BackendUnavailableError naming host:port if it does not answer.
+        """
         try:
-            async with asyncio.timeout(self.call_timeout):
+            async with asyncio.timeout(self.ping_timeout):
                 await self.client.ping()
+        except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as e:
+            # AuthenticationError is a ConnectionError to redis-py, but no retry
+            # or TLS setting will fix a wrong password: say what Redis said.
+            raise BackendAuthError(f"redis at {self.address} refused our credentials: {e}") from e
+        except redis.exceptions.ResponseError as e:
+            if _is_auth_reply(e):
+                raise BackendAuthError(f"redis at {self.address} refused our credentials: {e}") from e
+            raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
+        except TimeoutError as e:
+            raise BackendUnavailableError(
+                f"redis at {self.address} did not answer PING within {self.ping_timeout:g}s"
+            ) from e
         except TRANSIENT_ERRORS as e:
             hint = ""
             # Connected, then hung up on without a word: a TLS-only port read
@@ -104,45 +175,98 @@ class Connection:
                 hint = f" ({self._hang_up_hint})"
             raise BackendUnavailableError(f"redis at {self.address} is unreachable: {e}{hint}") from e
         except redis.exceptions.RedisError as e:
-            # AUTH failures and the like: not transient, but the operator must see the host.
             raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
 
     async def aclose(self) -> None:
         """Close every pooled connection and remove the TLS key files."""
         try:
-            if isinstance(self.client, aioredis.Redis):
-                # A pool we passed in is not closed by default.
-                await self.client.aclose(close_connection_pool=True)
-            else:
-                await self.client.aclose()
+            clients = [self.client]
+            if self.blocking_client is not self.client:
+                clients.append(self.blocking_client)
+            for client in clients:
+                if isinstance(client, aioredis.Redis):
+                    # A pool we passed in is not closed by default.
+                    await client.aclose(close_connection_pool=True)
+                else:
+                    await client.aclose()
         finally:
             if self._tempdir is not None:
                 shutil.rmtree(self._tempdir, ignore_errors=True)
 
 
+def _is_auth_reply(error: redis.exceptions.ResponseError) -> bool:
+    # "ERR AUTH <password> called without any password configured", and
+    # WRONGPASS/NOAUTH replies redis-py did not map to AuthenticationError.
+    text = str(error)
+    return text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")) or "AUTH" in text.split(" ", 2)[:2]
+
+
 def connect(settings: Settings) -> Connection:
-    """Build (without connecting yet) the client the settings describe."""
+    """Build (without connecting yet) the clients the settings describe."""
     kwargs: dict[str, Any] = {
         "username": settings.username,
         "password": settings.password,
         "socket_connect_timeout": _seconds(settings.dial_timeout_ms),
         "socket_timeout": None,  # see Connection: calls are bounded as a whole
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
-        "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        # No command is ever sent twice by the client (see RetryConnectOnly).
+        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
         "client_name": f"delayed-pubsub:{settings.consumer_id}" if settings.consumer_id else "delayed-pubsub",
     }
     tempdir = None
     if settings.enable_tls:
         tempdir = _tls_kwargs(settings, kwargs)
-    if settings.pool_size is not None:
-        kwargs["max_connections"] = settings.pool_size
+    timeout = call_timeout(settings)
+    client = _client(settings, kwargs, settings.pool_size, timeout)
+    # Blocking reads: one connection each for as long as they run, never
+    # counted against poolSize (see Connection).
+    blocking = _client(settings, {**kwargs, "client_name": kwargs["client_name"] + ":blocking"}, None, None)
+    hint = "if the server speaks TLS only, set enableTLS"
+    if settings.enable_tls:
+        hint = ""
+        if settings.client_cert is None:
+            hint = "if the server requires client certificates (tls-auth-clients yes), set clientCert and clientKey"
+    return Connection(
+        client,
+        settings.address,
+        timeout,
+        tempdir,
+        hint,
+        blocking_client=blocking,
+        ping_timeout=init_ping_timeout(settings),
+    )
 
-    client: RedisClient
+
+def init_ping_timeout(settings: Settings) -> float:
+    """Seconds Init's PING may take: dial + call timeout (5 s for an unbounded
+    call), never more than 30 s whatever the settings say."""
+    call = call_timeout(settings)
+    total = (_seconds(settings.dial_timeout_ms) or 0.0) + (INIT_PING_DEFAULT_S if call is None else call)
+    return min(total, INIT_PING_MAX_S)
+
+
+def _client(
+    settings: Settings, kwargs: dict[str, Any], pool_size: int | None, wait_s: float | None
+) -> RedisClient:
+    """One client; at most `pool_size` connections (None: no limit), a caller
+    finding them all busy waiting up to `wait_s` (None: until the call's own bound)."""
     if settings.redis_type == "cluster":
+        # redis-py's cluster pools cannot wait for a free connection: a burst
+        # beyond poolSize per node fails "Too many connections". And its cluster
+        # client forces its own connection class, which finds a connection
+        # closed by a restart only by failing a command on it: it keeps
+        # command retries (redisMaxRetries), so there a lost reply may store a
+        # write twice (RELIABILITY.md).
         nodes = [ClusterNode(h, p) for h, p in settings.hosts]
-        client = RedisCluster(startup_nodes=nodes, **kwargs)
-    elif settings.failover:
+        return RedisCluster(
+            startup_nodes=nodes,
+            max_connections=pool_size or 2**31 - 1,
+            **{
+                **kwargs,
+                "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
+            },
+        )
+    if settings.failover:
         # As go-redis's failover client: the Sentinels get the same TLS settings as the master.
         sentinel_kwargs = {
             k: v
@@ -152,29 +276,49 @@ def connect(settings: Settings) -> Connection:
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(settings.hosts), sentinel_kwargs=sentinel_kwargs, db=settings.db, **kwargs
         )
-        client = sentinel.master_for(settings.sentinel_master_name)
-    else:
-        host, port = settings.hosts[0]
-        if not settings.enable_tls:
-            pool_kwargs = {k: v for k, v in kwargs.items() if k != "max_connections"}
-            kwargs = {
-                "retry": kwargs["retry"],
-                "connection_pool": aioredis.ConnectionPool(
-                    host=host,
-                    port=port,
-                    db=settings.db,
-                    connection_class=HiredisPackingConnection,
-                    max_connections=settings.pool_size,
-                    **pool_kwargs,
-                ),
-            }
-        client = aioredis.Redis(host=host, port=port, db=settings.db, **kwargs)
-    hint = "if the server speaks TLS only, set enableTLS"
+        master: aioredis.Redis
+        if pool_size is None:
+            master = sentinel.master_for(settings.sentinel_master_name, **_without_maint_notifications())
+        else:
+            master = sentinel.master_for(
+                settings.sentinel_master_name,
+                **_without_maint_notifications(),
+                connection_pool_class=BlockingSentinelConnectionPool,
+                max_connections=pool_size,
+                timeout=wait_s,
+            )
+        return master
+    host, port = settings.hosts[0]
+    pool_kwargs = {**kwargs, **_without_maint_notifications()}
+    pool_kwargs["connect_retry"] = Retry(
+        ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries
+    )
     if settings.enable_tls:
-        hint = ""
-        if settings.client_cert is None:
-            hint = "if the server requires client certificates (tls-auth-clients yes), set clientCert and clientKey"
-    return Connection(client, settings.address, call_timeout(settings), tempdir, hint)
+        pool_kwargs.pop("ssl")
+        pool_kwargs["connection_class"] = TlsConnection
+    else:
+        pool_kwargs["connection_class"] = HiredisPackingConnection
+    pool: aioredis.ConnectionPool
+    if pool_size is None:
+        pool = aioredis.ConnectionPool(host=host, port=port, db=settings.db, **pool_kwargs)
+    else:
+        pool = aioredis.BlockingConnectionPool(
+            host=host, port=port, db=settings.db, max_connections=pool_size, timeout=wait_s, **pool_kwargs
+        )
+    return aioredis.Redis(connection_pool=pool, retry=kwargs["retry"])
+
+
+def _without_maint_notifications() -> dict[str, Any]:
+    """Pool kwargs turning off redis-py 8's maintenance notifications (a Redis
+    Enterprise feature). While they are on ("auto" under RESP3), the pool skips
+    its check that a pooled connection is still open, so the first command
+    after a Redis restart fails "Connection closed by server": with no command
+    retry (RetryConnectOnly) that check is what reconnects."""
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py < 8: no such feature, and the check always runs
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
 def _seconds(ms: int | None) -> float | None:

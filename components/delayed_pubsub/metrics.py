@@ -61,6 +61,34 @@ class Metrics:
             registry=r,
         )
 
+        # Restart safety and health (set by the registry and the server's health check).
+        self.orphaned_subscriptions = Gauge(
+            "delayed_pubsub_orphaned_subscriptions",
+            "Topics whose PullMessages stream a previous process had open and daprd has not re-opened "
+            "(daprd never re-opens one: restart daprd)",
+            ["instance"],
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "delayed_pubsub_redis_up",
+            "1 if the instance's Redis answered the last health check's PING, else 0",
+            ["instance"],
+            registry=r,
+        )
+        self.forwarder = ForwarderMetrics.register(r)
+        self.cancels = Counter(
+            "delayed_pubsub_cancels",
+            "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",
+            ["instance", "result"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "delayed_pubsub_expired_messages",
+            "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
+            ["instance"],
+            registry=r,
+        )
+
     def for_instance(self, name: str) -> InstanceMetrics:
         """The children labelled for one component instance."""
         return InstanceMetrics(
@@ -72,6 +100,10 @@ class Metrics:
             delivered=self.delivered.labels(name),
             acked=self.acked.labels(name),
             nacked=self.nacked.labels(name),
+            forwarder=self.forwarder,
+            cancelled=self.cancels.labels(name, "cancelled"),
+            cancel_unknown=self.cancels.labels(name, "unknown"),
+            expired=self.expired.labels(name),
         )
 
 
@@ -87,6 +119,11 @@ class InstanceMetrics:
     delivered: Counter
     acked: Counter
     nacked: Counter
+    cancelled: Counter
+    cancel_unknown: Counter
+    expired: Counter
+    # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
+    forwarder: ForwarderMetrics | None = None
 
     def on_fire(self, report: FireReport) -> None:
         """The delay engine's on_batch hook."""
@@ -94,3 +131,43 @@ class InstanceMetrics:
         if report.fired:
             self.fired.inc(report.fired)
             self.fire_lateness.observe(max(0, report.max_lateness_ms) / 1000)
+
+
+@dataclass(frozen=True)
+class ForwarderMetrics:
+    """Hand-offs of due messages to another Dapr pub/sub (targetPubsub), labelled by instance."""
+
+    handed_off: Counter
+    # reason: unavailable (sidecar unreachable), unknown_target, refused (by daprd or the target)
+    failures: Counter
+    dead_lettered: Counter
+    expired: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> ForwarderMetrics:
+        return cls(
+            handed_off=Counter(
+                "delayed_pubsub_handed_off_messages",
+                "Due messages published through the sidecar to their targetPubsub",
+                ["instance"],
+                registry=registry,
+            ),
+            failures=Counter(
+                "delayed_pubsub_handoff_failures",
+                "Failed hand-off attempts (retried); reason=unavailable, unknown_target or refused",
+                ["instance", "reason"],
+                registry=registry,
+            ),
+            dead_lettered=Counter(
+                "delayed_pubsub_handoff_dead_lettered_messages",
+                "Hand-offs given up after the last attempt and written to deadLetterTopic",
+                ["instance"],
+                registry=registry,
+            ),
+            expired=Counter(
+                "delayed_pubsub_handoff_expired_messages",
+                "Messages bound for a targetPubsub that expired (ttl) before their hand-off",
+                ["instance"],
+                registry=registry,
+            ),
+        )

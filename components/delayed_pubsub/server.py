@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import signal
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from delayed_middleware.clock import Clock
+from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.records import RecordStore, records_folder
 from delayed_pubsub.servicer import PubSubServicer
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2, pubsub_pb2_grpc
 
@@ -31,6 +36,14 @@ SOCKET_NAME = "delayed-pubsub.sock"
 SOCKET_MODE = 0o660
 
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
+# grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
+# instance's Redis does not answer; this one is NOT_SERVING while subscriptions
+# are orphaned (only a daprd restart resumes them: for alerts and for whatever
+# supervises daprd; see README, Operations: restarts).
+SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
+# How often each instance's Redis is PINGed for the health status, and how long a PING may take.
+HEALTH_INTERVAL_S = 5.0
+HEALTH_PING_TIMEOUT_S = 2.0
 
 # daprd's bulk publishes can exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -38,6 +51,110 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+
+
+class UnsafeSocketFolderError(PermissionError):
+    """The socket folder lets someone else replace our socket (and so stand in
+    for the component before daprd). `serve` refuses it unless told otherwise."""
+
+
+def socket_folder_problems(st: os.stat_result, link: os.stat_result | None, euid: int) -> list[str]:
+    """Why a socket folder with status `st` (and `link`, the lstat of its path
+    when that is a symlink) is unsafe for a process running as `euid`; [] if safe.
+
+    Safe: owned by us or root, and not writable by others unless the sticky bit
+    keeps them from removing what is not theirs (as /tmp does).
+    """
+    problems = []
+    trusted = (euid, 0)
+    if link is not None and link.st_uid not in trusted:
+        problems.append(f"it is a symlink owned by uid {link.st_uid}, who can point it elsewhere")
+    if st.st_uid not in trusted:
+        problems.append(f"it is owned by uid {st.st_uid}, not by us (uid {euid}) or root")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        problems.append(
+            f"it is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    return problems
+
+
+def check_socket_folder(folder: Path, allow_insecure: bool = False) -> None:
+    """Refuse (UnsafeSocketFolderError) a folder where someone else could replace
+    our socket; with `allow_insecure`, log a warning instead."""
+    link = folder.lstat()
+    problems = socket_folder_problems(
+        folder.stat(), link if stat.S_ISLNK(link.st_mode) else None, os.geteuid()
+    )
+    if not problems:
+        if folder.stat().st_mode & stat.S_IWGRP:
+            log.warning(
+                "socket folder %s is group-writable: members of its group can replace the socket", folder
+            )
+        return
+    text = f"socket folder {folder} is unsafe: {'; '.join(problems)}"
+    if allow_insecure:
+        log.warning("%s (serving anyway: --allow-insecure-socket-folder)", text)
+        return
+    raise UnsafeSocketFolderError(
+        f"{text}. Use a folder only this user can write (e.g. chmod o-w or chmod +t), "
+        "or pass --allow-insecure-socket-folder if every local user is trusted "
+        "(e.g. a pod's emptyDir shared with daprd)"
+    )
+
+
+def socket_group_id(name: str) -> int:
+    """The gid of group `name` (or a decimal gid); LookupError naming it if unknown."""
+    if name.isascii() and name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise LookupError(f"unknown group {name!r} for --socket-group") from None
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not decode."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+if TYPE_CHECKING:
+    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:  # generic in the stubs only
+    _ServerInterceptor = grpc.aio.ServerInterceptor
+
+
+class MalformedRequestInterceptor(_ServerInterceptor):
+    """Answers a unary request that is not valid protobuf with INVALID_ARGUMENT.
+
+    gRPC would fail it with UNKNOWN and log an ERROR traceback: the request
+    itself is bad, and the caller should be told so, plainly.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        behaviour = handler.unary_unary
+
+        def deserializer(raw: bytes) -> Any:
+            try:
+                return decode(raw)
+            except DecodeError as e:
+                return _Malformed(str(e))
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+            return await behaviour(request, context)  # type: ignore[arg-type]
+
+        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
 
 
 def default_socket_path(environ: Mapping[str, str]) -> Path:
@@ -49,12 +166,32 @@ def default_socket_path(environ: Mapping[str, str]) -> Path:
 class ComponentServer:
     """The component's gRPC server bound to one unix socket."""
 
-    def __init__(self, socket_path: Path, clock: Clock, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        clock: Clock,
+        metrics: Metrics | None = None,
+        records: RecordStore | None = None,
+        health_interval: float = HEALTH_INTERVAL_S,
+        orphan_grace: float = 30.0,
+        *,
+        socket_group: int | None = None,
+        allow_insecure_folder: bool = False,
+    ) -> None:
         self.socket_path = socket_path
+        self._socket_group = socket_group
+        self._allow_insecure_folder = allow_insecure_folder
         self.metrics = metrics or Metrics()
-        self.instances = Instances(clock, self.metrics)
+        self.records = records or RecordStore(records_folder(socket_path))
+        self.instances = Instances(clock, self.metrics, self.records, orphan_grace_s=orphan_grace)
+        self._clock = clock
+        self._health_interval = health_interval
+        self._health_changed = asyncio.Event()
+        self.instances.on_change = self._health_changed.set
+        self._health_task: asyncio.Task[None] | None = None
+        self._redis_down: frozenset[str] = frozenset()
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances), self._server
         )
@@ -64,8 +201,10 @@ class ComponentServer:
         )
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale one) with mode 0660 and start serving."""
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        """Check the folder, bind the socket (replacing a stale one) with mode 0660
+        (group `socket_group` if given) and start serving."""
+        self.socket_path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        check_socket_folder(self.socket_path.parent, self._allow_insecure_folder)
         _remove_stale_socket(self.socket_path)
         # The umask makes the socket 0660 from birth: no window where daprd's
         # group cannot connect, or where others can.
@@ -75,23 +214,93 @@ class ComponentServer:
             await self._server.start()
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, SOCKET_MODE)
+        try:
+            if self._socket_group is not None:
+                # daprd connects as a member of this group: 0660 lets it in, nobody else.
+                os.chown(self.socket_path, -1, self._socket_group)
+            os.chmod(self.socket_path, SOCKET_MODE)
+        except OSError:
+            await self._server.stop(0)
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            raise
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.instances.start()
+        self._health_task = asyncio.create_task(self._watch_health(), name="health")
         log.info("serving %s on unix://%s", PUBSUB_SERVICE, self.socket_path)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Refuse new calls, give running ones `grace` seconds, close every instance, remove the socket.
+    async def _watch_health(self) -> None:
+        """Keep grpc.health.v1 current: Redis of every instance every interval, orphans at once."""
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # a bug here must not end health reporting for good
+                log.exception("health check failed")
+            changed = asyncio.create_task(self._health_changed.wait())
+            tick = asyncio.create_task(self._clock.sleep(self._health_interval))
+            try:
+                await asyncio.wait((changed, tick), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                tick.cancel()
+            self._health_changed.clear()
 
-        Open PullMessages streams end; their unacked messages stay pending in
-        Redis and come back after processingTimeout.
+    async def check_health(self) -> None:
+        """PING every instance's Redis and set the health statuses (also run by the periodic check)."""
+        instances = self.instances.items()
+        results = await asyncio.gather(*(_ping(i.ping) for _, i in instances))
+        down = frozenset(name for (name, _), error in zip(instances, results, strict=True) if error)
+        for (name, _), error in zip(instances, results, strict=True):
+            self.metrics.redis_up.labels(name).set(0 if error else 1)
+            if error and name not in self._redis_down:
+                log.warning("instance %r: redis does not answer (%s); health NOT_SERVING", name, error)
+            elif not error and name in self._redis_down:
+                log.info("instance %r: redis answers again", name)
+        self._redis_down = down
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", not_serving if down else serving)
+        await self._health.set(PUBSUB_SERVICE, not_serving if down else serving)
+        orphaned = self.instances.orphaned()
+        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, not_serving if orphaned else serving)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop gracefully within about `grace` seconds, then close every instance and remove the socket.
+
+        First the streams: nothing new is sent, messages daprd is processing
+        get up to half the grace to be acked, then every stream ends (publishes
+        are still served meanwhile). Then new calls are refused and running
+        ones get the rest of the grace. Unacked messages stay pending in Redis
+        and come back after processingTimeout; the Init records stay for the
+        next process.
         """
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.instances.drain(grace / 2)
+        await self._server.stop(max(0.1, grace - (loop.time() - started)))
         await self.instances.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         log.info("stopped; removed %s", self.socket_path)
+
+
+async def _ping(ping: Callable[[], Awaitable[None]]) -> str:
+    """Why Redis did not answer within HEALTH_PING_TIMEOUT_S; the empty string if it did."""
+    try:
+        async with asyncio.timeout(HEALTH_PING_TIMEOUT_S):
+            await ping()
+    except TimeoutError:
+        return f"no answer within {HEALTH_PING_TIMEOUT_S:g}s"
+    except DelayedPubSubError as e:
+        return str(e) or type(e).__name__
+    return ""
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -121,14 +330,24 @@ async def serve(
     stop: asyncio.Event | None = None,
     grace: float = 5.0,
     metrics: Metrics | None = None,
+    *,
+    socket_group: int | None = None,
+    allow_insecure_folder: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = ComponentServer(socket_path, clock, metrics)
-    await server.start()
+    server = ComponentServer(
+        socket_path, clock, metrics, socket_group=socket_group, allow_insecure_folder=allow_insecure_folder
+    )
+    try:
+        await server.start()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        raise
     try:
         await stop.wait()
         log.info("shutting down")

@@ -16,13 +16,14 @@ import grpc
 
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
+    BackendAuthError,
     BackendUnavailableError,
     DelayedPubSubError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotInitializedError,
 )
-from delayed_pubsub.broker import BulkEntry, Subscription
+from delayed_pubsub.broker import DELIVERY_ATTEMPT, BulkEntry, Subscription
 from delayed_pubsub.instance import Instance, Instances
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
 
@@ -33,16 +34,23 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 INSTANCE_METADATA_KEY = "x-component-instance"
 
 # What daprd should rely on. BULK_PUBSUB: BulkPublish is one pipelined round
-# trip. Not MESSAGE_TTL: daprd enforces the CloudEvent expiration itself.
-FEATURES = ("BULK_PUBSUB",)
+# trip. MESSAGE_TTL: we enforce ttlInSeconds/ttl ourselves (stream, delay
+# index, redeliveries, raw payloads too), so daprd does not; it would only
+# handle CloudEvents, and not a delayed message's time in the index.
+FEATURES = ("BULK_PUBSUB", "MESSAGE_TTL")
 
 _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotInitializedError, grpc.StatusCode.FAILED_PRECONDITION),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BackendAuthError, grpc.StatusCode.PERMISSION_DENIED),
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DelayedPubSubError, grpc.StatusCode.INTERNAL),
 )
+
+
+# deliveryAttempt values as strings, made once.
+_ATTEMPTS = tuple(str(i) for i in range(8))
 
 
 def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
@@ -50,11 +58,26 @@ def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
     return next(code for cls, code in _STATUS if isinstance(error, cls))
 
 
+# The status message travels in a trailer, and gRPC refuses trailers over 8 KiB
+# by default (RESOURCE_EXHAUSTED at the client, the real code lost). Anything
+# echoed into a message (a topic, a Redis reply) is cut well below that.
+MAX_STATUS_MESSAGE_CHARS = 2048
+
+
+def status_message(error: DelayedPubSubError) -> str:
+    """The error's message, cut to MAX_STATUS_MESSAGE_CHARS."""
+    text = str(error)
+    if len(text) <= MAX_STATUS_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_STATUS_MESSAGE_CHARS]}...({len(text.encode())} bytes)"
+
+
 async def _abort(context: Context, error: DelayedPubSubError) -> NoReturn:
     code = status_code(error)
-    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-        log.warning("%s: %s", code.name, error)
-    await context.abort(code, str(error))
+    message = status_message(error)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED):
+        log.warning("%s: %s", code.name, message)
+    await context.abort(code, message)
 
 
 def instance_name(context: Context) -> str:
@@ -71,8 +94,10 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     def __init__(self, instances: Instances) -> None:
         self._instances = instances
 
-    def _instance(self, context: Context) -> Instance:
-        return self._instances.get(instance_name(context))
+    async def _instance(self, context: Context) -> Instance:
+        # Restored from its Init record when this process has not seen daprd's
+        # Init (the component restarted under a running daprd).
+        return await self._instances.ready(instance_name(context))
 
     async def Init(
         self, request: pubsub_pb2.PubSubInitRequest, context: Context
@@ -87,7 +112,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self, request: common_pb2.FeaturesRequest, context: Context
     ) -> common_pb2.FeaturesResponse:
         try:
-            self._instance(context)
+            await self._instance(context)
         except DelayedPubSubError as e:
             await _abort(context, e)
         return common_pb2.FeaturesResponse(features=FEATURES)
@@ -96,7 +121,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self, request: pubsub_pb2.PublishRequest, context: Context
     ) -> pubsub_pb2.PublishResponse:
         try:
-            await self._instance(context).publish(
+            await (await self._instance(context)).publish(
                 request.topic, request.data, request.metadata, request.content_type
             )
         except DelayedPubSubError as e:
@@ -111,7 +136,8 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
             for e in request.entries
         ]
         try:
-            failed = await self._instance(context).bulk_publish(request.topic, entries, request.metadata)
+            instance = await self._instance(context)
+            failed = await instance.bulk_publish(request.topic, entries, request.metadata)
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.BulkPublishResponse(
@@ -126,63 +152,75 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         context: Context,
     ) -> AsyncIterator[pubsub_pb2.PullMessagesResponse]:
         try:
-            instance = self._instance(context)
+            name = instance_name(context)
+            instance = await self._instance(context)
             first = await anext(request_iterator, None)
             if first is None:
                 return
-            sub = await instance.subscribe(first.topic.name, dict(first.topic.metadata))
+            sub = await self._instances.subscribe(
+                name, instance, first.topic.name, dict(first.topic.metadata)
+            )
         except DelayedPubSubError as e:
             await _abort(context, e)
         acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
+        response = pubsub_pb2.PullMessagesResponse
         try:
             async for d in sub.deliveries():
-                yield pubsub_pb2.PullMessagesResponse(
+                # The entry's metadata goes straight into the message's map, and
+                # deliveryAttempt after it: no merged copy per message.
+                msg = response(
                     data=d.entry.data,
                     topic_name=d.topic,
-                    metadata=d.metadata,
+                    metadata=d.entry.metadata,
                     content_type=d.entry.content_type,
                     id=d.id,
                 )
+                msg.metadata[DELIVERY_ATTEMPT] = _ATTEMPTS[d.attempt] if d.attempt < 8 else str(d.attempt)
+                yield msg
         finally:
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await acks
-            await instance.unsubscribe(sub)
+            await self._instances.unsubscribe(instance, sub)
 
     async def Pause(self, request: pubsub_pb2.PauseRequest, context: Context) -> pubsub_pb2.PauseResponse:
         try:
-            self._instance(context).pause()
+            (await self._instance(context)).pause()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.PauseResponse()
 
     async def Resume(self, request: pubsub_pb2.ResumeRequest, context: Context) -> pubsub_pb2.ResumeResponse:
         try:
-            self._instance(context).resume()
+            (await self._instance(context)).resume()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return pubsub_pb2.ResumeResponse()
 
     async def Ping(self, request: common_pb2.PingRequest, context: Context) -> common_pb2.PingResponse:
         try:
-            await self._instance(context).ping()
+            await (await self._instance(context)).ping()
         except DelayedPubSubError as e:
             await _abort(context, e)
         return common_pb2.PingResponse()
 
 
 async def _pump_acks(requests: AsyncIterator[pubsub_pb2.PullMessagesRequest], sub: Subscription) -> None:
-    """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream)."""
+    """Apply daprd's acks; when daprd closes its side, stop the subscription (ending the stream).
+
+    Acks are queued, not awaited: the subscription XACKs everything that came
+    in meanwhile in one command, so reading the next ack never waits on Redis.
+    """
     try:
         async for request in requests:
-            if request.ack_message_id:
+            entry_id = request.ack_message_id
+            if entry_id:
                 if request.HasField("ack_error"):
-                    sub.nack(request.ack_message_id)
+                    sub.nack(entry_id)
                 else:
-                    await sub.ack(request.ack_message_id)
+                    sub.ack_nowait(entry_id)
             if sub.closed:
-                # redis-py can swallow the CancelledError meant for an ack in
-                # flight; the subscription's state is what ends this loop for sure.
+                # The subscription's state, not only cancellation, ends this loop.
                 break
     except grpc.aio.AioRpcError:
         pass  # the call is going away; the handler's finally cleans up

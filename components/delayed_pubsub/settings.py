@@ -15,6 +15,8 @@ from typing import Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.target import check_target_name
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,31 @@ KNOWN_KEYS = frozenset(
         "maxDelay",
         "historyMaxLen",
         "historyMaxAge",
+        "deleteMarkerTTL",
+        # Delays for any Dapr pub/sub (see delayed_pubsub.forwarder).
+        "defaultTargetPubsub",
+        "daprGrpcAddress",
+        "deadLetterTopic",
         "delayShards",
     }
 )
+
+# Upper bounds, checked at Init so a value that parses but that Redis (or the
+# data path) would refuse later fails now, naming its key. See RELIABILITY.md.
+# Go's time.Duration is int64 nanoseconds: daprd and go-redis cannot express
+# more, and Redis takes every millisecond count up to it (XAUTOCLAIM min-idle).
+MAX_DURATION_MS = (2**63 - 1) // 1_000_000
+# The trim MINID is now - streamTTL: it must stay a valid (positive) stream id.
+MAX_STREAM_TTL_MS = 10 * 365 * 86_400_000
+# XADD MAXLEN and most Redis counts are signed 64-bit.
+MAX_REDIS_COUNT = 2**63 - 1
+# Redis's SELECT index is a C int.
+MAX_REDIS_DB = 2**31 - 1
+# Each unit of concurrency/queueDepth may hold one message in our memory.
+MAX_IN_FLIGHT = 100_000
+# Redis's default maxclients.
+MAX_POOL_SIZE = 10_000
+MAX_RETRIES = 1_000
 
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
@@ -95,6 +119,14 @@ class Settings:
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
     history_max_len: int = 1_000_000
     history_max_age_ms: int = 86_400_000
+    # Markers on a topic when a cancel or an expiry removes its message: their TTL; 0 = no markers.
+    delete_marker_ttl_ms: int = 0
+    # Delayed messages without targetPubsub go to this pub/sub when due ('' = our own topics).
+    default_target_pubsub: str = ""
+    # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
+    dapr_grpc_address: str = ""
+    # Where a hand-off that failed its last attempt goes ('' = keep retrying).
+    dead_letter_topic: str = ""
     # Shard streams of the delayed topic (None: 16 on Redis Cluster, 1 on a single node).
     delay_shards: int | None = None
 
@@ -125,7 +157,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     redis_type = props.get("redisType", "node").strip().lower() or "node"
     if redis_type not in ("node", "cluster"):
         raise InvalidArgumentError("redisType", props["redisType"], "must be node or cluster")
-    db = _int(props, "redisDB", 0, minimum=0)
+    db = _int(props, "redisDB", 0, minimum=0, maximum=MAX_REDIS_DB)
     if redis_type == "cluster" and db != 0:
         raise InvalidArgumentError("redisDB", props["redisDB"], "Redis Cluster has only database 0")
 
@@ -145,10 +177,13 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     for key, pem in (("clientCert", client_cert), ("clientKey", client_key)):
         # Only the shape is checked here; a wrong key fails at connect, naming the host.
         if pem is not None and "-----BEGIN" not in pem:
-            raise InvalidArgumentError(key, _redact(pem), "must be PEM contents, not a path")
+            # A private key must not be echoed, not even its first characters.
+            shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
+            raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
 
     read_timeout = _timeout(props, "readTimeout", 3_000)
-    max_retries = _int(props, "redisMaxRetries", 3, minimum=-1)
+    max_retries = _int(props, "redisMaxRetries", 3, minimum=-1, maximum=MAX_RETRIES)
+    default_target, dapr_address, dead_letter = _forwarding(props)
 
     return Settings(
         hosts=hosts,
@@ -165,22 +200,42 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         consumer_id=props.get("consumerID", "").strip(),
         processing_timeout_ms=_legacy_ms(props, "processingTimeout", 60_000),
         redeliver_interval_ms=_legacy_ms(props, "redeliverInterval", 15_000),
-        queue_depth=_int(props, "queueDepth", 100, minimum=1),
-        concurrency=_int(props, "concurrency", 10, minimum=1),
-        max_len_approx=_int(props, "maxLenApprox", 0, minimum=0) or None,
-        stream_ttl_ms=_duration(props, "streamTTL", 0) or None,
+        queue_depth=_int(props, "queueDepth", 100, minimum=1, maximum=MAX_IN_FLIGHT),
+        concurrency=_int(props, "concurrency", 10, minimum=1, maximum=MAX_IN_FLIGHT),
+        max_len_approx=_int(props, "maxLenApprox", 0, minimum=0, maximum=MAX_REDIS_COUNT) or None,
+        stream_ttl_ms=_duration(props, "streamTTL", 0, maximum=MAX_STREAM_TTL_MS) or None,
         # go-redis reads -1 as "no retries"; so do we.
         max_retries=max(0, max_retries),
         dial_timeout_ms=_timeout(props, "dialTimeout", 5_000),
         read_timeout_ms=read_timeout,
         write_timeout_ms=_timeout(props, "writeTimeout", read_timeout),
-        pool_size=_int(props, "poolSize", 0, minimum=0) or None,
+        pool_size=_int(props, "poolSize", 0, minimum=0, maximum=MAX_POOL_SIZE) or None,
         enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
         history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
         history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
+        delete_marker_ttl_ms=_duration(props, "deleteMarkerTTL", 0),
+        default_target_pubsub=default_target,
+        dapr_grpc_address=dapr_address,
+        dead_letter_topic=dead_letter,
         delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
     )
+
+
+def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:
+    """defaultTargetPubsub, daprGrpcAddress, deadLetterTopic (delays for any pub/sub)."""
+    default_target = props.get("defaultTargetPubsub", "")
+    if default_target:
+        check_target_name("defaultTargetPubsub", default_target)
+    address = props.get("daprGrpcAddress", "").strip()
+    if address and any(c.isspace() for c in address):
+        raise InvalidArgumentError("daprGrpcAddress", address, "not host:port (or unix:///path)")
+    dead_letter = props.get("deadLetterTopic", "").strip()
+    if dead_letter and (is_engine_key(dead_letter) or is_delayed_topic(dead_letter)):
+        raise InvalidArgumentError(
+            "deadLetterTopic", dead_letter, "reserved: names ending in -delayed belong to the delay engine"
+        )
+    return default_target, address, dead_letter
 
 
 # --- field parsers ------------------------------------------------------------
@@ -193,29 +248,40 @@ def _format_host(host: str, port: int) -> str:
 def _hosts(raw: str, default_port: int) -> tuple[tuple[str, int], ...]:
     if not raw:
         raise InvalidArgumentError("redisHost", raw, "required (host or host:port)")
+    # A URL-form `redis://user:password@host` is refused, and its credentials
+    # must not travel back in the error (nor into daprd's logs).
+    shown = _without_userinfo(raw)
     hosts: list[tuple[str, int]] = []
-    for part in raw.split(","):
+    for part in shown.split(","):
         item = part.strip()
         host, port_text = item, ""
         if item.startswith("["):  # [ipv6]:port
             end = item.find("]")
             if end < 0:
-                raise InvalidArgumentError("redisHost", raw, f"unclosed '[' in {item!r}")
+                raise InvalidArgumentError("redisHost", shown, f"unclosed '[' in {item!r}")
             host, rest = item[1:end], item[end + 1 :]
             if rest and not rest.startswith(":"):
-                raise InvalidArgumentError("redisHost", raw, f"garbage after ']' in {item!r}")
+                raise InvalidArgumentError("redisHost", shown, f"garbage after ']' in {item!r}")
             port_text = rest[1:]
         elif item.count(":") == 1:
             host, port_text = item.split(":")
         if not host or any(c.isspace() or c in "/@" for c in host):
-            raise InvalidArgumentError("redisHost", raw, f"bad host {item!r}")
+            raise InvalidArgumentError("redisHost", shown, f"bad host {item!r}")
         port = default_port
         if port_text:
             if not _is_decimal(port_text) or not 1 <= int(port_text) <= 65535:
-                raise InvalidArgumentError("redisHost", raw, f"bad port in {item!r}")
+                raise InvalidArgumentError("redisHost", shown, f"bad port in {item!r}")
             port = int(port_text)
         hosts.append((host, port))
     return tuple(hosts)
+
+
+def _without_userinfo(raw: str) -> str:
+    """`raw` with everything before its last `@` (a URL's user:password, which
+    may itself hold commas or colons) replaced by `***`."""
+    if "@" not in raw:
+        return raw
+    return "***@" + raw.rsplit("@", 1)[1]
 
 
 def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
@@ -225,7 +291,7 @@ def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum
     # int() alone would also take "5_000", "+5" and non-ASCII digits.
     if not _is_decimal(raw.removeprefix("-")):
         raise InvalidArgumentError(key, raw, "not an integer")
-    value = int(raw)
+    value = _decimal(raw)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
         raise InvalidArgumentError(key, raw, f"must be {bound}")
@@ -243,7 +309,7 @@ def _bool(props: Mapping[str, str], key: str, default: bool) -> bool:
     raise InvalidArgumentError(key, props[key], "not a boolean (true/false)")
 
 
-def _duration(props: Mapping[str, str], key: str, default_ms: int) -> int:
+def _duration(props: Mapping[str, str], key: str, default_ms: int, maximum: int = MAX_DURATION_MS) -> int:
     raw = props.get(key, "").strip()
     if not raw:
         return default_ms
@@ -253,6 +319,7 @@ def _duration(props: Mapping[str, str], key: str, default_ms: int) -> int:
         raise InvalidArgumentError(key, raw, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
     if ms < 0:
         raise InvalidArgumentError(key, raw, "must not be negative")
+    _at_most(key, raw, ms, maximum)
     return ms
 
 
@@ -260,8 +327,14 @@ def _legacy_ms(props: Mapping[str, str], key: str, default_ms: int) -> int:
     """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
     raw = props.get(key, "").strip()
     if _is_decimal(raw):
-        return int(raw)
+        return _at_most(key, raw, _decimal(raw), MAX_DURATION_MS)
     return _duration(props, key, default_ms)
+
+
+def _at_most(key: str, raw: str, ms: int, maximum: int) -> int:
+    if ms > maximum:
+        raise InvalidArgumentError(key, raw, f"must be at most {maximum}ms ({maximum // 86_400_000} days)")
+    return ms
 
 
 def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int | None:
@@ -269,6 +342,14 @@ def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int 
     if not props.get(key, "").strip():
         return default_ms
     return _legacy_ms(props, key, 0) or None
+
+
+def _decimal(text: str) -> int:
+    """int(text) of a checked decimal; past 30 digits a stand-in of the same sign
+    that every range refuses (int() itself raises ValueError past 4300 digits)."""
+    if len(text.lstrip("-").lstrip("0")) > 30:
+        return -(10**30) if text.startswith("-") else 10**30
+    return int(text)
 
 
 def _is_decimal(text: str) -> bool:

@@ -8,9 +8,10 @@ value. It is a pure function: refusing here, before anything touches Redis, is
 what lets the servicer promise that a refused publish stored nothing.
 
 Recurring schedules (``schedule``), cancel (``scheduleCancel``),
-``scheduleSource`` and ``scheduleTTL`` belong to the schedules work that will
-extend this module; until then their keys are refused rather than ignored, so a
-publisher never gets an immediate delivery where they asked for something else.
+``scheduleSource`` and ``scheduleTTL`` are read by ``plan.read_request``, which
+strips them before calling this; given here they are refused rather than
+ignored, so a caller that skipped planning never turns a schedule into an
+immediate delivery.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ DELAY_KEYS: Final[tuple[str, ...]] = (
     SCHEDULE_TTL,
 )
 
-# Keys whose semantics are not implemented yet (see the module docstring).
-_NOT_YET_SUPPORTED: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
+# Keys this one-shot parser does not handle (plan.read_request does).
+_NOT_ONE_SHOT: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
 
 MAX_SCHEDULE_ID_LENGTH: Final = 256
 
@@ -93,8 +94,7 @@ def parse_delay(
         None when the metadata carries no time key (``scheduledSendTime`` or
         ``scheduledSendDelay``), including when it carries only a valid
         ``scheduleId``: an id names a delayed message, it does not delay one.
-        (The schedules work will give ``scheduleId`` alone a meaning together
-        with ``scheduleCancel``.) Otherwise a ``Delay``; a time in the past or a
+        (``scheduleId`` with ``scheduleCancel`` is read by ``plan.read_request``.) Otherwise a ``Delay``; a time in the past or a
         zero delay gives ``due_ms == now_ms``, i.e. deliver at once.
 
     Raises:
@@ -113,9 +113,11 @@ def parse_delay(
         if metadata[key] == "":
             raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
     for key in present:
-        if key in _NOT_YET_SUPPORTED:
+        if key in _NOT_ONE_SHOT:
             raise InvalidArgumentError(
-                key, metadata[key], "not supported yet: only scheduledSendTime and scheduledSendDelay are"
+                key,
+                metadata[key],
+                "not a one-shot delay key: plan.read_request handles it (parse_delay reads scheduledSendTime and scheduledSendDelay only)",
             )
 
     schedule_id = metadata.get(SCHEDULE_ID)

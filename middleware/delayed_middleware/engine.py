@@ -38,7 +38,7 @@ FIRE's steps run as three scripts, with the same decisions at each step:
      sorted set, scored by a lease end (now + lease_ms), recording each
      occurrence's due time in a claims hash; it returns the entries to append.
   2. APPEND (the target's slot), one call per target key: for each envelope,
-     `SET <marker> 1 NX PX marker_ttl_ms` and, only if that set it, the XADDs,
+     `SET <marker> 1 NX PX fire_marker_ttl_ms` and, only if that set it, the XADDs,
      in one script. The marker `{<target's tag>}:<shard stream>}fired:<envelope
      id>:<occurrence due ms>` (keys.fire_marker_prefix) hashes to the target's
      slot and is an engine key (it contains `-delayed}`), so no user can write it.
@@ -66,7 +66,7 @@ finds those markers and writes only the rest); after every APPEND, before
 RELEASE (the takeover writes nothing, then releases); after RELEASE (nothing
 left in flight); a replica stalled past its lease while another takes over
 (its late APPENDs find markers, its RELEASE finds nothing).
-The bound: a marker lives marker_ttl_ms (15 min by default). A claim left in
+The bound: a marker lives fire_marker_ttl_ms (15 min by default). A claim left in
 flight longer than that after its APPEND (every replica down that long
 between APPEND and RELEASE) may be appended again on takeover: delivered at
 least once, never lost. A replica does not start an APPEND for a claim older
@@ -110,7 +110,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
-from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import (
     EngineKeys,
@@ -127,11 +127,19 @@ log = logging.getLogger(__name__)
 Recurrence = Callable[[Envelope, int], "int | None"]
 
 
+# Recurring envelopes refilled per round trip, and ids cancelled per script call.
+REFILL_BATCH = 200
+CANCEL_BATCH = 500
+# The metadata key of a marker message (deleteMarkerTTL): why the message will not come.
+MARKER_REASON = "markerReason"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Tuning knobs; the defaults suit most deployments."""
 
-    # One fire call's budget: envelopes, appended entries, payload bytes. Sized
+    # One fire call's budget: envelopes, work (appended entries, plus one per
+    # four metadata pairs: see fire.lua) and envelope bytes (metadata included). Sized
     # so a call stays within ~20 ms of Redis time (bench/delay.py, SLOWLOG).
     batch_size: int = 500
     batch_entries: int = 2000
@@ -139,8 +147,10 @@ class EngineConfig:
     # ...and Redis time: a batch stops after this long (checked with Redis TIME),
     # so no call holds Redis for more than ~this, however loaded the machine.
     fire_budget_us: int = 10_000
-    # Envelopes per SCHEDULE call: a huge bulk publish is stored in bounded steps.
+    # Envelopes and bytes per SCHEDULE call: a huge bulk publish is stored in
+    # bounded steps (64 MiB in one call held Redis ~200 ms; SLOWLOG).
     schedule_chunk: int = 500
+    schedule_chunk_bytes: int = 1 << 20
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0
@@ -155,6 +165,9 @@ class EngineConfig:
     # How long a schedule call's token is remembered (a client's retry after a
     # lost reply must come within it).
     token_window_ms: int = 120_000
+    # deleteMarkerTTL: when a cancel or an expiry removes a message, a marker
+    # (markerReason Remove / MaxAge) goes on its topic, living this long; 0 = none.
+    marker_ttl_ms: int = 0
     # Redis Cluster: fire in three steps (CLAIM, APPEND, RELEASE; see
     # DelayEngine), since target topics live in other hash slots.
     two_phase: bool = False
@@ -163,8 +176,9 @@ class EngineConfig:
     # How long a fire marker outlives its APPEND: the bound on how long a claim
     # may stay in flight (a stalled replica, or every replica down between
     # APPEND and RELEASE) and still not be appended twice. Costs ~100 B of
-    # Redis memory per fired message for this long.
-    marker_ttl_ms: int = 900_000
+    # Redis memory per fired message for this long. (Not marker_ttl_ms above:
+    # that is deleteMarkerTTL's marker *messages*; these are idempotency keys.)
+    fire_marker_ttl_ms: int = 900_000
 
 
 @dataclass(frozen=True)
@@ -193,9 +207,14 @@ class DelayEngine:
         config: EngineConfig = EngineConfig(),
         on_batch: Callable[[FireReport], None] | None = None,
         recurrence: Recurrence | None = None,
+        listen_client: aioredis.Redis | None = None,
+        pubsub_name: str = "",
         fault: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = client
+        # The wake listener parks a connection for good: on a client of its own
+        # it cannot starve short commands of a bounded pool (poolSize).
+        self._listen_redis = listen_client if listen_client is not None else client
         self._keys = keys
         self._clock = clock
         self._trim = trim or Trim()
@@ -212,6 +231,9 @@ class DelayEngine:
         self._fault = fault
         self._on_batch = on_batch
         self._recurrence = recurrence
+        # `trim` applies to messages published through this component only
+        # (others sharing the delayed topic have their own); '' = to all.
+        self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
 
@@ -222,22 +244,61 @@ class DelayEngine:
     def _history_len(self) -> int:
         return self._config.history_max_len
 
-    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
         """Store envelopes durably; returns their ids (scheduleId, else their stream id).
 
         When this returns, Redis holds them: a crash of this process from here
         on loses nothing. Each SCHEDULE call carries a token the script
-        remembers, so the client library's automatic retry after a lost reply
-        stores nothing twice. Recurring envelopes must have a `recurrence`.
+        remembers (`<token>/<offset>` per chunk): calling again with the same
+        `token` after a lost reply stores nothing twice, so the caller may
+        retry. Recurring envelopes must have a `recurrence`.
+
+        Many envelopes are stored in chunks, each bounded by `timeout_s`. When
+        a chunk fails after earlier ones were stored, PartiallyStoredError says
+        how many envelopes (in order) are stored; a failure before any chunk
+        was stored raises the Redis error (or TimeoutError) itself.
         """
         ids: list[str] = []
-        chunk = self._config.schedule_chunk
-        for start in range(0, len(envelopes), chunk):
-            ids += await self._schedule_chunk(envelopes[start : start + chunk], token)
-            token = None  # a caller's token names the first chunk only
+        encoded = [encode_envelope(env) for env in envelopes]
+        for start, end in self._chunks(encoded):
+            # A caller's token names each chunk (a retry of the call repeats them all).
+            chunk_token = token if token is None or not start else f"{token}/{start}"
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ids += await self._schedule_chunk(envelopes[start:end], encoded[start:end], chunk_token)
+            except (RedisError, TimeoutError) as exc:
+                if not start:
+                    raise
+                raise PartiallyStoredError(
+                    start,
+                    f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
+                    f"redis: {exc or 'timed out'}",
+                ) from exc
         return ids
 
-    async def _schedule_chunk(self, envelopes: Sequence[Envelope], token: str | None) -> list[str]:
+    def _chunks(self, encoded: Sequence[bytes]) -> list[tuple[int, int]]:
+        """[start, end) runs of at most schedule_chunk envelopes and schedule_chunk_bytes
+        (one envelope above that is a run of its own)."""
+        runs: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, raw in enumerate(encoded):
+            full = (
+                i - start >= self._config.schedule_chunk
+                or size + len(raw) > self._config.schedule_chunk_bytes
+            )
+            if i > start and full:
+                runs.append((start, i))
+                start, size = i, 0
+            size += len(raw)
+        if start < len(encoded):
+            runs.append((start, len(encoded)))
+        return runs
+
+    async def _schedule_chunk(
+        self, envelopes: Sequence[Envelope], encoded: Sequence[bytes], token: str | None
+    ) -> list[str]:
         if not envelopes:
             return []
         now = self._clock.now_ms()
@@ -250,12 +311,12 @@ class DelayEngine:
             self._config.token_window_ms,
             len(envelopes),
         ]
-        for env in envelopes:
+        for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
             if env.is_recurring:
                 nxt, iso = self._next_after(env, env.due_ms)
             args += [
-                encode_envelope(env),
+                raw,
                 env.due_ms,
                 env.schedule_id,
                 env.kind,
@@ -284,11 +345,51 @@ class DelayEngine:
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""
-        n = await self._cancel(
-            keys=self._keys.script_keys,
-            args=[self._keys.buckets, self._clock.now_ms(), self._history_len(), id, reason],
-        )
-        return bool(n)
+        [(found, _)] = await self.cancel_many([id], reason=reason)
+        return found
+
+    async def cancel_many(self, ids: Sequence[str], *, reason: str = "Remove") -> list[tuple[bool, str]]:
+        """Withdraw many by scheduleId or envelope id, CANCEL_BATCH per script call.
+
+        Returns (cancelled?, the message's topic or '') per id, in order; with
+        deleteMarkerTTL set, a `Remove` marker goes on each cancelled topic.
+        """
+        out: list[tuple[bool, str]] = []
+        for start in range(0, len(ids), CANCEL_BATCH):
+            part = list(ids[start : start + CANCEL_BATCH])
+            raw = await self._cancel(
+                keys=self._keys.script_keys,
+                args=[
+                    self._keys.buckets,
+                    self._clock.now_ms(),
+                    self._history_len(),
+                    reason,
+                    len(part),
+                    *part,
+                ],
+            )
+            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
+        await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
+        return out
+
+    async def _markers(self, reason: str, cancelled: Sequence[tuple[str, str]]) -> None:
+        """Marker messages (deleteMarkerTTL): one per topic whose message was removed.
+
+        Best effort, after the change they report: a marker tells subscribers
+        that something they might wait for will not come; losing one to a crash
+        loses no data, so it is not worth holding the script across slots.
+        """
+        ttl = self._config.marker_ttl_ms
+        if not ttl or not cancelled:
+            return
+        expires = str(self._clock.now_ms() + ttl)
+        pipe = self._redis.pipeline(transaction=False)
+        for sid, topic in cancelled:
+            metadata = json.dumps({MARKER_REASON: reason, scripts.SCHEDULER: sid}, separators=(",", ":"))
+            pipe.xadd(topic, {"data": b"", "metadata": metadata, "expiresAt": expires})
+        for result in await pipe.execute(raise_on_error=False):
+            if isinstance(result, Exception):
+                log.warning("marker (%s) on %s not written: %s", reason, self._keys.stream, result)
 
     async def has_key(self, key: str) -> bool:
         """True if `key` is a pending scheduleId (or recurring envelope id) here."""
@@ -310,10 +411,11 @@ class DelayEngine:
         Returns (envelopes fired by this call, earliest due time left or None).
         """
         fired, head, refill = await self._fire_once()
-        if refill:
-            await self.refill_pending()
-            if not fired:
-                fired, head, _ = await self._fire_once()
+        # Refills in proportion to what this batch fired (each round trip
+        # refills REFILL_BATCH), soonest needed first: successors are known
+        # long before their time, and firing never queues behind a backlog.
+        if refill and await self.refill_pending(limit=max(refill, REFILL_BATCH)) and not fired:
+            fired, head, _ = await self._fire_once()
         return fired, head
 
     async def _fire_once(self) -> tuple[int, int | None, int]:
@@ -334,10 +436,16 @@ class DelayEngine:
                 threshold,
                 self._history_len(),
                 cfg.fire_budget_us,
+                self._pubsub_name,
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
         parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
+        expired = [(_s(raw[i]), _s(raw[i + 1])) for i in range(8, len(raw) - 1, 2)]
+        if expired:
+            await self._markers("MaxAge", expired)
+        if len(raw) > 7 and int(raw[7]):
+            self._log_gone(int(raw[7]))
         if parked:
             log.error(
                 "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
@@ -354,6 +462,14 @@ class DelayEngine:
                 )
             )
         return fired, (int(float(head)) if head else None), refill
+
+    def _log_gone(self, gone: int) -> None:
+        log.error(
+            "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
+            "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
+            gone,
+            self._keys.stream,
+        )
 
     # --- the two-phase fire (Redis Cluster): CLAIM, APPEND, RELEASE ----------
 
@@ -379,10 +495,18 @@ class DelayEngine:
                 self._history_len(),
                 cfg.fire_budget_us,
                 cfg.lease_ms,
+                self._pubsub_name,
             ],
         )
         head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
-        claims = _parse_claims(raw[5:])
+        gone, n_expired = int(raw[5]), int(raw[6])
+        expired = [(_s(raw[7 + 2 * i]), _s(raw[8 + 2 * i])) for i in range(n_expired)]
+        claims = _parse_claims(raw[7 + 2 * n_expired :])
+        # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
+        if expired:
+            await self._markers("MaxAge", expired)
+        if gone:
+            self._log_gone(gone)
         fired = entries = 0
         if claims:
             await self._at("claimed")
@@ -430,26 +554,41 @@ class DelayEngine:
 
         async def append(target: str, group: list[_Claim]) -> None:
             nonlocal done
-            # A replica that stalled this long may find its markers expired:
-            # it must leave the claim to the replica that took its lease over.
-            if self._clock.now_ms() - claimed_at > cfg.marker_ttl_ms // 2:
-                raise TimeoutError(
-                    f"claim on {self._keys.stream} is {cfg.marker_ttl_ms // 2} ms old; abandoned"
-                )
             prefix = fire_marker_prefix(target, self._keys.stream)
             outbox = bool(group[0].target_pubsub)
-            args: list[Any] = [cfg.marker_ttl_ms, "" if outbox else mode, threshold, len(group)]
-            for c in group:
-                entries = c.entries if not c.source else await self._sampled(c.source, c)
-                args.append(len(entries))
-                for fields in entries:
-                    args.append(len(fields) // 2)
-                    args += fields
-            raw = await self._append(keys=[target, *(f"{prefix}{c.id}:{c.due}" for c in group)], args=args)
-            for c, status in zip(group, raw, strict=True):
-                outcomes[c.id] = _s(status)
-            done += 1
-            await self._at(f"appended:{done}")
+            payloads = [c.entries if not c.source else await self._sampled(c.source, c) for c in group]
+            # CLAIM cannot size a scheduleSource's sample (it lives in another
+            # slot), so the bytes bound FIRE keeps per call is kept here per
+            # APPEND call: a target's claims go in runs of at most batch_bytes
+            # (at least one claim each). Each run is atomic on its own markers.
+            runs: list[list[int]] = [[]]
+            size = 0
+            for i, entries in enumerate(payloads):
+                n = sum(len(v) for fields in entries for v in fields)
+                if runs[-1] and size + n > cfg.batch_bytes:
+                    runs.append([])
+                    size = 0
+                runs[-1].append(i)
+                size += n
+            for run in runs:
+                # A replica that stalled this long may find its markers expired:
+                # it must leave the claim to the replica that took its lease over.
+                if self._clock.now_ms() - claimed_at > cfg.fire_marker_ttl_ms // 2:
+                    raise TimeoutError(
+                        f"claim on {self._keys.stream} is {cfg.fire_marker_ttl_ms // 2} ms old; abandoned"
+                    )
+                args: list[Any] = [cfg.fire_marker_ttl_ms, "" if outbox else mode, threshold, len(run)]
+                for i in run:
+                    args += [1 if group[i].trim else 0, len(payloads[i])]
+                    for fields in payloads[i]:
+                        args.append(len(fields) // 2)
+                        args += fields
+                keys = [target, *(f"{prefix}{group[i].id}:{group[i].due}" for i in run)]
+                raw = await self._append(keys=keys, args=args)
+                for i, status in zip(run, raw, strict=True):
+                    outcomes[group[i].id] = _s(status)
+                done += 1
+                await self._at(f"appended:{done}")
 
         # Targets are independent (other slots, often other masters): append
         # to them concurrently. A failure cancels the rest, like a crash would.
@@ -473,7 +612,9 @@ class DelayEngine:
         md: dict[str, Any] = {}
         with contextlib.suppress(ValueError, TypeError):
             loaded = json.loads(f.get("metadata", b"{}"))
-            if isinstance(loaded, dict):
+            # As FIRE: keep the source's metadata only if it encodes again as
+            # strict JSON (1e400 loads as inf), else drop it; the data still goes out.
+            if isinstance(loaded, dict) and _strict_json(loaded):
                 md = loaded
         md["scheduler"], md["scheduleNext"] = c.scheduler, c.schedule_next
         ct = f.get("contentType", b"")
@@ -483,50 +624,80 @@ class DelayEngine:
         if self._fault is not None:
             await self._fault(point)
 
-    async def refill_pending(self, limit: int = 1000) -> int:
-        """Give every recurring envelope waiting for it its next due time; returns how many."""
+    async def refill_pending(self, limit: int = 10_000, *, until_ms: int | None = None) -> int:
+        """Give recurring envelopes waiting for it their next due time; returns how many.
+
+        The refill set is scored by when each envelope next needs its successor
+        known: with `until_ms`, only those needed by then (an occurrence held
+        back until its successor is known is scored at its own due time).
+
+        In batches of REFILL_BATCH: one read of the refill set, one pipelined
+        read of the refs and envelopes, one REFILL script call. (One envelope at
+        a time, 10,000 schedules firing each second could not keep up.)
+        """
+        if self._recurrence is None:
+            # This replica cannot compute one (e.g. an older version in a rolling
+            # upgrade): leave them, untouched, to a replica that can.
+            return 0
         done = 0
         while done < limit:
-            members = await self._redis.zrange(self._keys.refill, 0, 99)
+            top = "+inf" if until_ms is None else until_ms
+            members = [
+                _s(m)
+                for m in await self._redis.zrangebyscore(
+                    self._keys.refill, "-inf", top, start=0, num=REFILL_BATCH
+                )
+            ]
             if not members:
                 break
-            progressed = False
-            for member in members:
-                key = _s(member)
-                result = await self._refill_one(key)
-                if result != 0:
-                    progressed = True
-                    done += 1
-            if not progressed:
+            applied = await self._refill_batch(members)
+            done += applied
+            if not applied:
                 break
         return done
 
-    async def _refill_one(self, key: str) -> int:
-        ref = await self._redis.hget(self._keys.ids, key)
-        if ref is None:
-            await self._redis.zrem(self._keys.refill, key)
-            return -1
-        ref_s = _s(ref)
-        parts = ref_s.split()
-        stream_id, due = parts[0], int(parts[1])
-        rows = await self._redis.xrange(self._keys.stream, stream_id, stream_id)
-        try:
-            if not rows:
-                raise EnvelopeDecodeError(f"envelope {stream_id} is gone")
-            raw = dict(rows[0][1] or {}).get(b"data")
-            if not isinstance(raw, bytes):
-                raise EnvelopeDecodeError(f"envelope {stream_id} has no data")
-            env = decode_envelope(raw)
-            nxt, iso = self._next_after(env, max(due, self._clock.now_ms()))
-        except (EnvelopeDecodeError, ValueError) as exc:
-            log.error("recurring %r on %s cannot be refilled: %s; cancelling it", key, self._keys.stream, exc)
-            await self.cancel(key, reason=f"unschedulable: {exc}")
-            return -1
-        return int(
-            await self._refill(
-                keys=self._keys.script_keys, args=[self._keys.buckets, self._keys.wake, key, ref_s, nxt, iso]
-            )
-        )
+    async def _refill_batch(self, keys: Sequence[str]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(self._keys.ids, key)
+        refs = [None if r is None else _s(r) for r in await pipe.execute()]
+        gone = [k for k, r in zip(keys, refs, strict=True) if r is None]
+        if gone:
+            await self._redis.zrem(self._keys.refill, *gone)
+        live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None]
+        if not live:
+            return len(gone)
+        pipe = self._redis.pipeline(transaction=False)
+        for _, ref in live:
+            stream_id = ref.split()[0]
+            pipe.xrange(self._keys.stream, stream_id, stream_id)
+        rows_of = await pipe.execute()
+        now = self._clock.now_ms()
+        args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
+        for (key, ref), rows in zip(live, rows_of, strict=True):
+            try:
+                due = int(ref.split()[1])
+                if not rows:
+                    raise EnvelopeDecodeError(f"envelope {ref.split()[0]} is gone")
+                raw = dict(rows[0][1] or {}).get(b"data")
+                if not isinstance(raw, bytes):
+                    raise EnvelopeDecodeError(f"envelope {ref.split()[0]} has no data")
+                nxt, iso = self._next_after(decode_envelope(raw), max(due, now))
+            except Exception as exc:
+                # EnvelopeDecodeError, ValueError (no later time), or whatever else the
+                # recurrence raises: one schedule the engine cannot advance must not
+                # stop firing for the whole app. It is withdrawn, with its history record.
+                log.error(
+                    "recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc
+                )
+                await self.cancel(key, reason=f"unschedulable: {exc}")
+                continue
+            args += [key, ref, nxt, iso]
+            args[2] += 1
+        if not args[2]:
+            return len(gone)
+        results = await self._refill(keys=self._keys.script_keys, args=args)
+        return len(gone) + sum(1 for r in results if int(r) != 0)
 
     async def _trim_history(self) -> None:
         """Age-based history retention (the length bound rides on every XADD)."""
@@ -551,9 +722,8 @@ class DelayEngine:
                     # asyncio.timeout, not wait_for: wait_for can swallow a
                     # cancellation that races with completion (Python < 3.12).
                     async with asyncio.timeout(self._config.op_timeout_s):
-                        if backoff.failures or not self._last_history_trim:
-                            # After start-up or an outage: refills a dead replica left.
-                            await self.refill_pending()
+                        # Refills a dead replica left are reported by FIRE as due
+                        # and completed by fire_due, like this replica's own.
                         fired, head = await self.fire_due()
                         await self._trim_history()
                     _honour_swallowed_cancel()
@@ -563,6 +733,13 @@ class DelayEngine:
                     log.warning(
                         "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
                     )
+                    await asyncio.sleep(delay)
+                    continue
+                except Exception:
+                    # A bug here or in a hook must not end firing for the whole
+                    # app (the task would just be gone): log it, back off, go on.
+                    delay = backoff.next()
+                    log.exception("delay engine on %s failed; retrying in %.2fs", self._keys.stream, delay)
                     await asyncio.sleep(delay)
                     continue
                 if fired or (head is not None and head <= self._clock.now_ms()):
@@ -593,11 +770,11 @@ class DelayEngine:
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         while True:
             _honour_swallowed_cancel()
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._listen_redis.pubsub(ignore_subscribe_messages=True)
             try:
                 # A Redis Cluster client maps the slots on its first command; its
                 # pub/sub cannot find the channel's node before that (KeyError).
-                await self._redis.ping()
+                await self._listen_redis.ping()
                 await pubsub.subscribe(self._keys.wake)
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
@@ -648,28 +825,79 @@ class ShardedEngine:
         """The shard a scheduleId lives on."""
         return self.engines[shard_index(schedule_id, len(self.engines))]
 
-    async def schedule(self, envelopes: Sequence[Envelope], *, token: str | None = None) -> list[str]:
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
         """As DelayEngine.schedule; ids in the order given.
 
         Envelope stream ids are unique per shard stream only (each master
         makes its own), so with several shards an id that is not a scheduleId
         comes back as `<stream id>@<shard>`, which cancel understands.
+
+        Retries: each shard's part carries the token `<token>:<shard>` (and
+        DelayEngine adds `/<offset>` per chunk), and envelopes without a
+        scheduleId go to the shard the token picks, so the same call repeated
+        after a lost reply lands on the same shards and stores nothing twice.
+
+        Partial failure: PartiallyStoredError(n) means the first n envelopes are
+        stored. The shard without scheduleIds is stored last, so whatever is
+        stored beyond n carries a scheduleId (a retry replaces it, never
+        doubles it).
         """
-        if len(self.engines) == 1:
-            return await self.engines[0].schedule(envelopes, token=token)
-        self._turn = (self._turn + 1) % len(self.engines)
+        n = len(self.engines)
+        if n == 1:
+            return await self.engines[0].schedule(envelopes, token=token, timeout_s=timeout_s)
+        if token:
+            spread = shard_index(token, n)
+        else:
+            self._turn = (self._turn + 1) % n
+            spread = self._turn
         groups: dict[int, list[int]] = {}
         for i, e in enumerate(envelopes):
-            shard = shard_index(e.schedule_id, len(self.engines)) if e.schedule_id else self._turn
+            shard = shard_index(e.schedule_id, n) if e.schedule_id else spread
             groups.setdefault(shard, []).append(i)
+        order = sorted(groups, key=lambda sh: (sh == spread, sh))
         ids: list[str] = [""] * len(envelopes)
-        for shard, positions in groups.items():
-            got = await self.engines[shard].schedule(
-                [envelopes[i] for i in positions], token=f"{token}:{shard}" if token else None
-            )
+        stored: set[int] = set()
+        for shard in order:
+            positions = groups[shard]
+            try:
+                got = await self.engines[shard].schedule(
+                    [envelopes[i] for i in positions],
+                    token=f"{token}:{shard}" if token else None,
+                    timeout_s=timeout_s,
+                )
+            except (PartiallyStoredError, RedisError, TimeoutError) as exc:
+                done = exc.stored if isinstance(exc, PartiallyStoredError) else 0
+                stored.update(positions[:done])
+                prefix = next((i for i in range(len(envelopes)) if i not in stored), len(envelopes))
+                if not stored:
+                    raise
+                cause = exc.__cause__ if isinstance(exc, PartiallyStoredError) else exc
+                raise PartiallyStoredError(
+                    prefix,
+                    f"scheduling on {self.keys.stream!r} (shard {shard}): {len(stored)} of "
+                    f"{len(envelopes)} stored, then redis: {cause or 'timed out'}",
+                ) from cause
+            stored.update(positions)
             for i, id in zip(positions, got, strict=False):
                 ids[i] = id if envelopes[i].schedule_id else f"{id}@{shard}"
         return ids
+
+    async def _locate(self, id: str) -> tuple[int, str]:
+        """(shard, id on that shard) for a scheduleId or an envelope id (see cancel)."""
+        m = _SHARD_ID.fullmatch(id)
+        if m and int(m.group(2)) < len(self.engines):
+            return int(m.group(2)), m.group(1)
+        home = shard_index(id, len(self.engines))
+        if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await self.engines[home].has_key(id):
+            return home, id
+        holders = [i for i, e in enumerate(self.engines) if await e.holds(id)]
+        if len(holders) > 1:
+            raise InvalidArgumentError(
+                "id", id, f"on {len(holders)} shards; name one as {id}@<shard> (see keys.shard_topics)"
+            )
+        return (holders[0] if holders else home), id
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """As DelayEngine.cancel: a scheduleId on its shard; an envelope id
@@ -677,18 +905,23 @@ class ShardedEngine:
 
         InvalidArgumentError when a bare stream id names envelopes on several shards.
         """
-        m = _SHARD_ID.fullmatch(id)
-        if m and int(m.group(2)) < len(self.engines):
-            return await self.engines[int(m.group(2))].cancel(m.group(1), reason=reason)
-        first = self.shard_of(id)
-        if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await first.has_key(id):
-            return await first.cancel(id, reason=reason)
-        holders = [e for e in self.engines if await e.holds(id)]
-        if len(holders) > 1:
-            raise InvalidArgumentError(
-                "id", id, f"on {len(holders)} shards; name one as {id}@<shard> (see keys.shard_topics)"
-            )
-        return bool(holders) and await holders[0].cancel(id, reason=reason)
+        [(found, _)] = await self.cancel_many([id], reason=reason)
+        return found
+
+    async def cancel_many(self, ids: Sequence[str], *, reason: str = "Remove") -> list[tuple[bool, str]]:
+        """As DelayEngine.cancel_many (markers included), each id on its shard (see cancel)."""
+        if len(self.engines) == 1:
+            return await self.engines[0].cancel_many(ids, reason=reason)
+        groups: dict[int, list[tuple[int, str]]] = {}
+        for pos, id in enumerate(ids):
+            shard, local = await self._locate(id)
+            groups.setdefault(shard, []).append((pos, local))
+        out: list[tuple[bool, str]] = [(False, "")] * len(ids)
+        for shard, items in groups.items():
+            got = await self.engines[shard].cancel_many([local for _, local in items], reason=reason)
+            for (pos, _), result in zip(items, got, strict=True):
+                out[pos] = result
+        return out
 
     async def pending(self) -> int:
         """Messages waiting over every shard."""
@@ -738,6 +971,8 @@ class _Claim:
     bulk: bool
     expires_at: int
     source: str
+    # The caller's trim applies (published through this component, or '' = any: FIRE's rule).
+    trim: bool
     entries: list[list[str | bytes]]  # XADD field/value lists
 
     def fields(
@@ -759,8 +994,8 @@ class _Claim:
 def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
     n, pos, out = int(raw[0]), 1, []
     for _ in range(n):
-        head = raw[pos : pos + 11]
-        pos += 11
+        head = raw[pos : pos + 12]
+        pos += 12
         c = _Claim(
             id=_s(head[0]),
             due=_s(head[1]),
@@ -772,14 +1007,23 @@ def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
             bulk=_s(head[7]) == "1",
             expires_at=int(head[8]),
             source=_s(head[9]),
+            trim=_s(head[10]) == "1",
             entries=[],
         )
-        for _ in range(int(head[10])):
+        for _ in range(int(head[11])):
             data, md, ct = raw[pos], raw[pos + 1], raw[pos + 2]
             pos += 3
             c.entries.append(c.fields(data, md, ct))
         out.append(c)
     return out
+
+
+def _strict_json(value: object) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _s(value: object) -> str:

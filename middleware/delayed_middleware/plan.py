@@ -18,20 +18,44 @@ would drop pending envelopes; subscribing to one is allowed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from delayed_middleware import envelope as env
-from delayed_middleware.delay import DELAY_KEYS, SCHEDULE_ID, Delay, parse_delay
+from delayed_middleware.delay import (
+    DELAY_KEYS,
+    SCHEDULE,
+    SCHEDULE_CANCEL,
+    SCHEDULE_ID,
+    SCHEDULE_SOURCE,
+    SCHEDULE_TTL,
+    SCHEDULED_SEND_DELAY,
+    SCHEDULED_SEND_TIME,
+    Delay,
+    parse_delay,
+)
+from delayed_middleware.durations import format_go_duration
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.schedules import Schedule, first_fire, parse_schedule
+from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
 
-# The most entries one delayed bulk envelope carries: one envelope fires in
-# one script call, and the fire budget (~20 ms of Redis) must hold it.
+# What one delayed envelope may carry: one envelope fires in one script call
+# whatever it costs, and that call must stay within ~20 ms of Redis. Work is
+# entries plus one per METADATA_PER_ENTRY metadata pairs (decoding and
+# JSON-encoding a pair costs about a quarter of appending an entry; fire.lua
+# counts the same way, and its default batch is MAX_ENVELOPE_WORK); bytes are
+# data, metadata and content types together.
 MAX_BULK_ENVELOPE_ENTRIES = 1000
+METADATA_PER_ENTRY = 4
+MAX_ENVELOPE_WORK = 2000
+MAX_ENVELOPE_BYTES = 4 << 20
 MAX_TOPIC_LENGTH = 1024
 
 _DELAY_KEYS = frozenset(DELAY_KEYS)
+_TTL_KEYS = frozenset(TTL_KEYS)
+# The keys of the schedules contract that parse_delay (one-shot delays) does not read.
+_SCHEDULE_KEYS = frozenset((SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL))
 
 
 @dataclass(frozen=True)
@@ -65,11 +89,152 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """A scheduleCancel: withdraw the pending message or schedule `schedule_id`.
+
+    `entry_ids` are the request's entries that asked for it (("",) for a
+    single publish), so a failed cancel fails exactly those bulk entries.
+    """
+
+    entry_ids: tuple[str, ...]
+    schedule_id: str
+
+
+@dataclass(frozen=True)
 class PublishPlan:
     immediate: tuple[Immediate, ...] = ()
     delayed: tuple[Delayed, ...] = ()
     failed: tuple[Failed, ...] = ()
-    cancels: tuple[str, ...] = field(default=())
+    cancels: tuple[Cancel, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When (and how often) a message is to be delivered: what one envelope needs.
+
+    Attributes:
+        due_ms: the first (or only) due time, epoch ms, never before now.
+        schedule_id: the publisher's scheduleId, or None.
+        schedule: a recurring schedule (``@every``, cron), else None (one-shot).
+        source: scheduleSource: deliver that topic's latest message at each fire.
+        schedule_ttl_ms: scheduleTTL: the TTL of each produced message, 0 = none.
+    """
+
+    due_ms: int
+    schedule_id: str | None
+    schedule: Schedule | None = None
+    source: str = ""
+    schedule_ttl_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one message's metadata asks for, validated.
+
+    Attributes:
+        timing: delay or schedule it (None: deliver now, unless a cancel).
+        cancel: the scheduleId to cancel (scheduleCancel=true); nothing is stored then.
+        expires_at_ms: its own TTL (ttlInSeconds / ttl) as an instant, 0 = never.
+    """
+
+    timing: Timing | None = None
+    cancel: str | None = None
+    expires_at_ms: int = 0
+
+
+def read_request(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
+    """Read the delay, schedule, cancel and TTL keys of one message's metadata.
+
+    Pure, and complete before anything is stored: every bad value raises
+    InvalidArgumentError naming its key and value. The rules beyond each key's
+    own grammar (delay.py, schedules.py, ttl.py):
+
+    - TTL keys work with or without delayed messaging (plain pub/sub behaviour);
+      every other key of DELAY_KEYS needs enableDelayedMessaging.
+    - ``scheduleCancel``: ``true`` (or ``false``, = absent), with ``scheduleId``
+      and without any timing key: the request cancels, it schedules nothing.
+    - ``schedule`` excludes ``scheduledSendTime`` / ``scheduledSendDelay``; an
+      ``@at`` schedule is a one-shot (a past instant: at once), the others
+      recur. ``maxDelay`` bounds the first fire.
+    - ``scheduleSource`` and ``scheduleTTL`` need ``schedule``; the source must
+      be a topic one may publish to.
+    - ``ttl``/``ttlInSeconds`` on a recurring schedule end the schedule (its
+      fires stop then); ``scheduleTTL`` is the TTL of each produced message.
+    """
+    expires_at_ms = 0 if _TTL_KEYS.isdisjoint(metadata) else parse_ttl(metadata, now_ms=ctx.now_ms) or 0
+    if _SCHEDULE_KEYS.isdisjoint(metadata):
+        # The common case (a one-shot delay, or nothing): parse_delay alone.
+        delay = _delay(metadata, ctx)
+        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
+        return Request(timing=timing, expires_at_ms=expires_at_ms)
+    present = [key for key in DELAY_KEYS if key in metadata]
+    # parse_delay refuses every delay key while disabled, and empty values, for
+    # the schedule keys too: call it on the whole metadata first only for that.
+    if not ctx.enabled or any(metadata[key] == "" for key in present):
+        _delay(metadata, ctx)
+    schedule_id = metadata.get(SCHEDULE_ID) or None
+
+    cancel = metadata.get(SCHEDULE_CANCEL)
+    if cancel is not None:
+        if cancel.lower() not in ("true", "false"):
+            raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
+        if cancel.lower() == "true":
+            if schedule_id is None:
+                raise InvalidArgumentError(
+                    SCHEDULE_CANCEL, cancel, "needs scheduleId: the id of the message or schedule to cancel"
+                )
+            # Validates the id (length, control characters).
+            _delay({SCHEDULE_ID: schedule_id}, ctx)
+            for key in (SCHEDULE, SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, SCHEDULE_SOURCE, SCHEDULE_TTL):
+                if key in metadata:
+                    raise InvalidArgumentError(
+                        key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
+                    )
+            return Request(cancel=schedule_id, expires_at_ms=expires_at_ms)
+
+    delay = _delay({k: v for k, v in metadata.items() if k not in _SCHEDULE_KEYS}, ctx)
+    expr = metadata.get(SCHEDULE)
+    source = metadata.get(SCHEDULE_SOURCE)
+    schedule_ttl = metadata.get(SCHEDULE_TTL)
+    if expr is None:
+        for key, value in ((SCHEDULE_SOURCE, source), (SCHEDULE_TTL, schedule_ttl)):
+            if value is not None:
+                raise InvalidArgumentError(key, value, "only applies to a schedule: give schedule too")
+        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
+        return Request(timing=timing, expires_at_ms=expires_at_ms)
+
+    for key in (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY):
+        if key in metadata:
+            raise InvalidArgumentError(
+                key, metadata[key], "give schedule or scheduledSendTime/scheduledSendDelay, not both"
+            )
+    schedule = parse_schedule(expr, now_ms=ctx.now_ms)
+    due_ms = first_fire(schedule, now_ms=ctx.now_ms)
+    if due_ms is None:
+        raise InvalidArgumentError(SCHEDULE, expr, "never fires")
+    if ctx.max_delay_ms is not None and due_ms - ctx.now_ms > ctx.max_delay_ms:
+        raise InvalidArgumentError(
+            SCHEDULE,
+            expr,
+            f"first fires {format_go_duration(due_ms - ctx.now_ms)} from now, "
+            f"more than the maximum delay of {format_go_duration(ctx.max_delay_ms)}",
+        )
+    if source is not None:
+        try:
+            check_topic(source)
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(SCHEDULE_SOURCE, source, err.reason) from None
+    ttl_ms = 0 if schedule_ttl is None else parse_schedule_ttl(schedule_ttl) or 0
+    return Request(
+        timing=Timing(
+            due_ms,
+            schedule_id,
+            schedule=schedule if schedule.recurring else None,
+            source=source or "",
+            schedule_ttl_ms=ttl_ms,
+        ),
+        expires_at_ms=expires_at_ms,
+    )
 
 
 def check_topic(topic: str, *, subscribe: bool = False) -> None:
@@ -95,28 +260,78 @@ def _delay(metadata: Mapping[str, str], ctx: PlanContext) -> Delay | None:
 
 def _envelope(
     topic: str,
-    delay: Delay,
+    timing: Timing,
     ctx: PlanContext,
     *,
+    expires_at_ms: int = 0,
     message: bytes = b"",
     content_type: str = "",
     metadata: Mapping[str, str] | None = None,
     bulk_entries: Sequence[env.BulkEntry] = (),
 ) -> env.Envelope:
+    recurring = timing.schedule is not None
+    if expires_at_ms and not recurring:
+        # A one-shot's CloudEvent says when it expires, as daprd would have
+        # written it: a reader that is not us (the built-in pubsub.redis on the
+        # fast path) then drops it too. A recurring envelope's TTL ends the
+        # schedule instead; its messages carry their own (scheduleTTL).
+        message = with_cloudevent_expiration(message, expires_at_ms)
     return env.Envelope(
         # The envelope's stream entry id already identifies it; a generated id
         # would cost ~34 bytes per pending message for nothing.
-        id=delay.schedule_id or "",
+        id=timing.schedule_id or "",
         topic=topic,
-        due_ms=delay.due_ms,
+        due_ms=timing.due_ms,
+        # For @every, the start of its grid: fires at published_at + k * interval.
         published_at_ms=ctx.now_ms,
         message=message,
         content_type=content_type,
         metadata=dict(metadata or {}),
         pubsub_name=ctx.pubsub_name,
-        schedule_id=delay.schedule_id or "",
+        schedule_id=timing.schedule_id or "",
         bulk_entries=tuple(bulk_entries),
+        kind=env.RECURRING if recurring else env.ONESHOT,
+        schedule=timing.schedule.expr if timing.schedule is not None else "",
+        expires_at_ms=expires_at_ms,
+        schedule_source=timing.source,
+        schedule_ttl_ms=timing.schedule_ttl_ms,
     )
+
+
+def _now(
+    entry_id: str, data: bytes, metadata: Mapping[str, str], content_type: str, expires: int
+) -> Immediate:
+    """A message stored on its topic now, with its TTL (and, in a CloudEvent, its expiration)."""
+    if expires:
+        data = with_cloudevent_expiration(data, expires)
+    return Immediate(entry_id, StreamEntry(data, dict(metadata), content_type, expires))
+
+
+def _cost(entry: StreamEntry) -> tuple[int, int]:
+    """(work, bytes) of one message in a delayed envelope (see MAX_ENVELOPE_WORK)."""
+    md = entry.metadata
+    size = len(entry.data) + len(entry.content_type) + sum(len(k) + len(v) + 4 for k, v in md.items())
+    return 1 + len(md) // METADATA_PER_ENTRY, size
+
+
+def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
+    """Why one message cannot wait in the delay engine, or None."""
+    work, size = _cost(entry)
+    if work > MAX_ENVELOPE_WORK:
+        most = MAX_ENVELOPE_WORK * METADATA_PER_ENTRY - 1
+        return InvalidArgumentError(
+            "metadata",
+            f"{len(entry.metadata)} keys",
+            f"a delayed message carries at most {most} metadata keys",
+        )
+    if size > MAX_ENVELOPE_BYTES:
+        return InvalidArgumentError(
+            "data",
+            f"{size} bytes",
+            f"a delayed message holds at most {MAX_ENVELOPE_BYTES} bytes of data and metadata (firing a "
+            "larger one would block Redis); publish it without a delay, or delay a reference to it",
+        )
+    return None
 
 
 def plan_publish(
@@ -124,10 +339,23 @@ def plan_publish(
 ) -> PublishPlan:
     """Plan one Publish; raises InvalidArgumentError for a bad topic or bad metadata."""
     check_topic(topic)
-    delay = _delay(metadata, ctx)
-    if delay is None:
-        return PublishPlan(immediate=(Immediate("", StreamEntry(data, dict(metadata), content_type)),))
-    envelope = _envelope(topic, delay, ctx, message=data, content_type=content_type, metadata=metadata)
+    request = read_request(metadata, ctx)
+    if request.cancel is not None:
+        return PublishPlan(cancels=(Cancel(("",), request.cancel),))
+    if request.timing is None:
+        return PublishPlan(immediate=(_now("", data, metadata, content_type, request.expires_at_ms),))
+    costly = _too_costly(StreamEntry(data, metadata, content_type))
+    if costly is not None:
+        raise costly
+    envelope = _envelope(
+        topic,
+        request.timing,
+        ctx,
+        expires_at_ms=request.expires_at_ms,
+        message=data,
+        content_type=content_type,
+        metadata=metadata,
+    )
     return PublishPlan(delayed=(Delayed(("",), envelope),))
 
 
@@ -142,35 +370,63 @@ def plan_bulk(
     The request's metadata applies to every entry; an entry's own keys win.
     Request-level delay metadata delays the whole bulk as envelopes of at most
     MAX_BULK_ENVELOPE_ENTRIES entries, each firing as one batch; an entry with
-    delay keys of its own becomes an envelope of its own, and a bad value there
-    fails that entry alone. A bad request-level value refuses the request.
+    delay, schedule or TTL keys of its own becomes an envelope (or a cancel, or
+    a message with its own TTL) of its own, and a bad value there fails that
+    entry alone. A bad request-level value refuses the request, and so does a
+    request-level scheduleCancel (cancel per entry: a bulk of cancels is a bulk
+    of entries each with scheduleCancel and scheduleId).
     """
     check_topic(topic)
-    request_delay = _delay(metadata, ctx)
+    request = read_request(metadata, ctx)
+    if request.cancel is not None:
+        raise InvalidArgumentError(
+            SCHEDULE_CANCEL,
+            metadata[SCHEDULE_CANCEL],
+            "give scheduleCancel (and scheduleId) per entry of a bulk publish, not for the whole request",
+        )
+    request_timing = request.timing
     failed: list[Failed] = []
     now: list[Immediate] = []
     together: list[Immediate] = []
     delayed: list[Delayed] = []
+    cancels: list[Cancel] = []
     ids_taken: set[str] = set()
-    if request_delay is not None and request_delay.schedule_id:
-        ids_taken.add(request_delay.schedule_id)
+    if request_timing is not None and request_timing.schedule_id:
+        ids_taken.add(request_timing.schedule_id)
     for entry_id, entry in entries:
         # The common case, no metadata anywhere, allocates nothing new.
         merged = entry
         if metadata:
+            inherited: Mapping[str, str] = metadata
+            if not _TTL_KEYS.isdisjoint(entry.metadata):
+                # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
+                inherited = {k: v for k, v in metadata.items() if k not in _TTL_KEYS}
             merged = StreamEntry(
-                entry.data, {**metadata, **entry.metadata}, entry.content_type, entry.expires_at_ms
+                entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
             )
-        if _DELAY_KEYS.isdisjoint(entry.metadata):
-            (together if request_delay else now).append(Immediate(entry_id, merged))
+        if _DELAY_KEYS.isdisjoint(entry.metadata) and _TTL_KEYS.isdisjoint(entry.metadata):
+            if request_timing is not None:
+                if (costly := _too_costly(merged)) is not None:
+                    failed.append(Failed(entry_id, str(costly)))
+                    continue
+                together.append(Immediate(entry_id, merged))
+            elif request.expires_at_ms:
+                now.append(
+                    _now(entry_id, merged.data, merged.metadata, merged.content_type, request.expires_at_ms)
+                )
+            else:
+                now.append(Immediate(entry_id, merged))
             continue
         try:
-            delay = _delay(merged.metadata, ctx)
+            own = read_request(merged.metadata, ctx)
         except InvalidArgumentError as err:
             failed.append(Failed(entry_id, str(err)))
             continue
-        if delay is None:
-            now.append(Immediate(entry_id, merged))
+        if own.cancel is not None:
+            cancels.append(Cancel((entry_id,), own.cancel))
+            continue
+        if own.timing is None:
+            now.append(_now(entry_id, merged.data, merged.metadata, merged.content_type, own.expires_at_ms))
             continue
         # An entry of its own is identified by its own scheduleId only: the
         # request's belongs to the batch envelope, and sharing it would make
@@ -180,31 +436,61 @@ def plan_bulk(
             dup = InvalidArgumentError(SCHEDULE_ID, own_id, "given to two messages of one bulk publish")
             failed.append(Failed(entry_id, str(dup)))
             continue
+        if (costly := _too_costly(merged)) is not None:
+            failed.append(Failed(entry_id, str(costly)))
+            continue
         if own_id is not None:
             ids_taken.add(own_id)
         envelope = _envelope(
             topic,
-            Delay(delay.due_ms, own_id),
+            own.timing if own.timing.schedule_id == own_id else replace(own.timing, schedule_id=own_id),
             ctx,
+            expires_at_ms=own.expires_at_ms,
             message=merged.data,
             content_type=merged.content_type,
             metadata=merged.metadata,
         )
         delayed.append(Delayed((entry_id,), envelope))
-    if together and request_delay is not None:
-        if request_delay.schedule_id and len(together) > MAX_BULK_ENVELOPE_ENTRIES:
+    if together and request_timing is not None:
+        parts = _split(together)
+        if request_timing.schedule_id and len(parts) > 1:
             raise InvalidArgumentError(
                 SCHEDULE_ID,
-                request_delay.schedule_id,
+                request_timing.schedule_id,
                 f"a delayed bulk publish with one scheduleId holds at most {MAX_BULK_ENVELOPE_ENTRIES} "
-                f"entries, got {len(together)}",
+                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(together)} "
+                "entries",
             )
-        for start in range(0, len(together), MAX_BULK_ENVELOPE_ENTRIES):
-            part = together[start : start + MAX_BULK_ENVELOPE_ENTRIES]
+        for part in parts:
             bulk = [
                 env.BulkEntry(i.entry_id, i.entry.data, i.entry.content_type, dict(i.entry.metadata))
                 for i in part
             ]
-            envelope = _envelope(topic, request_delay, ctx, metadata=metadata, bulk_entries=bulk)
+            envelope = _envelope(
+                topic,
+                request_timing,
+                ctx,
+                expires_at_ms=request.expires_at_ms,
+                metadata=metadata,
+                bulk_entries=bulk,
+            )
             delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
-    return PublishPlan(immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed))
+    return PublishPlan(
+        immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed), cancels=tuple(cancels)
+    )
+
+
+def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:
+    """Consecutive runs of messages, each within one envelope's work and bytes."""
+    parts: list[Sequence[Immediate]] = []
+    start, work, size = 0, 0, 0
+    for i, m in enumerate(messages):
+        w, b = _cost(m.entry)
+        full = i - start >= MAX_BULK_ENVELOPE_ENTRIES
+        if i > start and (full or work + w > MAX_ENVELOPE_WORK or size + b > MAX_ENVELOPE_BYTES):
+            parts.append(messages[start:i])
+            start, work, size = i, 0, 0
+        work, size = work + w, size + b
+    if start < len(messages):
+        parts.append(messages[start:])
+    return parts

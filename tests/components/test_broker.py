@@ -15,9 +15,11 @@ import redis.asyncio as aioredis
 import delayed_pubsub.broker
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
+from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import Settings, parse_settings
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 
 @pytest.fixture
@@ -395,3 +397,208 @@ async def _all(it: AsyncIterator[Delivery]) -> list[Delivery]:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# --- expiry, acks this stream does not hold, batched acks (issues 12 and 13) ---
+
+
+def expired_count(metrics: Metrics) -> float:
+    value = metrics.registry.get_sample_value("delayed_pubsub_expired_messages_total", {"instance": "t"})
+    return 0.0 if value is None else value
+
+
+async def test_an_entry_past_its_expiry_is_acked_away_never_delivered_and_counted(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    now_ms = int(time.time() * 1000)
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"stale", expires_at_ms=now_ms - 1)))  # type: ignore[arg-type]
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"fresh", expires_at_ms=now_ms + 60_000)))  # type: ignore[arg-type]
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"forever")))  # type: ignore[arg-type]
+    metrics = Metrics()
+    sub = Broker(aclient, settings(redis_server), SystemClock(), metrics.for_instance("t")).subscription(
+        "orders", "c1"
+    )
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        got = [await next_delivery(it), await next_delivery(it)]
+        assert [d.entry.data for d in got] == [b"fresh", b"forever"]
+        for d in got:
+            await sub.ack(d.id)
+        # The stale one was XACKed too: nothing waits for processingTimeout.
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        assert expired_count(metrics) == 1
+        # And it is not claimed back later either (processingTimeout is 400 ms).
+        with pytest.raises(TimeoutError):
+            await next_delivery(it, within=0.8)
+    finally:
+        await sub.close()
+
+
+async def test_an_entry_that_expires_while_waiting_for_redelivery_is_not_redelivered(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    expires = int(time.time() * 1000) + 1000
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"brief", expires_at_ms=expires)))  # type: ignore[arg-type]
+    metrics = Metrics()
+    s = settings(redis_server, redeliverInterval="1500ms", processingTimeout="10s")
+    sub = Broker(aclient, s, SystemClock(), metrics.for_instance("t")).subscription("orders", "c1")
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        d = await next_delivery(it)
+        assert d.entry.data == b"brief"
+        assert time.time() * 1000 < expires  # delivered in time, at first
+        sub.nack(d.id)  # comes back after 1.5 s: past its expiry
+        with pytest.raises(TimeoutError):
+            await next_delivery(it, within=2.0)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        assert expired_count(metrics) == 1
+    finally:
+        await sub.close()
+
+
+async def test_acks_for_ids_this_stream_does_not_hold_are_ignored(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    broker = Broker(aclient, settings(redis_server, concurrency="1", processingTimeout="10s"), SystemClock())
+    for i in range(2):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    a, b = broker.subscription("orders", "a"), broker.subscription("orders", "b")
+    await a.start()
+    try:
+        held_by_a = await next_delivery(a.deliveries())
+        await b.start()
+        held_by_b = await next_delivery(b.deliveries())
+        # b acks what a holds, an id that does not exist, garbage, and its own twice.
+        assert not b.ack_nowait(held_by_a.id)
+        assert not b.ack_nowait("99999999999-0")
+        assert not b.ack_nowait("not an id")
+        await b.ack(held_by_b.id)
+        assert not b.ack_nowait(held_by_b.id)
+        await asyncio.sleep(0.1)
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 10)
+        assert [(_s(r["message_id"]), _s(r["consumer"])) for r in rows] == [(held_by_a.id, a.consumer)]
+        # a's own ack still works.
+        await a.ack(held_by_a.id)
+        assert redis_client.xpending("orders", "app1")["pending"] == 0
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_acks_arriving_together_are_sent_as_few_xacks_and_all_land(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    n = 400
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    pipe.execute()
+    sub = Broker(aclient, settings(redis_server, concurrency="100"), SystemClock()).subscription(
+        "orders", "c1"
+    )
+    await sub.start()
+    redis_client.config_resetstat()
+    seen: Counter[str] = Counter()
+    try:
+        it = sub.deliveries()
+        while len(seen) < n:
+            d = await next_delivery(it)
+            seen[d.id] += 1
+            sub.ack_nowait(d.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    finally:
+        await sub.close()
+    assert set(seen.values()) == {1}
+    stats: Any = redis_client.info("commandstats")
+    # One XACK per message would be 400 calls.
+    assert stats["cmdstat_xack"]["calls"] <= n // 10
+
+
+async def test_close_sends_the_acks_not_yet_xacked(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    for i in range(5):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    it = sub.deliveries()
+    for _ in range(5):
+        sub.ack_nowait((await next_delivery(it)).id)
+    await sub.close()  # at once: the acks may still be queued
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+
+
+# --- coalesced publishes (issue 13) --------------------------------------------
+
+
+async def test_concurrent_publishes_each_get_the_id_of_their_own_entry(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    broker = Broker(aclient, settings(redis_server), SystemClock())
+    n = 500
+    ids = await asyncio.gather(
+        *(broker.publish(f"topic{i % 3}", StreamEntry(f"m{i}".encode(), {"i": str(i)})) for i in range(n))
+    )
+    assert len({(i % 3, entry_id) for i, entry_id in enumerate(ids)}) == n  # ids are per stream
+    for i, entry_id in enumerate(ids):
+        rows: Any = redis_client.xrange(f"topic{i % 3}", entry_id, entry_id)
+        assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode()]
+    assert sum(redis_client.xlen(f"topic{t}") for t in range(3)) == n
+
+
+async def test_a_refused_publish_in_a_coalesced_batch_fails_only_its_caller(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    redis_client.set("not-a-stream", "x")
+    broker = Broker(aclient, settings(redis_server), SystemClock())
+    topics = ["orders" if i % 4 else "not-a-stream" for i in range(40)]
+    results = await asyncio.gather(
+        *(broker.publish(t, StreamEntry(f"m{i}".encode())) for i, t in enumerate(topics)),
+        return_exceptions=True,
+    )
+    failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+    assert failed == [i for i, t in enumerate(topics) if t == "not-a-stream"]
+    assert all(isinstance(results[i], DelayedPubSubError) for i in failed)
+    assert all("WRONGTYPE" in str(results[i]) for i in failed)
+    rows: Any = redis_client.xrange("orders")
+    stored = [decode_entry(f).data for _, f in rows]
+    assert stored == [f"m{i}".encode() for i, t in enumerate(topics) if t == "orders"]
+
+
+async def test_coalesced_publishes_fail_unavailable_when_redis_is_down(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    port = free_port()
+    client = aioredis.Redis(port=port)
+    broker = Broker(client, settings(redis_server, redisHost=f"127.0.0.1:{port}"), SystemClock())
+    try:
+        results = await asyncio.gather(
+            *(broker.publish("orders", StreamEntry(b"x")) for _ in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, BackendUnavailableError) for r in results)
+    finally:
+        await client.aclose()
+
+
+async def test_an_entry_that_expires_in_the_buffer_is_not_handed_out(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    expires = int(time.time() * 1000) + 500
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"brief", expires_at_ms=expires)))  # type: ignore[arg-type]
+    metrics = Metrics()
+    s = settings(redis_server, processingTimeout="10s")
+    sub = Broker(aclient, s, SystemClock(), metrics.for_instance("t")).subscription("orders", "c1")
+    await sub.start()
+    try:
+        # Fetched into the buffer (it is in our PEL) while nobody takes deliveries.
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 1)
+        assert time.time() * 1000 < expires
+        await asyncio.sleep(max(0.0, expires / 1000 - time.time()) + 0.05)
+        with pytest.raises(TimeoutError):
+            await next_delivery(sub.deliveries(), within=0.5)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        assert expired_count(metrics) == 1
+    finally:
+        await sub.close()

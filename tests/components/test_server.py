@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import socket
@@ -163,3 +164,86 @@ async def test_sigterm_with_an_open_stream_exits_0_and_leaves_the_message_pendin
     assert not path.exists()
     pending: Any = redis_client.xpending("orders", "app1")
     assert pending["pending"] == 1
+
+
+# --- the socket folder is trusted only if nobody else can replace the socket -------
+
+
+def _serve_refused(*args: str, folder: Path) -> str:
+    proc = start_serve(*args, env={"DAPR_COMPONENTS_SOCKETS_FOLDER": str(folder)})
+    try:
+        assert proc.wait(timeout=15) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    assert "Traceback" not in out
+    assert not (folder / "delayed-pubsub.sock").exists()
+    return out
+
+
+def test_serve_refuses_a_folder_writable_by_others_without_the_sticky_bit(folder: Path) -> None:
+    sockets = folder / "shared"
+    sockets.mkdir()
+    sockets.chmod(0o777)
+    out = _serve_refused(folder=sockets)
+    assert f"socket folder {sockets} is unsafe" in out
+    assert "writable by others without the sticky bit (mode 0777)" in out
+    assert "--allow-insecure-socket-folder" in out
+
+
+def test_serve_refuses_a_folder_owned_by_another_user(folder: Path) -> None:
+    # Needs root to give the folder away: the CI runs as root.
+    assert os.geteuid() == 0, "this test creates a folder owned by another user: run it as root"
+    sockets = folder / "theirs"
+    sockets.mkdir(mode=0o755)
+    os.chown(sockets, 65534, 65534)
+    out = _serve_refused(folder=sockets)
+    assert "owned by uid 65534" in out
+
+
+def test_serve_refuses_a_symlinked_folder_owned_by_another_user(folder: Path) -> None:
+    assert os.geteuid() == 0, "this test creates a symlink owned by another user: run it as root"
+    target = folder / "mine"
+    target.mkdir(mode=0o755)
+    link = folder / "link"
+    link.symlink_to(target)
+    os.chown(link, 65534, 65534, follow_symlinks=False)
+    out = _serve_refused(folder=link)
+    assert "symlink owned by uid 65534" in out
+
+
+@pytest.mark.parametrize(("mode", "flags"), [(0o1777, ()), (0o777, ("--allow-insecure-socket-folder",))])
+def test_serve_accepts_a_sticky_folder_or_an_insecure_one_when_told(
+    folder: Path, mode: int, flags: tuple[str, ...]
+) -> None:
+    sockets = folder / "shared"
+    sockets.mkdir()
+    sockets.chmod(mode)
+    path = sockets / "delayed-pubsub.sock"
+    proc = start_serve(*flags, env={"DAPR_COMPONENTS_SOCKETS_FOLDER": str(sockets)})
+    try:
+        wait_for_socket(proc, path)
+    finally:
+        assert terminate(proc) == 0
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    assert ("serving anyway" in out) == bool(flags)
+
+
+def test_socket_group_gives_the_0660_socket_to_that_group(folder: Path) -> None:
+    path = folder / "delayed-pubsub.sock"
+    group = "daemon" if os.geteuid() == 0 else str(os.getegid())
+    proc = start_serve("--socket", str(path), "--socket-group", group)
+    try:
+        wait_for_socket(proc, path)
+        st = path.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o660
+        expected = grp.getgrnam(group).gr_gid if not group.isdigit() else int(group)
+        assert st.st_gid == expected
+    finally:
+        assert terminate(proc) == 0
+
+
+def test_an_unknown_socket_group_is_a_clear_error(folder: Path) -> None:
+    out = _serve_refused("--socket-group", "no-such-group-x1", folder=folder)
+    assert "unknown group 'no-such-group-x1'" in out

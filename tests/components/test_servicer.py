@@ -82,7 +82,7 @@ async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
 async def test_init_then_features_advertise_bulk_only(component: Factory, props: dict[str, str]) -> None:
     c = component("delayed")
     await c.init(props)
-    assert await c.features() == ["BULK_PUBSUB"]
+    assert await c.features() == ["BULK_PUBSUB", "MESSAGE_TTL"]
     await c.ping()
 
 
@@ -479,6 +479,102 @@ async def test_two_streams_of_one_group_share_the_work(component: Factory, props
     assert sorted(seen) == sorted(str(i).encode() for i in range(20))
 
 
+# --- acks only for what a stream holds; bursts (issues 12 and 13) -------------
+
+
+async def test_a_stream_cannot_ack_a_message_another_stream_holds(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "concurrency": "1"})  # processingTimeout 500ms
+    a = await c.subscribe("orders")
+    await c.publish("orders", b"m0")
+    held_by_a = await a.next()
+    b = await c.subscribe("orders")
+    await c.publish("orders", b"m1")
+    held_by_b = await b.next()
+    # b acks a's message (a misbehaving or confused client), then its own.
+    await b.ack(held_by_a.id)
+    await b.ack(held_by_b.id)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 1)
+    # a's client dies without acking: the message comes back, to b.
+    await a.cancel()
+    again = await b.next(within=5)
+    assert (again.id, again.data, again.metadata["deliveryAttempt"]) == (held_by_a.id, b"m0", "2")
+    await b.ack(again.id)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert not b.ended.is_set()
+
+
+async def test_garbage_and_repeated_acks_do_not_end_the_stream(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"m0")
+    msg = await stream.next()
+    for bogus in ("not-an-id", "0-0", "18446744073709551615-18446744073709551615", "x" * 10_000):
+        await stream.ack(bogus)
+    await stream.ack(msg.id)
+    await stream.ack(msg.id)
+    await c.publish("orders", b"m1")
+    assert (await stream.next()).data == b"m1"
+    assert not stream.ended.is_set()
+
+
+async def test_a_burst_through_several_streams_arrives_exactly_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    n = 3000
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("orders", {"data": str(i).encode(), "metadata": b"{}"})
+    pipe.execute()
+    c = component("delayed")
+    await c.init({**props, "concurrency": "50", "processingTimeout": "60s"})
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    seen: list[bytes] = []
+
+    async def drain(s: Any) -> None:
+        while len(seen) < n:
+            try:
+                msg = await asyncio.wait_for(s.received.get(), 0.5)
+            except TimeoutError:
+                continue
+            seen.append(msg.data)
+            await s.ack(msg.id)
+
+    await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 60)
+    assert sorted(seen, key=int) == [str(i).encode() for i in range(n)]
+    for s in streams:
+        assert await s.close() == grpc.StatusCode.OK
+    # The orderly close XACKed every ack it had read: nothing comes back.
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+    late = await c.subscribe("orders")
+    assert await late.nothing_for(0.3)
+
+
+async def test_expired_messages_are_never_sent_on_the_stream(
+    server: Any, component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    now_ms = int(time.time() * 1000)
+    redis_client.xadd("orders", {"data": b"gone", "metadata": b"{}", "expiresAt": str(now_ms - 1000)})
+    redis_client.xadd("orders", {"data": b"live", "metadata": b"{}", "expiresAt": str(now_ms + 60_000)})
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    msg = await stream.next()
+    assert msg.data == b"live"
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(0.8)  # past processingTimeout: not reclaimed either
+    assert redis_client.xpending("orders", "app1")["pending"] == 0
+    expired = server.metrics.registry.get_sample_value(
+        "delayed_pubsub_expired_messages_total", {"instance": "delayed"}
+    )
+    assert expired == 1
+
+
 # --- instances ---------------------------------------------------------------
 
 
@@ -546,3 +642,109 @@ async def test_the_ack_pump_stops_reading_once_its_subscription_is_closed(
     finally:
         await sub.close()
         await client.aclose()
+
+
+# --- huge and out-of-range values still come back as INVALID_ARGUMENT --------------
+
+
+async def _refused(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details() or ""
+
+
+@pytest.mark.parametrize("key", ["scheduledSendDelay", "scheduledSendTime", "scheduleId"])
+async def test_a_16kb_bad_publish_value_is_invalid_argument_with_the_value_cut(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, key: str
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    before = sorted(redis_client.scan_iter())  # what Init itself creates (the outbox)
+    value = "9" * 16 * 1024 + "x"
+    metadata = {"scheduledSendDelay": "1s"} if key == "scheduleId" else {}
+    code, details = await _refused(c.publish("orders", b"x", {**metadata, key: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in details
+    assert f"...({len(value)} bytes)" in details
+    assert len(details) < 2100
+    assert sorted(redis_client.scan_iter()) == before  # nothing stored
+
+
+async def test_a_16kb_bad_init_value_is_invalid_argument_with_the_value_cut(
+    component: Factory, props: dict[str, str]
+) -> None:
+    code, details = await _refused(component("delayed").init({**props, "queueDepth": "7" * 16_384}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "queueDepth" in details
+    assert "...(16384 bytes)" in details
+
+
+async def test_a_16kb_topic_gets_a_short_status(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    topic = "t" * 16 * 1024
+    redis_client.set(topic, "not a stream")
+    code, details = await _refused(c.publish(topic, b"x"))
+    # The real code arrives (not RESOURCE_EXHAUSTED from an oversized trailer), the topic cut.
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"...({len(topic)} bytes)" in details
+    assert len(details) <= 2048 + 30
+    assert redis_client.get(topic) == b"not a stream"
+
+
+async def test_a_topic_whose_key_is_not_a_stream_gets_failed_precondition_naming_it(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(props)
+    topic = "t" * 1000
+    redis_client.set(topic, "not a stream")  # XADD fails WRONGTYPE
+    code, details = await _refused(c.publish(topic, b"x"))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert topic in details
+    assert len(details) <= 2048 + 30
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("maxLenApprox", str(2**63)), ("processingTimeout", str(2**63)), ("redeliverInterval", "-1")],
+)
+async def test_init_refuses_out_of_range_numbers_and_connects_to_nothing(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, key: str, value: str
+) -> None:
+    before = len(redis_client.client_list())
+    code, details = await _refused(component("delayed").init({**props, key: value}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert key in details
+    assert value in details
+    assert len(redis_client.client_list()) == before
+
+
+async def test_the_largest_accepted_numbers_work_end_to_end(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    go_max_ms = str((2**63 - 1) // 1_000_000)
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            "maxLenApprox": str(2**63 - 1),
+            "processingTimeout": go_max_ms,
+            "redeliverInterval": go_max_ms,
+            "readTimeout": go_max_ms,
+            "dialTimeout": go_max_ms,
+            "enableDelayedMessaging": "true",
+            "maxDelay": "2562047h",
+        }
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"now")
+    await c.publish("orders", b"soon", {"scheduledSendDelay": "100ms"})
+    got = []
+    for _ in range(2):
+        msg = await stream.next(within=10)
+        got.append(msg.data)
+        await stream.ack(msg.id)
+    assert sorted(got) == [b"now", b"soon"]

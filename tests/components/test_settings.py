@@ -210,3 +210,144 @@ def test_bad_delay_shards_are_refused_naming_the_value(bad: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         parse_settings({**BASE, "delayShards": bad})
     assert (err.value.key, err.value.value) == ("delayShards", bad)
+
+
+# --- ranges: whatever parses must also be usable by Redis and the data path ------
+
+TWO_63 = str(2**63)
+GO_MAX_MS = str((2**63 - 1) // 1_000_000)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        # 2^63 overflows Redis's signed 64-bit counts and Go's durations.
+        ("maxLenApprox", TWO_63),
+        ("maxLenApprox", str(2**64)),
+        ("processingTimeout", TWO_63),
+        ("processingTimeout", str(int(GO_MAX_MS) + 1)),
+        ("redeliverInterval", TWO_63),
+        ("dialTimeout", TWO_63),
+        ("readTimeout", TWO_63),
+        ("writeTimeout", TWO_63),
+        ("processingTimeout", "2562048h"),  # beyond Go's int64 nanoseconds
+        ("maxDelay", "2562048h"),
+        ("streamTTL", "87601h"),  # > 10 years: the trim MINID would go below 0-0 one day
+        ("streamTTL", "2562047h"),
+        ("queueDepth", TWO_63),
+        ("queueDepth", "100001"),
+        ("concurrency", TWO_63),
+        ("concurrency", "100001"),
+        ("concurrency", "0"),
+        ("poolSize", TWO_63),
+        ("poolSize", "10001"),
+        ("redisMaxRetries", TWO_63),
+        ("redisMaxRetries", "1001"),
+        ("redisDB", str(2**31)),
+        ("redisPort", TWO_63),
+        ("queueDepth", "-1"),
+        ("poolSize", "-1"),
+        ("maxLenApprox", "-" + TWO_63),
+        ("streamTTL", "-1s"),
+        ("dialTimeout", "-1s"),
+        ("writeTimeout", "-5"),
+        # Past 4300 digits int() itself raises ValueError: still a refusal naming the key.
+        ("queueDepth", "7" * 16_384),
+        ("processingTimeout", "7" * 16_384),
+        ("redisDB", "-" + "7" * 5_000),
+    ],
+)
+def test_out_of_range_numbers_are_refused_at_init_naming_key_and_value(key: str, value: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, key: value})
+    assert (err.value.key, err.value.value) == (key, value)
+    assert key in str(err.value)
+    assert value[:200] in str(err.value)  # long values are cut
+
+
+def test_the_largest_accepted_values_parse() -> None:
+    s = parse_settings(
+        {
+            **BASE,
+            "maxLenApprox": str(2**63 - 1),
+            "processingTimeout": GO_MAX_MS,
+            "redeliverInterval": GO_MAX_MS,
+            "readTimeout": GO_MAX_MS,
+            "queueDepth": "100000",
+            "concurrency": "100000",
+            "poolSize": "10000",
+            "redisMaxRetries": "1000",
+            "redisDB": str(2**31 - 1),
+            "streamTTL": "87600h",
+            "maxDelay": "2562047h",
+        }
+    )
+    assert s.max_len_approx == 2**63 - 1
+    assert s.processing_timeout_ms == s.redeliver_interval_ms == int(GO_MAX_MS)
+    assert s.stream_ttl_ms == 87600 * 3_600_000
+
+
+# --- secrets: never echoed ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "redis://user:s3cr3t-pw@localhost:6379",
+        "rediss://:s3cr3t-pw@localhost",
+        "user:s3cr3t-pw@localhost:6379",
+        "redis://user:s3cr3t,pw:x@localhost:6379,other:6380",
+    ],
+)
+def test_a_url_form_redis_host_is_refused_without_echoing_its_password(host: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({"redisHost": host})
+    assert err.value.key == "redisHost"
+    for shown in (str(err.value), err.value.value, err.value.reason):
+        assert "s3cr3t" not in shown
+    assert "localhost" in str(err.value)  # still says which host was meant
+
+
+def test_a_client_key_that_is_not_pem_is_refused_without_echoing_any_of_it() -> None:
+    key = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7"  # base64 without the PEM armour
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, "clientCert": PEM_CERT, "clientKey": key})
+    assert err.value.key == "clientKey"
+    assert key[:4] not in str(err.value)
+    assert "redacted" in str(err.value)
+
+
+def test_forwarding_keys_default_to_off() -> None:
+    s = parse_settings(BASE)
+    assert (s.default_target_pubsub, s.dapr_grpc_address, s.dead_letter_topic) == ("", "", "")
+
+
+def test_forwarding_keys_are_read() -> None:
+    s = parse_settings(
+        {
+            **BASE,
+            "defaultTargetPubsub": "kafka",
+            "daprGrpcAddress": "127.0.0.1:50002",
+            "deadLetterTopic": "undeliverable",
+        }
+    )
+    assert (s.default_target_pubsub, s.dapr_grpc_address, s.dead_letter_topic) == (
+        "kafka",
+        "127.0.0.1:50002",
+        "undeliverable",
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("defaultTargetPubsub", "kaf ka"),
+        ("daprGrpcAddress", "127.0.0.1 :50001"),
+        ("deadLetterTopic", "app1-delayed"),
+        ("deadLetterTopic", "{app1-delayed}:ids"),
+    ],
+)
+def test_bad_forwarding_values_are_refused_naming_the_key(key: str, value: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, key: value})
+    assert err.value.key == key

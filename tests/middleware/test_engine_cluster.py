@@ -309,6 +309,55 @@ async def test_sharded_engine_spreads_over_masters_and_cancel_finds_every_shard(
     )
 
 
+async def test_a_schedule_retried_with_its_token_stores_nothing_twice_on_any_shard(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """A lost reply, then the same call again (same token): envelopes without a
+    scheduleId go to the shard the token picks, not the next in turn, and each
+    shard's chunks (`<token>:<shard>/<offset>`) are recognised as stored."""
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [engine(aclient, clock, keys=EngineKeys.for_topic(t)) for t in shard_topics("app", 4)]
+    )
+    plain = [env(i, "orders") for i in range(7)]
+    named = [env(100 + i, "orders", schedule_id=f"s{i}") for i in range(9)]
+    batch = [e for pair in zip(plain, named, strict=False) for e in pair] + named[7:]
+    for _ in range(3):
+        await shards.schedule(batch, token="call-1")
+    assert await shards.pending() == 16
+    assert sum(admin.xlen(e.keys.stream) for e in shards.engines) == 16
+
+
+async def test_cancel_many_finds_each_id_on_its_shard_and_marks_each_topic(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """scheduleIds, shard-qualified envelope ids and unknown ids in one call:
+    the answer per id in order, and a Remove marker (deleteMarkerTTL) on each
+    cancelled message's topic, whatever its slot."""
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [
+            DelayEngine(
+                aclient,  # type: ignore[arg-type]
+                EngineKeys.for_topic(t),
+                clock,
+                config=EngineConfig(two_phase=True, lease_ms=LEASE, marker_ttl_ms=60_000),
+            )
+            for t in shard_topics("app", 3)
+        ]
+    )
+    topics = [f"c{i}" for i in range(6)]
+    await shards.schedule([env(i, t, schedule_id=f"s{i}") for i, t in enumerate(topics)])
+    [plain] = await shards.schedule([env(50, "plain")])
+    got = await shards.cancel_many(["s0", "nope", plain, "s5", "s0"])
+    assert got == [(True, "c0"), (False, ""), (True, "plain"), (True, "c5"), (False, "")]
+    assert await shards.pending() == 4
+    for t in ("c0", "plain", "c5"):
+        [(_, fields)] = rows(admin, t)
+        assert json.loads(fields[b"metadata"])["markerReason"] == "Remove"
+    assert admin.xlen("c1") == 0
+
+
 async def test_a_bare_stream_id_on_two_shards_is_refused_not_guessed(
     cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
 ) -> None:

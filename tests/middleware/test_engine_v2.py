@@ -21,7 +21,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, BulkEntry, Envelope
 from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.instants import format_instant
-from tests.lossy_proxy import LossyProxy
+from tests.chaos.proxy import LosingProxy
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.redis_server import stream_entries
 
@@ -183,27 +183,31 @@ async def test_same_call_token_twice_stores_once(
     assert payloads(redis_client) == [1]
 
 
-async def test_lost_reply_after_the_write_landed_is_not_stored_twice(
+async def test_a_call_retried_with_its_token_after_a_lost_reply_is_stored_once(
     redis_client: redis.Redis,
 ) -> None:
     port = redis_client.connection_pool.connection_kwargs["port"]
-    async with LossyProxy(port, trigger=b"EVALSHA") as proxy:
-        # The client retries a dead connection by itself, as the component's does.
-        client = aioredis.Redis(
-            port=proxy.port,
-            retry=Retry(NoBackoff(), 3),
-            retry_on_error=[redis.exceptions.ConnectionError],
-            socket_timeout=5,
+    proxy = LosingProxy(port, marker=b"lost-reply-marker")
+    await proxy.start()
+    # No automatic resend (as the component's client): the caller retries, with its token.
+    client = aioredis.Redis(port=proxy.port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    try:
+        engine = DelayEngine(client, KEYS, ManualClock(T0))
+        await engine.schedule([env(0, T0 + 10)])  # loads the script: the cut hits EVALSHA
+        marked = Envelope(
+            id="", topic="orders", due_ms=T0 + 10, published_at_ms=T0, message=b"lost-reply-marker"
         )
-        try:
-            engine = DelayEngine(client, KEYS, ManualClock(T0))
-            await engine.schedule([env(1, T0 + 10)])
-        finally:
-            await client.aclose()
-        assert proxy.cut == 1  # the reply really was lost once
-    assert len(target(redis_client, KEYS.stream)) == 1
-    assert redis_client.get(KEYS.count) == b"1"
-    assert [h.event for h in history(redis_client)] == ["scheduled"]
+        proxy.armed = True
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await engine.schedule([marked], token="call-7")
+        assert proxy.cuts == 1  # the write landed, the reply was lost
+        assert await engine.schedule([marked], token="call-7") == []  # the retry is a no-op
+    finally:
+        await client.aclose()
+        await proxy.stop()
+    assert len(target(redis_client, KEYS.stream)) == 2
+    assert redis_client.get(KEYS.count) == b"2"
+    assert [h.event for h in history(redis_client)] == ["scheduled", "scheduled"]
 
 
 # --- defect 5: one fire call has a bounded amount of work -----------------------------------
@@ -213,8 +217,14 @@ async def test_fire_batches_are_budgeted_by_entries(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
     reports: list[FireReport] = []
+    # No time budget: on a busy machine it may cut a call after one 1,000-entry
+    # envelope (the clock is read after every costly one), and this is about entries.
     engine = DelayEngine(
-        aredis(), KEYS, ManualClock(T0), config=EngineConfig(batch_entries=2_000), on_batch=reports.append
+        aredis(),
+        KEYS,
+        ManualClock(T0),
+        config=EngineConfig(batch_entries=2_000, fire_budget_us=0),
+        on_batch=reports.append,
     )
     bulk = [
         Envelope(
@@ -497,3 +507,42 @@ async def test_fire_batches_stop_at_their_time_budget(
     # Time is checked every eight envelopes: a 1 us budget stops each call there.
     assert max(r.fired for r in reports) == 8
     assert await engine.pending() == 0
+
+
+# --- batched cancels and markers (deleteMarkerTTL) ------------------------------------------
+
+
+async def test_cancel_many_in_one_call_reports_each_id(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(i, T0 + 100, sid=f"s{i}") for i in range(1_200)])
+    [anon] = await engine.schedule([env(9_999, T0 + 100, topic="billing")])
+    ids = [f"s{i}" for i in range(0, 1_200, 2)] + ["nope", anon, "s0"]
+    results = await engine.cancel_many(ids)
+    assert results[:600] == [(True, "orders")] * 600
+    assert results[600:] == [(False, ""), (True, "billing"), (False, "")]  # s0 once only
+    assert await engine.pending() == 600
+    assert sum(1 for h in history(redis_client) if h.event == "cancelled") == 601
+    assert redis_client.exists("orders") == 0  # no markers unless asked for
+
+
+async def test_markers_go_on_the_topic_when_a_cancel_or_an_expiry_removes_a_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(marker_ttl_ms=60_000))
+    await engine.schedule(
+        [env(1, T0 + 100, sid="c"), env(2, T0 + 100, topic="billing", expires_at_ms=T0 + 10)]
+    )
+    assert await engine.cancel("c")
+    clock.set(T0 + 100)
+    await drain(engine)
+    [(_, removed)] = target(redis_client, "orders")
+    [(_, aged)] = target(redis_client, "billing")
+    for fields, reason in ((removed, "Remove"), (aged, "MaxAge")):
+        marker = decode_entry(fields)
+        assert marker.data == b""
+        assert marker.metadata["markerReason"] == reason
+        assert marker.expires_at_ms in (T0 + 60_000, T0 + 100 + 60_000)
+    assert decode_entry(removed).metadata["scheduler"] == "c"

@@ -3,8 +3,10 @@
 -- KEYS: 1 the target stream, 2..n+1 the fire marker of each envelope
 --       ({<target's tag>}:<shard stream>}fired:<envelope id>:<due ms>, see keys.fire_marker_prefix)
 -- ARGV: 1 marker TTL ms, 2 trim mode ('' | 'MAXLEN' | 'MINID'), 3 trim threshold,
---       4 n envelopes; then per envelope: k entries, then per entry: m field/value
---       pairs, then the 2m strings (data, metadata, contentType, expiresAt, ...)
+--       4 n envelopes; then per envelope: trim (1: apply ARGV[2..3]; 0: the message
+--       was published through another component, whose trim is not ours, as in
+--       FIRE), k entries, then per entry: m field/value pairs, then the 2m strings
+--       (data, metadata, contentType, expiresAt, ...)
 -- Returns one status per envelope: 'ok' (appended now), 'dup' (its marker was
 -- already set: appended before, by this or another replica), or the error that
 -- kept the first entry out (the caller parks the envelope).
@@ -13,7 +15,7 @@
 -- atomic step as the XADDs, so an envelope's entries are appended if and only
 -- if its marker was absent; a re-run after a crash or a lease takeover finds
 -- the marker and appends nothing. The marker lives longer than any claim can
--- stay in flight (engine.EngineConfig.marker_ttl_ms).
+-- stay in flight (engine.EngineConfig.fire_marker_ttl_ms).
 local ttl, trim_mode, trim_at = ARGV[1], ARGV[2], ARGV[3]
 local target = KEYS[1]
 local t = redis.call('TYPE', target).ok
@@ -21,8 +23,9 @@ local bad = nil
 if t ~= 'stream' and t ~= 'none' then bad = 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
 local out, pos = {}, 5
 for i = 1, tonumber(ARGV[4]) do
-  local k = tonumber(ARGV[pos])
-  pos = pos + 1
+  local trim = ARGV[pos] == '1'
+  local k = tonumber(ARGV[pos + 1])
+  pos = pos + 2
   local entries = {}
   for _ = 1, k do
     local m = tonumber(ARGV[pos])
@@ -37,7 +40,7 @@ for i = 1, tonumber(ARGV[4]) do
     local done, failed = 0, nil
     for _, e in ipairs(entries) do
       local args = {target}
-      if trim_mode ~= '' then args[2], args[3], args[4] = trim_mode, '~', trim_at end
+      if trim and trim_mode ~= '' then args[2], args[3], args[4] = trim_mode, '~', trim_at end
       args[#args + 1] = '*'
       for j = e[1], e[1] + 2 * e[2] - 1 do args[#args + 1] = ARGV[j] end
       local ok, err = pcall(redis.call, 'XADD', unpack(args))

@@ -48,9 +48,10 @@ local function map_entry(s, from, to)
 end
 
 -- One message in s[from..to]: a table of its scalar fields by number (bytes
--- fields as strings, varints as numbers) and the map at field 4.
+-- fields as strings, varints as numbers), the map at field 4 and how many
+-- map entries it read (what firing the message costs grows with it).
 local function message(s, from, to)
-  local f, md, pos = {}, {}, from
+  local f, md, pos, pairs_read = {}, {}, from, 0
   while pos <= to do
     local key
     key, pos = varint(s, pos)
@@ -63,6 +64,7 @@ local function message(s, from, to)
       if n == 4 then
         local k, v = map_entry(s, pos, e)
         md[k] = v
+        pairs_read = pairs_read + 1
       else
         f[n] = sub(s, pos, e)
       end
@@ -73,20 +75,22 @@ local function message(s, from, to)
       pos = skip(wt, s, pos)
     end
   end
-  return f, md
+  return f, md, pairs_read
 end
 
 local function num(v) if type(v) == 'number' then return v end return 0 end
 local function str(v) if type(v) == 'string' then return v end return '' end
 
 -- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
--- size (payload bytes), bulk, id, due, sid, kind, schedule, expires, source, sttl, target, attempt.
+-- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
+-- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl, target, attempt.
 local function decode(s)
-  local f, md = message(s, 1, #s)
+  local f, md, np = message(s, 1, #s)
   local env = {
     topic = str(f[1]), id = str(f[6]), due = num(f[7]), sid = str(f[10]), kind = num(f[11]),
     schedule = str(f[12]), expires = num(f[13]), source = str(f[14]), sttl = num(f[15]),
     target = str(f[16]), attempt = num(f[17]), bulk = num(f[5]) ~= 0, entries = {}, size = 0,
+    raw = #s, pairs = np, pubsub = str(f[9]),
   }
   if env.topic == '' then error('no topic') end
   local body = str(f[2])
@@ -106,7 +110,8 @@ local function decode(s)
       local e = pos + len - 1
       if e > n then error('truncated bulk entry') end
       if fno == 1 then
-        local ef, emd = message(body, pos, e)
+        local ef, emd, enp = message(body, pos, e)
+        env.pairs = env.pairs + enp
         local event = str(ef[2])
         env.entries[#env.entries + 1] = {event, emd, str(ef[3])}
         env.size = env.size + #event

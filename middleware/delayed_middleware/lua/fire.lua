@@ -1,12 +1,17 @@
 -- FIRE: deliver what is due, exactly once, failure-atomic.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
--- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max entries, 5 max payload bytes,
---       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off)
--- Returns {fired, head, first, pending, parked, refill, entries}: envelopes fired;
+-- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max work (entries appended, plus
+--       one per METADATA_PER_ENTRY metadata pairs decoded), 5 max envelope bytes,
+--       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
+--       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
+--       trim applies only to messages published through it
+-- Returns {fired, head, first, pending, parked, refill, entries, gone}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes that
--- wait for a REFILL; entries appended.
+-- wait for a REFILL (including due ones another replica left); entries appended;
+-- index entries whose envelope someone else deleted from the delayed topic;
+-- then (envelope id, topic) pairs of the envelopes that expired unfired.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
 -- next due time) in the same atomic step that appends it to its target, so a
@@ -16,9 +21,13 @@
 -- delivered is parked (kept on the delayed topic, listed in KEYS[7], recorded
 -- in the history) and the rest of the batch fires. Redis does not roll a
 -- script back, so nothing here may raise after the first write.
--- Bounded: a batch stops before max entries or max bytes, or once it has run
+-- Bounded: a batch stops before max work or max bytes, or once it has run
 -- for the time budget (after at least one envelope), so one call never holds
--- Redis for long, however loaded the machine.
+-- Redis for long, however loaded the machine. Bytes are the stored envelope's,
+-- metadata included, and metadata pairs count as work: an envelope with 10,000
+-- metadata keys and an empty payload costs ~10 ms to decode and encode, and was
+-- counted as one cheap entry. The clock is read every 8 cheap envelopes, and
+-- after any costly one.
 -- Recurring envelopes fire only when their next due time is known (ids ref);
 -- else, or when that time has passed too (missed fires), they wait in KEYS[9]
 -- for a REFILL and fire once afterwards: never a storm of missed occurrences.
@@ -33,12 +42,21 @@ local now = tonumber(ARGV[2])
 local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local trim_mode, trim_at = ARGV[6], ARGV[7]
 local fired, parked, refill, appended, bytes, first = 0, 0, 0, 0, 0, nil
+-- Decoding and encoding a metadata pair costs about a quarter of appending an entry.
+local METADATA_PER_ENTRY = 4
+local work, unchecked, gone = 0, 0, 0
 local types = {}
 -- Index removals and stream deletions are applied together at the end, and
 -- recurring envelopes re-enter the index only after that (their ids would
 -- otherwise be removed again with their old bucket's batch).
 local taken, deletes, reinserts = {}, {}, {}
+-- (id, topic) of each envelope that expired unfired, for the caller's markers.
+local expired = {}
 local budget_us = tonumber(ARGV[9] or '0')
+-- Several components of one app (same consumerID) share the delayed topic and
+-- fire each other's messages: a topic is trimmed by the settings of the
+-- component it was published through, never by another's maxLenApprox.
+local own_pubsub = ARGV[10] or ''
 local function clock_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -90,8 +108,11 @@ local function sampled(source)
     if f[j] == 'data' then data = f[j + 1]
     elseif f[j] == 'contentType' then ct = f[j + 1]
     elseif f[j] == 'metadata' then
+      -- Anyone writes the source: keep its metadata only if it encodes again
+      -- (cjson decodes 1e400 as inf, then refuses to encode it), else drop it
+      -- as a reader of a malformed entry does; the data still goes out.
       local ok, t = pcall(cjson.decode, f[j + 1])
-      if ok and type(t) == 'table' then md = t end
+      if ok and type(t) == 'table' and pcall(cjson.encode, t) then md = t end
     end
   end
   return {{data, md, ct}}
@@ -99,15 +120,28 @@ end
 
 for i, c in ipairs(due_candidates(now, max_env)) do
   local id, due = c[1], c[2]
-  if budget_us > 0 and i > 1 and i % 8 == 1 and clock_us() - started > budget_us then break end
+  if budget_us > 0 and i > 1 and unchecked >= 8 then
+    if clock_us() - started > budget_us then break end
+    unchecked = 0
+  end
+  unchecked = unchecked + 1
   local env, why = read_envelope(id)
   if not env then
     taken[#taken + 1] = c
-    if why ~= 'gone' then park(id, nil, id, due, why) end
+    if why == 'gone' then
+      -- Deleted from the delayed topic by something else than the engine (an
+      -- XTRIM, another client's MAXLEN): lost, but not silently.
+      gone = gone + 1
+    else
+      park(id, nil, id, due, why)
+    end
   else
     local n = #env.entries
     if env.source ~= '' then n = 1 end
-    if #taken > 0 and (appended + n > max_entries or bytes + env.size > max_bytes) then break end
+    local cost = n + math.floor(env.pairs / METADATA_PER_ENTRY)
+    if #taken > 0 and (work + cost > max_entries or bytes + env.raw > max_bytes) then break end
+    work, bytes = work + cost, bytes + env.raw
+    unchecked = unchecked + cost - 1 + math.floor(env.raw / 65536)
     taken[#taken + 1] = c
     local key = id
     if env.sid ~= '' then key = env.sid end
@@ -136,6 +170,8 @@ for i, c in ipairs(due_candidates(now, max_env)) do
     elseif env.expires > 0 and env.expires <= now then
       forget(id, env, key)
       hist('expired', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, 'MaxAge', env.schedule)
+      expired[#expired + 1] = key
+      expired[#expired + 1] = env.topic
     else
       -- The outbox is our own stream; a topic must be a stream (or not exist yet).
       local target, bad = KEYS[10], nil
@@ -147,7 +183,13 @@ for i, c in ipairs(due_candidates(now, max_env)) do
         park(id, env, key, due, bad)
       else
         local entries = env.entries
-        if env.source ~= '' then entries = sampled(env.source) end
+        if env.source ~= '' then
+          entries = sampled(env.source)
+          -- The sampled message is anyone's size: it counts like the envelope's own.
+          local got = entries[1] and #entries[1][1] or 0
+          bytes = bytes + got
+          unchecked = unchecked + math.floor(got / 65536)
+        end
         local expires = env.expires
         if env.sttl > 0 then expires = now + env.sttl end
         local failed, done = nil, 0
@@ -156,14 +198,20 @@ for i, c in ipairs(due_candidates(now, max_env)) do
           md['scheduler'] = key
           md['scheduleNext'] = iso
           local args = {target}
-          if env.target == '' and trim_mode ~= '' then
+          if env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub) then
             args[2], args[3], args[4] = trim_mode, '~', trim_at
           end
           args[#args + 1] = '*'
           args[#args + 1] = 'data'
           args[#args + 1] = entry[1]
+          -- Guarded like the XADD: nothing may raise after the first write.
+          local encoded, json = pcall(cjson.encode, md)
+          if not encoded then
+            failed = 'metadata: ' .. tostring(json)
+            break
+          end
           args[#args + 1] = 'metadata'
-          args[#args + 1] = cjson.encode(md)
+          args[#args + 1] = json
           if entry[3] ~= '' then
             args[#args + 1] = 'contentType'
             args[#args + 1] = entry[3]
@@ -195,7 +243,6 @@ for i, c in ipairs(due_candidates(now, max_env)) do
         if failed and done == 0 then
           park(id, env, key, due, failed)
         else
-          bytes = bytes + env.size
           if final then
             forget(id, env, key)
           else
@@ -219,4 +266,10 @@ for i = 1, #deletes, 500 do
 end
 for _, r in ipairs(reinserts) do insert(r[1], r[2]) end
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
-return {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended}
+-- Refills another replica left undone (it stopped between its FIRE and its
+-- REFILL): occurrences already due whose successor nobody computed. Reported
+-- so that whichever replica fires next completes them.
+refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
+local out = {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone}
+for _, v in ipairs(expired) do out[#out + 1] = v end
+return out

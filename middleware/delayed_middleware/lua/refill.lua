@@ -1,27 +1,37 @@
--- REFILL: give a recurring envelope its next due time, computed by a replica in
--- Python (cron arithmetic has no place in Lua). A compare-and-set on the ids
--- hash ref, so a refill racing a replace, a cancel or another replica's refill
--- changes nothing.
+-- REFILL: give recurring envelopes their next due time, computed by a replica in
+-- Python (cron arithmetic has no place in Lua). Each item is a compare-and-set
+-- on the ids hash ref, so a refill racing a replace, a cancel or another
+-- replica's refill changes nothing.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
--- ARGV: 1 bucket key prefix, 2 wake channel, 3 envelope id (ids hash key),
---       4 the ref the replica read, 5 next due ms ('purge': the schedule ends
---       after the pending occurrence), 6 next due RFC3339 ('-' with purge)
--- Returns 1 applied, 0 stale (the caller re-reads), -1 the id is gone.
+-- ARGV: 1 bucket key prefix, 2 wake channel, 3 n, then n groups of 4:
+--       envelope id (ids hash key), the ref the replica read, next due ms
+--       ('purge': the schedule ends after the pending occurrence), next due RFC3339 ('-' with purge)
+-- Returns one result per item: 1 applied, 0 stale (the caller re-reads), -1 the id is gone.
 --!include index.lua
-local key = ARGV[3]
-local ref = redis.call('HGET', KEYS[3], key)
-if not ref then
-  redis.call('ZREM', KEYS[9], key)
-  return -1
+local before = head()
+local earliest = nil
+local out = {}
+for i = 0, tonumber(ARGV[3]) - 1 do
+  local key, read, nxt, iso = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
+  local ref = redis.call('HGET', KEYS[3], key)
+  if not ref then
+    redis.call('ZREM', KEYS[9], key)
+    out[#out + 1] = -1
+  elseif ref ~= read then
+    out[#out + 1] = 0
+  else
+    local sid, due, _, _, flag = parse_ref(ref)
+    if flag == 'u' then
+      insert(sid, due)
+      if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
+    end
+    redis.call('HSET', KEYS[3], key, make_ref(sid, due, nxt, iso, 'i'))
+    redis.call('ZREM', KEYS[9], key)
+    out[#out + 1] = 1
+  end
 end
-if ref ~= ARGV[4] then return 0 end
-local sid, due, _, _, flag = parse_ref(ref)
-if flag == 'u' then
-  local before = head()
-  insert(sid, due)
-  if before == nil or tonumber(before) > tonumber(due) then redis.call('PUBLISH', ARGV[2], due) end
+if earliest ~= nil and (before == nil or tonumber(before) > earliest) then
+  redis.call('PUBLISH', ARGV[2], tostring(earliest))
 end
-redis.call('HSET', KEYS[3], key, make_ref(sid, due, ARGV[5], ARGV[6], 'i'))
-redis.call('ZREM', KEYS[9], key)
-return 1
+return out

@@ -1,7 +1,7 @@
 -- SCHEDULE: store envelopes durably and index them by due time.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
--- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms, 4 call token ('' = none),
+-- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms (history), 4 call token ('' = none),
 --       5 history maxlen (0 = off), 6 token window ms, 7 n, then n groups of 9:
 --       envelope bytes, due ms, scheduleId, kind (0 one-shot, 1 recurring, 2 retry),
 --       topic, size, schedule expression, next due ms ('-' none, 'purge'), next RFC3339 ('-')
@@ -16,13 +16,17 @@
 --!include history.lua
 --!include common.lua
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[5]), ARGV[3]
-local now, token = tonumber(ARGV[3]), ARGV[4]
+local token = ARGV[4]
 if token ~= '' then
   if redis.call('ZSCORE', KEYS[8], token) then return {'dup'} end
+  -- Tokens age by the Redis clock, the one clock every replica shares: a
+  -- replica whose clock runs ahead must not forget the others' tokens.
+  local t = redis.call('TIME')
+  local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- Forget tokens older than the window, a bounded number per call.
-  local old = redis.call('ZCOUNT', KEYS[8], '-inf', now - tonumber(ARGV[6]))
+  local old = redis.call('ZCOUNT', KEYS[8], '-inf', server_ms - tonumber(ARGV[6]))
   if old > 0 then redis.call('ZREMRANGEBYRANK', KEYS[8], 0, math.min(old, 100) - 1) end
-  redis.call('ZADD', KEYS[8], now, token)
+  redis.call('ZADD', KEYS[8], server_ms, token)
 end
 local before = head()
 local ids, earliest = {}, nil

@@ -1,0 +1,166 @@
+"""Memory per pending delayed message, and where each byte goes.
+
+Starts a private redis-server (no persistence: only memory counts here) and
+`delayed-pubsub serve`, schedules N delayed messages through the real gRPC
+path (BulkPublish, one delay per entry, due in a day), then reads Redis:
+  - used_memory growth / N (what the issue's "memory per message" means),
+  - MEMORY USAGE of every key, grouped by its role in the engine's key layout
+    (delayed_middleware.keys.EngineKeys), / N,
+  - the envelope's own bytes: the user's payload and metadata, against the
+    rest of the DelayedMessage encoding and the stream entry around it.
+
+    .venv/bin/python bench/memory.py [--messages 200000] [--payload 302] [--metadata-keys 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("proto", "middleware", "components", "."):
+    sys.path.insert(0, str(ROOT / sub))
+
+from bench.common import MD, start_serve, stop  # noqa: E402
+from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
+from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
+    common_pb2,
+    pubsub_pb2,
+    pubsub_pb2_grpc,
+)
+from tests.redis_server import RedisServer  # noqa: E402
+
+CONSUMER_ID = "bench"
+
+
+def role(key: str, keys: EngineKeys) -> str:
+    """The engine's name for what `key` holds."""
+    named = {
+        keys.stream: "envelopes (the delayed topic stream)",
+        keys.due: "due index: top",
+        keys.seq: "due index: bucket sequence",
+        keys.count: "pending count",
+        keys.ids: "scheduleId hash",
+        keys.history: "lifecycle history (own retention)",
+        keys.parked: "parked",
+        keys.calls: "idempotency records (own retention)",
+        keys.refill: "recurring refill",
+        keys.outbox: "outbox",
+    }
+    if key in named:
+        return named[key]
+    if key.startswith(keys.buckets):
+        return "due index: buckets"
+    return f"other: {key}"
+
+
+async def schedule(socket: Path, port: int, n: int, payload: bytes, metadata: dict[str, str]) -> float:
+    base = time.time() + 86_400
+
+    def due(i: int) -> str:
+        # Distinct due times, 1 ms apart, as real traffic has them (one instant
+        # shared by all would keep the due index from splitting into buckets).
+        return datetime.fromtimestamp(base + i / 1000, UTC).isoformat(timespec="milliseconds")
+
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
+        props = {
+            "redisHost": f"127.0.0.1:{port}",
+            "consumerID": CONSUMER_ID,
+            "enableDelayedMessaging": "true",
+        }
+        await stub.Init(
+            pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
+        )
+        t0 = time.perf_counter()
+        for first in range(0, n, 1000):
+            entries = [
+                pubsub_pb2.BulkMessageEntry(
+                    entry_id=str(i), event=payload, metadata={**metadata, "scheduledSendTime": due(i)}
+                )
+                for i in range(first, min(n, first + 1000))
+            ]
+            reply = await stub.BulkPublish(
+                pubsub_pb2.BulkPublishRequest(entries=entries, pubsub_name="bench", topic="orders"),
+                metadata=MD,
+            )
+            assert not reply.failed_entries, reply.failed_entries[0].error
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--payload", type=int, default=302, help="bytes of message body")
+    ap.add_argument(
+        "--metadata-keys", type=int, default=2, help="user metadata keys per message (~20 B each)"
+    )
+    a = ap.parse_args()
+    payload = b"x" * a.payload
+    metadata = {f"key{k}": f"value-{k:08d}" for k in range(a.metadata_keys)}
+    # The user's metadata counts as payload, the delay key and its value too.
+    due_example = datetime.fromtimestamp(time.time(), UTC).isoformat(timespec="milliseconds")
+    user_bytes = (
+        a.payload
+        + sum(len(k) + len(v) for k, v in metadata.items())
+        + len("scheduledSendTime")
+        + len(due_example)
+    )
+    keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
+    with tempfile.TemporaryDirectory(prefix="dps-mem-") as d:
+        work = Path(d)
+        redis_server = RedisServer(work / "redis", appendonly=False)
+        redis_server.start()
+        serve = start_serve(work / "dps.sock", work / "serve.log")
+        try:
+            client = redis_server.client()
+            before = int(client.info("memory")["used_memory"])
+            took = asyncio.run(schedule(work / "dps.sock", redis_server.port, a.messages, payload, metadata))
+            time.sleep(1)
+            after = int(client.info("memory")["used_memory"])
+            by_role: Counter[str] = Counter()
+            for raw in client.scan_iter(count=1000):
+                key = raw.decode()
+                usage: Any = client.memory_usage(key, samples=0)
+                by_role[role(key, keys)] += int(usage or 0)
+            sample: Any = client.xrange(keys.stream, count=1)
+            fields = sample[0][1] if sample else {}
+            envelope = sum(len(k) + len(v) for k, v in fields.items())
+            xlen = int(client.xlen(keys.stream))
+            client.close()
+        finally:
+            stop(serve)
+            redis_server.stop()
+    n = a.messages
+    print(
+        f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC {platform.node()} nproc {os.cpu_count()}; {n} pending, "
+        f"payload {a.payload} B + {a.metadata_keys} metadata keys + scheduledSendTime = {user_bytes} user bytes; "
+        f"scheduled in {took:.1f} s ({n / took:,.0f}/s); envelopes on the stream: {xlen}"
+    )
+    print(f"used_memory growth: {(after - before) / n:8.1f} B per message ({user_bytes} of it the user's)")
+    print(f"{'key role':44s} {'B per message':>14s}")
+    for name, total in by_role.most_common():
+        print(f"{name:44s} {total / n:14.1f}")
+    counted = sum(v for k, v in by_role.items() if "own retention" not in k)
+    print(
+        f"{'sum without history/idempotency':44s} {counted / n:14.1f}  (user bytes + {counted / n - user_bytes:.1f})"
+    )
+    print(
+        f"one envelope entry's fields: {envelope} B (field names + DelayedMessage bytes), "
+        f"{envelope - user_bytes} B beyond the user's bytes"
+    )
+
+
+if __name__ == "__main__":
+    main()

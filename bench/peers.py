@@ -1,0 +1,828 @@
+"""Side by side with NATS JetStream message schedules: the same workloads on both, interleaved.
+
+    .venv/bin/python -m bench peers --quick     # <= 10 minutes here
+    .venv/bin/python -m bench peers --full      # the sizes of the issue (1M pending)
+
+Ours: a private redis-server (AOF, appendfsync everysec) and `delayed-pubsub serve`
+(its own process), driven over its unix socket as daprd drives it (delays as
+`scheduledSendTime` metadata, delivery on a PullMessages stream acking each
+message as it arrives). Theirs: nats-server 2.14+ (found on PATH, or built once
+with `go install github.com/nats-io/nats-server/v2@v2.14.9` into
+~/.cache/dapr-delayed-pubsub/bin), file storage, one stream with
+`allow_msg_schedules`, schedules published as messages with `Nats-Schedule: @at
+<RFC3339>` and `Nats-Schedule-Target: orders`, delivered to a pull consumer
+(batches of 100, each message acked), driven with nats-py.
+
+Workloads (each run on ours, then on theirs, before the next):
+  steady     `rate`/s delayed messages for `steady_s`, each due 1 s after publish:
+             lateness (received - due) percentiles, and a CDF chart of both;
+  burst      N messages due at one instant T: T -> last one on the target
+             topic (fired), T -> last one received by one subscriber;
+  unary      N delayed publishes from 64 concurrent callers, one call each;
+  pipelined  N delayed publishes pipelined (ours: BulkPublish of 1000, one
+             delay per entry; theirs: publish_async);
+  memory     N pending delayed messages (302-byte payload): Redis used_memory
+             growth / N, against nats-server RSS growth / N (and its store bytes);
+  restart    with those N pending, both servers stopped and started again:
+             time until a message due at once is delivered again.
+Server CPU (utime+stime of the server processes) is read around each workload.
+
+Results go to stdout, a dated section appended to bench/RESULTS.md, and the CDF
+chart to bench/peers-lateness-cdf.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+for sub in ("proto", "middleware", "components", "."):
+    sys.path.insert(0, str(ROOT / sub))
+
+from bench.common import MD, start_serve, stop  # noqa: E402
+from bench.deliver import cpu_seconds  # noqa: E402
+from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
+from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
+    common_pb2,
+    pubsub_pb2,
+    pubsub_pb2_grpc,
+)
+from tests.redis_server import RedisServer, free_port  # noqa: E402
+
+NATS_VERSION = "v2.14.9"
+NATS_MIN = (2, 14)
+CACHE_BIN = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapr-delayed-pubsub" / "bin"
+RESULTS = ROOT / "bench" / "RESULTS.md"
+CHART = ROOT / "bench" / "peers-lateness-cdf.png"
+TOPIC = "orders"
+CONSUMER_ID = "bench"
+# 302 bytes, as in the issue's memory figure: a CloudEvent-sized body.
+PAYLOAD_BYTES = 302
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each workload is."""
+
+    rate: int
+    steady_s: int
+    burst: int
+    unary: int
+    pipelined: int
+    pending: int
+
+
+QUICK = Sizes(rate=1000, steady_s=10, burst=50_000, unary=10_000, pipelined=100_000, pending=200_000)
+SMOKE = Sizes(rate=200, steady_s=2, burst=2_000, unary=640, pipelined=4_000, pending=5_000)
+FULL = Sizes(rate=1000, steady_s=30, burst=100_000, unary=20_000, pipelined=200_000, pending=1_000_000)
+
+
+def rfc3339(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def body(i: int, due: float) -> bytes:
+    """A payload of PAYLOAD_BYTES that carries its due time (ms) and index."""
+    head = f"{int(due * 1000)}:{i}:".encode()
+    # Random filler: a compressible body would flatter any store that compresses on disk.
+    return head + os.urandom(PAYLOAD_BYTES).hex().encode()[: PAYLOAD_BYTES - len(head)]
+
+
+def due_of(data: bytes) -> float:
+    return int(data.split(b":", 1)[0]) / 1000
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def describe(error: Exception) -> str:
+    """A short, countable description of a failed call."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {(error.details() or '')[:60]}"
+    return f"{type(error).__name__}: {str(error)[:60]}"
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+# --- nats-server ---------------------------------------------------------------
+
+
+def nats_server_path() -> str:
+    """nats-server >= 2.14 from PATH or the cache, else built with go install into the cache."""
+    for candidate in (shutil.which("nats-server"), str(CACHE_BIN / "nats-server")):
+        if candidate and Path(candidate).exists():
+            out = subprocess.run([candidate, "--version"], capture_output=True, text=True).stdout
+            version = out.strip().rsplit("v", 1)[-1].split(".")
+            if tuple(int(x) for x in version[:2]) >= NATS_MIN:
+                return candidate
+    if shutil.which("go") is None:
+        raise SystemExit("nats-server 2.14+ not found and no Go toolchain to build it")
+    CACHE_BIN.mkdir(parents=True, exist_ok=True)
+    print(f"building nats-server {NATS_VERSION} into {CACHE_BIN} (once)...", flush=True)
+    subprocess.run(
+        ["go", "install", f"github.com/nats-io/nats-server/v2@{NATS_VERSION}"],
+        check=True,
+        env={**os.environ, "GOBIN": str(CACHE_BIN), "GOFLAGS": ""},
+    )
+    return str(CACHE_BIN / "nats-server")
+
+
+class NatsServer:
+    """One nats-server with JetStream on a private port and store directory."""
+
+    def __init__(self, exe: str, workdir: Path) -> None:
+        self.exe = exe
+        self.store = workdir / "nats-store"
+        self.log = workdir / "nats.log"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [self.exe, "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+async def _quiet(error: Exception) -> None:
+    """nats-py prints every connection error; refused connects while a server starts are expected."""
+
+
+# --- the two systems behind one interface ---------------------------------------
+
+
+class System:
+    """What each workload needs from a system under test."""
+
+    name = ""
+
+    async def setup(self) -> None: ...
+    async def close(self) -> None: ...
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    async def schedule(self, i: int, due: float) -> None:
+        """One delayed message, one call, waiting for the server's acknowledgement."""
+        raise NotImplementedError
+
+    async def schedule_many(self, first: int, dues: Sequence[float]) -> None:
+        """Many delayed messages, pipelined."""
+        raise NotImplementedError
+
+    async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
+        """Start receiving (acking each message); returns a coroutine function that stops it."""
+        raise NotImplementedError
+
+    async def fired(self) -> int:
+        """How many messages have landed on the target topic so far."""
+        raise NotImplementedError
+
+    async def reset_target(self) -> None:
+        """Forget what fired before (so `fired` counts from 0)."""
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes held in memory, bytes on disk) by the server side."""
+        raise NotImplementedError
+
+    async def pending(self) -> int:
+        raise NotImplementedError
+
+    async def restart(self) -> None:
+        raise NotImplementedError
+
+
+class Ours(System):
+    name = "ours"
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.redis = RedisServer(workdir / "redis", appendonly=True)
+        self.socket = workdir / "delayed-pubsub.sock"
+        self.serve: subprocess.Popen[bytes] | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: Any = None
+        self.client: redis.Redis | None = None
+        self.keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
+
+    async def _start_component(self) -> None:
+        self.serve = start_serve(self.socket, self.workdir / "serve.log")
+        self.channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
+        self.stub = pubsub_pb2_grpc.PubSubStub(self.channel)  # type: ignore[no-untyped-call]
+        props = {
+            "redisHost": self.redis.address,
+            "consumerID": CONSUMER_ID,
+            "enableDelayedMessaging": "true",
+            "concurrency": "100",
+        }
+        await self.stub.Init(
+            pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
+        )
+
+    async def setup(self) -> None:
+        self.redis.start()
+        self.client = self.redis.client()
+        await self._start_component()
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close(None)
+        if self.serve is not None:
+            stop(self.serve)
+        if self.client is not None:
+            self.client.close()
+        self.redis.stop()
+
+    def pids(self) -> list[int]:
+        assert self.serve is not None
+        assert self.redis.proc is not None
+        return [self.serve.pid, self.redis.proc.pid]
+
+    async def schedule(self, i: int, due: float) -> None:
+        await self.stub.Publish(
+            pubsub_pb2.PublishRequest(
+                data=body(i, due),
+                pubsub_name="bench",
+                topic=TOPIC,
+                metadata={"scheduledSendTime": rfc3339(due)},
+            ),
+            metadata=MD,
+        )
+
+    async def schedule_many(self, first: int, dues: Sequence[float]) -> None:
+        entries = [
+            pubsub_pb2.BulkMessageEntry(
+                entry_id=str(first + k),
+                event=body(first + k, due),
+                metadata={"scheduledSendTime": rfc3339(due)},
+            )
+            for k, due in enumerate(dues)
+        ]
+        reply = await self.stub.BulkPublish(
+            pubsub_pb2.BulkPublishRequest(entries=entries, pubsub_name="bench", topic=TOPIC), metadata=MD
+        )
+        if reply.failed_entries:
+            raise RuntimeError(f"{len(reply.failed_entries)} entries failed: {reply.failed_entries[0].error}")
+
+    async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
+        call = self.stub.PullMessages(metadata=MD)
+        await call.write(pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=TOPIC)))
+
+        async def read() -> None:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+                    return
+                on_message(msg.data, time.time())
+                await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
+
+        reader = asyncio.create_task(read())
+
+        async def stop_it() -> None:
+            with contextlib.suppress(Exception):
+                await call.done_writing()
+                await asyncio.wait_for(reader, 10)
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+
+        return stop_it
+
+    async def fired(self) -> int:
+        assert self.client is not None
+        return int(self.client.xlen(TOPIC))
+
+    async def reset_target(self) -> None:
+        assert self.client is not None
+        self.client.xtrim(TOPIC, maxlen=0)
+
+    def memory(self) -> tuple[int, int]:
+        assert self.client is not None
+        info: Any = self.client.info("memory")
+        return int(info["used_memory"]), dir_bytes(self.redis.workdir)
+
+    async def pending(self) -> int:
+        assert self.client is not None
+        return int(self.client.xlen(self.keys.stream))
+
+    async def restart(self) -> None:
+        assert self.serve is not None
+        assert self.client is not None
+        if self.channel is not None:
+            await self.channel.close(None)
+        stop(self.serve)
+        self.client.close()
+        self.redis.stop()
+        self.redis.start()
+        self.client = self.redis.client()
+        await self._start_component()
+
+
+class Nats(System):
+    name = "NATS"
+
+    def __init__(self, exe: str, workdir: Path) -> None:
+        self.server = NatsServer(exe, workdir)
+        self.nc: Any = None
+        self.js: Any = None
+
+    async def _connect(self) -> None:
+        import nats
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.nc = await nats.connect(
+                    f"nats://127.0.0.1:{self.server.port}", max_reconnect_attempts=0, error_cb=_quiet
+                )
+                self.js = self.nc.jetstream(timeout=30)
+                await self.js.stream_info("BENCH")
+                return
+            except Exception:
+                if self.nc is not None:
+                    with contextlib.suppress(Exception):
+                        await self.nc.close()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+    async def setup(self) -> None:
+        from nats.js.api import StorageType, StreamConfig
+
+        self.server.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                import nats
+
+                self.nc = await nats.connect(
+                    f"nats://127.0.0.1:{self.server.port}", max_reconnect_attempts=0, error_cb=_quiet
+                )
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        self.js = self.nc.jetstream(timeout=30)
+        await self.js.add_stream(
+            StreamConfig(
+                name="BENCH",
+                subjects=["sched.>", TOPIC],
+                storage=StorageType.FILE,
+                allow_msg_schedules=True,
+            )
+        )
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        self.server.stop()
+
+    def pids(self) -> list[int]:
+        return [self.server.pid]
+
+    @staticmethod
+    def _headers(due: float) -> dict[str, str]:
+        return {"Nats-Schedule": f"@at {rfc3339(due)}", "Nats-Schedule-Target": TOPIC}
+
+    async def schedule(self, i: int, due: float) -> None:
+        await self.js.publish(f"sched.{i}", body(i, due), headers=self._headers(due))
+
+    async def schedule_many(self, first: int, dues: Sequence[float]) -> None:
+        futures = [
+            await self.js.publish_async(
+                f"sched.{first + k}", body(first + k, due), headers=self._headers(due)
+            )
+            for k, due in enumerate(dues)
+        ]
+        await asyncio.gather(*futures)
+
+    async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
+        import nats.errors
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        # Only what fires from now on, as a new consumer group of ours sees it.
+        psub = await self.js.pull_subscribe(
+            TOPIC,
+            durable=f"bench{time.monotonic_ns()}",
+            stream="BENCH",
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
+        )
+        running = True
+
+        async def read() -> None:
+            while running:
+                try:
+                    msgs = await psub.fetch(100, timeout=0.5)
+                except nats.errors.TimeoutError:
+                    continue
+                for m in msgs:
+                    on_message(m.data, time.time())
+                    await m.ack()
+
+        reader = asyncio.create_task(read())
+
+        async def stop_it() -> None:
+            nonlocal running
+            running = False
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(reader, 5)
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+        return stop_it
+
+    async def fired(self) -> int:
+        info = await self.js.stream_info("BENCH", subjects_filter=TOPIC)
+        return int((info.state.subjects or {}).get(TOPIC, 0))
+
+    async def reset_target(self) -> None:
+        await self.js.purge_stream("BENCH", subject=TOPIC)
+
+    def memory(self) -> tuple[int, int]:
+        return rss_bytes(self.server.pid), dir_bytes(self.server.store)
+
+    async def pending(self) -> int:
+        # Every message of the stream that is not a fired one on the target
+        # subject is a schedule (the subject filter's reply is capped, so count).
+        info = await self.js.stream_info("BENCH")
+        return int(info.state.messages) - await self.fired()
+
+    async def restart(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.nc.close()
+        self.server.stop()
+        self.server.start()
+        await self._connect()
+
+
+# --- workloads ------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workload: str
+    unit: str
+    ours: float = float("nan")
+    theirs: float = float("nan")
+    better: str = "lower"  # which direction wins
+    note: str = ""
+
+
+@dataclass
+class Run:
+    sizes: Sizes
+    rows: list[Row] = field(default_factory=list)
+    lateness: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Pipelined store rate per system (msg/s), to give a burst time to be stored.
+    store_rate: dict[str, float] = field(default_factory=dict)
+
+    def put(self, workload: str, unit: str, system: str, value: float, better: str = "lower") -> None:
+        row = next((r for r in self.rows if r.workload == workload), None)
+        if row is None:
+            row = Row(workload, unit, better=better)
+            self.rows.append(row)
+        if system == "ours":
+            row.ours = value
+        else:
+            row.theirs = value
+
+
+@contextlib.contextmanager
+def cpu_of(system: System, into: list[float]) -> Iterator[None]:
+    pids = system.pids()
+    before = sum(cpu_seconds(p) for p in pids)
+    yield
+    into.append(sum(cpu_seconds(p) for p in pids) - before)
+
+
+async def steady(system: System, run: Run) -> None:
+    s = run.sizes
+    n = s.rate * s.steady_s
+    late: list[float] = []
+    seen = set()
+
+    def got(data: bytes, at: float) -> None:
+        i = data.split(b":", 2)[1]
+        if i not in seen:
+            seen.add(i)
+            late.append(at - due_of(data))
+
+    failed: Counter[str] = Counter()
+
+    async def publish(i: int, due: float) -> None:
+        # A refused publish is counted, not fatal: the run goes on and says so.
+        try:
+            await system.schedule(i, due)
+        except Exception as e:
+            failed[describe(e)] += 1
+
+    stop_sub = await system.subscribe(got)
+    start = time.time() + 0.2
+    tick = 0.01
+    per_tick = max(1, int(s.rate * tick))
+    calls: list[Awaitable[Any]] = []
+    for k in range(0, n, per_tick):
+        send_at = start + k / s.rate
+        await asyncio.sleep(max(0.0, send_at - time.time()))
+        batch = range(k, min(n, k + per_tick))
+        calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
+    await asyncio.gather(*calls)
+    expect = n - sum(failed.values())
+    deadline = time.time() + 30
+    while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
+        await asyncio.sleep(0.05)
+    await stop_sub()
+    late.sort()
+    run.lateness[system.name] = late
+    if failed:
+        run.notes.append(
+            f"{system.name}, steady: {sum(failed.values())} of {n} publishes failed: {dict(failed)}"
+        )
+    if len(late) < expect:
+        run.notes.append(
+            f"{system.name}, steady: only {len(late)} of {expect} accepted messages arrived in time"
+        )
+    run.put(f"steady {s.rate}/s, due -> subscriber p50", "ms", system.name, percentile(late, 0.5) * 1000)
+    run.put(f"steady {s.rate}/s, due -> subscriber p99", "ms", system.name, percentile(late, 0.99) * 1000)
+    run.put(f"steady {s.rate}/s, due -> subscriber max", "ms", system.name, late[-1] * 1000 if late else 0)
+
+
+async def burst(system: System, run: Run) -> None:
+    n = run.sizes.burst
+    await system.reset_target()
+    received = 0
+    last = 0.0
+
+    def got(data: bytes, at: float) -> None:
+        nonlocal received, last
+        received += 1
+        last = at
+
+    # Due late enough for the system to have stored all of them first (at the
+    # rate its pipelined ingest showed, with room to spare).
+    due = time.time() + 3 + 2 * n / run.store_rate.get(system.name, 5_000)
+    for first in range(0, n, 1000):
+        await system.schedule_many(first, [due] * min(1000, n - first))
+    if time.time() > due:
+        run.notes.append(f"{system.name}, burst: storing took past the due time; figures include that")
+    stop_sub = await system.subscribe(got)
+    cpu: list[float] = []
+    with cpu_of(system, cpu):
+        await asyncio.sleep(max(0.0, due - time.time()))
+        fired_at = None
+        deadline = time.time() + 300
+        while received < n and time.time() < deadline:
+            if fired_at is None and await system.fired() >= n:
+                fired_at = time.time()
+            await asyncio.sleep(0.05)
+    await stop_sub()
+    if received < n:
+        run.notes.append(f"{system.name}, burst: only {received} of {n} received")
+    # `fired` counts what landed on the target topic (acked or not), polled every 50 ms.
+    run.put(f"{n // 1000}k due at one instant: T -> all fired", "s", system.name, (fired_at or last) - due)
+    run.put(f"{n // 1000}k due at one instant: T -> last delivered", "s", system.name, last - due)
+    run.put("server CPU per delivered message (burst)", "us", system.name, cpu[0] / max(1, received) * 1e6)
+
+
+async def unary(system: System, run: Run, callers: int = 64) -> None:
+    n = run.sizes.unary
+    per = n // callers
+    due = time.time() + 3600
+    base = 10_000_000
+
+    async def caller(c: int) -> None:
+        for k in range(per):
+            await system.schedule(base + c * per + k, due)
+
+    cpu: list[float] = []
+    with cpu_of(system, cpu):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller(c) for c in range(callers)))
+        elapsed = time.perf_counter() - t0
+    run.put(f"unary ingest, {callers} callers", "msg/s", system.name, per * callers / elapsed, "higher")
+    run.put("server CPU per unary publish", "us", system.name, cpu[0] / (per * callers) * 1e6)
+
+
+async def pipelined(system: System, run: Run) -> None:
+    n = run.sizes.pipelined
+    due = time.time() + 3600
+    base = 20_000_000
+    cpu: list[float] = []
+    with cpu_of(system, cpu):
+        t0 = time.perf_counter()
+        batches = [system.schedule_many(base + f, [due] * min(1000, n - f)) for f in range(0, n, 1000)]
+        for k in range(0, len(batches), 4):  # 4 batches in flight
+            await asyncio.gather(*batches[k : k + 4])
+        elapsed = time.perf_counter() - t0
+    run.store_rate[system.name] = n / elapsed
+    run.put("pipelined ingest (ours: BulkPublish)", "msg/s", system.name, n / elapsed, "higher")
+    run.put("server CPU per pipelined publish", "us", system.name, cpu[0] / n * 1e6)
+
+
+async def memory_and_restart(system: System, run: Run) -> None:
+    n = run.sizes.pending
+    due = time.time() + 86_400
+    base = 30_000_000
+    mem0, disk0 = system.memory()
+    before = await system.pending()
+    batches = [range(f, min(n, f + 1000)) for f in range(0, n, 1000)]
+    for k in range(0, len(batches), 4):
+        await asyncio.gather(
+            *(system.schedule_many(base + b.start, [due] * len(b)) for b in batches[k : k + 4])
+        )
+    await asyncio.sleep(2)  # background flushes settle
+    mem1, disk1 = system.memory()
+    label = f"{n // 1000}k pending, {PAYLOAD_BYTES} B payload"
+    run.put(f"{label}: memory per message", "B", system.name, (mem1 - mem0) / n)
+    run.put(f"{label}: disk per message", "B", system.name, (disk1 - disk0) / n)
+    pending = await system.pending()
+
+    # Restart with them pending: until a message due at once is delivered again.
+    await system.reset_target()
+    t0 = time.perf_counter()
+    await system.restart()
+    arrived = asyncio.Event()
+
+    def got(data: bytes, at: float) -> None:
+        if data.split(b":", 2)[1] == b"999999999":
+            arrived.set()
+
+    stop_sub = await system.subscribe(got)
+    await system.schedule(999_999_999, time.time())
+    await asyncio.wait_for(arrived.wait(), 300)
+    restart_s = time.perf_counter() - t0
+    await stop_sub()
+    after = await system.pending()
+    run.put(f"restart with {n // 1000}k pending: until firing again", "s", system.name, restart_s)
+    if after < pending - 1 or pending - before < n:
+        run.notes.append(
+            f"{system.name}, restart: pending before restart {pending}, after {after} (stored {pending - before})"
+        )
+
+
+FRESH = {"memory+restart"}
+WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
+    ("steady", steady),
+    ("unary", unary),
+    ("pipelined", pipelined),
+    ("burst", burst),
+    ("memory+restart", memory_and_restart),
+]
+
+
+async def run_all(sizes: Sizes, workdir: Path, nats_exe: str) -> Run:
+    from tqdm import tqdm
+
+    run = Run(sizes)
+    generation = 0
+
+    def fresh() -> list[System]:
+        nonlocal generation
+        generation += 1
+        made: list[System] = [
+            Ours(workdir / f"ours{generation}"),
+            Nats(nats_exe, workdir / f"nats{generation}"),
+        ]
+        for s in made:
+            (workdir / f"{s.name.lower()}{generation}").mkdir(parents=True, exist_ok=True)
+        return made
+
+    systems: list[System] = []
+    with tqdm(total=len(WORKLOADS) * 2, unit="step", ncols=90) as bar:
+        try:
+            for name, workload in WORKLOADS:
+                # Memory is measured on servers that hold nothing else (and
+                # restarted with only those messages pending).
+                if not systems or name in FRESH:
+                    for s in systems:
+                        await s.close()
+                    systems = fresh()
+                    for s in systems:
+                        await s.setup()
+                for s in systems:
+                    bar.set_description(f"{name}: {s.name}")
+                    await workload(s, run)
+                    bar.update()
+        finally:
+            for s in systems:
+                with contextlib.suppress(Exception):
+                    await s.close()
+    return run
+
+
+def chart(run: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in run.lateness.items():
+        if values:
+            ms = [v * 1000 for v in values]
+            ax.plot(ms, [(k + 1) / len(ms) for k in range(len(ms))], label=name)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("lateness: received - due (ms)")
+    ax.set_ylabel("fraction of messages")
+    ax.set_title(f"Steady {run.sizes.rate}/s delayed messages, due 1 s after publish")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(run: Run) -> list[str]:
+    lines = ["| workload | unit | ours | NATS 2.14 | ours / NATS |", "|---|---|---:|---:|---:|"]
+    for r in run.rows:
+        ratio = r.ours / r.theirs if r.theirs else float("nan")
+        lines.append(f"| {r.workload} | {r.unit} | {r.ours:,.1f} | {r.theirs:,.1f} | {ratio:.2f} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="bench peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller sizes, <= 10 minutes (default)")
+    mode.add_argument("--full", action="store_true", help="the issue's sizes (1M pending)")
+    mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    a = ap.parse_args(argv)
+    sizes = FULL if a.full else SMOKE if a.smoke else QUICK
+    exe = nats_server_path()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
+        run = asyncio.run(run_all(sizes, Path(d), exe))
+    took = time.time() - started
+    chart(run, CHART if not a.smoke else Path(tempfile.gettempdir()) / CHART.name)
+    head = (
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, `{platform.node()}`, {os.cpu_count()} cores shared with other "
+        f"agents' work, load {os.getloadavg()[0]:.1f}; {version}; "
+        f"`python -m bench peers {'--full' if a.full else '--quick'}` took {took / 60:.1f} min"
+    )
+    lines = table(run) + [f"\n- note: {note}" for note in run.notes]
+    print(head)
+    print("\n".join(lines))
+    print(f"lateness CDF: {CHART.relative_to(ROOT)}")
+    if not (a.no_write or a.smoke):
+        with RESULTS.open("a") as out:
+            out.write(
+                f"\n### peers run {head}\n\n" + "\n".join(lines) + f"\n\n![lateness CDF]({CHART.name})\n"
+            )
+
+
+if __name__ == "__main__":
+    main()

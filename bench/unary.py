@@ -1,0 +1,173 @@
+"""Unary Publish against the grpc.aio ceiling, and grpc.aio against a thread-pool server, in one run.
+
+A Go client (ghz, as daprd is a Go client) drives, in interleaved rounds:
+  - bare grpc.aio: a server whose Features returns at once (the ceiling of any
+    grpc.aio unary call here),
+  - bare sync: the same on grpc's thread-pool server,
+  - ours (grpc.aio, `delayed-pubsub serve`): Features, and Publish (one XADD each,
+    coalesced with concurrent ones into one pipeline),
+  - ours behind a thread-pool server: the real PubSubServicer on its asyncio
+    loop in a thread, each sync handler bridging into it
+    (run_coroutine_threadsafe), as a sync server inside the component would.
+Each figure comes with the server process's CPU per call (utime+stime from /proc).
+
+    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import start_process, start_serve, stop  # noqa: E402
+from bench.deliver import cpu_seconds  # noqa: E402
+from bench.grpc_ceiling import BARE_SERVER, GHZ_VERSION, ghz, ghz_path  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+BARE_SYNC_SERVER = """
+import sys
+from concurrent import futures
+import grpc
+from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2_grpc
+
+class Bare(pubsub_pb2_grpc.PubSubServicer):
+    def Features(self, request, context):
+        return common_pb2.FeaturesResponse(features=["BULK_PUBSUB"])
+
+server = grpc.server(futures.ThreadPoolExecutor(int(sys.argv[2])))
+pubsub_pb2_grpc.add_PubSubServicer_to_server(Bare(), server)
+server.add_insecure_port("unix:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"""
+
+# The real component's servicer, its asyncio loop in a thread, behind grpc's
+# thread-pool server. Only the unary calls this benchmark makes are bridged.
+SYNC_BRIDGE_SERVER = """
+import asyncio, sys, threading
+from concurrent import futures
+import grpc
+from delayed_middleware.clock import SystemClock
+from delayed_pubsub.instance import Instances
+from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.servicer import PubSubServicer
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2_grpc
+
+class Aborted(Exception):
+    pass
+
+class Context:
+    def __init__(self, sync):
+        self.sync = sync
+    def invocation_metadata(self):
+        return self.sync.invocation_metadata()
+    async def abort(self, code, details):
+        raise Aborted(code, details)
+
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+servicer = PubSubServicer(Instances(SystemClock(), Metrics()))
+
+def bridge(name):
+    method = getattr(servicer, name)
+    def handler(self, request, context):
+        try:
+            return asyncio.run_coroutine_threadsafe(method(request, Context(context)), loop).result()
+        except Aborted as e:
+            context.abort(*e.args)
+    return handler
+
+Bridge = type("Bridge", (pubsub_pb2_grpc.PubSubServicer,), {n: bridge(n) for n in ("Init", "Features", "Publish")})
+server = grpc.server(futures.ThreadPoolExecutor(int(sys.argv[2])))
+pubsub_pb2_grpc.add_PubSubServicer_to_server(Bridge(), server)
+server.add_insecure_port("unix:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"""
+
+PUBLISH = {"topic": "orders", "pubsub_name": "bench", "data": "eyJvcmRlcklkIjo2Nn0="}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every measurement")
+    ap.add_argument("--threads", type=int, default=4, help="thread-pool size of the sync servers")
+    a = ap.parse_args()
+    exe = ghz_path()
+    n, c = a.requests, a.concurrency
+    with tempfile.TemporaryDirectory(prefix="dpsu-") as d:
+        folder = Path(d)
+        redis_server = RedisServer(folder / "redis", appendonly=False)
+        redis_server.start()
+        socks = {k: folder / f"{k}.sock" for k in ("bare", "bare_sync", "ours", "ours_sync")}
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        try:
+            procs["bare"] = start_process(
+                [sys.executable, "-c", BARE_SERVER, str(socks["bare"])], socks["bare"], folder / "bare.log"
+            )
+            procs["bare_sync"] = start_process(
+                [sys.executable, "-c", BARE_SYNC_SERVER, str(socks["bare_sync"]), str(a.threads)],
+                socks["bare_sync"],
+                folder / "bare_sync.log",
+            )
+            procs["ours"] = start_serve(socks["ours"], folder / "ours.log")
+            procs["ours_sync"] = start_process(
+                [sys.executable, "-c", SYNC_BRIDGE_SERVER, str(socks["ours_sync"]), str(a.threads)],
+                socks["ours_sync"],
+                folder / "ours_sync.log",
+            )
+            init = {
+                "metadata": {
+                    "properties": {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "bench"}
+                }
+            }
+            for k in ("ours", "ours_sync"):
+                ghz(exe, socks[k], "Init", init, 1, 1)
+                ghz(exe, socks[k], "Publish", PUBLISH, 500, 16)  # warm-up
+            runs = {
+                "bare grpc.aio, Features (no-op)": ("bare", "Features", {}),
+                f"bare sync ({a.threads} threads), Features (no-op)": ("bare_sync", "Features", {}),
+                "ours grpc.aio, Features": ("ours", "Features", {}),
+                "ours grpc.aio, Publish": ("ours", "Publish", PUBLISH),
+                f"ours sync bridge ({a.threads} threads), Features": ("ours_sync", "Features", {}),
+                f"ours sync bridge ({a.threads} threads), Publish": ("ours_sync", "Publish", PUBLISH),
+            }
+            rps: dict[str, list[float]] = {k: [] for k in runs}
+            cpu: dict[str, list[float]] = {k: [] for k in runs}
+            for _ in range(a.rounds):
+                for name, (server, call, data) in runs.items():
+                    pid = procs[server].pid
+                    before = cpu_seconds(pid)
+                    rps[name].append(ghz(exe, socks[server], call, data, n, c)["rps"])
+                    cpu[name].append((cpu_seconds(pid) - before) / n * 1e6)
+        finally:
+            for p in procs.values():
+                stop(p)
+            redis_server.stop()
+    bare = statistics.median(rps["bare grpc.aio, Features (no-op)"])
+    print(
+        f"# {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"load {os.getloadavg()[0]:.1f}; ghz {GHZ_VERSION}, {n} requests x {a.rounds} rounds, "
+        f"{c} concurrent, 1 connection"
+    )
+    print(
+        f"{'server, call':48s} {'calls/s (median)':>16s} {'ratio to bare aio':>18s} {'server CPU/call':>16s}"
+    )
+    for name in runs:
+        r = statistics.median(rps[name])
+        print(f"{name:48s} {r:16,.0f} {r / bare:18.2f} {statistics.median(cpu[name]):13.0f} us")
+
+
+if __name__ == "__main__":
+    main()

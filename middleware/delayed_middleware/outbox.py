@@ -1,0 +1,117 @@
+"""The outbox: fired messages bound for another Dapr pub/sub (publish metadata `targetPubsub`).
+
+Delivery to a broker outside our Redis cannot be atomic with the fire, so the
+fire script appends each due message here instead of to its topic, and the
+forwarder (delayed_pubsub.forwarder) hands it to the sidecar at least once.
+
+Stream key: `{<consumerID>-delayed}:outbox` (EngineKeys.outbox). One entry per
+message, flat fields (a fixed format: the engine's Lua writes it):
+
+| field         | meaning |
+|---------------|---------|
+| `data`        | the message bytes as published (the original CloudEvent, or a raw payload), byte-exact |
+| `metadata`    | JSON object: the user's metadata minus our delay keys, plus `scheduler`, `scheduleNext` |
+| `contentType` | optional: the content type given at publish |
+| `pubsub`      | the target pub/sub component name |
+| `topic`       | the target topic |
+| `id`          | the envelope id (history `id`) |
+| `bulk`        | present (= the envelope id) when the entry belongs to a delayed bulk publish: |
+|               | consecutive entries with the same value go out as ONE bulk publish |
+| `expiresAt`   | optional epoch ms: never hand over after it; the remaining TTL goes on as `ttlInSeconds` |
+
+Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from delayed_middleware.errors import MalformedEntryError
+
+DATA = "data"
+METADATA = "metadata"
+CONTENT_TYPE = "contentType"
+PUBSUB = "pubsub"
+TOPIC = "topic"
+ID = "id"
+BULK = "bulk"
+EXPIRES_AT = "expiresAt"
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """One message waiting in the outbox for its hand-off to `pubsub`/`topic`."""
+
+    pubsub: str
+    topic: str
+    data: bytes
+    id: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    content_type: str = ""
+    # The envelope id of a delayed bulk publish; '' for a single message.
+    bulk: str = ""
+    # Epoch ms after which the message must not be handed over; 0 = never expires.
+    expires_at_ms: int = 0
+
+
+def encode_outbox_entry(entry: OutboxEntry) -> dict[str, bytes]:
+    """Fields for XADD (the engine writes the same layout from Lua)."""
+    fields: dict[str, bytes] = {
+        DATA: entry.data,
+        METADATA: json.dumps(dict(entry.metadata), separators=(",", ":"), ensure_ascii=False).encode(),
+        PUBSUB: entry.pubsub.encode(),
+        TOPIC: entry.topic.encode(),
+        ID: entry.id.encode(),
+    }
+    if entry.content_type:
+        fields[CONTENT_TYPE] = entry.content_type.encode()
+    if entry.bulk:
+        fields[BULK] = entry.bulk.encode()
+    if entry.expires_at_ms:
+        fields[EXPIRES_AT] = str(entry.expires_at_ms).encode()
+    return fields
+
+
+def decode_outbox_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> OutboxEntry:
+    """Read one outbox entry.
+
+    Raises MalformedEntryError when the target (pubsub, topic) is missing: no
+    retry can deliver such an entry. Unreadable metadata is dropped and an
+    unreadable expiry ignored rather than losing the data, as decode_entry does.
+    """
+    norm = {(k.decode() if isinstance(k, bytes) else k): bytes(v) for k, v in fields.items()}
+
+    def text(key: str) -> str:
+        return norm.get(key, b"").decode(errors="replace")
+
+    pubsub, topic = text(PUBSUB), text(TOPIC)
+    if not pubsub or not topic:
+        raise MalformedEntryError(f"outbox entry without a target: pubsub={pubsub!r} topic={topic!r}")
+    metadata: dict[str, str] = {}
+    raw = norm.get(METADATA)
+    if raw:
+        try:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict):
+            metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    expires_at_ms = 0
+    raw_expiry = text(EXPIRES_AT)
+    if raw_expiry:
+        try:
+            expires_at_ms = max(0, int(raw_expiry))
+        except ValueError:
+            expires_at_ms = 0
+    return OutboxEntry(
+        pubsub=pubsub,
+        topic=topic,
+        data=norm.get(DATA, b""),
+        id=text(ID),
+        metadata=metadata,
+        content_type=text(CONTENT_TYPE),
+        bulk=text(BULK),
+        expires_at_ms=expires_at_ms,
+    )

@@ -1,0 +1,82 @@
+"""A TCP proxy on loopback that can lose a reply: it forwards a command that
+contains a marker to Redis, then cuts both connections before Redis's answer
+gets back. The write has landed; the client never learns it did."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class LosingProxy:
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`.
+
+    While `armed`, the first client->Redis chunk that contains `marker` is
+    forwarded, Redis is given `settle_s` to execute it, and then the client and
+    Redis sides of that connection are both closed without the reply.
+    """
+
+    def __init__(self, upstream_port: int, marker: bytes, settle_s: float = 0.2) -> None:
+        self.upstream_port = upstream_port
+        self.marker = marker
+        self.settle_s = settle_s
+        self.armed = False
+        self.cuts = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.close()
+            return
+        cut = asyncio.Event()
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                redis_w.write(data)
+                await redis_w.drain()
+                if self.armed and self.marker in data:
+                    self.armed = False
+                    self.cuts += 1
+                    cut.set()
+                    await asyncio.sleep(self.settle_s)  # Redis executes it; its reply is dropped
+                    return
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                if cut.is_set():
+                    return
+                client_w.write(data)
+                await client_w.drain()
+
+        pumps = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's stream callback must not see a cancelled task fail
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for w in (client_w, redis_w):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+            self._tasks.discard(task)

@@ -1,0 +1,636 @@
+"""The forwarder against a real Redis and a real daprd: due messages reach another Dapr pub/sub.
+
+The daprd here runs Dapr's built-in `pubsub.redis` (component `target`, on
+database 1 of the test Redis, whose database 0 holds our outbox) and
+`pubsub.in-memory` (component `mem`), and the example subscriber app listens on
+both. Outbox entries are written in the documented format (delayed_middleware.outbox)
+straight into Redis, as the engine's fire script does, so the forwarder is
+proven on its own; the publish -> fire -> outbox path is the engine's test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from delayed_middleware.clock import SystemClock
+from delayed_middleware.history import decode_record
+from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_pubsub.forwarder import (
+    Forwarder,
+    ForwarderConfig,
+    HandOffPolicy,
+    forwarder_config,
+    resolve_dapr_address,
+)
+from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.settings import parse_settings
+from tests.e2e import harness
+from tests.e2e.harness import DaprdPorts, ManagedProcess
+from tests.redis_server import RedisServer, free_port
+
+APP_ID = "fwd-app"
+KEYS = EngineKeys.for_topic(delayed_topic(APP_ID))
+SUBSCRIPTIONS = ("target=orders", "target=bulk", "target=restart", "target=race", "mem=orders")
+TARGET_DB = 1
+
+
+# --- pure parts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("configured", "env", "address"),
+    [
+        ("10.0.0.5:50009", {"DAPR_GRPC_PORT": "50002"}, "10.0.0.5:50009"),
+        ("http://127.0.0.1:7000", {}, "127.0.0.1:7000"),
+        ("unix:///run/dapr.sock", {}, "unix:///run/dapr.sock"),
+        ("", {"DAPR_GRPC_PORT": "50002"}, "127.0.0.1:50002"),
+        ("", {}, "127.0.0.1:50001"),
+    ],
+)
+def test_sidecar_address(configured: str, env: dict[str, str], address: str) -> None:
+    assert resolve_dapr_address(configured, env) == address
+
+
+def test_config_takes_the_api_token_and_dead_letter_topic() -> None:
+    cfg = forwarder_config(
+        dapr_grpc_address="", dead_letter_topic="dlq", claim_idle_ms=60_000, env={"DAPR_API_TOKEN": "s3cret"}
+    )
+    assert (cfg.address, cfg.api_token, cfg.policy.dead_letter_topic) == ("127.0.0.1:50001", "s3cret", "dlq")
+
+
+def test_policy_backoff_grows_to_its_cap() -> None:
+    policy = HandOffPolicy(base_s=1, cap_s=60, multiplier=2)
+    assert [policy.delay_ms(n) for n in (1, 2, 3, 7, 8, 50)] == [1000, 2000, 4000, 60_000, 60_000, 60_000]
+
+
+def test_from_settings_reads_the_component_metadata() -> None:
+    settings = parse_settings(
+        {
+            "redisHost": "127.0.0.1:1",
+            "consumerID": "app9",
+            "daprGrpcAddress": "127.0.0.1:7777",
+            "deadLetterTopic": "undeliverable",
+            "processingTimeout": "90s",
+        }
+    )
+    fwd = Forwarder.from_settings(
+        aioredis.Redis(port=1), settings, SystemClock(), None, name="d", env={"DAPR_API_TOKEN": "t"}
+    )
+    assert fwd.keys.outbox == "{app9-delayed}:outbox"
+    assert fwd.config.address == "127.0.0.1:7777"
+    assert fwd.config.api_token == "t"
+    assert fwd.config.policy.dead_letter_topic == "undeliverable"
+    assert fwd.config.claim_idle_ms == 90_000
+
+
+# --- the real stack -------------------------------------------------------------
+
+
+@dataclass
+class Sidecar:
+    """Redis + the subscriber app + daprd with the built-in target pub/subs."""
+
+    daprd_path: str
+    workdir: Path
+    redis: RedisServer
+    app_port: int
+    ports: DaprdPorts
+    resources: Path
+    daprd: ManagedProcess
+    subscriber: ManagedProcess
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def start_daprd(self) -> None:
+        self.daprd = harness.start_daprd(
+            self.daprd_path,
+            self.workdir,
+            self.workdir / "sockets",
+            APP_ID,
+            self.app_port,
+            self.resources,
+            self.ports,
+        )
+        base = f"http://127.0.0.1:{self.ports.http}/v1.0/metadata"
+        want = {tuple(s.split("=", 1)) for s in SUBSCRIPTIONS}
+
+        def loaded() -> bool:
+            meta = httpx.get(base, timeout=2).json()
+            return want <= {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
+
+        harness.wait_until(loaded, 30, "daprd to load the subscriptions", self.daprd)
+
+    def kill_daprd(self) -> None:
+        """SIGKILL: no graceful drain, as a crash or an OOM kill."""
+        proc = self.daprd.proc
+        assert proc is not None
+        proc.kill()
+        proc.wait(timeout=10)
+        self.daprd.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    daprd_path = harness.find_daprd()
+    workdir = Path(tmp_path_factory.mktemp("fwd"))
+    server = RedisServer(workdir / "redis")
+    server.start()
+    resources = workdir / "resources"
+    resources.mkdir()
+    (workdir / "sockets").mkdir()
+    (resources / "target.yaml").write_text(
+        harness.component_yaml(
+            "target", {"redisHost": f"127.0.0.1:{server.port}", "redisDB": str(TARGET_DB)}, "pubsub.redis"
+        )
+    )
+    (resources / "mem.yaml").write_text(harness.component_yaml("mem", {}, "pubsub.in-memory"))
+    app_port = free_port()
+    subscriber = harness.start_subscriber(workdir, app_port, SUBSCRIPTIONS)
+    # daprd is filled in by start_daprd; the app stands in until then.
+    s = Sidecar(daprd_path, workdir, server, app_port, DaprdPorts.free(), resources, subscriber, subscriber)
+    try:
+        s.start_daprd()
+        yield s
+    finally:
+        s.daprd.stop()
+        subscriber.stop()
+        server.stop()
+
+
+@pytest.fixture
+def outbox_db(sidecar: Sidecar) -> Iterator[Any]:
+    """Database 0 (our outbox, history, dead letters), emptied for each test."""
+    client = sidecar.redis.client(db=0)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def make_forwarder(sidecar: Sidecar, outbox_db: Any) -> AsyncIterator[Callable[..., Forwarder]]:
+    made: list[Forwarder] = []
+    clients: list[aioredis.Redis] = []
+    metrics = Metrics(CollectorRegistry())
+
+    def make(**overrides: Any) -> Forwarder:
+        client = aioredis.Redis(host="127.0.0.1", port=sidecar.redis.port, db=0)
+        clients.append(client)
+        policy = overrides.pop("policy", HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=1.0))
+        settings: dict[str, Any] = {
+            "address": sidecar.grpc_address,
+            "block_ms": 200,
+            "call_timeout_s": 5,
+            "sidecar_backoff_base_s": 0.1,
+            "sidecar_backoff_cap_s": 0.5,
+        }
+        config = ForwarderConfig(policy=policy, **{**settings, **overrides})
+        fwd = Forwarder(client, KEYS, SystemClock(), config, metrics.forwarder, name="delayed")
+        made.append(fwd)
+        return fwd
+
+    make.metrics = metrics  # type: ignore[attr-defined]
+    yield make
+    for f in made:
+        await f.close()
+    for c in clients:
+        await c.aclose()
+
+
+def cloudevent(marker: str, **data: Any) -> bytes:
+    """A CloudEvent as daprd builds it around a publish to our component (compact, as Go writes it)."""
+    return json.dumps(
+        {
+            "data": {"marker": marker, **data},
+            "datacontenttype": "application/json",
+            "id": str(uuid.uuid4()),
+            "pubsubname": "delayed",
+            "source": "publisher-app",
+            "specversion": "1.0",
+            "time": "2026-11-26T07:00:00Z",
+            "topic": "orders",
+            "traceid": "00-00000000000000000000000000000000-0000000000000000-00",
+            "type": "com.dapr.event.sent",
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def add(client: Any, entry: OutboxEntry) -> str:
+    return str(client.xadd(KEYS.outbox, encode_outbox_entry(entry)).decode())
+
+
+async def arrivals(sidecar: Sidecar, marker: str, route: str | None = None) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        got: list[dict[str, Any]] = (await http.get(f"http://127.0.0.1:{sidecar.app_port}/arrivals")).json()
+    return [a for a in got if marker in a["body"] and (route is None or a["route"] == route)]
+
+
+async def wait_for(check: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_arrivals(
+    sidecar: Sidecar, marker: str, count: int, within: float = 15, route: str | None = None
+) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+
+    async def enough() -> bool:
+        nonlocal found
+        found = await arrivals(sidecar, marker, route)
+        return len(found) >= count
+
+    await wait_for(enough, within, f"{count} arrival(s) of {marker}")
+    return found
+
+
+def header(arrival: Mapping[str, Any], key: str) -> str | None:
+    return next((str(v) for k, v in arrival["headers"].items() if k.lower() == key.lower()), None)
+
+
+def history(client: Any) -> list[Any]:
+    return [decode_record(i, f) for i, f in client.xrange(KEYS.history)]
+
+
+def outbox_left(client: Any) -> tuple[int, int]:
+    """(entries in the outbox, entries pending in its group)."""
+    length = int(client.xlen(KEYS.outbox))
+    try:
+        pending = int(client.xpending(KEYS.outbox, "forwarder")["pending"])
+    except redis.ResponseError:
+        pending = 0
+    return length, pending
+
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_due_message_reaches_the_builtin_redis_byte_for_byte_with_its_cloudevent_id(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"one-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    metadata = {"customer": "acme-42", "scheduler": "s-1", "scheduleNext": "purge"}
+    entry_id = add(
+        outbox_db, OutboxEntry(pubsub="target", topic="orders", data=data, id="s-1", metadata=metadata)
+    )
+    make_forwarder().start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/target/orders")
+    sent = json.loads(data)
+    assert arrival["id"] == sent["id"]
+    assert arrival["data"] == sent["data"]
+    # One CloudEvent, not one wrapped in another: the app sees the original's fields.
+    assert json.loads(arrival["body"])["source"] == "publisher-app"
+    assert header(arrival, "customer") == "acme-42"
+    assert header(arrival, "scheduleNext") == "purge"
+    assert header(arrival, "scheduler") == "s-1"
+    # On the target's own Redis stream the bytes are the ones we were given.
+    target: Any = sidecar.redis.client(db=TARGET_DB)
+    stored = [f[b"data"] for _, f in target.xrange("orders") if marker.encode() in f[b"data"]]
+    target.close()
+    assert stored == [data]
+    # Settled: acked and gone from the outbox, one hand-off record in the history.
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
+    [record] = history(outbox_db)
+    assert (record.event, record.id, record.topic, record.size_bytes) == (
+        "handedoff",
+        "s-1",
+        "orders",
+        len(data),
+    )
+    assert entry_id not in {i.decode() for i, _ in outbox_db.xrange(KEYS.outbox)}
+    await asyncio.sleep(1)
+    assert len(await arrivals(sidecar, marker)) == 1, "delivered twice"
+
+
+async def test_in_memory_target_receives_the_same_cloudevent(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"mem-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    add(outbox_db, OutboxEntry(pubsub="mem", topic="orders", data=data, id="m1"))
+    make_forwarder().start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
+    assert arrival["id"] == json.loads(data)["id"]
+    assert arrival["data"] == {"marker": marker}
+
+
+async def test_bulk_entries_go_out_together_and_are_recorded_as_one_hand_off(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"bulk-{uuid.uuid4().hex[:8]}"
+    events = [cloudevent(marker, n=n) for n in range(5)]
+    for n, data in enumerate(events):
+        add(
+            outbox_db,
+            OutboxEntry(
+                pubsub="target",
+                topic="bulk",
+                data=data,
+                id="env-9",
+                bulk="env-9",
+                metadata={"n": str(n)},
+                content_type="application/cloudevents+json",
+            ),
+        )
+    make_forwarder().start()
+    got = await wait_arrivals(sidecar, marker, 5, route="/events/target/bulk")
+    assert sorted(a["data"]["n"] for a in got) == [0, 1, 2, 3, 4]
+    assert {a["id"] for a in got} == {json.loads(e)["id"] for e in events}
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
+    [record] = history(outbox_db)
+    assert (record.event, record.id, record.size_bytes) == ("handedoff", "env-9", sum(map(len, events)))
+
+
+async def test_expired_entry_is_dropped_and_a_live_one_delivered(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    stale, live = f"stale-{uuid.uuid4().hex[:8]}", f"live-{uuid.uuid4().hex[:8]}"
+    now = SystemClock().now_ms()
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(stale), id="x1", expires_at_ms=now - 1))
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(live), id="x2", expires_at_ms=now + 60_000))
+    make_forwarder().start()
+    await wait_arrivals(sidecar, live, 1)
+    await asyncio.sleep(0.5)
+    assert await arrivals(sidecar, stale) == []
+    events = {(r.id, r.event) for r in history(outbox_db)}
+    assert events == {("x1", "expired"), ("x2", "handedoff")}
+
+
+async def test_unknown_target_is_reported_and_dead_lettered_after_the_last_attempt_without_blocking_others(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    bad, good = f"bad-{uuid.uuid4().hex[:8]}", f"good-{uuid.uuid4().hex[:8]}"
+    bad_data = cloudevent(bad)
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", bad_data, id="b1", metadata={"customer": "c"}))
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(good), id="g1"))
+    fwd = make_forwarder(policy=HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=0.5, dead_letter_topic="dlq"))
+    fwd.start()
+    # The good one is not held behind the bad one's retries.
+    await wait_arrivals(sidecar, good, 1, within=5)
+
+    async def dead_lettered() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(dead_lettered, 20, "the dead letter")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert fields[b"data"] == bad_data
+    meta = json.loads(fields[b"metadata"])
+    assert meta["customer"] == "c"
+    assert meta["deadLetterPubsub"] == "no-such-pubsub"
+    assert "no-such-pubsub" in meta["deadLetterReason"]
+    assert outbox_left(outbox_db) == (0, 0)
+    records = [r for r in history(outbox_db) if r.id == "b1"]
+    assert [(r.event, r.attempt) for r in records] == [("deadlettered", 3)]
+    registry = make_forwarder.metrics.registry  # type: ignore[attr-defined]
+    failures = registry.get_sample_value(
+        "delayed_pubsub_handoff_failures_total", {"instance": "delayed", "reason": "unknown_target"}
+    )
+    assert failures == 3
+    assert (
+        registry.get_sample_value(
+            "delayed_pubsub_handoff_dead_lettered_messages_total", {"instance": "delayed"}
+        )
+        == 1
+    )
+
+
+async def test_without_a_dead_letter_topic_a_refused_message_is_kept_and_retried(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("kept"), id="k1"))
+    make_forwarder(policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.3)).start()
+
+    async def tried_a_lot() -> bool:
+        try:
+            rows = outbox_db.xpending_range(KEYS.outbox, "forwarder", "-", "+", 10)
+        except redis.ResponseError:  # the forwarder has not created its group yet
+            return False
+        return bool(rows) and int(rows[0]["times_delivered"]) >= 4
+
+    await wait_for(tried_a_lot, 15, "more attempts than max_attempts")
+    assert outbox_left(outbox_db) == (1, 1)
+    assert history(outbox_db) == []
+
+
+async def test_malformed_entry_is_dead_lettered_at_once(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    outbox_db.xadd(KEYS.outbox, {"data": b"orphan", "topic": b"orders"})
+    make_forwarder(policy=HandOffPolicy(dead_letter_topic="dlq")).start()
+
+    async def dead_lettered() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(dead_lettered, 5, "the dead letter")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert fields[b"data"] == b"orphan"
+    assert outbox_left(outbox_db) == (0, 0)
+
+
+async def test_entries_held_by_a_dead_replica_are_claimed_and_delivered(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"orphaned-{uuid.uuid4().hex[:8]}"
+    outbox_db.xgroup_create(KEYS.outbox, "forwarder", id="0", mkstream=True)
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="d1"))
+    # A replica read it and died before publishing.
+    outbox_db.xreadgroup("forwarder", "dead-replica", {KEYS.outbox: ">"})
+    make_forwarder(claim_idle_ms=1500).start()
+    await asyncio.sleep(1.0)
+    assert await arrivals(sidecar, marker) == [], "claimed before claim_idle_ms"
+    await wait_arrivals(sidecar, marker, 1, within=10)
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
+    [record] = history(outbox_db)
+    assert (record.event, record.attempt) == ("handedoff", 2)
+
+
+async def test_three_replicas_hand_each_message_off_once(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"race-{uuid.uuid4().hex[:8]}"
+    n = 200
+    for i in range(n):
+        add(outbox_db, OutboxEntry("target", "race", cloudevent(marker, n=i), id=f"r{i}"))
+    for _ in range(3):
+        make_forwarder(batch_size=10, claim_idle_ms=60_000).start()
+    got = await wait_arrivals(sidecar, marker, n, within=60)
+    await asyncio.sleep(1)
+    got = await arrivals(sidecar, marker)
+    assert sorted(a["data"]["n"] for a in got) == list(range(n))
+    assert len([r for r in history(outbox_db) if r.event == "handedoff"]) == n
+
+
+@pytest.mark.slow
+async def test_daprd_killed_and_restarted_while_entries_wait_loses_nothing(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"restart-{uuid.uuid4().hex[:8]}"
+    n = 30
+    events = [cloudevent(marker, n=i) for i in range(n)]
+    fwd = make_forwarder(policy=HandOffPolicy(max_attempts=2, base_s=0.2, cap_s=0.5, dead_letter_topic="dlq"))
+    fwd.start()
+    # The first third goes while daprd is up, the rest is due while it is dead.
+    for i in range(10):
+        add(outbox_db, OutboxEntry("target", "restart", events[i], id=f"e{i}"))
+    await wait_arrivals(sidecar, marker, 10)
+    await asyncio.to_thread(sidecar.kill_daprd)
+    for i in range(10, n):
+        add(outbox_db, OutboxEntry("target", "restart", events[i], id=f"e{i}"))
+    await asyncio.sleep(3)  # many uncounted retries against a dead sidecar
+    assert outbox_left(outbox_db)[0] == n - 10, "an entry was dropped or dead-lettered while daprd was down"
+    await asyncio.to_thread(sidecar.start_daprd)
+    got = await wait_arrivals(sidecar, marker, n, within=30)
+    await asyncio.sleep(1)
+    got = await arrivals(sidecar, marker)
+    by_n: dict[int, set[str]] = {}
+    for a in got:
+        by_n.setdefault(a["data"]["n"], set()).add(a["id"])
+    assert sorted(by_n) == list(range(n)), "a message never arrived"
+    # Duplicates are allowed (at least once), but only with the original CloudEvent id.
+    assert all(ids == {json.loads(events[k])["id"]} for k, ids in by_n.items())
+    assert int(outbox_db.xlen("dlq")) == 0
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "the outbox to empty")
+
+
+@pytest.fixture(scope="module")
+def token_daprd(sidecar: Sidecar) -> Iterator[DaprdPorts]:
+    """A second daprd that demands an API token, with only an in-memory pub/sub (`mem`)."""
+    resources = sidecar.workdir / "token-resources"
+    resources.mkdir()
+    (resources / "mem.yaml").write_text(harness.component_yaml("mem", {}, "pubsub.in-memory"))
+    workdir = sidecar.workdir / "token"
+    workdir.mkdir()
+    ports = DaprdPorts.free()
+    with pytest.MonkeyPatch.context() as mp:
+        # daprd demands the token on its APIs when started with it in its environment.
+        mp.setenv("DAPR_API_TOKEN", "s3cret-token")
+        # Its own app-id: the app's `target` subscriptions fail there (no such pub/sub) and
+        # `mem` is its own in-memory bus, so the first daprd's tests see nothing of it.
+        proc = harness.start_daprd(
+            sidecar.daprd_path,
+            workdir,
+            sidecar.workdir / "sockets",
+            "fwd-token",
+            sidecar.app_port,
+            resources,
+            ports,
+        )
+    yield ports
+    proc.stop()
+
+
+async def test_the_api_token_is_sent_and_required(
+    sidecar: Sidecar,
+    token_daprd: DaprdPorts,
+    outbox_db: Any,
+    make_forwarder: Callable[..., Forwarder],
+) -> None:
+    marker = f"token-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent(marker), id="t1"))
+    wrong = make_forwarder(
+        address=f"127.0.0.1:{token_daprd.grpc}",
+        policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+    )
+    wrong.start()
+
+    async def refused() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(refused, 10, "the token-less hand-off to be refused")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert "UNAUTHENTICATED" in json.loads(fields[b"metadata"])["deadLetterReason"]
+    await wrong.close()
+
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent(marker), id="t2"))
+    make_forwarder(address=f"127.0.0.1:{token_daprd.grpc}", api_token="s3cret-token").start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
+    assert arrival["data"] == {"marker": marker}
+
+
+async def test_an_expiry_of_2_pow_63_is_no_overflow(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"far-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="f1", expires_at_ms=2**63 - 1))
+    make_forwarder().start()
+    await wait_arrivals(sidecar, marker, 1)
+    assert [r.event for r in history(outbox_db)] == ["handedoff"]
+
+
+async def test_a_message_too_large_for_daprd_is_dead_lettered_not_retried_forever(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    big = b'{"specversion":"1.0","id":"big","data":"' + b"x" * (5 << 20) + b'"}'
+    add(outbox_db, OutboxEntry("target", "orders", big, id="big"))
+    make_forwarder(
+        policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq")
+    ).start()
+
+    async def dead_lettered() -> bool:
+        return int(outbox_db.xlen("dlq")) == 1
+
+    await wait_for(dead_lettered, 20, "the oversized message to be dead-lettered")
+    [(_, fields)] = outbox_db.xrange("dlq")
+    assert fields[b"data"] == big
+    # daprd's gRPC server refuses it (4 MiB by default): a refusal, counted, not "sidecar down".
+    assert "RESOURCE_EXHAUSTED" in json.loads(fields[b"metadata"])["deadLetterReason"]
+    assert outbox_left(outbox_db) == (0, 0)
+
+
+async def test_the_loop_survives_its_redis_restarting_and_losing_everything(
+    sidecar: Sidecar, tmp_path: Path, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    """The outbox on a Redis of its own (the target stays on the sidecar's): restarted, then wiped."""
+    own = RedisServer(tmp_path / "outbox-redis")
+    own.start()
+    client = aioredis.Redis(port=own.port)
+    sync: Any = own.client()
+    fwd = Forwarder(
+        client,
+        KEYS,
+        SystemClock(),
+        ForwarderConfig(address=sidecar.grpc_address, block_ms=200),
+        name="own",
+    )
+    try:
+        fwd.start()
+        markers = [f"survive{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[0]), id="s0"))
+        await wait_arrivals(sidecar, markers[0], 1)
+        sync.close()
+        await asyncio.to_thread(own.restart)  # SIGTERM: the AOF keeps what was acked and deleted
+        sync = own.client()
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[1]), id="s1"))
+        await wait_arrivals(sidecar, markers[1], 1)
+        sync.flushall()  # the group is gone too (NOGROUP): the forwarder must create it again
+        await asyncio.sleep(0.5)
+        add(sync, OutboxEntry("target", "orders", cloudevent(markers[2]), id="s2"))
+        await wait_arrivals(sidecar, markers[2], 1)
+        await asyncio.sleep(1)
+        for marker in markers:
+            assert len(await arrivals(sidecar, marker)) == 1, f"{marker} delivered twice"
+    finally:
+        await fwd.close()
+        await client.aclose()
+        sync.close()
+        own.stop()

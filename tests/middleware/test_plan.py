@@ -1,0 +1,283 @@
+"""Publish planning for the schedules contract: schedule, scheduleCancel, scheduleSource, scheduleTTL and
+per-message TTL, as tables of metadata in and plans (or refusals) out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from delayed_middleware import envelope as env
+from delayed_middleware.entry import StreamEntry
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.instants import parse_instant
+from delayed_middleware.plan import (
+    Cancel,
+    PlanContext,
+    Request,
+    Timing,
+    plan_bulk,
+    plan_publish,
+    read_request,
+)
+from delayed_middleware.schedules import parse_schedule
+
+NOW = parse_instant("2026-11-26T05:00:00Z")
+CTX = PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=True)
+CLOUDEVENT = b'{"specversion":"1.0","id":"1","data":{"n":1}}'
+
+
+def test_no_keys_is_an_immediate_publish() -> None:
+    assert read_request({"customer": "acme"}, CTX) == Request()
+
+
+def test_ttl_alone_works_without_delayed_messaging() -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=False)
+    assert read_request({"ttlInSeconds": "10"}, ctx) == Request(expires_at_ms=NOW + 10_000)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"schedule": "@every 2s"}, Timing(NOW + 2000, None, parse_schedule("@every 2s", now_ms=NOW))),
+        (
+            {"schedule": "@every 2s", "scheduleId": "r1", "scheduleTTL": "500ms", "scheduleSource": "sensor"},
+            Timing(NOW + 2000, "r1", parse_schedule("@every 2s", now_ms=NOW), "sensor", 500),
+        ),
+        (
+            {"schedule": "0 */5 * * * *"},
+            Timing(parse_instant("2026-11-26T05:05:00Z"), None, parse_schedule("0 */5 * * * *", now_ms=NOW)),
+        ),
+        (
+            {"schedule": "@daily"},
+            Timing(parse_instant("2026-11-27T00:00:00Z"), None, parse_schedule("@daily", now_ms=NOW)),
+        ),
+        # @at is a one-shot: no recurring schedule, due at its instant (past: at once)
+        ({"schedule": "@at 2026-11-26T06:00:00Z"}, Timing(parse_instant("2026-11-26T06:00:00Z"), None)),
+        ({"schedule": "@at 2001-01-01T00:00:00Z", "scheduleId": "x"}, Timing(NOW, "x")),
+        (
+            {"schedule": "@at 2026-11-26T06:00:00Z", "scheduleSource": "s"},
+            Timing(parse_instant("2026-11-26T06:00:00Z"), None, None, "s"),
+        ),
+        ({"scheduledSendDelay": "90s", "scheduleId": "d"}, Timing(NOW + 90_000, "d")),
+        (
+            {"scheduleTTL": "never", "schedule": "@hourly"},
+            Timing(parse_instant("2026-11-26T06:00:00Z"), None, parse_schedule("@hourly", now_ms=NOW)),
+        ),
+    ],
+)
+def test_timing(metadata: dict[str, str], expected: Timing) -> None:
+    assert read_request(metadata, CTX) == Request(timing=expected)
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", "True"])
+def test_cancel(value: str) -> None:
+    assert read_request({"scheduleCancel": value, "scheduleId": "r1"}, CTX) == Request(cancel="r1")
+    assert plan_publish(
+        "orders", b"ignored", {"scheduleCancel": value, "scheduleId": "r1"}, "", CTX
+    ).cancels == (Cancel(("",), "r1"),)
+
+
+def test_cancel_false_is_no_cancel() -> None:
+    assert read_request({"scheduleCancel": "false", "scheduleId": "r1"}, CTX) == Request()
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key", "reason"),
+    [
+        ({"scheduleCancel": "true"}, "scheduleCancel", "needs scheduleId"),
+        ({"scheduleCancel": "yes", "scheduleId": "a"}, "scheduleCancel", 'must be "true"'),
+        ({"scheduleCancel": "", "scheduleId": "a"}, "scheduleCancel", "empty"),
+        (
+            {"scheduleCancel": "true", "scheduleId": "a", "schedule": "@every 1s"},
+            "schedule",
+            "schedules nothing",
+        ),
+        (
+            {"scheduleCancel": "true", "scheduleId": "a", "scheduledSendDelay": "1s"},
+            "scheduledSendDelay",
+            "schedules nothing",
+        ),
+        ({"scheduleCancel": "true", "scheduleId": "x" * 257}, "scheduleId", "longer than the maximum"),
+        ({"scheduleCancel": "true", "scheduleId": "a\nb"}, "scheduleId", "control character"),
+        ({"schedule": "@every 1s", "scheduledSendDelay": "1s"}, "scheduledSendDelay", "not both"),
+        (
+            {"schedule": "@every 1s", "scheduledSendTime": "2030-01-01T00:00:00Z"},
+            "scheduledSendTime",
+            "not both",
+        ),
+        ({"schedule": "@every 500ms"}, "schedule", "minimum of 1s"),
+        ({"schedule": "* * * * *"}, "schedule", "6 fields"),
+        ({"schedule": ""}, "schedule", "empty"),
+        ({"scheduleSource": "sensor"}, "scheduleSource", "only applies to a schedule"),
+        ({"scheduledSendDelay": "1s", "scheduleTTL": "1m"}, "scheduleTTL", "only applies to a schedule"),
+        ({"schedule": "@every 1s", "scheduleSource": "x-delayed"}, "scheduleSource", "reserved"),
+        ({"schedule": "@every 1s", "scheduleSource": "{x-delayed}:ids"}, "scheduleSource", "reserved"),
+        ({"schedule": "@every 1s", "scheduleTTL": "0"}, "scheduleTTL", "must be positive"),
+        ({"schedule": "@every 1s", "scheduleTTL": "soon"}, "scheduleTTL", "not a duration"),
+        ({"ttlInSeconds": "abc"}, "ttlInSeconds", "not a duration"),
+        ({"ttl": "1s", "ttlInSeconds": "1"}, "ttl", "not both"),
+        ({"scheduledSendDelay": "1s", "ttlInSeconds": str(2**63)}, "ttlInSeconds", "292 years"),
+    ],
+)
+def test_refused(metadata: dict[str, str], key: str, reason: str) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        plan_publish("orders", b"{}", metadata, "", CTX)
+    assert caught.value.key == key
+    assert reason in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"schedule": "@every 1s"}, {"scheduleCancel": "true", "scheduleId": "a"}, {"scheduleSource": "s"}],
+)
+def test_schedule_keys_need_delayed_messaging(metadata: dict[str, str]) -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=False)
+    with pytest.raises(InvalidArgumentError, match="enableDelayedMessaging"):
+        read_request(metadata, ctx)
+
+
+def test_max_delay_bounds_the_first_fire_of_a_schedule() -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=True, max_delay_ms=3_600_000)
+    assert read_request({"schedule": "@hourly"}, ctx).timing is not None
+    with pytest.raises(InvalidArgumentError, match="more than the maximum delay of 1h0m0s") as caught:
+        read_request({"schedule": "@daily"}, ctx)
+    assert caught.value.key == "schedule"
+
+
+def test_recurring_envelope_carries_its_schedule() -> None:
+    p = plan_publish(
+        "orders",
+        CLOUDEVENT,
+        {
+            "schedule": "@every 90s",
+            "scheduleId": "r",
+            "scheduleSource": "sensor",
+            "scheduleTTL": "5m",
+            "k": "v",
+        },
+        "",
+        CTX,
+    )
+    [d] = p.delayed
+    e = d.envelope
+    assert (e.kind, e.schedule, e.published_at_ms, e.due_ms) == (
+        env.RECURRING,
+        "@every 1m30s",
+        NOW,
+        NOW + 90_000,
+    )
+    assert (e.schedule_id, e.schedule_source, e.schedule_ttl_ms, e.expires_at_ms) == (
+        "r",
+        "sensor",
+        300_000,
+        0,
+    )
+    assert e.message == CLOUDEVENT  # the body unchanged
+    assert e.metadata["k"] == "v"  # user metadata verbatim
+    assert env.decode_envelope(env.encode_envelope(e)) == e
+
+
+def test_ttl_on_a_plain_publish_rides_on_the_entry_and_in_the_cloudevent() -> None:
+    p = plan_publish("orders", CLOUDEVENT, {"ttlInSeconds": "10"}, "", CTX)
+    [i] = p.immediate
+    assert i.entry.expires_at_ms == NOW + 10_000
+    assert json.loads(i.entry.data)["expiration"] == "2026-11-26T05:00:10.000Z"
+    assert i.entry.metadata == {"ttlInSeconds": "10"}  # verbatim
+    raw = plan_publish("raw", b"bytes", {"ttl": "1m", "rawPayload": "true"}, "", CTX).immediate[0].entry
+    assert (raw.data, raw.expires_at_ms) == (b"bytes", NOW + 60_000)
+
+
+def test_ttl_on_a_delayed_one_shot_and_on_a_schedule() -> None:
+    one = (
+        plan_publish("o", CLOUDEVENT, {"scheduledSendDelay": "5s", "ttl": "1s"}, "", CTX).delayed[0].envelope
+    )
+    assert one.expires_at_ms == NOW + 1000  # expires before it is due: the fire path drops it
+    assert json.loads(one.message)["expiration"] == "2026-11-26T05:00:01.000Z"
+    rec = plan_publish("o", CLOUDEVENT, {"schedule": "@every 1s", "ttl": "1h"}, "", CTX).delayed[0].envelope
+    assert rec.expires_at_ms == NOW + 3_600_000  # the schedule ends then
+    assert rec.message == CLOUDEVENT  # its messages get no expiration of the schedule's
+
+
+def test_bulk_entries_each_with_their_own_schedule_cancel_or_ttl() -> None:
+    entries = [
+        ("a", StreamEntry(b"1", {"schedule": "@every 1s", "scheduleId": "ra"})),
+        ("b", StreamEntry(b"2", {"scheduleCancel": "true", "scheduleId": "old"})),
+        ("c", StreamEntry(b"3", {"ttlInSeconds": "5"})),
+        ("d", StreamEntry(b"4", {"schedule": "@every 10ms"})),
+        ("e", StreamEntry(b"5")),
+        ("f", StreamEntry(b"6", {"scheduleCancel": "true"})),
+    ]
+    p = plan_bulk("orders", entries, {}, CTX)
+    assert [d.entry_ids for d in p.delayed] == [("a",)]
+    assert p.delayed[0].envelope.kind == env.RECURRING
+    assert p.cancels == (Cancel(("b",), "old"),)
+    assert [(i.entry_id, i.entry.expires_at_ms) for i in p.immediate] == [("c", NOW + 5000), ("e", 0)]
+    assert [f.entry_id for f in p.failed] == ["d", "f"]
+    assert p.failed[0].error.startswith("invalid metadata schedule='@every 10ms'")
+    assert p.failed[1].error.startswith("invalid metadata scheduleCancel='true': needs scheduleId")
+
+
+def test_bulk_request_level_ttl_and_schedule() -> None:
+    entries = [("a", StreamEntry(b"1")), ("b", StreamEntry(b"2", {"ttl": "1s"}))]
+    p = plan_bulk("orders", entries, {"ttlInSeconds": "60"}, CTX)
+    assert [(i.entry_id, i.entry.expires_at_ms) for i in p.immediate] == [
+        ("a", NOW + 60_000),
+        ("b", NOW + 1000),
+    ]
+    # (b's own ttl replaced the request's ttlInSeconds: they are one setting.) Both in one map: refused.
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        plan_publish("orders", b"", {"ttlInSeconds": "60", "ttl": "1s"}, "", CTX)
+    p = plan_bulk("orders", entries[:1], {"schedule": "@every 5s", "scheduleId": "batch"}, CTX)
+    [d] = p.delayed
+    assert (d.envelope.kind, d.envelope.schedule_id, len(d.envelope.bulk_entries)) == (
+        env.RECURRING,
+        "batch",
+        1,
+    )
+
+
+def test_bulk_request_level_cancel_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="per entry") as caught:
+        plan_bulk("orders", [("a", StreamEntry(b""))], {"scheduleCancel": "true", "scheduleId": "x"}, CTX)
+    assert caught.value.key == "scheduleCancel"
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "schedule",
+                "scheduleId",
+                "scheduleCancel",
+                "scheduleSource",
+                "scheduleTTL",
+                "scheduledSendDelay",
+                "ttl",
+                "ttlInSeconds",
+                "x",
+            ]
+        ),
+        st.sampled_from(
+            ["", "true", "@every 1s", "1s", "0 0 * * * *", "never", "a", "-1", "@at 2030-01-01T00:00:00Z"]
+        ),
+        max_size=5,
+    )
+)
+def test_any_metadata_plans_or_is_refused_naming_a_given_key(metadata: dict[str, str]) -> None:
+    refused: InvalidArgumentError | None = None
+    try:
+        p = plan_publish("orders", CLOUDEVENT, metadata, "", CTX)
+    except InvalidArgumentError as exc:
+        refused = exc
+    if refused is not None:
+        assert refused.key in metadata
+        assert refused.value == metadata[refused.key]
+        return
+    # Exactly one outcome: stored now, delayed, or cancelled.
+    assert len(p.immediate) + len(p.delayed) + len(p.cancels) == 1
+    for d in p.delayed:
+        assert d.envelope.due_ms >= NOW
+        assert (d.envelope.kind == env.RECURRING) == bool(d.envelope.schedule)
