@@ -93,6 +93,7 @@ Sentinel or the refreshed cluster slot map, and fires whatever is due.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -130,6 +131,8 @@ Recurrence = Callable[[Envelope, int], "int | None"]
 # Recurring envelopes refilled per round trip, and ids cancelled per script call.
 REFILL_BATCH = 200
 CANCEL_BATCH = 500
+# Call tokens a ShardedEngine remembers the spread shard of (retries come within seconds).
+SPREAD_MEMORY = 4096
 # The metadata key of a marker message (deleteMarkerTTL): why the message will not come.
 MARKER_REASON = "markerReason"
 
@@ -815,6 +818,10 @@ class ShardedEngine:
             raise ValueError("a sharded engine needs at least one shard")
         self.engines = list(engines)
         self._turn = secrets.randbelow(len(self.engines))
+        # The shard each recent call token's envelopes without a scheduleId
+        # went to, so the caller's retry with that token lands there again
+        # (its chunks are then recognised as stored); oldest forgotten first.
+        self._spread: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     @property
     def keys(self) -> EngineKeys:
@@ -836,8 +843,9 @@ class ShardedEngine:
 
         Retries: each shard's part carries the token `<token>:<shard>` (and
         DelayEngine adds `/<offset>` per chunk), and envelopes without a
-        scheduleId go to the shard the token picks, so the same call repeated
-        after a lost reply lands on the same shards and stores nothing twice.
+        scheduleId go to the shard this engine picked for that token (one per
+        call, in turn), so the same call repeated after a lost reply lands on
+        the same shards and stores nothing twice.
 
         Partial failure: PartiallyStoredError(n) means the first n envelopes are
         stored. The shard without scheduleIds is stored last, so whatever is
@@ -847,11 +855,14 @@ class ShardedEngine:
         n = len(self.engines)
         if n == 1:
             return await self.engines[0].schedule(envelopes, token=token, timeout_s=timeout_s)
-        if token:
-            spread = shard_index(token, n)
-        else:
+        spread = self._spread.get(token) if token else None
+        if spread is None:
             self._turn = (self._turn + 1) % n
             spread = self._turn
+            if token:
+                self._spread[token] = spread
+                if len(self._spread) > SPREAD_MEMORY:
+                    self._spread.popitem(last=False)
         groups: dict[int, list[int]] = {}
         for i, e in enumerate(envelopes):
             shard = shard_index(e.schedule_id, n) if e.schedule_id else spread
