@@ -71,6 +71,9 @@ class Serve:
         self.socket.unlink(missing_ok=True)
 
 
+HISTORY_MAX_LEN: list[str] = []  # --history-max-len, when given
+
+
 async def init(stub: pubsub_pb2_grpc.PubSubStub, port: int) -> float:
     t0 = time.perf_counter()
     await stub.Init(
@@ -80,6 +83,7 @@ async def init(stub: pubsub_pb2_grpc.PubSubStub, port: int) -> float:
                     "redisHost": f"127.0.0.1:{port}",
                     "consumerID": "bench",
                     "enableDelayedMessaging": "true",
+                    **({"historyMaxLen": HISTORY_MAX_LEN[0]} if HISTORY_MAX_LEN else {}),
                 }
             )
         ),
@@ -293,7 +297,10 @@ async def main() -> None:
     ap.add_argument("--ingest", type=int, default=20_000)
     ap.add_argument("--callers", type=int, default=64)
     ap.add_argument("--pending", type=int, default=1_000_000)
+    ap.add_argument("--history-max-len", default=None, help="the component's historyMaxLen (0 = no history)")
     args = ap.parse_args()
+    if args.history_max_len is not None:
+        HISTORY_MAX_LEN.append(args.history_max_len)
     print(
         f"# {datetime.now(UTC):%Y-%m-%d %H:%M UTC} on {platform.node()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}"

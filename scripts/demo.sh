@@ -222,8 +222,9 @@ sleep 0.5
 
 say "summary"
 ((refused == 0)) || say "$refused delayed publish(es) refused by the component (see above)"
+summary_status=0
 "$py" - "$work/arrivals.jsonl" "$refused" "$cancelled_every_ms" "$cancelled_cron_ms" "${#schedules[@]}" \
-    "${expected[@]}" <<'PY'
+    "${expected[@]}" <<'PY' || summary_status=$?
 import json
 import statistics
 import sys
@@ -296,3 +297,20 @@ for label, interval in (("every 2s", 2000), ("cron */3", 3000)):
 print("  result:", "FAILED" if failed else "all delayed messages on time")
 sys.exit(1 if failed else 0)
 PY
+
+# --- analytics: `delayed-pubsub stats` (Spark) on what the demo published -----------------------
+# A spread of messages still waiting (due over the next hour, not part of the arrivals above), then
+# the Spark job reads the delayed topic and the lifecycle history of the demo app.
+say "publishing 80 messages due over the next hour (they stay pending), then: delayed-pubsub stats"
+for i in $(seq 1 40); do  # reminders evenly every 90 s, orders denser soon (i^2 * 2.25 s)
+    for spec in "reminders:$((i * 90))" "orders:$((i * i * 9 / 4))"; do
+        IFS=: read -r topic delay_s <<<"$spec"
+        code=$(publish "$topic" "later $i" $(($(now_ms) + delay_s * 1000)) "metadata.scheduledSendDelay=${delay_s}s")
+        [[ $code == 2* ]] || die "publishing 'later $i' on $topic failed with HTTP $code: $(error_message)"
+    done
+done
+stats_out="${DEMO_STATS_OUT:-${TMPDIR:-/tmp}/delayed-pubsub-demo-stats}"
+"$venv/bin/delayed-pubsub" stats --redis-host "127.0.0.1:$redis_port" --app-id demo-app --out "$stats_out" ||
+    die "delayed-pubsub stats failed"
+say "stats tables (Parquet) and charts (PNG) kept in $stats_out"
+exit "$summary_status"

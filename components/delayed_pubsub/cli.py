@@ -15,6 +15,7 @@ import prometheus_client
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
+from delayed_pubsub.spark import cli as spark_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,12 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve even if the socket folder is owned by another user or writable by others "
         "without the sticky bit (only where every local user is trusted, e.g. a pod's emptyDir)",
     )
+    spark_cli.register(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `delayed-pubsub` console script."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "handler", None) is not None:  # stats (delayed_pubsub.spark.cli)
+        return int(args.handler(args))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

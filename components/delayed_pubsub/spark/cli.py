@@ -1,0 +1,255 @@
+"""`delayed-pubsub stats`: pending, fired, lateness and throughput of one app, computed by Spark.
+
+    delayed-pubsub stats --redis-host H --app-id A [--out DIR] [--master URL] [--follow]
+    delayed-pubsub stats --component YAML --app-id A [...]
+
+This module imports nothing of Spark until the command runs, so registering
+the subcommand costs the rest of the CLI nothing and a missing `[spark]` extra
+is one clear error message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.settings import KNOWN_KEYS
+
+COMPONENT_TYPE = "pubsub.delayed-pubsub"
+FOLLOW_INTERVAL_S = 2
+
+
+class ComponentFileError(DelayedPubSubError):
+    """A --component YAML that does not give usable metadata."""
+
+
+def register(subparsers: Any) -> None:
+    """Add the `stats` subcommand to the `delayed-pubsub` parser's subparsers."""
+    p = subparsers.add_parser(
+        "stats",
+        help="pending/fired/lateness/throughput of an app's delayed messages, computed with Spark",
+        description="Reads the app's delayed topic and lifecycle history with Spark and prints pending by "
+        "topic and due window, fires and lateness per topic, fires per minute and event counts.",
+    )
+    p.add_argument("--redis-host", metavar="H", help="host:port of the component's Redis (its redisHost)")
+    p.add_argument("--app-id", metavar="A", required=True, help="the app id (the component's consumerID)")
+    p.add_argument(
+        "--out", metavar="DIR", type=Path, help="also write the tables as Parquet and PNG charts here"
+    )
+    p.add_argument("--master", metavar="URL", default="local[*]", help="Spark master (default local[*])")
+    p.add_argument(
+        "--follow", action="store_true", help="keep a streaming query running; refresh until Ctrl-C"
+    )
+    p.add_argument(
+        "--component",
+        metavar="YAML",
+        type=Path,
+        help="read the Redis metadata (redisHost, redisPassword, enableTLS, ...) from this component YAML",
+    )
+    p.set_defaults(handler=run)
+
+
+def component_metadata(path: Path) -> dict[str, str]:
+    """The plain `spec.metadata` values of the delayed-pubsub component in a Dapr YAML file."""
+    import yaml
+
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    except (OSError, yaml.YAMLError) as e:
+        raise ComponentFileError(f"{path}: cannot read it as YAML: {e}") from None
+    ours = [
+        d
+        for d in docs
+        if d.get("kind") == "Component" and (d.get("spec") or {}).get("type") == COMPONENT_TYPE
+    ]
+    if not ours:
+        raise ComponentFileError(f"{path}: no Component of type {COMPONENT_TYPE}")
+    out: dict[str, str] = {}
+    for item in (ours[0].get("spec") or {}).get("metadata") or []:
+        name = str(item.get("name", ""))
+        if name not in KNOWN_KEYS:
+            continue  # keys for the component only (or newer than this reader)
+        if "value" not in item:
+            raise ComponentFileError(
+                f"{path}: metadata {name} is not a plain value (secretKeyRef?): "
+                "stats cannot resolve Dapr secrets; use a YAML with the value"
+            )
+        out[name] = str(item["value"])
+    return out
+
+
+def reader_options(args: argparse.Namespace) -> dict[str, str]:
+    """Data source options from the command line (and --component)."""
+    opts: dict[str, str] = {}
+    if args.component is not None:
+        opts.update(component_metadata(args.component))
+    if args.redis_host:
+        opts["redisHost"] = args.redis_host
+    if not opts.get("redisHost"):
+        raise ComponentFileError("give --redis-host (or --component with a redisHost)")
+    # daprd sets consumerID to the app id when the YAML omits it, and resolves {appID}.
+    opts["consumerID"] = opts.get("consumerID", "").replace("{appID}", args.app_id) or args.app_id
+    return opts
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Run the stats command; returns the exit code."""
+    from delayed_pubsub.spark import require_extra
+
+    try:
+        require_extra()
+        options = reader_options(args)
+    except (ImportError, DelayedPubSubError) as e:
+        print(f"delayed-pubsub stats: error: {e}", file=sys.stderr)
+        return 2
+    from delayed_pubsub.spark.options import parse_reader_options
+
+    try:
+        parse_reader_options(options)  # fail before Spark's ~12 s start-up
+    except DelayedPubSubError as e:
+        print(f"delayed-pubsub stats: error: {e}", file=sys.stderr)
+        return 2
+
+    from delayed_pubsub.spark.session import Progress, build_session
+
+    print(f"delayed-pubsub stats: starting Spark ({args.master})…", file=sys.stderr, flush=True)
+    try:
+        spark = build_session(args.master)
+    except KeyboardInterrupt:
+        print("delayed-pubsub stats: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # no Java, a master that does not answer, ...
+        print(
+            f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); "
+            "it needs Java 17 (java on PATH or JAVA_HOME)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        if args.follow:
+            return _follow(spark, args, options, out)
+        with Progress(spark) as progress:
+            text = _once(spark, args, options, progress)
+        out.write(text)
+        out.flush()
+        return 0
+    except KeyboardInterrupt:
+        # pyspark's handler has cancelled the running jobs already.
+        print("delayed-pubsub stats: interrupted", file=sys.stderr)
+        return 130
+    except DelayedPubSubError as e:
+        print(f"delayed-pubsub stats: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # Spark wraps our errors (bad Redis, ...) in its own
+        print(f"delayed-pubsub stats: error: {_spark_error(e)}", file=sys.stderr)
+        return 1
+
+
+def _spark_error(e: Exception) -> str:
+    """The useful line of an error raised in a Spark worker (ours, not Spark's traceback)."""
+    text = str(e)
+    for marker in ("BackendUnavailableError: ", "InvalidOptionError: ", "Error: "):
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _load(spark: Any, source: str, options: Mapping[str, str]) -> Any:
+    # One partition per core Spark has (local[N]: N; a cluster: its executors' cores).
+    parts = str(max(1, int(spark.sparkContext.defaultParallelism)))
+    return spark.read.format(source).options(**{"numPartitions": parts, **options}).load()
+
+
+def _once(spark: Any, args: argparse.Namespace, options: Mapping[str, str], progress: Any) -> str:
+    from delayed_pubsub.spark.datasource import HISTORY_SOURCE, PENDING_SOURCE
+    from delayed_pubsub.spark.stats import compute_stats, render
+
+    progress.phase("reading the delayed topic and the history")
+    now_ms = time.time_ns() // 1_000_000
+    stats = compute_stats(
+        _load(spark, HISTORY_SOURCE, options), _load(spark, PENDING_SOURCE, options), now_ms
+    )
+    if args.out is not None:
+        progress.phase(f"writing {args.out}")
+        _write_out(stats, args.out, args.app_id)
+    return render(stats, args.app_id)
+
+
+def _write_out(stats: Any, out_dir: Path, app_id: str) -> None:
+    from delayed_pubsub.spark.charts import write_charts
+    from delayed_pubsub.spark.stats import write_parquet
+
+    write_parquet(stats, out_dir)
+    write_charts(stats, out_dir, app_id)
+
+
+def _follow(spark: Any, args: argparse.Namespace, options: Mapping[str, str], out: TextIO) -> int:
+    """A streaming query on the history; the table refreshes every few seconds until Ctrl-C.
+
+    The query appends the history's events as Parquet to a private folder (the
+    history is a log; this command reads it from the start each time it runs);
+    the pending set is live, so each refresh reads it afresh. Refreshes run on
+    this thread, the query on Spark's: Spark hides a batch's files until they
+    are complete, so a refresh sees whole batches.
+    """
+    from delayed_pubsub.spark.datasource import HISTORY_SOURCE, PENDING_SOURCE
+    from delayed_pubsub.spark.rows import HISTORY_COLUMNS, ddl
+    from delayed_pubsub.spark.stats import compute_stats, render
+
+    work = Path(tempfile.mkdtemp(prefix="delayed-pubsub-follow-"))
+    events_dir = work / "history"
+    tty = out.isatty()
+    query = (
+        spark.readStream.format(HISTORY_SOURCE)
+        .options(**options)
+        .load()
+        .writeStream.format("parquet")
+        .option("path", str(events_dir))
+        .option("checkpointLocation", str(work / "checkpoint"))
+        .trigger(processingTime=f"{FOLLOW_INTERVAL_S} seconds")
+        .start()
+    )
+    # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside a Py4J call (what
+    # pyspark's own handler does) would break the gateway before query.stop().
+    # A second Ctrl-C gets the previous handler back, for a stuck refresh.
+    stop = threading.Event()
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        refreshes = 0
+        while query.isActive and not stop.is_set():
+            now_ms = time.time_ns() // 1_000_000
+            if any(events_dir.glob("*.parquet")):
+                history = spark.read.parquet(str(events_dir))
+            else:
+                history = spark.createDataFrame([], ddl(HISTORY_COLUMNS))
+            stats = compute_stats(history, _load(spark, PENDING_SOURCE, options), now_ms)
+            if args.out is not None:
+                _write_out(stats, args.out, args.app_id)
+            refreshes += 1
+            footer = f"(following: refresh {refreshes}, every {FOLLOW_INTERVAL_S} s; Ctrl-C to stop)\n"
+            out.write(("\033[H\033[2J" if tty else "") + render(stats, args.app_id) + footer)
+            out.flush()
+            stop.wait(FOLLOW_INTERVAL_S)
+        if query.exception() is not None:
+            print(f"delayed-pubsub stats: error: {_spark_error(query.exception())}", file=sys.stderr)
+            return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        query.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0

@@ -1,0 +1,258 @@
+"""The PySpark Python Data Sources `delayed-pending` and `delayed-history`, batch and streaming.
+
+::
+
+    from delayed_pubsub.spark import register
+    register(spark)
+    history = (spark.read.format("delayed-history")
+               .option("redisHost", "localhost:6379").option("consumerID", "myapp").load())
+    pending = spark.readStream.format("delayed-pending").option(...).load()
+
+Partitions: each delayed topic's stream is cut into `numPartitions` id ranges
+(default: the driver's core count), one Spark task each, so a cluster reads in
+parallel. A batch read covers the stream as it was when Spark planned the
+query: entries added later wait for the next read.
+
+Streaming: an offset is {delayed topic: last stream id read}; Spark checkpoints
+it, so a restarted query resumes after the last id it committed. Offsets are
+plain stream ids, so `startingOffsets` may be `earliest` (the default: all that
+is still in the stream) or `latest` (only what comes after the start). Note the
+pending stream is a live set, not a log: an envelope that fires (and leaves the
+stream) between two micro-batches is never seen by a streaming pending query;
+what happened to it is in the history.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from delayed_pubsub.spark import require_extra
+
+require_extra()
+
+import pyarrow as pa  # noqa: E402
+from pyspark.sql.datasource import (  # noqa: E402
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+
+from delayed_middleware.keys import EngineKeys  # noqa: E402
+from delayed_pubsub.spark.options import ReaderOptions, parse_reader_options  # noqa: E402
+from delayed_pubsub.spark.rows import (  # noqa: E402
+    HISTORY_COLUMNS,
+    PENDING_COLUMNS,
+    ddl,
+    decode_pending,
+    history_batch,
+    parse_ids_value,
+    pending_batch,
+    recurring_keys,
+)
+from delayed_pubsub.spark.streams import RedisStreams, next_id, parse_id, split_range  # noqa: E402
+
+PENDING_SOURCE = "delayed-pending"
+HISTORY_SOURCE = "delayed-history"
+_FIRST_ID = "0-0"
+
+
+@dataclass(frozen=True)
+class StreamRange(InputPartition):
+    """One task's share of a stream: ids in [start, end] of `key`, of delayed topic `delayed_topic`."""
+
+    delayed_topic: str
+    key: str
+    start: str
+    end: str
+
+
+class _Kind:
+    """What differs between the two sources: which key, which rows."""
+
+    name = ""
+    columns: Any = ()
+
+    @staticmethod
+    def key(delayed_topic: str) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+        raise NotImplementedError
+
+
+class _History(_Kind):
+    name = HISTORY_SOURCE
+    columns = HISTORY_COLUMNS
+
+    @staticmethod
+    def key(delayed_topic: str) -> str:
+        return EngineKeys.for_topic(delayed_topic).history
+
+    @staticmethod
+    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+        for page in redis.read(part.key, part.start, part.end, batch_size):
+            yield history_batch(part.delayed_topic, page)
+
+
+class _Pending(_Kind):
+    name = PENDING_SOURCE
+    columns = PENDING_COLUMNS
+
+    @staticmethod
+    def key(delayed_topic: str) -> str:
+        return EngineKeys.for_topic(delayed_topic).stream
+
+    @staticmethod
+    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+        keys = EngineKeys.for_topic(part.delayed_topic)
+        # Parked envelopes are rare: skip the per-page lookup when there are none.
+        any_parked = redis.hlen(keys.parked) > 0
+        for page in redis.read(part.key, part.start, part.end, batch_size):
+            decoded = decode_pending(page)
+            wanted = recurring_keys(decoded)
+            current = {
+                k: parse_ids_value(v) for k, v in zip(wanted, redis.hmget(keys.ids, wanted), strict=True) if v
+            }
+            parked: dict[str, str] = {}
+            if any_parked:
+                ids = [sid for sid, _ in decoded]
+                for sid, reason in zip(ids, redis.hmget(keys.parked, ids), strict=True):
+                    if reason is not None:
+                        parked[sid] = reason.decode("utf-8", errors="replace")
+            yield pending_batch(part.delayed_topic, decoded, current, parked)
+
+
+def _plan(kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, str]]) -> list[StreamRange]:
+    parts = options.num_partitions or os.cpu_count() or 1
+    out = []
+    for topic in options.delayed_topics:
+        if topic not in ends:
+            continue
+        first, last = ends[topic]
+        for start, end in split_range(first, last, parts):
+            out.append(StreamRange(topic, kind.key(topic), start, end))
+    return out
+
+
+class _BatchReader(DataSourceReader):
+    def __init__(self, kind: type[_Kind], options: ReaderOptions) -> None:
+        self._kind = kind
+        self._options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        ends = {}
+        with RedisStreams(self._options.settings) as redis:
+            redis.ping()
+            for topic in self._options.delayed_topics:
+                bounds = redis.bounds(self._kind.key(topic))
+                if bounds is not None:
+                    ends[topic] = bounds
+        planned = _plan(self._kind, self._options, ends)
+        # Spark wants at least one partition: an empty range reads nothing.
+        topic = self._options.delayed_topics[0]
+        return planned or [StreamRange(topic, self._kind.key(topic), "1-0", "0-0")]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamRange)
+        if parse_id(partition.start) > parse_id(partition.end):
+            return
+        with RedisStreams(self._options.settings) as redis:
+            yield from self._kind.batches(redis, partition, self._options.batch_size)
+
+
+class _StreamReader(DataSourceStreamReader):
+    """Offsets: {delayed topic: last id read}; ranges (start, end] per micro-batch."""
+
+    def __init__(self, kind: type[_Kind], options: ReaderOptions) -> None:
+        self._kind = kind
+        self._options = options
+        self._redis: RedisStreams | None = None
+
+    def _conn(self) -> RedisStreams:
+        # Lives in Spark's driver-side Python runner across micro-batches.
+        if self._redis is None:
+            self._redis = RedisStreams(self._options.settings)
+        return self._redis
+
+    def _latest(self) -> dict[str, str]:
+        redis = self._conn()
+        return {t: redis.last_id(self._kind.key(t)) or _FIRST_ID for t in self._options.delayed_topics}
+
+    def initialOffset(self) -> dict[str, str]:
+        if self._options.starting_offsets == "latest":
+            return self._latest()
+        return dict.fromkeys(self._options.delayed_topics, _FIRST_ID)
+
+    def latestOffset(self, start: dict[str, str] | None = None, limit: Any = None) -> dict[str, str]:
+        latest = self._latest()
+        if start:
+            # Never move backwards (a stream deleted and re-created restarts its ids).
+            latest = {t: max(latest[t], start.get(t, _FIRST_ID), key=parse_id) for t in latest}
+        return latest
+
+    def partitions(self, start: dict[str, str], end: dict[str, str]) -> Sequence[InputPartition]:
+        ends = {}
+        for topic in self._options.delayed_topics:
+            lo, hi = start.get(topic, _FIRST_ID), end.get(topic, _FIRST_ID)
+            if parse_id(hi) > parse_id(lo):
+                ends[topic] = (next_id(lo), hi)
+        return _plan(self._kind, self._options, ends)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamRange)
+        with RedisStreams(self._options.settings) as redis:
+            yield from self._kind.batches(redis, partition, self._options.batch_size)
+
+    def commit(self, end: dict[str, str]) -> None:
+        # Nothing to release: Redis keeps the entries; the checkpoint keeps the offset.
+        pass
+
+    def stop(self) -> None:
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
+
+
+class _Source(DataSource):
+    kind: type[_Kind] = _Kind
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        # Validated here, on the driver, when the user calls load(): fails before any task.
+        self.parsed = parse_reader_options(dict(options))
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.kind.name
+
+    def schema(self) -> str:
+        return ddl(self.kind.columns)
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _BatchReader(self.kind, self.parsed)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return _StreamReader(self.kind, self.parsed)
+
+
+class PendingDataSource(_Source):
+    """`delayed-pending`: one row per envelope on the app's delayed topic(s)."""
+
+    kind = _Pending
+
+
+class HistoryDataSource(_Source):
+    """`delayed-history`: one row per lifecycle event of the app's delayed messages."""
+
+    kind = _History
+
+
+def register(spark: Any) -> None:
+    """Register both sources on `spark` (a SparkSession)."""
+    spark.dataSource.register(PendingDataSource)
+    spark.dataSource.register(HistoryDataSource)
