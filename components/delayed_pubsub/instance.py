@@ -174,6 +174,7 @@ class Instance:
             pubsub_name=self.name,
             enabled=self.settings.enable_delayed_messaging,
             max_delay_ms=self.settings.max_delay_ms,
+            default_target_pubsub=self.settings.default_target_pubsub,
         )
 
     async def _check_stream(self, topic: str) -> None:

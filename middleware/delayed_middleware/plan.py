@@ -38,6 +38,7 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule
+from delayed_middleware.target import target_pubsub
 from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
 
 # What one delayed envelope may carry: one envelope fires in one script call
@@ -66,6 +67,7 @@ class PlanContext:
     pubsub_name: str
     enabled: bool
     max_delay_ms: int | None = None
+    default_target_pubsub: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class Timing:
         schedule: a recurring schedule (``@every``, cron), else None (one-shot).
         source: scheduleSource: deliver that topic's latest message at each fire.
         schedule_ttl_ms: scheduleTTL: the TTL of each produced message, 0 = none.
+        target_pubsub: targetPubsub (or the component's defaultTargetPubsub): the
+            Dapr pub/sub the due message is handed to, '' = our own topic.
     """
 
     due_ms: int
@@ -125,6 +129,7 @@ class Timing:
     schedule: Schedule | None = None
     source: str = ""
     schedule_ttl_ms: int = 0
+    target_pubsub: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,20 @@ class Request:
 
 
 def read_request(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
+    """Read the delay, schedule, cancel, TTL and target keys of one message's metadata.
+
+    ``targetPubsub`` (else the component's ``defaultTargetPubsub``) names the
+    Dapr pub/sub a delayed message is handed to when due; without a delay it
+    is refused (target.target_pubsub).
+    """
+    request = _read_timing(metadata, ctx)
+    target = target_pubsub(metadata, delayed=request.timing is not None, default=ctx.default_target_pubsub)
+    if target is None or request.timing is None:
+        return request
+    return replace(request, timing=replace(request.timing, target_pubsub=target))
+
+
+def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
     """Read the delay, schedule, cancel and TTL keys of one message's metadata.
 
     Pure, and complete before anything is stored: every bad value raises
@@ -295,6 +314,7 @@ def _envelope(
         expires_at_ms=expires_at_ms,
         schedule_source=timing.source,
         schedule_ttl_ms=timing.schedule_ttl_ms,
+        target_pubsub=timing.target_pubsub,
     )
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import redis
@@ -26,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.history import decode_record
-from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
+from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_pubsub.forwarder import (
     Forwarder,
@@ -665,3 +667,83 @@ async def test_an_instance_with_delay_shards_forwards_every_shards_outbox_once(
     got = await arrivals(sidecar, marker, route="/events/target/orders")
     assert sorted(a["data"]["n"] for a in got) == list(range(9))
     assert [len(outbox_db.xrange(k.outbox)) for k in shards] == [0, 0, 0]  # acked and deleted
+
+
+async def test_a_delayed_publish_with_target_pubsub_fires_through_the_outbox_to_the_builtin_pubsub(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    """The whole path: publish (our component, over its gRPC socket) -> the engine holds it ->
+    due -> the fire script appends it to the outbox -> the forwarder hands it to daprd ->
+    the built-in pubsub.redis delivers it to the app, with the publisher's CloudEvent id."""
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": KEYS.stream.removesuffix("-delayed"),
+            "enableDelayedMessaging": "true",
+            "daprGrpcAddress": sidecar.grpc_address,
+        }
+    )
+    marker = f"e2e-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    sent_at = time.time()
+    await c.publish(
+        "orders", data, {"scheduledSendDelay": "1s", "targetPubsub": "target", "customer": "acme-7"}
+    )
+    assert outbox_db.exists("orders") == 0  # never on our own topic
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/target/orders")
+    assert time.time() - sent_at >= 1.0  # not before it was due
+    assert arrival["id"] == json.loads(data)["id"]
+    assert header(arrival, "customer") == "acme-7"
+    assert header(arrival, "targetPubsub") is None  # our keys stay with us
+    events = [r.event for r in history(outbox_db)]
+    assert events == ["scheduled", "fired", "handedoff"]
+
+
+async def test_target_pubsub_without_a_delay_is_refused_and_nothing_stored(
+    outbox_db: Any, sidecar: Sidecar, component: Callable[[str], Component]
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": KEYS.stream.removesuffix("-delayed"),
+            "enableDelayedMessaging": "true",
+        }
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"x", {"targetPubsub": "target"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "targetPubsub" in (err.value.details() or "")
+    assert outbox_db.exists("orders") == 0
+
+
+async def test_delayed_publishes_with_target_pubsub_over_delay_shards_arrive_once(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    """The whole path with delayShards 3: scheduleIds hash to every shard, each
+    shard fires into its own outbox, and every message reaches the target once."""
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+            "delayShards": "3",
+            "daprGrpcAddress": sidecar.grpc_address,
+            **FAST,
+        }
+    )
+    marker = f"shards-{uuid.uuid4().hex[:8]}"
+    for i in range(12):
+        # Fixed ids (the database is emptied per test) that hash to all three shards.
+        md = {"scheduledSendDelay": "1s", "targetPubsub": "target", "scheduleId": f"fwd-{i}"}
+        await c.publish("orders", cloudevent(marker, n=i), md)
+    assert {shard_index(f"fwd-{i}", 3) for i in range(12)} == {0, 1, 2}
+    shards = [EngineKeys.for_topic(t) for t in shard_topics(APP_ID, 3)]
+    assert all(outbox_db.xlen(k.history) for k in shards), "every shard holds some of the 12"
+    await wait_arrivals(sidecar, marker, 12, route="/events/target/orders")
+    await asyncio.sleep(1)  # a second hand-off would land now, if ever
+    got = await arrivals(sidecar, marker, route="/events/target/orders")
+    assert sorted(a["data"]["n"] for a in got) == list(range(12))
+    assert outbox_db.exists("orders") == 0  # never on our own topic

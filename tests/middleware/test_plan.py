@@ -281,3 +281,26 @@ def test_any_metadata_plans_or_is_refused_naming_a_given_key(metadata: dict[str,
     for d in p.delayed:
         assert d.envelope.due_ms >= NOW
         assert (d.envelope.kind == env.RECURRING) == bool(d.envelope.schedule)
+
+
+def test_target_pubsub_goes_on_the_envelope_and_the_default_applies_to_delayed_messages_only() -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=True, default_target_pubsub="kafka")
+    [own] = plan_publish("t", b"x", {"scheduledSendDelay": "1s", "targetPubsub": "rabbit"}, "", ctx).delayed
+    [dflt] = plan_publish("t", b"x", {"scheduledSendDelay": "1s"}, "", ctx).delayed
+    assert (own.envelope.target_pubsub, dflt.envelope.target_pubsub) == ("rabbit", "kafka")
+    [now] = plan_publish("t", b"x", {}, "", ctx).immediate  # not delayed: our topic, as ever
+    assert now.entry.data == b"x"
+    [bulk] = plan_bulk(
+        "t", [("e1", StreamEntry(b"a")), ("e2", StreamEntry(b"b"))], {"scheduledSendDelay": "1s"}, ctx
+    ).delayed
+    assert bulk.envelope.target_pubsub == "kafka"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [{"targetPubsub": "kafka"}, {"targetPubsub": "kafka", "scheduleCancel": "true", "scheduleId": "x"}],
+)
+def test_target_pubsub_without_a_delay_is_refused(metadata: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        plan_publish("t", b"x", metadata, "", CTX)
+    assert (err.value.key, err.value.value) == ("targetPubsub", "kafka")
