@@ -321,9 +321,10 @@ class ClusterNode(RedisServer):
     """A redis-server with cluster mode on and an explicit bus port (the default,
     port + 10000, fails for ports above 55535)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, node_timeout_ms: int = 5000) -> None:
         super().__init__(workdir, appendonly=False)
         self.bus_port = free_port()
+        self.node_timeout_ms = node_timeout_ms
 
     def pick_ports(self) -> None:
         super().pick_ports()
@@ -339,16 +340,19 @@ class ClusterNode(RedisServer):
             "--cluster-port",
             str(self.bus_port),
             "--cluster-node-timeout",
-            "5000",
+            str(self.node_timeout_ms),
         ]
 
 
 class RedisCluster:
-    """Three cluster masters (no replicas) on private ports, slots split by `redis-cli --cluster create`."""
+    """Three cluster masters on private ports, slots split by `redis-cli --cluster create`;
+    `replicas` per master (for failover tests), each with a short node timeout then."""
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
         self.redis_cli = _which("redis-cli")
-        self.nodes = [ClusterNode(workdir / f"node{i}") for i in range(masters)]
+        self.replicas = replicas
+        timeout = 1000 if replicas else 5000
+        self.nodes = [ClusterNode(workdir / f"node{i}", timeout) for i in range(masters * (1 + replicas))]
 
     @property
     def addresses(self) -> list[str]:
@@ -365,7 +369,7 @@ class RedisCluster:
                     "create",
                     *self.addresses,
                     "--cluster-replicas",
-                    "0",
+                    str(self.replicas),
                     "--cluster-yes",
                 ],
                 capture_output=True,
@@ -381,9 +385,17 @@ class RedisCluster:
             raise
 
     def wait_ready(self) -> None:
-        """Until every node reports cluster_state:ok, knows every other and sees all slots served."""
+        """Until every node reports cluster_state:ok, knows every other and sees all slots served,
+        and every replica has synced with its master (a replica that never did will not fail over)."""
         for node in self.nodes:
             _wait_for(f"cluster_state:ok on node {node.address}", functools.partial(self._ready, node))
+        for node in self.nodes:
+            _wait_for(f"replica {node.address} in sync", functools.partial(self._synced, node))
+
+    def _synced(self, node: RedisServer) -> bool:
+        with node.client(decode_responses=True) as c:
+            info: Any = c.info("replication")
+        return str(info.get("role")) == "master" or str(info.get("master_link_status")) == "up"
 
     def restart(self, down_for: float = 0.0) -> None:
         """Stop every node, wait `down_for` seconds, start them again (slots kept in nodes.conf, data lost)."""
@@ -446,19 +458,33 @@ class RedisSentinel:
     Sentinel reaches the master over TLS too.
     """
 
-    def __init__(self, workdir: Path, master_name: str = "mymaster", tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, workdir: Path, master_name: str = "mymaster", tls: TlsFiles | None = None, replica: bool = False
+    ) -> None:
         self.master_name = master_name
         self.master = (
             RedisServer(workdir / "master", appendonly=False)
             if tls is None
             else TlsRedisServer(workdir / "master", tls, auth_clients="yes")
         )
+        # With `replica` (plain only): one replica, and a quick failover for failover tests.
+        self.replica = (
+            RedisServer(
+                workdir / "replica",
+                appendonly=False,
+                extra_args=("--replicaof", "127.0.0.1", str(self.master.port)),
+            )
+            if replica
+            else None
+        )
         conf = workdir / "sentinel" / "sentinel.conf"
         conf.parent.mkdir(parents=True, exist_ok=True)
+        down_ms = 1000 if replica else 5000
         # Sentinel rewrites its config file, so it gets a private writable one.
         conf.write_text(
             f"bind 127.0.0.1\nsentinel monitor {master_name} 127.0.0.1 {self.master.port} 1\n"
-            f"sentinel down-after-milliseconds {master_name} 5000\n"
+            f"sentinel down-after-milliseconds {master_name} {down_ms}\n"
+            f"sentinel failover-timeout {master_name} 10000\n"
         )
         self.sentinel = (
             RedisServer(conf.parent, appendonly=False, config_file=conf, extra_args=("--sentinel",))
@@ -480,11 +506,20 @@ class RedisSentinel:
     def start(self) -> None:
         try:
             self.master.start()
+            if self.replica is not None:
+                self.replica.start()
+                _wait_for("the replica in sync", self._replica_synced)
             self.sentinel.start()
             _wait_for(f"sentinel reporting master {self.master_name}", self._reports_master)
         except BaseException:
             self.stop()
             raise
+
+    def _replica_synced(self) -> bool:
+        assert self.replica is not None
+        with self.replica.client(decode_responses=True) as c:
+            info: Any = c.info("replication")
+        return str(info.get("master_link_status")) == "up"
 
     def _reports_master(self) -> bool:
         with self.sentinel.client(decode_responses=True) as c:
@@ -503,6 +538,8 @@ class RedisSentinel:
     def stop(self) -> None:
         self.sentinel.stop()
         self.master.stop()
+        if self.replica is not None:
+            self.replica.stop()
 
 
 def stream_entries(client: redis.Redis, key: str) -> list[tuple[str, dict[bytes, bytes]]]:

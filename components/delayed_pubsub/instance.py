@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,7 +25,7 @@ from delayed_middleware import envelope as env
 from delayed_middleware import plan
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport, ShardedEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
@@ -35,7 +36,7 @@ from delayed_middleware.errors import (
     PartiallyStoredError,
     RestoreFailedError,
 )
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
@@ -70,11 +71,12 @@ class Instance:
         # streams would let one stream's XREADGROUP swallow the other's entries.
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
-        self.engine: DelayEngine | None = None
+        self.engine: ShardedEngine | None = None
         self._engine_task: asyncio.Task[None] | None = None
         self._gauge_task: asyncio.Task[None] | None = None
         # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
         self.forwarder: Forwarder | None = None
+        self._shard_forwarders: list[Forwarder] = []
         if settings.enable_delayed_messaging:
             self.forwarder = Forwarder.from_settings(
                 connection.client,
@@ -84,21 +86,22 @@ class Instance:
                 name=name,
                 read_client=connection.blocking_client,
             )
-            self.engine = DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(delayed_topic(settings.consumer_id)),
-                clock,
-                trim=self.broker.trim,
-                pubsub_name=name,
-                on_batch=metrics.on_fire,
-                config=EngineConfig(
-                    history_max_len=settings.history_max_len,
-                    history_max_age_ms=settings.history_max_age_ms,
-                    marker_ttl_ms=settings.delete_marker_ttl_ms,
-                ),
-                listen_client=connection.blocking_client,  # type: ignore[arg-type]
-                recurrence=EnvelopeRecurrence(),
-            )
+            # Each shard fires into its own outbox (its own hash slot): shard 0's
+            # is the forwarder above, the others get one each, same settings.
+            self._shard_forwarders = [
+                Forwarder(
+                    connection.client,  # type: ignore[arg-type]
+                    EngineKeys.for_topic(topic),
+                    clock,
+                    self.forwarder.config,
+                    metrics.forwarder,
+                    name=f"{name}~{n}",
+                    read_client=connection.blocking_client,  # type: ignore[arg-type]
+                )
+                for n, topic in enumerate(shard_topics(settings.consumer_id, settings.shards))
+                if n
+            ]
+            self.engine = _sharded_engine(connection, settings, clock, self.broker, metrics, name)
         # Topics seen to be streams (or absent), so a delayed publish checks the
         # target's type once, not per call; bounded, and forgotten after a while
         # because a key's type can change under us (the fire path parks then).
@@ -110,19 +113,12 @@ class Instance:
             self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
         if self.forwarder is not None:
             self.forwarder.start()
+        for f in self._shard_forwarders:
+            f.start()
 
     @classmethod
     async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
-        if settings.enable_delayed_messaging and settings.redis_type == "cluster":
-            # The fire script appends to target topics in other hash slots, which
-            # a cluster refuses inside one script; refusing here beats failing
-            # at the first due time with every message stuck.
-            raise InvalidArgumentError(
-                "enableDelayedMessaging",
-                "true",
-                "not supported with redisType cluster yet (single node or Sentinel)",
-            )
         if settings.enable_delayed_messaging and not settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID",
@@ -141,6 +137,8 @@ class Instance:
             # moment after: what Init leaves in Redis is settled when it answers.
             try:
                 await instance.forwarder.prepare()
+                for f in instance._shard_forwarders:
+                    await f.prepare()
             except (RedisError, TimeoutError, OSError) as e:
                 log.warning("instance %r: outbox group not created yet (%s); the forwarder retries", name, e)
         if settings.enable_delayed_messaging:
@@ -422,9 +420,9 @@ class Instance:
         if self._gauge_task is not None:
             self._gauge_task.cancel()
             await asyncio.gather(self._gauge_task, return_exceptions=True)
-        if self.forwarder is not None:
+        for f in [self.forwarder, *self._shard_forwarders] if self.forwarder is not None else []:
             try:
-                await self.forwarder.close()
+                await f.close()
             except Exception:
                 log.exception("instance %r: the forwarder had failed", self.name)
         subs = list(self._subscriptions)
@@ -432,6 +430,54 @@ class Instance:
         self.metrics.subscriptions.set(0)
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)
         await self._connection.aclose()
+
+
+def _sharded_engine(
+    connection: Connection,
+    settings: Settings,
+    clock: Clock,
+    broker: Broker,
+    metrics: InstanceMetrics,
+    name: str,
+) -> ShardedEngine:
+    """The delay engine over the delayed topic's shard streams (keys.shard_topics).
+
+    On Redis Cluster the fire is two-phase (target topics live in other hash
+    slots than the shard); on a single node or Sentinel it is one script.
+    """
+    config = EngineConfig(
+        history_max_len=settings.history_max_len,
+        history_max_age_ms=settings.history_max_age_ms,
+        marker_ttl_ms=settings.delete_marker_ttl_ms,
+        two_phase=settings.redis_type == "cluster",
+    )
+    topics = shard_topics(settings.consumer_id, settings.shards)
+    pending = [0] * len(topics)
+
+    def on_batch(shard: int) -> Callable[[FireReport], None]:
+        # The pending gauge is the instance's total over its shards.
+        def hook(report: FireReport) -> None:
+            pending[shard] = report.pending
+            metrics.on_fire(dataclasses.replace(report, pending=sum(pending)))
+
+        return hook
+
+    return ShardedEngine(
+        [
+            DelayEngine(
+                connection.client,  # type: ignore[arg-type]
+                EngineKeys.for_topic(topic),
+                clock,
+                trim=broker.trim,
+                pubsub_name=name,
+                on_batch=on_batch(n),
+                config=config,
+                listen_client=connection.blocking_client,  # type: ignore[arg-type]
+                recurrence=EnvelopeRecurrence(),
+            )
+            for n, topic in enumerate(topics)
+        ]
+    )
 
 
 class Instances:

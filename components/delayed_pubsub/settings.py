@@ -23,6 +23,9 @@ from delayed_middleware.target import check_target_name
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 6379
+# delayShards: default on Redis Cluster (spreads over 3..16 masters), and the most allowed.
+DEFAULT_CLUSTER_SHARDS = 16
+MAX_DELAY_SHARDS = 1024
 
 # Every key we read. Anything else daprd hands us (it passes a few of its own,
 # and pubsub.redis YAMLs carry go-redis pool knobs we have no use for) is ignored.
@@ -61,6 +64,7 @@ KNOWN_KEYS = frozenset(
         "defaultTargetPubsub",
         "daprGrpcAddress",
         "deadLetterTopic",
+        "delayShards",
     }
 )
 
@@ -128,6 +132,15 @@ class Settings:
     # Where a hand-off that failed its last attempt goes ('' = keep retrying).
     dead_letter_topic: str = ""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Shard streams of the delayed topic (None: 16 on Redis Cluster, 1 on a single node).
+    delay_shards: int | None = None
+
+    @property
+    def shards(self) -> int:
+        """How many shard streams the delayed topic has (delayShards, else the deployment's default)."""
+        if self.delay_shards:
+            return self.delay_shards
+        return DEFAULT_CLUSTER_SHARDS if self.redis_type == "cluster" else 1
 
     @property
     def address(self) -> str:
@@ -211,6 +224,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         dapr_grpc_address=dapr_address,
         dead_letter_topic=dead_letter,
         retry=parse_retry_policy(props),
+        delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
     )
 
 

@@ -26,16 +26,80 @@ Redis and any replica's loop completes it before that envelope can fire again
 whose successor has passed too (the component or Redis was down across
 several fire times) is handed to REFILL with the current time, so it fires
 once on recovery and then continues on its schedule.
+
+Redis Cluster: the two-phase fire
+---------------------------------
+A script may only touch keys of one hash slot, and target topics live in
+other slots than the delayed topic. So on Cluster (EngineConfig.two_phase)
+FIRE's steps run as three scripts, with the same decisions at each step:
+  1. CLAIM (the shard's slot) takes a bounded due batch, handles what FIRE
+     handles without appending (gone, expired, reserved target, recurring
+     waiting for REFILL) and moves the rest from the due index to an in-flight
+     sorted set, scored by a lease end (now + lease_ms), recording each
+     occurrence's due time in a claims hash; it returns the entries to append.
+  2. APPEND (the target's slot), one call per target key: for each envelope,
+     `SET <marker> 1 NX PX fire_marker_ttl_ms` and, only if that set it, the XADDs,
+     in one script. The marker `{<target's tag>}:<shard stream>}fired:<envelope
+     id>:<occurrence due ms>` (keys.fire_marker_prefix) hashes to the target's
+     slot and is an engine key (it contains `-delayed}`), so no user can write it.
+  3. RELEASE (the shard's slot) finalizes what was appended exactly as FIRE
+     does (stream entry, ids hash, history, recurring re-insert and refill
+     mark) and parks what APPEND could not write; it acts only on envelopes
+     it removes from the in-flight set (ZREM returns 1 once).
+CLAIM also takes back in-flight entries whose lease ended, with a new lease,
+so a replica that died or stalled is replaced by whichever replica claims
+next; each loop sleeps at most until the earliest lease end, so a takeover
+comes within the loop's wake-up slack of the lease ending.
+
+Why no crash point loses a message: an occurrence leaves the due index only
+into the in-flight set (CLAIM is atomic), and leaves the in-flight set only
+in RELEASE, which runs after APPEND wrote it (or parks it, keeping the
+envelope). A crash before RELEASE leaves it in flight; its lease ends; the
+next CLAIM hands it out again. Why none doubles one: the entries of an
+occurrence are appended only by the APPEND call that set its marker (SET NX
+and XADD are one atomic script), so a re-run after a crash, a takeover while
+the first replica is slow, or two replicas appending at once write it once;
+RELEASE acts once (ZREM). Crash points, each tested in
+tests/middleware/test_engine_cluster.py: after CLAIM (nothing appended: the
+takeover appends all); after APPEND of some targets (the takeover's APPEND
+finds those markers and writes only the rest); after every APPEND, before
+RELEASE (the takeover writes nothing, then releases); after RELEASE (nothing
+left in flight); a replica stalled past its lease while another takes over
+(its late APPENDs find markers, its RELEASE finds nothing).
+The bound: a marker lives fire_marker_ttl_ms (15 min by default). A claim left in
+flight longer than that after its APPEND (every replica down that long
+between APPEND and RELEASE) may be appended again on takeover: delivered at
+least once, never lost. A replica does not start an APPEND for a claim older
+than half that. A cancel or replace that lands while an occurrence is in
+flight (milliseconds) withdraws the envelope but may not stop that one
+delivery; on a single node FIRE has no such window.
+
+Replication (Sentinel and Cluster failover): Redis replicates asynchronously.
+Writes a master acknowledged but had not yet sent to the replica that gets
+promoted are lost in a failover, for the engine as for any Redis user. What
+that means here: a lost SCHEDULE loses that publish; a lost FIRE (Sentinel)
+is undone whole, target entry and index change together, so it fires again
+(a subscriber that had read the lost entry from the old master sees it
+twice); on Cluster, a lost CLAIM or RELEASE whose APPEND survived is handed
+out again and the surviving marker stops a second append, while a lost
+APPEND whose RELEASE survived (target and shard on different masters) loses
+that message. The window is the replication lag, normally milliseconds
+(`WAIT` is not used: it would cost a round trip to a replica per call).
+After the failover the engine's loop gets
+connection errors, backs off (at most retry_max_s), reconnects through
+Sentinel or the refreshed cluster slot map, and fires whatever is due.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +111,15 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
-from delayed_middleware.errors import PartiallyStoredError
+from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.instants import format_instant
-from delayed_middleware.keys import EngineKeys
+from delayed_middleware.keys import (
+    EngineKeys,
+    fire_marker_prefix,
+    is_delayed_topic,
+    is_engine_key,
+    shard_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +131,8 @@ Recurrence = Callable[[Envelope, int], "int | None"]
 # Recurring envelopes refilled per round trip, and ids cancelled per script call.
 REFILL_BATCH = 200
 CANCEL_BATCH = 500
+# Call tokens a ShardedEngine remembers the spread shard of (retries come within seconds).
+SPREAD_MEMORY = 4096
 # The metadata key of a marker message (deleteMarkerTTL): why the message will not come.
 MARKER_REASON = "markerReason"
 
@@ -99,6 +171,17 @@ class EngineConfig:
     # deleteMarkerTTL: when a cancel or an expiry removes a message, a marker
     # (markerReason Remove / MaxAge) goes on its topic, living this long; 0 = none.
     marker_ttl_ms: int = 0
+    # Redis Cluster: fire in three steps (CLAIM, APPEND, RELEASE; see
+    # DelayEngine), since target topics live in other hash slots.
+    two_phase: bool = False
+    # A claimed batch is this replica's for this long; then any replica takes it over.
+    lease_ms: int = 5_000
+    # How long a fire marker outlives its APPEND: the bound on how long a claim
+    # may stay in flight (a stalled replica, or every replica down between
+    # APPEND and RELEASE) and still not be appended twice. Costs ~100 B of
+    # Redis memory per fired message for this long. (Not marker_ttl_ms above:
+    # that is deleteMarkerTTL's marker *messages*; these are idempotency keys.)
+    fire_marker_ttl_ms: int = 900_000
 
 
 @dataclass(frozen=True)
@@ -129,6 +212,7 @@ class DelayEngine:
         recurrence: Recurrence | None = None,
         listen_client: aioredis.Redis | None = None,
         pubsub_name: str = "",
+        fault: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = client
         # The wake listener parks a connection for good: on a client of its own
@@ -142,6 +226,12 @@ class DelayEngine:
         self._fire = client.register_script(scripts.FIRE)
         self._cancel = client.register_script(scripts.CANCEL)
         self._refill = client.register_script(scripts.REFILL)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._append = client.register_script(scripts.APPEND)
+        self._release = client.register_script(scripts.RELEASE)
+        # Test hook: awaited at each step of the two-phase fire ("claimed",
+        # "appended:<n>", "released"); raising there stops the fire like a crash.
+        self._fault = fault
         self._on_batch = on_batch
         self._recurrence = recurrence
         # `trim` applies to messages published through this component only
@@ -304,6 +394,14 @@ class DelayEngine:
             if isinstance(result, Exception):
                 log.warning("marker (%s) on %s not written: %s", reason, self._keys.stream, result)
 
+    async def has_key(self, key: str) -> bool:
+        """True if `key` is a pending scheduleId (or recurring envelope id) here."""
+        return bool(await self._redis.hexists(self._keys.ids, key))
+
+    async def holds(self, stream_id: str) -> bool:
+        """True if this delayed topic holds an envelope at `stream_id`."""
+        return bool(await self._redis.xrange(self._keys.stream, stream_id, stream_id))
+
     async def pending(self) -> int:
         """How many messages wait in the index of this delayed topic."""
         return int(await self._redis.get(self._keys.count) or 0)
@@ -324,6 +422,8 @@ class DelayEngine:
         return fired, head
 
     async def _fire_once(self) -> tuple[int, int | None, int]:
+        if self._config.two_phase:
+            return await self._fire_two_phase()
         now = self._clock.now_ms()
         mode, threshold = self._trim.args(now)
         cfg = self._config
@@ -348,12 +448,7 @@ class DelayEngine:
         if expired:
             await self._markers("MaxAge", expired)
         if len(raw) > 7 and int(raw[7]):
-            log.error(
-                "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
-                "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
-                int(raw[7]),
-                self._keys.stream,
-            )
+            self._log_gone(int(raw[7]))
         if parked:
             log.error(
                 "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
@@ -370,6 +465,167 @@ class DelayEngine:
                 )
             )
         return fired, (int(float(head)) if head else None), refill
+
+    def _log_gone(self, gone: int) -> None:
+        log.error(
+            "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
+            "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
+            gone,
+            self._keys.stream,
+        )
+
+    # --- the two-phase fire (Redis Cluster): CLAIM, APPEND, RELEASE ----------
+
+    async def _fire_two_phase(self) -> tuple[int, int | None, int]:
+        """FIRE's steps split where the target topics leave the shard's slot.
+
+        CLAIM moves a bounded due batch (and any claim whose lease ended) to
+        the in-flight set; APPEND writes each target's envelopes, one call per
+        target, guarded by fire markers; RELEASE finalizes what was appended
+        and parks what could not be. See the module docstring for why no crash
+        point loses or doubles a message.
+        """
+        now = self._clock.now_ms()
+        cfg = self._config
+        raw = await self._claim(
+            keys=self._keys.two_phase_keys,
+            args=[
+                self._keys.buckets,
+                now,
+                cfg.batch_size,
+                cfg.batch_entries,
+                cfg.batch_bytes,
+                self._history_len(),
+                cfg.fire_budget_us,
+                cfg.lease_ms,
+                self._pubsub_name,
+            ],
+        )
+        head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
+        gone, n_expired = int(raw[5]), int(raw[6])
+        expired = [(_s(raw[7 + 2 * i]), _s(raw[8 + 2 * i])) for i in range(n_expired)]
+        claims = _parse_claims(raw[7 + 2 * n_expired :])
+        # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
+        if expired:
+            await self._markers("MaxAge", expired)
+        if gone:
+            self._log_gone(gone)
+        fired = entries = 0
+        if claims:
+            await self._at("claimed")
+            outcomes = await self._append_claims(claims, now)
+            args: list[Any] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), len(claims)]
+            for c in claims:
+                args += [c.id, outcomes[c.id]]
+            done = await self._release(keys=self._keys.two_phase_keys, args=args)
+            await self._at("released")
+            parked += int(done[1])
+            refill += int(done[2])
+            fired = int(done[3])
+            head = _s(done[4])
+            entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
+        if parked:
+            log.error(
+                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
+                parked,
+                self._keys.stream,
+                self._keys.parked,
+            )
+        if self._on_batch is not None and (fired or parked):
+            late_ms = now - int(first) if first else 0
+            self._on_batch(
+                FireReport(
+                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
+                )
+            )
+        # A batch cut short by its budget leaves more due: say so, so the loop goes on.
+        more = len(claims)
+        return more, (int(float(head)) if head else None), refill
+
+    async def _append_claims(self, claims: Sequence[_Claim], claimed_at: int) -> dict[str, str]:
+        """APPEND every claimed envelope, one call per target; outcome per envelope id."""
+        cfg = self._config
+        outcomes: dict[str, str] = {}
+        groups: dict[str, list[_Claim]] = {}
+        for c in claims:
+            if c.target:
+                groups.setdefault(c.target, []).append(c)
+            else:
+                outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
+        mode, threshold = self._trim.args(self._clock.now_ms())
+        done = 0
+
+        async def append(target: str, group: list[_Claim]) -> None:
+            nonlocal done
+            prefix = fire_marker_prefix(target, self._keys.stream)
+            outbox = bool(group[0].target_pubsub)
+            payloads = [c.entries if not c.source else await self._sampled(c.source, c) for c in group]
+            # CLAIM cannot size a scheduleSource's sample (it lives in another
+            # slot), so the bytes bound FIRE keeps per call is kept here per
+            # APPEND call: a target's claims go in runs of at most batch_bytes
+            # (at least one claim each). Each run is atomic on its own markers.
+            runs: list[list[int]] = [[]]
+            size = 0
+            for i, entries in enumerate(payloads):
+                n = sum(len(v) for fields in entries for v in fields)
+                if runs[-1] and size + n > cfg.batch_bytes:
+                    runs.append([])
+                    size = 0
+                runs[-1].append(i)
+                size += n
+            for run in runs:
+                # A replica that stalled this long may find its markers expired:
+                # it must leave the claim to the replica that took its lease over.
+                if self._clock.now_ms() - claimed_at > cfg.fire_marker_ttl_ms // 2:
+                    raise TimeoutError(
+                        f"claim on {self._keys.stream} is {cfg.fire_marker_ttl_ms // 2} ms old; abandoned"
+                    )
+                args: list[Any] = [cfg.fire_marker_ttl_ms, "" if outbox else mode, threshold, len(run)]
+                for i in run:
+                    args += [1 if group[i].trim else 0, len(payloads[i])]
+                    for fields in payloads[i]:
+                        args.append(len(fields) // 2)
+                        args += fields
+                keys = [target, *(f"{prefix}{group[i].id}:{group[i].due}" for i in run)]
+                raw = await self._append(keys=keys, args=args)
+                for i, status in zip(run, raw, strict=True):
+                    outcomes[group[i].id] = _s(status)
+                done += 1
+                await self._at(f"appended:{done}")
+
+        # Targets are independent (other slots, often other masters): append
+        # to them concurrently. A failure cancels the rest, like a crash would.
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for target, group in groups.items():
+                    tg.create_task(append(target, group))
+        except BaseExceptionGroup as eg:
+            # The loop handles RedisError and TimeoutError, not groups of them.
+            raise eg.exceptions[0] from None
+        return outcomes
+
+    async def _sampled(self, source: str, c: _Claim) -> list[list[str | bytes]]:
+        """scheduleSource: the source topic's latest entry, read now (it lives in another slot)."""
+        if is_delayed_topic(source) or is_engine_key(source):
+            return []
+        rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        if not rows:
+            return []
+        f = {_s(k): v for k, v in dict(rows[0][1] or {}).items()}
+        md: dict[str, Any] = {}
+        with contextlib.suppress(ValueError, TypeError):
+            loaded = json.loads(f.get("metadata", b"{}"))
+            # As FIRE: keep the source's metadata only if it encodes again as
+            # strict JSON (1e400 loads as inf), else drop it; the data still goes out.
+            if isinstance(loaded, dict) and _strict_json(loaded):
+                md = loaded
+        md["scheduler"], md["scheduleNext"] = c.scheduler, c.schedule_next
+        ct = f.get("contentType", b"")
+        return [c.fields(f.get("data", b""), json.dumps(md, separators=(",", ":")), ct)]
+
+    async def _at(self, point: str) -> None:
+        if self._fault is not None:
+            await self._fault(point)
 
     async def refill_pending(self, limit: int = 10_000, *, until_ms: int | None = None) -> int:
         """Give recurring envelopes waiting for it their next due time; returns how many.
@@ -462,6 +718,10 @@ class DelayEngine:
         try:
             while True:
                 try:
+                    # Cleared before looking, not before sleeping: a wake-up that
+                    # arrives while this batch runs (the listener's first one
+                    # after subscribing, a schedule) must cut the next sleep short.
+                    self._wake.clear()
                     # asyncio.timeout, not wait_for: wait_for can swallow a
                     # cancellation that races with completion (Python < 3.12).
                     async with asyncio.timeout(self._config.op_timeout_s):
@@ -497,7 +757,6 @@ class DelayEngine:
         timeout = self._config.max_sleep_s
         if head is not None:
             timeout = min(timeout, max(0.0, (head - self._clock.now_ms()) / 1000))
-        self._wake.clear()
         waker = asyncio.ensure_future(self._wake.wait())
         sleeper = asyncio.ensure_future(self._clock.sleep(timeout))
         try:
@@ -516,6 +775,9 @@ class DelayEngine:
             _honour_swallowed_cancel()
             pubsub = self._listen_redis.pubsub(ignore_subscribe_messages=True)
             try:
+                # A Redis Cluster client maps the slots on its first command; its
+                # pub/sub cannot find the channel's node before that (KeyError).
+                await self._listen_redis.ping()
                 await pubsub.subscribe(self._keys.wake)
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
@@ -530,10 +792,249 @@ class DelayEngine:
             except RedisError as exc:
                 log.debug("wake listener on %s: %s", self._keys.wake, exc)
                 await asyncio.sleep(backoff.next())
+            except Exception:
+                # Never die silently: a dead listener delays fires by up to max_sleep_s.
+                log.warning("wake listener on %s failed; restarting it", self._keys.wake, exc_info=True)
+                await asyncio.sleep(backoff.next())
             finally:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1.0):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class ShardedEngine:
+    """One app's delayed topic over several shard streams (keys.shard_topics), one DelayEngine each.
+
+    On Redis Cluster each shard's keys share one hash slot and the shards
+    spread over the masters; on a single node one shard is the plain engine.
+    A publish with a scheduleId goes to the shard its id hashes to, so a
+    replace or a cancel finds it; the rest go to one shard per call, in turn,
+    so a bulk publish without ids is still one atomic SCHEDULE. Every replica
+    fires every shard: the shards need no owner and replicas no coordination.
+    """
+
+    def __init__(self, engines: Sequence[DelayEngine]) -> None:
+        if not engines:
+            raise ValueError("a sharded engine needs at least one shard")
+        self.engines = list(engines)
+        self._turn = secrets.randbelow(len(self.engines))
+        # The shard each recent call token's envelopes without a scheduleId
+        # went to, so the caller's retry with that token lands there again
+        # (its chunks are then recognised as stored); oldest forgotten first.
+        self._spread: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    @property
+    def keys(self) -> EngineKeys:
+        """Shard 0's keys (`<consumerID>-delayed`, the single-node layout)."""
+        return self.engines[0].keys
+
+    def shard_of(self, schedule_id: str) -> DelayEngine:
+        """The shard a scheduleId lives on."""
+        return self.engines[shard_index(schedule_id, len(self.engines))]
+
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
+        """As DelayEngine.schedule; ids in the order given.
+
+        Envelope stream ids are unique per shard stream only (each master
+        makes its own), so with several shards an id that is not a scheduleId
+        comes back as `<stream id>@<shard>`, which cancel understands.
+
+        Retries: each shard's part carries the token `<token>:<shard>` (and
+        DelayEngine adds `/<offset>` per chunk), and envelopes without a
+        scheduleId go to the shard this engine picked for that token (one per
+        call, in turn), so the same call repeated after a lost reply lands on
+        the same shards and stores nothing twice.
+
+        Partial failure: PartiallyStoredError(n) means the first n envelopes are
+        stored. The shard without scheduleIds is stored last, so whatever is
+        stored beyond n carries a scheduleId (a retry replaces it, never
+        doubles it).
+        """
+        n = len(self.engines)
+        if n == 1:
+            return await self.engines[0].schedule(envelopes, token=token, timeout_s=timeout_s)
+        spread = self._spread.get(token) if token else None
+        if spread is None:
+            self._turn = (self._turn + 1) % n
+            spread = self._turn
+            if token:
+                self._spread[token] = spread
+                if len(self._spread) > SPREAD_MEMORY:
+                    self._spread.popitem(last=False)
+        groups: dict[int, list[int]] = {}
+        for i, e in enumerate(envelopes):
+            shard = shard_index(e.schedule_id, n) if e.schedule_id else spread
+            groups.setdefault(shard, []).append(i)
+        order = sorted(groups, key=lambda sh: (sh == spread, sh))
+        ids: list[str] = [""] * len(envelopes)
+        stored: set[int] = set()
+        for shard in order:
+            positions = groups[shard]
+            try:
+                got = await self.engines[shard].schedule(
+                    [envelopes[i] for i in positions],
+                    token=f"{token}:{shard}" if token else None,
+                    timeout_s=timeout_s,
+                )
+            except (PartiallyStoredError, RedisError, TimeoutError) as exc:
+                done = exc.stored if isinstance(exc, PartiallyStoredError) else 0
+                stored.update(positions[:done])
+                prefix = next((i for i in range(len(envelopes)) if i not in stored), len(envelopes))
+                if not stored:
+                    raise
+                cause = exc.__cause__ if isinstance(exc, PartiallyStoredError) else exc
+                raise PartiallyStoredError(
+                    prefix,
+                    f"scheduling on {self.keys.stream!r} (shard {shard}): {len(stored)} of "
+                    f"{len(envelopes)} stored, then redis: {cause or 'timed out'}",
+                ) from cause
+            stored.update(positions)
+            for i, id in zip(positions, got, strict=False):
+                ids[i] = id if envelopes[i].schedule_id else f"{id}@{shard}"
+        return ids
+
+    async def _locate(self, id: str) -> tuple[int, str]:
+        """(shard, id on that shard) for a scheduleId or an envelope id (see cancel)."""
+        m = _SHARD_ID.fullmatch(id)
+        if m and int(m.group(2)) < len(self.engines):
+            return int(m.group(2)), m.group(1)
+        home = shard_index(id, len(self.engines))
+        if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await self.engines[home].has_key(id):
+            return home, id
+        holders = [i for i, e in enumerate(self.engines) if await e.holds(id)]
+        if len(holders) > 1:
+            raise InvalidArgumentError(
+                "id", id, f"on {len(holders)} shards; name one as {id}@<shard> (see keys.shard_topics)"
+            )
+        return (holders[0] if holders else home), id
+
+    async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
+        """As DelayEngine.cancel: a scheduleId on its shard; an envelope id
+        (`<stream id>@<shard>`, or a bare stream id held by one shard only) on its shard.
+
+        InvalidArgumentError when a bare stream id names envelopes on several shards.
+        """
+        [(found, _)] = await self.cancel_many([id], reason=reason)
+        return found
+
+    async def cancel_many(self, ids: Sequence[str], *, reason: str = "Remove") -> list[tuple[bool, str]]:
+        """As DelayEngine.cancel_many (markers included), each id on its shard (see cancel)."""
+        if len(self.engines) == 1:
+            return await self.engines[0].cancel_many(ids, reason=reason)
+        groups: dict[int, list[tuple[int, str]]] = {}
+        for pos, id in enumerate(ids):
+            shard, local = await self._locate(id)
+            groups.setdefault(shard, []).append((pos, local))
+        out: list[tuple[bool, str]] = [(False, "")] * len(ids)
+        for shard, items in groups.items():
+            got = await self.engines[shard].cancel_many([local for _, local in items], reason=reason)
+            for (pos, _), result in zip(items, got, strict=True):
+                out[pos] = result
+        return out
+
+    async def pending(self) -> int:
+        """Messages waiting over every shard."""
+        return sum([await e.pending() for e in self.engines])
+
+    async def fire_due(self) -> tuple[int, int | None]:
+        """One fire_due on every shard: (fired in all, earliest due time left)."""
+        fired, head = 0, None
+        for e in self.engines:
+            n, h = await e.fire_due()
+            fired += n
+            if h is not None and (head is None or h < head):
+                head = h
+        return fired, head
+
+    async def run(self) -> None:
+        """Fire every shard until cancelled (one loop per shard)."""
+        tasks = [asyncio.create_task(e.run(), name=f"delay-engine:{e.keys.stream}") for e in self.engines]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=2.0)
+
+    def wake(self) -> None:
+        """Re-check every shard's index now."""
+        for e in self.engines:
+            e.wake()
+
+
+_STREAM_ID = re.compile(r"\d+-\d+")
+_SHARD_ID = re.compile(r"(\d+-\d+)@(\d+)")
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """One envelope CLAIM handed out (see lua/claim.lua's reply)."""
+
+    id: str
+    due: str
+    scheduler: str
+    schedule_next: str
+    target: str  # the key APPEND writes: the topic, or the outbox
+    target_pubsub: str
+    topic: str
+    bulk: bool
+    expires_at: int
+    source: str
+    # The caller's trim applies (published through this component, or '' = any: FIRE's rule).
+    trim: bool
+    entries: list[list[str | bytes]]  # XADD field/value lists
+
+    def fields(
+        self, data: str | bytes, metadata: str | bytes, content_type: str | bytes
+    ) -> list[str | bytes]:
+        """One entry's XADD fields, as FIRE writes them."""
+        out: list[str | bytes] = ["data", data, "metadata", metadata]
+        if content_type:
+            out += ["contentType", content_type]
+        if self.expires_at > 0:
+            out += ["expiresAt", str(self.expires_at)]
+        if self.target_pubsub:
+            out += ["pubsub", self.target_pubsub, "topic", self.topic, "id", self.scheduler]
+            if self.bulk:
+                out += ["bulk", self.scheduler]
+        return out
+
+
+def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
+    n, pos, out = int(raw[0]), 1, []
+    for _ in range(n):
+        head = raw[pos : pos + 12]
+        pos += 12
+        c = _Claim(
+            id=_s(head[0]),
+            due=_s(head[1]),
+            scheduler=_s(head[2]),
+            schedule_next=_s(head[3]),
+            target=_s(head[4]),
+            target_pubsub=_s(head[5]),
+            topic=_s(head[6]),
+            bulk=_s(head[7]) == "1",
+            expires_at=int(head[8]),
+            source=_s(head[9]),
+            trim=_s(head[10]) == "1",
+            entries=[],
+        )
+        for _ in range(int(head[11])):
+            data, md, ct = raw[pos], raw[pos + 1], raw[pos + 2]
+            pos += 3
+            c.entries.append(c.fields(data, md, ct))
+        out.append(c)
+    return out
+
+
+def _strict_json(value: object) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _s(value: object) -> str:

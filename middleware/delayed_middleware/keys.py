@@ -115,6 +115,21 @@ class EngineKeys:
         return "{" + self.stream + "}:deadletters"
 
     @property
+    def inflight(self) -> str:
+        """Redis Cluster's two-phase fire: sorted set of claimed envelope ids by lease end (ms)."""
+        return "{" + self.stream + "}:inflight"
+
+    @property
+    def claims(self) -> str:
+        """Hash, claimed envelope id -> "<due ms> <next due | -> <scheduleNext> <scheduler>"."""
+        return "{" + self.stream + "}:claims"
+
+    @property
+    def two_phase_keys(self) -> list[str]:
+        """KEYS of CLAIM and RELEASE: the engine's keys, then in-flight and claims."""
+        return [*self.script_keys, self.inflight, self.claims]
+
+    @property
     def script_keys(self) -> list[str]:
         """KEYS of every engine script, in their order (see the .lua headers)."""
         return [
@@ -129,3 +144,113 @@ class EngineKeys:
             self.refill,
             self.outbox,
         ]
+
+
+# --- Redis Cluster: shards and fire markers ----------------------------------
+#
+# On Redis Cluster the delayed topic is split into shards, each a complete
+# engine key set (EngineKeys.for_topic of its stream) in its own hash slot.
+# Shard 0 keeps the single-node name, so a single node (one shard) is
+# unchanged; shard n > 0 is `<consumerID>~<n>-delayed`: it still ends in
+# `-delayed` (the engine alone writes it) and `~` cannot end an app's
+# consumerID-derived delayed topic by accident, only by intent.
+
+SHARD_MARK = "~"
+# Redis Cluster's slot count (CRC16 mod 16384).
+CLUSTER_SLOTS = 16384
+
+
+def shard_topics(consumer_id: str, shards: int) -> list[str]:
+    """The shard streams of one app's delayed topic, shard 0 first.
+
+    The CLI and the Spark reader list pending envelopes from every one of them.
+    """
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, not {shards}")
+    base = delayed_topic(consumer_id)
+    return [base] + [f"{consumer_id}{SHARD_MARK}{n}{DELAYED_SUFFIX}" for n in range(1, shards)]
+
+
+def shard_index(key: str, shards: int) -> int:
+    """The shard that holds scheduleId `key` (stable across processes and restarts)."""
+    return crc16(key.encode()) % shards
+
+
+def crc16(data: bytes) -> int:
+    """CRC16-CCITT (XMODEM), the checksum Redis Cluster hashes keys with."""
+    crc = 0
+    for b in data:
+        crc ^= b << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def hash_tag(key: str) -> str | None:
+    """The part of `key` Redis Cluster hashes when it is not the whole key, else None."""
+    start = key.find("{")
+    if start < 0:
+        return None
+    end = key.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return key[start + 1 : end]
+
+
+def key_slot(key: str) -> int:
+    """The cluster slot of `key` (Redis's own rule: the hash tag if any, else the whole key)."""
+    tag = hash_tag(key)
+    return crc16((key if tag is None else tag).encode()) % CLUSTER_SLOTS
+
+
+def slot_tag(slot: int) -> str:
+    """A short string that hashes to `slot` (found by counting; cached)."""
+    return _slot_tags()[slot]
+
+
+_SLOT_TAGS: list[str] = []
+
+
+def _slot_tags() -> list[str]:
+    if not _SLOT_TAGS:
+        # Every slot is hit within ~200k decimal strings; the table is built
+        # once per process, on the first odd topic name only.
+        table: list[str | None] = [None] * CLUSTER_SLOTS
+        missing, i = CLUSTER_SLOTS, 0
+        while missing:
+            s = str(i)
+            slot = crc16(s.encode()) % CLUSTER_SLOTS
+            if table[slot] is None:
+                table[slot] = s
+                missing -= 1
+            i += 1
+        _SLOT_TAGS.extend(t for t in table if t is not None)
+    return _SLOT_TAGS
+
+
+def target_tag(topic: str) -> str:
+    """A hash tag whose keys land in `topic`'s slot.
+
+    A topic with its own `{tag}` hashes by that tag; any other topic by its
+    whole name, which can be the tag itself unless it holds a `}`; the odd
+    rest get a short tag found for their slot.
+    """
+    tag = hash_tag(topic)
+    if tag is not None:
+        return tag
+    if "}" not in topic:
+        return topic
+    return slot_tag(key_slot(topic))
+
+
+def fire_marker_prefix(topic: str, shard_stream: str) -> str:
+    """The prefix of the fire markers of envelopes of `shard_stream` appended to `topic`.
+
+    `{<topic's tag>}:<shard stream>}fired:` + `<envelope id>:<occurrence due ms>`
+    is the full marker (the APPEND script adds the rest): in the target's
+    slot, so one script sets it and appends; and, containing `-delayed}`,
+    inside the engine's reserved namespace (is_engine_key), so no user can
+    publish to it or subscribe to it.
+    """
+    return "{" + target_tag(topic) + "}:" + shard_stream + "}fired:"

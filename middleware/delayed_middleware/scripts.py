@@ -54,3 +54,9 @@ SCHEDULE: Final = load("schedule.lua")
 FIRE: Final = load("fire.lua")
 CANCEL: Final = load("cancel.lua")
 REFILL: Final = load("refill.lua")
+
+# The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
+# as FIRE, split where the target topics leave the shard's slot.
+CLAIM: Final = load("claim.lua")
+APPEND: Final = load("append.lua")
+RELEASE: Final = load("release.lua")

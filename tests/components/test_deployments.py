@@ -308,19 +308,45 @@ async def test_subscription_survives_a_whole_cluster_restart(component: Factory,
 # --- each deployment's own ways to fail Init --------------------------------------------
 
 
-async def test_cluster_refuses_delayed_messaging_at_init(component: Factory, cluster: RedisCluster) -> None:
-    code, details = await init_fails(
-        component("delayed"),
-        {
-            "consumerID": GROUP,
-            "redisHost": ",".join(cluster.addresses),
-            "redisType": "cluster",
-            "enableDelayedMessaging": "true",
-        },
-    )
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "enableDelayedMessaging" in details
-    assert "cluster" in details
+async def test_delayed_messages_arrive_on_every_deployment_subscribed_through_the_component(
+    component: Factory, deployment: Deployment
+) -> None:
+    """Cluster (two-phase fire over shards), Sentinel, TLS: a delayed publish arrives once, when due."""
+    c = component("delayed")
+    await c.init({**deployment.props, "consumerID": GROUP, "enableDelayedMessaging": "true"})
+    streams = {t: await c.subscribe(t) for t in deployment.topics}
+    sent = time.monotonic()
+    for t in deployment.topics:
+        await c.publish(t, payload(t, 0), {"scheduledSendDelay": "1s"})
+    for t, stream in streams.items():
+        msg = await stream.next()
+        assert (msg.topic_name, msg.data) == (t, payload(t, 0))
+        assert msg.metadata["scheduleNext"] == "purge"
+        await stream.ack(msg.id)
+    assert time.monotonic() - sent >= 0.9
+    await asyncio.sleep(0.5)
+    for t in deployment.topics:
+        assert deployment.admin.xlen(t) == 1
+    for stream in streams.values():
+        assert await stream.close() == grpc.StatusCode.OK
+
+
+async def test_cluster_refuses_a_bad_delay_shards_naming_it(
+    component: Factory, cluster: RedisCluster
+) -> None:
+    for bad in ("0", "-1", "x", "1025"):
+        code, details = await init_fails(
+            component("delayed"),
+            {
+                "consumerID": GROUP,
+                "redisHost": ",".join(cluster.addresses),
+                "redisType": "cluster",
+                "enableDelayedMessaging": "true",
+                "delayShards": bad,
+            },
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"delayShards={bad!r}" in details
 
 
 async def test_cluster_type_against_a_plain_node_is_unavailable(

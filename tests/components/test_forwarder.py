@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.history import decode_record
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_pubsub.forwarder import (
     Forwarder,
@@ -39,6 +39,7 @@ from delayed_pubsub.forwarder import (
 )
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
+from tests.components.conftest import FAST
 from tests.components.driver import Component
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
@@ -639,6 +640,35 @@ async def test_the_loop_survives_its_redis_restarting_and_losing_everything(
         own.stop()
 
 
+async def test_an_instance_with_delay_shards_forwards_every_shards_outbox_once(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    """delayShards: each shard fires into its own outbox (`{<shard stream>}:outbox`,
+    its own hash slot on Cluster); the instance runs a forwarder per outbox, so a
+    message bound for another pub/sub is handed off whichever shard fired it."""
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+            "delayShards": "3",
+            "daprGrpcAddress": sidecar.grpc_address,
+            **FAST,
+        }
+    )
+    marker = f"shards-{uuid.uuid4().hex[:8]}"
+    shards = [EngineKeys.for_topic(t) for t in shard_topics(APP_ID, 3)]
+    for i in range(9):
+        entry = OutboxEntry(pubsub="target", topic="orders", data=cloudevent(marker, n=i), id=f"{marker}-{i}")
+        outbox_db.xadd(shards[i % 3].outbox, encode_outbox_entry(entry))
+    await wait_arrivals(sidecar, marker, 9, route="/events/target/orders")
+    await asyncio.sleep(1)  # a second hand-off would land now, if ever
+    got = await arrivals(sidecar, marker, route="/events/target/orders")
+    assert sorted(a["data"]["n"] for a in got) == list(range(9))
+    assert [len(outbox_db.xrange(k.outbox)) for k in shards] == [0, 0, 0]  # acked and deleted
+
+
 async def test_a_delayed_publish_with_target_pubsub_fires_through_the_outbox_to_the_builtin_pubsub(
     sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
 ) -> None:
@@ -686,3 +716,34 @@ async def test_target_pubsub_without_a_delay_is_refused_and_nothing_stored(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "targetPubsub" in (err.value.details() or "")
     assert outbox_db.exists("orders") == 0
+
+
+async def test_delayed_publishes_with_target_pubsub_over_delay_shards_arrive_once(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    """The whole path with delayShards 3: scheduleIds hash to every shard, each
+    shard fires into its own outbox, and every message reaches the target once."""
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+            "delayShards": "3",
+            "daprGrpcAddress": sidecar.grpc_address,
+            **FAST,
+        }
+    )
+    marker = f"shards-{uuid.uuid4().hex[:8]}"
+    for i in range(12):
+        # Fixed ids (the database is emptied per test) that hash to all three shards.
+        md = {"scheduledSendDelay": "1s", "targetPubsub": "target", "scheduleId": f"fwd-{i}"}
+        await c.publish("orders", cloudevent(marker, n=i), md)
+    assert {shard_index(f"fwd-{i}", 3) for i in range(12)} == {0, 1, 2}
+    shards = [EngineKeys.for_topic(t) for t in shard_topics(APP_ID, 3)]
+    assert all(outbox_db.xlen(k.history) for k in shards), "every shard holds some of the 12"
+    await wait_arrivals(sidecar, marker, 12, route="/events/target/orders")
+    await asyncio.sleep(1)  # a second hand-off would land now, if ever
+    got = await arrivals(sidecar, marker, route="/events/target/orders")
+    assert sorted(a["data"]["n"] for a in got) == list(range(12))
+    assert outbox_db.exists("orders") == 0  # never on our own topic

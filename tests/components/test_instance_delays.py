@@ -221,17 +221,6 @@ async def test_overdue_fire_when_instance_starts(
     assert msg.data == b"soon"
 
 
-async def test_delayed_messaging_on_cluster_is_refused_at_init(
-    component: Callable[[str], Component], delayed_props: dict[str, str]
-) -> None:
-    c = component("delayed")
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await c.init({**delayed_props, "redisType": "cluster"})
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "enableDelayedMessaging" in (err.value.details() or "")
-    assert "cluster" in (err.value.details() or "")
-
-
 async def test_retention_never_trims_pending_messages(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:

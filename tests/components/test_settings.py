@@ -191,6 +191,27 @@ def test_any_text_either_parses_or_is_refused_naming_the_key(text: str) -> None:
         assert error is None or error.key == key
 
 
+@pytest.mark.parametrize(
+    ("props", "shards"),
+    [
+        ({}, 1),
+        ({"redisType": "cluster"}, 16),
+        ({"redisType": "cluster", "delayShards": "3"}, 3),
+        ({"delayShards": "4"}, 4),
+        ({"delayShards": "1024"}, 1024),
+    ],
+)
+def test_delay_shards_default_to_16_on_cluster_and_1_on_a_node(props: dict[str, str], shards: int) -> None:
+    assert parse_settings({**BASE, **props}).shards == shards
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "1025", "two", "2.0"])
+def test_bad_delay_shards_are_refused_naming_the_value(bad: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        parse_settings({**BASE, "delayShards": bad})
+    assert (err.value.key, err.value.value) == ("delayShards", bad)
+
+
 # --- ranges: whatever parses must also be usable by Redis and the data path ------
 
 TWO_63 = str(2**63)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.keys import delayed_topic
+from delayed_middleware.keys import shard_topics
 from delayed_pubsub.settings import KNOWN_KEYS, Settings, parse_settings
 
 NUM_PARTITIONS: Final = "numPartitions"
@@ -63,10 +63,11 @@ class ReaderOptions:
     def delayed_topics(self) -> tuple[str, ...]:
         """Every delayed topic (shard) of this app, in a fixed order.
 
-        One today; with delayShards on Redis Cluster the engine spreads an app
-        over several, and this is the one place that must then name them all.
+        One on a single node; with delayShards (16 by default on Redis Cluster)
+        the engine spreads an app over several, named by keys.shard_topics.
+        Pass the component's delayShards if it sets one.
         """
-        return (delayed_topic(self.consumer_id),)
+        return tuple(shard_topics(self.consumer_id, self.settings.shards))
 
 
 def parse_reader_options(options: Mapping[str, str]) -> ReaderOptions:

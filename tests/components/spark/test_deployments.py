@@ -56,3 +56,21 @@ def test_history_over_tls_with_client_certificate(spark: Any, tls_server: TlsRed
             "clientKey": tls_server.tls.client_key.read_text(),
         },
     )
+
+
+def test_history_of_every_delay_shard_on_redis_cluster(spark: Any, cluster: RedisCluster) -> None:
+    """With delayShards (16 by default on Cluster) each shard has its own history
+    (`{app1~<n>-delayed}:history`): the reader reads every shard of the app, and
+    exactly the shards the component's delayShards names."""
+    cluster.flushall()
+    client: Any = cluster.client()
+    ids = {
+        n: add_history(client, [fired(f"t{n}", 1_000, n)], app=APP if not n else f"{APP}~{n}")
+        for n in (0, 5, 15)
+    }
+    props = {"redisHost": ",".join(cluster.addresses), "redisType": "cluster", "consumerID": APP}
+    rows = spark.read.format("delayed-history").options(**props).load().collect()
+    assert sorted(r["history_id"] for r in rows) == sorted(i for got in ids.values() for i in got)
+    assert sorted(r["lateness_ms"] for r in rows) == [0, 5, 15]
+    rows = spark.read.format("delayed-history").options(**props, delayShards="6").load().collect()
+    assert sorted(r["lateness_ms"] for r in rows) == [0, 5]

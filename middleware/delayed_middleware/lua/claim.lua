@@ -1,0 +1,216 @@
+-- CLAIM: phase 1 of the two-phase fire (Redis Cluster), in the shard's slot.
+-- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox,
+--       11 in-flight zset (member envelope id, score lease expiry ms),
+--       12 claims hash (envelope id -> "<due ms> <next due ms | -> <scheduleNext> <scheduler>")
+-- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max work (as FIRE's: entries,
+--       plus one per METADATA_PER_ENTRY metadata pairs), 5 max envelope bytes,
+--       6 history maxlen (0 = off), 7 Redis time budget us (0 = none), 8 lease ms,
+--       9 the firing component's name ('' = any): its trim applies only to
+--       messages published through it (as FIRE's ARGV[10])
+-- Returns {head, pending, parked, refill, first, gone, x, then x (id, topic)
+-- pairs, n, then n claims}: head = the earliest due time left in the index or
+-- lease end in flight ('' none); first = the earliest due time claimed ('' none);
+-- gone = index entries whose envelope someone else deleted; the pairs are the
+-- envelopes that expired unfired (for the caller's markers, as FIRE's); each
+-- claim is 12 values then its entries: envelope id, occurrence due ms,
+-- scheduler (the envelope's key), scheduleNext, append key (the target topic,
+-- or the outbox with a targetPubsub), targetPubsub, topic, bulk (0/1),
+-- expiresAt ms (0 none), scheduleSource (the client reads it: another slot),
+-- trim (1: the caller's trim applies, 0: published through another component),
+-- entry count k; then k triples data, metadata JSON (scheduler/scheduleNext
+-- set), contentType.
+--
+-- The same decisions as FIRE (fire.lua) up to the append: a gone or
+-- undecodable envelope leaves the index (parked when undecodable); an expired
+-- one is forgotten ('expired' record); a recurring one whose next due time is
+-- unknown or passed waits for REFILL; a reserved target parks. What FIRE would
+-- append instead moves from the index to the in-flight set with a lease, in
+-- this one atomic step, so no other replica claims it while the lease runs.
+-- In-flight entries whose lease ended (their replica died or stalled) are
+-- claimed again first, with a new lease: the caller re-runs APPEND (the fire
+-- markers make repeats no-ops) and RELEASE. The target's type is checked by
+-- APPEND, in the target's slot.
+--!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+--!include inflight.lua
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[6]), ARGV[2]
+local now = tonumber(ARGV[2])
+local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local budget_us, lease = tonumber(ARGV[7]), tonumber(ARGV[8])
+local own_pubsub = ARGV[9] or ''
+local parked, refill, work, bytes, first = 0, 0, 0, 0, nil
+local taken, deletes, out, n = {}, {}, {}, 0
+-- Decoding and encoding a metadata pair costs about a quarter of appending an entry (fire.lua).
+local METADATA_PER_ENTRY = 4
+local unchecked, gone, expired_out = 0, 0, {}
+
+local function clock_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local started = budget_us > 0 and clock_us() or 0
+
+local function reserved(topic)
+  if string.find(topic, '-delayed}', 1, true) then return 'reserved: an engine key' end
+  if string.sub(topic, -8) == '-delayed' then return 'reserved: a delayed topic' end
+  return nil
+end
+
+local function park(id, env, key, due, why)
+  redis.call('HSET', KEYS[7], id, why)
+  parked = parked + 1
+  if env then
+    hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1), why, env.schedule)
+  else
+    hist('parked', key, '', '', 0, due, '', '', 1, why, '')
+  end
+end
+
+local function forget(id, env, key)
+  deletes[#deletes + 1] = id
+  if env.sid ~= '' or env.kind == 1 then
+    local r = redis.call('HGET', KEYS[3], key)
+    if r and parse_ref(r) == id then
+      redis.call('HDEL', KEYS[3], key)
+      redis.call('ZREM', KEYS[9], key)
+    end
+  end
+end
+
+-- One claim's reply record, or nil and why (metadata cjson cannot encode,
+-- e.g. 1e400 decoded as inf: FIRE parks such an envelope, so CLAIM does too).
+local function record(id, due, env, key, iso)
+  local target = KEYS[10]
+  if env.target == '' then target = env.topic end
+  local expires = env.expires
+  if env.sttl > 0 then expires = now + env.sttl end
+  local entries = env.entries
+  if env.source ~= '' then entries = {} end
+  local trim = (env.target == '' and (own_pubsub == '' or env.pubsub == own_pubsub)) and 1 or 0
+  local rec = {id, due, key, iso, target, env.target, env.topic, env.bulk and 1 or 0, expires, env.source, trim, #entries}
+  for _, e in ipairs(entries) do
+    local md = e[2]
+    md['scheduler'] = key
+    md['scheduleNext'] = iso
+    local ok, json = pcall(cjson.encode, md)
+    if not ok then return nil, 'metadata: ' .. tostring(json) end
+    rec[#rec + 1] = e[1]
+    rec[#rec + 1] = json
+    rec[#rec + 1] = e[3]
+  end
+  return rec
+end
+
+-- Appends one claim record to the reply.
+local function emit(rec, due)
+  for _, v in ipairs(rec) do out[#out + 1] = v end
+  n = n + 1
+  if first == nil or tonumber(due) < first then first = tonumber(due) end
+end
+
+-- 1. Claims whose lease ended: taken over first, with their recorded occurrence.
+local expired = redis.call('ZRANGEBYSCORE', KEYS[11], '-inf', now, 'LIMIT', 0, max_env)
+local withdrawn = {
+  target = '', topic = '', expires = 0, sttl = 0, source = '', entries = {}, bulk = false, size = 0, pubsub = '',
+}
+for _, id in ipairs(expired) do
+  if work >= max_entries or bytes >= max_bytes then break end
+  local rec = redis.call('HGET', KEYS[12], id)
+  local env = read_envelope(id)
+  redis.call('ZADD', KEYS[11], now + lease, id)
+  local r, due = nil, rec and string.match(rec, '^(%S+)') or '0'
+  if rec and env then
+    local _, _, iso, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
+    r = record(id, due, env, key, iso)
+    work = work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
+    bytes = bytes + env.raw
+  end
+  -- Withdrawn (cancelled, replaced) while in flight, or a torn record: the
+  -- caller releases it with nothing to append.
+  emit(r or record(id, due, withdrawn, id, '-'), due)
+end
+
+-- 2. Due occurrences, as FIRE picks them.
+for i, c in ipairs(due_candidates(now, max_env - n)) do
+  local id, due = c[1], c[2]
+  -- The clock is read as FIRE reads it: every 8 cheap envelopes, and after any costly one.
+  if budget_us > 0 and i > 1 and unchecked >= 8 then
+    if clock_us() - started > budget_us then break end
+    unchecked = 0
+  end
+  unchecked = unchecked + 1
+  local env, why = read_envelope(id)
+  if not env then
+    taken[#taken + 1] = c
+    if why == 'gone' then
+      -- Deleted from the delayed topic by something else than the engine: lost, but not silently.
+      gone = gone + 1
+    else
+      park(id, nil, id, due, why)
+    end
+  else
+    local k = #env.entries
+    if env.source ~= '' then k = 1 end
+    local cost = k + math.floor(env.pairs / METADATA_PER_ENTRY)
+    if (n > 0 or #taken > 0) and (work + cost > max_entries or bytes + env.raw > max_bytes) then break end
+    work, bytes = work + cost, bytes + env.raw
+    unchecked = unchecked + cost - 1 + math.floor(env.raw / 65536)
+    taken[#taken + 1] = c
+    local key = id
+    if env.sid ~= '' then key = env.sid end
+    local attempt = math.max(env.attempt, 1)
+    local iso, next_due, skip = 'purge', '-', false
+    if env.kind == 1 then
+      local ref = redis.call('HGET', KEYS[3], key)
+      if not ref or parse_ref(ref) ~= id then
+        deletes[#deletes + 1] = id
+        skip = true
+      else
+        local _, rdue, rnext, riso = parse_ref(ref)
+        if rnext == '-' or (rnext ~= 'purge' and tonumber(rnext) <= now) then
+          redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
+          redis.call('ZADD', KEYS[9], rdue, key)
+          refill = refill + 1
+          skip = true
+        elseif rnext ~= 'purge' then
+          next_due, iso = rnext, riso
+        end
+      end
+    end
+    if skip then
+      -- handled above
+    elseif env.expires > 0 and env.expires <= now then
+      forget(id, env, key)
+      hist('expired', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, 'MaxAge', env.schedule)
+      expired_out[#expired_out + 1] = key
+      expired_out[#expired_out + 1] = env.topic
+    else
+      local bad, r = nil, nil
+      if env.target == '' then bad = reserved(env.topic) end
+      if not bad then r, bad = record(id, due, env, key, iso) end
+      if bad then
+        park(id, env, key, due, bad)
+      else
+        redis.call('ZADD', KEYS[11], now + lease, id)
+        redis.call('HSET', KEYS[12], id, due .. ' ' .. next_due .. ' ' .. iso .. ' ' .. key)
+        emit(r, due)
+      end
+    end
+  end
+end
+remove_candidates(taken)
+for i = 1, #deletes, 500 do
+  redis.call('XDEL', KEYS[1], unpack(deletes, i, math.min(i + 499, #deletes)))
+end
+local h = next_wakeup()
+local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
+-- Refills another replica left undone, reported so whichever replica fires next completes them (as FIRE).
+refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
+local reply = {h or '', pending, parked, refill, first and tostring(first) or '', gone, #expired_out / 2}
+for _, v in ipairs(expired_out) do reply[#reply + 1] = v end
+reply[#reply + 1] = n
+for _, v in ipairs(out) do reply[#reply + 1] = v end
+return reply

@@ -1,0 +1,63 @@
+-- RELEASE: phase 3 of the two-phase fire, in the shard's slot: finalize what
+-- APPEND did, exactly as FIRE does after its append.
+-- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 in-flight zset, 12 claims hash
+-- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen (0 = off), 4 n, then n
+--       pairs: envelope id, outcome ('ok' | 'dup': appended; anything else: the
+--       reason it could not be, and the envelope parks)
+-- Returns {released, parked, refill, fired, head}: head as CLAIM's, after this release.
+--
+-- Only the call that removes the envelope from the in-flight set acts on it
+-- (ZREM returns 1 once), so a slow replica releasing after the one that took
+-- its lease over changes nothing, and each occurrence gets one 'fired' record.
+-- A one-shot envelope leaves the stream and the ids hash; a recurring one goes
+-- back into the index at its next due time (precomputed, recorded at CLAIM)
+-- and waits for REFILL to learn the one after, as FIRE leaves it.
+--!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+--!include inflight.lua
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
+local now = tonumber(ARGV[2])
+local released, parked, refill, fired = 0, 0, 0, 0
+local pos = 5
+for _ = 1, tonumber(ARGV[4]) do
+  local id, outcome = ARGV[pos], ARGV[pos + 1]
+  pos = pos + 2
+  if redis.call('ZREM', KEYS[11], id) == 1 then
+    local rec = redis.call('HGET', KEYS[12], id)
+    redis.call('HDEL', KEYS[12], id)
+    local env = read_envelope(id)
+    if rec and env then
+      local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
+      local attempt = math.max(env.attempt, 1)
+      if outcome ~= 'ok' and outcome ~= 'dup' then
+        redis.call('HSET', KEYS[7], id, outcome)
+        parked = parked + 1
+        hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, outcome, env.schedule)
+      else
+        local ref = nil
+        if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', KEYS[3], key) end
+        local current = ref and parse_ref(ref) == id
+        if next_due == '-' or (env.kind == 1 and not current) then
+          -- The last occurrence, or a schedule replaced or cancelled in flight.
+          redis.call('XDEL', KEYS[1], id)
+          if current then
+            redis.call('HDEL', KEYS[3], key)
+            redis.call('ZREM', KEYS[9], key)
+          end
+        else
+          insert(id, next_due)
+          redis.call('HSET', KEYS[3], key, make_ref(id, next_due, '-', '-', 'i'))
+          redis.call('ZADD', KEYS[9], next_due, key)
+          refill = refill + 1
+        end
+        hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
+        fired = fired + 1
+      end
+    end
+    released = released + 1
+  end
+end
+return {released, parked, refill, fired, next_wakeup() or ''}

@@ -1,0 +1,423 @@
+"""The two-phase fire on a real 3-master Redis Cluster: every crash point of
+CLAIM -> APPEND -> RELEASE loses and doubles nothing; a claim whose lease ended
+is taken over; a slow replica that wakes after the takeover writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio.cluster as acluster
+import redis.cluster
+
+from delayed_middleware.clock import ManualClock, SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import RECURRING, Envelope
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.history import decode_record
+from delayed_middleware.instants import format_instant
+from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
+from tests.redis_server import RedisCluster
+
+T0 = 1_800_000_000_000
+LEASE = 1_000
+SHARD = EngineKeys.for_topic(shard_topics("app", 3)[0])
+
+
+class Crash(Exception):
+    """Stands for the process dying at a fault point."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
+    cluster.flushall()
+    c = cluster.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+async def aclient(cluster: RedisCluster) -> AsyncIterator[acluster.RedisCluster]:
+    c = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    yield c
+    await c.aclose()
+
+
+def topics_over_all_masters(cluster: RedisCluster, per_master: int = 4) -> list[str]:
+    by_port: dict[int, list[str]] = {n.port: [] for n in cluster.nodes}
+    i = 0
+    while any(len(t) < per_master for t in by_port.values()):
+        t = f"t{i}"
+        owned = by_port[cluster.owner(t).port]
+        if len(owned) < per_master:
+            owned.append(t)
+        i += 1
+    return [t for ts in by_port.values() for t in ts]
+
+
+def env(n: int, topic: str, due: int = T0 + 100, **kw: object) -> Envelope:
+    return Envelope(
+        id=f"m{n}",
+        topic=topic,
+        due_ms=due,
+        published_at_ms=T0,
+        message=json.dumps({"n": n}).encode(),
+        metadata={"k": str(n)},
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def engine(
+    client: acluster.RedisCluster,
+    clock: ManualClock,
+    fault: Callable[[str], Awaitable[None]] | None = None,
+    keys: EngineKeys = SHARD,
+) -> DelayEngine:
+    return DelayEngine(
+        client,  # type: ignore[arg-type]
+        keys,
+        clock,
+        # No Redis-time budget: each batch takes all 120 however loaded the machine.
+        config=EngineConfig(two_phase=True, lease_ms=LEASE, batch_size=500, fire_budget_us=0),
+        fault=fault,
+        recurrence=lambda e, after: (after // 1_000 + 1) * 1_000,
+    )
+
+
+def crash_at(point: str) -> Callable[[str], Awaitable[None]]:
+    async def fault(at: str) -> None:
+        if at == point:
+            raise Crash(point)
+
+    return fault
+
+
+def rows(admin: redis.cluster.RedisCluster, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
+    got: Any = admin.xrange(key)
+    return [(i.decode(), dict(f)) for i, f in got]
+
+
+def delivered(admin: redis.cluster.RedisCluster, topics: list[str]) -> dict[str, list[int]]:
+    out = {}
+    for t in topics:
+        # Sorted: messages due at one instant have no order among themselves.
+        out[t] = sorted(json.loads(decode_entry(f).data)["n"] for _, f in rows(admin, t))
+    return out
+
+
+def fired_records(admin: redis.cluster.RedisCluster, keys: EngineKeys = SHARD) -> list[str]:
+    return [r.id for r in (decode_record(i, f) for i, f in rows(admin, keys.history)) if r.event == "fired"]
+
+
+async def schedule_spread(e: DelayEngine, topics: list[str], n: int) -> dict[str, list[int]]:
+    want: dict[str, list[int]] = {t: [] for t in topics}
+    envs = []
+    for i in range(n):
+        t = topics[i % len(topics)]
+        want[t].append(i)
+        envs.append(env(i, t))
+    await e.schedule(envs)
+    return want
+
+
+def test_fire_markers_hash_to_their_target_and_are_engine_keys(cluster: RedisCluster) -> None:
+    for topic in ["orders", "{tenant-1}orders", "odd}name", "{}x}", "a{b}c", "x" * 300]:
+        marker = fire_marker_prefix(topic, SHARD.stream) + "1-0:5"
+        # Redis's own CLUSTER KEYSLOT, not our copy of its rule.
+        assert cluster.keyslot(marker) == cluster.keyslot(topic), topic
+        assert key_slot(topic) == cluster.keyslot(topic)
+        assert is_engine_key(marker)
+
+
+@pytest.mark.parametrize("point", ["claimed", "appended:1", "appended:6", "appended:12", "released"])
+async def test_a_crash_at_any_step_loses_and_doubles_nothing(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster, point: str
+) -> None:
+    """12 targets over 3 masters: crash after CLAIM, after APPEND of 1, 6 or all 12
+    targets (= before RELEASE), after RELEASE; another replica finishes the batch."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    doomed = engine(aclient, clock, crash_at(point))
+    want = await schedule_spread(doomed, topics, 120)
+
+    with pytest.raises(Crash):
+        await doomed.fire_due()
+    survivor = engine(aclient, clock)
+    if point != "released":
+        # The lease still runs: the survivor must not touch the claimed batch.
+        assert await survivor.fire_due() == (0, T0 + 100 + LEASE)
+        assert admin.zcard(SHARD.inflight) == 120
+        clock.advance(LEASE)
+    while (await survivor.fire_due())[0]:
+        pass
+
+    assert delivered(admin, topics) == want
+    assert len(set(fired_records(admin))) == 120
+    assert len(fired_records(admin)) == 120  # one 'fired' record per message, whoever appended it
+    assert admin.xlen(SHARD.stream) == 0
+    assert admin.zcard(SHARD.inflight) == 0
+    assert admin.hlen(SHARD.claims) == 0
+    assert await survivor.pending() == 0
+
+
+async def test_a_slow_replica_that_wakes_after_the_takeover_writes_nothing(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    resume = asyncio.Event()
+    stalled = asyncio.Event()
+
+    async def stall(at: str) -> None:
+        if at == "appended:3":
+            stalled.set()
+            await resume.wait()
+
+    slow = engine(aclient, clock, stall)
+    want = await schedule_spread(slow, topics, 60)
+    slow_fire = asyncio.create_task(slow.fire_due())
+    await asyncio.wait_for(stalled.wait(), 10)
+    # Its lease ends while it is stalled; another replica takes the batch over.
+    clock.advance(LEASE + 1)
+    fast = engine(aclient, clock)
+    while (await fast.fire_due())[0]:
+        pass
+    assert delivered(admin, topics) == want
+    resume.set()
+    await asyncio.wait_for(slow_fire, 10)  # its remaining APPENDs find markers; RELEASE finds nothing
+
+    assert delivered(admin, topics) == want
+    assert len(fired_records(admin)) == 60
+    assert admin.zcard(SHARD.inflight) == 0
+
+
+async def test_a_lease_taken_over_mid_append_by_a_replica_that_then_crashes(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Two crashes in a row on one batch: the third replica still delivers each message once."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    first = engine(aclient, clock, crash_at("appended:2"))
+    want = await schedule_spread(first, topics, 60)
+    with pytest.raises(Crash):
+        await first.fire_due()
+    clock.advance(LEASE + 1)
+    with pytest.raises(Crash):
+        await engine(aclient, clock, crash_at("appended:7")).fire_due()
+    clock.advance(LEASE + 1)
+    third = engine(aclient, clock)
+    while (await third.fire_due())[0]:
+        pass
+    assert delivered(admin, topics) == want
+    assert len(fired_records(admin)) == 60
+
+
+async def test_recurring_crash_before_release_fires_the_occurrence_once_then_the_next(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0 + 1_000)
+    doomed = engine(aclient, clock, crash_at("appended:1"))
+    rec = Envelope(
+        id="tick",
+        topic="ticks",
+        due_ms=T0 + 1_000,
+        published_at_ms=T0,
+        message=b'{"n":1}',
+        schedule_id="tick",
+        kind=RECURRING,
+        schedule="@every 1s",
+    )
+    await doomed.schedule([rec])
+    with pytest.raises(Crash):
+        await doomed.fire_due()
+    clock.advance(LEASE + 1)
+    survivor = engine(aclient, clock)
+    await survivor.fire_due()
+    assert admin.xlen("ticks") == 1
+    clock.set(T0 + 2_500)
+    await survivor.fire_due()
+    [(_, a), (_, b)] = rows(admin, "ticks")
+    # The first occurrence once, announcing the second; then the second.
+    assert decode_entry(a).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 2_000)}
+    assert decode_entry(b).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 3_000)}
+    assert admin.zcard(SHARD.inflight) == 0
+
+
+async def test_a_wrong_type_target_parks_its_envelopes_and_the_rest_fire(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    topics = topics_over_all_masters(cluster, per_master=1)
+    admin.set("a-string", "x")
+    clock = ManualClock(T0 + 100)
+    e = engine(aclient, clock)
+    await e.schedule([env(1, "a-string"), env(2, topics[0]), env(3, "x-delayed"), env(4, topics[1])])
+    while (await e.fire_due())[0]:
+        pass
+    assert delivered(admin, topics[:2]) == {topics[0]: [2], topics[1]: [4]}
+    assert admin.hlen(SHARD.parked) == 2
+    assert admin.xlen(SHARD.stream) == 2  # kept for an operator
+    assert admin.get("a-string") == b"x"
+
+
+async def test_sharded_engine_spreads_over_masters_and_cancel_finds_every_shard(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [engine(aclient, clock, keys=EngineKeys.for_topic(t)) for t in shard_topics("app", 6)]
+    )
+    slots = {cluster.owner(e.keys.stream).port for e in shards.engines}
+    assert len(slots) == 3  # six shards land on all three masters
+    ids = []
+    for i in range(12):
+        ids += await shards.schedule([env(i, "orders", due=T0 + 100)])
+    with_sid = [env(100 + i, "orders", due=T0 + 100, schedule_id=f"s{i}") for i in range(12)]
+    await shards.schedule(with_sid)
+    used = [e.keys.stream for e in shards.engines if admin.xlen(e.keys.stream)]
+    assert len(used) > 1
+    # By envelope id (shard-qualified: stream ids repeat across shards) and by
+    # scheduleId (its shard by hash).
+    assert all("@" in i for i in ids)
+    assert await shards.cancel(ids[5])
+    assert not await shards.cancel(ids[5])
+    assert await shards.cancel("s3")
+    assert not await shards.cancel("s3")
+    assert not await shards.cancel("1-1")
+    # Replace by scheduleId finds the pending one, whatever shard spread would pick.
+    await shards.schedule([env(999, "orders", due=T0 + 100, schedule_id="s4")])
+    assert await shards.pending() == 22
+    clock.set(T0 + 100)
+    while (await shards.fire_due())[0]:
+        pass
+    got = sorted(delivered(admin, ["orders"])["orders"])
+    assert got == sorted(
+        [i for i in range(12) if i != 5] + [100 + i for i in range(12) if i not in (3, 4)] + [999]
+    )
+
+
+async def test_a_schedule_retried_with_its_token_stores_nothing_twice_on_any_shard(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """A lost reply, then the same call again (same token): envelopes without a
+    scheduleId go to the shard the token picks, not the next in turn, and each
+    shard's chunks (`<token>:<shard>/<offset>`) are recognised as stored."""
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [engine(aclient, clock, keys=EngineKeys.for_topic(t)) for t in shard_topics("app", 4)]
+    )
+    plain = [env(i, "orders") for i in range(7)]
+    named = [env(100 + i, "orders", schedule_id=f"s{i}") for i in range(9)]
+    batch = [e for pair in zip(plain, named, strict=False) for e in pair] + named[7:]
+    for _ in range(3):
+        await shards.schedule(batch, token="call-1")
+    assert await shards.pending() == 16
+    assert sum(admin.xlen(e.keys.stream) for e in shards.engines) == 16
+
+
+async def test_cancel_many_finds_each_id_on_its_shard_and_marks_each_topic(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """scheduleIds, shard-qualified envelope ids and unknown ids in one call:
+    the answer per id in order, and a Remove marker (deleteMarkerTTL) on each
+    cancelled message's topic, whatever its slot."""
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [
+            DelayEngine(
+                aclient,  # type: ignore[arg-type]
+                EngineKeys.for_topic(t),
+                clock,
+                config=EngineConfig(two_phase=True, lease_ms=LEASE, marker_ttl_ms=60_000),
+            )
+            for t in shard_topics("app", 3)
+        ]
+    )
+    topics = [f"c{i}" for i in range(6)]
+    await shards.schedule([env(i, t, schedule_id=f"s{i}") for i, t in enumerate(topics)])
+    [plain] = await shards.schedule([env(50, "plain")])
+    got = await shards.cancel_many(["s0", "nope", plain, "s5", "s0"])
+    assert got == [(True, "c0"), (False, ""), (True, "plain"), (True, "c5"), (False, "")]
+    assert await shards.pending() == 4
+    for t in ("c0", "plain", "c5"):
+        [(_, fields)] = rows(admin, t)
+        assert json.loads(fields[b"metadata"])["markerReason"] == "Remove"
+    assert admin.xlen("c1") == 0
+
+
+async def test_a_bare_stream_id_on_two_shards_is_refused_not_guessed(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    shards = ShardedEngine(
+        [engine(aclient, clock, keys=EngineKeys.for_topic(t)) for t in shard_topics("app", 2)]
+    )
+    for e in shards.engines:
+        admin.xadd(e.keys.stream, {"data": "x"}, id="5-1")
+    with pytest.raises(InvalidArgumentError, match="5-1"):
+        await shards.cancel("5-1")
+    assert [admin.xlen(e.keys.stream) for e in shards.engines] == [1, 1]
+    assert await shards.cancel("5-1@1")
+    assert [admin.xlen(e.keys.stream) for e in shards.engines] == [1, 0]
+    assert await shards.cancel("5-1")  # now only one shard holds it
+
+
+async def test_a_sleeping_replica_is_woken_through_the_cluster_by_an_earlier_schedule(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """The wake channel works on Cluster: a replica with nothing due sleeps up to
+    max_sleep_s (here 30 s); another's schedule of a message due in 0.3 s wakes it."""
+    keys = EngineKeys.for_topic(shard_topics("app", 3)[2])
+    sleeper = DelayEngine(
+        aclient,  # type: ignore[arg-type]
+        keys,
+        SystemClock(),
+        config=EngineConfig(two_phase=True, max_sleep_s=30.0),
+    )
+    task = asyncio.create_task(sleeper.run())
+    try:
+        await asyncio.sleep(1.0)  # asleep, subscribed
+        publisher = engine(aclient, ManualClock(T0), keys=keys)
+        due = int(time.time() * 1000) + 300
+        await publisher.schedule([env(1, "woken", due=due)])
+        deadline = time.monotonic() + 5
+        while not admin.xlen("woken"):
+            assert time.monotonic() < deadline, "the sleeping replica was not woken"
+            await asyncio.sleep(0.02)
+        landed = int(rows(admin, "woken")[0][0].split("-")[0])
+        assert due <= landed < due + 1_000
+    finally:
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+
+
+async def test_topics_with_their_own_hash_tags_or_odd_braces_fire_once_after_a_crash(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Markers of `{tenant}orders`, `x}y`, `{}z` and `a{b}c` land in their topics' slots
+    (APPEND declares them with the topic: a wrong slot would fail with CROSSSLOT)."""
+    topics = ["{tenant}orders", "{tenant}payments", "x}y", "{}z", "a{b}c", "é{ü}"]
+    clock = ManualClock(T0 + 100)
+    doomed = engine(aclient, clock, crash_at("appended:3"))
+    want = await schedule_spread(doomed, topics, 60)
+    with pytest.raises(Crash):
+        await doomed.fire_due()
+    clock.advance(LEASE + 1)
+    survivor = engine(aclient, clock)
+    while (await survivor.fire_due())[0]:
+        pass
+    assert delivered(admin, topics) == want
+    assert admin.hlen(SHARD.parked) == 0
