@@ -19,11 +19,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.exceptions
 
+from delayed_middleware import scripts
+from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
@@ -49,28 +51,6 @@ BACKOFF_CAP_S = 2.0
 FETCH_LINGER_S = 0.002
 # How long acks gather before one XACK sends them all (unless half a window is in).
 ACK_LINGER_S = 0.002
-
-# KEYS[1] = topic stream; ARGV[1] = group; ARGV[2] = consumer.
-# Deletes the consumer only if it holds no pending entry: XGROUP DELCONSUMER
-# drops a consumer's PEL, which would lose those messages for good. Atomic, so
-# nothing can be delivered to it between the check and the delete.
-DELETE_IDLE_CONSUMER_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
-if not ok then return -1 end
-if #pending > 0 then return 0 end
-redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
-
-# KEYS[1] = topic stream; ARGV[1] = group; ARGV[2] = consumer; ARGV[3] = min idle ms;
-# ARGV[4] = start id; ARGV[5] = count.
-# XAUTOCLAIM ... JUSTID, which does not bump delivery counts (entries we already
-# hold must not count as redelivered), with its whole reply: redis-py's parser
-# drops the next-start cursor of a JUSTID reply.
-AUTOCLAIM_JUSTID_LUA = """
-return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
-"""
 
 
 def trim_policy(settings: Settings) -> Trim:
@@ -275,24 +255,6 @@ class _PublishBatcher:
                 future.set_result(result)
 
 
-@dataclass
-class _Backoff:
-    """Capped exponential backoff, reset by success."""
-
-    delay: float = BACKOFF_BASE_S
-    failures: int = field(default=0)
-
-    def next(self) -> float:
-        current = self.delay
-        self.delay = min(self.delay * 2, BACKOFF_CAP_S)
-        self.failures += 1
-        return current
-
-    def reset(self) -> None:
-        self.delay = BACKOFF_BASE_S
-        self.failures = 0
-
-
 class Subscription:
     """One PullMessages stream's view of a topic.
 
@@ -418,7 +380,7 @@ class Subscription:
                 await asyncio.wait_for(self._client.xack(self.topic, self._group, *last), timeout=2)
                 self._metrics.acked.inc(len(last))
             await asyncio.wait_for(
-                self._client.eval(DELETE_IDLE_CONSUMER_LUA, 1, self.topic, self._group, self.consumer),
+                self._client.eval(scripts.DELETE_IDLE_CONSUMER, 1, self.topic, self._group, self.consumer),
                 timeout=2,
             )
         except _CLOSE_ERRORS as e:
@@ -600,7 +562,7 @@ class Subscription:
     async def _fetch_loop(self) -> None:
         next_reclaim = 0.0
         reclaim_every = self._settings.redeliver_interval_ms / 1000
-        backoff = _Backoff()
+        backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         lingered = False
         while not self._closed:
             try:
@@ -682,7 +644,7 @@ class Subscription:
     async def _autoclaim(self, count: int) -> list[str]:
         """XAUTOCLAIM JUSTID one batch; returns the ids we did not already hold."""
         reply: Any = await self._client.eval(
-            AUTOCLAIM_JUSTID_LUA,
+            scripts.AUTOCLAIM_JUSTID,
             1,
             self.topic,
             self._group,
@@ -754,7 +716,7 @@ class Subscription:
         (e.g. WRONGTYPE) are retried with backoff too, logged as errors, except
         for XACK where they are the caller's to handle. Gives up (CancelledError)
         once the subscription is stopped or the task is being cancelled."""
-        backoff = _Backoff()
+        backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         while True:
             try:
                 async with asyncio.timeout(self._timeout):

@@ -54,6 +54,9 @@ SCHEDULE: Final = load("schedule.lua")
 FIRE: Final = load("fire.lua")
 CANCEL: Final = load("cancel.lua")
 REFILL: Final = load("refill.lua")
+# The broker's own atomic steps.
+DELETE_IDLE_CONSUMER: Final = load("delete_idle_consumer.lua")
+AUTOCLAIM_JUSTID: Final = load("autoclaim_justid.lua")
 
 # The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
 # as FIRE, split where the target topics leave the shard's slot.

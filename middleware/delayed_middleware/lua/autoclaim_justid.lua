@@ -1,0 +1,8 @@
+-- AUTOCLAIM_JUSTID (broker): take over entries other consumers abandoned.
+-- KEYS: 1 topic stream
+-- ARGV: 1 group, 2 consumer, 3 min idle ms, 4 start id, 5 count
+-- Returns XAUTOCLAIM's whole reply: {next start id, ids, deleted ids}.
+-- JUSTID does not bump delivery counts (entries we already hold must not count
+-- as redelivered); and redis-py's parser drops the next-start cursor of a
+-- JUSTID reply, so the script hands the reply back as it is.
+return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
