@@ -421,6 +421,24 @@ class DelayEngine:
             fired, head, _ = await self._fire_once()
         return fired, head
 
+    def _report(self, now: int, fired: int, first: str, pending: int, parked: int, entries: int) -> None:
+        """Log parked envelopes and hand one fire call's figures to the on_batch hook."""
+        if parked:
+            log.error(
+                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
+                parked,
+                self._keys.stream,
+                self._keys.parked,
+            )
+        if self._on_batch is not None and (fired or parked):
+            # The batch's earliest due time is its latest message.
+            late_ms = now - int(first) if first else 0
+            self._on_batch(
+                FireReport(
+                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
+                )
+            )
+
     async def _fire_once(self) -> tuple[int, int | None, int]:
         if self._config.two_phase:
             return await self._fire_two_phase()
@@ -449,21 +467,7 @@ class DelayEngine:
             await self._markers("MaxAge", expired)
         if len(raw) > 7 and int(raw[7]):
             self._log_gone(int(raw[7]))
-        if parked:
-            log.error(
-                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
-                parked,
-                self._keys.stream,
-                self._keys.parked,
-            )
-        if self._on_batch is not None and (fired or parked):
-            # The batch's earliest due time is its latest message.
-            late_ms = now - int(first) if first else 0
-            self._on_batch(
-                FireReport(
-                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
-                )
-            )
+        self._report(now, fired, first, pending, parked, entries)
         return fired, (int(float(head)) if head else None), refill
 
     def _log_gone(self, gone: int) -> None:
@@ -524,20 +528,7 @@ class DelayEngine:
             fired = int(done[3])
             head = _s(done[4])
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
-        if parked:
-            log.error(
-                "%d envelope(s) on %s could not be delivered and were parked (listed in %s)",
-                parked,
-                self._keys.stream,
-                self._keys.parked,
-            )
-        if self._on_batch is not None and (fired or parked):
-            late_ms = now - int(first) if first else 0
-            self._on_batch(
-                FireReport(
-                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
-                )
-            )
+        self._report(now, fired, first, pending, parked, entries)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
         return more, (int(float(head)) if head else None), refill

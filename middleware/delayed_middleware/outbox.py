@@ -28,16 +28,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from delayed_middleware.entry import CONTENT_TYPE, DATA, EXPIRES_AT, METADATA, StreamEntry, encode_entry
 from delayed_middleware.errors import MalformedEntryError
 
-DATA = "data"
-METADATA = "metadata"
-CONTENT_TYPE = "contentType"
+# The topic entry's fields (entry.py) plus where the message goes.
 PUBSUB = "pubsub"
 TOPIC = "topic"
 ID = "id"
 BULK = "bulk"
-EXPIRES_AT = "expiresAt"
 
 
 @dataclass(frozen=True)
@@ -57,20 +55,14 @@ class OutboxEntry:
 
 
 def encode_outbox_entry(entry: OutboxEntry) -> dict[str, bytes]:
-    """Fields for XADD (the engine writes the same layout from Lua)."""
-    fields: dict[str, bytes] = {
-        DATA: entry.data,
-        METADATA: json.dumps(dict(entry.metadata), separators=(",", ":"), ensure_ascii=False).encode(),
-        PUBSUB: entry.pubsub.encode(),
-        TOPIC: entry.topic.encode(),
-        ID: entry.id.encode(),
-    }
-    if entry.content_type:
-        fields[CONTENT_TYPE] = entry.content_type.encode()
+    """Fields for XADD (the engine writes the same layout from Lua): a topic entry's
+    (data, metadata, contentType, expiresAt) plus where it goes."""
+    fields = encode_entry(StreamEntry(entry.data, entry.metadata, entry.content_type, entry.expires_at_ms))
+    fields[PUBSUB] = entry.pubsub.encode()
+    fields[TOPIC] = entry.topic.encode()
+    fields[ID] = entry.id.encode()
     if entry.bulk:
         fields[BULK] = entry.bulk.encode()
-    if entry.expires_at_ms:
-        fields[EXPIRES_AT] = str(entry.expires_at_ms).encode()
     return fields
 
 
