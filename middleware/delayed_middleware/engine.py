@@ -618,14 +618,11 @@ class DelayEngine:
         if self._fault is not None:
             await self._fault(point)
 
-    async def refill_pending(self, limit: int = 10_000, *, until_ms: int | None = None) -> int:
+    async def refill_pending(self, limit: int = 10_000) -> int:
         """Give recurring envelopes waiting for it their next due time; returns how many.
 
-        The refill set is scored by when each envelope next needs its successor
-        known: with `until_ms`, only those needed by then (an occurrence held
-        back until its successor is known is scored at its own due time).
-
-        In batches of REFILL_BATCH: one read of the refill set, one pipelined
+        Soonest needed first (the refill set is scored by when each envelope
+        needs its successor known). In batches of REFILL_BATCH: one read of the refill set, one pipelined
         read of the refs and envelopes, one REFILL script call. (One envelope at
         a time, 10,000 schedules firing each second could not keep up.)
         """
@@ -635,13 +632,7 @@ class DelayEngine:
             return 0
         done = 0
         while done < limit:
-            top = "+inf" if until_ms is None else until_ms
-            members = [
-                _s(m)
-                for m in await self._redis.zrangebyscore(
-                    self._keys.refill, "-inf", top, start=0, num=REFILL_BATCH
-                )
-            ]
+            members = [_s(m) for m in await self._redis.zrange(self._keys.refill, 0, REFILL_BATCH - 1)]
             if not members:
                 break
             applied = await self._refill_batch(members)
