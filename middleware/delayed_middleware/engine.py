@@ -15,17 +15,22 @@ appends its lifecycle record (history.py) in the same atomic step:
   - CANCEL withdraws one by scheduleId or envelope id;
   - REFILL gives a recurring envelope its next due time.
 
-Recurring envelopes: cron arithmetic cannot run in Lua, so each recurring
-envelope's ids-hash ref holds its current due time and the NEXT one,
+Recurring envelopes: an @every envelope carries its interval (everyMs), and
+FIRE computes each successor itself on the grid `publishedAt + k * interval`
+(lua/common.lua's recurring_step): no replica is involved, so 10,000 schedules
+firing each second cost Redis only. Cron arithmetic cannot run in Lua, so a
+cron envelope's ids-hash ref holds its current due time and the NEXT one,
 precomputed. FIRE delivers the occurrence, re-indexes the envelope at the next
-time and marks it for refill; the firing replica then computes the time after
-that with the injected `recurrence` function and stores it with REFILL (a
-compare-and-set). A crash between the two loses nothing: the refill mark is in
-Redis and any replica's loop completes it before that envelope can fire again
-(FIRE never fires an occurrence whose successor is unknown). An occurrence
-whose successor has passed too (the component or Redis was down across
-several fire times) is handed to REFILL with the current time, so it fires
-once on recovery and then continues on its schedule.
+time, marks it for refill and returns what the recurrence needs (expression,
+acceptance time); the firing replica computes the time after that with the
+injected `recurrence` function and stores it with REFILL (a compare-and-set)
+in the same fire_due, reading nothing back. A crash between the two loses
+nothing: the refill mark is in Redis and any replica's loop completes it
+before that envelope can fire again (FIRE never fires an occurrence whose
+successor is unknown). An occurrence whose successor has passed too (the
+component or Redis was down across several fire times) is handed to REFILL
+with the current time, so it fires once on recovery and then continues on
+its schedule; an @every one fires once and continues on its grid.
 
 Redis Cluster: the two-phase fire
 ---------------------------------
@@ -110,7 +115,13 @@ from delayed_middleware import scripts
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
-from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.envelope import (
+    RECURRING,
+    Envelope,
+    EnvelopeDecodeError,
+    decode_envelope,
+    encode_envelope,
+)
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import (
@@ -256,7 +267,8 @@ class DelayEngine:
         on loses nothing. Each SCHEDULE call carries a token the script
         remembers (`<token>/<offset>` per chunk): calling again with the same
         `token` after a lost reply stores nothing twice, so the caller may
-        retry. Recurring envelopes must have a `recurrence`.
+        retry. Recurring cron envelopes need a `recurrence` (@every ones, with
+        every_ms, are advanced by the fire step alone).
 
         Many envelopes are stored in chunks, each bounded by `timeout_s`. When
         a chunk fails after earlier ones were stored, PartiallyStoredError says
@@ -316,7 +328,8 @@ class DelayEngine:
         ]
         for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
-            if env.is_recurring:
+            # An @every envelope's successors come from the fire step itself.
+            if env.is_recurring and not env.every_ms:
                 nxt, iso = self._next_after(env, env.due_ms)
             args += [
                 raw,
@@ -413,13 +426,53 @@ class DelayEngine:
 
         Returns (envelopes fired by this call, earliest due time left or None).
         """
-        fired, head, refill = await self._fire_once()
-        # Refills in proportion to what this batch fired (each round trip
-        # refills REFILL_BATCH), soonest needed first: successors are known
-        # long before their time, and firing never queues behind a backlog.
+        fired, head, refill, quads = await self._fire_once()
+        # This batch's cron envelopes: their successors computed here from
+        # what the script returned, stored in one REFILL call (no reads).
+        await self._advance(quads)
+        # Refills overdue (a replica died between its FIRE and its REFILL, or
+        # an occurrence whose successor had passed waits for one), soonest first.
         if refill and await self.refill_pending(limit=max(refill, REFILL_BATCH)) and not fired:
-            fired, head, _ = await self._fire_once()
+            fired, head, _, quads = await self._fire_once()
+            await self._advance(quads)
         return fired, head
+
+    async def _advance(self, quads: Sequence[Any]) -> None:
+        """REFILL the cron envelopes a fire step just advanced (common.lua's REFILLS).
+
+        Each quad is (ids key, the ref the script wrote, schedule expression,
+        acceptance ms): enough for the recurrence function, so nothing is read
+        back. REFILL's compare-and-set makes a race with a replace, a cancel or
+        another replica a no-op. One that cannot be computed stays in the refill
+        set, where refill_pending (which cancels unschedulable ones) finds it.
+        """
+        if not quads or self._recurrence is None:
+            return
+        now = self._clock.now_ms()
+        args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
+        for i in range(0, len(quads) - 3, 4):
+            key, ref, expr, published = _s(quads[i]), _s(quads[i + 1]), _s(quads[i + 2]), _s(quads[i + 3])
+            stream_id, due_text = ref.split()[:2]
+            due = int(due_text)
+            sid = "" if key == stream_id else key
+            probe = Envelope(
+                id=sid,
+                topic="",
+                due_ms=due,
+                published_at_ms=int(published),
+                schedule_id=sid,
+                kind=RECURRING,
+                schedule=expr,
+            )
+            try:
+                nxt, iso = self._next_after(probe, max(due, now))
+            except Exception as exc:
+                log.warning("recurring %r on %s: successor not computed now: %r", key, self._keys.stream, exc)
+                continue
+            args += [key, ref, nxt, iso]
+            args[2] += 1
+        if args[2]:
+            await self._refill(keys=self._keys.script_keys, args=args)
 
     def _report(self, now: int, fired: int, first: str, pending: int, parked: int, entries: int) -> None:
         """Log parked envelopes and hand one fire call's figures to the on_batch hook."""
@@ -439,7 +492,7 @@ class DelayEngine:
                 )
             )
 
-    async def _fire_once(self) -> tuple[int, int | None, int]:
+    async def _fire_once(self) -> tuple[int, int | None, int, Sequence[Any]]:
         if self._config.two_phase:
             return await self._fire_two_phase()
         now = self._clock.now_ms()
@@ -461,14 +514,20 @@ class DelayEngine:
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
-        parked, refill, entries = int(raw[4]), int(raw[5]), int(raw[6])
-        expired = [(_s(raw[i]), _s(raw[i + 1])) for i in range(8, len(raw) - 1, 2)]
+        parked, refill, entries, gone, n_expired = (
+            int(raw[4]),
+            int(raw[5]),
+            int(raw[6]),
+            int(raw[7]),
+            int(raw[8]),
+        )
+        expired = [(_s(raw[9 + 2 * i]), _s(raw[10 + 2 * i])) for i in range(n_expired)]
         if expired:
             await self._markers("MaxAge", expired)
-        if len(raw) > 7 and int(raw[7]):
-            self._log_gone(int(raw[7]))
+        if gone:
+            self._log_gone(gone)
         self._report(now, fired, first, pending, parked, entries)
-        return fired, (int(float(head)) if head else None), refill
+        return fired, (int(float(head)) if head else None), refill, raw[9 + 2 * n_expired :]
 
     def _log_gone(self, gone: int) -> None:
         log.error(
@@ -480,7 +539,7 @@ class DelayEngine:
 
     # --- the two-phase fire (Redis Cluster): CLAIM, APPEND, RELEASE ----------
 
-    async def _fire_two_phase(self) -> tuple[int, int | None, int]:
+    async def _fire_two_phase(self) -> tuple[int, int | None, int, Sequence[Any]]:
         """FIRE's steps split where the target topics leave the shard's slot.
 
         CLAIM moves a bounded due batch (and any claim whose lease ended) to
@@ -515,6 +574,7 @@ class DelayEngine:
         if gone:
             self._log_gone(gone)
         fired = entries = 0
+        quads: Sequence[Any] = ()
         if claims:
             await self._at("claimed")
             outcomes = await self._append_claims(claims, now)
@@ -524,14 +584,14 @@ class DelayEngine:
             done = await self._release(keys=self._keys.two_phase_keys, args=args)
             await self._at("released")
             parked += int(done[1])
-            refill += int(done[2])
             fired = int(done[3])
             head = _s(done[4])
+            quads = done[5:]
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
         self._report(now, fired, first, pending, parked, entries)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
-        return more, (int(float(head)) if head else None), refill
+        return more, (int(float(head)) if head else None), refill, quads
 
     async def _append_claims(self, claims: Sequence[_Claim], claimed_at: int) -> dict[str, str]:
         """APPEND every claimed envelope, one call per target; outcome per envelope id."""

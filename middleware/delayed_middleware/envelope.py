@@ -63,6 +63,8 @@ class Envelope:
     schedule_ttl_ms: int = 0
     target_pubsub: str = ""
     delivery_attempt: int = 0
+    # @every only: its interval in ms (the fire script computes successors from it).
+    every_ms: int = 0
 
     @property
     def is_bulk(self) -> bool:
@@ -99,6 +101,7 @@ def encode_envelope(env: Envelope) -> bytes:
         scheduleTtlMs=env.schedule_ttl_ms,
         targetPubsub=env.target_pubsub,
         deliveryAttempt=env.delivery_attempt,
+        everyMs=env.every_ms,
     )
     if env.is_bulk:
         bulk = delayed_pb2.DelayedBulk(
@@ -152,4 +155,5 @@ def decode_envelope(raw: bytes) -> Envelope:
         schedule_ttl_ms=msg.scheduleTtlMs,
         target_pubsub=msg.targetPubsub,
         delivery_attempt=msg.deliveryAttempt,
+        every_ms=msg.everyMs,
     )

@@ -315,6 +315,7 @@ def _envelope(
         schedule_source=timing.source,
         schedule_ttl_ms=timing.schedule_ttl_ms,
         target_pubsub=timing.target_pubsub,
+        every_ms=(timing.schedule.interval_ms or 0) if timing.schedule is not None else 0,
     )
 
 

@@ -546,3 +546,139 @@ async def test_markers_go_on_the_topic_when_a_cancel_or_an_expiry_removes_a_mess
         assert marker.metadata["markerReason"] == reason
         assert marker.expires_at_ms in (T0 + 60_000, T0 + 100 + 60_000)
     assert decode_entry(removed).metadata["scheduler"] == "c"
+
+
+# --- @every successors computed in the fire step (no REFILL round trip) ---------------------
+
+
+def every_env(interval: int, sid: str = "", published: int = T0, **kw: object) -> Envelope:
+    """A real @every envelope, as plan.py builds it: the interval rides in every_ms."""
+    return Envelope(
+        id=sid,
+        topic="orders",
+        due_ms=published + interval,
+        published_at_ms=published,
+        message=b'{"n":1}',
+        schedule_id=sid,
+        kind=RECURRING,
+        schedule=f"@every {interval}ms",
+        every_ms=interval,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _lua_iso(client: redis.Redis, values: list[int]) -> list[str]:
+    libs = "\n".join(scripts.load(f) for f in ("index.lua", "decode.lua", "history.lua", "common.lua"))
+    body = "local out = {} for i, v in ipairs(ARGV) do out[i] = iso_ms(tonumber(v)) end return out"
+    return [v.decode() for v in client.eval(libs + "\n" + body, 0, *values)]
+
+
+def test_the_fire_step_formats_schedule_next_exactly_as_python(redis_client: redis.Redis) -> None:
+    """The Lua formatter behind an @every message's scheduleNext equals format_instant:
+    edges of the calendar (year 1, leap days, centuries, 9999's last ms) and 20,000 random ms."""
+    from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, parse_instant
+
+    edges = [MIN_INSTANT_MS, MAX_INSTANT_MS, 0, -1, 1, T0, 951_782_400_000, 951_868_799_999]
+    for text in ("2000-02-29T23:59:59.999Z", "1900-03-01T00:00:00.000Z", "2024-12-31T12:00:00.500Z",
+                 "1600-02-29T00:00:00.001Z", "0004-02-29T00:00:00.000Z", "9999-12-31T00:00:00.000Z"):  # fmt: skip
+        edges.append(parse_instant(text))
+    rng = random.Random(11)
+    values = edges + [rng.randint(MIN_INSTANT_MS, MAX_INSTANT_MS) for _ in range(20_000)]
+    for i in range(0, len(values), 2_000):
+        part = values[i : i + 2_000]
+        assert _lua_iso(redis_client, part) == [format_instant(v) for v in part]
+
+
+async def test_every_fires_on_its_grid_without_refills_for_1000_occurrences(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """No replica computes an @every successor (no recurrence function at all): the fire
+    step does, from the acceptance instant, so 1,000 fires fired late by a varying amount
+    still fall on T0 + k * 1 s, and each message names the next grid point."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    await engine.schedule([every_env(1_000, sid="tick")])
+    rng = random.Random(3)
+    for k in range(1, 1_001):
+        clock.set(T0 + k * 1_000 + rng.randrange(0, 900))  # late, never a whole interval
+        await drain(engine)
+        assert redis_client.zcard(KEYS.refill) == 0
+    nexts = [decode_entry(f).metadata["scheduleNext"] for _, f in target(redis_client)]
+    assert nexts == [format_instant(T0 + (k + 1) * 1_000) for k in range(1, 1_001)]
+    fired = [r for r in history(redis_client) if r.event == "fired"]
+    assert [r.due_ms for r in fired] == [T0 + k * 1_000 for k in range(1, 1_001)]
+
+
+async def test_every_missed_fires_fire_once_then_continue_on_the_grid(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    await engine.schedule([every_env(1_000, sid="tick")])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    clock.set(T0 + 10_500)  # down across eight fire times
+    await drain(engine)
+    await drain(engine)
+    entries = [decode_entry(f) for _, f in target(redis_client)]
+    assert len(entries) == 2
+    assert entries[-1].metadata["scheduleNext"] == format_instant(T0 + 11_000)
+    clock.set(T0 + 10_999)
+    await drain(engine)
+    assert len(target(redis_client)) == 2
+    clock.set(T0 + 11_000)
+    await drain(engine)
+    assert len(target(redis_client)) == 3
+
+
+async def test_every_replaced_or_cancelled_stops_and_the_end_of_time_purges(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    from delayed_middleware.instants import MAX_INSTANT_MS
+
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    await engine.schedule([every_env(1_000, sid="a"), every_env(1_000, sid="b")])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert await engine.cancel("a")
+    await engine.schedule([every_env(5_000, sid="b", published=T0 + 1_000)])  # replaces b
+    clock.set(T0 + 5_000)
+    await drain(engine)
+    assert len(target(redis_client)) == 2  # a and b once each, then nothing until b's new grid
+    clock.set(T0 + 6_000)
+    await drain(engine)
+    assert [decode_entry(f).metadata["scheduler"] for _, f in target(redis_client)][-1] == "b"
+    assert await engine.cancel("b")
+    # A grid whose next point falls after year 9999: the last occurrence says purge and goes.
+    last = MAX_INSTANT_MS - 500
+    clock.set(last - 1_000)
+    await engine.schedule([every_env(1_000, sid="end", published=last - 1_000)])
+    clock.set(last)
+    await drain(engine)
+    assert decode_entry(target(redis_client)[-1][1]).metadata["scheduleNext"] == "purge"
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.ids) == 0
+
+
+async def test_a_fire_batch_refills_its_cron_envelopes_itself(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fire step hands back what the recurrence needs (expression, acceptance time), so
+    the firing replica stores 1,000 successors in the same fire_due, without the refill-set
+    sweep (which would read every ref and envelope back first)."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await engine.schedule([recurring(i, 1_000, sid=f"c{i}") for i in range(1_000)])
+
+    async def no_sweep(limit: int = 0) -> int:
+        raise AssertionError("the sweep ran: the fire step's refills were not applied directly")
+
+    monkeypatch.setattr(engine, "refill_pending", no_sweep)
+    for k in (1, 2, 3):
+        clock.set(T0 + k * 1_000)
+        await drain(engine)
+        assert redis_client.zcard(KEYS.refill) == 0
+        assert len(target(redis_client)) == 1_000 * k
+    nexts = {decode_entry(f).metadata["scheduleNext"] for _, f in target(redis_client)[-1_000:]}
+    assert nexts == {format_instant(T0 + 4_000)}

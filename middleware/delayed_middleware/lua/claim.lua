@@ -164,20 +164,15 @@ for i, c in ipairs(due_candidates(now, max_env - n)) do
     local attempt = math.max(env.attempt, 1)
     local iso, next_due, skip = 'purge', '-', false
     if env.kind == 1 then
-      local ref = redis.call('HGET', KEYS[3], key)
-      if not ref or parse_ref(ref) ~= id then
+      local step, nxt, niso = recurring_step(env, id, key, due, now)
+      if step == 'orphan' then
         deletes[#deletes + 1] = id
         skip = true
-      else
-        local _, rdue, rnext, riso = parse_ref(ref)
-        if rnext == '-' or (rnext ~= 'purge' and tonumber(rnext) <= now) then
-          redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
-          redis.call('ZADD', KEYS[9], rdue, key)
-          refill = refill + 1
-          skip = true
-        elseif rnext ~= 'purge' then
-          next_due, iso = rnext, riso
-        end
+      elseif step == 'wait' then
+        refill = refill + 1
+        skip = true
+      elseif nxt ~= nil then
+        next_due, iso = nxt, niso
       end
     end
     if skip then

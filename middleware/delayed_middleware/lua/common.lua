@@ -27,3 +27,89 @@ local function drop_ref(key, ref)
   redis.call('HDEL', KEYS[7], sid)
   return sid, due
 end
+
+-- Epoch ms as RFC 3339 UTC with milliseconds, byte-equal to instants.format_instant
+-- (Hinnant's days-to-civil; floors, so years before 1970 work too). `ms` is an
+-- integral number within years 0001-9999 (exact as a double: < 2^53).
+local function iso_ms(ms)
+  local floor = math.floor
+  local days = floor(ms / 86400000)
+  local rem = ms - days * 86400000
+  local z = days + 719468
+  local era = floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = floor((doe - floor(doe / 1460) + floor(doe / 36524) - floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + floor(yoe / 4) - floor(yoe / 100))
+  local mp = floor((5 * doy + 2) / 153)
+  local d = doy - floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  local s = floor(rem / 1000)
+  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ',
+    y, m, d, floor(s / 3600), floor(s / 60) % 60, s % 60, rem % 1000)
+end
+
+-- The last instant formatable (instants.MAX_INSTANT_MS, 9999-12-31T23:59:59.999Z).
+local MAX_INSTANT_MS = 253402300799999
+
+-- An @every envelope's first grid point (published + k * every, k >= 1) strictly after
+-- `after`, as a decimal string, or nil past year 9999 (the schedule ends). Same
+-- arithmetic as schedules.next_fire: computed from the start, so no drift.
+local function every_after(env, after)
+  local start, every = env.published, env.every
+  local k = math.max(1, math.floor((after - start) / every) + 1)
+  local nxt = start + k * every
+  if nxt > MAX_INSTANT_MS then return nil end
+  -- '%.0f', not tostring: Lua prints numbers with 14 significant digits.
+  return string.format('%.0f', nxt)
+end
+
+-- The recurring decision FIRE and CLAIM share, for envelope `id` (ids-hash key
+-- `key`) whose occurrence due at `due` is being fired at `now`:
+--   'orphan'              nothing refers to it any more (replaced or cancelled): drop it unfired;
+--   'wait'                its successor is unknown, or has passed too (missed fires): it leaves
+--                         the index for the refill set (KEYS[9]) and fires once REFILL is done;
+--   'fire', nxt, iso      fire it; nxt = the next due ms (nil: this is the last occurrence),
+--                         iso = the scheduleNext its messages carry ('purge' with nil).
+-- An @every envelope (every > 0) never waits: its successor is the first grid point after
+-- max(due, now), so after an outage the overdue occurrence fires once and the
+-- schedule goes on from now on its grid (the missed-fires policy, as REFILL's).
+local function recurring_step(env, id, key, due, now)
+  local ref = redis.call('HGET', KEYS[3], key)
+  if not ref or parse_ref(ref) ~= id then return 'orphan' end
+  if env.every > 0 then
+    local nxt = every_after(env, math.max(tonumber(due), now))
+    if nxt == nil then return 'fire', nil, 'purge' end
+    return 'fire', nxt, iso_ms(tonumber(nxt))
+  end
+  local _, rdue, rnext, riso = parse_ref(ref)
+  if rnext == '-' or (rnext ~= 'purge' and tonumber(rnext) <= now) then
+    redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
+    redis.call('ZADD', KEYS[9], rdue, key)
+    return 'wait'
+  end
+  if rnext == 'purge' then return 'fire', nil, 'purge' end
+  return 'fire', rnext, riso
+end
+
+-- The cron envelopes advance() marked, as quads (ids key, its new ref, schedule
+-- expression, acceptance ms): the script returns them, so the calling replica
+-- computes each successor and REFILLs them at once, with no reads of its own.
+local REFILLS = {}
+
+-- After an occurrence fired: the envelope's ref points at its next due time `nxt`
+-- (the caller re-indexes it there). A cron envelope also enters the refill set,
+-- scored by when its successor is needed, and is listed in REFILLS; if the
+-- replica does not REFILL it (it died), whichever replica fires next finds it
+-- there. An @every one needs none. Returns 1 if it was marked for refill, else 0.
+local function advance(env, id, key, nxt)
+  local ref = make_ref(id, nxt, '-', '-', 'i')
+  redis.call('HSET', KEYS[3], key, ref)
+  if env.every > 0 then return 0 end
+  redis.call('ZADD', KEYS[9], nxt, key)
+  local n = #REFILLS
+  REFILLS[n + 1], REFILLS[n + 2], REFILLS[n + 3] = key, ref, env.schedule
+  REFILLS[n + 4] = string.format('%.0f', env.published)
+  return 1
+end

@@ -83,14 +83,15 @@ local function str(v) if type(v) == 'string' then return v end return '' end
 
 -- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
 -- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
--- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl, target, attempt.
+-- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl,
+-- target, attempt, published (acceptance ms), every (@every interval ms, 0 otherwise).
 local function decode(s)
   local f, md, np = message(s, 1, #s)
   local env = {
     topic = str(f[1]), id = str(f[6]), due = num(f[7]), sid = str(f[10]), kind = num(f[11]),
     schedule = str(f[12]), expires = num(f[13]), source = str(f[14]), sttl = num(f[15]),
     target = str(f[16]), attempt = num(f[17]), bulk = num(f[5]) ~= 0, entries = {}, size = 0,
-    raw = #s, pairs = np, pubsub = str(f[9]),
+    raw = #s, pairs = np, pubsub = str(f[9]), published = num(f[8]), every = num(f[18]),
   }
   if env.topic == '' then error('no topic') end
   local body = str(f[2])

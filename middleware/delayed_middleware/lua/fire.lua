@@ -6,12 +6,13 @@
 --       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
 --       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
 --       trim applies only to messages published through it
--- Returns {fired, head, first, pending, parked, refill, entries, gone}: envelopes fired;
+-- Returns {fired, head, first, pending, parked, refill, entries, gone, x, ...}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
--- none); messages left in the index; envelopes parked; recurring envelopes that
--- wait for a REFILL (including due ones another replica left); entries appended;
--- index entries whose envelope someone else deleted from the delayed topic;
--- then (envelope id, topic) pairs of the envelopes that expired unfired.
+-- none); messages left in the index; envelopes parked; recurring envelopes whose
+-- refill is overdue (due now, successor unknown: any replica completes them);
+-- entries appended; index entries whose envelope someone else deleted from the
+-- delayed topic; then x (envelope id, topic) pairs of the envelopes that expired
+-- unfired; then the rest: common.lua's REFILLS quads for this batch's cron envelopes.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
 -- next due time) in the same atomic step that appends it to its target, so a
@@ -28,9 +29,10 @@
 -- metadata keys and an empty payload costs ~10 ms to decode and encode, and was
 -- counted as one cheap entry. The clock is read every 8 cheap envelopes, and
 -- after any costly one.
--- Recurring envelopes fire only when their next due time is known (ids ref);
--- else, or when that time has passed too (missed fires), they wait in KEYS[9]
--- for a REFILL and fire once afterwards: never a storm of missed occurrences.
+-- Recurring envelopes fire only when their next due time is known: @every ones
+-- compute it here (common.lua's recurring_step); cron ones read it from their
+-- ids ref, and when it is unknown or has passed too (missed fires) they wait in
+-- KEYS[9] for a REFILL and fire once afterwards: never a storm of missed occurrences.
 -- Target topics are not in KEYS: fine on a single node; Redis Cluster uses the
 -- two-phase variant of the same steps.
 --!include index.lua
@@ -148,21 +150,15 @@ for i, c in ipairs(due_candidates(now, max_env)) do
     local attempt = math.max(env.attempt, 1)
     local iso, next_due, final, skip = 'purge', nil, true, false
     if env.kind == 1 then
-      local ref = redis.call('HGET', KEYS[3], key)
-      if not ref or parse_ref(ref) ~= id then
+      local step, nxt, niso = recurring_step(env, id, key, due, now)
+      if step == 'orphan' then
         -- An envelope nothing refers to any more: nothing to fire, nothing to keep.
         deletes[#deletes + 1] = id
         skip = true
-      else
-        local _, rdue, rnext, riso = parse_ref(ref)
-        if rnext == '-' or (rnext ~= 'purge' and tonumber(rnext) <= now) then
-          redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
-          redis.call('ZADD', KEYS[9], rdue, key)
-          refill = refill + 1
-          skip = true
-        elseif rnext ~= 'purge' then
-          next_due, iso, final = rnext, riso, false
-        end
+      elseif step == 'wait' then
+        skip = true
+      elseif nxt ~= nil then
+        next_due, iso, final = nxt, niso, false
       end
     end
     if skip then
@@ -247,9 +243,7 @@ for i, c in ipairs(due_candidates(now, max_env)) do
             forget(id, env, key)
           else
             reinserts[#reinserts + 1] = {id, next_due}
-            redis.call('HSET', KEYS[3], key, make_ref(id, next_due, '-', '-', 'i'))
-            redis.call('ZADD', KEYS[9], next_due, key)
-            refill = refill + 1
+            refill = refill + advance(env, id, key, next_due)
           end
           if first == nil or tonumber(due) < first then first = tonumber(due) end
           local lateness = now - tonumber(due)
@@ -266,10 +260,11 @@ for i = 1, #deletes, 500 do
 end
 for _, r in ipairs(reinserts) do insert(r[1], r[2]) end
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
--- Refills another replica left undone (it stopped between its FIRE and its
--- REFILL): occurrences already due whose successor nobody computed. Reported
--- so that whichever replica fires next completes them.
-refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
-local out = {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone}
+-- Refills nobody completed (occurrences already due whose successor nobody
+-- computed: their replica stopped between its FIRE and its REFILL, or they
+-- waited above), reported so that whichever replica fires next completes them.
+refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
+local out = {fired, head() or '', first and tostring(first) or '', pending, parked, refill, appended, gone, #expired / 2}
 for _, v in ipairs(expired) do out[#out + 1] = v end
+for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out

@@ -5,14 +5,15 @@
 -- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen (0 = off), 4 n, then n
 --       pairs: envelope id, outcome ('ok' | 'dup': appended; anything else: the
 --       reason it could not be, and the envelope parks)
--- Returns {released, parked, refill, fired, head}: head as CLAIM's, after this release.
+-- Returns {released, parked, refill, fired, head, ...}: refill = envelopes marked for
+-- REFILL; head as CLAIM's, after this release; then common.lua's REFILLS quads.
 --
 -- Only the call that removes the envelope from the in-flight set acts on it
 -- (ZREM returns 1 once), so a slow replica releasing after the one that took
 -- its lease over changes nothing, and each occurrence gets one 'fired' record.
 -- A one-shot envelope leaves the stream and the ids hash; a recurring one goes
--- back into the index at its next due time (precomputed, recorded at CLAIM)
--- and waits for REFILL to learn the one after, as FIRE leaves it.
+-- back into the index at its next due time (precomputed, recorded at CLAIM);
+-- a cron one waits for REFILL to learn the one after, as FIRE leaves it.
 --!include index.lua
 --!include decode.lua
 --!include history.lua
@@ -49,9 +50,7 @@ for _ = 1, tonumber(ARGV[4]) do
           end
         else
           insert(id, next_due)
-          redis.call('HSET', KEYS[3], key, make_ref(id, next_due, '-', '-', 'i'))
-          redis.call('ZADD', KEYS[9], next_due, key)
-          refill = refill + 1
+          refill = refill + advance(env, id, key, next_due)
         end
         hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
         fired = fired + 1
@@ -60,4 +59,6 @@ for _ = 1, tonumber(ARGV[4]) do
     released = released + 1
   end
 end
-return {released, parked, refill, fired, next_wakeup() or ''}
+local out = {released, parked, refill, fired, next_wakeup() or ''}
+for _, v in ipairs(REFILLS) do out[#out + 1] = v end
+return out
