@@ -184,12 +184,13 @@ def analyse(rows: list[tuple[int, dict[str, str]]], interval_ms: int, a: int, b:
 
 
 async def paced(stub: Stub, topic: str, entries: list[tuple[bytes, dict[str, str]]], span_s: float) -> float:
-    """BulkPublish `entries` in 100 slices spread evenly over `span_s`; returns entries/s."""
-    step = max(1, len(entries) // 100)
+    """BulkPublish `entries` in 500 slices spread evenly over `span_s`; returns entries/s."""
+    slices = min(500, len(entries))
+    step = max(1, len(entries) // slices)
     t0 = time.perf_counter()
     for j, i in enumerate(range(0, len(entries), step)):
         await bulk(stub, topic, entries[i : i + step], batch=step)
-        await asyncio.sleep(max(0.0, t0 + (j + 1) * span_s / 100 - time.perf_counter()))
+        await asyncio.sleep(max(0.0, t0 + (j + 1) * span_s / slices - time.perf_counter()))
     return len(entries) / (time.perf_counter() - t0)
 
 

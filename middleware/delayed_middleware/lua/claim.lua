@@ -21,10 +21,10 @@
 -- entry count k; then k triples data, metadata JSON (scheduler/scheduleNext
 -- set), contentType.
 --
--- The same decisions as FIRE (fire.lua) up to the append: a gone or
--- undecodable envelope leaves the index (parked when undecodable); an expired
--- one is forgotten ('expired' record); a recurring one whose next due time is
--- unknown or passed waits for REFILL; a reserved target parks. What FIRE would
+-- The same decisions as FIRE up to the append, in the same code (batch.lua's
+-- decide): a gone or undecodable envelope leaves the index (parked when
+-- undecodable); an expired one is forgotten ('expired' record); a cron one whose
+-- next due time is unknown or passed waits for REFILL; a reserved target parks. What FIRE would
 -- append instead moves from the index to the in-flight set with a lease, in
 -- this one atomic step, so no other replica claims it while the lease runs.
 -- In-flight entries whose lease ended (their replica died or stalled) are
@@ -35,50 +35,16 @@
 --!include decode.lua
 --!include history.lua
 --!include common.lua
+--!include batch.lua
 --!include inflight.lua
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[6]), ARGV[2]
 local now = tonumber(ARGV[2])
 local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local budget_us, lease = tonumber(ARGV[7]), tonumber(ARGV[8])
+local lease = tonumber(ARGV[8])
 local own_pubsub = ARGV[9] or ''
-local parked, refill, work, bytes, first = 0, 0, 0, 0, nil
-local taken, deletes, out, n = {}, {}, {}, 0
--- Decoding and encoding a metadata pair costs about a quarter of appending an entry (fire.lua).
-local METADATA_PER_ENTRY = 4
-local unchecked, gone, expired_out = 0, 0, {}
-
-local function clock_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local started = budget_us > 0 and clock_us() or 0
-
-local function reserved(topic)
-  if string.find(topic, '-delayed}', 1, true) then return 'reserved: an engine key' end
-  if string.sub(topic, -8) == '-delayed' then return 'reserved: a delayed topic' end
-  return nil
-end
-
-local function park(id, env, key, due, why)
-  redis.call('HSET', KEYS[7], id, why)
-  parked = parked + 1
-  if env then
-    hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1), why, env.schedule)
-  else
-    hist('parked', key, '', '', 0, due, '', '', 1, why, '')
-  end
-end
-
-local function forget(id, env, key)
-  deletes[#deletes + 1] = id
-  if env.sid ~= '' or env.kind == 1 then
-    local r = redis.call('HGET', KEYS[3], key)
-    if r and parse_ref(r) == id then
-      redis.call('HDEL', KEYS[3], key)
-      redis.call('ZREM', KEYS[9], key)
-    end
-  end
-end
+local first = nil
+local out, n = {}, 0
+batch_start(tonumber(ARGV[7]))
 
 -- One claim's reply record, or nil and why (metadata cjson cannot encode,
 -- e.g. 1e400 decoded as inf: FIRE parks such an envelope, so CLAIM does too).
@@ -117,7 +83,7 @@ local withdrawn = {
   target = '', topic = '', expires = 0, sttl = 0, source = '', entries = {}, bulk = false, size = 0, pubsub = '',
 }
 for _, id in ipairs(expired) do
-  if work >= max_entries or bytes >= max_bytes then break end
+  if B.work >= max_entries or B.bytes >= max_bytes then break end
   local rec = redis.call('HGET', KEYS[12], id)
   local env = read_envelope(id)
   redis.call('ZADD', KEYS[11], now + lease, id)
@@ -125,87 +91,40 @@ for _, id in ipairs(expired) do
   if rec and env then
     local _, _, iso, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
     r = record(id, due, env, key, iso)
-    work = work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
-    bytes = bytes + env.raw
+    B.work = B.work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
+    B.bytes = B.bytes + env.raw
   end
   -- Withdrawn (cancelled, replaced) while in flight, or a torn record: the
   -- caller releases it with nothing to append.
   emit(r or record(id, due, withdrawn, id, '-'), due)
 end
 
--- 2. Due occurrences, as FIRE picks them.
+-- 2. Due occurrences, decided as FIRE decides them (batch.lua).
 for i, c in ipairs(due_candidates(now, max_env - n)) do
+  if out_of_time(i) then break end
   local id, due = c[1], c[2]
-  -- The clock is read as FIRE reads it: every 8 cheap envelopes, and after any costly one.
-  if budget_us > 0 and i > 1 and unchecked >= 8 then
-    if clock_us() - started > budget_us then break end
-    unchecked = 0
-  end
-  unchecked = unchecked + 1
-  local env, why = read_envelope(id)
-  if not env then
-    taken[#taken + 1] = c
-    if why == 'gone' then
-      -- Deleted from the delayed topic by something else than the engine: lost, but not silently.
-      gone = gone + 1
+  local env, key, _, iso, next_due = decide(c, now, max_entries, max_bytes, n > 0 or #B.taken > 0)
+  if env == nil then break end
+  if env then
+    local bad, r = nil, nil
+    if env.target == '' then bad = reserved(env.topic) end
+    if not bad then r, bad = record(id, due, env, key, iso) end
+    if bad then
+      park(id, env, key, due, bad)
     else
-      park(id, nil, id, due, why)
-    end
-  else
-    local k = #env.entries
-    if env.source ~= '' then k = 1 end
-    local cost = k + math.floor(env.pairs / METADATA_PER_ENTRY)
-    if (n > 0 or #taken > 0) and (work + cost > max_entries or bytes + env.raw > max_bytes) then break end
-    work, bytes = work + cost, bytes + env.raw
-    unchecked = unchecked + cost - 1 + math.floor(env.raw / 65536)
-    taken[#taken + 1] = c
-    local key = id
-    if env.sid ~= '' then key = env.sid end
-    local attempt = math.max(env.attempt, 1)
-    local iso, next_due, skip = 'purge', '-', false
-    if env.kind == 1 then
-      local step, nxt, niso = recurring_step(env, id, key, due, now)
-      if step == 'orphan' then
-        deletes[#deletes + 1] = id
-        skip = true
-      elseif step == 'wait' then
-        refill = refill + 1
-        skip = true
-      elseif nxt ~= nil then
-        next_due, iso = nxt, niso
-      end
-    end
-    if skip then
-      -- handled above
-    elseif env.expires > 0 and env.expires <= now then
-      forget(id, env, key)
-      hist('expired', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, 'MaxAge', env.schedule)
-      expired_out[#expired_out + 1] = key
-      expired_out[#expired_out + 1] = env.topic
-    else
-      local bad, r = nil, nil
-      if env.target == '' then bad = reserved(env.topic) end
-      if not bad then r, bad = record(id, due, env, key, iso) end
-      if bad then
-        park(id, env, key, due, bad)
-      else
-        redis.call('ZADD', KEYS[11], now + lease, id)
-        redis.call('HSET', KEYS[12], id, due .. ' ' .. next_due .. ' ' .. iso .. ' ' .. key)
-        emit(r, due)
-      end
+      redis.call('ZADD', KEYS[11], now + lease, id)
+      redis.call('HSET', KEYS[12], id, due .. ' ' .. (next_due or '-') .. ' ' .. iso .. ' ' .. key)
+      emit(r, due)
     end
   end
 end
-remove_candidates(taken)
-for i = 1, #deletes, 500 do
-  redis.call('XDEL', KEYS[1], unpack(deletes, i, math.min(i + 499, #deletes)))
-end
+batch_finish()
 local h = next_wakeup()
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
--- Refills another replica left undone, reported so whichever replica fires next completes them (as FIRE).
-refill = math.max(refill, redis.call('ZCOUNT', KEYS[9], '-inf', now))
-local reply = {h or '', pending, parked, refill, first and tostring(first) or '', gone, #expired_out / 2}
-for _, v in ipairs(expired_out) do reply[#reply + 1] = v end
+-- Refills overdue (due now, successor unknown), reported so whichever replica fires next completes them (as FIRE).
+local refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
+local reply = {h or '', pending, B.parked, refill, first and tostring(first) or '', B.gone, #B.expired / 2}
+for _, v in ipairs(B.expired) do reply[#reply + 1] = v end
 reply[#reply + 1] = n
 for _, v in ipairs(out) do reply[#reply + 1] = v end
 return reply
