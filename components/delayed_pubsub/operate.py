@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from redis.exceptions import MovedError
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"delayed-pubsub {args.command}: error: {e}", markup=False)
         return EXIT_REDIS
     except _REDIS_FAILURES as e:
-        err.print(f"delayed-pubsub {args.command}: redis error: {e or 'timed out'}", markup=False)
+        err.print(f"delayed-pubsub {args.command}: redis error: {_hint(e)}", markup=False)
         return EXIT_REDIS
 
 
@@ -190,11 +191,36 @@ async def _with_redis(settings: Settings, args: argparse.Namespace, out: Console
     connection = connect(settings)
     try:
         await connection.ping()
+        await _warn_of_more_shards(connection, settings, err)
         command: Callable[[Connection, Settings, argparse.Namespace, Console, Console], Awaitable[int]]
         command = args.operate
         return await command(connection, settings, args, out, err)
     finally:
         await connection.aclose()
+
+
+async def _warn_of_more_shards(connection: Connection, settings: Settings, err: Console) -> None:
+    """Say so when the app has a shard stream beyond the count we were given (wrong --delay-shards).
+
+    The CLI reads exactly the shards the settings name; a component with more
+    (delayShards, or 16 by default on a cluster) would have pending messages
+    the listing silently leaves out.
+    """
+    beyond = shard_topics(settings.consumer_id, settings.shards + 1)[-1]
+    if int(await connection.client.exists(beyond)):
+        err.print(
+            f"warning: {beyond} exists: the app has more than {settings.shards} shard stream(s); "
+            "give the component's delayShards (--delay-shards N, or --component) to read them all",
+            markup=False,
+        )
+
+
+def _hint(e: BaseException) -> str:
+    # A cluster node answers a plain client with MOVED: the operator forgot --redis-type cluster.
+    text = str(e) or "timed out"
+    if isinstance(e, MovedError) or "MOVED" in text:
+        text = f"MOVED {text}: this is a Redis Cluster node; add --redis-type cluster (or use --component)"
+    return text
 
 
 # --- settings -------------------------------------------------------------------

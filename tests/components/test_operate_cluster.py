@@ -290,3 +290,23 @@ async def test_an_instance_with_6_shards_reports_1000_pending_on_its_gauge(
             await asyncio.sleep(0.05)
     finally:
         await inst.close()
+
+
+async def test_a_wrong_shard_count_is_warned_of_and_a_missing_redis_type_is_named(
+    scene: Scene, cluster: RedisCluster
+) -> None:
+    conn = [*scene.conn]
+    conn[conn.index("--delay-shards") + 1] = "3"
+    result = await cli("pending", *conn, "--limit", "0", "--json")
+    assert result.code == 0, result.err
+    assert "app1~3-delayed exists" in result.err
+    assert "--delay-shards N" in result.err
+    # Only what the first 3 shards hold is listed (the warning says why).
+    assert 0 < len(result.json()) < TOTAL
+    # The right count: no warning.
+    result = await cli("pending", *scene.conn, "--limit", "1", "--json")
+    assert "warning" not in result.err
+    # A plain client on a cluster node: Redis answers MOVED, the CLI says what is missing.
+    result = await cli("pending", "--redis-host", cluster.nodes[0].address, "--app-id", "app1")
+    assert result.code == 3
+    assert "--redis-type cluster" in result.err
