@@ -5,8 +5,8 @@ per topic (a per-topic counter in its scripts is the exact, O(1) way; until
 engine v2 has one, we count). Counting means walking the delayed topic
 (`Inspector.counts_by_topic`, ~3.5 µs of CPU per pending message on the
 2-core dev machine, see bench/RESULTS.md), which must not run per scrape nor over millions of entries: every
-REFRESH_S seconds at most MAX_SCAN entries are read; past the bound, the
-messages not scanned are reported under topic="(other)" (computed from the
+REFRESH_S seconds at most MAX_SCAN entries are read, over every shard stream of
+the delayed topic (delayShards on Redis Cluster); past the bound, the messages not scanned are reported under topic="(other)" (computed from the
 engine's exact total), so the series always sum to the pending count.
 """
 
@@ -42,8 +42,10 @@ class PendingByTopic:
         *,
         max_scan: int | None = None,
         call_timeout: float | None = 30.0,
+        shards: int = 1,
     ) -> None:
-        self._inspector = Inspector(client, consumer_id)
+        # Every shard stream of the delayed topic (Redis Cluster's delayShards), counted together.
+        self._inspector = Inspector(client, consumer_id, shards=shards)
         self._client = client
         self._metrics = metrics
         self._clock = clock
@@ -54,7 +56,7 @@ class PendingByTopic:
         """Count once and set the gauge; returns what was set (before the top-N cut)."""
         counts, complete = await self._inspector.counts_by_topic(self._max_scan)
         if not complete:
-            total = int(await self._client.get(self._inspector.keys.count) or 0)
+            total = sum([int(await self._client.get(k.count) or 0) for k in self._inspector.shards])
             rest = total - sum(counts.values())
             if rest > 0:
                 counts[OTHER_TOPICS] = counts.get(OTHER_TOPICS, 0) + rest

@@ -157,6 +157,7 @@ class Instance:
             self.metrics,
             self._clock,
             call_timeout=call_timeout(self.settings),
+            shards=self.settings.shards,
         )
         self._gauge_task = asyncio.create_task(gauge.run(), name=f"pending-gauge:{self.name}")
 

@@ -14,6 +14,15 @@ Every command reads Redis with the component's own settings:
 - `--app-id`: the consumerID whose delayed topic, history and dead letters to
   read (defaults to the YAML's consumerID when that is a plain value).
 
+Redis Cluster: the delayed topic is split into `delayShards` shard streams
+(keys.shard_topics: `<consumerID>-delayed`, `<consumerID>~1-delayed`, ...).
+Every command reads all of them, with the shard count the component uses: the
+YAML's `redisType`/`delayShards` (16 shards by default on a cluster), or
+`--redis-type cluster` and `--delay-shards N` beside `--redis-host`. With
+several shards an envelope id reads `<stream id>@<shard>` (as `pending` lists
+it); `inspect` and `cancel` take it, or a scheduleId, or a bare stream id that
+only one shard holds.
+
 Exit codes: 0 done; 1 an ID was not found (cancel, inspect); 2 bad usage or
 configuration; 3 Redis unreachable or refusing.
 """
@@ -32,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from redis.exceptions import MovedError
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -40,12 +50,13 @@ from rich.table import Table
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.durations import parse_go_duration
-from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
-from delayed_middleware.errors import DelayedPubSubError
+from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspect import Inspector, PendingMessage
 from delayed_middleware.inspect import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.retry import DL_KEYS
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.settings import Settings, parse_settings
@@ -85,6 +96,14 @@ def register(subparsers: Any) -> None:
         "--redis-password", help=f"Redis password (default ${PASSWORD_ENV}; the flag shows in ps)"
     )
     conn.add_argument("--app-id", help="the consumerID (app id) whose messages to read")
+    conn.add_argument(
+        "--redis-type", choices=["node", "cluster"], help="with --redis-host: the component's redisType"
+    )
+    conn.add_argument(
+        "--delay-shards",
+        metavar="N",
+        help="the component's delayShards (default: the YAML's; 16 on a cluster, else 1)",
+    )
 
     p = subparsers.add_parser("pending", parents=[common], help="list pending delayed messages and schedules")
     p.add_argument("--topic", help="only messages for this target topic")
@@ -141,11 +160,15 @@ def run(args: argparse.Namespace) -> int:
     except NotFound as e:
         err.print(f"delayed-pubsub {args.command}: not found: {e}", markup=False)
         return EXIT_NOT_FOUND
+    except InvalidArgumentError as e:
+        # An id that names envelopes on several shards, say: the operator must be precise.
+        err.print(f"delayed-pubsub {args.command}: error: {e}", markup=False)
+        return EXIT_USAGE
     except DelayedPubSubError as e:
         err.print(f"delayed-pubsub {args.command}: error: {e}", markup=False)
         return EXIT_REDIS
     except _REDIS_FAILURES as e:
-        err.print(f"delayed-pubsub {args.command}: redis error: {e or 'timed out'}", markup=False)
+        err.print(f"delayed-pubsub {args.command}: redis error: {_hint(e)}", markup=False)
         return EXIT_REDIS
 
 
@@ -168,11 +191,36 @@ async def _with_redis(settings: Settings, args: argparse.Namespace, out: Console
     connection = connect(settings)
     try:
         await connection.ping()
+        await _warn_of_more_shards(connection, settings, err)
         command: Callable[[Connection, Settings, argparse.Namespace, Console, Console], Awaitable[int]]
         command = args.operate
         return await command(connection, settings, args, out, err)
     finally:
         await connection.aclose()
+
+
+async def _warn_of_more_shards(connection: Connection, settings: Settings, err: Console) -> None:
+    """Say so when the app has a shard stream beyond the count we were given (wrong --delay-shards).
+
+    The CLI reads exactly the shards the settings name; a component with more
+    (delayShards, or 16 by default on a cluster) would have pending messages
+    the listing silently leaves out.
+    """
+    beyond = shard_topics(settings.consumer_id, settings.shards + 1)[-1]
+    if int(await connection.client.exists(beyond)):
+        err.print(
+            f"warning: {beyond} exists: the app has more than {settings.shards} shard stream(s); "
+            "give the component's delayShards (--delay-shards N, or --component) to read them all",
+            markup=False,
+        )
+
+
+def _hint(e: BaseException) -> str:
+    # A cluster node answers a plain client with MOVED: the operator forgot --redis-type cluster.
+    text = str(e) or "timed out"
+    if isinstance(e, MovedError) or "MOVED" in text:
+        text = f"MOVED {text}: this is a Redis Cluster node; add --redis-type cluster (or use --component)"
+    return text
 
 
 # --- settings -------------------------------------------------------------------
@@ -191,6 +239,10 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         props["redisPassword"] = password
     if args.app_id:
         props["consumerID"] = args.app_id
+    if getattr(args, "redis_type", None):
+        props["redisType"] = args.redis_type
+    if getattr(args, "delay_shards", None):
+        props["delayShards"] = args.delay_shards
     consumer = props.get("consumerID", "")
     if not consumer or "{" in consumer:
         raise UsageError("--app-id is required (the app id / consumerID whose messages to read)")
@@ -292,7 +344,13 @@ def _progress(err: Console, what: str, total_hint: int) -> Iterator[ProgressFn |
 
 
 def _inspector(connection: Connection, settings: Settings) -> Inspector:
-    return Inspector(connection.client, settings.consumer_id)  # type: ignore[arg-type]
+    return Inspector(connection.client, settings.consumer_id, shards=settings.shards)  # type: ignore[arg-type]
+
+
+def _title(inspector: Inspector) -> str:
+    """The delayed topic's name, and how many shard streams it has beside it."""
+    n = len(inspector.shards)
+    return inspector.keys.stream + (f" and its {n - 1} other shards" if n > 1 else "")
 
 
 def _as_json(m: PendingMessage) -> dict[str, Any]:
@@ -321,7 +379,7 @@ async def _pending(
     if args.json:
         print(json.dumps([_as_json(m) for m in report.messages], ensure_ascii=False))
         return EXIT_OK
-    table = Table(box=box.SIMPLE, title=f"pending on {inspector.keys.stream}")
+    table = Table(box=box.SIMPLE, title=f"pending on {_title(inspector)}")
     for column in ("id", "topic", "due", "kind", "size", "attempts"):
         table.add_column(column, justify="right" if column in ("size", "attempts") else "left")
     for m in report.messages:
@@ -359,7 +417,7 @@ async def _inspect(
     rows = [
         ("id", m.id),
         ("scheduleId", m.schedule_id or "-"),
-        ("envelope", f"{inspector.keys.stream} {m.stream_id}"),
+        ("envelope", f"{inspector.stream_of(m)} {m.stream_id}"),
         ("state", info.state + (f" ({info.parked_reason})" if info.parked_reason else "")),
         ("topic", m.topic),
         ("due", _time(m.due_ms)),
@@ -389,17 +447,25 @@ async def cancel_ids(
 
     The engine's own cancel: it removes the index entry and the envelope and
     writes the `cancelled` history record in one script, in batches, with the
-    component's history and marker settings.
+    component's history and marker settings. With several shards each id goes
+    to the shard that holds it (ShardedEngine.cancel_many: a scheduleId's
+    home shard, `<stream id>@<shard>`, or the one shard holding a bare stream id).
     """
-    engine = DelayEngine(
-        connection.client,  # type: ignore[arg-type]
-        _inspector(connection, settings).keys,
-        SystemClock(),
-        config=EngineConfig(
-            history_max_len=settings.history_max_len,
-            history_max_age_ms=settings.history_max_age_ms,
-            marker_ttl_ms=settings.delete_marker_ttl_ms,
-        ),
+    config = EngineConfig(
+        history_max_len=settings.history_max_len,
+        history_max_age_ms=settings.history_max_age_ms,
+        marker_ttl_ms=settings.delete_marker_ttl_ms,
+    )
+    engine = ShardedEngine(
+        [
+            DelayEngine(
+                connection.client,  # type: ignore[arg-type]
+                EngineKeys.for_topic(topic),
+                SystemClock(),
+                config=config,
+            )
+            for topic in shard_topics(settings.consumer_id, settings.shards)
+        ]
     )
     # The history's reason tells an operator's cancel from a publisher's scheduleCancel (`Remove`).
     results = await engine.cancel_many(list(ids), reason=CANCEL_REASON)

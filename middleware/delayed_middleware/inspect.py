@@ -1,5 +1,14 @@
 """Read-only inspection of one app's delayed messages: what waits, one message, its history, dead letters.
 
+Shards (Redis Cluster, `delayShards`): an app's delayed topic may be split
+into several shard streams (keys.shard_topics), each with its own index, ids
+hash, parked hash and history. An Inspector made with `shards=N` reads all of
+them: listings and counts cover every shard (merged in due order), a lookup by
+scheduleId goes to the shard the id hashes to, and an envelope id is named
+`<stream id>@<shard>` (as ShardedEngine.schedule returns it and
+ShardedEngine.cancel takes it), since each shard stream numbers its entries on
+its own. With one shard (a single node) nothing changes: plain stream ids.
+
 What arq's `jobs.Job` is to arq, for operators: the CLI (`delayed-pubsub
 pending|inspect|history|dead`), the metrics' pending-per-topic gauge and the
 Spark job read the engine's state through here instead of its key layout.
@@ -13,6 +22,7 @@ with a small constant; callers that run often bound it (`max_entries`).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import Counter
@@ -26,8 +36,9 @@ from google.protobuf.message import DecodeError
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
 from delayed_middleware.retry import (
     DL_AT,
     DL_ATTEMPTS,
@@ -61,11 +72,16 @@ class PendingMessage:
     size: int
     attempts: int
     published_at_ms: int
+    # The shard stream holding it when the delayed topic has several (keys.shard_topics), else None.
+    shard: int | None = None
 
     @property
     def id(self) -> str:
-        """How operators name it: the scheduleId when one was given, else the envelope id."""
-        return self.schedule_id or self.stream_id
+        """How operators name it: the scheduleId when one was given, else the envelope id
+        (`<stream id>@<shard>` when the delayed topic has several shards)."""
+        if self.schedule_id:
+            return self.schedule_id
+        return self.stream_id if self.shard is None else f"{self.stream_id}@{self.shard}"
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,7 @@ def _pending(
     attempts: str,
     published_at_ms: int,
     recurring: bool = False,
+    shard: int | None = None,
 ) -> PendingMessage:
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
@@ -191,7 +208,17 @@ def _pending(
         size=size,
         attempts=int(attempts) if attempts.isdigit() else 0,
         published_at_ms=published_at_ms,
+        shard=shard,
     )
+
+
+def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
+    """(shard, stream id) of an envelope id written `<stream id>@<shard>`, else None."""
+    local, at, shard = id.rpartition("@")
+    if not at or not looks_like_stream_id(local) or not (shard.isascii() and shard.isdigit()):
+        return None
+    n = int(shard)
+    return (n, local) if n < shards else None
 
 
 def looks_like_stream_id(text: str) -> bool:
@@ -200,17 +227,29 @@ def looks_like_stream_id(text: str) -> bool:
 
 
 class Inspector:
-    """Reads one app's (consumerID's) delayed topic, history and dead letters."""
+    """Reads one app's (consumerID's) delayed topic (every shard of it), history and dead letters."""
 
-    def __init__(self, client: aioredis.Redis, consumer_id: str, page_size: int = PAGE_SIZE) -> None:
+    def __init__(
+        self, client: aioredis.Redis, consumer_id: str, page_size: int = PAGE_SIZE, *, shards: int = 1
+    ) -> None:
         self._redis = client
         self.consumer_id = consumer_id
-        self.keys = EngineKeys.for_topic(delayed_topic(consumer_id))
+        # Every shard's keys, shard 0 (the single-node `<consumerID>-delayed`) first.
+        self.shards = tuple(EngineKeys.for_topic(t) for t in shard_topics(consumer_id, shards))
+        self.keys = self.shards[0]
         self._page = page_size
 
+    def _label(self, shard: int) -> int | None:
+        # Ids carry their shard only when there is more than one (single node unchanged).
+        return None if len(self.shards) == 1 else shard
+
+    def stream_of(self, message: PendingMessage) -> str:
+        """The delayed topic (shard stream) that holds `message`'s envelope."""
+        return self.shards[message.shard or 0].stream
+
     async def stream_length(self) -> int:
-        """Entries on the delayed topic (pending and parked envelopes)."""
-        return int(await self._redis.xlen(self.keys.stream))
+        """Entries on the delayed topic, every shard (pending and parked envelopes)."""
+        return sum([int(await self._redis.xlen(k.stream)) for k in self.shards])
 
     async def scan(
         self,
@@ -221,34 +260,36 @@ class Inspector:
         progress: Progress | None = None,
         stats: Counter[str] | None = None,
     ) -> AsyncIterator[PendingMessage]:
-        """Every pending message (in stream order), filtered; parked and undecodable ones skipped
-        (counted in `stats` under "parked" / "undecodable" / "scanned")."""
+        """Every pending message (shard by shard, in stream order), filtered; parked and undecodable
+        ones skipped (counted in `stats` under "parked" / "undecodable" / "scanned")."""
         total = await self.stream_length() if progress is not None else 0
-        start = "-"
         scanned = 0
-        while max_entries is None or scanned < max_entries:
-            count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=count)
-            if not rows:
-                break
-            start = "(" + _s(rows[-1][0])
-            scanned += len(rows)
-            for message in await self._decode_page(rows, stats):
-                if topic is not None and message.topic != topic:
-                    continue
-                if due_before_ms is not None and message.due_ms >= due_before_ms:
-                    continue
-                yield message
-            if stats is not None:
-                stats["scanned"] += len(rows)
-            if progress is not None:
-                progress(scanned, max(total, scanned))
-            if len(rows) < count:
-                break
+        for shard, keys in enumerate(self.shards):
+            start = "-"
+            while max_entries is None or scanned < max_entries:
+                count = self._page if max_entries is None else min(self._page, max_entries - scanned)
+                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=count)
+                if not rows:
+                    break
+                start = "(" + _s(rows[-1][0])
+                scanned += len(rows)
+                for message in await self._decode_page(shard, rows, stats):
+                    if topic is not None and message.topic != topic:
+                        continue
+                    if due_before_ms is not None and message.due_ms >= due_before_ms:
+                        continue
+                    yield message
+                if stats is not None:
+                    stats["scanned"] += len(rows)
+                if progress is not None:
+                    progress(scanned, max(total, scanned))
+                if len(rows) < count:
+                    break
 
-    async def _decode_page(self, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
+    async def _decode_page(self, shard: int, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
         # The listing needs a few fields, not a whole Envelope (metadata and
         # payload copied): the raw protobuf is read directly, ~4x cheaper.
+        keys = self.shards[shard]
         decoded: list[tuple[str, Any, int]] = []
         for raw_id, fields in rows:
             try:
@@ -264,8 +305,8 @@ class Inspector:
         if not decoded:
             return []
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hmget(self.keys.ids, [msg.scheduleId or sid for sid, msg, _ in decoded])
-        pipe.hmget(self.keys.parked, [sid for sid, _, _ in decoded])
+        pipe.hmget(keys.ids, [msg.scheduleId or sid for sid, msg, _ in decoded])
+        pipe.hmget(keys.parked, [sid for sid, _, _ in decoded])
         refs, parked = await pipe.execute()
         out: list[PendingMessage] = []
         for (sid, msg, size), ref, park in zip(decoded, refs, parked, strict=True):
@@ -285,11 +326,12 @@ class Inspector:
                     attempts=attempts,
                     published_at_ms=msg.publishedAtMs,
                     recurring=msg.kind == RECURRING_KIND,
+                    shard=self._label(shard),
                 )
             )
         return out
 
-    def _message(self, stream_id: str, env: Envelope, ref: bytes | str | None) -> PendingMessage:
+    def _message(self, shard: int, stream_id: str, env: Envelope, ref: bytes | str | None) -> PendingMessage:
         return _pending(
             stream_id,
             ref,
@@ -300,6 +342,7 @@ class Inspector:
             attempts=env.metadata.get(DELIVERY_ATTEMPT, "0"),
             published_at_ms=env.published_at_ms,
             recurring=env.is_recurring,
+            shard=self._label(shard),
         )
 
     async def pending(
@@ -391,54 +434,71 @@ class Inspector:
                     break
 
     async def counts_by_topic(self, max_entries: int | None = None) -> tuple[dict[str, int], bool]:
-        """Pending messages per target topic; False when `max_entries` cut the scan short.
+        """Pending messages per target topic over every shard; False when `max_entries` cut the scan short.
 
         The fast path of `pending()` (used by the metrics on a timer): only each
         envelope's topic is decoded, and parked envelopes are skipped through
         one HKEYS of the (small) parked hash instead of a lookup per page.
         """
-        parked: set[bytes] | None = None
-        if int(await self._redis.hlen(self.keys.parked)) <= _PARKED_IN_MEMORY:
-            keys: Any = await self._redis.hkeys(self.keys.parked)
-            parked = set(keys)
         counts: Counter[str] = Counter()
-        start: Any = "-"
         scanned = 0
         parse = delayed_pb2.DelayedMessage.FromString
-        while max_entries is None or scanned < max_entries:
-            count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=count)
-            if not rows:
-                break
-            start = b"(" + rows[-1][0] if isinstance(rows[-1][0], bytes) else "(" + rows[-1][0]
-            scanned += len(rows)
-            skip: set[bytes] | list[Any] = parked if parked is not None else []
-            if parked is None:
-                flags = await self._redis.hmget(self.keys.parked, [r[0] for r in rows])
-                skip = {r[0] for r, f in zip(rows, flags, strict=True) if f is not None}
-            for raw_id, fields in rows:
-                if raw_id in skip:
-                    continue
-                try:
-                    topic = parse(fields.get(b"data", b"")).topic
-                except DecodeError:
-                    continue
-                if topic:
-                    counts[topic] += 1
-            if len(rows) < count:
-                break
-        complete = max_entries is None or scanned < max_entries
-        return dict(counts), complete
+        for keys in self.shards:
+            if max_entries is not None and scanned >= max_entries:
+                return dict(counts), False
+            parked: set[bytes] | None = None
+            if int(await self._redis.hlen(keys.parked)) <= _PARKED_IN_MEMORY:
+                names: Any = await self._redis.hkeys(keys.parked)
+                parked = set(names)
+            start: Any = "-"
+            while max_entries is None or scanned < max_entries:
+                count = self._page if max_entries is None else min(self._page, max_entries - scanned)
+                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=count)
+                if not rows:
+                    break
+                start = b"(" + rows[-1][0] if isinstance(rows[-1][0], bytes) else "(" + rows[-1][0]
+                scanned += len(rows)
+                skip: set[bytes] | list[Any] = parked if parked is not None else []
+                if parked is None:
+                    flags = await self._redis.hmget(keys.parked, [r[0] for r in rows])
+                    skip = {r[0] for r, f in zip(rows, flags, strict=True) if f is not None}
+                for raw_id, fields in rows:
+                    if raw_id in skip:
+                        continue
+                    try:
+                        topic = parse(fields.get(b"data", b"")).topic
+                    except DecodeError:
+                        continue
+                    if topic:
+                        counts[topic] += 1
+                if len(rows) < count:
+                    break
+            else:
+                # The budget ran out on this shard: complete only if nothing was left on it.
+                more: Any = await self._redis.xrange(keys.stream, start, "+", count=1)
+                if more:
+                    return dict(counts), False
+        return dict(counts), True
 
     async def get(self, id: str, progress: Progress | None = None) -> MessageInfo | None:
-        """One message by scheduleId or envelope id (its id on the delayed topic); None if not there."""
-        stream_id = ""
-        ref = await self._redis.hget(self.keys.ids, id)
-        if ref is not None:
-            stream_id = _ref(ref)[0]
-        elif looks_like_stream_id(id):
-            stream_id = id
-        info = await self._load(stream_id) if stream_id else None
+        """One message by scheduleId or envelope id (its id on the delayed topic, `<id>@<shard>` with
+        several shards); None if not there.
+
+        InvalidArgumentError when a bare stream id names envelopes on several shards.
+        """
+        info: MessageInfo | None = None
+        named = split_shard_id(id, len(self.shards))
+        if named is not None:
+            info = await self._load(*named)
+        else:
+            info = await self._by_key(id)
+            if info is None and looks_like_stream_id(id):
+                found = [i for i in [await self._load(n, id) for n in range(len(self.shards))] if i]
+                if len(found) > 1:
+                    raise InvalidArgumentError(
+                        "id", id, f"on {len(found)} shards; name one as {id}@<shard> (see `pending`)"
+                    )
+                info = found[0] if found else None
         if info is None and looks_like_stream_id(id):
             info = await self._retry_info(id)
         if info is None:
@@ -449,6 +509,19 @@ class Inspector:
             return None
         records = await self.history(id=info.message.id)
         return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+
+    async def _by_key(self, key: str) -> MessageInfo | None:
+        """The envelope a scheduleId (or a recurring envelope's id) names in an ids hash.
+
+        Its home shard (keys.shard_index, where ShardedEngine puts it) first,
+        then the others: a bare recurring envelope id lives where it was spread.
+        """
+        home = shard_index(key, len(self.shards))
+        for shard in [home, *(n for n in range(len(self.shards)) if n != home)]:
+            ref = await self._redis.hget(self.shards[shard].ids, key)
+            if ref is not None:
+                return await self._load(shard, _ref(ref)[0])
+        return None
 
     async def _retry_info(self, entry_id: str) -> MessageInfo | None:
         """A failed message waiting for redelivery, by its entry id on its topic."""
@@ -487,65 +560,91 @@ class Inspector:
             return MessageInfo(message, env, "retry")
         return None
 
-    async def _load(self, stream_id: str) -> MessageInfo | None:
-        rows: Any = await self._redis.xrange(self.keys.stream, stream_id, stream_id)
+    async def _load(self, shard: int, stream_id: str) -> MessageInfo | None:
+        rows: Any = await self._redis.xrange(self.shards[shard].stream, stream_id, stream_id)
         if not rows:
             return None
-        return await self._info(stream_id, rows[0][1])
+        return await self._info(shard, stream_id, rows[0][1])
 
-    async def _info(self, stream_id: str, fields: Any) -> MessageInfo | None:
+    async def _info(self, shard: int, stream_id: str, fields: Any) -> MessageInfo | None:
         try:
             env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
         except EnvelopeDecodeError:
             return None
+        keys = self.shards[shard]
         pipe = self._redis.pipeline(transaction=False)
-        pipe.hget(self.keys.ids, env.schedule_id or stream_id)
-        pipe.hget(self.keys.parked, stream_id)
+        pipe.hget(keys.ids, env.schedule_id or stream_id)
+        pipe.hget(keys.parked, stream_id)
         ref, parked = await pipe.execute()
-        message = self._message(stream_id, env, ref)
+        message = self._message(shard, stream_id, env, ref)
         if parked is not None:
             return MessageInfo(message, env, "parked", _s(parked))
         return MessageInfo(message, env, "pending")
 
     async def _find(self, id: str, progress: Progress | None) -> MessageInfo | None:
         total = await self.stream_length() if progress is not None else 0
-        start, scanned = "-", 0
-        while True:
-            rows: Any = await self._redis.xrange(self.keys.stream, start, "+", count=self._page)
-            if not rows:
-                return None
-            start = "(" + _s(rows[-1][0])
-            scanned += len(rows)
-            for raw_id, fields in rows:
-                try:
-                    env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
-                except EnvelopeDecodeError:
-                    continue
-                if id in (env.id, env.schedule_id):
-                    return await self._info(_s(raw_id), fields)
-            if progress is not None:
-                progress(scanned, max(total, scanned))
-            if len(rows) < self._page:
-                return None
+        scanned = 0
+        for shard, keys in enumerate(self.shards):
+            start = "-"
+            while True:
+                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=self._page)
+                if not rows:
+                    break
+                start = "(" + _s(rows[-1][0])
+                scanned += len(rows)
+                for raw_id, fields in rows:
+                    try:
+                        env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
+                    except EnvelopeDecodeError:
+                        continue
+                    if id in (env.id, env.schedule_id):
+                        return await self._info(shard, _s(raw_id), fields)
+                if progress is not None:
+                    progress(scanned, max(total, scanned))
+                if len(rows) < self._page:
+                    break
+        return None
 
     async def history(
         self, *, id: str | None = None, since_ms: int | None = None, limit: int | None = None
     ) -> list[HistoryRecord]:
-        """Lifecycle records, oldest first: of one message (by id or scheduleId) when `id` is given."""
+        """Lifecycle records of every shard, oldest first: of one message (by id or scheduleId) when
+        `id` is given. With several shards, a record naming an envelope by its stream id names it
+        `<stream id>@<shard>`, as the listing does."""
+        named = split_shard_id(id, len(self.shards)) if id is not None else None
+        wanted = [(named[0], named[1])] if named else [(n, id) for n in range(len(self.shards))]
+        out: list[HistoryRecord] = []
+        for shard, local in wanted:
+            out += await self._shard_history(shard, local, since_ms, limit)
+        if len(wanted) > 1:
+            # Each shard's records are in order; stable by time across them.
+            out.sort(key=lambda r: r.at_ms)
+        return out if limit is None else out[:limit]
+
+    async def _shard_history(
+        self, shard: int, id: str | None, since_ms: int | None, limit: int | None
+    ) -> list[HistoryRecord]:
         start = f"{since_ms}-0" if since_ms is not None else "-"
         out: list[HistoryRecord] = []
         while limit is None or len(out) < limit:
-            rows: Any = await self._redis.xrange(self.keys.history, start, "+", count=self._page)
+            rows: Any = await self._redis.xrange(self.shards[shard].history, start, "+", count=self._page)
             if not rows:
                 break
             start = "(" + _s(rows[-1][0])
             for raw_id, fields in rows:
                 record = decode_record(raw_id, fields)
                 if id is None or id in (record.id, record.schedule_id):
-                    out.append(record)
+                    out.append(self._relabel(shard, record))
             if len(rows) < self._page:
                 break
         return out if limit is None else out[:limit]
+
+    def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
+        # A subscriber retry's record names an entry of its topic, not an envelope.
+        label = self._label(shard)
+        if label is None or record.kind == RETRY or record.schedule_id or not looks_like_stream_id(record.id):
+            return record
+        return dataclasses.replace(record, id=f"{record.id}@{label}")
 
     async def dead_letter_topics(self) -> list[str]:
         """The dead-letter topics this app's subscriptions have written to."""

@@ -257,6 +257,19 @@ async def test_component_yaml_with_secret_from_environment(
             "tomorrow",
         ),
         (["pending", "--component", "/nonexistent.yaml", "--app-id", "a"], 2, "/nonexistent.yaml"),
+        *(
+            (
+                ["pending", "--redis-host", "127.0.0.1:1", "--app-id", "a", "--delay-shards", bad],
+                2,
+                "delayShards",
+            )
+            for bad in ("0", "-1", "abc", "1025", "9" * 30)
+        ),
+        (
+            ["pending", "--redis-host", "127.0.0.1:1", "--app-id", "a", "--redis-type", "ring"],
+            2,
+            "--redis-type",
+        ),
     ],
 )
 async def test_clean_errors_and_exit_codes(args: list[str], code: int, message: str) -> None:
@@ -356,3 +369,26 @@ async def test_failed_messages_waiting_for_a_retry_are_listed_and_inspectable(
     assert "try me later" in shown.out
     assert "retry" in shown.out
     assert "db down" in shown.out  # its history: retried, with the app's error
+
+
+async def test_delay_shards_on_a_single_node_are_all_read_and_a_missing_count_is_warned_of(
+    component: Factory, props: dict[str, str], conn: list[str]
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true", "delayShards": "3"})
+    for i in range(6):  # one shard per call, in turn: every shard gets two
+        await c.publish("orders", f"m{i}".encode(), {"scheduledSendDelay": "1h"})
+    result = await cli("pending", *conn, "--delay-shards", "3", "--json")
+    assert result.code == 0, result.err
+    rows = result.json()
+    assert len(rows) == 6
+    assert sorted(r["id"].rpartition("@")[2] for r in rows) == ["0", "0", "1", "1", "2", "2"]
+    assert "warning" not in result.err
+    cancelled = await cli("cancel", *conn, "--delay-shards", "3", rows[0]["id"])
+    assert cancelled.code == 0, cancelled.err
+    assert len((await cli("pending", *conn, "--delay-shards", "3", "--json")).json()) == 5
+    # Without the count: shard 0 alone, and a warning naming the shard stream beyond it.
+    result = await cli("pending", *conn, "--json")
+    assert result.code == 0, result.err
+    assert len(result.json()) == sum(r["id"].endswith("@0") for r in rows[1:])
+    assert "app1~1-delayed exists" in result.err

@@ -11,11 +11,12 @@ import redis.asyncio as aioredis
 
 import delayed_middleware.inspect
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
-from delayed_middleware.envelope import BulkEntry, Envelope
+from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
+from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.inspect import Inspector, looks_like_stream_id, payload_preview
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 
 T0 = 1_800_000_000_000
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
@@ -200,3 +201,82 @@ async def test_dead_letters_of_this_app_only(client: aioredis.Redis, redis_clien
 def test_payload_preview_cuts_and_hexes() -> None:
     assert payload_preview(b"hello", 3) == "hel… (5 bytes)"
     assert payload_preview(b"\x80", 3) == "0x80"
+
+
+# --- several shard streams (delayShards) ------------------------------------------------
+
+
+def sharded(client: aioredis.Redis, clock: ManualClock, n: int = 3) -> ShardedEngine:
+    return ShardedEngine(
+        [DelayEngine(client, EngineKeys.for_topic(t), clock) for t in shard_topics("app", n)]
+    )
+
+
+async def test_every_shard_is_listed_merged_by_due_time_with_shard_labelled_ids(
+    client: aioredis.Redis,
+) -> None:
+    clock = ManualClock(T0)
+    engine = sharded(client, clock)
+    ids: list[str] = []
+    # Three calls without scheduleIds (one shard each), due times interleaved across them.
+    for call in range(3):
+        ids += await engine.schedule([env(i, T0 + 10_000 + i * 3 + call, f"t{call}") for i in range(7)])
+    ids += await engine.schedule([env(100 + i, T0 + 5_000 + i, "named", sid=f"s{i}") for i in range(5)])
+    inspector = Inspector(client, "app", page_size=4, shards=3)
+    report = await inspector.pending()
+    assert report.matched == len(report.messages) == 26
+    assert report.counts == {"t0": 7, "t1": 7, "t2": 7, "named": 5}
+    assert [m.due_ms for m in report.messages] == sorted(m.due_ms for m in report.messages)
+    # The ids operators see are the ones the engine handed out (<stream id>@<shard>, scheduleIds).
+    assert sorted(m.id for m in report.messages) == sorted(ids)
+    assert {m.id.rpartition("@")[2] for m in report.messages if not m.schedule_id} == {"0", "1", "2"}
+    assert await inspector.stream_length() == 26
+    assert [m.id for m in (await inspector.pending(limit=3)).messages] == [m.id for m in report.messages[:3]]
+    # Each found again by its id, on its shard, with its own history.
+    for m in report.messages:
+        info = await inspector.get(m.id)
+        assert info is not None
+        assert (info.message.id, info.message.shard, info.state) == (m.id, m.shard, "pending")
+        assert [r.event for r in info.history] == ["scheduled"]
+        assert [r.id for r in info.history] == [m.id]
+    assert await inspector.get("1-1@2") is None
+    assert await inspector.get(ids[0].partition("@")[0] + "@9") is None  # no shard 9
+
+
+async def test_counts_over_shards_respect_the_scan_bound(client: aioredis.Redis) -> None:
+    clock = ManualClock(T0)
+    engine = sharded(client, clock)
+    for _ in range(3):
+        await engine.schedule([env(i, T0 + 60_000, "t") for i in range(10)])
+    inspector = Inspector(client, "app", page_size=4, shards=3)
+    assert await inspector.counts_by_topic() == ({"t": 30}, True)
+    assert await inspector.counts_by_topic(max_entries=30) == ({"t": 30}, True)
+    counts, complete = await inspector.counts_by_topic(max_entries=25)
+    assert (counts, complete) == ({"t": 25}, False)
+    counts, complete = await inspector.counts_by_topic(max_entries=10)
+    assert (counts, complete) == ({"t": 10}, False)
+
+
+async def test_a_bare_stream_id_on_two_shards_is_refused_naming_the_way_out(
+    client: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    data = encode_envelope(env(1, T0 + 1_000))
+    for topic in shard_topics("app", 3)[1:]:
+        redis_client.xadd(topic, {"data": data}, id="5-1")
+    inspector = Inspector(client, "app", shards=3)
+    with pytest.raises(InvalidArgumentError, match="5-1@<shard>"):
+        await inspector.get("5-1")
+    info = await inspector.get("5-1@2")
+    assert info is not None
+    assert inspector.stream_of(info.message) == shard_topics("app", 3)[2]
+
+
+async def test_one_shard_is_the_single_node_layout_unchanged(
+    client: aioredis.Redis, engine: DelayEngine
+) -> None:
+    [sid] = await engine.schedule([env(1, T0 + 1_000)])
+    inspector = Inspector(client, "app", shards=1)
+    [m] = (await inspector.pending()).messages
+    assert (m.id, m.shard) == (sid, None)
+    assert inspector.stream_of(m) == "app-delayed"
+    assert [r.id for r in await inspector.history()] == [sid]

@@ -1,6 +1,7 @@
 """`delayed-pubsub stats`: pending, fired, lateness and throughput of one app, computed by Spark.
 
     delayed-pubsub stats --redis-host H --app-id A [--out DIR] [--master URL] [--follow]
+    delayed-pubsub stats --redis-host H --redis-type cluster --delay-shards N --app-id A [...]
     delayed-pubsub stats --component YAML --app-id A [...]
 
 This module imports nothing of Spark until the command runs, so registering
@@ -42,6 +43,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--redis-host", metavar="H", help="host:port of the component's Redis (its redisHost)")
     p.add_argument("--app-id", metavar="A", required=True, help="the app id (the component's consumerID)")
+    p.add_argument(
+        "--redis-type", choices=["node", "cluster"], help="the component's redisType (default node)"
+    )
+    p.add_argument(
+        "--delay-shards",
+        metavar="N",
+        help="the component's delayShards: how many shard streams to read (default 16 on a cluster, else 1)",
+    )
     p.add_argument(
         "--out", metavar="DIR", type=Path, help="also write the tables as Parquet and PNG charts here"
     )
@@ -94,6 +103,11 @@ def reader_options(args: argparse.Namespace) -> dict[str, str]:
         opts.update(component_metadata(args.component))
     if args.redis_host:
         opts["redisHost"] = args.redis_host
+    # Every shard stream of the delayed topic is read (keys.shard_topics): as many as the component has.
+    if getattr(args, "redis_type", None):
+        opts["redisType"] = args.redis_type
+    if getattr(args, "delay_shards", None):
+        opts["delayShards"] = args.delay_shards
     if not opts.get("redisHost"):
         raise ComponentFileError("give --redis-host (or --component with a redisHost)")
     # daprd sets consumerID to the app id when the YAML omits it, and resolves {appID}.

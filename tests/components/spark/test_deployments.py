@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio.cluster as acluster
 
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine, ShardedEngine
+from delayed_middleware.envelope import Envelope
+from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
+from delayed_pubsub.cli import build_parser
+from delayed_pubsub.spark.cli import run
 from tests.components.spark.conftest import APP, add_history, fired
 from tests.redis_server import RedisCluster, TlsRedisServer, make_tls_files
 
@@ -74,3 +83,49 @@ def test_history_of_every_delay_shard_on_redis_cluster(spark: Any, cluster: Redi
     assert sorted(r["lateness_ms"] for r in rows) == [0, 5, 15]
     rows = spark.read.format("delayed-history").options(**props, delayShards="6").load().collect()
     assert sorted(r["lateness_ms"] for r in rows) == [0, 5]
+
+
+async def test_pending_and_stats_read_every_delay_shard_on_redis_cluster(
+    spark: Any, cluster: RedisCluster
+) -> None:
+    """1,000 pending over delayShards 6 on a cluster: `delayed-pending` has every envelope of
+    every shard stream once, each row naming its shard stream, scheduleIds on the shard they
+    hash to; and `delayed-pubsub stats` says 1,000 pending."""
+    cluster.flushall()
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    topics = shard_topics(APP, 6)
+    try:
+        clock = ManualClock(time.time_ns() // 1_000_000)
+        sharded = ShardedEngine([DelayEngine(client, EngineKeys.for_topic(t), clock) for t in topics])  # type: ignore[arg-type]
+        due = clock.now_ms() + 3_600_000
+
+        def env(i: int, schedule_id: str = "") -> Envelope:
+            return Envelope(
+                id="",
+                topic="t",
+                due_ms=due + i,
+                published_at_ms=clock.now_ms(),
+                message=b"x",
+                schedule_id=schedule_id,
+            )
+
+        # 12 calls of 50 without scheduleIds (one shard per call, in turn), 400 with one (by hash).
+        for call in range(12):
+            await sharded.schedule([env(call * 50 + i) for i in range(50)])
+        await sharded.schedule([env(600 + i, f"s{i}") for i in range(400)])
+    finally:
+        await client.aclose()
+    props = {"redisHost": ",".join(cluster.addresses), "redisType": "cluster", "consumerID": APP}
+    rows = spark.read.format("delayed-pending").options(**props, delayShards="6").load().collect()
+    assert len(rows) == 1_000
+    assert {r["delayed_topic"] for r in rows} == set(topics)
+    assert len({(r["delayed_topic"], r["stream_id"]) for r in rows}) == 1_000
+    by_sid = {r["schedule_id"]: r["delayed_topic"] for r in rows if r["schedule_id"]}
+    assert by_sid == {f"s{i}": topics[shard_index(f"s{i}", 6)] for i in range(400)}
+
+    out = io.StringIO()
+    argv = ["--redis-host", cluster.nodes[1].address, "--redis-type", "cluster", "--delay-shards", "6"]
+    assert run(build_parser().parse_args(["stats", *argv, "--app-id", APP]), out) == 0
+    text = out.getvalue().split("pending by due window")[0]
+    [line] = [line.split() for line in text.splitlines() if line.strip().startswith("t ")]
+    assert line[:2] == ["t", "1,000"], text
