@@ -945,6 +945,14 @@ class ShardedEngine:
         home = shard_index(id, len(self.engines))
         if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await self.engines[home].has_key(id):
             return home, id
+        # Stream ids are per shard stream, so two shards may both hold one (two
+        # publishes in the same millisecond). A recurring schedule without a
+        # scheduleId is keyed by its stream id in its shard's ids hash, and its
+        # messages carry that bare id as `scheduler`: the shard that has the
+        # key is the one meant.
+        keyed = [i for i, e in enumerate(self.engines) if i != home and await e.has_key(id)]
+        if len(keyed) == 1:
+            return keyed[0], id
         holders = [i for i, e in enumerate(self.engines) if await e.holds(id)]
         if len(holders) > 1:
             raise InvalidArgumentError(

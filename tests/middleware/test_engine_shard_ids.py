@@ -4,16 +4,15 @@ two shards hold the same stream id whenever two publishes land on them in the sa
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import decode_entry
-from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.inspect import Inspector
 from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
 from tests.middleware.test_engine import T0, env, target
@@ -62,15 +61,6 @@ async def test_the_same_stream_id_on_two_shards_happens_naturally_and_inspect_fi
     assert (info.message.shard, info.message.kind) == (other, "oneshot")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidArgumentError,
-    reason="engine (lead): a fire's `scheduler` header is the bare stream id of a shard stream; when another "
-    "shard holds the same id (two publishes in one millisecond), scheduleCancel by that header is refused as "
-    "ambiguous (ShardedEngine._locate), though the README says that id cancels the schedule. Fix: write "
-    "`<id>@<shard>` as `scheduler` when there are several shards, or let _locate prefer the shard whose ids "
-    "hash has the id (a recurring envelope's id is a key there, a one-shot's is not).",
-)
 async def test_a_recurring_schedule_without_id_is_cancelled_by_its_scheduler_header(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
@@ -83,3 +73,10 @@ async def test_a_recurring_schedule_without_id_is_cancelled_by_its_scheduler_hea
     scheduler = decode_entry(fields).metadata["scheduler"]
     # What the subscriber saw is what it cancels with (README: "that id cancels it").
     assert await sharded.cancel(scheduler)
+    # The schedule is gone; the one-shot that shares its stream id on another shard is not.
+    clock.set(T0 + 60_000)
+    for e in sharded.engines:
+        while (await e.fire_due())[0]:
+            pass
+    delivered = sorted(json.loads(decode_entry(f).data)["n"] for _, f in target(redis_client))
+    assert delivered == [1, 2, 3]
