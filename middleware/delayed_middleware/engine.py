@@ -70,9 +70,13 @@ The bound: a marker lives fire_marker_ttl_ms (15 min by default). A claim left i
 flight longer than that after its APPEND (every replica down that long
 between APPEND and RELEASE) may be appended again on takeover: delivered at
 least once, never lost. A replica does not start an APPEND for a claim older
-than half that. A cancel or replace that lands while an occurrence is in
-flight (milliseconds) withdraws the envelope but may not stop that one
-delivery; on a single node FIRE has no such window.
+than half that. A cancel that lands while an occurrence is in flight
+(between CLAIM and APPEND) sets that occurrence's fire marker itself, after
+withdrawing the envelope, so the APPEND writes nothing and RELEASE finds
+nothing to record (DelayEngine._stop_in_flight; a cancel after the APPEND
+answers False for a one-shot). A replace in flight still withdraws the old
+envelope without stopping that one delivery. On a single node FIRE has no
+such window.
 
 Replication (Sentinel and Cluster failover): Redis replicates asynchronously.
 Writes a master acknowledged but had not yet sent to the replica that gets
@@ -110,7 +114,13 @@ from delayed_middleware import scripts
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
-from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope, encode_envelope
+from delayed_middleware.envelope import (
+    RECURRING,
+    Envelope,
+    EnvelopeDecodeError,
+    decode_envelope,
+    encode_envelope,
+)
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import (
@@ -356,12 +366,21 @@ class DelayEngine:
 
         Returns (cancelled?, the message's topic or '') per id, in order; with
         deleteMarkerTTL set, a `Remove` marker goes on each cancelled topic.
+
+        Two-phase fire (Redis Cluster): an occurrence claimed but not yet
+        appended when the cancel lands is stopped too: CANCEL names it, and
+        this sets its fire marker (see _stop_in_flight) before returning. One
+        that was appended first went out before the cancel: a one-shot is then
+        reported not cancelled (False).
         """
         out: list[tuple[bool, str]] = []
+        # (position in ids, envelope id, claimed due ms, APPEND's target key, kind)
+        in_flight: list[tuple[int, str, str, str, int]] = []
+        keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
         for start in range(0, len(ids), CANCEL_BATCH):
             part = list(ids[start : start + CANCEL_BATCH])
             raw = await self._cancel(
-                keys=self._keys.script_keys,
+                keys=keys,
                 args=[
                     self._keys.buckets,
                     self._clock.now_ms(),
@@ -371,9 +390,45 @@ class DelayEngine:
                     *part,
                 ],
             )
-            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
+            n = 2 * len(part)
+            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, n, 2)]
+            for i in range(n, len(raw), 5):
+                pos, id, due, target, kind = raw[i : i + 5]
+                in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind)))
+        if in_flight:
+            await self._stop_in_flight(in_flight, out)
         await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
         return out
+
+    async def _stop_in_flight(
+        self, in_flight: Sequence[tuple[int, str, str, str, int]], out: list[tuple[bool, str]]
+    ) -> None:
+        """Set the fire marker of each cancelled occurrence still in flight, so no APPEND writes it.
+
+        The marker is the one APPEND sets with NX in the target's slot (keys.
+        fire_marker_prefix): set here first, APPEND finds it and appends
+        nothing, and RELEASE, finding the envelope withdrawn, records nothing
+        more (its `cancelled` record stands). Found already set, APPEND got
+        there first: the occurrence was delivered before this cancel returned;
+        a one-shot's result becomes False. The window left: this process
+        dying (or the target's master failing) between CANCEL and this SET,
+        while the claiming replica is alive: that one occurrence may go out,
+        and this cancel call has not returned OK.
+        """
+        ttl = self._config.fire_marker_ttl_ms
+        for pos, id, due, target, kind in in_flight:
+            marker = f"{fire_marker_prefix(target, self._keys.stream)}{id}:{due}"
+            if await self._redis.set(marker, "cancelled", nx=True, px=ttl):
+                continue
+            log.warning(
+                "cancel of %s on %s came after its occurrence due %s was appended to %s: delivered once",
+                id,
+                self._keys.stream,
+                due,
+                target,
+            )
+            if kind != RECURRING:
+                out[pos] = (False, out[pos][1])
 
     async def _markers(self, reason: str, cancelled: Sequence[tuple[str, str]]) -> None:
         """Marker messages (deleteMarkerTTL): one per topic whose message was removed.

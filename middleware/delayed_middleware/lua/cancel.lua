@@ -1,10 +1,17 @@
 -- CANCEL: withdraw pending messages or schedules; nothing more is delivered.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
+--       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua)
 -- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen, 4 reason, 5 n, then n ids
 --       (each a scheduleId, or an envelope's stream id on the delayed topic)
 -- Returns two values per id: 1 when something pending (or parked) was cancelled,
 -- else 0; and the cancelled message's topic ('' when unknown), for markers.
+-- Then, with KEYS[11..12], five values per cancelled envelope whose occurrence
+-- is in flight (claimed, maybe not yet appended): the id's position (1-based),
+-- envelope id, occurrence due ms (as claimed), the key APPEND writes (topic or
+-- outbox) and kind. The caller sets that occurrence's fire marker (NX, in the
+-- target's slot): an APPEND after it writes nothing; if APPEND set it first,
+-- the occurrence went out before this cancel.
 -- Bounded: the caller sends at most a few hundred ids per call.
 --
 -- Cost: a bulk of cancels is the common case (100k in a few seconds), so an id
@@ -72,7 +79,7 @@ end
 
 local function peek(s)
   local pos, n = 1, #s
-  local topic, sid, schedule, bulk, kind = '', '', '', 0, 0
+  local topic, sid, schedule, bulk, kind, target = '', '', '', 0, 0, ''
   local body_from, body_to = nil, nil
   while pos <= n do
     -- uvarint and span inlined: this loop is most of a cancel's Lua time.
@@ -91,6 +98,7 @@ local function peek(s)
       elseif fno == 1 then topic = sub(s, pos, e)
       elseif fno == 10 then sid = sub(s, pos, e)
       elseif fno == 12 then schedule = sub(s, pos, e)
+      elseif fno == 16 then target = sub(s, pos, e)
       elseif fno == 5 then bulk = 0
       elseif fno == 11 then kind = 0
       end
@@ -104,6 +112,7 @@ local function peek(s)
         elseif fno == 1 then topic = ''
         elseif fno == 10 then sid = ''
         elseif fno == 12 then schedule = ''
+        elseif fno == 16 then target = ''
         end
       end
     else
@@ -130,7 +139,7 @@ local function peek(s)
       end
     end
   end
-  return topic, sid, kind, schedule, size
+  return topic, sid, kind, schedule, size, target
 end
 
 -- The history fields of the envelope at stream id `id` (see peek), or nil
@@ -141,8 +150,8 @@ local function peek_envelope(id)
   local f = e[2]
   for j = 1, #f, 2 do
     if f[j] == 'data' then
-      local ok, topic, sid, kind, schedule, size = pcall(peek, f[j + 1])
-      if ok then return topic, sid, kind, schedule, size end
+      local ok, topic, sid, kind, schedule, size, target = pcall(peek, f[j + 1])
+      if ok then return topic, sid, kind, schedule, size, target end
       return nil
     end
   end
@@ -153,6 +162,19 @@ end
 local taken, xdels, keys, sids = {}, {}, {}, {}
 local located = {}
 local done, gone = {}, {}
+-- Cancelled envelopes whose occurrence is in flight (see the reply).
+local inflight = {}
+
+-- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
+-- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
+local function note_inflight(pos, id, topic, target, kind)
+  if not KEYS[12] or topic == '' then return end
+  local rec = redis.call('HGET', KEYS[12], id)
+  if not rec then return end
+  local key = KEYS[10]
+  if target == '' then key = topic end
+  for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind}) do inflight[#inflight + 1] = v end
+end
 
 local function flush()
   remove_candidates(taken)
@@ -168,7 +190,7 @@ local function flush()
 end
 
 -- An id the ids hash knows (ref = its value): as drop_ref, queued.
-local function cancel_ref(key, ref)
+local function cancel_ref(pos, key, ref)
   -- parse_ref's result, by one pattern for the current 5-part form.
   local sid, due, flag = string.match(ref, '^(%S+) (%S+) %S+ %S+ (%S+)$')
   if not sid then
@@ -177,7 +199,7 @@ local function cancel_ref(key, ref)
   end
   if gone[sid] then return 0, '' end
   gone[sid] = true
-  local topic, esid, kind, schedule, size = peek_envelope(sid)
+  local topic, esid, kind, schedule, size, target = peek_envelope(sid)
   if flag ~= 'u' then
     local b = located[due]
     if b == nil then
@@ -191,6 +213,7 @@ local function cancel_ref(key, ref)
   sids[#sids + 1] = sid
   if topic then
     hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, ARGV[4], schedule)
+    note_inflight(pos, sid, topic, target, kind)
     return 1, topic
   end
   hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
@@ -199,7 +222,7 @@ end
 
 -- An envelope's stream id (one without scheduleId, or a recurring one's):
 -- rare, so done on the spot, after what is queued.
-local function cancel_stream_id(key)
+local function cancel_stream_id(pos, key)
   if gone[key] then return 0, '' end
   -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
   if not string.match(key, '^%d+%-%d+$') then return 0, '' end
@@ -230,6 +253,7 @@ local function cancel_stream_id(key)
   redis.call('HDEL', KEYS[7], sid)
   if env then
     hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[4], env.schedule)
+    note_inflight(pos, sid, env.topic, env.target, env.kind)
     return 1, env.topic
   end
   hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
@@ -250,13 +274,14 @@ for from = 1, n, 500 do
       found = 0
     elseif ref then
       done[key] = true
-      found, topic = cancel_ref(key, ref)
+      found, topic = cancel_ref(i, key, ref)
     else
-      found, topic = cancel_stream_id(key)
+      found, topic = cancel_stream_id(i, key)
     end
     out[#out + 1] = found
     out[#out + 1] = topic
   end
 end
 flush()
+for _, v in ipairs(inflight) do out[#out + 1] = v end
 return out
