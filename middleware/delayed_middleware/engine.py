@@ -74,9 +74,11 @@ than half that. A cancel that lands while an occurrence is in flight
 (between CLAIM and APPEND) sets that occurrence's fire marker itself, after
 withdrawing the envelope, so the APPEND writes nothing and RELEASE finds
 nothing to record (DelayEngine._stop_in_flight; a cancel after the APPEND
-answers False for a one-shot). A replace in flight still withdraws the old
-envelope without stopping that one delivery. On a single node FIRE has no
-such window.
+answers False for a one-shot). A replace does the same for the old
+envelope's occurrence (best effort: the replace stands if that SET fails).
+Left open: the canceller dying between its CANCEL and its SET while the
+claiming replica lives (that occurrence may go out; the cancel never
+answered). On a single node FIRE has no such window.
 
 Replication (Sentinel and Cluster failover): Redis replicates asynchronously.
 Writes a master acknowledged but had not yet sent to the replica that gets
@@ -339,12 +341,45 @@ class DelayEngine:
                 nxt,
                 iso,
             ]
-        raw = await self._schedule(keys=self._keys.script_keys, args=args)
+        two_phase = self._config.two_phase
+        raw = await self._schedule(
+            keys=self._keys.two_phase_keys if two_phase else self._keys.script_keys, args=args
+        )
         out = [_s(i) for i in raw]
         if out == ["dup"]:
             # Stored by an earlier attempt of this very call.
             return []
-        return out
+        ids, replaced = out[: len(envelopes)], out[len(envelopes) :]
+        for i in range(0, len(replaced), 3):
+            await self._stop_replaced_in_flight(*replaced[i : i + 3])
+        return ids
+
+    async def _stop_replaced_in_flight(self, id: str, due: str, target: str) -> None:
+        """Two-phase fire: a replaced envelope's occurrence was in flight; stop its APPEND.
+
+        As _stop_in_flight for a cancel, but best effort: the replace is
+        stored whatever happens here (failing the publish would make its
+        caller retry a stored replace), so a failure is logged, and that one
+        occurrence of the old message may still go out, as before this step.
+        """
+        try:
+            if await self._set_fire_marker(id, due, target, "replaced"):
+                return
+        except RedisError as exc:
+            log.warning(
+                "replace on %s: the in-flight occurrence of %s may still go out: %s",
+                self._keys.stream,
+                id,
+                exc,
+            )
+            return
+        log.info(
+            "replace on %s came after the old envelope %s's occurrence due %s was appended to %s",
+            self._keys.stream,
+            id,
+            due,
+            target,
+        )
 
     def _next_after(self, env: Envelope, after_ms: int) -> tuple[str, str]:
         if self._recurrence is None:
@@ -415,10 +450,8 @@ class DelayEngine:
         while the claiming replica is alive: that one occurrence may go out,
         and this cancel call has not returned OK.
         """
-        ttl = self._config.fire_marker_ttl_ms
         for pos, id, due, target, kind in in_flight:
-            marker = f"{fire_marker_prefix(target, self._keys.stream)}{id}:{due}"
-            if await self._redis.set(marker, "cancelled", nx=True, px=ttl):
+            if await self._set_fire_marker(id, due, target, "cancelled"):
                 continue
             log.warning(
                 "cancel of %s on %s came after its occurrence due %s was appended to %s: delivered once",
@@ -429,6 +462,12 @@ class DelayEngine:
             )
             if kind != RECURRING:
                 out[pos] = (False, out[pos][1])
+
+    async def _set_fire_marker(self, id: str, due: str, target: str, why: str) -> bool:
+        """SET NX the fire marker APPEND would set for envelope `id`'s occurrence `due` on
+        `target` (keys.fire_marker_prefix); False when it was set already (appended)."""
+        marker = f"{fire_marker_prefix(target, self._keys.stream)}{id}:{due}"
+        return bool(await self._redis.set(marker, why, nx=True, px=self._config.fire_marker_ttl_ms))
 
     async def _markers(self, reason: str, cancelled: Sequence[tuple[str, str]]) -> None:
         """Marker messages (deleteMarkerTTL): one per topic whose message was removed.

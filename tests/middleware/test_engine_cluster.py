@@ -544,3 +544,36 @@ async def test_a_cancel_in_flight_survives_the_firing_replicas_crash_and_takeove
     got = delivered(admin, topics)
     assert sorted(n for ns in got.values() for n in ns) == list(range(1, 24, 2))
     assert (admin.zcard(SHARD.inflight), admin.xlen(SHARD.stream), await survivor.pending()) == (0, 0, 0)
+
+
+async def test_a_replace_between_claim_and_append_stops_the_old_delivery(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Replaced (same scheduleId, later due) after CLAIM took the old one: the old one
+    never goes out, the new one does at its own time; the others are unaffected."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    publisher = engine(aclient, clock)
+    await publisher.schedule([env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(24)])
+
+    async def replace_in_flight(at: str) -> None:
+        if at == "claimed":
+            await publisher.schedule(
+                [
+                    env(100 + i, topics[i % len(topics)], due=T0 + 5_000, schedule_id=f"s{i}")
+                    for i in range(0, 24, 4)
+                ]
+            )
+
+    await engine(aclient, clock, replace_in_flight).fire_due()
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == [i for i in range(24) if i % 4]
+    clock.set(T0 + 5_000)
+    survivor = engine(aclient, clock)
+    while (await survivor.fire_due())[0]:
+        pass
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == sorted(
+        [i for i in range(24) if i % 4] + [100 + i for i in range(0, 24, 4)]
+    )
+    assert (admin.zcard(SHARD.inflight), admin.xlen(SHARD.stream), await survivor.pending()) == (0, 0, 0)
