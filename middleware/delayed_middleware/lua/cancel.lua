@@ -26,8 +26,9 @@
 --!include history.lua
 --!include common.lua
 
--- What a cancel's history record needs of an envelope: {topic, sid, kind,
--- schedule, size}, as decode() reads them, without copying its body or
+-- peek(s) returns what a cancel needs of an envelope (its history record and,
+-- on Cluster, where APPEND would write it): topic, scheduleId, kind, schedule,
+-- size and targetPubsub, as decode() reads them, without copying its body or
 -- decoding its metadata (decode() costs ~7 us for a small envelope, this ~2).
 -- Raises where decode() would on its top level and on a bulk body's framing,
 -- not inside the metadata maps it skips.
