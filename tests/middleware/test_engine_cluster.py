@@ -577,3 +577,24 @@ async def test_a_replace_between_claim_and_append_stops_the_old_delivery(
         [i for i in range(24) if i % 4] + [100 + i for i in range(0, 24, 4)]
     )
     assert (admin.zcard(SHARD.inflight), admin.xlen(SHARD.stream), await survivor.pending()) == (0, 0, 0)
+
+
+async def test_a_cancel_in_flight_stops_a_message_bound_for_another_pubsub(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """targetPubsub: APPEND writes the shard's outbox, not the topic; the cancel's
+    marker must be the outbox's, or the forwarder would hand it to the sidecar."""
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    await canceller.schedule(
+        [env(i, "orders", schedule_id=f"s{i}", target_pubsub="kafka") for i in range(10)]
+    )
+
+    async def cancel_in_flight(at: str) -> None:
+        if at == "claimed":
+            assert await canceller.cancel_many(["s0", "s1", "s2"]) == [(True, "orders")] * 3
+
+    await engine(aclient, clock, cancel_in_flight).fire_due()
+    handed = sorted(int(f[b"id"].decode()[1:]) for _, f in rows(admin, SHARD.outbox))
+    assert handed == list(range(3, 10))
+    assert admin.xlen("orders") == 0
