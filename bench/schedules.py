@@ -18,6 +18,7 @@ A private redis-server (AOF off), one `delayed-pubsub serve` process on a unix s
     due time passes and the target topic must stay empty: nothing cancelled is delivered.
 
     .venv/bin/python bench/schedules.py [--schedules 10000] [--window 20] [--cron] [--spread] [--cancels 100000]
+    .venv/bin/python bench/schedules.py --schedules 0 --cancels 100000 --cancel-lead 60   # cancels alone
 
 Machine note for bench/RESULTS.md: 2 cores shared with other agents' work; quote ratios.
 """
@@ -88,24 +89,27 @@ async def init(stub: Stub, port: int) -> None:
 async def bulk(
     stub: Stub, topic: str, entries: list[tuple[bytes, dict[str, str]]], batch: int = 1000
 ) -> float:
-    """BulkPublish (data, per-entry metadata) pairs in batches from 2 callers; returns entries/s."""
-    chunks = [entries[i : i + batch] for i in range(0, len(entries), batch)]
-    queue = list(reversed(chunks))
+    """BulkPublish (data, per-entry metadata) pairs in batches from 2 callers; returns entries/s.
+
+    The requests are built before the clock starts: their cost is the
+    client's (daprd's), not the component's, and it shares these 2 cores.
+    """
+    requests = [
+        pubsub_pb2.BulkPublishRequest(
+            pubsub_name="bench",
+            topic=topic,
+            entries=[
+                pubsub_pb2.BulkMessageEntry(entry_id=str(i), event=data, metadata=md)
+                for i, (data, md) in enumerate(entries[start : start + batch])
+            ],
+        )
+        for start in range(0, len(entries), batch)
+    ]
+    queue = list(reversed(requests))
 
     async def caller() -> None:
         while queue:
-            chunk = queue.pop()
-            reply = await stub.BulkPublish(
-                pubsub_pb2.BulkPublishRequest(
-                    pubsub_name="bench",
-                    topic=topic,
-                    entries=[
-                        pubsub_pb2.BulkMessageEntry(entry_id=str(i), event=data, metadata=md)
-                        for i, (data, md) in enumerate(chunk)
-                    ],
-                ),
-                metadata=MD,
-            )
+            reply = await stub.BulkPublish(queue.pop(), metadata=MD)
             if reply.failed_entries:
                 raise SystemExit(f"BulkPublish refused entries: {reply.failed_entries[:3]}")
 
@@ -116,15 +120,14 @@ async def bulk(
 
 async def unary(stub: Stub, topic: str, metadatas: list[dict[str, str]], data: bytes, callers: int) -> float:
     """One Publish per metadata, from `callers` concurrent callers; returns calls/s."""
-    queue = list(reversed(metadatas))
+    queue = [
+        pubsub_pb2.PublishRequest(data=data, pubsub_name="bench", topic=topic, metadata=md)
+        for md in reversed(metadatas)
+    ]
 
     async def caller() -> None:
         while queue:
-            md = queue.pop()
-            await stub.Publish(
-                pubsub_pb2.PublishRequest(data=data, pubsub_name="bench", topic=topic, metadata=md),
-                metadata=MD,
-            )
+            await stub.Publish(queue.pop(), metadata=MD)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(callers)))
@@ -282,7 +285,10 @@ async def one_shot_peer(
     }
 
 
-async def cancels(stub: Stub, client: redis.Redis, m: int, lead_s: int, callers: int) -> dict[str, float]:
+async def cancels(
+    stub: Stub, client: redis.Redis, pids: tuple[int, int], m: int, lead_s: int, callers: int
+) -> dict[str, float]:
+    """`pids`: serve's and redis-server's, for CPU per cancel."""
     due = now_ms() + lead_s * 1000
     at = format_instant(due)
     # Unary: M/10 publishes, then the same ids cancelled, both from `callers` callers.
@@ -305,9 +311,13 @@ async def cancels(stub: Stub, client: redis.Redis, m: int, lead_s: int, callers:
     publish_bulk = await bulk(
         stub, "victims-b", [(TICK, {"scheduledSendTime": at, "scheduleId": f"b-{i}"}) for i in range(m)]
     )
+    history0 = client.xlen("{bench-delayed}:history")
+    cpu0 = [cpu_s(p) for p in pids]
     cancel_bulk = await bulk(
         stub, "victims-b", [(b"", {"scheduleId": f"b-{i}", "scheduleCancel": "true"}) for i in range(m)]
     )
+    cpu1 = [cpu_s(p) for p in pids]
+    cancelled_records = client.xlen("{bench-delayed}:history") - history0
     if now_ms() >= due:
         raise SystemExit(f"publishing and cancelling took longer than --cancel-lead {lead_s}s")
     await asyncio.sleep((due - now_ms()) / 1000 + 3)
@@ -316,9 +326,15 @@ async def cancels(stub: Stub, client: redis.Redis, m: int, lead_s: int, callers:
         "unary_n": k,
         "unary_delayed_publish_per_s": publish_unary,
         "unary_cancel_per_s": cancel_unary,
+        "unary_ratio": cancel_unary / publish_unary,
         "bulk_n": m,
         "bulk_delayed_publish_per_s": publish_bulk,
         "bulk_cancel_per_s": cancel_bulk,
+        "bulk_ratio": cancel_bulk / publish_bulk,
+        "serve_cpu_us_per_bulk_cancel": 1e6 * (cpu1[0] - cpu0[0]) / m,
+        "redis_cpu_us_per_bulk_cancel": 1e6 * (cpu1[1] - cpu0[1]) / m,
+        "history_records_of_bulk_cancels": cancelled_records,
+        "pending_after": int(cast("bytes", client.get("{bench-delayed}:pending") or b"0")),
         "delivered_after_cancel": delivered,
     }
 
@@ -391,7 +407,14 @@ async def main() -> None:
                     if args.cancels:
                         show(
                             "cancels",
-                            await cancels(stub, client, args.cancels, args.cancel_lead, args.callers),
+                            await cancels(
+                                stub,
+                                client,
+                                (serve.proc.pid, redis_pid),
+                                args.cancels,
+                                args.cancel_lead,
+                                args.callers,
+                            ),
                         )
             finally:
                 serve.stop()

@@ -262,17 +262,28 @@ class Instance:
             raise BackendUnavailableError(
                 f"cancelling {len(ids)} id(s) on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
             ) from e
+        # A bulk of cancels is thousands per second: the cancelled ones are
+        # counted in one line (each at debug), the unknown ones named each.
+        stream = self.engine.keys.stream
+        cancelled = 0
         for sid, (found, _) in zip(ids, results, strict=True):
             if found:
-                self.metrics.cancelled.inc()
-                log.info("cancelled %r on %s", sid, self.engine.keys.stream)
+                cancelled += 1
+                log.debug("cancelled %r on %s", sid, stream)
             else:
-                self.metrics.cancel_unknown.inc()
                 log.info(
                     "scheduleCancel of %r on %s: nothing pending under that id (fired, cancelled or never there)",
                     sid,
-                    self.engine.keys.stream,
+                    stream,
                 )
+        if cancelled:
+            self.metrics.cancelled.inc(cancelled)
+            if len(ids) == 1:
+                log.info("cancelled %r on %s", ids[0], stream)
+            else:
+                log.info("cancelled %d of %d ids on %s", cancelled, len(ids), stream)
+        if cancelled < len(ids):
+            self.metrics.cancel_unknown.inc(len(ids) - cancelled)
 
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""

@@ -75,9 +75,15 @@ The bound: a marker lives fire_marker_ttl_ms (15 min by default). A claim left i
 flight longer than that after its APPEND (every replica down that long
 between APPEND and RELEASE) may be appended again on takeover: delivered at
 least once, never lost. A replica does not start an APPEND for a claim older
-than half that. A cancel or replace that lands while an occurrence is in
-flight (milliseconds) withdraws the envelope but may not stop that one
-delivery; on a single node FIRE has no such window.
+than half that. A cancel that lands while an occurrence is in flight
+(between CLAIM and APPEND) sets that occurrence's fire marker itself, after
+withdrawing the envelope, so the APPEND writes nothing and RELEASE finds
+nothing to record (DelayEngine._stop_in_flight; a cancel after the APPEND
+answers False for a one-shot). A replace does the same for the old
+envelope's occurrence (best effort: the replace stands if that SET fails).
+Left open: the canceller dying between its CANCEL and its SET while the
+claiming replica lives (that occurrence may go out; the cancel never
+answered). On a single node FIRE has no such window.
 
 Replication (Sentinel and Cluster failover): Redis replicates asynchronously.
 Writes a master acknowledged but had not yet sent to the replica that gets
@@ -342,12 +348,45 @@ class DelayEngine:
                 nxt,
                 iso,
             ]
-        raw = await self._schedule(keys=self._keys.script_keys, args=args)
+        two_phase = self._config.two_phase
+        raw = await self._schedule(
+            keys=self._keys.two_phase_keys if two_phase else self._keys.script_keys, args=args
+        )
         out = [_s(i) for i in raw]
         if out == ["dup"]:
             # Stored by an earlier attempt of this very call.
             return []
-        return out
+        ids, replaced = out[: len(envelopes)], out[len(envelopes) :]
+        for i in range(0, len(replaced), 3):
+            await self._stop_replaced_in_flight(*replaced[i : i + 3])
+        return ids
+
+    async def _stop_replaced_in_flight(self, id: str, due: str, target: str) -> None:
+        """Two-phase fire: a replaced envelope's occurrence was in flight; stop its APPEND.
+
+        As _stop_in_flight for a cancel, but best effort: the replace is
+        stored whatever happens here (failing the publish would make its
+        caller retry a stored replace), so a failure is logged, and that one
+        occurrence of the old message may still go out, as before this step.
+        """
+        try:
+            if await self._set_fire_marker(id, due, target, "replaced"):
+                return
+        except RedisError as exc:
+            log.warning(
+                "replace on %s: the in-flight occurrence of %s may still go out: %s",
+                self._keys.stream,
+                id,
+                exc,
+            )
+            return
+        log.info(
+            "replace on %s came after the old envelope %s's occurrence due %s was appended to %s",
+            self._keys.stream,
+            id,
+            due,
+            target,
+        )
 
     def _next_after(self, env: Envelope, after_ms: int) -> tuple[str, str]:
         if self._recurrence is None:
@@ -369,12 +408,21 @@ class DelayEngine:
 
         Returns (cancelled?, the message's topic or '') per id, in order; with
         deleteMarkerTTL set, a `Remove` marker goes on each cancelled topic.
+
+        Two-phase fire (Redis Cluster): an occurrence claimed but not yet
+        appended when the cancel lands is stopped too: CANCEL names it, and
+        this sets its fire marker (see _stop_in_flight) before returning. One
+        that was appended first went out before the cancel: a one-shot is then
+        reported not cancelled (False).
         """
         out: list[tuple[bool, str]] = []
+        # (position in ids, envelope id, claimed due ms, APPEND's target key, kind)
+        in_flight: list[tuple[int, str, str, str, int]] = []
+        keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
         for start in range(0, len(ids), CANCEL_BATCH):
             part = list(ids[start : start + CANCEL_BATCH])
             raw = await self._cancel(
-                keys=self._keys.script_keys,
+                keys=keys,
                 args=[
                     self._keys.buckets,
                     self._clock.now_ms(),
@@ -384,9 +432,49 @@ class DelayEngine:
                     *part,
                 ],
             )
-            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
+            n = 2 * len(part)
+            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, n, 2)]
+            for i in range(n, len(raw), 5):
+                pos, id, due, target, kind = raw[i : i + 5]
+                in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind)))
+        if in_flight:
+            await self._stop_in_flight(in_flight, out)
         await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
         return out
+
+    async def _stop_in_flight(
+        self, in_flight: Sequence[tuple[int, str, str, str, int]], out: list[tuple[bool, str]]
+    ) -> None:
+        """Set the fire marker of each cancelled occurrence still in flight, so no APPEND writes it.
+
+        The marker is the one APPEND sets with NX in the target's slot (keys.
+        fire_marker_prefix): set here first, APPEND finds it and appends
+        nothing, and RELEASE, finding the envelope withdrawn, records nothing
+        more (its `cancelled` record stands). Found already set, APPEND got
+        there first: the occurrence was delivered before this cancel returned;
+        a one-shot's result becomes False. The window left: this process
+        dying (or the target's master failing) between CANCEL and this SET,
+        while the claiming replica is alive: that one occurrence may go out,
+        and this cancel call has not returned OK.
+        """
+        for pos, id, due, target, kind in in_flight:
+            if await self._set_fire_marker(id, due, target, "cancelled"):
+                continue
+            log.warning(
+                "cancel of %s on %s came after its occurrence due %s was appended to %s: delivered once",
+                id,
+                self._keys.stream,
+                due,
+                target,
+            )
+            if kind != RECURRING:
+                out[pos] = (False, out[pos][1])
+
+    async def _set_fire_marker(self, id: str, due: str, target: str, why: str) -> bool:
+        """SET NX the fire marker APPEND would set for envelope `id`'s occurrence `due` on
+        `target` (keys.fire_marker_prefix); False when it was set already (appended)."""
+        marker = f"{fire_marker_prefix(target, self._keys.stream)}{id}:{due}"
+        return bool(await self._redis.set(marker, why, nx=True, px=self._config.fire_marker_ttl_ms))
 
     async def _markers(self, reason: str, cancelled: Sequence[tuple[str, str]]) -> None:
         """Marker messages (deleteMarkerTTL): one per topic whose message was removed.

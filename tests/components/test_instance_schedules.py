@@ -328,3 +328,55 @@ async def test_markers_through_the_component_when_delete_marker_ttl_is_set(
     marker = await stream.next(within=5)
     assert marker.data == b""
     assert (marker.metadata["markerReason"], marker.metadata["scheduler"]) == ("Remove", "gone")
+
+
+async def test_a_bulk_of_cancels_fails_only_its_bad_entries_and_names_every_unknown_id(
+    server: ComponentServer,
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """1,200 pending one-shots cancelled through one BulkPublish with unknown ids, a
+    repeated id and malformed entries among them: the malformed ones fail with their
+    key and value (nothing of theirs is done), the rest are cancelled, each unknown id
+    is logged by name and counted apart, and nothing cancelled is delivered."""
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    at = {"scheduledSendDelay": "2s"}
+    pending = [
+        pubsub_pb2.BulkMessageEntry(entry_id=f"p{i}", event=b"x", metadata={**at, "scheduleId": f"o{i}"})
+        for i in range(1_200)
+    ]
+    assert not (await c.bulk_publish("orders", pending)).failed_entries
+
+    def cancel(entry_id: str, sid: str, value: str = "true") -> pubsub_pb2.BulkMessageEntry:
+        return pubsub_pb2.BulkMessageEntry(
+            entry_id=entry_id, event=b"", metadata={"scheduleCancel": value, "scheduleId": sid}
+        )
+
+    entries = [cancel(f"c{i}", f"o{i}") for i in range(1_200)]
+    entries += [
+        cancel("u1", "nobody"),
+        cancel("u2", "o7"),
+        cancel("bad1", "o1", "maybe"),
+        cancel("bad2", "o\x07"),
+    ]
+    caplog.set_level("INFO", logger="delayed_pubsub.instance")
+    reply = await c.bulk_publish("orders", entries)
+    failed = {f.entry_id: f.error for f in reply.failed_entries}
+    assert sorted(failed) == ["bad1", "bad2"]
+    assert "scheduleCancel" in failed["bad1"]
+    assert "maybe" in failed["bad1"]
+    assert "scheduleId" in failed["bad2"]
+    assert sample(server, "delayed_pubsub_cancels_total", result="cancelled") == 1_200
+    assert sample(server, "delayed_pubsub_cancels_total", result="unknown") == 2
+    unknown = [r.getMessage() for r in caplog.records if "nothing pending under that id" in r.getMessage()]
+    assert len(unknown) == 2
+    assert "'nobody'" in unknown[0]
+    assert "'o7'" in unknown[1]
+    assert any("cancelled 1200 of 1202 ids" in r.getMessage() for r in caplog.records)
+    assert int(redis_client.get("{app1-delayed}:pending") or 0) == 0
+    assert await stream.nothing_for(2.5)
+    await stream.close()

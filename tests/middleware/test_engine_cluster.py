@@ -421,3 +421,180 @@ async def test_topics_with_their_own_hash_tags_or_odd_braces_fire_once_after_a_c
         pass
     assert delivered(admin, topics) == want
     assert admin.hlen(SHARD.parked) == 0
+
+
+# --- cancels that land while an occurrence is in flight (between CLAIM and APPEND) ----------
+
+
+def history_events(admin: redis.cluster.RedisCluster, event: str) -> list[str]:
+    return [r.id for r in (decode_record(i, f) for i, f in rows(admin, SHARD.history)) if r.event == event]
+
+
+@pytest.mark.parametrize("by", ["scheduleId", "envelope id"])
+async def test_a_cancel_between_claim_and_append_stops_that_delivery(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster, by: str
+) -> None:
+    """Cancelled after CLAIM took them, before any APPEND: none of them goes out, the
+    others do; each cancelled one has its `cancelled` record and no `fired` one."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    envs = [
+        env(i, topics[i % len(topics)], schedule_id=f"s{i}" if by == "scheduleId" else "") for i in range(60)
+    ]
+    ids = await canceller.schedule(envs)
+    victims = ids[::3]
+    answers: list[list[tuple[bool, str]]] = []
+
+    async def cancel_in_flight(at: str) -> None:
+        if at == "claimed":
+            assert admin.zcard(SHARD.inflight) == 60
+            answers.append(await canceller.cancel_many(victims))
+
+    await engine(aclient, clock, cancel_in_flight).fire_due()
+    assert answers == [[(True, envs[i].topic) for i in range(0, 60, 3)]]
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == [i for i in range(60) if i % 3]
+    assert sorted(history_events(admin, "cancelled")) == sorted(victims)
+    assert set(history_events(admin, "fired")).isdisjoint(victims)
+    assert (admin.zcard(SHARD.inflight), admin.hlen(SHARD.claims), admin.xlen(SHARD.stream)) == (0, 0, 0)
+
+
+async def test_a_cancel_after_the_append_is_too_late_and_says_so(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Cancelled after APPEND wrote them, before RELEASE: they went out (once), and the
+    cancel answers False for each (a one-shot it could not stop)."""
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    await canceller.schedule([env(i, "late", schedule_id=f"s{i}") for i in range(20)])
+    answers: list[list[tuple[bool, str]]] = []
+
+    async def cancel_after_append(at: str) -> None:
+        if at == "appended:1":
+            answers.append(await canceller.cancel_many([f"s{i}" for i in range(20)]))
+
+    await engine(aclient, clock, cancel_after_append).fire_due()
+    assert answers == [[(False, "late")] * 20]
+    assert delivered(admin, ["late"]) == {"late": list(range(20))}
+    assert (admin.zcard(SHARD.inflight), admin.hlen(SHARD.claims), admin.xlen(SHARD.stream)) == (0, 0, 0)
+
+
+async def test_a_cancel_racing_the_appends_answers_true_only_for_what_never_arrives(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Cancelled while the APPENDs to 12 targets run concurrently: whichever way each
+    race goes, a message whose cancel said True never arrives, one that said False
+    arrived exactly once."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    envs = [env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(120)]
+    await canceller.schedule(envs)
+    answers: list[list[tuple[bool, str]]] = []
+
+    async def cancel_mid_append(at: str) -> None:
+        if at == "appended:1":
+            answers.append(await canceller.cancel_many([f"s{i}" for i in range(120)]))
+
+    await engine(aclient, clock, cancel_mid_append).fire_due()
+    [answer] = answers
+    stopped = {i for i, (found, _) in enumerate(answer) if found}
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == sorted(set(range(120)) - stopped)
+    assert (admin.zcard(SHARD.inflight), admin.hlen(SHARD.claims), admin.xlen(SHARD.stream)) == (0, 0, 0)
+
+
+async def test_a_cancel_in_flight_survives_the_firing_replicas_crash_and_takeover(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """The replica that claimed crashes after the cancel; the one taking its lease
+    over appends only what was not cancelled (one-shots and a recurring schedule)."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 1_000)
+    canceller = engine(aclient, clock)
+    envs = [env(i, topics[i % len(topics)], due=T0 + 1_000, schedule_id=f"s{i}") for i in range(24)]
+    tick = Envelope(
+        id="tick",
+        topic=topics[0],
+        due_ms=T0 + 1_000,
+        published_at_ms=T0,
+        message=b'{"n":99}',
+        schedule_id="tick",
+        kind=RECURRING,
+        schedule="@every 1s",
+    )
+    await canceller.schedule([*envs, tick])
+
+    async def cancel_then_crash(at: str) -> None:
+        if at == "claimed":
+            got = await canceller.cancel_many(["tick", *(f"s{i}" for i in range(0, 24, 2))])
+            assert all(found for found, _ in got)
+            raise Crash(at)
+
+    with pytest.raises(Crash):
+        await engine(aclient, clock, cancel_then_crash).fire_due()
+    clock.advance(LEASE + 1)
+    survivor = engine(aclient, clock)
+    while (await survivor.fire_due())[0]:
+        pass
+    clock.advance(5_000)  # the schedule's later occurrences would be due by now
+    while (await survivor.fire_due())[0]:
+        pass
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == list(range(1, 24, 2))
+    assert (admin.zcard(SHARD.inflight), admin.xlen(SHARD.stream), await survivor.pending()) == (0, 0, 0)
+
+
+async def test_a_replace_between_claim_and_append_stops_the_old_delivery(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Replaced (same scheduleId, later due) after CLAIM took the old one: the old one
+    never goes out, the new one does at its own time; the others are unaffected."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    publisher = engine(aclient, clock)
+    await publisher.schedule([env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(24)])
+
+    async def replace_in_flight(at: str) -> None:
+        if at == "claimed":
+            await publisher.schedule(
+                [
+                    env(100 + i, topics[i % len(topics)], due=T0 + 5_000, schedule_id=f"s{i}")
+                    for i in range(0, 24, 4)
+                ]
+            )
+
+    await engine(aclient, clock, replace_in_flight).fire_due()
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == [i for i in range(24) if i % 4]
+    clock.set(T0 + 5_000)
+    survivor = engine(aclient, clock)
+    while (await survivor.fire_due())[0]:
+        pass
+    got = delivered(admin, topics)
+    assert sorted(n for ns in got.values() for n in ns) == sorted(
+        [i for i in range(24) if i % 4] + [100 + i for i in range(0, 24, 4)]
+    )
+    assert (admin.zcard(SHARD.inflight), admin.xlen(SHARD.stream), await survivor.pending()) == (0, 0, 0)
+
+
+async def test_a_cancel_in_flight_stops_a_message_bound_for_another_pubsub(
+    admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """targetPubsub: APPEND writes the shard's outbox, not the topic; the cancel's
+    marker must be the outbox's, or the forwarder would hand it to the sidecar."""
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    await canceller.schedule(
+        [env(i, "orders", schedule_id=f"s{i}", target_pubsub="kafka") for i in range(10)]
+    )
+
+    async def cancel_in_flight(at: str) -> None:
+        if at == "claimed":
+            assert await canceller.cancel_many(["s0", "s1", "s2"]) == [(True, "orders")] * 3
+
+    await engine(aclient, clock, cancel_in_flight).fire_due()
+    handed = sorted(int(f[b"id"].decode()[1:]) for _, f in rows(admin, SHARD.outbox))
+    assert handed == list(range(3, 10))
+    assert admin.xlen("orders") == 0

@@ -10,14 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from delayed_middleware import envelope as env
+from delayed_middleware import plan
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
 from delayed_middleware.plan import (
     Cancel,
     PlanContext,
+    PublishPlan,
     Request,
     Timing,
+    plain_cancel,
     plan_bulk,
     plan_publish,
     read_request,
@@ -304,3 +307,66 @@ def test_target_pubsub_without_a_delay_is_refused(metadata: dict[str, str]) -> N
     with pytest.raises(InvalidArgumentError) as err:
         plan_publish("t", b"x", metadata, "", CTX)
     assert (err.value.key, err.value.value) == ("targetPubsub", "kafka")
+
+
+# --- the plain-cancel fast path: never a different answer from read_request -------------------
+
+_ID_CHARS = st.characters(codec="utf-8") | st.sampled_from(
+    ["\x00", "\x1f", "\x7f", "\x85", "\u2028", " ", "\ud800"]
+)
+
+
+@given(
+    schedule_id=st.text(alphabet=_ID_CHARS, max_size=8) | st.sampled_from(["x" * 256, "x" * 257, "r1"]),
+    cancel=st.sampled_from(["true", "TRUE", "tRuE", "false", "", "yes", "truee"]),
+    extra=st.dictionaries(
+        st.sampled_from(["ttl", "ttlInSeconds", "targetPubsub", "scheduledSendDelay", "schedule", "x"]),
+        st.sampled_from(["1s", "never", "kafka", "", "@every 1s"]),
+        max_size=1,
+    ),
+    enabled=st.booleans(),
+)
+def test_plain_cancel_accepts_only_what_read_request_reads_as_that_cancel(
+    schedule_id: str, cancel: str, extra: dict[str, str], enabled: bool
+) -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=enabled)
+    metadata = {"scheduleId": schedule_id, "scheduleCancel": cancel, **extra}
+    fast = plain_cancel(metadata, ctx)
+    try:
+        general: Request | InvalidArgumentError = read_request(metadata, ctx)
+    except InvalidArgumentError as exc:
+        general = exc
+    if fast is not None:
+        assert general == Request(cancel=fast)
+    elif not extra and enabled and cancel.lower() == "true" and schedule_id.isprintable() and schedule_id:
+        assert len(schedule_id) > 256  # the only plain form it leaves to the general path
+
+
+@pytest.mark.parametrize(
+    "request_md",
+    [{}, {"rawPayload": "true"}, {"scheduledSendDelay": "1s"}, {"ttl": "1s"}, {"targetPubsub": "kafka"}],
+)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_bulk_of_plain_cancels_plans_as_the_general_path_does(
+    request_md: dict[str, str], enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the request's own metadata, the plan is the one without the fast path."""
+    ctx = PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=enabled)
+    entries = [
+        (str(i), StreamEntry(b"", {"scheduleId": f"s{i}", "scheduleCancel": c}))
+        for i, c in enumerate(["true", "TRUE", "maybe"])
+    ]
+    try:
+        fast: object = plan_bulk("orders", entries, request_md, ctx)
+    except InvalidArgumentError as exc:
+        fast = str(exc)
+    monkeypatch.setattr(plan, "plain_cancel", lambda metadata, ctx: None)
+    try:
+        general: object = plan_bulk("orders", entries, request_md, ctx)
+    except InvalidArgumentError as exc:
+        general = str(exc)
+    assert fast == general
+    if not request_md and enabled:
+        assert isinstance(fast, PublishPlan)
+        assert fast.cancels == (Cancel(("0",), "s0"), Cancel(("1",), "s1"))
+        assert [f.entry_id for f in fast.failed] == ["2"]

@@ -1,54 +1,260 @@
 -- CANCEL: withdraw pending messages or schedules; nothing more is delivered.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
+--       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua)
 -- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen, 4 reason, 5 n, then n ids
 --       (each a scheduleId, or an envelope's stream id on the delayed topic)
 -- Returns two values per id: 1 when something pending (or parked) was cancelled,
 -- else 0; and the cancelled message's topic ('' when unknown), for markers.
+-- Then, with KEYS[11..12], five values per cancelled envelope whose occurrence
+-- is in flight (claimed, maybe not yet appended): the id's position (1-based),
+-- envelope id, occurrence due ms (as claimed), the key APPEND writes (topic or
+-- outbox) and kind. The caller sets that occurrence's fire marker (NX, in the
+-- target's slot): an APPEND after it writes nothing; if APPEND set it first,
+-- the occurrence went out before this cancel.
 -- Bounded: the caller sends at most a few hundred ids per call.
+--
+-- Cost: a bulk of cancels is the common case (100k in a few seconds), so an id
+-- found in the ids hash costs what its history record needs (one XRANGE, a
+-- peek at the envelope's few small fields, one XADD) and its removals (index,
+-- stream, ids, refill and parked marks) are queued and applied together, a
+-- few commands per call instead of ~10 per id. The script is atomic, so the
+-- order of its writes is invisible; within the call, `done` and `gone` make
+-- an id (or an envelope reached by two ids) count once.
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
-local function cancel_one(key)
-  local ref = redis.call('HGET', KEYS[3], key)
-  local sid, due
-  if ref then
-    sid = parse_ref(ref)
-  else
-    -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
-    if not string.match(key, '^%d+%-%d+$') then return 0, '' end
-    -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
-    -- id that cannot exist names nothing pending.
-    if not pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1) then return 0, '' end
-    sid = key
+
+-- peek(s) returns what a cancel needs of an envelope (its history record and,
+-- on Cluster, where APPEND would write it): topic, scheduleId, kind, schedule,
+-- size and targetPubsub, as decode() reads them, without copying its body or
+-- decoding its metadata (decode() costs ~7 us for a small envelope, this ~2).
+-- Raises where decode() would on its top level and on a bulk body's framing,
+-- not inside the metadata maps it skips.
+local find = string.find
+
+-- A varint at pos: a one-byte one read in place (tags and most lengths).
+local function uvarint(s, pos)
+  local b = byte(s, pos)
+  if b and b < 128 then return b, pos + 1 end
+  return varint(s, pos)
+end
+
+-- Skips a varint at pos (bytes with the high bit set, then one without).
+local function skip_varint(s, pos)
+  local e = find(s, '[%z\1-\127]', pos)
+  if not e then error('truncated varint') end
+  return e + 1
+end
+
+-- Length-delimited field at pos: its first and last byte; errors past `last`.
+local function span(s, pos, last)
+  local len
+  len, pos = uvarint(s, pos)
+  local e = pos + len - 1
+  if e > last then error('truncated field') end
+  return pos, e
+end
+
+-- The length of the `event` (field 2) of the DelayedBulkEntry in s[from..to].
+local function event_length(s, from, to)
+  local event, pos = 0, from
+  while pos <= to do
+    local key
+    key, pos = uvarint(s, pos)
+    local fno, wt = (key - key % 8) / 8, key % 8
+    if wt == 2 then
+      local b, e = span(s, pos, to)
+      if fno == 2 then event = e - b + 1 end
+      pos = e + 1
+    elseif wt == 0 then
+      pos = skip_varint(s, pos)
+      if fno == 2 then event = 0 end
+    else
+      pos = skip(wt, s, pos)
+    end
   end
-  local env = read_envelope(sid)
-  if ref then
-    local _
-    _, due = drop_ref(key, ref)
-    redis.call('HDEL', KEYS[3], key)
-  else
-    if redis.call('XDEL', KEYS[1], sid) == 0 then return 0, '' end
-    if env then
-      due = env.due
-      local r = env.sid ~= '' and redis.call('HGET', KEYS[3], env.sid)
-      if r and parse_ref(r) == sid then
-        -- Its ref knows where it waits now: a recurring envelope moves on after
-        -- each fire (or waits for REFILL outside the index).
-        local _, rdue, _, _, flag = parse_ref(r)
-        due = rdue
-        if flag ~= 'u' then remove(sid, rdue) end
-        redis.call('HDEL', KEYS[3], env.sid)
-        redis.call('ZREM', KEYS[9], env.sid)
+  return event
+end
+
+local function peek(s)
+  local pos, n = 1, #s
+  local topic, sid, schedule, bulk, kind, target = '', '', '', 0, 0, ''
+  local body_from, body_to = nil, nil
+  while pos <= n do
+    -- uvarint and span inlined: this loop is most of a cancel's Lua time.
+    local key = byte(s, pos)
+    if key < 128 then pos = pos + 1 else key, pos = varint(s, pos) end
+    local wt = key % 8
+    local fno = (key - wt) / 8
+    if wt == 2 then
+      local len = byte(s, pos)
+      if len and len < 128 then pos = pos + 1 else len, pos = varint(s, pos) end
+      local e = pos + len - 1
+      if e > n then error('truncated field') end
+      -- As decode(): the last occurrence of a field wins, and a field of
+      -- the wrong wire type reads as empty (or 0).
+      if fno == 2 then body_from, body_to = pos, e
+      elseif fno == 1 then topic = sub(s, pos, e)
+      elseif fno == 10 then sid = sub(s, pos, e)
+      elseif fno == 12 then schedule = sub(s, pos, e)
+      elseif fno == 16 then target = sub(s, pos, e)
+      elseif fno == 5 then bulk = 0
+      elseif fno == 11 then kind = 0
+      end
+      pos = e + 1
+    elseif wt == 0 then
+      if fno == 5 then bulk, pos = varint(s, pos)
+      elseif fno == 11 then kind, pos = varint(s, pos)
       else
-        remove(sid, due)
+        pos = skip_varint(s, pos)
+        if fno == 2 then body_from = nil
+        elseif fno == 1 then topic = ''
+        elseif fno == 10 then sid = ''
+        elseif fno == 12 then schedule = ''
+        elseif fno == 16 then target = ''
+        end
+      end
+    else
+      pos = skip(wt, s, pos)
+    end
+  end
+  if topic == '' then error('no topic') end
+  local size = 0
+  if body_from and bulk == 0 then
+    size = body_to - body_from + 1
+  elseif body_from then
+    -- A DelayedBulk: the sum of its entries' event lengths.
+    pos = body_from
+    while pos <= body_to do
+      local key
+      key, pos = uvarint(s, pos)
+      local fno, wt = (key - key % 8) / 8, key % 8
+      if wt == 2 then
+        local b, e = span(s, pos, body_to)
+        if fno == 1 then size = size + event_length(s, b, e) end
+        pos = e + 1
+      else
+        pos = skip(wt, s, pos)
       end
     end
-    redis.call('HDEL', KEYS[7], sid)
   end
+  return topic, sid, kind, schedule, size, target
+end
+
+-- The history fields of the envelope at stream id `id` (see peek), or nil
+-- (gone or undecodable).
+local function peek_envelope(id)
+  local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+  if not e then return nil end
+  local f = e[2]
+  for j = 1, #f, 2 do
+    if f[j] == 'data' then
+      local ok, topic, sid, kind, schedule, size, target = pcall(peek, f[j + 1])
+      if ok then return topic, sid, kind, schedule, size, target end
+      return nil
+    end
+  end
+  return nil
+end
+
+-- Removals queued by cancel_ref, applied by flush().
+local taken, xdels, keys, sids = {}, {}, {}, {}
+local located = {}
+local done, gone = {}, {}
+-- Cancelled envelopes whose occurrence is in flight (see the reply).
+local inflight = {}
+
+-- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
+-- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
+local function note_inflight(pos, id, topic, target, kind)
+  if not KEYS[12] or topic == '' then return end
+  local rec = redis.call('HGET', KEYS[12], id)
+  if not rec then return end
+  local key = KEYS[10]
+  if target == '' then key = topic end
+  for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind}) do inflight[#inflight + 1] = v end
+end
+
+local function flush()
+  remove_candidates(taken)
+  for _, q in ipairs({{'XDEL', KEYS[1], xdels}, {'HDEL', KEYS[3], keys}, {'ZREM', KEYS[9], keys},
+                      {'HDEL', KEYS[7], sids}}) do
+    local list = q[3]
+    for i = 1, #list, 500 do
+      redis.call(q[1], q[2], unpack(list, i, math.min(i + 499, #list)))
+    end
+  end
+  -- Index removals changed the buckets: locate afresh.
+  taken, xdels, keys, sids, located = {}, {}, {}, {}, {}
+end
+
+-- An id the ids hash knows (ref = its value): as drop_ref, queued.
+local function cancel_ref(pos, key, ref)
+  -- parse_ref's result, by one pattern for the current 5-part form.
+  local sid, due, flag = string.match(ref, '^(%S+) (%S+) %S+ %S+ (%S+)$')
+  if not sid then
+    local _
+    sid, due, _, _, flag = parse_ref(ref)
+  end
+  if gone[sid] then return 0, '' end
+  gone[sid] = true
+  local topic, esid, kind, schedule, size, target = peek_envelope(sid)
+  if flag ~= 'u' then
+    local b = located[due]
+    if b == nil then
+      b = locate(due) or false
+      located[due] = b
+    end
+    if b then taken[#taken + 1] = {sid, due, b} end
+  end
+  xdels[#xdels + 1] = sid
+  keys[#keys + 1] = key
+  sids[#sids + 1] = sid
+  if topic then
+    hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, ARGV[4], schedule)
+    note_inflight(pos, sid, topic, target, kind)
+    return 1, topic
+  end
+  hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
+  return 1, ''
+end
+
+-- An envelope's stream id (one without scheduleId, or a recurring one's):
+-- rare, so done on the spot, after what is queued.
+local function cancel_stream_id(pos, key)
+  if gone[key] then return 0, '' end
+  -- Not an id in the hash: maybe a stream id of an envelope without scheduleId.
+  if not string.match(key, '^%d+%-%d+$') then return 0, '' end
+  -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
+  -- id that cannot exist names nothing pending.
+  if not pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1) then return 0, '' end
+  flush()
+  local sid, due = key, nil
+  local env = read_envelope(sid)
+  if redis.call('XDEL', KEYS[1], sid) == 0 then return 0, '' end
+  gone[sid] = true
+  if env then
+    due = env.due
+    local r = env.sid ~= '' and redis.call('HGET', KEYS[3], env.sid)
+    if r and parse_ref(r) == sid then
+      -- Its ref knows where it waits now: a recurring envelope moves on after
+      -- each fire (or waits for REFILL outside the index).
+      local _, rdue, _, _, flag = parse_ref(r)
+      due = rdue
+      if flag ~= 'u' then remove(sid, rdue) end
+      redis.call('HDEL', KEYS[3], env.sid)
+      redis.call('ZREM', KEYS[9], env.sid)
+      done[env.sid] = true
+    else
+      remove(sid, due)
+    end
+  end
+  redis.call('HDEL', KEYS[7], sid)
   if env then
     hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[4], env.schedule)
+    note_inflight(pos, sid, env.topic, env.target, env.kind)
     return 1, env.topic
   end
   hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
@@ -56,10 +262,27 @@ local function cancel_one(key)
 end
 
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
+local n = tonumber(ARGV[5])
 local out = {}
-for i = 1, tonumber(ARGV[5]) do
-  local found, topic = cancel_one(ARGV[5 + i])
-  out[#out + 1] = found
-  out[#out + 1] = topic
+for from = 1, n, 500 do
+  local to = math.min(from + 499, n)
+  local refs = redis.call('HMGET', KEYS[3], unpack(ARGV, 5 + from, 5 + to))
+  for i = from, to do
+    local key = ARGV[5 + i]
+    local ref = refs[i - from + 1]
+    local found, topic = 0, ''
+    if done[key] then
+      found = 0
+    elseif ref then
+      done[key] = true
+      found, topic = cancel_ref(i, key, ref)
+    else
+      found, topic = cancel_stream_id(i, key)
+    end
+    out[#out + 1] = found
+    out[#out + 1] = topic
+  end
 end
+flush()
+for _, v in ipairs(inflight) do out[#out + 1] = v end
 return out

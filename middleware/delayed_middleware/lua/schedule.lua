@@ -1,6 +1,7 @@
 -- SCHEDULE: store envelopes durably and index them by due time.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
+--       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua)
 -- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms (history), 4 call token ('' = none),
 --       5 history maxlen (0 = off), 6 token window ms, 7 n, then n groups of 9:
 --       envelope bytes, due ms, scheduleId, kind (0 one-shot, 1 recurring, 2 retry),
@@ -8,6 +9,10 @@
 -- Returns the envelope ids in order (the scheduleId, else for a recurring
 -- envelope or one without id its stream id), or {'dup'} when this call token
 -- was applied before: a client retrying after a lost reply stores nothing twice.
+-- With KEYS[11..12], the ids are followed by three values per replaced envelope
+-- whose occurrence is in flight (claimed, maybe not yet appended): its envelope
+-- id, the claimed due ms and the key APPEND writes; the caller sets that
+-- occurrence's fire marker so the claiming replica's APPEND writes nothing.
 -- A scheduleId already pending is replaced: its old envelope leaves the index
 -- and the stream in the same step. The wake channel is told when a new
 -- envelope became the earliest, so sleeping replicas shorten their sleep.
@@ -30,6 +35,7 @@ if token ~= '' then
 end
 local before = head()
 local ids, earliest = {}, nil
+local inflight = {}
 for i = 0, tonumber(ARGV[7]) - 1 do
   local base = 8 + i * 9
   local env, due, sid, kind = ARGV[base], ARGV[base + 1], ARGV[base + 2], tonumber(ARGV[base + 3])
@@ -38,6 +44,17 @@ for i = 0, tonumber(ARGV[7]) - 1 do
   if sid ~= '' then
     local old = redis.call('HGET', KEYS[3], sid)
     if old then
+      local claimed = KEYS[12] and redis.call('HGET', KEYS[12], (parse_ref(old)))
+      if claimed then
+        local e = read_envelope((parse_ref(old)))
+        if e then
+          local key = KEYS[10]
+          if e.target == '' then key = e.topic end
+          for _, v in ipairs({(parse_ref(old)), string.match(claimed, '^(%S+)'), key}) do
+            inflight[#inflight + 1] = v
+          end
+        end
+      end
       local old_id, old_due = drop_ref(sid, old)
       hist('replaced', sid, sid, topic, kind, old_due, '', '', 1, old_id, expr)
     end
@@ -55,4 +72,5 @@ end
 if earliest ~= nil and (before == nil or tonumber(before) > earliest) then
   redis.call('PUBLISH', ARGV[2], tostring(earliest))
 end
+for _, v in ipairs(inflight) do ids[#ids + 1] = v end
 return ids

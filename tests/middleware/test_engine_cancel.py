@@ -1,0 +1,197 @@
+"""CANCEL against a real Redis: batched removals that leave nothing behind, ids counted once
+per call however they are named, and history records that describe the cancelled message
+exactly (the script reads the envelope with a lean decoder of its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.envelope import RECURRING, RETRY, BulkEntry, Envelope
+from delayed_middleware.history import HistoryRecord, decode_record
+from tests.middleware.test_engine import KEYS, T0, env, target
+from tests.middleware.test_engine_v2 import drain, every, payloads, recurring
+from tests.redis_server import stream_entries
+
+
+def history(client: redis.Redis, event: str) -> list[HistoryRecord]:
+    return [
+        r for r in (decode_record(i, f) for i, f in stream_entries(client, KEYS.history)) if r.event == event
+    ]
+
+
+def engine_keys_left(client: redis.Redis) -> list[str]:
+    """Engine state still holding something (index, ids, marks, envelopes), beyond the
+    history, the call tokens and the bucket sequence: nothing, once all is cancelled or fired."""
+    keep = {KEYS.history, KEYS.calls, KEYS.seq}
+    left = sorted(
+        k.decode()
+        for k in client.scan_iter(match="{app-delayed}*")
+        if k.decode() not in keep and not (k.decode() == KEYS.count and client.get(k) == b"0")
+    )
+    return left + ([KEYS.stream] if client.xlen(KEYS.stream) else [])
+
+
+_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=30)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    message=st.binary(max_size=2000),
+    metadata=st.dictionaries(_text, _text, max_size=5),
+    content_type=_text,
+    bulk=st.lists(
+        st.tuples(_text, st.binary(max_size=300), _text, st.dictionaries(_text, _text, max_size=3)),
+        max_size=4,
+    ),
+    topic=_text.filter(bool),
+    sid=st.sampled_from(["", "s-1", "0-1"]),
+    kind=st.sampled_from(["oneshot", "recurring", "retry"]),
+    by_stream_id=st.booleans(),
+)
+async def test_the_cancelled_record_describes_the_message_as_its_scheduled_record_does(
+    aredis: Callable[[], aioredis.Redis],
+    redis_client: redis.Redis,
+    message: bytes,
+    metadata: dict[str, str],
+    content_type: str,
+    bulk: list[tuple[str, bytes, str, dict[str, str]]],
+    topic: str,
+    sid: str,
+    kind: str,
+    by_stream_id: bool,
+) -> None:
+    redis_client.flushall()
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), recurrence=every)
+    e = Envelope(
+        id=sid,
+        topic=topic,
+        due_ms=T0 + 1_000,
+        published_at_ms=T0,
+        message=message,
+        content_type=content_type,
+        metadata=metadata,
+        schedule_id=sid,
+        bulk_entries=tuple(BulkEntry(*b) for b in bulk),
+        kind={"oneshot": 0, "recurring": RECURRING, "retry": RETRY}[kind],
+        schedule="@test 1000" if kind == "recurring" else "",
+    )
+    [id] = await engine.schedule([e])
+    [(stream_id, _)] = stream_entries(redis_client, KEYS.stream)
+    assert await engine.cancel_many([stream_id if by_stream_id else id]) == [(True, topic)]
+    [scheduled] = history(redis_client, "scheduled")
+    [cancelled] = history(redis_client, "cancelled")
+    assert (cancelled.schedule_id, cancelled.topic, cancelled.kind, cancelled.size_bytes) == (
+        scheduled.schedule_id,
+        scheduled.topic,
+        scheduled.kind,
+        e.size,
+    )
+    assert (cancelled.schedule, cancelled.due_ms, cancelled.reason) == (e.schedule, T0 + 1_000, "Remove")
+    assert engine_keys_left(redis_client) == []
+
+
+async def test_one_call_counts_each_message_once_however_it_is_named(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Twice the same id, a scheduleId and its envelope's stream id, a stream id between
+    scheduleIds (cancelled on the spot while the rest is queued): each message once."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(i, T0 + 100 + i % 7, sid=f"s{i}") for i in range(10)])
+    [anon] = await engine.schedule([env(100, T0 + 100)])
+    [(s3_stream_id, _)] = stream_entries(redis_client, KEYS.stream)[3:4]
+    ids = ["s1", "s1", "s3", s3_stream_id, anon, "s5", anon, "nope", "1-1", "99999999999999999999-1", "s6"]
+    got = await engine.cancel_many(ids)
+    assert [found for found, _ in got] == [
+        True,
+        False,
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert len(history(redis_client, "cancelled")) == 5
+    assert await engine.pending() == 6
+    clock.set(T0 + 200)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 2, 4, 7, 8, 9]
+    assert engine_keys_left(redis_client) == []
+
+
+async def test_a_stream_id_cancels_its_scheduled_message_even_after_queued_cancels_of_others(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The stream-id path runs after the queued removals are applied: the index it edits
+    is the real one, and the queued ones are not applied twice."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    # All in one bucket (same due), so both paths edit the same sorted set.
+    await engine.schedule([env(i, T0 + 100, sid=f"s{i}") for i in range(5)])
+    stream_ids = [i for i, _ in stream_entries(redis_client, KEYS.stream)]
+    got = await engine.cancel_many(["s0", "s1", stream_ids[2], "s3", stream_ids[3]])
+    assert [found for found, _ in got] == [True, True, True, True, False]
+    assert await engine.pending() == 1
+    clock.set(T0 + 100)
+    await drain(engine)
+    assert payloads(redis_client) == [4]
+    assert engine_keys_left(redis_client) == []
+
+
+async def test_cancels_spread_over_many_buckets_leave_the_index_exact(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    n = 3_000
+    await engine.schedule([env(i, T0 + 1 + (i * 7919) % n, sid=f"s{i}") for i in range(n)])
+    assert redis_client.zcard(KEYS.due) > 20  # many buckets
+    cancelled = [i for i in range(n) if i % 3]
+    got = await engine.cancel_many([f"s{i}" for i in cancelled])
+    assert got == [(True, "orders")] * len(cancelled)
+    assert await engine.pending() == n - len(cancelled)
+    assert redis_client.hlen(KEYS.ids) == n - len(cancelled)
+    assert redis_client.xlen(KEYS.stream) == n - len(cancelled)
+    clock.set(T0 + n + 1)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [i for i in range(n) if not i % 3]
+    assert engine_keys_left(redis_client) == []
+
+
+async def test_parked_and_refill_waiting_messages_cancel_clean(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A parked envelope (its target is not a stream) and a recurring one waiting for
+    its REFILL are withdrawn with their marks, in the same call as plain ones."""
+    redis_client.hset("a-hash", "f", "v")
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)  # no recurrence: the refill stays pending
+    await engine.schedule([env(1, T0 + 10, topic="a-hash", sid="parked"), env(2, T0 + 500, sid="plain")])
+    clock.set(T0 + 10)
+    await engine.fire_due()
+    assert redis_client.hlen(KEYS.parked) == 1
+    every_engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await every_engine.schedule([recurring(3, 100, sid="tick")])
+    clock.set(T0 + 100)
+    await engine.fire_due()  # fires `tick` once; no recurrence here, so it waits for REFILL
+    assert redis_client.zcard(KEYS.refill) == 1
+    got = await engine.cancel_many(["parked", "tick", "plain"])
+    assert [found for found, _ in got] == [True, True, True]
+    assert (redis_client.hlen(KEYS.parked), redis_client.zcard(KEYS.refill)) == (0, 0)
+    assert [r.id for r in history(redis_client, "cancelled")] == ["parked", "tick", "plain"]
+    clock.set(T0 + 10_000)
+    await every_engine.refill_pending()
+    await drain(every_engine)
+    assert len(target(redis_client, "orders")) == 1  # tick's one fire before its cancel
+    assert engine_keys_left(redis_client) == []
