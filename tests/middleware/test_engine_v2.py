@@ -682,3 +682,44 @@ async def test_a_fire_batch_refills_its_cron_envelopes_itself(
         assert len(target(redis_client)) == 1_000 * k
     nexts = {decode_entry(f).metadata["scheduleNext"] for _, f in target(redis_client)[-1_000:]}
     assert nexts == {format_instant(T0 + 4_000)}
+
+
+def index_buckets(client: redis.Redis) -> list[tuple[float, list[tuple[bytes, float]]]]:
+    """The due index as (bucket start, its members with their due), in bucket order."""
+    out = []
+    for b, start in client.zrange(KEYS.due, 0, -1, withscores=True):
+        key = f"{KEYS.buckets}{b.decode()}"
+        out.append((start, client.zrange(key, 0, -1, withscores=True)))
+    return out
+
+
+async def test_a_wave_of_recurring_reinserts_keeps_the_index_exact_and_compact(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """5,000 @every schedules (phases spread over 0.4 s) fire as one wave and re-enter the index
+    together (insert_many): afterwards every envelope is indexed once at its next grid point, the
+    buckets still partition time, none holds more than 101 members, and every bucket stays
+    listpack-encoded (the index's ~10 bytes per pending message)."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    envs = [every_env(1_000, sid=f"w{i}", published=T0 + i * 2 // 25) for i in range(5_000)]
+    for i in range(0, 5_000, 1_000):
+        await engine.schedule(envs[i : i + 1_000])
+    for wave in (1, 2, 3):
+        clock.set(T0 + wave * 1_000 + 400)
+        await drain(engine)
+        assert len(target(redis_client)) == 5_000 * wave
+        buckets = index_buckets(redis_client)
+        members = [(m, due) for _, ms in buckets for m, due in ms]
+        assert len(members) == len({m for m, _ in members}) == 5_000 == await engine.pending()
+        refs = {k.decode(): v.decode().split() for k, v in redis_client.hgetall(KEYS.ids).items()}
+        expected = {
+            refs[f"w{i}"][0].encode(): float(T0 + i * 2 // 25 + (wave + 1) * 1_000) for i in range(5_000)
+        }
+        assert dict(members) == expected
+        for (start, ms), nxt in zip(buckets, [b[0] for b in buckets[1:]] + [float("inf")], strict=True):
+            assert ms
+            assert all(start <= due < nxt for _, due in ms)
+            assert len(ms) <= 101
+        for b in redis_client.zrange(KEYS.due, 0, -1):
+            assert redis_client.object("encoding", f"{KEYS.buckets}{b.decode()}") == b"listpack"

@@ -180,7 +180,7 @@ for i, c in ipairs(due_candidates(now, max_env)) do
   end
 end
 batch_finish()
-for _, r in ipairs(reinserts) do insert(r[1], r[2]) end
+insert_many(reinserts)
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 -- Refills nobody completed (occurrences already due whose successor nobody
 -- computed: their replica stopped between its FIRE and its REFILL, or they

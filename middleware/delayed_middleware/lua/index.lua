@@ -78,6 +78,37 @@ local function insert(id, due)
   if redis.call('ZCARD', key) > BUCKET_MAX then split(b) end
 end
 
+-- Inserts many {id, due} at once (FIRE's recurring re-inserts: a wave of
+-- schedules re-enters the index together). Sorted by due, the items that fall
+-- into one bucket go in with one ZADD, at most as many as the bucket has room
+-- for before it splits (so it never holds more than BUCKET_MAX + 1 and stays
+-- listpack-encoded), instead of a bucket lookup, ZADD, INCR and ZCARD each.
+local function insert_many(items)
+  local n = #items
+  if n == 0 then return end
+  for _, it in ipairs(items) do it[3] = tonumber(it[2]) end
+  table.sort(items, function(a, b) return a[3] < b[3] end)
+  local i = 1
+  while i <= n do
+    local b = locate(items[i][2]) or new_bucket(items[i][2])
+    local key = bucket_key(b)
+    -- Buckets partition time: this one ends where the next one starts.
+    local upper = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. redis.call('ZSCORE', KEYS[2], b), '+inf',
+      'WITHSCORES', 'LIMIT', 0, 1)[2]
+    upper = upper and tonumber(upper)
+    local room = math.max(1, BUCKET_MAX + 1 - redis.call('ZCARD', key))
+    local args = {}
+    while i <= n and #args < 2 * room and (upper == nil or items[i][3] < upper) do
+      args[#args + 1] = items[i][2]
+      args[#args + 1] = items[i][1]
+      i = i + 1
+    end
+    redis.call('ZADD', key, unpack(args))
+    redis.call('INCRBY', KEYS[5], #args / 2)
+    if redis.call('ZCARD', key) > BUCKET_MAX then split(b) end
+  end
+end
+
 -- Removes `id` (due at `due`); returns 1 if it was in the index.
 local function remove(id, due)
   local b = locate(due)

@@ -22,6 +22,8 @@
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
 local now = tonumber(ARGV[2])
 local released, parked, refill, fired = 0, 0, 0, 0
+-- Recurring envelopes re-enter the index together at the end (index.lua insert_many).
+local reinserts = {}
 local pos = 5
 for _ = 1, tonumber(ARGV[4]) do
   local id, outcome = ARGV[pos], ARGV[pos + 1]
@@ -49,7 +51,7 @@ for _ = 1, tonumber(ARGV[4]) do
             redis.call('ZREM', KEYS[9], key)
           end
         else
-          insert(id, next_due)
+          reinserts[#reinserts + 1] = {id, next_due}
           refill = refill + advance(env, id, key, next_due)
         end
         hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
@@ -59,6 +61,7 @@ for _ = 1, tonumber(ARGV[4]) do
     released = released + 1
   end
 end
+insert_many(reinserts)
 local out = {released, parked, refill, fired, next_wakeup() or ''}
 for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out
