@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import redis
@@ -687,9 +688,10 @@ async def test_a_fire_batch_refills_its_cron_envelopes_itself(
 def index_buckets(client: redis.Redis) -> list[tuple[float, list[tuple[bytes, float]]]]:
     """The due index as (bucket start, its members with their due), in bucket order."""
     out = []
-    for b, start in client.zrange(KEYS.due, 0, -1, withscores=True):
+    tops = cast("list[tuple[bytes, float]]", client.zrange(KEYS.due, 0, -1, withscores=True))
+    for b, start in tops:
         key = f"{KEYS.buckets}{b.decode()}"
-        out.append((start, client.zrange(key, 0, -1, withscores=True)))
+        out.append((start, cast("list[tuple[bytes, float]]", client.zrange(key, 0, -1, withscores=True))))
     return out
 
 
@@ -712,7 +714,8 @@ async def test_a_wave_of_recurring_reinserts_keeps_the_index_exact_and_compact(
         buckets = index_buckets(redis_client)
         members = [(m, due) for _, ms in buckets for m, due in ms]
         assert len(members) == len({m for m, _ in members}) == 5_000 == await engine.pending()
-        refs = {k.decode(): v.decode().split() for k, v in redis_client.hgetall(KEYS.ids).items()}
+        ids = cast("dict[bytes, bytes]", redis_client.hgetall(KEYS.ids))
+        refs = {k.decode(): v.decode().split() for k, v in ids.items()}
         expected = {
             refs[f"w{i}"][0].encode(): float(T0 + i * 2 // 25 + (wave + 1) * 1_000) for i in range(5_000)
         }
@@ -721,5 +724,5 @@ async def test_a_wave_of_recurring_reinserts_keeps_the_index_exact_and_compact(
             assert ms
             assert all(start <= due < nxt for _, due in ms)
             assert len(ms) <= 101
-        for b in redis_client.zrange(KEYS.due, 0, -1):
+        for b in cast("list[bytes]", redis_client.zrange(KEYS.due, 0, -1)):
             assert redis_client.object("encoding", f"{KEYS.buckets}{b.decode()}") == b"listpack"
