@@ -1,0 +1,55 @@
+"""Hostile review of the @every fire step, the shared batch decision, insert_many and the
+cheaper CANCEL: inputs, timings and faults that would lose, double, fire early, block or
+leak. Real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware import scripts
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import encode_envelope
+from tests.middleware.test_engine import KEYS, T0, target
+from tests.middleware.test_engine_v2 import drain, every_env
+
+# publishedAtMs (field 8, varint) as a 150-byte varint: 148 continuation bytes of 0x80.
+# Lua's decoder multiplied its way to inf, and 0 * inf is NaN: the value read was NaN.
+_NAN_PUBLISHED = b"\x40" + b"\x80" * 148 + b"\x01"
+
+
+def store_raw(client: redis.Redis, raw: bytes, due: int, sid: str, now: int) -> None:
+    """SCHEDULE with envelope bytes as written by hand (someone with access to Redis)."""
+    client.eval(
+        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        *(KEYS.buckets, "nowake", now, "", 100, 120_000, 1),
+        *(raw, due, sid, 1, "orders", 1, "@every 1s", "-", "-"),
+    )  # fmt: skip
+
+
+async def test_an_over_long_varint_in_a_hand_written_every_envelope_loses_no_other_schedule(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """An @every envelope written by hand on the delayed topic whose publishedAtMs is a
+    150-byte varint: Lua's decoder read it as NaN, the successor became 'nan', and
+    insert_many's bucket lookup raised after the batch's appends and index removals. Every
+    other @every schedule fired in that batch was left out of the index for ever (its
+    message out, its ids ref pointing at a next due time nothing would fire).
+    Protobuf refuses varints longer than 10 bytes: so must the decoder."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    await engine.schedule([every_env(1_000, sid=f"ok{i}") for i in range(3)])
+    hostile = encode_envelope(every_env(1_000, sid="bad")) + _NAN_PUBLISHED
+    store_raw(redis_client, hostile, T0 + 1_000, "bad", T0)
+    for k in (1, 2):
+        clock.set(T0 + k * 1_000)
+        await drain(engine)
+    fired = sorted(decode_entry(f).metadata["scheduler"] for _, f in target(redis_client))
+    assert fired == ["ok0", "ok0", "ok1", "ok1", "ok2", "ok2"]
+    assert await engine.pending() == 3
+    # The hostile envelope did not fire as garbage: it is parked, listed with why.
+    assert redis_client.hlen(KEYS.parked) == 1
