@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
 from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import encode_envelope
-from tests.middleware.test_engine import KEYS, T0, target
-from tests.middleware.test_engine_v2 import drain, every_env
+from tests.middleware.test_engine import KEYS, T0, env, target
+from tests.middleware.test_engine_v2 import drain, every_env, history
 
 # publishedAtMs (field 8, varint) as a 150-byte varint: 148 continuation bytes of 0x80.
 # Lua's decoder multiplied its way to inf, and 0 * inf is NaN: the value read was NaN.
@@ -53,3 +54,34 @@ async def test_an_over_long_varint_in_a_hand_written_every_envelope_loses_no_oth
     assert await engine.pending() == 3
     # The hostile envelope did not fire as garbage: it is parked, listed with why.
     assert redis_client.hlen(KEYS.parked) == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="two-phase fire: a cancel landing after APPEND wrote the message (before RELEASE) "
+    "answers False, but its CANCEL already wrote 'cancelled' and withdrew the envelope, so "
+    "RELEASE writes no 'fired': the history says cancelled for a message the subscriber got. "
+    "Needs RELEASE to record 'fired' from the claim record when the envelope is gone and the "
+    "outcome was ok/dup (or CANCEL to defer its record to the marker's answer).",
+)
+async def test_a_cancel_after_the_append_leaves_a_fired_record_not_a_cancelled_one(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Two-phase fire on one node: the cancel lands between APPEND and RELEASE. It is too
+    late and says so (False); the history must then say the message fired."""
+    clock = ManualClock(T0)
+    canceller = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True))
+    await canceller.schedule([env(1, T0 + 100, sid="s1")])
+    answers: list[bool] = []
+
+    async def cancel_after_append(at: str) -> None:
+        if at == "appended:1":
+            answers.append(await canceller.cancel("s1"))
+
+    firer = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True), fault=cancel_after_append)
+    clock.set(T0 + 100)
+    await drain(firer)
+    assert answers == [False]
+    assert len(target(redis_client)) == 1  # it went out, once
+    events = [r.event for r in history(redis_client) if r.id == "s1"]
+    assert events == ["scheduled", "fired"]
