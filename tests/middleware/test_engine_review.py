@@ -5,6 +5,7 @@ leak. Real Redis."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -16,7 +17,8 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import encode_envelope
 from tests.middleware.test_engine import KEYS, T0, env, target
-from tests.middleware.test_engine_v2 import drain, every_env, history
+from tests.middleware.test_engine_attacks import named_recurring, raw_schedule
+from tests.middleware.test_engine_v2 import drain, every, every_env, history
 
 # publishedAtMs (field 8, varint) as a 150-byte varint: 148 continuation bytes of 0x80.
 # Lua's decoder multiplied its way to inf, and 0 * inf is NaN: the value read was NaN.
@@ -85,3 +87,51 @@ async def test_a_cancel_after_the_append_leaves_a_fired_record_not_a_cancelled_o
     assert len(target(redis_client)) == 1  # it went out, once
     events = [r.event for r in history(redis_client) if r.id == "s1"]
     assert events == ["scheduled", "fired"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="refill_pending reads a waiting cron envelope's ref, then its envelope; a replace "
+    "landing between the two deletes the old envelope, the read finds it gone, and "
+    "_refill_batch calls cancel(key): an unconditional cancel by scheduleId that withdraws "
+    "the NEW schedule the replace just stored. Needs a compare-and-set cancel (on the ref "
+    "read), e.g. REFILL with an 'end' outcome, instead of cancel().",
+)
+async def test_a_replace_racing_refill_pending_is_not_cancelled(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cron schedule waits for its refill (its replica stopped between FIRE and REFILL,
+    or an outage passed its successor). The publisher replaces it (same scheduleId) while a
+    replica's refill_pending sweep is between its two reads."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    publisher = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    # Stored with its successor unknown, as a replica that fired it and stopped left it.
+    raw_schedule(redis_client, named_recurring("c", T0 + 1_000, T0, 1_000, 1), T0, "-")
+    clock.set(T0 + 1_000)
+    redis_client.zadd(KEYS.refill, {"c": T0 + 1_000})
+    real_pipeline = engine._redis.pipeline
+    calls = 0
+
+    def pipeline(transaction: bool = True) -> Any:
+        pipe = real_pipeline(transaction=transaction)
+        real_execute = pipe.execute
+
+        async def execute(raise_on_error: bool = True) -> Any:
+            nonlocal calls
+            out = await real_execute(raise_on_error)
+            calls += 1
+            if calls == 1:  # the refs were read; the replace lands now
+                await publisher.schedule([named_recurring("c", T0 + 5_000, T0, 5_000, 2)])
+            return out
+
+        monkeypatch.setattr(pipe, "execute", execute)
+        return pipe
+
+    monkeypatch.setattr(engine._redis, "pipeline", pipeline)
+    await engine.refill_pending()
+    monkeypatch.undo()
+    assert redis_client.hexists(KEYS.ids, "c")  # the replacement stands
+    clock.set(T0 + 5_000)
+    await drain(engine)
+    assert [decode_entry(f).data for _, f in target(redis_client)] == [b'{"n":2}']
