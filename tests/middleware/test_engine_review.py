@@ -4,8 +4,9 @@ leak. Real Redis."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -18,7 +19,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import encode_envelope
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_attacks import named_recurring, raw_schedule
-from tests.middleware.test_engine_v2 import drain, every, every_env, history
+from tests.middleware.test_engine_v2 import drain, every, every_env, history, index_buckets
 
 # publishedAtMs (field 8, varint) as a 150-byte varint: 148 continuation bytes of 0x80.
 # Lua's decoder multiplied its way to inf, and 0 * inf is NaN: the value read was NaN.
@@ -135,3 +136,111 @@ async def test_a_replace_racing_refill_pending_is_not_cancelled(
     clock.set(T0 + 5_000)
     await drain(engine)
     assert [decode_entry(f).data for _, f in target(redis_client)] == [b'{"n":2}']
+
+
+def _raw_topic(e_bytes: bytes, topic: bytes) -> bytes:
+    """The envelope with its topic (field 1) set to `topic` (the last occurrence wins)."""
+    return e_bytes + b"\x0a" + bytes([len(topic)]) + topic
+
+
+async def test_a_topic_that_is_not_utf8_neither_blocks_the_two_phase_fire_nor_breaks_cancel(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A hand-written envelope whose topic is not UTF-8 (Redis keys are bytes; daprd's are
+    always text). CLAIM claimed it and the replica's reply parsing raised after CLAIM had
+    committed: the claim stayed in flight, was taken over first when its lease ended, and
+    raised again, for ever, while everything claimed with it waited: that shard's firing
+    stopped. It must park; a cancel of such an envelope must answer, not raise."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True, lease_ms=1_000))
+    poison = _raw_topic(encode_envelope(env(0, T0 + 100)), b"\xff\xfeorders")
+    redis_client.eval(
+        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+        *(poison, T0 + 100, "", 0, "orders", 1, "", "-", "-"),
+    )  # fmt: skip
+    await engine.schedule([env(n, T0 + 100, sid=f"g{n}") for n in range(1, 6)])
+    for step in range(1, 5):
+        clock.set(T0 + 100 + step * 2_000)  # past each lease
+        try:
+            await drain(engine)
+        except UnicodeDecodeError:
+            continue
+    assert sorted(decode_entry(f).metadata["scheduler"] for _, f in target(redis_client)) == [
+        f"g{n}" for n in range(1, 6)
+    ]
+    assert redis_client.hlen(KEYS.parked) == 1
+    assert redis_client.zcard(KEYS.inflight) == 0
+    # Cancelling it (by its stream id): found, its topic not text, so none is named.
+    [parked_id] = cast("list[bytes]", redis_client.hkeys(KEYS.parked))
+    assert await engine.cancel_many([parked_id.decode()]) == [(True, "")]
+
+
+def _hostile(rng: random.Random, base: bytes) -> bytes:
+    """One malformed or odd DelayedMessage: truncated, flipped, or with fields appended
+    that repeat known ones with the wrong wire type, over-long varints, bad lengths."""
+    roll = rng.randrange(6)
+    if roll == 0:
+        return base[: rng.randrange(1, len(base))]
+    if roll == 1:
+        b = bytearray(base)
+        for _ in range(rng.randrange(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        return bytes(b)
+    fno = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 99])
+    wt = rng.choice([0, 1, 2, 3, 5, 6, 7])
+    tag = bytes([(fno << 3 | wt) & 0x7F | 0x80, (fno << 3 | wt) >> 7]) if fno > 15 else bytes([fno << 3 | wt])
+    if roll == 2:
+        tail = b"\xff" * rng.randrange(9, 40) + b"\x01"  # over-long varint
+    elif roll == 3:
+        tail = bytes([rng.randrange(128, 256), 0x7F]) + b"x" * rng.randrange(0, 5)  # length past the end
+    elif roll == 4:
+        tail = b"\x00" * 8
+    else:
+        tail = bytes([3]) + b"abc"
+    return base + tag + tail
+
+
+async def test_hostile_envelopes_never_make_cancel_or_fire_raise(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """600 malformed envelopes written by hand on the delayed topic, among good ones: CANCEL
+    (the lean peek decoder, by scheduleId and by stream id, in bulks) and FIRE never raise
+    (Redis keeps a script's writes before an error), everything cancelled is gone, the
+    rest fires, parks or counts as undecodable, and the index ends empty."""
+    rng = random.Random(7)
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    bases = [
+        encode_envelope(env(1, T0 + 1_000, sid="x")),
+        encode_envelope(env(2, T0 + 1_000, sid="y", expires_at_ms=T0 + 10)),
+        encode_envelope(every_env(1_000, sid="z")),
+    ]
+    ids = []
+    for i in range(600):
+        raw = _hostile(rng, rng.choice(bases))
+        sid = f"h{i}" if i % 2 else ""
+        out = redis_client.eval(
+            scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+            *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+            *(raw, T0 + 1_000, sid, i % 3 % 2, "orders", 1, "@every 1s", T0 + 2_000, "-"),
+        )  # fmt: skip
+        ids.append(out[0].decode())
+    await engine.schedule([env(n, T0 + 1_000, sid=f"good{n}") for n in range(50)])
+    # Stream ids (cancel_stream_id, the full decoder) and scheduleIds (the lean peek).
+    victims = ids[::2] + ids[1::4]
+    stream_ids = ids[::2] + [
+        cast("bytes", redis_client.hget(KEYS.ids, k)).decode().split()[0] for k in ids[1::4]
+    ]
+    assert all(found for found, _ in await engine.cancel_many(victims))
+    assert all(not redis_client.xrange(KEYS.stream, i, i) for i in stream_ids)
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert await engine.cancel_many(victims) == [(False, "")] * len(victims)
+    schedulers = [decode_entry(f).metadata.get("scheduler", "") for _, f in target(redis_client)]
+    assert sorted(x for x in schedulers if x.startswith("good")) == sorted(f"good{n}" for n in range(50))
+    fired = {r.id for r in history(redis_client) if r.event == "fired"}
+    assert not fired & set(victims)  # nothing cancelled went out
+    # Nothing left due in the index: each envelope fired, parked, expired or was dropped.
+    left = [m for _, members in index_buckets(redis_client) for m, due in members if due <= T0 + 1_000]
+    assert left == []
