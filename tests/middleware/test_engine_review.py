@@ -244,3 +244,62 @@ async def test_hostile_envelopes_never_make_cancel_or_fire_raise(
     # Nothing left due in the index: each envelope fired, parked, expired or was dropped.
     left = [m for _, members in index_buckets(redis_client) for m, due in members if due <= T0 + 1_000]
     assert left == []
+
+
+def _lua_insert_many(client: redis.Redis, items: list[tuple[str, int]]) -> None:
+    body = (
+        "local items = {} for i = 2, #ARGV, 2 do items[#items + 1] = {ARGV[i], ARGV[i + 1]} end "
+        "insert_many(items) return 1"
+    )
+    flat = [v for it in items for v in it]
+    client.eval(scripts.load("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
+                KEYS.buckets, *flat)  # fmt: skip
+
+
+def _lua_insert(client: redis.Redis, items: list[tuple[str, int]]) -> None:
+    body = "for i = 1, #ARGV - 1, 2 do insert(ARGV[i + 1], ARGV[i + 2]) end return 1"
+    flat = [v for it in items for v in it]
+    client.eval(scripts.load("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
+                KEYS.buckets, *flat)  # fmt: skip
+
+
+def test_insert_many_keeps_the_index_a_partition_whatever_the_dues(redis_client: redis.Redis) -> None:
+    """insert_many against a model, over existing buckets: waves of equal dues (a bucket that
+    cannot split), dues earlier than every bucket, later than all, on bucket starts, and
+    waves far beyond CHUNK. Each id once at its due, each bucket inside its range, the
+    pending count exact, and a bucket over BUCKET_MAX + 1 only when all its dues are equal."""
+    rng = random.Random(5)
+    model: dict[str, int] = {}
+    n = 0
+    for wave in range(12):
+        items: list[tuple[str, int]] = []
+        shape = wave % 4
+        for _ in range(rng.choice([1, 50, 700, 1_300])):
+            n += 1
+            if shape == 0:
+                due = T0 + 5_000  # all equal
+            elif shape == 1:
+                due = T0 - rng.randrange(1, 10_000_000)  # earlier than every bucket
+            elif shape == 2:
+                due = T0 + rng.randrange(0, 20) * 1_000  # few distinct dues, many equal
+            else:
+                due = T0 + rng.randrange(-(10**9), 10**9)
+            items.append((f"e{n}", due))
+        if wave % 3 == 2:
+            _lua_insert(redis_client, items)  # one by one, mixed with the waves
+        else:
+            _lua_insert_many(redis_client, items)
+        model.update(items)
+    buckets = index_buckets(redis_client)
+    seen: dict[str, int] = {}
+    for i, (start, members) in enumerate(buckets):
+        end = buckets[i + 1][0] if i + 1 < len(buckets) else float("inf")
+        assert members, "empty bucket left in the top"
+        for m, score in members:
+            assert start <= score < end
+            assert m.decode() not in seen
+            seen[m.decode()] = int(score)
+        if len(members) > 101:
+            assert len({d for _, d in members}) == 1
+    assert seen == model
+    assert int(redis_client.get(KEYS.count) or 0) == len(model)
