@@ -542,23 +542,27 @@ class DelayEngine:
         now = self._clock.now_ms()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         for i in range(0, len(quads) - 3, 4):
-            key, ref, expr, published = _s(quads[i]), _s(quads[i + 1]), _s(quads[i + 2]), _s(quads[i + 3])
-            stream_id, due_text = ref.split()[:2]
-            due = int(due_text)
-            sid = "" if key == stream_id else key
-            probe = Envelope(
-                id=sid,
-                topic="",
-                due_ms=due,
-                published_at_ms=int(published),
-                schedule_id=sid,
-                kind=RECURRING,
-                schedule=expr,
-            )
+            # All inside the guard: a hand-written envelope's fields (not UTF-8, say)
+            # must not stop the rest of the batch's refills.
             try:
+                key, ref, expr, published = _s(quads[i]), _s(quads[i + 1]), _s(quads[i + 2]), _s(quads[i + 3])
+                stream_id, due_text = ref.split()[:2]
+                due = int(due_text)
+                sid = "" if key == stream_id else key
+                probe = Envelope(
+                    id=sid,
+                    topic="",
+                    due_ms=due,
+                    published_at_ms=int(published),
+                    schedule_id=sid,
+                    kind=RECURRING,
+                    schedule=expr,
+                )
                 nxt, iso = self._next_after(probe, max(due, now))
             except Exception as exc:
-                log.warning("recurring %r on %s: successor not computed now: %r", key, self._keys.stream, exc)
+                log.warning(
+                    "recurring %r on %s: successor not computed now: %r", quads[i], self._keys.stream, exc
+                )
                 continue
             args += [key, ref, nxt, iso]
             args[2] += 1

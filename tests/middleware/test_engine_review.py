@@ -303,3 +303,26 @@ def test_insert_many_keeps_the_index_a_partition_whatever_the_dues(redis_client:
             assert len({d for _, d in members}) == 1
     assert seen == model
     assert int(redis_client.get(KEYS.count) or 0) == len(model)
+
+
+async def test_a_cron_envelope_whose_expression_is_not_utf8_does_not_stop_the_batchs_refills(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """FIRE hands back (key, ref, expression, published) for each cron envelope it fired;
+    _advance decoded them outside its per-envelope guard, so one hand-written expression
+    that is not UTF-8 raised out of fire_due after FIRE had committed: the successors of
+    every other cron schedule of the batch were not stored, and each waited for the sweep."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await engine.schedule([named_recurring(f"c{i}", T0 + 1_000, T0, 1_000, i) for i in range(5)])
+    bad = encode_envelope(named_recurring("bad", T0 + 1_000, T0, 1_000, 9)) + b"\x62\x02\xff\xfe"
+    redis_client.eval(
+        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+        *(bad, T0 + 1_000, "bad", 1, "orders", 1, "@test 1000", T0 + 2_000, "-"),
+    )  # fmt: skip
+    clock.set(T0 + 1_000)
+    await engine.fire_due()
+    assert len(target(redis_client)) == 6
+    waiting = {m.decode() for m in redis_client.zrange(KEYS.refill, 0, -1)}  # type: ignore[union-attr]
+    assert waiting == {"bad"}
