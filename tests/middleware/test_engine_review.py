@@ -17,6 +17,7 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import encode_envelope
+from delayed_middleware.instants import format_instant
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_attacks import named_recurring, raw_schedule
 from tests.middleware.test_engine_v2 import drain, every, every_env, history, index_buckets
@@ -326,3 +327,45 @@ async def test_a_cron_envelope_whose_expression_is_not_utf8_does_not_stop_the_ba
     assert len(target(redis_client)) == 6
     waiting = {m.decode() for m in redis_client.zrange(KEYS.refill, 0, -1)}  # type: ignore[union-attr]
     assert waiting == {"bad"}
+
+
+@pytest.mark.parametrize(
+    ("every_ms", "published"),
+    [(-1_000, T0), (2**63 - 1, T0), (1, 0), (1_000, 2**63 - 1), (1_000, -(2**62)), (7, T0 - 10**12)],
+)
+async def test_hand_written_every_intervals_and_starts_neither_raise_nor_disturb_others(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, every_ms: int, published: int
+) -> None:
+    """everyMs and publishedAtMs as anyone with Redis access could write them (negative,
+    2^63 - 1, 1 ms from the epoch, a start far away): the fire step computes a successor
+    on the grid or ends the schedule ('purge'), never raises, never fires it early, and a
+    real schedule beside it keeps its grid."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+    await engine.schedule([every_env(1_000, sid="ok")])
+    hostile = every_env(1_000, sid="odd", published=T0)
+    raw = encode_envelope(hostile)
+    # Fields 8 and 18 again, as int64 varints (the last occurrence wins).
+    for field, value in ((8, published), (18, every_ms)):
+        v = value & (2**64 - 1)
+        out = bytearray([field << 3 if field < 16 else (field << 3) & 0x7F | 0x80])
+        if field >= 16:
+            out.append((field << 3) >> 7)
+        while True:
+            byte, v = v & 0x7F, v >> 7
+            out.append(byte | (0x80 if v else 0))
+            if not v:
+                break
+        raw += bytes(out)
+    store_raw(redis_client, raw, T0 + 1_000, "odd", T0)
+    seen = 0
+    for k in (1, 2, 3):
+        clock.set(T0 + k * 1_000)
+        await drain(engine)
+        entries = [decode_entry(f) for _, f in target(redis_client)]
+        assert [e.metadata["scheduler"] for e in entries].count("ok") == k
+        for e in entries[seen:]:  # this round's: each names a next time after now, or purge
+            nxt = e.metadata["scheduleNext"]
+            assert nxt == "purge" or nxt > format_instant(T0 + k * 1_000)
+        seen = len(entries)
+    assert await engine.pending() in (1, 2)
