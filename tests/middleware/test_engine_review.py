@@ -369,3 +369,45 @@ async def test_hand_written_every_intervals_and_starts_neither_raise_nor_disturb
             assert nxt == "purge" or nxt > format_instant(T0 + k * 1_000)
         seen = len(entries)
     assert await engine.pending() in (1, 2)
+
+
+async def test_an_ids_entry_without_a_due_time_does_not_abort_a_bulk_cancel(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """An ids-hash value written by hand as just a stream id (no due time): cancel_ref cached
+    its bucket under a nil key, which raises in Lua, after the history records of the
+    bulk's earlier ids were written and before any queued removal: the bulk failed, the
+    history said 'cancelled' for messages still pending, and they fired."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(1, T0 + 1_000, sid="a")])
+    redis_client.hset(KEYS.ids, "weird", "1-1")
+    assert await engine.cancel_many(["a", "weird"]) == [(True, "orders"), (True, "")]
+    assert await engine.pending() == 0
+    assert not redis_client.exists(KEYS.ids)
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert target(redis_client) == []
+
+
+async def test_ids_entries_written_by_hand_break_neither_replace_nor_fire(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """As above, for SCHEDULE (a replace of such an id located a nil due and wrote a nil
+    history field, raising after its call token and earlier envelopes were stored: a
+    retried publish then doubled them) and FIRE (a cron ref naming its envelope but
+    without due or next concatenated a nil, raising after the batch's appends: every
+    retry appended them again)."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    redis_client.hset(KEYS.ids, "weird", "1-1")
+    await engine.schedule([env(1, T0 + 1_000), env(2, T0 + 1_000, sid="weird")])
+    assert await engine.pending() == 2
+    [cron_id] = await engine.schedule([named_recurring("", T0 + 1_000, T0, 1_000, 3)])
+    redis_client.hset(KEYS.ids, cron_id, cron_id)  # its ref: the stream id alone
+    await engine.schedule([env(4, T0 + 1_000)])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    await drain(engine)
+    got = sorted(decode_entry(f).data for _, f in target(redis_client))
+    assert got == [b'{"n":1}', b'{"n":2}', b'{"n":3}', b'{"n":4}']
