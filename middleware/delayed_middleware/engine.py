@@ -115,7 +115,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import scripts
 from delayed_middleware.backoff import Backoff
@@ -756,7 +756,15 @@ class DelayEngine:
         """scheduleSource: the source topic's latest entry, read now (it lives in another slot)."""
         if is_delayed_topic(source) or is_engine_key(source):
             return []
-        rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        try:
+            rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        except ResponseError as exc:
+            # A source whose key is not a stream gives nothing, as in FIRE. Raised,
+            # the claim was taken over at each lease end and raised again: the
+            # shard (and every claim beside it) stopped firing.
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            return []
         if not rows:
             return []
         f = {_s(k): v for k, v in dict(rows[0][1] or {}).items()}

@@ -20,7 +20,7 @@ from delayed_middleware.envelope import encode_envelope
 from delayed_middleware.instants import format_instant
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_attacks import named_recurring, raw_schedule
-from tests.middleware.test_engine_v2 import drain, every, every_env, history, index_buckets
+from tests.middleware.test_engine_v2 import drain, every, every_env, history, index_buckets, recurring
 
 # publishedAtMs (field 8, varint) as a 150-byte varint: 148 continuation bytes of 0x80.
 # Lua's decoder multiplied its way to inf, and 0 * inf is NaN: the value read was NaN.
@@ -411,3 +411,29 @@ async def test_ids_entries_written_by_hand_break_neither_replace_nor_fire(
     await drain(engine)
     got = sorted(decode_entry(f).data for _, f in target(redis_client))
     assert got == [b'{"n":1}', b'{"n":2}', b'{"n":3}', b'{"n":4}']
+
+
+async def test_a_schedule_source_that_is_not_a_stream_does_not_block_the_two_phase_fire(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """scheduleSource is publisher input: a topic name whose key holds a hash (another
+    app's, or recreated as one). FIRE delivers nothing for such a source and goes on; the
+    two-phase path read the source with XREVRANGE, which raised WRONGTYPE out of the fire
+    step after CLAIM: the claim was taken over at each lease end (first, with the batch
+    claimed beside it) and raised again, so nothing on that shard fired any more."""
+    redis_client.hset("a-hash", "f", "v")
+    clock = ManualClock(T0)
+    engine = DelayEngine(
+        aredis(), KEYS, clock, recurrence=every, config=EngineConfig(two_phase=True, lease_ms=1_000)
+    )
+    await engine.schedule([recurring(0, 1_000, sid="sampler", schedule_source="a-hash")])
+    await engine.schedule([env(n, T0 + 1_000, sid=f"g{n}") for n in range(1, 6)])
+    for step in range(4):
+        clock.set(T0 + 1_000 + step * 2_000)  # claimed together, then past each lease
+        try:
+            await drain(engine)
+        except redis.exceptions.ResponseError:
+            continue
+    got = [decode_entry(f).metadata["scheduler"] for _, f in target(redis_client)]
+    assert sorted(g for g in got if g.startswith("g")) == [f"g{n}" for n in range(1, 6)]
+    assert redis_client.zcard(KEYS.inflight) == 0
