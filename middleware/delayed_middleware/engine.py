@@ -767,9 +767,15 @@ class DelayEngine:
             return []
         if not rows:
             return []
-        f = {_s(k): v for k, v in dict(rows[0][1] or {}).items()}
+        # Anyone writes the source (FIRE compares its field names as bytes): a name
+        # that is not UTF-8, or JSON nested past Python's recursion limit, must not
+        # raise here, after CLAIM, any more than a WRONGTYPE.
+        f = {
+            k.decode(errors="replace") if isinstance(k, bytes) else str(k): v
+            for k, v in (rows[0][1] or {}).items()
+        }
         md: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, TypeError):
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             loaded = json.loads(f.get("metadata", b"{}"))
             # As FIRE: keep the source's metadata only if it encodes again as
             # strict JSON (1e400 loads as inf), else drop it; the data still goes out.
@@ -1199,7 +1205,7 @@ def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
 def _strict_json(value: object) -> bool:
     try:
         json.dumps(value, allow_nan=False)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return False
     return True
 

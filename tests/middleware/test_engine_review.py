@@ -437,3 +437,36 @@ async def test_a_schedule_source_that_is_not_a_stream_does_not_block_the_two_pha
     got = [decode_entry(f).metadata["scheduler"] for _, f in target(redis_client)]
     assert sorted(g for g in got if g.startswith("g")) == [f"g{n}" for n in range(1, 6)]
     assert redis_client.zcard(KEYS.inflight) == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {b"\xff\xfe": b"x", b"data": b"21C"},  # a field name that is not UTF-8
+        {b"data": b"21C", b"metadata": b"[" * 100_000 + b"]" * 100_000},  # JSON nested past recursion
+    ],
+)
+async def test_a_source_entry_anyone_wrote_does_not_block_the_two_phase_fire(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, fields: dict[bytes, bytes]
+) -> None:
+    """The source topic's latest entry is anyone's: FIRE reads it in Lua and keeps what it
+    can. The two-phase path decoded its field names as UTF-8 and its metadata with
+    json.loads, whose RecursionError is no ValueError: either raised after CLAIM, for
+    ever (see above). The sample goes out with its data, as FIRE sends it."""
+    redis_client.xadd("sensor", fields)  # type: ignore[arg-type]
+    clock = ManualClock(T0)
+    engine = DelayEngine(
+        aredis(), KEYS, clock, recurrence=every, config=EngineConfig(two_phase=True, lease_ms=1_000)
+    )
+    await engine.schedule([recurring(0, 1_000, sid="sampler", schedule_source="sensor")])
+    await engine.schedule([env(n, T0 + 1_000, sid=f"g{n}") for n in range(1, 4)])
+    for step in range(3):
+        clock.set(T0 + 1_000 + step * 2_000)
+        try:
+            await drain(engine)
+        except (UnicodeDecodeError, RecursionError):
+            continue
+    rows = [decode_entry(f) for _, f in target(redis_client)]
+    assert sorted(e.metadata.get("scheduler", "") for e in rows if e.data != b"21C") == ["g1", "g2", "g3"]
+    assert any(e.data == b"21C" for e in rows)
+    assert redis_client.zcard(KEYS.inflight) == 0
