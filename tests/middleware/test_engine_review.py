@@ -4,6 +4,7 @@ leak. Real Redis."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any, cast
@@ -470,3 +471,29 @@ async def test_a_source_entry_anyone_wrote_does_not_block_the_two_phase_fire(
     assert sorted(e.metadata.get("scheduler", "") for e in rows if e.data != b"21C") == ["g1", "g2", "g3"]
     assert any(e.data == b"21C" for e in rows)
     assert redis_client.zcard(KEYS.inflight) == 0
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+async def test_old_format_every_envelopes_keep_their_grid_beside_new_ones(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, two_phase: bool
+) -> None:
+    """Envelopes stored before everyMs existed (an '@every' expression, no interval) go the
+    cron way (successor from the replica's recurrence, REFILLed by the fire step's own
+    reply); new ones advance in Lua. Side by side, through an outage, both stay on
+    published + k * 1 s, fire once after the outage, and name the same next time."""
+    from delayed_middleware.schedules import EnvelopeRecurrence
+
+    clock = ManualClock(T0)
+    config = EngineConfig(two_phase=two_phase)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence(), config=config)
+    old = dataclasses.replace(every_env(1_000, sid="old"), every_ms=0, schedule="@every 1s")
+    new = dataclasses.replace(every_env(1_000, sid="new"), schedule="@every 1s")
+    await engine.schedule([old, new])
+    for now in (T0 + 1_000, T0 + 2_300, T0 + 9_500, T0 + 10_000):
+        clock.set(now)
+        await drain(engine)
+    rows = [decode_entry(f).metadata for _, f in target(redis_client)]
+    by = {s: [m["scheduleNext"] for m in rows if m["scheduler"] == s] for s in ("old", "new")}
+    expected = [format_instant(T0 + k) for k in (2_000, 3_000, 10_000, 11_000)]
+    assert by == {"old": expected, "new": expected}
+    assert redis_client.zcard(KEYS.refill) == 0
