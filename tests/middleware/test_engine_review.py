@@ -497,3 +497,36 @@ async def test_old_format_every_envelopes_keep_their_grid_beside_new_ones(
     expected = [format_instant(T0 + k) for k in (2_000, 3_000, 10_000, 11_000)]
     assert by == {"old": expected, "new": expected}
     assert redis_client.zcard(KEYS.refill) == 0
+
+
+async def test_a_replace_or_cancel_between_fire_and_its_refill_wins(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FIRE hands back the cron envelopes it advanced; before the replica's REFILL lands,
+    one schedule is replaced and another cancelled. The compare-and-set leaves both alone:
+    the replacement keeps its own next time, the cancelled one stays gone, nothing waits
+    in the refill set, and a third is refilled as usual."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await engine.schedule([named_recurring(s, T0 + 1_000, T0, 1_000, n) for n, s in enumerate("abc")])
+    real_advance = engine._advance
+
+    async def racing_advance(quads: Any) -> None:
+        if quads:
+            await engine.schedule([named_recurring("a", T0 + 5_000, T0, 5_000, 9)])
+            assert await engine.cancel("b")
+        await real_advance(quads)
+
+    monkeypatch.setattr(engine, "_advance", racing_advance)
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    monkeypatch.undo()
+    assert redis_client.zcard(KEYS.refill) == 0
+    assert not redis_client.hexists(KEYS.ids, "b")
+    for now in (T0 + 2_000, T0 + 3_000, T0 + 5_000):
+        clock.set(now)
+        await drain(engine)
+    got = [(decode_entry(f).metadata["scheduler"], decode_entry(f).data) for _, f in target(redis_client)]
+    assert [d for s, d in got if s == "a"] == [b'{"n":0}', b'{"n":9}']
+    assert [d for s, d in got if s == "b"] == [b'{"n":1}']
+    assert [d for s, d in got if s == "c"] == [b'{"n":2}'] * 4
