@@ -115,7 +115,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import scripts
 from delayed_middleware.backoff import Backoff
@@ -433,10 +433,12 @@ class DelayEngine:
                 ],
             )
             n = 2 * len(part)
-            out += [(bool(int(raw[i])), _s(raw[i + 1])) for i in range(0, n, 2)]
+            out += [(bool(int(raw[i])), _topic(raw[i + 1])) for i in range(0, n, 2)]
             for i in range(n, len(raw), 5):
                 pos, id, due, target, kind = raw[i : i + 5]
-                in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind)))
+                # A topic that is not text was never appended (its claim parks): nothing to stop.
+                if _topic(target):
+                    in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind)))
         if in_flight:
             await self._stop_in_flight(in_flight, out)
         await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
@@ -484,6 +486,7 @@ class DelayEngine:
         loses no data, so it is not worth holding the script across slots.
         """
         ttl = self._config.marker_ttl_ms
+        cancelled = [(sid, topic) for sid, topic in cancelled if topic]  # '': not text (_topic)
         if not ttl or not cancelled:
             return
         expires = str(self._clock.now_ms() + ttl)
@@ -539,23 +542,27 @@ class DelayEngine:
         now = self._clock.now_ms()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         for i in range(0, len(quads) - 3, 4):
-            key, ref, expr, published = _s(quads[i]), _s(quads[i + 1]), _s(quads[i + 2]), _s(quads[i + 3])
-            stream_id, due_text = ref.split()[:2]
-            due = int(due_text)
-            sid = "" if key == stream_id else key
-            probe = Envelope(
-                id=sid,
-                topic="",
-                due_ms=due,
-                published_at_ms=int(published),
-                schedule_id=sid,
-                kind=RECURRING,
-                schedule=expr,
-            )
+            # All inside the guard: a hand-written envelope's fields (not UTF-8, say)
+            # must not stop the rest of the batch's refills.
             try:
+                key, ref, expr, published = _s(quads[i]), _s(quads[i + 1]), _s(quads[i + 2]), _s(quads[i + 3])
+                stream_id, due_text = ref.split()[:2]
+                due = int(due_text)
+                sid = "" if key == stream_id else key
+                probe = Envelope(
+                    id=sid,
+                    topic="",
+                    due_ms=due,
+                    published_at_ms=int(published),
+                    schedule_id=sid,
+                    kind=RECURRING,
+                    schedule=expr,
+                )
                 nxt, iso = self._next_after(probe, max(due, now))
             except Exception as exc:
-                log.warning("recurring %r on %s: successor not computed now: %r", key, self._keys.stream, exc)
+                log.warning(
+                    "recurring %r on %s: successor not computed now: %r", quads[i], self._keys.stream, exc
+                )
                 continue
             args += [key, ref, nxt, iso]
             args[2] += 1
@@ -609,7 +616,7 @@ class DelayEngine:
             int(raw[7]),
             int(raw[8]),
         )
-        expired = [(_s(raw[9 + 2 * i]), _s(raw[10 + 2 * i])) for i in range(n_expired)]
+        expired = [(_topic(raw[9 + 2 * i]), _topic(raw[10 + 2 * i])) for i in range(n_expired)]
         if expired:
             await self._markers("MaxAge", expired)
         if gone:
@@ -654,7 +661,7 @@ class DelayEngine:
         )
         head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
         gone, n_expired = int(raw[5]), int(raw[6])
-        expired = [(_s(raw[7 + 2 * i]), _s(raw[8 + 2 * i])) for i in range(n_expired)]
+        expired = [(_topic(raw[7 + 2 * i]), _topic(raw[8 + 2 * i])) for i in range(n_expired)]
         claims = _parse_claims(raw[7 + 2 * n_expired :])
         # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
         if expired:
@@ -687,7 +694,9 @@ class DelayEngine:
         outcomes: dict[str, str] = {}
         groups: dict[str, list[_Claim]] = {}
         for c in claims:
-            if c.target:
+            if c.bad:
+                outcomes[c.id] = c.bad
+            elif c.target:
                 groups.setdefault(c.target, []).append(c)
             else:
                 outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
@@ -747,12 +756,26 @@ class DelayEngine:
         """scheduleSource: the source topic's latest entry, read now (it lives in another slot)."""
         if is_delayed_topic(source) or is_engine_key(source):
             return []
-        rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        try:
+            rows = await self._redis.xrevrange(source, "+", "-", count=1)
+        except ResponseError as exc:
+            # A source whose key is not a stream gives nothing, as in FIRE. Raised,
+            # the claim was taken over at each lease end and raised again: the
+            # shard (and every claim beside it) stopped firing.
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            return []
         if not rows:
             return []
-        f = {_s(k): v for k, v in dict(rows[0][1] or {}).items()}
+        # Anyone writes the source (FIRE compares its field names as bytes): a name
+        # that is not UTF-8, or JSON nested past Python's recursion limit, must not
+        # raise here, after CLAIM, any more than a WRONGTYPE.
+        f = {
+            k.decode(errors="replace") if isinstance(k, bytes) else str(k): v
+            for k, v in (rows[0][1] or {}).items()
+        }
         md: dict[str, Any] = {}
-        with contextlib.suppress(ValueError, TypeError):
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             loaded = json.loads(f.get("metadata", b"{}"))
             # As FIRE: keep the source's metadata only if it encodes again as
             # strict JSON (1e400 loads as inf), else drop it; the data still goes out.
@@ -1123,6 +1146,9 @@ class _Claim:
     # The caller's trim applies (published through this component, or '' = any: FIRE's rule).
     trim: bool
     entries: list[list[str | bytes]]  # XADD field/value lists
+    # Why it cannot be appended (RELEASE parks it with this reason), or '': a
+    # hand-written envelope whose topic or scheduleId is not UTF-8 text.
+    bad: str = ""
 
     def fields(
         self, data: str | bytes, metadata: str | bytes, content_type: str | bytes
@@ -1145,21 +1171,30 @@ def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
     for _ in range(n):
         head = raw[pos : pos + 12]
         pos += 12
-        c = _Claim(
-            id=_s(head[0]),
-            due=_s(head[1]),
-            scheduler=_s(head[2]),
-            schedule_next=_s(head[3]),
-            target=_s(head[4]),
-            target_pubsub=_s(head[5]),
-            topic=_s(head[6]),
-            bulk=_s(head[7]) == "1",
-            expires_at=int(head[8]),
-            source=_s(head[9]),
-            trim=_s(head[10]) == "1",
-            entries=[],
-        )
-        for _ in range(int(head[11])):
+        count = int(head[11])
+        try:
+            c = _Claim(
+                id=_s(head[0]),
+                due=_s(head[1]),
+                scheduler=_s(head[2]),
+                schedule_next=_s(head[3]),
+                target=_s(head[4]),
+                target_pubsub=_s(head[5]),
+                topic=_s(head[6]),
+                bulk=_s(head[7]) == "1",
+                expires_at=int(head[8]),
+                source=_s(head[9]),
+                trim=_s(head[10]) == "1",
+                entries=[],
+            )
+        except UnicodeDecodeError as exc:
+            # Raising here, after CLAIM committed, left the claim in flight to be
+            # taken over (and raise) again at every lease end: the shard stopped firing.
+            pos += 3 * count
+            why = f"undecodable: not UTF-8: {exc}"
+            out.append(_Claim(_s(head[0]), _s(head[1]), "", "", "", "", "", False, 0, "", False, [], why))
+            continue
+        for _ in range(count):
             data, md, ct = raw[pos], raw[pos + 1], raw[pos + 2]
             pos += 3
             c.entries.append(c.fields(data, md, ct))
@@ -1170,7 +1205,7 @@ def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:
 def _strict_json(value: object) -> bool:
     try:
         json.dumps(value, allow_nan=False)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return False
     return True
 
@@ -1179,6 +1214,15 @@ def _s(value: object) -> str:
     if isinstance(value, bytes):
         return value.decode()
     return "" if value is None else str(value)
+
+
+def _topic(value: object) -> str:
+    """A topic a script returned, for its marker; '' (no marker) when it is not UTF-8 text,
+    as in a hand-written envelope: raising would come after the script's writes."""
+    try:
+        return _s(value)
+    except UnicodeDecodeError:
+        return ""
 
 
 def _honour_swallowed_cancel() -> None:

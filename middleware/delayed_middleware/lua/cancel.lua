@@ -201,7 +201,9 @@ local function cancel_ref(pos, key, ref)
   if gone[sid] then return 0, '' end
   gone[sid] = true
   local topic, esid, kind, schedule, size, target = peek_envelope(sid)
-  if flag ~= 'u' then
+  -- A ref without a numeric due (written by hand) names no index entry; locating
+  -- it would raise, after this call's earlier history records.
+  if flag ~= 'u' and tonumber(due) then
     local b = located[due]
     if b == nil then
       b = locate(due) or false
@@ -243,7 +245,7 @@ local function cancel_stream_id(pos, key)
       -- each fire (or waits for REFILL outside the index).
       local _, rdue, _, _, flag = parse_ref(r)
       due = rdue
-      if flag ~= 'u' then remove(sid, rdue) end
+      if flag ~= 'u' and tonumber(rdue) then remove(sid, rdue) end
       redis.call('HDEL', KEYS[3], env.sid)
       redis.call('ZREM', KEYS[9], env.sid)
       done[env.sid] = true

@@ -21,7 +21,8 @@ end
 -- stream entry, refill and parked marks); the ids entry itself is the caller's.
 local function drop_ref(key, ref)
   local sid, due, _, _, flag = parse_ref(ref)
-  if flag ~= 'u' then remove(sid, due) end
+  -- A ref without a numeric due (written by hand) names no index entry: locating it would raise.
+  if flag ~= 'u' and tonumber(due) then remove(sid, due) end
   redis.call('XDEL', KEYS[1], sid)
   redis.call('ZREM', KEYS[9], key)
   redis.call('HDEL', KEYS[7], sid)
@@ -84,7 +85,11 @@ local function recurring_step(env, id, key, due, now)
     return 'fire', nxt, iso_ms(tonumber(nxt))
   end
   local _, rdue, rnext, riso = parse_ref(ref)
-  if rnext == '-' or (rnext ~= 'purge' and tonumber(rnext) <= now) then
+  -- A ref written by hand may lack a numeric due or next: this occurrence's due
+  -- stands in, and an unreadable next waits for REFILL (no nil may reach a command).
+  if not tonumber(rdue) then rdue = due end
+  local rn = tonumber(rnext)
+  if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
     redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
     redis.call('ZADD', KEYS[9], rdue, key)
     return 'wait'

@@ -4,13 +4,17 @@
 -- catch with pcall. Property-tested against the protobuf library.
 local byte, sub = string.byte, string.sub
 
--- Reads a varint at pos; returns value, next pos. A truncated one errors.
+-- Reads a varint at pos; returns value, next pos. A truncated one errors, and so does
+-- one longer than protobuf's 10 bytes: its value would overflow to inf, or NaN (0 * inf),
+-- and a NaN due time makes the index's commands raise after a script's first write.
 local function varint(s, pos)
   local b = byte(s, pos)
   if b < 128 then return b, pos + 1 end
   local result, mul = b - 128, 128
+  local last = pos + 9
   pos = pos + 1
   while true do
+    if pos > last then error('varint longer than 10 bytes') end
     b = byte(s, pos)
     pos = pos + 1
     if b < 128 then return result + b * mul, pos end

@@ -56,7 +56,7 @@ for i = 0, tonumber(ARGV[7]) - 1 do
         end
       end
       local old_id, old_due = drop_ref(sid, old)
-      hist('replaced', sid, sid, topic, kind, old_due, '', '', 1, old_id, expr)
+      hist('replaced', sid, sid, topic, kind, old_due or '', '', '', 1, old_id, expr)
     end
   end
   local id = redis.call('XADD', KEYS[1], '*', 'data', env, 'metadata', '{}')
