@@ -459,8 +459,16 @@ class DelayEngine:
         while the claiming replica is alive: that one occurrence may go out,
         and this cancel call has not returned OK.
         """
+        # Every marker is tried, even after one fails (its target's master may be
+        # down): the first error is raised at the end, so the cancel is not
+        # answered OK while some occurrence may still go out.
+        failure: BaseException | None = None
         for pos, id, due, target, kind in in_flight:
-            if await self._set_fire_marker(id, due, target, "cancelled"):
+            try:
+                if await self._set_fire_marker(id, due, target, "cancelled"):
+                    continue
+            except (RedisError, TimeoutError) as exc:
+                failure = failure or exc
                 continue
             log.warning(
                 "cancel of %s on %s came after its occurrence due %s was appended to %s: delivered once",
@@ -471,6 +479,8 @@ class DelayEngine:
             )
             if kind != RECURRING:
                 out[pos] = (False, out[pos][1])
+        if failure is not None:
+            raise failure
 
     async def _set_fire_marker(self, id: str, due: str, target: str, why: str) -> bool:
         """SET NX the fire marker APPEND would set for envelope `id`'s occurrence `due` on
@@ -830,7 +840,9 @@ class DelayEngine:
         rows_of = await pipe.execute()
         now = self._clock.now_ms()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
+        ending: dict[str, str] = {}  # key -> its topic ('' unknown), for markers
         for (key, ref), rows in zip(live, rows_of, strict=True):
+            topic = ""
             try:
                 due = int(ref.split()[1])
                 if not rows:
@@ -838,22 +850,31 @@ class DelayEngine:
                 raw = dict(rows[0][1] or {}).get(b"data")
                 if not isinstance(raw, bytes):
                     raise EnvelopeDecodeError(f"envelope {ref.split()[0]} has no data")
-                nxt, iso = self._next_after(decode_envelope(raw), max(due, now))
+                env = decode_envelope(raw)
+                topic = env.topic
+                nxt, iso = self._next_after(env, max(due, now))
             except Exception as exc:
                 # EnvelopeDecodeError, ValueError (no later time), or whatever else the
                 # recurrence raises: one schedule the engine cannot advance must not
-                # stop firing for the whole app. It is withdrawn, with its history record.
+                # stop firing for the whole app. It is withdrawn, with its history
+                # record, by REFILL's compare-and-set on the ref read above (not by
+                # cancel(key): a replace that landed since then must stand).
                 log.error(
                     "recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc
                 )
-                await self.cancel(key, reason=f"unschedulable: {exc}")
-                continue
+                nxt, iso = "end", f"unschedulable: {exc}"
+                ending[key] = topic
             args += [key, ref, nxt, iso]
             args[2] += 1
         if not args[2]:
             return len(gone)
-        results = await self._refill(keys=self._keys.script_keys, args=args)
-        return len(gone) + sum(1 for r in results if int(r) != 0)
+        args += [self._history_len(), now]
+        results = [int(r) for r in await self._refill(keys=self._keys.script_keys, args=args)]
+        keys_sent = args[3::4][: args[2]]
+        ended = [(k, ending[k]) for k, r in zip(keys_sent, results, strict=True) if r == 2 and ending.get(k)]
+        if ended:
+            await self._markers("Remove", ended)
+        return len(gone) + sum(1 for r in results if r != 0)
 
     async def _trim_history(self) -> None:
         """Age-based history retention (the length bound rides on every XADD)."""

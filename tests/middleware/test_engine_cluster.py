@@ -598,3 +598,45 @@ async def test_a_cancel_in_flight_stops_a_message_bound_for_another_pubsub(
     handed = sorted(int(f[b"id"].decode()[1:]) for _, f in rows(admin, SHARD.outbox))
     assert handed == list(range(3, 10))
     assert admin.xlen("orders") == 0
+
+
+async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_ok(
+    cluster: RedisCluster,
+    admin: redis.cluster.RedisCluster,
+    aclient: acluster.RedisCluster,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bulk cancel of in-flight occurrences whose first marker SET fails (that target's
+    master unreachable): every other occurrence still gets its marker and is not delivered,
+    and the call raises instead of answering OK."""
+    topics = topics_over_all_masters(cluster)
+    clock = ManualClock(T0 + 100)
+    canceller = engine(aclient, clock)
+    envs = [env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(12)]
+    await canceller.schedule(envs)
+    real_set = canceller._set_fire_marker
+    calls = 0
+
+    async def flaky_set(id: str, due: str, target: str, why: str) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise redis.exceptions.ConnectionError("the target's master is unreachable")
+        return await real_set(id, due, target, why)
+
+    monkeypatch.setattr(canceller, "_set_fire_marker", flaky_set)
+    raised: list[BaseException] = []
+
+    async def cancel_in_flight(at: str) -> None:
+        if at == "claimed":
+            try:
+                await canceller.cancel_many([f"s{i}" for i in range(6)])
+            except redis.exceptions.ConnectionError as exc:
+                raised.append(exc)
+
+    await engine(aclient, clock, cancel_in_flight).fire_due()
+    assert len(raised) == 1
+    assert calls == 6
+    got = sorted(n for ns in delivered(admin, topics).values() for n in ns)
+    # Occurrence 0's marker failed: it may go out (the cancel did not answer OK); 1-5 must not.
+    assert set(got) - {0} == set(range(6, 12))

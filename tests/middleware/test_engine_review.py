@@ -92,14 +92,6 @@ async def test_a_cancel_after_the_append_leaves_a_fired_record_not_a_cancelled_o
     assert events == ["scheduled", "fired"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="refill_pending reads a waiting cron envelope's ref, then its envelope; a replace "
-    "landing between the two deletes the old envelope, the read finds it gone, and "
-    "_refill_batch calls cancel(key): an unconditional cancel by scheduleId that withdraws "
-    "the NEW schedule the replace just stored. Needs a compare-and-set cancel (on the ref "
-    "read), e.g. REFILL with an 'end' outcome, instead of cancel().",
-)
 async def test_a_replace_racing_refill_pending_is_not_cancelled(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,13 +6,23 @@
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
 -- ARGV: 1 bucket key prefix, 2 wake channel, 3 n, then n groups of 4:
 --       envelope id (ids hash key), the ref the replica read, next due ms
---       ('purge': the schedule ends after the pending occurrence), next due RFC3339 ('-' with purge)
--- Returns one result per item: 1 applied, 0 stale (the caller re-reads), -1 the id is gone.
+--       ('purge': the schedule ends after the pending occurrence; 'end': withdraw it
+--       now, e.g. its envelope is gone or its schedule cannot be computed), next due
+--       RFC3339 ('-' with purge; with 'end': the reason, for its 'cancelled' record);
+--       then (optional) history maxlen (0 = off) and now ms, for those records
+-- Returns one result per item: 1 applied, 2 ended, 0 stale (the caller re-reads), -1 the id is gone.
+-- 'end' is a compare-and-set too: a replace that landed after the replica read
+-- the ref is a new ref, so the replacement is never withdrawn by mistake.
 --!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+local n_items = tonumber(ARGV[3])
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[4 + 4 * n_items] or '0'), ARGV[5 + 4 * n_items] or '0'
 local before = head()
 local earliest = nil
 local out = {}
-for i = 0, tonumber(ARGV[3]) - 1 do
+for i = 0, n_items - 1 do
   local key, read, nxt, iso = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
   local ref = redis.call('HGET', KEYS[3], key)
   if not ref then
@@ -20,6 +30,17 @@ for i = 0, tonumber(ARGV[3]) - 1 do
     out[#out + 1] = -1
   elseif ref ~= read then
     out[#out + 1] = 0
+  elseif nxt == 'end' then
+    local sid, due = parse_ref(ref)
+    local env = read_envelope(sid)
+    drop_ref(key, ref)
+    redis.call('HDEL', KEYS[3], key)
+    if env then
+      hist('cancelled', key, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1), iso, env.schedule)
+    else
+      hist('cancelled', key, '', '', 1, due, '', '', 1, iso, '')
+    end
+    out[#out + 1] = 2
   else
     local sid, due, _, _, flag = parse_ref(ref)
     if flag == 'u' then
