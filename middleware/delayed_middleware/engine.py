@@ -246,6 +246,7 @@ class DelayEngine:
         self._claim = client.register_script(scripts.CLAIM)
         self._append = client.register_script(scripts.APPEND)
         self._release = client.register_script(scripts.RELEASE)
+        self._uncancel = client.register_script(scripts.UNCANCEL)
         # Test hook: awaited at each step of the two-phase fire ("claimed",
         # "appended:<n>", "released"); raising there stops the fire like a crash.
         self._fault = fault
@@ -417,7 +418,7 @@ class DelayEngine:
         """
         out: list[tuple[bool, str]] = []
         # (position in ids, envelope id, claimed due ms, APPEND's target key, kind)
-        in_flight: list[tuple[int, str, str, str, int]] = []
+        in_flight: list[tuple[int, str, str, str, int, str]] = []
         keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
         for start in range(0, len(ids), CANCEL_BATCH):
             part = list(ids[start : start + CANCEL_BATCH])
@@ -434,18 +435,18 @@ class DelayEngine:
             )
             n = 2 * len(part)
             out += [(bool(int(raw[i])), _topic(raw[i + 1])) for i in range(0, n, 2)]
-            for i in range(n, len(raw), 5):
-                pos, id, due, target, kind = raw[i : i + 5]
+            for i in range(n, len(raw), 6):
+                pos, id, due, target, kind, hid = raw[i : i + 6]
                 # A topic that is not text was never appended (its claim parks): nothing to stop.
                 if _topic(target):
-                    in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind)))
+                    in_flight.append((start + int(pos) - 1, _s(id), _s(due), _s(target), int(kind), _s(hid)))
         if in_flight:
             await self._stop_in_flight(in_flight, out)
         await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
         return out
 
     async def _stop_in_flight(
-        self, in_flight: Sequence[tuple[int, str, str, str, int]], out: list[tuple[bool, str]]
+        self, in_flight: Sequence[tuple[int, str, str, str, int, str]], out: list[tuple[bool, str]]
     ) -> None:
         """Set the fire marker of each cancelled occurrence still in flight, so no APPEND writes it.
 
@@ -454,7 +455,9 @@ class DelayEngine:
         nothing, and RELEASE, finding the envelope withdrawn, records nothing
         more (its `cancelled` record stands). Found already set, APPEND got
         there first: the occurrence was delivered before this cancel returned;
-        a one-shot's result becomes False. The window left: this process
+        a one-shot's result becomes False, and its `cancelled` history record
+        becomes the `fired` one RELEASE can no longer write (UNCANCEL; a
+        recurring schedule stays cancelled: its later occurrences are). The window left: this process
         dying (or the target's master failing) between CANCEL and this SET,
         while the claiming replica is alive: that one occurrence may go out,
         and this cancel call has not returned OK.
@@ -463,7 +466,7 @@ class DelayEngine:
         # down): the first error is raised at the end, so the cancel is not
         # answered OK while some occurrence may still go out.
         failure: BaseException | None = None
-        for pos, id, due, target, kind in in_flight:
+        for pos, id, due, target, kind, hid in in_flight:
             try:
                 if await self._set_fire_marker(id, due, target, "cancelled"):
                     continue
@@ -479,6 +482,13 @@ class DelayEngine:
             )
             if kind != RECURRING:
                 out[pos] = (False, out[pos][1])
+                if hid:
+                    try:
+                        await self._uncancel(
+                            keys=[self._keys.history], args=[hid, self._clock.now_ms(), self._history_len()]
+                        )
+                    except (RedisError, TimeoutError) as exc:
+                        failure = failure or exc
         if failure is not None:
             raise failure
 

@@ -478,6 +478,9 @@ async def test_a_cancel_after_the_append_is_too_late_and_says_so(
     assert answers == [[(False, "late")] * 20]
     assert delivered(admin, ["late"]) == {"late": list(range(20))}
     assert (admin.zcard(SHARD.inflight), admin.hlen(SHARD.claims), admin.xlen(SHARD.stream)) == (0, 0, 0)
+    # The history tells what happened: each fired, none was cancelled.
+    assert sorted(history_events(admin, "fired")) == sorted(f"s{i}" for i in range(20))
+    assert history_events(admin, "cancelled") == []
 
 
 async def test_a_cancel_racing_the_appends_answers_true_only_for_what_never_arrives(

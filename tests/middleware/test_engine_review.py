@@ -61,14 +61,6 @@ async def test_an_over_long_varint_in_a_hand_written_every_envelope_loses_no_oth
     assert redis_client.hlen(KEYS.parked) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="two-phase fire: a cancel landing after APPEND wrote the message (before RELEASE) "
-    "answers False, but its CANCEL already wrote 'cancelled' and withdrew the envelope, so "
-    "RELEASE writes no 'fired': the history says cancelled for a message the subscriber got. "
-    "Needs RELEASE to record 'fired' from the claim record when the envelope is gone and the "
-    "outcome was ok/dup (or CANCEL to defer its record to the marker's answer).",
-)
 async def test_a_cancel_after_the_append_leaves_a_fired_record_not_a_cancelled_one(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:

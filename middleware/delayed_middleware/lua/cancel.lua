@@ -6,10 +6,10 @@
 --       (each a scheduleId, or an envelope's stream id on the delayed topic)
 -- Returns two values per id: 1 when something pending (or parked) was cancelled,
 -- else 0; and the cancelled message's topic ('' when unknown), for markers.
--- Then, with KEYS[11..12], five values per cancelled envelope whose occurrence
+-- Then, with KEYS[11..12], six values per cancelled envelope whose occurrence
 -- is in flight (claimed, maybe not yet appended): the id's position (1-based),
 -- envelope id, occurrence due ms (as claimed), the key APPEND writes (topic or
--- outbox) and kind. The caller sets that occurrence's fire marker (NX, in the
+-- outbox), kind, and the entry id of its `cancelled` history record ('' none). The caller sets that occurrence's fire marker (NX, in the
 -- target's slot): an APPEND after it writes nothing; if APPEND set it first,
 -- the occurrence went out before this cancel.
 -- Bounded: the caller sends at most a few hundred ids per call.
@@ -168,13 +168,13 @@ local inflight = {}
 
 -- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
 -- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
-local function note_inflight(pos, id, topic, target, kind)
+local function note_inflight(pos, id, topic, target, kind, hid)
   if not KEYS[12] or topic == '' then return end
   local rec = redis.call('HGET', KEYS[12], id)
   if not rec then return end
   local key = KEYS[10]
   if target == '' then key = topic end
-  for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind}) do inflight[#inflight + 1] = v end
+  for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind, hid or ''}) do inflight[#inflight + 1] = v end
 end
 
 local function flush()
@@ -215,8 +215,8 @@ local function cancel_ref(pos, key, ref)
   keys[#keys + 1] = key
   sids[#sids + 1] = sid
   if topic then
-    hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, ARGV[4], schedule)
-    note_inflight(pos, sid, topic, target, kind)
+    local hid = hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, ARGV[4], schedule)
+    note_inflight(pos, sid, topic, target, kind, hid)
     return 1, topic
   end
   hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
@@ -255,8 +255,8 @@ local function cancel_stream_id(pos, key)
   end
   redis.call('HDEL', KEYS[7], sid)
   if env then
-    hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[4], env.schedule)
-    note_inflight(pos, sid, env.topic, env.target, env.kind)
+    local hid = hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[4], env.schedule)
+    note_inflight(pos, sid, env.topic, env.target, env.kind, hid)
     return 1, env.topic
   end
   hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')

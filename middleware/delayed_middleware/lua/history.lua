@@ -6,9 +6,10 @@
 local HIST_MAXLEN, HIST_NOW = 0, '0'
 local KIND_NAMES = {[0] = 'oneshot', [1] = 'recurring', [2] = 'retry'}
 
+-- Returns the record's entry id (nil when the history is off).
 local function hist(event, id, sid, topic, kind, due, late, size, attempt, reason, schedule)
-  if HIST_MAXLEN == 0 then return end
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', HIST_MAXLEN, '*',
+  if HIST_MAXLEN == 0 then return nil end
+  return redis.call('XADD', KEYS[6], 'MAXLEN', '~', HIST_MAXLEN, '*',
     'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
     'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
     'attempt', attempt, 'reason', reason, 'schedule', schedule)
