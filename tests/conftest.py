@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server per test session, flushed per test."""
+"""Shared fixtures: a real redis-server per test session, flushed per test; a real 3-master
+Redis Cluster per test module, flushed per test through `admin`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.cluster
 from hypothesis import settings as hypothesis_settings
 
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +29,22 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
+    cluster.flushall()
+    c = cluster.client()
+    yield c
+    c.close()
 
 
 # The machine running the suite may be busy (two cores, parallel jobs): a

@@ -32,22 +32,6 @@ pytestmark = pytest.mark.slow
 SHARDS = 16
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
-    cluster.flushall()
-    c = cluster.client()
-    yield c
-    c.close()
-
-
 def cluster_props(c: RedisCluster) -> dict[str, str]:
     return {
         "redisHost": c.nodes[0].address,

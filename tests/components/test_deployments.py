@@ -51,14 +51,6 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
     s = RedisSentinel(Path(tmp_path_factory.mktemp("sentinel")))
     s.start()

@@ -22,12 +22,11 @@ from delayed_pubsub.instance import Instance
 from delayed_pubsub.metrics import OTHER_TOPICS, Metrics
 from delayed_pubsub.settings import parse_settings
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.test_cluster_delayed import admin, cluster
 from tests.components.test_operate import cli
 from tests.components.test_serve_replicas import Serve, folder, instance, now_ms
 from tests.redis_server import RedisCluster
 
-__all__ = ["admin", "cluster", "folder"]  # fixtures, imported for their use here
+__all__ = ["folder"]  # a fixture, imported for its use here
 pytestmark = pytest.mark.slow
 
 SHARDS = 6

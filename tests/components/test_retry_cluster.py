@@ -24,12 +24,10 @@ from delayed_middleware.inspect import Inspector
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.retry import retry_key
 from tests.components.driver import Component, Stream
-from tests.components.test_cluster_delayed import admin, cluster
 from tests.components.test_operate import cli
 from tests.components.test_operate_cluster import SHARDS, cluster_conn
 from tests.redis_server import RedisCluster
 
-__all__ = ["admin", "cluster"]  # fixtures, imported for their use here
 pytestmark = pytest.mark.slow
 
 Factory = Callable[[str], Component]

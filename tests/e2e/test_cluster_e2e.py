@@ -48,14 +48,6 @@ EXE = Path(sys.executable).with_name("delayed-pubsub")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    c = RedisCluster(Path(tmp_path_factory.mktemp("e2e-cluster")))
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
 def stack(
     daprd_path: str, cluster: RedisCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
@@ -107,6 +99,7 @@ def stack(
 
 @pytest.fixture
 def admin(cluster: RedisCluster) -> Iterator[Any]:
+    # Not tests/conftest.py's: this module's stack lives across its tests, so no flush.
     c = cluster.client()
     yield c
     c.close()

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -32,22 +31,6 @@ SHARD = EngineKeys.for_topic(shard_topics("app", 3)[0])
 
 class Crash(Exception):
     """Stands for the process dying at a fault point."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
-    cluster.flushall()
-    c = cluster.client()
-    yield c
-    c.close()
 
 
 @pytest.fixture

@@ -22,14 +22,6 @@ from tests.redis_server import RedisCluster, TlsRedisServer, make_tls_files
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
-    c = RedisCluster(Path(tmp_path_factory.mktemp("cluster")))
-    c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedisServer]:
     files = make_tls_files(Path(tmp_path_factory.mktemp("tls")))
     server = TlsRedisServer(Path(tmp_path_factory.mktemp("tls-redis")), files, auth_clients="yes")
