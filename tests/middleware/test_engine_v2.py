@@ -310,12 +310,19 @@ async def test_crash_between_fire_and_refill_loses_and_doubles_nothing(
     assert nexts == [format_instant(T0 + t) for t in (2_000, 3_000, 4_000)]
 
 
+@pytest.mark.parametrize("successor", ["refilled by the replica", "computed by the fire step"])
 async def test_missed_fires_fire_once_on_recovery_then_continue(
-    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, successor: str
 ) -> None:
+    """Both ways a successor is found (a replica's recurrence and REFILL, or @every's grid
+    in the fire script) follow the same missed-fires policy."""
     clock = ManualClock(T0)
-    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
-    await engine.schedule([recurring(1, 1_000, sid="tick")])
+    if successor == "refilled by the replica":
+        engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+        await engine.schedule([recurring(1, 1_000, sid="tick")])
+    else:
+        engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
+        await engine.schedule([every_env(1_000, sid="tick")])
     clock.set(T0 + 1_000)
     await drain(engine)
     clock.set(T0 + 10_500)  # down across eight fire times
@@ -324,6 +331,9 @@ async def test_missed_fires_fire_once_on_recovery_then_continue(
     entries = [decode_entry(f) for _, f in target(redis_client)]
     assert len(entries) == 2
     assert entries[-1].metadata["scheduleNext"] == format_instant(T0 + 11_000)
+    clock.set(T0 + 10_999)
+    await drain(engine)
+    assert len(target(redis_client)) == 2
     clock.set(T0 + 11_000)
     await drain(engine)
     assert len(target(redis_client)) == 3
@@ -608,28 +618,6 @@ async def test_every_fires_on_its_grid_without_refills_for_1000_occurrences(
     assert nexts == [format_instant(T0 + (k + 1) * 1_000) for k in range(1, 1_001)]
     fired = [r for r in history(redis_client) if r.event == "fired"]
     assert [r.due_ms for r in fired] == [T0 + k * 1_000 for k in range(1, 1_001)]
-
-
-async def test_every_missed_fires_fire_once_then_continue_on_the_grid(
-    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
-) -> None:
-    clock = ManualClock(T0)
-    engine = DelayEngine(aredis(), KEYS, clock, recurrence=None)
-    await engine.schedule([every_env(1_000, sid="tick")])
-    clock.set(T0 + 1_000)
-    await drain(engine)
-    clock.set(T0 + 10_500)  # down across eight fire times
-    await drain(engine)
-    await drain(engine)
-    entries = [decode_entry(f) for _, f in target(redis_client)]
-    assert len(entries) == 2
-    assert entries[-1].metadata["scheduleNext"] == format_instant(T0 + 11_000)
-    clock.set(T0 + 10_999)
-    await drain(engine)
-    assert len(target(redis_client)) == 2
-    clock.set(T0 + 11_000)
-    await drain(engine)
-    assert len(target(redis_client)) == 3
 
 
 async def test_every_replaced_or_cancelled_stops_and_the_end_of_time_purges(
