@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -72,3 +73,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def timed_cli(argv: list[str]) -> str:
+    """Wall and CPU seconds of one CLI run (CPU: the machine is shared, wall is mostly waiting)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, check=False, env={**os.environ, "COLUMNS": "200"})
+    took = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert out.returncode == 0, out.stderr.decode()
+    return f"{took:.2f} s wall, {cpu:.2f} s CPU"

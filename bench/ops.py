@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +27,7 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from bench.common import PAYLOAD  # noqa: E402
+from bench.common import PAYLOAD, timed_cli  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.entry import StreamEntry  # noqa: E402
@@ -94,20 +91,8 @@ async def scans(port: int, n: int) -> dict[str, float]:
 
 
 def cli(port: int, *args: str) -> str:
-    """Wall and CPU seconds of one CLI run (CPU: the machine is shared, wall is mostly waiting)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    out = subprocess.run(
-        [str(EXE), *args, "--redis-host", f"127.0.0.1:{port}", "--app-id", "bench"],
-        capture_output=True,
-        check=False,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-    took = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert out.returncode == 0, out.stderr.decode()
-    return f"{took:.2f} s wall, {cpu:.2f} s CPU"
+    """Wall and CPU seconds of one CLI run against the single node."""
+    return timed_cli([str(EXE), *args, "--redis-host", f"127.0.0.1:{port}", "--app-id", "bench"])
 
 
 async def nack_path(port: int, m: int, policy: bool) -> float:

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +26,7 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio.cluster as acluster  # noqa: E402
 
-from bench.common import PAYLOAD  # noqa: E402
+from bench.common import PAYLOAD, timed_cli  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.engine import DelayEngine, ShardedEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
@@ -82,10 +79,8 @@ async def scans(client: acluster.RedisCluster, app: str, shards: int, n: int) ->
 
 
 def cli(address: str, app: str, shards: int, *args: str) -> str:
-    """Wall and CPU seconds of one CLI run (CPU: the machine is shared, wall is mostly waiting)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    out = subprocess.run(
+    """Wall and CPU seconds of one CLI run against the cluster, reading every shard."""
+    return timed_cli(
         [
             str(EXE),
             *args,
@@ -97,16 +92,8 @@ def cli(address: str, app: str, shards: int, *args: str) -> str:
             str(shards),
             "--app-id",
             app,
-        ],
-        capture_output=True,
-        check=False,
-        env={**os.environ, "COLUMNS": "200"},
+        ]
     )
-    took = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert out.returncode == 0, out.stderr.decode()
-    return f"{took:.2f} s wall, {cpu:.2f} s CPU"
 
 
 async def main() -> None:
@@ -139,7 +126,9 @@ async def main() -> None:
                 print(
                     f"  CLI pending --json (100 of {args.pending:,}): {cli(address, app, shards, 'pending', '--json')}"
                 )
-                print(f"  CLI inspect sched-50000: {cli(address, app, shards, 'inspect', 'sched-50000')}")
+                # A scheduleId from the middle (every 10th message has one): sched-50000 at the default.
+                sid = f"sched-{args.pending // 20 * 10}"
+                print(f"  CLI inspect {sid}: {cli(address, app, shards, 'inspect', sid)}")
             one, many = results["one"], results["many"]
             print(
                 f"ratio many/one: pending CPU {many['pending_us'] / one['pending_us']:.2f}, "
