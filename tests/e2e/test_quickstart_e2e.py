@@ -60,6 +60,15 @@ class Quickstart:
         return self.deliveries()
 
 
+def on_private_redis(component_yaml: str, port: int) -> str:
+    """The README's component YAML with its one `localhost:6379` (outside comments) moved to `port`."""
+    lines = component_yaml.splitlines(keepends=True)
+    live = [i for i, line in enumerate(lines) if "localhost:6379" in line.split("#", 1)[0]]
+    assert len(live) == 1, f"the quickstart's YAML should name localhost:6379 once, not on lines {live}"
+    lines[live[0]] = lines[live[0]].replace("localhost:6379", f"127.0.0.1:{port}", 1)
+    return "".join(lines)
+
+
 @pytest.fixture(scope="module")
 def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Quickstart]:
     workdir = Path(tmp_path_factory.mktemp("quickstart"))
@@ -69,10 +78,8 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     try:
         resources = workdir / "resources"
         resources.mkdir()
-        component = (REPO / "dapr" / "components" / "delayed-pubsub.yaml").read_text()
-        assert component.count('"localhost:6379"') == 1, "the quickstart's YAML no longer says localhost:6379"
         (resources / "delayed-pubsub.yaml").write_text(
-            component.replace('"localhost:6379"', f'"127.0.0.1:{redis.port}"')
+            on_private_redis((REPO / "dapr" / "components" / "delayed-pubsub.yaml").read_text(), redis.port)
         )
         (resources / "orders.yaml").write_text((REPO / "dapr" / "subscriptions" / "orders.yaml").read_text())
 
