@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Prints the path of a daprd binary on stdout, building one if none is found.
 #
+#   scripts/daprd.sh            the daprd of the tests and the demo (the version tools/daprd/go.mod pins)
+#   scripts/daprd.sh VERSION    exactly that daprd version (e.g. 1.16.5): from the cache of 4. below,
+#                               else built from tools/daprd/versions/VERSION/go.mod (or tools/daprd
+#                               when VERSION is the pinned one); 1.-3. are skipped, since they may hold
+#                               another version. scripts/daprd-matrix.sh uses this.
+#
 # Looked for, in this order:
 #   1. $DAPRD                                   (an explicit choice always wins)
 #   2. `daprd` on PATH
@@ -20,26 +26,48 @@ module_dir="$root/tools/daprd"
 log() { printf 'daprd.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# The version is the one go.mod pins: one place to change it.
-version="$(sed -n 's/^require github.com\/dapr\/dapr v\([0-9][0-9.]*[^ ]*\).*/\1/p' "$module_dir/go.mod" | head -n1)"
-[[ -n "$version" ]] || version="$(awk '$1 == "github.com/dapr/dapr" { sub(/^v/, "", $2); print $2; exit }' "$module_dir/go.mod")"
-[[ -n "$version" ]] || die "cannot read the dapr version from $module_dir/go.mod"
+# The dapr version a go.mod pins: one place to change it.
+pinned_version() {
+    local v
+    v="$(sed -n 's/^require github.com\/dapr\/dapr v\([0-9][0-9.]*[^ ]*\).*/\1/p' "$1/go.mod" | head -n1)"
+    [[ -n "$v" ]] || v="$(awk '$1 == "github.com/dapr/dapr" { sub(/^v/, "", $2); print $2; exit }' "$1/go.mod")"
+    [[ -n "$v" ]] || die "cannot read the dapr version from $1/go.mod"
+    printf '%s\n' "$v"
+}
+
+version="$(pinned_version "$module_dir")"
+explicit=""
+if (($# > 1)); then
+    die "usage: scripts/daprd.sh [VERSION]"
+elif (($# == 1)); then
+    explicit="${1#v}"
+    if [[ "$explicit" != "$version" ]]; then
+        module_dir="$root/tools/daprd/versions/$explicit"
+        [[ -f "$module_dir/go.mod" && -f "$module_dir/go.sum" ]] ||
+            die "no go.mod and go.sum for daprd $explicit in tools/daprd/versions/$explicit"
+        [[ "$(pinned_version "$module_dir")" == "$explicit" ]] ||
+            die "tools/daprd/versions/$explicit/go.mod pins another dapr version"
+    fi
+    version="$explicit"
+fi
 
 cache_dir="${XDG_CACHE_HOME:-$HOME/.cache}/dapr-delayed-pubsub"
 cached="$cache_dir/daprd-$version"
 
 usable() { [[ -n "$1" && -f "$1" && -x "$1" ]]; }
 
-if [[ -n "${DAPRD:-}" ]]; then
+if [[ -n "$explicit" ]]; then
+    :  # an explicit version: only the cache of that version, or a build of it
+elif [[ -n "${DAPRD:-}" ]]; then
     usable "$DAPRD" || die "DAPRD=$DAPRD is not an executable file"
     printf '%s\n' "$DAPRD"
     exit 0
 fi
-if on_path="$(command -v daprd 2>/dev/null)" && usable "$on_path"; then
+if [[ -z "$explicit" ]] && on_path="$(command -v daprd 2>/dev/null)" && usable "$on_path"; then
     printf '%s\n' "$on_path"
     exit 0
 fi
-if usable "$HOME/.dapr/bin/daprd"; then
+if [[ -z "$explicit" ]] && usable "$HOME/.dapr/bin/daprd"; then
     printf '%s\n' "$HOME/.dapr/bin/daprd"
     exit 0
 fi
@@ -56,12 +84,12 @@ command -v go >/dev/null 2>&1 || die "no daprd found and no Go toolchain to buil
   Install Go (https://go.dev/dl/, >= the 'go' line of tools/daprd/go.mod), or the Dapr CLI
   (\`dapr init --slim\` puts daprd in ~/.dapr/bin), or point DAPRD at a daprd binary."
 
-log "no daprd found; building daprd $version from tools/daprd into $cached"
+log "no daprd found; building daprd $version from ${module_dir#"$root/"} into $cached"
 log "the first build downloads and compiles daprd's dependencies: expect several minutes (~6 min on 2 cores)"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/daprd-build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-cp "$module_dir/go.mod" "$module_dir/go.sum" "$module_dir/main.go" "$work/"
+cp "$module_dir/go.mod" "$module_dir/go.sum" "$root/tools/daprd/main.go" "$work/"
 mkdir -p "$cache_dir"
 
 start=$(date +%s)
