@@ -1,0 +1,216 @@
+"""The container image under a real runtime (podman), driven by a real daprd on the host.
+
+Built by scripts/image.sh (base from Debian packages, no registry). Run the way a Kubernetes pod
+runs it: the image's own non-root user, no capabilities, a read-only root filesystem, the socket
+folder a shared world-writable directory like the emptyDir the Dapr injector adds, the network
+shared with daprd. A missing podman is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e import harness
+from tests.e2e.harness import LATENESS, LATENESS_TOLERANCE_MS, ManagedProcess, Stack, carries, now_ms, unique
+from tests.redis_server import RedisServer, free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+APP_ID = "container-app"
+PUBSUB = "delayed"
+SOCKETS_FOLDER = "/tmp/dapr-components-sockets"  # the image's, and the injector's default
+# The image's user: its own uid, and daprd's gid (the Dapr sidecar runs as 65532:65532).
+IMAGE_UID, IMAGE_GID = 10001, 65532
+# Kubernetes' default terminationGracePeriodSeconds: SIGKILL follows if the stop takes longer.
+TERMINATION_GRACE_S = 30
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """podman with the runtime that works here (runc: crun fails on hybrid cgroups)."""
+    exe = shutil.which("podman")
+    if exe is None:
+        pytest.fail("podman is not installed: run scripts/setup.sh (it installs podman, runc, mmdebstrap)")
+    runtime = ["--runtime", "/usr/sbin/runc"] if os.path.exists("/usr/sbin/runc") else []
+    return subprocess.run(
+        [exe, *runtime, *args], capture_output=True, text=True, timeout=timeout, check=check
+    )
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "image.sh")], capture_output=True, text=True, timeout=1800
+    )
+    if result.returncode != 0:
+        pytest.fail(f"scripts/image.sh failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class Container:
+    """A `podman run` of the image, by name."""
+
+    name: str
+    process: ManagedProcess
+    health_port: int
+
+    def state(self) -> dict[str, object]:
+        out = podman("inspect", "--format", "{{json .State}}", self.name, check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def sockets() -> Iterator[Path]:
+    # Short (unix socket paths are limited to 107 bytes), and as the injector's emptyDir is:
+    # owned by root, writable by everyone, no sticky bit.
+    with tempfile.TemporaryDirectory(prefix="dps-ct-") as d:
+        folder = Path(d) / "sockets"
+        folder.mkdir()
+        folder.chmod(0o777)
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def container(image: str, sockets: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    name = unique("dps-test")
+    health_port = free_port()
+    workdir = Path(tmp_path_factory.mktemp("container"))
+    args = [
+        *(["--runtime", "/usr/sbin/runc"] if os.path.exists("/usr/sbin/runc") else []),
+        "run", "--name", name,
+        "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+        # The pod's securityContext (deploy/kubernetes): no capabilities, no privilege
+        # escalation, nothing written outside the socket folder.
+        "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--read-only", "--read-only-tmpfs=false",
+        # A pod's containers share one network namespace: Redis and daprd on loopback.
+        "--network", "host",
+        "-v", f"{sockets}:{SOCKETS_FOLDER}",
+        image,
+        # The arguments of deploy/kubernetes' component container.
+        "--allow-insecure-socket-folder", "--health-port", str(health_port),
+    ]  # fmt: skip
+    exe = shutil.which("podman")
+    if exe is None:
+        pytest.fail("podman is not installed: run scripts/setup.sh (it installs podman, runc, mmdebstrap)")
+    proc = ManagedProcess("podman run", [exe, *args], workdir / "container.log").start()
+    try:
+        harness.wait_until((sockets / "delayed-pubsub.sock").is_socket, 60, "the container's socket", proc)
+        yield Container(name, proc, health_port)
+    except harness.HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        podman("rm", "--force", "--time", "0", name, check=False)
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def container_stack(
+    container: Container, sockets: Path, daprd_path: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    workdir = Path(tmp_path_factory.mktemp("container-stack"))
+    redis = RedisServer(workdir / "redis")
+    redis.start()
+    resources = workdir / "resources"
+    resources.mkdir()
+    (resources / f"{PUBSUB}.yaml").write_text(
+        harness.component_yaml(PUBSUB, harness.component_metadata(redis.port))
+    )
+    started: list[ManagedProcess] = []
+    try:
+        app_port = free_port()
+        subscriber = harness.start_subscriber(workdir, app_port, [f"{PUBSUB}=orders"])
+        started.append(subscriber)
+        ports = harness.DaprdPorts.free()
+        daprd = harness.start_daprd(daprd_path, workdir, sockets, APP_ID, app_port, resources, ports)
+        started.append(daprd)
+        stack = Stack(workdir, redis.port, app_port, ports, (PUBSUB,), daprd, container.process, subscriber)
+
+        def subscribed() -> bool:
+            meta = stack.client.get(f"{stack.dapr_url}/v1.0/metadata").json()
+            return any(s["pubsubname"] == PUBSUB for s in meta.get("subscriptions", []))
+
+        harness.wait_until(subscribed, 30, "daprd to load the component and the subscription", daprd)
+        yield stack
+        stack.client.close()
+    except harness.HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+        redis.stop()
+
+
+def test_image_runs_as_its_own_user_with_the_socket_folder_as_a_volume(image: str) -> None:
+    config = json.loads(podman("image", "inspect", "--format", "{{json .Config}}", image).stdout)
+    assert config["User"] == f"{IMAGE_UID}:{IMAGE_GID}"
+    assert config["Entrypoint"] == ["delayed-pubsub", "serve"]
+    assert SOCKETS_FOLDER in config["Volumes"]
+    assert f"DAPR_COMPONENTS_SOCKETS_FOLDER={SOCKETS_FOLDER}" in config["Env"]
+    # The component only: the Spark tools are a separate install.
+    probe = podman(
+        "run", "--rm", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+        "--entrypoint", "python", image, "-c",
+        "import importlib.util as u, os; "
+        "print(os.getuid(), os.getgid(), u.find_spec('pyspark') is None, u.find_spec('pytest') is None)",
+    )  # fmt: skip
+    assert probe.stdout.split() == [str(IMAGE_UID), str(IMAGE_GID), "True", "True"]
+
+
+def test_container_socket_is_for_the_component_and_daprds_group_only(
+    container: Container, sockets: Path
+) -> None:
+    st = (sockets / "delayed-pubsub.sock").stat()
+    assert stat.S_ISSOCK(st.st_mode)
+    assert (st.st_uid, st.st_gid) == (IMAGE_UID, IMAGE_GID)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_delayed_publish_through_daprd_arrives_on_time_from_the_container(
+    container_stack: Stack, container: Container
+) -> None:
+    ready = httpx.get(f"http://127.0.0.1:{container.health_port}/readyz", timeout=5)
+    assert ready.status_code == 200, ready.text
+
+    marker = unique("ct")
+    payload = {"marker": marker}
+    due_ms = now_ms() + 2000
+    reply = container_stack.publish(PUBSUB, "orders", payload, {"scheduledSendDelay": "2s"})
+    assert reply.status_code == 204, reply.text
+
+    assert container_stack.wait_arrivals(carries(marker), 1, timeout=1.7) == [], "arrived early"
+    got = container_stack.wait_arrivals(carries(marker), 1, timeout=10)
+    assert len(got) == 1, f"expected one arrival, got {got}\n{container_stack.logs()}"
+    lateness = got[0]["received_ms"] - due_ms
+    LATENESS.append(("container", lateness))
+    assert got[0]["data"] == payload
+    assert 0 <= lateness <= LATENESS_TOLERANCE_MS, f"lateness {lateness} ms"
+
+
+def test_sigterm_stops_the_container_promptly_and_removes_the_socket(
+    container_stack: Stack, container: Container, sockets: Path
+) -> None:
+    # As the kubelet stops a pod: SIGTERM, while daprd still holds its subscription stream.
+    assert container_stack.daprd.alive()
+    started = time.monotonic()
+    podman("kill", "--signal", "TERM", container.name)
+    waited = podman("wait", container.name, check=False, timeout=TERMINATION_GRACE_S + 10)
+    took = time.monotonic() - started
+    exit_code = waited.stdout.strip()
+    assert exit_code == "0", f"exit {exit_code!r} {waited.stderr}\n{container.process.log_tail()}"
+    assert took < TERMINATION_GRACE_S, f"the stop took {took:.1f}s"
+    assert not (sockets / "delayed-pubsub.sock").exists()
+    assert "stopped; removed" in container.process.log_tail(200)
