@@ -112,6 +112,9 @@ class HealthHttpServer:
 
 class _Handler(BaseHTTPRequestHandler):
     front: HealthHttpServer
+    # A connection that sends nothing is dropped after this long: the listener faces the
+    # pod network, and an idle client must not hold a thread for good.
+    timeout = 5.0
 
     def do_GET(self) -> None:
         code, body = self.front.answer(self.path.split("?", 1)[0])

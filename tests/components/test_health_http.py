@@ -134,6 +134,44 @@ async def test_liveness_fails_when_no_component_answers_on_the_socket(socket_pat
         front.stop()
 
 
+async def test_liveness_fails_while_the_components_event_loop_is_stalled(socket_path: Path) -> None:
+    server = ComponentServer(socket_path, SystemClock())
+    await server.start()
+    front = HealthHttpServer(socket_path, 0, timeout=0.5)
+    front.start()
+    try:
+        await probe_becomes(front.port, "/healthz", 200)
+        loop = asyncio.get_running_loop()
+        probe = loop.run_in_executor(None, get, front.port, "/healthz")
+        time.sleep(2)  # noqa: ASYNC251 -- the stall itself: the component's loop (this test's) is blocked
+        code, body = await probe
+        assert code == 503
+        assert "DEADLINE_EXCEEDED" in body["error"]
+        await probe_becomes(front.port, "/healthz", 200)  # and live again once the loop runs
+    finally:
+        front.stop()
+        await server.stop(grace=1)
+
+
+async def test_idle_connections_do_not_keep_the_probes_from_an_answer(socket_path: Path) -> None:
+    server = ComponentServer(socket_path, SystemClock())
+    await server.start()
+    front = HealthHttpServer(socket_path, 0)
+    front.start()
+    idle = [socket.create_connection(("127.0.0.1", front.port)) for _ in range(20)]
+    try:
+        # Twenty clients connected and silent: a probe is still answered.
+        await probe_becomes(front.port, "/readyz", 200, within=5)
+        # And the silent ones are dropped, not held open for good.
+        idle[0].settimeout(15)
+        assert await asyncio.to_thread(idle[0].recv, 1) == b""
+    finally:
+        for s in idle:
+            s.close()
+        front.stop()
+        await server.stop(grace=1)
+
+
 async def test_serve_health_port_readiness_fails_for_subscriptions_orphaned_by_a_restart(
     socket_path: Path, redis_server: RedisServer, redis_client: object
 ) -> None:
