@@ -12,7 +12,7 @@ FROM ${BASE_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 # Dependencies first: their layer is reused while only the code changes.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE* ./
 # Behind a TLS-intercepting proxy, give pip your CA bundle as a build secret (never stored in
 # the image): --secret id=pip-cert,src=/etc/ssl/certs/ca-certificates.crt
 RUN --mount=type=secret,id=pip-cert \
