@@ -5,8 +5,13 @@ worse, when the pod runs. No cluster here: the manifests are read and held to th
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +176,22 @@ def test_component_container_waits_for_its_socket_before_daprd_starts(app: dict[
     hook = container["lifecycle"]["postStart"]["exec"]["command"]
     assert Path(SOCKET_NAME).name in " ".join(hook)
     assert SOCKETS_FOLDER_ENV in " ".join(hook)
+
+
+def test_post_start_hook_returns_once_the_socket_is_there(app: dict[str, Any], tmp_path: Path) -> None:
+    hook = component_container(app)["lifecycle"]["postStart"]["exec"]["command"]
+    assert hook[0] == "python"  # the image's venv python is first on its PATH
+    env = {**os.environ, SOCKETS_FOLDER_ENV: str(tmp_path)}
+    runner = subprocess.Popen([sys.executable, *hook[1:]], env=env)
+    try:
+        time.sleep(0.5)
+        assert runner.poll() is None, "returned before the socket existed"
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(tmp_path / SOCKET_NAME))
+            assert runner.wait(timeout=10) == 0
+    finally:
+        if runner.poll() is None:
+            runner.kill()
 
 
 def test_component_subscription_and_resiliency_are_scoped_to_the_app(app: dict[str, Any]) -> None:
