@@ -19,6 +19,10 @@ else
 fi
 ((${#missing[@]} == 0)) || die "cannot run the tests, missing: ${missing[*]}"
 
+# The container test's image, built (or found in podman's cache) before the clock of any test
+# starts: a first build on a fresh machine takes minutes.
+"$root/scripts/image.sh" >/dev/null || die "scripts/image.sh could not build the container image"
+
 lint_status=0
 "$root/scripts/lint.sh" || lint_status=$?
 ((lint_status == 0)) || say "lint FAILED (the tests run anyway; the exit code will say so)"

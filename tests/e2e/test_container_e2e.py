@@ -154,6 +154,9 @@ def container_stack(
         redis.stop()
 
 
+# The first test to ask for the image builds it: minutes on a fresh machine (make test builds it
+# before pytest starts, so there this is a cache hit).
+@pytest.mark.timeout(1800)
 def test_image_runs_as_its_own_user_with_the_socket_folder_as_a_volume(image: str) -> None:
     config = json.loads(podman("image", "inspect", "--format", "{{json .Config}}", image).stdout)
     assert config["User"] == f"{IMAGE_UID}:{IMAGE_GID}"
