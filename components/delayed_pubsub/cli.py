@@ -19,6 +19,17 @@ from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve
 from delayed_pubsub.spark import cli as spark_cli
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port to listen on, 1-65535 (argparse names the flag and the value otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, separate from main() so tests and docs can inspect it."""
     parser = argparse.ArgumentParser(
@@ -47,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--health-port",
-        type=int,
+        type=tcp_port,
         default=None,
         help="serve HTTP GET /healthz (liveness: the component answers) and /readyz (readiness: every "
         "instance's Redis answers and no subscription is orphaned) on this port, for Kubernetes probes "

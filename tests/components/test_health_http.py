@@ -225,3 +225,13 @@ def test_serve_refuses_a_health_port_already_taken(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port} (--health-port)" in out.decode()
+
+
+@pytest.mark.parametrize("value", ["70000", "0", "http"])
+def test_serve_refuses_a_health_port_that_is_no_port(tmp_path: Path, value: str) -> None:
+    proc = serve_cli(tmp_path / "s.sock", "--health-port", value)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "argument --health-port: " in out.decode()
+    assert value in out.decode()
+    assert not (tmp_path / "s.sock").exists()
