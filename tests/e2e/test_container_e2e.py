@@ -18,9 +18,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.e2e import harness
 from tests.e2e.harness import LATENESS, LATENESS_TOLERANCE_MS, ManagedProcess, Stack, carries, now_ms, unique
@@ -47,6 +49,35 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     return subprocess.run(
         [exe, *runtime, *args], capture_output=True, text=True, timeout=timeout, check=check
     )
+
+
+def manifest_container() -> dict[str, Any]:
+    """The component container of deploy/kubernetes/app.yaml."""
+    app = next(
+        doc
+        for doc in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "app.yaml").read_text())
+        if doc and doc["kind"] == "Deployment"
+    )
+    spec = app["spec"]["template"]
+    name = spec["metadata"]["annotations"]["dapr.io/pluggable-components"]
+    container: dict[str, Any] = next(c for c in spec["spec"]["containers"] if c["name"] == name)
+    return container
+
+
+def manifest_args(health_port: int, metrics_port: int) -> list[str]:
+    """The manifest's `serve` arguments, with private loopback ports instead of the pod's."""
+    private = {
+        "--health-port": str(health_port),
+        "--health-address": "127.0.0.1",
+        "--metrics-port": str(metrics_port),
+        "--metrics-address": "127.0.0.1",
+    }
+    args = []
+    for arg in manifest_container()["args"]:
+        flag = arg.split("=", 1)[0]
+        args.append(f"{flag}={private[flag]}" if flag in private else arg)
+    assert any(a.startswith("--health-port=") for a in args), "the manifest serves no health port"
+    return args
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +131,7 @@ def container(image: str, sockets: Path, tmp_path_factory: pytest.TempPathFactor
         "--network", "host",
         "-v", f"{sockets}:{SOCKETS_FOLDER}",
         image,
-        # The arguments of deploy/kubernetes' component container.
-        "--allow-insecure-socket-folder", "--health-port", str(health_port),
+        *manifest_args(health_port, free_port()),
     ]  # fmt: skip
     exe = shutil.which("podman")
     if exe is None:
@@ -109,6 +139,9 @@ def container(image: str, sockets: Path, tmp_path_factory: pytest.TempPathFactor
     proc = ManagedProcess("podman run", [exe, *args], workdir / "container.log").start()
     try:
         harness.wait_until((sockets / "delayed-pubsub.sock").is_socket, 60, "the container's socket", proc)
+        # The manifest's postStart hook, run in the container: it finds the socket and returns.
+        hook = manifest_container()["lifecycle"]["postStart"]["exec"]["command"]
+        assert podman("exec", name, *hook, timeout=60).returncode == 0
         yield Container(name, proc, health_port)
     except harness.HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)
