@@ -1,5 +1,5 @@
 # Every target delegates to a script in scripts/, so each also runs without make.
-.PHONY: demo test daprd lint bench proto setup
+.PHONY: demo test daprd image lint bench proto setup
 
 demo:  ## the main job: Redis, the component, daprd and a subscriber; delayed messages published with curl
 	@scripts/demo.sh
@@ -10,6 +10,9 @@ test:  ## set-up, lint, then the whole test suite (end-to-end under a real daprd
 daprd:  ## print the path of a daprd, building it into ~/.cache on first use (takes minutes)
 	@scripts/daprd.sh
 
+image:  ## build the component's container image with podman (base from Debian packages, cached)
+	@scripts/image.sh
+
 lint:  ## ruff + mypy --strict
 	@scripts/lint.sh
 
@@ -19,5 +22,5 @@ bench:  ## the benchmarks of bench/ (see bench/RESULTS.md)
 proto:  ## regenerate proto/delayed_pubsub_pb from the .proto sources
 	.venv/bin/python scripts/genproto.py
 
-setup:  ## idempotent: .venv, pip install -e '.[dev,spark]', redis-server, Java, daprd
+setup:  ## idempotent: .venv, pip install -e '.[dev,spark]', redis-server, Java, podman, daprd
 	@scripts/setup.sh

@@ -2,6 +2,7 @@
 # Idempotent set-up of everything `make demo` and `make test` need:
 #   .venv (Python >= 3.11) with the project installed editable, its dev and spark extras;
 #   redis-server and a Java runtime (for the Spark tests), from apt when missing;
+#   podman, runc and mmdebstrap (the container image test builds its base from Debian packages);
 #   a daprd (scripts/daprd.sh: found, or built once into ~/.cache; the first build takes minutes).
 # Safe to run again: each step checks before it acts.
 set -euo pipefail
@@ -35,6 +36,10 @@ fi
 # --- system packages -----------------------------------------------------------------------
 apt_packages=()
 command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+command -v podman >/dev/null 2>&1 || apt_packages+=(podman)
+# podman's default runtime (crun) fails on hosts with hybrid cgroups; scripts/image.sh uses runc.
+[[ -x /usr/sbin/runc ]] || apt_packages+=(runc)
+command -v mmdebstrap >/dev/null 2>&1 || apt_packages+=(mmdebstrap)
 if [[ ",$extras," == *",spark,"* ]] && ! command -v java >/dev/null 2>&1; then
     apt_packages+=(openjdk-17-jre-headless)
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, end-to-end tests under a real daprd included, after set-up and lint.
-# Never skips what it cannot run: a missing redis-server, Java or daprd is a failure here.
+# Never skips what it cannot run: a missing redis-server, Java, daprd or podman is a failure here.
 # Exit code: pytest's, or 1 when lint failed and pytest passed.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -10,12 +10,18 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=("redis-server")
 command -v java >/dev/null 2>&1 || missing+=("java (a JRE 17+, for the Spark tests)")
+command -v podman >/dev/null 2>&1 || missing+=("podman (for the container image test)")
+command -v mmdebstrap >/dev/null 2>&1 || missing+=("mmdebstrap (builds the image's base from Debian packages)")
 if daprd="$("$root/scripts/daprd.sh")"; then
     export DAPRD="$daprd"  # the e2e fixtures reuse it instead of searching again
 else
     missing+=("daprd (see the scripts/daprd.sh message above)")
 fi
 ((${#missing[@]} == 0)) || die "cannot run the tests, missing: ${missing[*]}"
+
+# The container test's image, built (or found in podman's cache) before the clock of any test
+# starts: a first build on a fresh machine takes minutes.
+"$root/scripts/image.sh" >/dev/null || die "scripts/image.sh could not build the container image"
 
 lint_status=0
 "$root/scripts/lint.sh" || lint_status=$?

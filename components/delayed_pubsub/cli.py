@@ -13,9 +13,21 @@ import prometheus_client
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
+from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port to listen on, 1-65535 (argparse names the flag and the value otherwise)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-address",
         default="127.0.0.1",
         help="address of the metrics listener (default loopback; 0.0.0.0 to let a scraper in)",
+    )
+    run.add_argument(
+        "--health-port",
+        type=tcp_port,
+        default=None,
+        help="serve HTTP GET /healthz (liveness: the component answers) and /readyz (readiness: every "
+        "instance's Redis answers and no subscription is orphaned) on this port, for Kubernetes probes "
+        "(default off)",
+    )
+    run.add_argument(
+        "--health-address",
+        default="127.0.0.1",
+        help="address of the health listener (default loopback; 0.0.0.0 to let the kubelet in)",
     )
     run.add_argument(
         "--grace",
@@ -83,6 +108,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.metrics_port, addr=args.metrics_address, registry=metrics.registry
             )
         socket_path = args.socket or default_socket_path(os.environ)
+        health_http = None
+        if args.health_port is not None:
+            # Started before the socket exists: it answers 503 until the component serves.
+            try:
+                health_http = HealthHttpServer(socket_path, args.health_port, args.health_address)
+            except OSError as e:  # port taken, address not ours: say which, no traceback
+                print(
+                    f"delayed-pubsub: error: cannot listen on {args.health_address}:{args.health_port} "
+                    f"(--health-port): {e.strerror or e}",
+                    file=sys.stderr,
+                )
+                return 2
+            health_http.start()
         try:
             group = None if args.socket_group is None else socket_group_id(args.socket_group)
             asyncio.run(
@@ -99,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A socket path we must not or cannot take: say so, no traceback.
             print(f"delayed-pubsub: error: {e}", file=sys.stderr)
             return 2
+        finally:
+            if health_http is not None:
+                health_http.stop()
     return 0
 
 
