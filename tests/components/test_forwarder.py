@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
-from delayed_middleware.history import decode_record
+from delayed_middleware.history import Retention, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_pubsub.forwarder import (
@@ -41,6 +41,7 @@ from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
 from tests.components.driver import Component
+from tests.components.test_operate import cli
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
 from tests.redis_server import RedisServer, free_port
@@ -747,3 +748,222 @@ async def test_delayed_publishes_with_target_pubsub_over_delay_shards_arrive_onc
     got = await arrivals(sidecar, marker, route="/events/target/orders")
     assert sorted(a["data"]["n"] for a in got) == list(range(12))
     assert outbox_db.exists("orders") == 0  # never on our own topic
+
+
+# --- dead letters and waiting hand-offs, as the operator sees them ----------------------
+
+
+def app_conn(sidecar: Sidecar) -> list[str]:
+    return ["--redis-host", f"127.0.0.1:{sidecar.redis.port}", "--app-id", APP_ID]
+
+
+async def test_a_hand_off_waiting_for_a_down_sidecar_is_listed_inspected_and_counted(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    """While daprd does not answer, a fired message sits in the outbox: `pending --json` and
+    `inspect` show it (kind handoff, its tries, its next try), the gauge counts it; once a
+    sidecar answers it is handed off and the listing is empty again."""
+    marker = f"down-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="invoice-7", metadata={"k": "v"}))
+    add(
+        outbox_db, OutboxEntry("target", "orders", cloudevent(marker, n=2), id=f"{int(time.time() * 1000)}-0")
+    )
+    down = make_forwarder(address=f"127.0.0.1:{free_port()}")
+    down.start()
+    registry: CollectorRegistry = make_forwarder.metrics.registry  # type: ignore[attr-defined]
+
+    def gauge() -> float | None:
+        return registry.get_sample_value("delayed_pubsub_handoff_pending", {"instance": "delayed"})
+
+    async def tried() -> bool:
+        return outbox_left(outbox_db) == (2, 2)
+
+    await wait_for(tried, 10, "both entries to be read")
+    result = await cli("pending", *app_conn(sidecar), "--json")
+    assert result.code == 0, result.err
+    rows = result.json()
+    assert sorted(r["kind"] for r in rows) == ["handoff", "handoff"]
+    assert all(r["targetPubsub"] == "target" and r["topic"] == "orders" for r in rows)
+    assert all(r["attempts"] == 1 for r in rows), rows
+    named = next(r for r in rows if r["scheduleId"] == "invoice-7")
+    assert named["id"] == "invoice-7"
+    # The other had no scheduleId: named by its outbox entry id, not by its gone envelope.
+    other = next(r for r in rows if r["scheduleId"] is None)
+    assert other["id"] in {i.decode() for i, _ in outbox_db.xrange(KEYS.outbox)}
+    table = await cli("pending", *app_conn(sidecar))
+    assert "target/orders" in table.out
+    assert "handoff" in table.out
+    shown = await cli("inspect", *app_conn(sidecar), "invoice-7")
+    assert shown.code == 0, shown.err
+    assert "handoff" in shown.out
+    assert KEYS.outbox in shown.out
+    assert marker in shown.out
+    by_entry = await cli("inspect", *app_conn(sidecar), other["id"])
+    assert by_entry.code == 0, by_entry.err
+    assert marker in by_entry.out
+    await wait_for(lambda: asyncio.sleep(0, gauge() == 2), 5, "the handoff gauge to count 2")
+
+    await down.close()
+    make_forwarder(claim_idle_ms=500).start()
+    await wait_arrivals(sidecar, marker, 2, route="/events/target/orders")
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "the outbox to empty")
+    assert (await cli("pending", *app_conn(sidecar), "--json")).json() == []
+
+
+async def test_a_dead_lettered_hand_off_is_listed_by_dead_and_retry_dead_hands_it_off_again(
+    sidecar: Sidecar,
+    token_daprd: DaprdPorts,
+    outbox_db: Any,
+    make_forwarder: Callable[..., Forwarder],
+) -> None:
+    """Refused (no API token) until dead-lettered; `dead` lists it with where it was bound;
+    `retry-dead` puts it back in the outbox, and a forwarder with the token hands it off."""
+    marker = f"again-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    add(outbox_db, OutboxEntry("mem", "orders", data, id="job-9", metadata={"customer": "c9"}))
+    refused = make_forwarder(
+        address=f"127.0.0.1:{token_daprd.grpc}",
+        policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+    )
+    refused.start()
+    await wait_for(lambda: asyncio.sleep(0, int(outbox_db.xlen("dlq")) == 1), 15, "the dead letter")
+    await refused.close()
+
+    listed = await cli("dead", *app_conn(sidecar))
+    assert listed.code == 0, listed.err
+    assert "1 dead letters" in listed.out
+    assert "mem/orders" in listed.out
+    assert "UNAUTHENTICATED" in listed.out
+    assert "1 dead letters" in (await cli("dead", *app_conn(sidecar), "--topic", "orders")).out
+    assert "0 dead letters" in (await cli("dead", *app_conn(sidecar), "--topic", "other")).out
+
+    moved = await cli("retry-dead", *app_conn(sidecar))
+    assert moved.code == 0, moved.err
+    assert "1 dead letters moved back" in moved.out
+    assert int(outbox_db.xlen("dlq")) == 0
+    [(_, fields)] = outbox_db.xrange(KEYS.outbox)
+    assert (fields[b"pubsub"], fields[b"topic"], fields[b"data"], fields[b"id"]) == (
+        b"mem",
+        b"orders",
+        data,
+        b"job-9",
+    )
+    assert not any(k.startswith("deadLetter") for k in json.loads(fields[b"metadata"]))
+
+    make_forwarder(address=f"127.0.0.1:{token_daprd.grpc}", api_token="s3cret-token").start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
+    assert arrival["id"] == json.loads(data)["id"]
+    assert header(arrival, "customer") == "c9"
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
+    assert [r.event for r in history(outbox_db) if r.id == "job-9"] == ["deadlettered", "handedoff"]
+
+
+class _DiesAfterItsDeadLetter(Forwarder):
+    """A forwarder whose process dies right after it wrote a dead letter, before the settle."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dead = asyncio.Event()
+
+    async def _settle(self, ids: Any, record: Any) -> None:
+        if record is not None and record.get("event") == "deadlettered":
+            self.dead.set()
+            await asyncio.Event().wait()  # never returns: close() cancels it, as a kill would
+        await super()._settle(ids, record)
+
+
+async def crash_between_dead_letter_and_settle(
+    client: Any, keys: EngineKeys, address: str, *, dlq: str
+) -> None:
+    """One forwarder dies between the two writes of a dead letter; another takes the entry over."""
+    policy = HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
+    config = ForwarderConfig(address=address, policy=policy, block_ms=200, claim_idle_ms=800)
+    first = _DiesAfterItsDeadLetter(client, keys, SystemClock(), config, name="first")
+    first.start()
+    async with asyncio.timeout(20):
+        await first.dead.wait()
+    await first.close()
+    second = Forwarder(client, keys, SystemClock(), config, name="second")
+    second.start()
+    try:
+
+        async def settled() -> bool:
+            return int(await client.xlen(keys.outbox)) == 0
+
+        await wait_for(settled, 20, "the second forwarder to settle the entry")
+    finally:
+        await second.close()
+
+
+async def test_a_crash_between_the_dead_letter_and_the_settle_doubles_it_never_loses_it(
+    sidecar: Sidecar, outbox_db: Any
+) -> None:
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("crash"), id="c1"))
+    client = aioredis.Redis(port=sidecar.redis.port)
+    try:
+        await crash_between_dead_letter_and_settle(client, KEYS, sidecar.grpc_address, dlq="dlq")
+    finally:
+        await client.aclose()
+    # Written by both: twice, never zero times; the outbox is empty and nothing waits.
+    assert int(outbox_db.xlen("dlq")) == 2
+    assert outbox_left(outbox_db) == (0, 0)
+    assert [r.event for r in history(outbox_db)] == ["deadlettered"]
+
+
+async def test_history_off_writes_no_hand_off_expiry_or_dead_letter_record(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"nohist-{uuid.uuid4().hex[:8]}"
+    now = SystemClock().now_ms()
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="h1"))
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent("stale"), id="h2", expires_at_ms=now - 1))
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("refused"), id="h3"))
+    outbox_db.xadd(KEYS.outbox, {"data": b"malformed"})
+    make_forwarder(
+        policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+        history=Retention(max_len=0),
+    ).start()
+    await wait_arrivals(sidecar, marker, 1)
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "every entry settled")
+    assert int(outbox_db.xlen("dlq")) == 2
+    assert outbox_db.exists(KEYS.history) == 0
+
+
+async def test_a_small_history_max_len_bounds_the_hand_off_records(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"bounded-{uuid.uuid4().hex[:8]}"
+    # Approximate trimming frees whole stream nodes: small nodes make the bound visible.
+    outbox_db.config_set("stream-node-max-entries", "10")
+    try:
+        for i in range(60):
+            add(outbox_db, OutboxEntry("target", "race", cloudevent(marker, n=i), id=f"b{i}"))
+        make_forwarder(history=Retention(max_len=20)).start()
+        await wait_arrivals(sidecar, marker, 60, within=60, route="/events/target/race")
+        await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "every entry settled")
+        assert 20 <= int(outbox_db.xlen(KEYS.history)) <= 30
+    finally:
+        outbox_db.config_set("stream-node-max-entries", "100")
+
+
+async def test_with_history_off_the_whole_target_pubsub_path_writes_no_record(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+            "daprGrpcAddress": sidecar.grpc_address,
+            "historyMaxLen": "0",
+        }
+    )
+    marker = f"off-{uuid.uuid4().hex[:8]}"
+    for i in range(5):
+        await c.publish(
+            "orders", cloudevent(marker, n=i), {"scheduledSendDelay": "1s", "targetPubsub": "target"}
+        )
+    await wait_arrivals(sidecar, marker, 5, route="/events/target/orders")
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db)[0] == 0), 10, "the outbox to empty")
+    assert outbox_db.exists(KEYS.history) == 0
