@@ -24,12 +24,14 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as acluster
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.history import Retention, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_middleware.retry import dead_letter_topics_key
 from delayed_pubsub.forwarder import (
     Forwarder,
     ForwarderConfig,
@@ -44,7 +46,7 @@ from tests.components.driver import Component
 from tests.components.test_operate import cli
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisCluster, RedisServer, free_port
 
 APP_ID = "fwd-app"
 KEYS = EngineKeys.for_topic(delayed_topic(APP_ID))
@@ -967,3 +969,94 @@ async def test_with_history_off_the_whole_target_pubsub_path_writes_no_record(
     await wait_arrivals(sidecar, marker, 5, route="/events/target/orders")
     await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db)[0] == 0), 10, "the outbox to empty")
     assert outbox_db.exists(KEYS.history) == 0
+
+
+# --- Redis Cluster: the dead letter in its own slot ----------------------------------------
+
+CLUSTER_SHARDS = 6
+
+
+def cluster_layout(c: RedisCluster) -> tuple[EngineKeys, str]:
+    """(a shard's keys, a dead-letter topic): the shard's outbox, the dead-letter topic and the
+    app's dead-letter set (shard 0's slot) each on another master, so any step that wrote two
+    of them in one transaction would fail."""
+    dead_set = c.owner(dead_letter_topics_key(APP_ID)).port
+    shard = next(
+        EngineKeys.for_topic(t)
+        for t in shard_topics(APP_ID, CLUSTER_SHARDS)[1:]
+        if c.owner(EngineKeys.for_topic(t).outbox).port != dead_set
+    )
+    taken = {dead_set, c.owner(shard.outbox).port}
+    dlq = next(t for t in (f"undeliverable-{i}" for i in range(100)) if c.owner(t).port not in taken)
+    return shard, dlq
+
+
+def cluster_cli(c: RedisCluster) -> list[str]:
+    return [
+        "--redis-host",
+        c.nodes[1].address,
+        "--redis-type",
+        "cluster",
+        "--delay-shards",
+        str(CLUSTER_SHARDS),
+        "--app-id",
+        APP_ID,
+    ]
+
+
+async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_handed_back(
+    sidecar: Sidecar, cluster: RedisCluster, admin: Any
+) -> None:
+    shard, dlq = cluster_layout(cluster)
+    data = cloudevent("cluster-dead")
+    admin.xadd(shard.outbox, encode_outbox_entry(OutboxEntry("no-such-pubsub", "orders", data, id="cl-1")))
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    policy = HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
+    fwd = Forwarder(
+        client,  # type: ignore[arg-type]
+        shard,
+        SystemClock(),
+        ForwarderConfig(address=sidecar.grpc_address, policy=policy, block_ms=200),
+        name="cluster",
+    )
+    fwd.start()
+    try:
+
+        async def dead_lettered() -> bool:
+            return int(admin.xlen(dlq)) == 1 and int(admin.xlen(shard.outbox)) == 0
+
+        await wait_for(dead_lettered, 20, "the dead letter on the cluster")
+    finally:
+        await fwd.close()
+        await client.aclose()
+    [(_, fields)] = admin.xrange(dlq)
+    assert fields[b"data"] == data
+    assert [decode_record(i, f).event for i, f in admin.xrange(shard.history)] == ["deadlettered"]
+
+    listed = await cli("dead", *cluster_cli(cluster))
+    assert listed.code == 0, listed.err
+    assert "1 dead letters" in listed.out
+    assert "no-such-pubsub/orders" in listed.out
+    moved = await cli("retry-dead", *cluster_cli(cluster))
+    assert moved.code == 0, moved.err
+    assert "1 dead letters moved back" in moved.out
+    assert int(admin.xlen(dlq)) == 0
+    waiting = (await cli("pending", *cluster_cli(cluster), "--json")).json()
+    assert [(r["kind"], r["id"], r["targetPubsub"], r["attempts"]) for r in waiting] == [
+        ("handoff", "cl-1", "no-such-pubsub", 0)
+    ]
+
+
+async def test_on_redis_cluster_a_crash_between_the_dead_letter_and_the_settle_doubles_it_never_loses_it(
+    sidecar: Sidecar, cluster: RedisCluster, admin: Any
+) -> None:
+    shard, dlq = cluster_layout(cluster)
+    admin.xadd(shard.outbox, encode_outbox_entry(OutboxEntry("no-such-pubsub", "orders", b"x", id="cl-2")))
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        await crash_between_dead_letter_and_settle(client, shard, sidecar.grpc_address, dlq=dlq)
+    finally:
+        await client.aclose()
+    assert int(admin.xlen(dlq)) == 2
+    assert int(admin.xlen(shard.outbox)) == 0
+    assert [decode_record(i, f).event for i, f in admin.xrange(shard.history)] == ["deadlettered"]
