@@ -52,7 +52,12 @@ Dead letters: after the last attempt the entry is appended to `deadLetterTopic`
 `deadLetterAt`), then XACKed: at least once (a crash between the two writes
 a second dead letter, never loses one). The dead-letter topic's name is added
 to the set `{<consumerID>-delayed}:deadletters`, so operators find dead
-letters knowing only the app id.
+letters knowing only the app id. Hand-offs that exhaust their attempts are
+dead-lettered the same way (delayed_pubsub.forwarder), with `deadLetterPubsub`
+and `deadLetterTargetTopic` added.
+
+A subscription to the component's dead-letter topic itself (an app reading
+its dead letters) never dead-letters into it: see RetryPolicy.for_subscription.
 
 Interplay with daprd (facts from dapr/dapr pkg/runtime/subscription):
 - daprd calls the app under the component's *inbound resiliency policy*
