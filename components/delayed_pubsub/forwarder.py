@@ -43,6 +43,7 @@ which the operator's listing reads too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ import grpc
 import grpc.aio
 import redis.asyncio as aioredis
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import history
 from delayed_middleware.backoff import Backoff
@@ -82,6 +83,8 @@ RAW_PAYLOAD: Final = "rawPayload"
 CLOUDEVENT_CONTENT_TYPE: Final = "application/cloudevents+json"
 __all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", "resolve_dapr_address"]
 
+# A failed gauge refresh while the sidecar is away must not end the hand-off loop.
+_REDIS_FAILURES: Final = (RedisError, TimeoutError, OSError)
 # gRPC codes that mean "the sidecar is not there right now", not "it said no".
 _SIDECAR_DOWN: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -279,12 +282,14 @@ class Forwarder:
         )
         rows = [row for _, entries in reply or () for row in entries]
         settled += await self._handle([(row, 1) for row in rows])
-        if self._metrics is not None:
-            # What waits in the outbox (read or not): settled entries are deleted.
-            self._metrics.pending.labels(self._name).set(
-                await self._bounded(self._redis.xlen(self._keys.outbox))
-            )
+        await self._report_waiting()
         return settled
+
+    async def _report_waiting(self) -> None:
+        """Set the handoff_pending gauge: what waits in the outbox (read or not; settled entries are deleted)."""
+        if self._metrics is not None:
+            waiting = await self._bounded(self._redis.xlen(self._keys.outbox))
+            self._metrics.pending.labels(self._name).set(waiting)
 
     # --- Redis side --------------------------------------------------------
 
@@ -421,6 +426,9 @@ class Forwarder:
                     sum(len(j.ids) for j in todo),
                     delay,
                 )
+                # This wait may last as long as daprd is down: keep the gauge current meanwhile.
+                with contextlib.suppress(*_REDIS_FAILURES):
+                    await self._report_waiting()
                 await self._clock.sleep(delay)
         return settled
 

@@ -822,7 +822,9 @@ async def test_a_dead_lettered_hand_off_is_listed_by_dead_and_retry_dead_hands_i
     `retry-dead` puts it back in the outbox, and a forwarder with the token hands it off."""
     marker = f"again-{uuid.uuid4().hex[:8]}"
     data = cloudevent(marker)
-    add(outbox_db, OutboxEntry("mem", "orders", data, id="job-9", metadata={"customer": "c9"}))
+    # As the engine writes it: the id is also the `scheduler` of the metadata.
+    metadata = {"customer": "c9", "scheduler": "job-9", "scheduleNext": "purge"}
+    add(outbox_db, OutboxEntry("mem", "orders", data, id="job-9", metadata=metadata))
     refused = make_forwarder(
         address=f"127.0.0.1:{token_daprd.grpc}",
         policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
@@ -1009,7 +1011,8 @@ async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_h
 ) -> None:
     shard, dlq = cluster_layout(cluster)
     data = cloudevent("cluster-dead")
-    admin.xadd(shard.outbox, encode_outbox_entry(OutboxEntry("no-such-pubsub", "orders", data, id="cl-1")))
+    entry = OutboxEntry("no-such-pubsub", "orders", data, id="cl-1", metadata={"scheduler": "cl-1"})
+    admin.xadd(shard.outbox, encode_outbox_entry(entry))
     client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
     policy = HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
     fwd = Forwarder(
