@@ -413,3 +413,30 @@ async def test_a_burst_sharing_one_due_time_outgrows_a_bucket_and_fires_whole(
     assert sorted(await fire_at(T0 + 11)) == list(range(1, 600, 2))
     assert await engine.pending() == 0
     assert redis_client.exists(KEYS.due) == 0
+
+
+async def test_history_records_written_before_the_history_was_turned_off_still_age_out(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    # Written while the history was on: one old enough to go, one recent enough to stay, in
+    # stream nodes of their own (the age trim is approximate: it frees whole nodes).
+    now = int(time.time() * 1000)
+    redis_client.config_set("stream-node-max-entries", "1")
+    try:
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 7_200_000}-0")
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 60_000}-0")
+    finally:
+        redis_client.config_set("stream-node-max-entries", "100")
+    config = EngineConfig(history_max_len=0, history_max_age_ms=3_600_000, max_sleep_s=0.2)
+    engine = DelayEngine(aredis(), KEYS, SystemClock(), config=config)
+    task = asyncio.create_task(engine.run())
+    try:
+        deadline = time.monotonic() + 10
+        while redis_client.xlen(KEYS.history) != 1:
+            assert time.monotonic() < deadline, "the old record was not trimmed"
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    [(kept, _)] = redis_client.xrange(KEYS.history)
+    assert kept == f"{now - 60_000}-0".encode()
