@@ -44,6 +44,7 @@ from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
 from tests.components.driver import Component
 from tests.components.test_operate import cli
+from tests.conftest import small_stream_nodes
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
 from tests.redis_server import RedisCluster, RedisServer, free_port
@@ -938,16 +939,13 @@ async def test_a_small_history_max_len_bounds_the_hand_off_records(
 ) -> None:
     marker = f"bounded-{uuid.uuid4().hex[:8]}"
     # Approximate trimming frees whole stream nodes: small nodes make the bound visible.
-    outbox_db.config_set("stream-node-max-entries", "10")
-    try:
+    with small_stream_nodes(outbox_db, 10):
         for i in range(60):
             add(outbox_db, OutboxEntry("target", "race", cloudevent(marker, n=i), id=f"b{i}"))
         make_forwarder(history=Retention(max_len=20)).start()
         await wait_arrivals(sidecar, marker, 60, within=60, route="/events/target/race")
         await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "every entry settled")
-        assert 20 <= int(outbox_db.xlen(KEYS.history)) <= 30
-    finally:
-        outbox_db.config_set("stream-node-max-entries", "100")
+    assert 20 <= int(outbox_db.xlen(KEYS.history)) <= 30
 
 
 async def test_with_history_off_the_whole_target_pubsub_path_writes_no_record(

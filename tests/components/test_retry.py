@@ -18,6 +18,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.retry import dead_letter_topics_key, retry_key
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component, Stream
+from tests.conftest import small_stream_nodes
 from tests.redis_server import free_port
 
 Factory = Callable[[str], Component]
@@ -434,25 +435,23 @@ async def test_a_small_history_max_len_bounds_the_retry_records(
     component: Factory, props: dict[str, str], redis_client: redis.Redis
 ) -> None:
     c = component("delayed")
-    # Approximate trimming frees whole stream nodes: make them small so the bound shows.
-    redis_client.config_set("stream-node-max-entries", "10")
-    try:
-        await c.init(
-            {
-                **props,
-                "maxDeliveryAttempts": "1000",
-                "retryInitialInterval": "1ms",
-                "retryMultiplier": "1",
-                "historyMaxLen": "20",
-            }
-        )
-        stream = await c.subscribe("orders")
+    await c.init(
+        {
+            **props,
+            "maxDeliveryAttempts": "1000",
+            "retryInitialInterval": "1ms",
+            "retryMultiplier": "1",
+            "historyMaxLen": "20",
+        }
+    )
+    stream = await c.subscribe("orders")
+    # Approximate trimming frees whole stream nodes: small nodes make the bound show.
+    with small_stream_nodes(redis_client, 10):
         await c.publish("orders", b"x")
         for _ in range(100):
             await stream.nack((await stream.next()).id, "again")
-        await wait_for(lambda: redis_client.xlen("{app1-delayed}:history") > 0)
-        length = int(redis_client.xlen("{app1-delayed}:history"))
-        # The last record is always there; approximate trimming keeps at most one node more.
-        assert 0 < length <= 30, length
-    finally:
-        redis_client.config_set("stream-node-max-entries", "100")
+        # The 101st delivery comes after the 100th retry record was written.
+        await stream.ack((await stream.next()).id)
+    rows: Any = redis_client.xrange("{app1-delayed}:history")
+    assert 20 <= len(rows) <= 30, len(rows)
+    assert rows[-1][1][b"attempt"] == b"100"

@@ -7,6 +7,7 @@ import json
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -20,6 +21,7 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope, decode_envelope
 from delayed_middleware.keys import EngineKeys, delayed_topic
+from tests.conftest import small_stream_nodes
 from tests.redis_server import RedisServer, stream_entries
 
 T0 = 1_800_000_000_000
@@ -421,12 +423,9 @@ async def test_history_records_written_before_the_history_was_turned_off_still_a
     # Written while the history was on: one old enough to go, one recent enough to stay, in
     # stream nodes of their own (the age trim is approximate: it frees whole nodes).
     now = int(time.time() * 1000)
-    redis_client.config_set("stream-node-max-entries", "1")
-    try:
+    with small_stream_nodes(redis_client, 1):
         redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 7_200_000}-0")
         redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 60_000}-0")
-    finally:
-        redis_client.config_set("stream-node-max-entries", "100")
     config = EngineConfig(history_max_len=0, history_max_age_ms=3_600_000, max_sleep_s=0.2)
     engine = DelayEngine(aredis(), KEYS, SystemClock(), config=config)
     task = asyncio.create_task(engine.run())
@@ -438,5 +437,5 @@ async def test_history_records_written_before_the_history_was_turned_off_still_a
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    [(kept, _)] = redis_client.xrange(KEYS.history)
-    assert kept == f"{now - 60_000}-0".encode()
+    rows: Any = redis_client.xrange(KEYS.history)
+    assert [kept for kept, _ in rows] == [f"{now - 60_000}-0".encode()]
