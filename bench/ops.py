@@ -9,7 +9,10 @@ A private redis-server (AOF off). Measures:
   (one HGET) and by an id found only by scanning;
 - the nack path in-process (Broker + Subscription, no gRPC): M messages each failed once
   then acked, with no policy (the redeliverInterval timer) vs a retry policy with a zero
-  initial interval (durable record + poller), same run: the ratio is the record's cost.
+  initial interval (durable record + poller), same run: the ratio is the record's cost;
+- hand-offs waiting in the outbox (`--handoffs H`, fired messages the sidecar has not
+  accepted): Inspector.handoffs in µs per entry (its peer: Inspector.pending per
+  envelope above), and `pending --json` again with them waiting beside the N envelopes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from delayed_middleware.entry import StreamEntry  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.inspect import Inspector  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
+from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.connection import connect  # noqa: E402
 from delayed_pubsub.metrics import Metrics  # noqa: E402
@@ -88,6 +92,27 @@ async def scans(port: int, n: int) -> dict[str, float]:
         "counts_us": counts_s / n * 1e6,
         "counts_s": counts_s,
     }
+
+
+async def handoffs(port: int, h: int) -> float:
+    """Fill the outbox with `h` entries, half of them read once (tried); CPU µs per entry of the listing."""
+    client = aioredis.Redis(port=port)
+    keys = EngineKeys.for_topic(delayed_topic("bench"))
+    await client.xgroup_create(keys.outbox, "forwarder", id="0", mkstream=True)
+    for start in range(0, h, 1000):
+        pipe = client.pipeline(transaction=False)
+        for i in range(start, min(h, start + 1000)):
+            entry = OutboxEntry("kafka", f"topic-{i % 30}", PAYLOAD, id=f"sched-h{i}", metadata={"n": str(i)})
+            pipe.xadd(keys.outbox, encode_outbox_entry(entry))  # type: ignore[arg-type]
+        await pipe.execute()
+    await client.xreadgroup("forwarder", "bench", {keys.outbox: ">"}, count=h // 2)
+    inspector = Inspector(client, "bench")
+    t = time.process_time()
+    listed = [m async for m in inspector.handoffs()]
+    took = time.process_time() - t
+    assert len(listed) == h, len(listed)
+    await client.aclose()
+    return took / h * 1e6
 
 
 def cli(port: int, *args: str) -> str:
@@ -149,6 +174,7 @@ async def main() -> None:
     parser.add_argument("--pending", type=int, default=100_000)
     parser.add_argument("--topics", type=int, default=30)
     parser.add_argument("--nacks", type=int, default=2000)
+    parser.add_argument("--handoffs", type=int, default=10_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as d:
         server = RedisServer(Path(d) / "redis", appendonly=False)
@@ -169,6 +195,13 @@ async def main() -> None:
                 f"nack once then ack, {args.nacks} messages: redeliverInterval timer {args.nacks / legacy:.0f} msg/s, "
                 f"retry policy {args.nacks / durable:.0f} msg/s (ratio {legacy / durable:.2f})"
             )
+            if args.handoffs:
+                us = await handoffs(server.port, args.handoffs)
+                print(f"Inspector.handoffs over {args.handoffs} waiting hand-offs: {us:.1f} µs/entry CPU")
+                print(
+                    f"CLI pending --json (100 of {args.pending} + {args.handoffs} hand-offs): "
+                    f"{cli(server.port, 'pending', '--json')}"
+                )
         finally:
             server.stop()
 
