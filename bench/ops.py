@@ -12,7 +12,9 @@ A private redis-server (AOF off). Measures:
   initial interval (durable record + poller), same run: the ratio is the record's cost;
 - hand-offs waiting in the outbox (`--handoffs H`, fired messages the sidecar has not
   accepted): Inspector.handoffs in µs per entry (its peer: Inspector.pending per
-  envelope above), and `pending --json` again with them waiting beside the N envelopes.
+  envelope above), and `pending --json` again with them waiting beside the N envelopes;
+- a history append as the retrier and the forwarder write it (XADD MAXLEN ~ plus XTRIM
+  MINID ~ for historyMaxAge): Redis CPU per call of each, from INFO commandstats.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.entry import StreamEntry  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
+from delayed_middleware.history import FIELDS, Retention  # noqa: E402
 from delayed_middleware.inspect import Inspector  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: E402
@@ -113,6 +116,20 @@ async def handoffs(port: int, h: int) -> float:
     assert len(listed) == h, len(listed)
     await client.aclose()
     return took / h * 1e6
+
+
+async def history_appends(port: int, n: int) -> tuple[float, float]:
+    """Redis CPU µs per XADD and per XTRIM of `n` history appends (historyMaxLen/historyMaxAge defaults)."""
+    client = aioredis.Redis(port=port)
+    record = dict.fromkeys(FIELDS, "x")
+    await client.config_resetstat()
+    for _ in range(n):
+        pipe = client.pipeline(transaction=False)
+        Retention().append(pipe, "{bench-delayed}:history", record, int(time.time() * 1000))
+        await pipe.execute()
+    stats = await client.info("commandstats")
+    await client.aclose()
+    return float(stats["cmdstat_xadd"]["usec_per_call"]), float(stats["cmdstat_xtrim"]["usec_per_call"])
 
 
 def cli(port: int, *args: str) -> str:
@@ -194,6 +211,11 @@ async def main() -> None:
             print(
                 f"nack once then ack, {args.nacks} messages: redeliverInterval timer {args.nacks / legacy:.0f} msg/s, "
                 f"retry policy {args.nacks / durable:.0f} msg/s (ratio {legacy / durable:.2f})"
+            )
+            xadd_us, xtrim_us = await history_appends(server.port, 20_000)
+            print(
+                f"history append, 20000: Redis CPU {xadd_us:.2f} µs per XADD, {xtrim_us:.2f} µs per XTRIM MINID ~ "
+                f"(ratio {xtrim_us / xadd_us:.2f})"
             )
             if args.handoffs:
                 us = await handoffs(server.port, args.handoffs)
