@@ -397,7 +397,8 @@ async def test_unknown_target_is_reported_and_dead_lettered_after_the_last_attem
     await wait_arrivals(sidecar, good, 1, within=5)
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 20, "the dead letter")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -447,7 +448,8 @@ async def test_malformed_entry_is_dead_lettered_at_once(
     make_forwarder(policy=HandOffPolicy(dead_letter_topic="dlq")).start()
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 5, "the dead letter")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -562,7 +564,8 @@ async def test_the_api_token_is_sent_and_required(
     wrong.start()
 
     async def refused() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(refused, 10, "the token-less hand-off to be refused")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -595,7 +598,8 @@ async def test_a_message_too_large_for_daprd_is_dead_lettered_not_retried_foreve
     ).start()
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 20, "the oversized message to be dead-lettered")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -831,7 +835,12 @@ async def test_a_dead_lettered_hand_off_is_listed_by_dead_and_retry_dead_hands_i
         policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
     )
     refused.start()
-    await wait_for(lambda: asyncio.sleep(0, int(outbox_db.xlen("dlq")) == 1), 15, "the dead letter")
+    settled = (1, (0, 0))
+    await wait_for(
+        lambda: asyncio.sleep(0, (int(outbox_db.xlen("dlq")), outbox_left(outbox_db)) == settled),
+        15,
+        "the dead letter, and its outbox entry settled",
+    )
     await refused.close()
 
     listed = await cli("dead", *app_conn(sidecar))
