@@ -9,7 +9,12 @@ A private redis-server (AOF off). Measures:
   (one HGET) and by an id found only by scanning;
 - the nack path in-process (Broker + Subscription, no gRPC): M messages each failed once
   then acked, with no policy (the redeliverInterval timer) vs a retry policy with a zero
-  initial interval (durable record + poller), same run: the ratio is the record's cost.
+  initial interval (durable record + poller), same run: the ratio is the record's cost;
+- hand-offs waiting in the outbox (`--handoffs H`, fired messages the sidecar has not
+  accepted): Inspector.handoffs in µs per entry (its peer: Inspector.pending per
+  envelope above), and `pending --json` again with them waiting beside the N envelopes;
+- a history append as the retrier and the forwarder write it (XADD MAXLEN ~ plus XTRIM
+  MINID ~ for historyMaxAge): Redis CPU per call of each, from INFO commandstats.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.entry import StreamEntry  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
+from delayed_middleware.history import FIELDS, Retention  # noqa: E402
 from delayed_middleware.inspect import Inspector  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
+from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.connection import connect  # noqa: E402
 from delayed_pubsub.metrics import Metrics  # noqa: E402
@@ -88,6 +95,41 @@ async def scans(port: int, n: int) -> dict[str, float]:
         "counts_us": counts_s / n * 1e6,
         "counts_s": counts_s,
     }
+
+
+async def handoffs(port: int, h: int) -> float:
+    """Fill the outbox with `h` entries, half of them read once (tried); CPU µs per entry of the listing."""
+    client = aioredis.Redis(port=port)
+    keys = EngineKeys.for_topic(delayed_topic("bench"))
+    await client.xgroup_create(keys.outbox, "forwarder", id="0", mkstream=True)
+    for start in range(0, h, 1000):
+        pipe = client.pipeline(transaction=False)
+        for i in range(start, min(h, start + 1000)):
+            entry = OutboxEntry("kafka", f"topic-{i % 30}", PAYLOAD, id=f"sched-h{i}", metadata={"n": str(i)})
+            pipe.xadd(keys.outbox, encode_outbox_entry(entry))  # type: ignore[arg-type]
+        await pipe.execute()
+    await client.xreadgroup("forwarder", "bench", {keys.outbox: ">"}, count=h // 2)
+    inspector = Inspector(client, "bench")
+    t = time.process_time()
+    listed = [m async for m in inspector.handoffs()]
+    took = time.process_time() - t
+    assert len(listed) == h, len(listed)
+    await client.aclose()
+    return took / h * 1e6
+
+
+async def history_appends(port: int, n: int) -> tuple[float, float]:
+    """Redis CPU µs per XADD and per XTRIM of `n` history appends (historyMaxLen/historyMaxAge defaults)."""
+    client = aioredis.Redis(port=port)
+    record = dict.fromkeys(FIELDS, "x")
+    await client.config_resetstat()
+    for _ in range(n):
+        pipe = client.pipeline(transaction=False)
+        Retention().append(pipe, "{bench-delayed}:history", record, int(time.time() * 1000))
+        await pipe.execute()
+    stats = await client.info("commandstats")
+    await client.aclose()
+    return float(stats["cmdstat_xadd"]["usec_per_call"]), float(stats["cmdstat_xtrim"]["usec_per_call"])
 
 
 def cli(port: int, *args: str) -> str:
@@ -149,6 +191,7 @@ async def main() -> None:
     parser.add_argument("--pending", type=int, default=100_000)
     parser.add_argument("--topics", type=int, default=30)
     parser.add_argument("--nacks", type=int, default=2000)
+    parser.add_argument("--handoffs", type=int, default=10_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as d:
         server = RedisServer(Path(d) / "redis", appendonly=False)
@@ -169,6 +212,18 @@ async def main() -> None:
                 f"nack once then ack, {args.nacks} messages: redeliverInterval timer {args.nacks / legacy:.0f} msg/s, "
                 f"retry policy {args.nacks / durable:.0f} msg/s (ratio {legacy / durable:.2f})"
             )
+            xadd_us, xtrim_us = await history_appends(server.port, 20_000)
+            print(
+                f"history append, 20000: Redis CPU {xadd_us:.2f} µs per XADD, {xtrim_us:.2f} µs per XTRIM MINID ~ "
+                f"(ratio {xtrim_us / xadd_us:.2f})"
+            )
+            if args.handoffs:
+                us = await handoffs(server.port, args.handoffs)
+                print(f"Inspector.handoffs over {args.handoffs} waiting hand-offs: {us:.1f} µs/entry CPU")
+                print(
+                    f"CLI pending --json (100 of {args.pending} + {args.handoffs} hand-offs): "
+                    f"{cli(server.port, 'pending', '--json')}"
+                )
         finally:
             server.stop()
 

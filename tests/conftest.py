@@ -4,7 +4,9 @@ Redis Cluster per test module, flushed per test through `admin`."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -45,6 +47,18 @@ def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
     c = cluster.client()
     yield c
     c.close()
+
+
+@contextmanager
+def small_stream_nodes(client: Any, entries: int) -> Iterator[None]:
+    """Streams created meanwhile get nodes of `entries` entries, so approximate trimming (which frees
+    whole nodes) shows its bound in a small test; the server's setting is restored after."""
+    before = client.config_get("stream-node-max-entries")["stream-node-max-entries"]
+    client.config_set("stream-node-max-entries", str(entries))
+    try:
+        yield
+    finally:
+        client.config_set("stream-node-max-entries", before)
 
 
 # The machine running the suite may be busy (two cores, parallel jobs): a

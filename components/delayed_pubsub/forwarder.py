@@ -25,16 +25,25 @@ Delivery guarantees
   after the last attempt it is dead-lettered to `deadLetterTopic` (a topic of
   ours) or, without one, kept and retried at the longest interval, reported
   in the log and the metrics: nothing is dropped.
+- Dead letters are written as the subscriber retries write theirs (one writer,
+  delayed_pubsub.retry.append_dead_letter, one vocabulary of `deadLetter*`
+  metadata), so `delayed-pubsub dead` lists them and `retry-dead` puts them
+  back in the outbox. The dead letter is written first, the entry settled
+  after, in two steps: on Redis Cluster the dead-letter topic lives in another
+  slot than the outbox. A crash in between leaves the entry pending; it is
+  dead-lettered again: twice at most, never zero times.
+- History records obey `historyMaxLen` / `historyMaxAge` (0: none written).
 - Expired (`expiresAt` passed): dropped with an `expired` history record; a
   live one carries its remaining TTL on as `ttlInSeconds`.
 
-The retry and dead-letter policy here is a local one (HandOffPolicy), a seam
-for the component-wide retry policy (issue 9) to replace.
+The retry and dead-letter policy is HandOffPolicy (delayed_middleware.outbox),
+which the operator's listing reads too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -49,18 +58,21 @@ import grpc
 import grpc.aio
 import redis.asyncio as aioredis
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import history
-from delayed_middleware.backoff import Backoff, compute_backoff
+from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.delay import TTL_IN_SECONDS
-from delayed_middleware.entry import StreamEntry, encode_entry
+from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import MalformedEntryError
-from delayed_middleware.keys import EngineKeys, delayed_topic
-from delayed_middleware.outbox import OutboxEntry, decode_outbox_entry
+from delayed_middleware.history import Retention
+from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, delayed_topic
+from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
+from delayed_middleware.retry import dead_letter_metadata
 from delayed_middleware.target import forwarded_metadata
 from delayed_pubsub.metrics import ForwarderMetrics
+from delayed_pubsub.retry import append_dead_letter
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,12 +81,10 @@ DEFAULT_DAPR_GRPC_ADDRESS: Final = "127.0.0.1:50001"
 # daprd publishes the bytes as they are (no second CloudEvent around ours).
 RAW_PAYLOAD: Final = "rawPayload"
 CLOUDEVENT_CONTENT_TYPE: Final = "application/cloudevents+json"
-# Metadata keys added to a dead-lettered message, so whoever reads the
-# dead-letter topic knows where it was going and why it never got there.
-DEAD_LETTER_REASON: Final = "deadLetterReason"
-DEAD_LETTER_PUBSUB: Final = "deadLetterPubsub"
-DEAD_LETTER_TOPIC: Final = "deadLetterTargetTopic"
+__all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", "resolve_dapr_address"]
 
+# A failed gauge refresh while the sidecar is away must not end the hand-off loop.
+_REDIS_FAILURES: Final = (RedisError, TimeoutError, OSError)
 # gRPC codes that mean "the sidecar is not there right now", not "it said no".
 _SIDECAR_DOWN: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -94,31 +104,6 @@ def resolve_dapr_address(configured: str, env: Mapping[str, str]) -> str:
 
 
 @dataclass(frozen=True)
-class HandOffPolicy:
-    """How often a refused hand-off is retried, and where it goes after the last attempt.
-
-    A local policy: the component-wide retry/dead-letter policy replaces it
-    when it exists. The delay before attempt n+1 is compute_backoff(n).
-    """
-
-    max_attempts: int = 8
-    base_s: float = 1.0
-    cap_s: float = 60.0
-    multiplier: float = 2.0
-    # '' = no dead letter: keep retrying at cap_s (reported, never dropped).
-    dead_letter_topic: str = ""
-
-    def delay_ms(self, attempt: int) -> int:
-        """Milliseconds to wait after failed attempt `attempt` (1-based)."""
-        return int(
-            1000
-            * compute_backoff(
-                max(1, attempt), base_s=self.base_s, cap_s=self.cap_s, multiplier=self.multiplier
-            )
-        )
-
-
-@dataclass(frozen=True)
 class ForwarderConfig:
     """Where to hand off and how hard to try; defaults suit most deployments."""
 
@@ -126,7 +111,7 @@ class ForwarderConfig:
     api_token: str = ""
     policy: HandOffPolicy = field(default_factory=HandOffPolicy)
     # The outbox's consumer group: one per app, shared by every replica.
-    group: str = "forwarder"
+    group: str = OUTBOX_GROUP
     batch_size: int = 100
     # Publishes in flight at once within a batch.
     concurrency: int = 16
@@ -140,6 +125,10 @@ class ForwarderConfig:
     redis_timeout_s: float = 10.0
     sidecar_backoff_base_s: float = 0.1
     sidecar_backoff_cap_s: float = 5.0
+    # historyMaxLen / historyMaxAge for the `handedoff`, `expired`, `deadlettered` records.
+    history: Retention = field(default_factory=Retention)
+    # The app (consumerID) whose dead-letter set lists our dead letters; '' = read from the keys.
+    consumer_id: str = ""
 
 
 class SidecarUnavailableError(Exception):
@@ -183,6 +172,7 @@ class Forwarder:
         self._config = config
         self._metrics = metrics
         self._name = name or keys.stream
+        self._consumer_id = config.consumer_id or _consumer_of(keys.stream)
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -213,6 +203,8 @@ class Forwarder:
             dead_letter_topic=settings.dead_letter_topic,
             claim_idle_ms=settings.processing_timeout_ms,
             env=env,
+            history=Retention(settings.history_max_len, settings.history_max_age_ms),
+            consumer_id=settings.consumer_id,
         )
         keys = EngineKeys.for_topic(delayed_topic(settings.consumer_id))
         return cls(client, keys, clock, config, metrics, name=name, read_client=read_client)
@@ -289,7 +281,15 @@ class Forwarder:
             extra_s=self._config.block_ms / 1000,
         )
         rows = [row for _, entries in reply or () for row in entries]
-        return settled + await self._handle([(row, 1) for row in rows])
+        settled += await self._handle([(row, 1) for row in rows])
+        await self._report_waiting()
+        return settled
+
+    async def _report_waiting(self) -> None:
+        """Set the handoff_pending gauge: what waits in the outbox (read or not; settled entries are deleted)."""
+        if self._metrics is not None:
+            waiting = await self._bounded(self._redis.xlen(self._keys.outbox))
+            self._metrics.pending.labels(self._name).set(waiting)
 
     # --- Redis side --------------------------------------------------------
 
@@ -348,13 +348,15 @@ class Forwarder:
             out += [(row, attempt) for row in rows or ()]
         return out
 
-    async def _settle(self, ids: Sequence[str], record: Mapping[str, str] | None, extra: Any = None) -> None:
-        """XACK + XDEL the entries and write their history record, in one MULTI."""
+    async def _settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
+        """XACK + XDEL the entries and write their history record, in one MULTI.
+
+        Every key here carries the outbox's hash tag (one slot on Redis Cluster);
+        anything in another slot (a dead letter) is written before, on its own.
+        """
         pipe: Any = self._redis.pipeline(transaction=True)
-        if extra is not None:
-            extra(pipe)
         if record is not None:
-            pipe.xadd(self._keys.history, dict(record))
+            self._config.history.append(pipe, self._keys.history, record, self._clock.now_ms())
         pipe.xack(self._keys.outbox, self._config.group, *ids)
         # Done: the history keeps the record, the outbox keeps only what waits.
         pipe.xdel(self._keys.outbox, *ids)
@@ -424,6 +426,9 @@ class Forwarder:
                     sum(len(j.ids) for j in todo),
                     delay,
                 )
+                # This wait may last as long as daprd is down: keep the gauge current meanwhile.
+                with contextlib.suppress(*_REDIS_FAILURES):
+                    await self._report_waiting()
                 await self._clock.sleep(delay)
         return settled
 
@@ -575,13 +580,15 @@ class Forwarder:
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: _Job, why: str) -> None:
         topic = self._config.policy.dead_letter_topic
-        metadata = {
-            **forwarded_metadata(entry.metadata),
-            DEAD_LETTER_REASON: why,
-            DEAD_LETTER_PUBSUB: entry.pubsub,
-            DEAD_LETTER_TOPIC: entry.topic,
-        }
-        fields = encode_entry(StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms))
+        metadata = dead_letter_metadata(
+            forwarded_metadata(entry.metadata),
+            reason=why,
+            attempts=job.attempt,
+            source_topic=entry.topic,
+            consumer=self._consumer_id,
+            at_ms=self._clock.now_ms(),
+            pubsub=entry.pubsub,
+        )
         log.error(
             "forwarder %s: %s/%s refused %s after %d attempts, dead-lettered to %r: %s",
             self._name,
@@ -592,13 +599,11 @@ class Forwarder:
             topic,
             why,
         )
-
-        def add(pipe: Any) -> None:
-            pipe.xadd(topic, fields)
-
-        await self._settle(
-            [entry_id], self._record(history.DEAD_LETTERED, job, [entry_id], why[:500]), extra=add
-        )
+        dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
+        # First the dead letter (its own slots), then the settle: a crash in
+        # between leaves the entry pending, dead-lettered again on its next try.
+        await self._bounded(append_dead_letter(self._redis, self._consumer_id, topic, dead))
+        await self._settle([entry_id], self._record(history.DEAD_LETTERED, job, [entry_id], why[:500]))
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()
 
@@ -606,20 +611,30 @@ class Forwarder:
         """A malformed entry: dead-letter its bytes as they are when a topic is set; else drop it, loudly."""
         topic = self._config.policy.dead_letter_topic
         data = bytes(fields.get(b"data", fields.get("data", b"")) or b"")
+        now = self._clock.now_ms()
         record = {
             "event": history.DEAD_LETTERED,
-            "at": str(self._clock.now_ms()),
+            "at": str(now),
             "id": entry_id,
             "reason": why,
         }
-
-        def add(pipe: Any) -> None:
-            if topic:
-                pipe.xadd(topic, encode_entry(StreamEntry(data, {DEAD_LETTER_REASON: why})))
-
-        await self._settle([entry_id], record, extra=add)
+        if topic:
+            # No target to put it back to: listed by `dead`, skipped by `retry-dead`.
+            metadata = dead_letter_metadata(
+                {}, reason=why, attempts=1, source_topic="", consumer=self._consumer_id, at_ms=now
+            )
+            dead = StreamEntry(data, metadata)
+            await self._bounded(append_dead_letter(self._redis, self._consumer_id, topic, dead))
+        await self._settle([entry_id], record)
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()
+
+
+def _consumer_of(stream: str) -> str:
+    """The consumerID whose delayed topic (or shard stream, `<id>~<n>-delayed`) `stream` is."""
+    base = stream.removesuffix(DELAYED_SUFFIX)
+    head, mark, shard = base.rpartition(SHARD_MARK)
+    return head if mark and shard.isdigit() else base
 
 
 def _content_type(entry: OutboxEntry) -> str:
@@ -643,6 +658,8 @@ def forwarder_config(
     dead_letter_topic: str,
     claim_idle_ms: int,
     env: Mapping[str, str] | None = None,
+    history: Retention | None = None,
+    consumer_id: str = "",
 ) -> ForwarderConfig:
     """A ForwarderConfig from component settings and the environment (DAPR_GRPC_PORT, DAPR_API_TOKEN)."""
     environ = os.environ if env is None else env
@@ -651,4 +668,6 @@ def forwarder_config(
         api_token=environ.get("DAPR_API_TOKEN", ""),
         policy=HandOffPolicy(dead_letter_topic=dead_letter_topic),
         claim_idle_ms=max(claim_idle_ms, 15_000),
+        history=history if history is not None else Retention(),
+        consumer_id=consumer_id,
     )

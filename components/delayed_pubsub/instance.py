@@ -36,6 +36,7 @@ from delayed_middleware.errors import (
     PartiallyStoredError,
     RestoreFailedError,
 )
+from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
@@ -365,9 +366,16 @@ class Instance:
             raise InvalidArgumentError(
                 "consumerID", "", "required to subscribe (daprd sets it to the app-id)"
             )
-        # The subscription's own metadata may override the component's retry policy.
-        policy = self.settings.retry.overridden(metadata)
-        policy.check_topic(topic)
+        # The subscription's own metadata may override the component's retry policy;
+        # on the dead-letter topic itself a failed message is kept, never dead-lettered into it.
+        policy = self.settings.retry.for_subscription(topic, metadata)
+        if self.settings.retry.dead_letter_topic == topic and not policy.dead_letter_topic:
+            log.info(
+                "instance %r: %r is the dead-letter topic: a message failed there is redelivered "
+                "until it is acked, never dead-lettered again",
+                self.name,
+                topic,
+            )
         consumer = f"{self.settings.consumer_id}:{self._host}:{os.getpid()}:{next(self._stream_numbers)}"
         sub = self.broker.subscription(topic, consumer, paused=self._paused)
         if policy.active:
@@ -380,6 +388,7 @@ class Instance:
                 clock=self._clock,
                 metrics=self.metrics,
                 call_timeout=call_timeout(self.settings),
+                history=Retention(self.settings.history_max_len, self.settings.history_max_age_ms),
             )
         self._subscriptions.add(sub)
         self.metrics.subscriptions.set(len(self._subscriptions))

@@ -217,6 +217,8 @@ class ForwarderMetrics:
     failures: Counter
     dead_lettered: Counter
     expired: Counter
+    # Entries in the outbox: fired, not yet accepted by the sidecar (labelled per outbox).
+    pending: Gauge
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> ForwarderMetrics:
@@ -242,6 +244,13 @@ class ForwarderMetrics:
             expired=Counter(
                 "delayed_pubsub_handoff_expired_messages",
                 "Messages bound for a targetPubsub that expired (ttl) before their hand-off",
+                ["instance"],
+                registry=registry,
+            ),
+            pending=Gauge(
+                "delayed_pubsub_handoff_pending",
+                "Fired messages waiting in the outbox for the sidecar to accept them (sidecar down, "
+                "target refusing, or in flight); one series per outbox (instance, or instance~shard)",
                 ["instance"],
                 registry=registry,
             ),

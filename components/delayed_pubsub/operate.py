@@ -56,8 +56,10 @@ from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspect import Inspector, PendingMessage
 from delayed_middleware.inspect import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
-from delayed_middleware.keys import EngineKeys, shard_topics
+from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
+from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.retry import DL_KEYS
+from delayed_middleware.scripts import SCHEDULER
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.settings import Settings, parse_settings
 
@@ -362,6 +364,8 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
         "kind": m.kind,
         "size": m.size,
         "attempts": m.attempts,
+        # A hand-off (kind handoff): the pub/sub it waits to be handed to.
+        "targetPubsub": m.pubsub or None,
     }
 
 
@@ -383,7 +387,8 @@ async def _pending(
     for column in ("id", "topic", "due", "kind", "size", "attempts"):
         table.add_column(column, justify="right" if column in ("size", "attempts") else "left")
     for m in report.messages:
-        table.add_row(m.id, m.topic, _time(m.due_ms), m.kind, str(m.size), str(m.attempts))
+        topic = f"{m.pubsub}/{m.topic}" if m.pubsub else m.topic
+        table.add_row(m.id, topic, _time(m.due_ms), m.kind, str(m.size), str(m.attempts))
     out.print(table)
     counts = Table(box=box.SIMPLE, title="pending per topic")
     counts.add_column("topic")
@@ -496,7 +501,8 @@ async def _dead(
         table.add_row(
             d.dead_letter_topic,
             d.stream_id,
-            d.source_topic,
+            # A hand-off's: the pub/sub and topic it was bound for.
+            f"{d.target_pubsub}/{d.source_topic}" if d.target_pubsub else d.source_topic,
             str(d.attempts),
             _time(d.at_ms),
             str(d.size),
@@ -513,17 +519,37 @@ async def _retry_dead(
     letters = await _inspector(connection, settings).dead_letters(source_topic=args.topic)
     client: Any = connection.client
     moved = 0
+    # A hand-off goes back into the outbox (shard 0's): the forwarder hands it off again.
+    outbox = EngineKeys.for_topic(delayed_topic(settings.consumer_id)).outbox
     for d in letters:
         if not d.source_topic:
             err.print(f"skipping {d.stream_id} on {d.dead_letter_topic}: no source topic recorded")
             continue
         metadata = {k: v for k, v in d.entry.metadata.items() if k not in DL_KEYS}
-        back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
+        if d.target_pubsub:
+            again = OutboxEntry(
+                pubsub=d.target_pubsub,
+                topic=d.source_topic,
+                data=d.entry.data,
+                # The history names it as before: by its scheduleId (`scheduler`), if it had one.
+                id=metadata.get(SCHEDULER, ""),
+                metadata=metadata,
+                content_type=d.entry.content_type,
+                expires_at_ms=d.entry.expires_at_ms,
+            )
+            key, fields, where = (
+                outbox,
+                encode_outbox_entry(again),
+                f"the outbox for {d.target_pubsub}/{d.source_topic}",
+            )
+        else:
+            back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
+            key, fields, where = d.source_topic, encode_entry(back), d.source_topic
         # Appended before it is deleted: a crash in between leaves a copy, never none.
-        await client.xadd(d.source_topic, encode_entry(back))
+        await client.xadd(key, fields)
         await client.xdel(d.dead_letter_topic, d.stream_id)
         moved += 1
-        out.print(f"moved {d.stream_id} from {d.dead_letter_topic} back to {d.source_topic}", markup=False)
+        out.print(f"moved {d.stream_id} from {d.dead_letter_topic} back to {where}", markup=False)
     out.print(f"{moved} dead letters moved back")
     return EXIT_OK
 

@@ -25,15 +25,12 @@ from delayed_middleware import history
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_middleware.retry import (
-    DL_AT,
-    DL_ATTEMPTS,
-    DL_CONSUMER,
-    DL_REASON,
-    DL_SOURCE_TOPIC,
     DeadLetter,
     RetryPolicy,
+    dead_letter_metadata,
     dead_letter_topics_key,
     retry_key,
     retry_topics_key,
@@ -45,9 +42,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# The history stream is trimmed by the engine's settings once engine v2 lands;
-# until then our own appends keep it bounded.
-HISTORY_MAXLEN = 100_000
 # Longest the poller sleeps without looking: bounds how late a record written by
 # another replica (or before a restart) is noticed.
 POLL_CAP_S = 1.0
@@ -72,6 +66,7 @@ class Retrier:
         clock: Clock,
         metrics: InstanceMetrics,
         call_timeout: float | None,
+        history: Retention | None = None,
     ) -> None:
         self.policy = policy
         self._client = client
@@ -83,6 +78,8 @@ class Retrier:
         self._timeout = call_timeout
         self._key = retry_key(group, topic)
         self._history = EngineKeys.for_topic(delayed_topic(group)).history
+        # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
+        self._retention = history if history is not None else Retention()
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
@@ -160,17 +157,18 @@ class Retrier:
         pipe.zadd(self._key, {entry_id: due_ms})
         # Keep it ours meanwhile (idle reset; JUSTID leaves the count alone).
         pipe.xclaim(self._topic, self._group, self._consumer, 0, [entry_id], justid=True)
-        pipe.xadd(self._history, record, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
         # So operators find the waiting retries knowing only the app id.
         pipe.sadd(retry_topics_key(self._group), self._topic)
-        zadd, xclaim, xadd, sadd = await pipe.execute(raise_on_error=False)
+        self._retention.append(pipe, self._history, record, self._clock.now_ms())
+        zadd, xclaim, sadd, *hist = await pipe.execute(raise_on_error=False)
         for result in (zadd, xclaim, sadd):
             if isinstance(result, Exception):
                 raise result  # retried whole: both steps are idempotent
-        if isinstance(xadd, Exception):
+        failed = next((r for r in hist if isinstance(r, Exception)), None)
+        if failed is not None:
             # History is for people; the retry itself is durable.
             self._metrics.redis_errors.inc()
-            log.warning("history of %s not written: %s", entry_id, xadd)
+            log.warning("history of %s not written: %s", entry_id, failed)
 
     async def _take(self, entry_id: str) -> bool:
         removed = await self._retrying("ZREM", lambda: self._client.zrem(self._key, entry_id))
@@ -179,24 +177,19 @@ class Retrier:
     async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
         topic = decision.topic
         if topic:
-            metadata = {
-                **entry.metadata,
-                DL_REASON: decision.reason,
-                DL_ATTEMPTS: str(decision.attempts),
-                DL_SOURCE_TOPIC: self._topic,
-                DL_CONSUMER: self._group,
-                DL_AT: str(self._clock.now_ms()),
-            }
+            metadata = dead_letter_metadata(
+                entry.metadata,
+                reason=decision.reason,
+                attempts=decision.attempts,
+                source_topic=self._topic,
+                consumer=self._group,
+                at_ms=self._clock.now_ms(),
+            )
             dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
-
-            async def publish() -> None:
-                pipe = self._client.pipeline(transaction=False)
-                pipe.xadd(topic, encode_entry(dead))  # type: ignore[arg-type]
-                pipe.sadd(dead_letter_topics_key(self._group), topic)
-                await pipe.execute()
-
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
-            await self._retrying("dead letter XADD", publish)
+            await self._retrying(
+                "dead letter XADD", lambda: append_dead_letter(self._client, self._group, topic, dead)
+            )
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
         (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
         await self._append_history(
@@ -225,10 +218,14 @@ class Retrier:
         attempt: int,
         reason: str,
     ) -> None:
+        if not self._retention.enabled:
+            return
         fields = self._history_fields(event, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=reason)
         try:
             async with asyncio.timeout(self._timeout):
-                await self._client.xadd(self._history, fields, maxlen=HISTORY_MAXLEN, approximate=True)  # type: ignore[arg-type]
+                pipe = self._client.pipeline(transaction=False)
+                self._retention.append(pipe, self._history, fields, self._clock.now_ms())
+                await pipe.execute()
         except _RETRIED as e:
             # History is for people; the decision itself is already carried out.
             self._metrics.redis_errors.inc()
@@ -344,6 +341,21 @@ class Retrier:
             if self._closed:
                 raise asyncio.CancelledError
             await self._clock.sleep(backoff.next())
+
+
+async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: StreamEntry) -> None:
+    """The one dead-letter writer (subscriber retries and hand-offs): `entry` on `topic`,
+    and `topic` in the app's set of dead-letter topics, where `delayed-pubsub dead` looks.
+
+    One pipeline, not a transaction: on Redis Cluster the topic and the set
+    live in other slots than each other and than whatever the caller settles.
+    Callers write the dead letter first and settle the source after, so a
+    crash in between dead-letters twice, never zero times.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(topic, encode_entry(entry))
+    pipe.sadd(dead_letter_topics_key(consumer_id), topic)
+    await pipe.execute()
 
 
 def _id(value: bytes | str) -> str:

@@ -887,10 +887,14 @@ class DelayEngine:
         return len(gone) + sum(1 for r in results if r != 0)
 
     async def _trim_history(self) -> None:
-        """Age-based history retention (the length bound rides on every XADD)."""
+        """Age-based history retention (the length bound rides on every XADD).
+
+        Also with the history off (historyMaxLen 0): records written before it
+        was turned off still age out.
+        """
         max_age = self._config.history_max_age_ms
         now = self._clock.now_ms()
-        if not max_age or not self._config.history_max_len or now - self._last_history_trim < 60_000:
+        if not max_age or now - self._last_history_trim < 60_000:
             return
         self._last_history_trim = now
         await self._redis.xtrim(self._keys.history, minid=f"{now - max_age}-0", approximate=True)

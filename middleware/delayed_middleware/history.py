@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 SCHEDULED: Final = "scheduled"
 REPLACED: Final = "replaced"
@@ -80,6 +80,40 @@ class HistoryRecord:
     attempt: int
     reason: str
     schedule: str
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much history to keep: `historyMaxLen` records (0 = no history at all) and `historyMaxAge`.
+
+    Every writer of the history outside the engine's scripts (the subscriber
+    retrier, the forwarder) appends through `append`, so the settings bind
+    them all; the scripts take `max_len` as an argument and the engine trims
+    by age on its own.
+    """
+
+    max_len: int = 1_000_000
+    max_age_ms: int = 86_400_000
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_len > 0
+
+    def append(self, pipe: Any, key: str, record: Mapping[str, str], now_ms: int) -> int:
+        """Queue the record's XADD (bounded by max_len) and the age trim on a redis-py pipeline.
+
+        Returns how many commands were queued: 0 when the history is off (then
+        nothing is written), else 1 or 2. Both commands touch only `key`, so
+        they fit in a transaction with the key's own slot on Redis Cluster.
+        """
+        if not self.enabled:
+            return 0
+        pipe.xadd(key, dict(record), maxlen=self.max_len, approximate=True)
+        if not self.max_age_ms:
+            return 1
+        # Approximate: only whole stream nodes go, so this is cheap on every write.
+        pipe.xtrim(key, minid=f"{max(0, now_ms - self.max_age_ms)}-0", approximate=True)
+        return 2
 
 
 def _int(value: str, default: int | None) -> int | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,17 +33,20 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
+from redis.exceptions import ResponseError
 
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
-from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
 from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
+from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import (
     DL_AT,
     DL_ATTEMPTS,
     DL_CONSUMER,
+    DL_PUBSUB,
     DL_REASON,
     DL_SOURCE_TOPIC,
     dead_letter_topics_key,
@@ -52,6 +56,8 @@ from delayed_middleware.retry import (
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500
+# The kind of a fired message waiting in the outbox for its hand-off to a targetPubsub.
+HANDOFF = "handoff"
 # Up to this many parked envelopes are loaded once per count instead of looked up per page.
 _PARKED_IN_MEMORY = 10_000
 DELIVERY_ATTEMPT = "deliveryAttempt"
@@ -74,6 +80,8 @@ class PendingMessage:
     published_at_ms: int
     # The shard stream holding it when the delayed topic has several (keys.shard_topics), else None.
     shard: int | None = None
+    # A hand-off (kind "handoff"): the Dapr pub/sub it waits to be handed to.
+    pubsub: str = ""
 
     @property
     def id(self) -> str:
@@ -103,6 +111,7 @@ class MessageInfo:
     message: PendingMessage
     envelope: Envelope
     # pending | parked | retry (a failed message waiting for its next delivery)
+    # | handoff (fired, waiting in the outbox for the sidecar to accept it)
     state: str
     parked_reason: str = ""
     history: tuple[HistoryRecord, ...] = ()
@@ -126,6 +135,8 @@ class DeadLetterInfo:
     attempts: int
     at_ms: int
     entry: StreamEntry = field(repr=False)
+    # A hand-off's dead letter: the targetPubsub it was bound for ('' for a subscriber's).
+    target_pubsub: str = ""
 
     @property
     def size(self) -> int:
@@ -244,8 +255,9 @@ class Inspector:
         return None if len(self.shards) == 1 else shard
 
     def stream_of(self, message: PendingMessage) -> str:
-        """The delayed topic (shard stream) that holds `message`'s envelope."""
-        return self.shards[message.shard or 0].stream
+        """The delayed topic (shard stream) that holds `message`'s envelope, or the outbox of a hand-off."""
+        keys = self.shards[message.shard or 0]
+        return keys.outbox if message.kind == HANDOFF else keys.stream
 
     async def stream_length(self) -> int:
         """Entries on the delayed topic, every shard (pending and parked envelopes)."""
@@ -363,6 +375,7 @@ class Inspector:
         waiting = (
             self.scan(topic=topic, due_before_ms=due_before_ms, progress=progress, stats=stats),
             self.retries(topic=topic, due_before_ms=due_before_ms),
+            self.handoffs(topic=topic, due_before_ms=due_before_ms),
         )
         async for m in _each(waiting):
             counts[m.topic] += 1
@@ -433,6 +446,116 @@ class Inspector:
                 if len(page) < self._page:
                     break
 
+    async def handoffs(
+        self,
+        *,
+        topic: str | None = None,
+        due_before_ms: int | None = None,
+        policy: HandOffPolicy | None = None,
+        now_ms: int | None = None,
+    ) -> AsyncIterator[PendingMessage]:
+        """Fired messages bound for a targetPubsub still waiting in an outbox (every shard's), kind "handoff".
+
+        Their id is the scheduleId when one was given, else the outbox entry's
+        id (`<id>@<shard>` with several shards); `due` is the next try:
+        when it was fired for one not yet tried, else its last try plus the
+        hand-off backoff (`policy`, the forwarder's defaults when None);
+        `attempts` the tries so far (the outbox group's delivery count). An
+        overdue next try means the forwarder is at it (a sidecar that does not
+        answer is retried at once, without counting).
+        """
+        policy = policy or HandOffPolicy()
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        for shard, keys in enumerate(self.shards):
+            start = "-"
+            while True:
+                rows: Any = await self._redis.xrange(keys.outbox, start, "+", count=self._page)
+                if not rows:
+                    break
+                start = "(" + _s(rows[-1][0])
+                tries = await self._outbox_tries(keys, _s(rows[0][0]), _s(rows[-1][0]), len(rows))
+                for raw_id, fields in rows:
+                    message = self._handoff(shard, _s(raw_id), fields, tries, policy, now)
+                    if message is None:
+                        continue
+                    if topic is not None and message.topic != topic:
+                        continue
+                    if due_before_ms is not None and message.due_ms >= due_before_ms:
+                        continue
+                    yield message
+                if len(rows) < self._page:
+                    break
+
+    async def _outbox_tries(
+        self, keys: EngineKeys, first: str, last: str, count: int
+    ) -> dict[str, tuple[int, int]]:
+        """outbox id -> (deliveries, ms since the last one) for the pending entries between two ids."""
+        try:
+            pel: Any = await self._redis.xpending_range(
+                keys.outbox, OUTBOX_GROUP, min=first, max=last, count=count
+            )
+        except ResponseError:
+            return {}  # no group yet: nothing was tried
+        return {_s(p["message_id"]): (int(p["times_delivered"]), int(p["time_since_delivered"])) for p in pel}
+
+    def _handoff(
+        self,
+        shard: int,
+        outbox_id: str,
+        fields: Any,
+        tries: Mapping[str, tuple[int, int]],
+        policy: HandOffPolicy,
+        now_ms: int,
+    ) -> PendingMessage | None:
+        try:
+            entry = decode_outbox_entry(fields)
+        except MalformedEntryError:
+            return None  # the forwarder dead-letters it on its next read
+        deliveries, idle = tries.get(outbox_id, (0, 0))
+        fired_ms = int(outbox_id.split("-")[0]) if looks_like_stream_id(outbox_id) else now_ms
+        due = fired_ms if deliveries == 0 else now_ms - idle + policy.delay_ms(deliveries)
+        return PendingMessage(
+            stream_id=outbox_id,
+            # The publisher's scheduleId names it; an envelope id (the envelope is gone) does not.
+            schedule_id="" if looks_like_stream_id(entry.id) else entry.id,
+            topic=entry.topic,
+            due_ms=due,
+            kind=HANDOFF,
+            size=len(entry.data),
+            attempts=deliveries,
+            published_at_ms=fired_ms,
+            shard=self._label(shard),
+            pubsub=entry.pubsub,
+        )
+
+    async def _handoff_info(self, id: str) -> MessageInfo | None:
+        """A hand-off waiting in an outbox, by scheduleId or outbox entry id (`<id>@<shard>`)."""
+        named = split_shard_id(id, len(self.shards))
+        async for m in self.handoffs():
+            if (
+                id in (m.id, m.schedule_id)
+                or (named is not None and (m.shard or 0, m.stream_id) == named)
+                or (looks_like_stream_id(id) and m.stream_id == id)
+            ):
+                rows: Any = await self._redis.xrange(self.stream_of(m), m.stream_id, m.stream_id)
+                if not rows:
+                    return None
+                entry: OutboxEntry = decode_outbox_entry(rows[0][1])
+                env = Envelope(
+                    id=entry.id or m.stream_id,
+                    topic=entry.topic,
+                    due_ms=m.due_ms,
+                    published_at_ms=m.published_at_ms,
+                    message=entry.data,
+                    content_type=entry.content_type,
+                    metadata=dict(entry.metadata),
+                    schedule_id=m.schedule_id,
+                    target_pubsub=entry.pubsub,
+                    expires_at_ms=entry.expires_at_ms,
+                )
+                return MessageInfo(m, env, HANDOFF)
+        return None
+
     async def counts_by_topic(self, max_entries: int | None = None) -> tuple[dict[str, int], bool]:
         """Pending messages per target topic over every shard; False when `max_entries` cut the scan short.
 
@@ -501,6 +624,8 @@ class Inspector:
                 info = found[0] if found else None
         if info is None and looks_like_stream_id(id):
             info = await self._retry_info(id)
+        if info is None:
+            info = await self._handoff_info(id)
         if info is None:
             # Last resort: an envelope whose own id field is `id` (engine v2
             # envelopes may carry one) or a parked one whose ids entry is gone.
@@ -647,14 +772,15 @@ class Inspector:
         return dataclasses.replace(record, id=f"{record.id}@{label}")
 
     async def dead_letter_topics(self) -> list[str]:
-        """The dead-letter topics this app's subscriptions have written to."""
+        """The dead-letter topics this app's subscriptions and hand-offs have written to."""
         members: Any = await self._redis.smembers(dead_letter_topics_key(self.consumer_id))
         return sorted(_s(m) for m in members)
 
     async def dead_letters(
         self, *, source_topic: str | None = None, progress: Progress | None = None
     ) -> list[DeadLetterInfo]:
-        """Dead letters of this app (its consumer group's), optionally of one source topic."""
+        """Dead letters of this app (its consumer group's and its hand-offs'), optionally of one source
+        topic (a hand-off's target topic)."""
         out: list[DeadLetterInfo] = []
         for dlt in await self.dead_letter_topics():
             start = "-"
@@ -681,6 +807,7 @@ class Inspector:
                             else 0,
                             at_ms=int(md[DL_AT]) if md.get(DL_AT, "").isdigit() else 0,
                             entry=entry,
+                            target_pubsub=md.get(DL_PUBSUB, ""),
                         )
                     )
                 if progress is not None:

@@ -28,6 +28,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from delayed_middleware.backoff import compute_backoff
 from delayed_middleware.entry import CONTENT_TYPE, DATA, EXPIRES_AT, METADATA, StreamEntry, encode_entry
 from delayed_middleware.errors import MalformedEntryError
 
@@ -36,6 +37,37 @@ PUBSUB = "pubsub"
 TOPIC = "topic"
 ID = "id"
 BULK = "bulk"
+# The consumer group the forwarders of one app share on its outbox.
+OUTBOX_GROUP = "forwarder"
+
+
+@dataclass(frozen=True)
+class HandOffPolicy:
+    """How often a refused hand-off is retried, and where it goes after the last attempt.
+
+    The forwarder carries it out; the operator's listing (delayed_middleware.inspect)
+    reads the next try of a waiting entry from it. The delay before attempt n+1
+    is compute_backoff(n).
+    """
+
+    max_attempts: int = 8
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    multiplier: float = 2.0
+    # '' = no dead letter: keep retrying at cap_s (reported, never dropped).
+    dead_letter_topic: str = ""
+
+    def delay_ms(self, attempt: int) -> int:
+        """Milliseconds to wait after failed attempt `attempt` (1-based)."""
+        return int(
+            1000
+            * compute_backoff(
+                max(1, min(attempt, self.max_attempts)),
+                base_s=self.base_s,
+                cap_s=self.cap_s,
+                multiplier=self.multiplier,
+            )
+        )
 
 
 @dataclass(frozen=True)

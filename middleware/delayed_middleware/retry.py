@@ -52,7 +52,12 @@ Dead letters: after the last attempt the entry is appended to `deadLetterTopic`
 `deadLetterAt`), then XACKed: at least once (a crash between the two writes
 a second dead letter, never loses one). The dead-letter topic's name is added
 to the set `{<consumerID>-delayed}:deadletters`, so operators find dead
-letters knowing only the app id.
+letters knowing only the app id. Hand-offs that exhaust their attempts are
+dead-lettered the same way (delayed_pubsub.forwarder), with `deadLetterPubsub`
+and `deadLetterTargetTopic` added.
+
+A subscription to the component's dead-letter topic itself (an app reading
+its dead letters) never dead-letters into it: see RetryPolicy.for_subscription.
 
 Interplay with daprd (facts from dapr/dapr pkg/runtime/subscription):
 - daprd calls the app under the component's *inbound resiliency policy*
@@ -94,13 +99,18 @@ KEYS: Final = (
     DEAD_LETTER_TOPIC,
 )
 
-# Metadata added to a dead letter (public contract).
+# Metadata added to a dead letter (public contract), by subscriber retries and
+# hand-offs alike: `delayed-pubsub dead` lists both by it.
 DL_REASON: Final = "deadLetterReason"
 DL_ATTEMPTS: Final = "deadLetterAttempts"
+# Where the message came from: the subscribed topic, or a hand-off's target topic.
 DL_SOURCE_TOPIC: Final = "deadLetterSourceTopic"
 DL_CONSUMER: Final = "deadLetterConsumer"
 DL_AT: Final = "deadLetterAt"
-DL_KEYS: Final = (DL_REASON, DL_ATTEMPTS, DL_SOURCE_TOPIC, DL_CONSUMER, DL_AT)
+# A hand-off's only (targetPubsub): the pub/sub and topic it was bound for.
+DL_PUBSUB: Final = "deadLetterPubsub"
+DL_TARGET_TOPIC: Final = "deadLetterTargetTopic"
+DL_KEYS: Final = (DL_REASON, DL_ATTEMPTS, DL_SOURCE_TOPIC, DL_CONSUMER, DL_AT, DL_PUBSUB, DL_TARGET_TOPIC)
 
 # An app's error text can be anything; a dead letter's metadata must stay small.
 MAX_REASON_CHARS: Final = 1024
@@ -108,6 +118,38 @@ MAX_REASON_CHARS: Final = 1024
 DEFAULT_INITIAL_MS: Final = 1_000
 DEFAULT_MAX_MS: Final = 60_000
 DEFAULT_MULTIPLIER: Final = 2.0
+
+
+def dead_letter_metadata(
+    metadata: Mapping[str, str],
+    *,
+    reason: str,
+    attempts: int,
+    source_topic: str,
+    consumer: str,
+    at_ms: int,
+    pubsub: str = "",
+) -> dict[str, str]:
+    """A dead letter's metadata: the message's own, plus the `deadLetter*` keys.
+
+    `pubsub` is set for a hand-off (the targetPubsub it was bound for): then
+    `delayed-pubsub retry-dead` hands it off again instead of appending it to
+    `source_topic` of ours.
+    """
+    out = {k: v for k, v in metadata.items() if k not in DL_KEYS}
+    out.update(
+        {
+            DL_REASON: reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "…",
+            DL_ATTEMPTS: str(attempts),
+            DL_SOURCE_TOPIC: source_topic,
+            DL_CONSUMER: consumer,
+            DL_AT: str(at_ms),
+        }
+    )
+    if pubsub:
+        out[DL_PUBSUB] = pubsub
+        out[DL_TARGET_TOPIC] = source_topic
+    return out
 
 
 def retry_key(consumer_id: str, topic: str) -> str:
@@ -183,12 +225,24 @@ class RetryPolicy:
         """This policy with a subscription's metadata on top (same keys, same checks)."""
         return parse_retry_policy(props, base=self)
 
-    def check_topic(self, topic: str) -> None:
-        """Refuse a dead-letter topic that would feed the subscription it serves."""
-        if self.dead_letter_topic and self.dead_letter_topic == topic:
-            raise InvalidArgumentError(
-                DEAD_LETTER_TOPIC, self.dead_letter_topic, "must differ from the subscribed topic"
-            )
+    def for_subscription(self, topic: str, props: Mapping[str, str]) -> RetryPolicy:
+        """The policy of one subscription to `topic`: this one with the subscription's metadata on top.
+
+        A subscription whose own metadata names `topic` as its dead-letter
+        topic is refused (InvalidArgumentError): it would feed itself. The
+        component's dead-letter topic subscribed to (an app reading its dead
+        letters) is not: there a failed message is kept, redelivered with the
+        same backoff, capped at retryMaxInterval, for as long as it fails (as
+        Dapr's pubsub.redis does without a dead-letter topic), never appended
+        to the topic it came from nor dropped.
+        """
+        own = props.get(DEAD_LETTER_TOPIC, "").strip()
+        if own and own == topic:
+            raise InvalidArgumentError(DEAD_LETTER_TOPIC, own, "must differ from the subscribed topic")
+        policy = self.overridden(props)
+        if not policy.dead_letter_topic or policy.dead_letter_topic != topic:
+            return policy
+        return replace(policy, max_attempts=None, dead_letter_topic="")
 
 
 def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None) -> RetryPolicy:

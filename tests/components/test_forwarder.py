@@ -24,12 +24,14 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as acluster
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
-from delayed_middleware.history import decode_record
+from delayed_middleware.history import Retention, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_middleware.retry import dead_letter_topics_key
 from delayed_pubsub.forwarder import (
     Forwarder,
     ForwarderConfig,
@@ -41,9 +43,11 @@ from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
 from tests.components.driver import Component
+from tests.components.test_operate import cli
+from tests.conftest import small_stream_nodes
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisCluster, RedisServer, free_port
 
 APP_ID = "fwd-app"
 KEYS = EngineKeys.for_topic(delayed_topic(APP_ID))
@@ -393,7 +397,8 @@ async def test_unknown_target_is_reported_and_dead_lettered_after_the_last_attem
     await wait_arrivals(sidecar, good, 1, within=5)
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 20, "the dead letter")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -443,7 +448,8 @@ async def test_malformed_entry_is_dead_lettered_at_once(
     make_forwarder(policy=HandOffPolicy(dead_letter_topic="dlq")).start()
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 5, "the dead letter")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -558,7 +564,8 @@ async def test_the_api_token_is_sent_and_required(
     wrong.start()
 
     async def refused() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(refused, 10, "the token-less hand-off to be refused")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -591,7 +598,8 @@ async def test_a_message_too_large_for_daprd_is_dead_lettered_not_retried_foreve
     ).start()
 
     async def dead_lettered() -> bool:
-        return int(outbox_db.xlen("dlq")) == 1
+        # Written, then settled: the outbox entry goes after its dead letter is in.
+        return int(outbox_db.xlen("dlq")) == 1 and outbox_left(outbox_db) == (0, 0)
 
     await wait_for(dead_lettered, 20, "the oversized message to be dead-lettered")
     [(_, fields)] = outbox_db.xrange("dlq")
@@ -747,3 +755,318 @@ async def test_delayed_publishes_with_target_pubsub_over_delay_shards_arrive_onc
     got = await arrivals(sidecar, marker, route="/events/target/orders")
     assert sorted(a["data"]["n"] for a in got) == list(range(12))
     assert outbox_db.exists("orders") == 0  # never on our own topic
+
+
+# --- dead letters and waiting hand-offs, as the operator sees them ----------------------
+
+
+def app_conn(sidecar: Sidecar) -> list[str]:
+    return ["--redis-host", f"127.0.0.1:{sidecar.redis.port}", "--app-id", APP_ID]
+
+
+async def test_a_hand_off_waiting_for_a_down_sidecar_is_listed_inspected_and_counted(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    """While daprd does not answer, a fired message sits in the outbox: `pending --json` and
+    `inspect` show it (kind handoff, its tries, its next try), the gauge counts it; once a
+    sidecar answers it is handed off and the listing is empty again."""
+    marker = f"down-{uuid.uuid4().hex[:8]}"
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="invoice-7", metadata={"k": "v"}))
+    add(
+        outbox_db, OutboxEntry("target", "orders", cloudevent(marker, n=2), id=f"{int(time.time() * 1000)}-0")
+    )
+    down = make_forwarder(address=f"127.0.0.1:{free_port()}")
+    down.start()
+    registry: CollectorRegistry = make_forwarder.metrics.registry  # type: ignore[attr-defined]
+
+    def gauge() -> float | None:
+        return registry.get_sample_value("delayed_pubsub_handoff_pending", {"instance": "delayed"})
+
+    async def tried() -> bool:
+        return outbox_left(outbox_db) == (2, 2)
+
+    await wait_for(tried, 10, "both entries to be read")
+    result = await cli("pending", *app_conn(sidecar), "--json")
+    assert result.code == 0, result.err
+    rows = result.json()
+    assert sorted(r["kind"] for r in rows) == ["handoff", "handoff"]
+    assert all(r["targetPubsub"] == "target" and r["topic"] == "orders" for r in rows)
+    assert all(r["attempts"] == 1 for r in rows), rows
+    named = next(r for r in rows if r["scheduleId"] == "invoice-7")
+    assert named["id"] == "invoice-7"
+    # The other had no scheduleId: named by its outbox entry id, not by its gone envelope.
+    other = next(r for r in rows if r["scheduleId"] is None)
+    assert other["id"] in {i.decode() for i, _ in outbox_db.xrange(KEYS.outbox)}
+    table = await cli("pending", *app_conn(sidecar))
+    assert "target/orders" in table.out
+    assert "handoff" in table.out
+    shown = await cli("inspect", *app_conn(sidecar), "invoice-7")
+    assert shown.code == 0, shown.err
+    assert "handoff" in shown.out
+    assert KEYS.outbox in shown.out
+    assert marker in shown.out
+    by_entry = await cli("inspect", *app_conn(sidecar), other["id"])
+    assert by_entry.code == 0, by_entry.err
+    assert marker in by_entry.out
+    await wait_for(lambda: asyncio.sleep(0, gauge() == 2), 5, "the handoff gauge to count 2")
+
+    await down.close()
+    make_forwarder(claim_idle_ms=500).start()
+    await wait_arrivals(sidecar, marker, 2, route="/events/target/orders")
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "the outbox to empty")
+    assert (await cli("pending", *app_conn(sidecar), "--json")).json() == []
+
+
+async def test_a_dead_lettered_hand_off_is_listed_by_dead_and_retry_dead_hands_it_off_again(
+    sidecar: Sidecar,
+    token_daprd: DaprdPorts,
+    outbox_db: Any,
+    make_forwarder: Callable[..., Forwarder],
+) -> None:
+    """Refused (no API token) until dead-lettered; `dead` lists it with where it was bound;
+    `retry-dead` puts it back in the outbox, and a forwarder with the token hands it off."""
+    marker = f"again-{uuid.uuid4().hex[:8]}"
+    data = cloudevent(marker)
+    # As the engine writes it: the id is also the `scheduler` of the metadata.
+    metadata = {"customer": "c9", "scheduler": "job-9", "scheduleNext": "purge"}
+    add(outbox_db, OutboxEntry("mem", "orders", data, id="job-9", metadata=metadata))
+    refused = make_forwarder(
+        address=f"127.0.0.1:{token_daprd.grpc}",
+        policy=HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+    )
+    refused.start()
+    settled = (1, (0, 0))
+    await wait_for(
+        lambda: asyncio.sleep(0, (int(outbox_db.xlen("dlq")), outbox_left(outbox_db)) == settled),
+        15,
+        "the dead letter, and its outbox entry settled",
+    )
+    await refused.close()
+
+    listed = await cli("dead", *app_conn(sidecar))
+    assert listed.code == 0, listed.err
+    assert "1 dead letters" in listed.out
+    assert "mem/orders" in listed.out
+    assert "UNAUTHENTICATED" in listed.out
+    assert "1 dead letters" in (await cli("dead", *app_conn(sidecar), "--topic", "orders")).out
+    assert "0 dead letters" in (await cli("dead", *app_conn(sidecar), "--topic", "other")).out
+
+    moved = await cli("retry-dead", *app_conn(sidecar))
+    assert moved.code == 0, moved.err
+    assert "1 dead letters moved back" in moved.out
+    assert int(outbox_db.xlen("dlq")) == 0
+    [(_, fields)] = outbox_db.xrange(KEYS.outbox)
+    assert (fields[b"pubsub"], fields[b"topic"], fields[b"data"], fields[b"id"]) == (
+        b"mem",
+        b"orders",
+        data,
+        b"job-9",
+    )
+    assert not any(k.startswith("deadLetter") for k in json.loads(fields[b"metadata"]))
+
+    make_forwarder(address=f"127.0.0.1:{token_daprd.grpc}", api_token="s3cret-token").start()
+    [arrival] = await wait_arrivals(sidecar, marker, 1, route="/events/mem/orders")
+    assert arrival["id"] == json.loads(data)["id"]
+    assert header(arrival, "customer") == "c9"
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
+    assert [r.event for r in history(outbox_db) if r.id == "job-9"] == ["deadlettered", "handedoff"]
+
+
+class _DiesAfterItsDeadLetter(Forwarder):
+    """A forwarder whose process dies right after it wrote a dead letter, before the settle."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dead = asyncio.Event()
+
+    async def _settle(self, ids: Any, record: Any) -> None:
+        if record is not None and record.get("event") == "deadlettered":
+            self.dead.set()
+            await asyncio.Event().wait()  # never returns: close() cancels it, as a kill would
+        await super()._settle(ids, record)
+
+
+async def crash_between_dead_letter_and_settle(
+    client: Any, keys: EngineKeys, address: str, *, dlq: str
+) -> None:
+    """One forwarder dies between the two writes of a dead letter; another takes the entry over."""
+    policy = HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
+    config = ForwarderConfig(address=address, policy=policy, block_ms=200, claim_idle_ms=800)
+    first = _DiesAfterItsDeadLetter(client, keys, SystemClock(), config, name="first")
+    first.start()
+    async with asyncio.timeout(20):
+        await first.dead.wait()
+    await first.close()
+    second = Forwarder(client, keys, SystemClock(), config, name="second")
+    second.start()
+    try:
+
+        async def settled() -> bool:
+            return int(await client.xlen(keys.outbox)) == 0
+
+        await wait_for(settled, 20, "the second forwarder to settle the entry")
+    finally:
+        await second.close()
+
+
+async def test_a_crash_between_the_dead_letter_and_the_settle_doubles_it_never_loses_it(
+    sidecar: Sidecar, outbox_db: Any
+) -> None:
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("crash"), id="c1"))
+    client = aioredis.Redis(port=sidecar.redis.port)
+    try:
+        await crash_between_dead_letter_and_settle(client, KEYS, sidecar.grpc_address, dlq="dlq")
+    finally:
+        await client.aclose()
+    # Written by both: twice, never zero times; the outbox is empty and nothing waits.
+    assert int(outbox_db.xlen("dlq")) == 2
+    assert outbox_left(outbox_db) == (0, 0)
+    assert [r.event for r in history(outbox_db)] == ["deadlettered"]
+
+
+async def test_history_off_writes_no_hand_off_expiry_or_dead_letter_record(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"nohist-{uuid.uuid4().hex[:8]}"
+    now = SystemClock().now_ms()
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent(marker), id="h1"))
+    add(outbox_db, OutboxEntry("target", "orders", cloudevent("stale"), id="h2", expires_at_ms=now - 1))
+    add(outbox_db, OutboxEntry("no-such-pubsub", "orders", cloudevent("refused"), id="h3"))
+    outbox_db.xadd(KEYS.outbox, {"data": b"malformed"})
+    make_forwarder(
+        policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+        history=Retention(max_len=0),
+    ).start()
+    await wait_arrivals(sidecar, marker, 1)
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "every entry settled")
+    assert int(outbox_db.xlen("dlq")) == 2
+    assert outbox_db.exists(KEYS.history) == 0
+
+
+async def test_a_small_history_max_len_bounds_the_hand_off_records(
+    sidecar: Sidecar, outbox_db: Any, make_forwarder: Callable[..., Forwarder]
+) -> None:
+    marker = f"bounded-{uuid.uuid4().hex[:8]}"
+    # Approximate trimming frees whole stream nodes: small nodes make the bound visible.
+    with small_stream_nodes(outbox_db, 10):
+        for i in range(60):
+            add(outbox_db, OutboxEntry("target", "race", cloudevent(marker, n=i), id=f"b{i}"))
+        make_forwarder(history=Retention(max_len=20)).start()
+        await wait_arrivals(sidecar, marker, 60, within=60, route="/events/target/race")
+        await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "every entry settled")
+    assert 20 <= int(outbox_db.xlen(KEYS.history)) <= 30
+
+
+async def test_with_history_off_the_whole_target_pubsub_path_writes_no_record(
+    sidecar: Sidecar, outbox_db: Any, component: Callable[[str], Component]
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": f"127.0.0.1:{sidecar.redis.port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+            "daprGrpcAddress": sidecar.grpc_address,
+            "historyMaxLen": "0",
+        }
+    )
+    marker = f"off-{uuid.uuid4().hex[:8]}"
+    for i in range(5):
+        await c.publish(
+            "orders", cloudevent(marker, n=i), {"scheduledSendDelay": "1s", "targetPubsub": "target"}
+        )
+    await wait_arrivals(sidecar, marker, 5, route="/events/target/orders")
+    await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db)[0] == 0), 10, "the outbox to empty")
+    assert outbox_db.exists(KEYS.history) == 0
+
+
+# --- Redis Cluster: the dead letter in its own slot ----------------------------------------
+
+CLUSTER_SHARDS = 6
+
+
+def cluster_layout(c: RedisCluster) -> tuple[EngineKeys, str]:
+    """(a shard's keys, a dead-letter topic): the shard's outbox, the dead-letter topic and the
+    app's dead-letter set (shard 0's slot) each on another master, so any step that wrote two
+    of them in one transaction would fail."""
+    dead_set = c.owner(dead_letter_topics_key(APP_ID)).port
+    shard = next(
+        EngineKeys.for_topic(t)
+        for t in shard_topics(APP_ID, CLUSTER_SHARDS)[1:]
+        if c.owner(EngineKeys.for_topic(t).outbox).port != dead_set
+    )
+    taken = {dead_set, c.owner(shard.outbox).port}
+    dlq = next(t for t in (f"undeliverable-{i}" for i in range(100)) if c.owner(t).port not in taken)
+    return shard, dlq
+
+
+def cluster_cli(c: RedisCluster) -> list[str]:
+    return [
+        "--redis-host",
+        c.nodes[1].address,
+        "--redis-type",
+        "cluster",
+        "--delay-shards",
+        str(CLUSTER_SHARDS),
+        "--app-id",
+        APP_ID,
+    ]
+
+
+async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_handed_back(
+    sidecar: Sidecar, cluster: RedisCluster, admin: Any
+) -> None:
+    shard, dlq = cluster_layout(cluster)
+    data = cloudevent("cluster-dead")
+    entry = OutboxEntry("no-such-pubsub", "orders", data, id="cl-1", metadata={"scheduler": "cl-1"})
+    admin.xadd(shard.outbox, encode_outbox_entry(entry))
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    policy = HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
+    fwd = Forwarder(
+        client,  # type: ignore[arg-type]
+        shard,
+        SystemClock(),
+        ForwarderConfig(address=sidecar.grpc_address, policy=policy, block_ms=200),
+        name="cluster",
+    )
+    fwd.start()
+    try:
+
+        async def dead_lettered() -> bool:
+            return int(admin.xlen(dlq)) == 1 and int(admin.xlen(shard.outbox)) == 0
+
+        await wait_for(dead_lettered, 20, "the dead letter on the cluster")
+    finally:
+        await fwd.close()
+        await client.aclose()
+    [(_, fields)] = admin.xrange(dlq)
+    assert fields[b"data"] == data
+    assert [decode_record(i, f).event for i, f in admin.xrange(shard.history)] == ["deadlettered"]
+
+    listed = await cli("dead", *cluster_cli(cluster))
+    assert listed.code == 0, listed.err
+    assert "1 dead letters" in listed.out
+    assert "no-such-pubsub/orders" in listed.out
+    moved = await cli("retry-dead", *cluster_cli(cluster))
+    assert moved.code == 0, moved.err
+    assert "1 dead letters moved back" in moved.out
+    assert int(admin.xlen(dlq)) == 0
+    waiting = (await cli("pending", *cluster_cli(cluster), "--json")).json()
+    assert [(r["kind"], r["id"], r["targetPubsub"], r["attempts"]) for r in waiting] == [
+        ("handoff", "cl-1", "no-such-pubsub", 0)
+    ]
+
+
+async def test_on_redis_cluster_a_crash_between_the_dead_letter_and_the_settle_doubles_it_never_loses_it(
+    sidecar: Sidecar, cluster: RedisCluster, admin: Any
+) -> None:
+    shard, dlq = cluster_layout(cluster)
+    admin.xadd(shard.outbox, encode_outbox_entry(OutboxEntry("no-such-pubsub", "orders", b"x", id="cl-2")))
+    client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        await crash_between_dead_letter_and_settle(client, shard, sidecar.grpc_address, dlq=dlq)
+    finally:
+        await client.aclose()
+    assert int(admin.xlen(dlq)) == 2
+    assert int(admin.xlen(shard.outbox)) == 0
+    assert [decode_record(i, f).event for i, f in admin.xrange(shard.history)] == ["deadlettered"]

@@ -75,14 +75,14 @@ async def test_pending_json_lists_exactly_what_waits(populated: Component, conn:
     rows = result.json()
     assert len(rows) == 15
     assert {tuple(sorted(r)) for r in rows} == {
-        ("attempts", "due", "id", "kind", "scheduleId", "size", "topic")
+        ("attempts", "due", "id", "kind", "scheduleId", "size", "targetPubsub", "topic")
     }
     assert sum(r["topic"] == "orders" for r in rows) == 10
     billing = sorted((r for r in rows if r["topic"] == "billing"), key=lambda r: r["id"])
     assert [(r["id"], r["scheduleId"]) for r in billing] == [(f"bill-{i}", f"bill-{i}") for i in range(5)]
     orders = [r for r in rows if r["topic"] == "orders"]
     assert all(r["scheduleId"] is None and r["id"].count("-") == 1 for r in orders)
-    assert all(r["kind"] == "oneshot" and r["attempts"] == 0 for r in rows)
+    assert all(r["kind"] == "oneshot" and r["attempts"] == 0 and r["targetPubsub"] is None for r in rows)
     assert sorted(r["size"] for r in billing) == [6] * 5
     # Earliest first: the three due in ten minutes lead.
     assert [r["size"] for r in rows[:3]] == [6, 6, 6]

@@ -18,6 +18,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.retry import dead_letter_topics_key, retry_key
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component, Stream
+from tests.conftest import small_stream_nodes
 from tests.redis_server import free_port
 
 Factory = Callable[[str], Component]
@@ -365,3 +366,92 @@ async def test_dead_letter_topic_alone_on_the_component_keeps_the_plain_redelive
     msg, _ = await receive(sub)
     await sub.nack(msg.id, "e")
     await wait_for(lambda: redis_client.zcard(retry_key("app1", "billing")) == 1)
+
+
+async def test_the_component_dead_letter_topic_can_be_subscribed_and_keeps_what_its_subscriber_fails(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # The app reads its own dead letters: a subscription to the component's deadLetterTopic
+    # is accepted; what it fails there comes back with the backoff past maxDeliveryAttempts,
+    # never appended to the dead-letter topic again and never dropped.
+    c = component("delayed")
+    await c.init({**props, **POLICY, "retryInitialInterval": "100ms", "retryMaxInterval": "200ms"})
+    orders = await c.subscribe("orders")
+    dead = await c.subscribe("orders-dead")
+    await c.publish("orders", b"payload", {"k": "v"})
+    for _ in range(3):
+        await orders.nack((await orders.next()).id, "boom")
+
+    attempts = []
+    for _ in range(6):
+        msg = await dead.next(within=5.0)
+        assert msg.data == b"payload"
+        assert msg.metadata["deadLetterSourceTopic"] == "orders"
+        attempts.append(msg.metadata["deliveryAttempt"])
+        if len(attempts) < 6:
+            await dead.nack(msg.id, "still failing")
+    assert attempts == ["1", "2", "3", "4", "5", "6"]
+    assert len(dead_letters(redis_client)) == 1, "dead-lettered into itself"
+    await dead.ack(msg.id)
+    assert await dead.nothing_for(1.0)
+    assert redis_client.xpending("orders-dead", "app1")["pending"] == 0
+    assert len(dead_letters(redis_client)) == 1
+
+
+async def test_the_dead_letter_topic_subscribed_without_a_retry_policy_redelivers_after_redeliver_interval(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # deadLetterTopic alone on the component (the forwarder's) leaves subscriber retries off:
+    # the dead-letter topic's subscriber still opens, and a nack comes back (redeliverInterval).
+    c = component("delayed")
+    await c.init({**props, "deadLetterTopic": "orders-dead"})
+    dead = await c.subscribe("orders-dead")
+    redis_client.xadd("orders-dead", {"data": b"old letter", "metadata": b"{}"})
+    for attempt in ("1", "2", "3"):
+        msg = await dead.next()
+        assert (msg.data, msg.metadata["deliveryAttempt"]) == (b"old letter", attempt)
+        if attempt != "3":
+            await dead.nack(msg.id, "not yet")
+    await dead.ack(msg.id)
+    assert int(redis_client.xlen("orders-dead")) == 1
+
+
+async def test_history_off_writes_no_record_for_retries_and_dead_letters(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, **POLICY, "retryInitialInterval": "50ms", "historyMaxLen": "0"})
+    stream = await c.subscribe("orders")
+    for i in range(4):
+        await c.publish("orders", f"m{i}".encode())
+    for _ in range(12):  # 4 messages, 3 failed deliveries each: 8 retries, 4 dead letters
+        await stream.nack((await stream.next()).id, "boom")
+    await wait_for(lambda: len(dead_letters(redis_client)) == 4)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.exists("{app1-delayed}:history") == 0
+
+
+async def test_a_small_history_max_len_bounds_the_retry_records(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            "maxDeliveryAttempts": "1000",
+            "retryInitialInterval": "1ms",
+            "retryMultiplier": "1",
+            "historyMaxLen": "20",
+        }
+    )
+    stream = await c.subscribe("orders")
+    # Approximate trimming frees whole stream nodes: small nodes make the bound show.
+    with small_stream_nodes(redis_client, 10):
+        await c.publish("orders", b"x")
+        for _ in range(100):
+            await stream.nack((await stream.next()).id, "again")
+        # The 101st delivery comes after the 100th retry record was written.
+        await stream.ack((await stream.next()).id)
+    rows: Any = redis_client.xrange("{app1-delayed}:history")
+    assert 20 <= len(rows) <= 30, len(rows)
+    assert rows[-1][1][b"attempt"] == b"100"

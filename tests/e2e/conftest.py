@@ -23,6 +23,11 @@ APP_ID = "e2e-app"
 PUBSUB = "delayed"
 # A second instance of the same component type on the same socket, on its own Redis database.
 PUBSUB_B = "delayed-b"
+# A third, on database 2, whose component metadata holds a retry policy with a dead-letter topic
+# that the app subscribes to as well (test_retry_e2e).
+PUBSUB_DL = "delayed-dl"
+DL_TOPIC = "dl-dead"
+DL_METADATA = {"maxDeliveryAttempts": "2", "retryInitialInterval": "200ms", "deadLetterTopic": DL_TOPIC}
 
 SUBSCRIPTIONS = (
     f"{PUBSUB}=orders",
@@ -37,6 +42,8 @@ SUBSCRIPTIONS = (
     f"{PUBSUB}=retry;maxDeliveryAttempts=5;retryInitialInterval=300ms;retryMultiplier=2"
     ";deadLetterTopic=retry-dead",
     f"{PUBSUB}=retry-dead",
+    f"{PUBSUB_DL}=dl-orders",
+    f"{PUBSUB_DL}={DL_TOPIC}",
 )
 
 
@@ -70,6 +77,11 @@ def stack(
     (resources / f"{PUBSUB_B}.yaml").write_text(
         harness.component_yaml(PUBSUB_B, harness.component_metadata(e2e_redis.port, redisDB="1"))
     )
+    (resources / f"{PUBSUB_DL}.yaml").write_text(
+        harness.component_yaml(
+            PUBSUB_DL, harness.component_metadata(e2e_redis.port, redisDB="2", **DL_METADATA)
+        )
+    )
 
     started: list[ManagedProcess] = []
     try:
@@ -88,7 +100,7 @@ def stack(
             redis_port=e2e_redis.port,
             app_port=app_port,
             ports=ports,
-            pubsubs=(PUBSUB, PUBSUB_B),
+            pubsubs=(PUBSUB, PUBSUB_B, PUBSUB_DL),
             daprd=daprd,
             component=component,
             subscriber=subscriber,
@@ -112,9 +124,9 @@ def wait_for_subscriptions(s: Stack) -> None:
         names = {c["name"] for c in meta.get("components", [])}
         subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
         want = {tuple(sub.split(";")[0].split(":")[0].split("=", 1)) for sub in SUBSCRIPTIONS}
-        return {PUBSUB, PUBSUB_B} <= names and want <= subs
+        return {PUBSUB, PUBSUB_B, PUBSUB_DL} <= names and want <= subs
 
-    harness.wait_until(loaded, 30, "daprd to load both components and every subscription", s.daprd)
+    harness.wait_until(loaded, 30, "daprd to load the components and every subscription", s.daprd)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -12,8 +12,9 @@ import time
 from typing import Any
 
 import pytest
+import redis
 
-from tests.e2e.conftest import PUBSUB
+from tests.e2e.conftest import DL_TOPIC, PUBSUB, PUBSUB_DL
 from tests.e2e.harness import Stack, carries, unique
 
 pytestmark = pytest.mark.e2e
@@ -56,3 +57,31 @@ def test_five_failures_go_to_the_dead_letter_topic_with_the_reason(stack: Stack)
     assert header(dead[0], "deadLetterAttempts") == "5"
     assert header(dead[0], "deadLetterConsumer")
     assert "500" in (header(dead[0], "deadLetterReason") or ""), dead[0]["headers"]
+
+
+def test_an_app_subscribed_to_the_component_dead_letter_topic_gets_its_dead_letters_and_retries_them(
+    stack: Stack,
+) -> None:
+    """Component metadata maxDeliveryAttempts=2, deadLetterTopic=dl-dead; the app subscribes to
+    dl-orders and to dl-dead. A message failed twice on dl-orders reaches the app on dl-dead; failed
+    there three times more (past maxDeliveryAttempts), it keeps coming back, and is stored on
+    dl-dead once: never dead-lettered into the topic it came from, never dropped."""
+    marker = unique("dlq")
+    stack.arm_failure(marker, times=5)
+    assert stack.publish(PUBSUB_DL, "dl-orders", {"id": marker}).status_code == 204
+
+    got = stack.wait_arrivals(carries(marker), 6, timeout=40)
+    failed = [a for a in got if a["route"] == f"/events/{PUBSUB_DL}/dl-orders"]
+    dead = [a for a in got if a["route"] == f"/events/{PUBSUB_DL}/{DL_TOPIC}"]
+    assert [a["status"] for a in failed] == [500, 500], got
+    assert [a["status"] for a in dead] == [500, 500, 500, 200], got
+    assert [header(a, "deliveryAttempt") for a in dead] == ["1", "2", "3", "4"]
+    assert all(header(a, "deadLetterSourceTopic") == "dl-orders" for a in dead)
+    db = redis.Redis(port=stack.redis_port, db=2)
+    try:
+        assert db.xlen(DL_TOPIC) == 1
+        time.sleep(1.5)  # acked: it never comes back
+        assert len([a for a in stack.arrivals() if carries(marker)(a)]) == 6
+        assert db.xpending(DL_TOPIC, "e2e-app")["pending"] == 0
+    finally:
+        db.close()

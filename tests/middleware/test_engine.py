@@ -7,6 +7,7 @@ import json
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -20,6 +21,7 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope, decode_envelope
 from delayed_middleware.keys import EngineKeys, delayed_topic
+from tests.conftest import small_stream_nodes
 from tests.redis_server import RedisServer, stream_entries
 
 T0 = 1_800_000_000_000
@@ -413,3 +415,27 @@ async def test_a_burst_sharing_one_due_time_outgrows_a_bucket_and_fires_whole(
     assert sorted(await fire_at(T0 + 11)) == list(range(1, 600, 2))
     assert await engine.pending() == 0
     assert redis_client.exists(KEYS.due) == 0
+
+
+async def test_history_records_written_before_the_history_was_turned_off_still_age_out(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    # Written while the history was on: one old enough to go, one recent enough to stay, in
+    # stream nodes of their own (the age trim is approximate: it frees whole nodes).
+    now = int(time.time() * 1000)
+    with small_stream_nodes(redis_client, 1):
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 7_200_000}-0")
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 60_000}-0")
+    config = EngineConfig(history_max_len=0, history_max_age_ms=3_600_000, max_sleep_s=0.2)
+    engine = DelayEngine(aredis(), KEYS, SystemClock(), config=config)
+    task = asyncio.create_task(engine.run())
+    try:
+        deadline = time.monotonic() + 10
+        while redis_client.xlen(KEYS.history) != 1:
+            assert time.monotonic() < deadline, "the old record was not trimmed"
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    rows: Any = redis_client.xrange(KEYS.history)
+    assert [kept for kept, _ in rows] == [f"{now - 60_000}-0".encode()]
