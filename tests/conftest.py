@@ -11,7 +11,19 @@ import redis
 import redis.cluster
 from hypothesis import settings as hypothesis_settings
 
+from delayed_middleware.clock import SystemClock
 from tests.redis_server import RedisCluster, RedisServer
+
+
+class SkewedClock(SystemClock):
+    """A replica's system clock that runs `skew_ms` ahead (negative: behind) of the real time:
+    a production clock (not authoritative), as on a machine whose NTP has drifted."""
+
+    def __init__(self, skew_ms: int) -> None:
+        self.skew_ms = skew_ms
+
+    def now_ms(self) -> int:
+        return super().now_ms() + self.skew_ms
 
 
 @pytest.fixture(scope="session")

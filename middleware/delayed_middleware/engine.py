@@ -257,6 +257,11 @@ class DelayEngine:
         self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
+        # How far this replica's clock runs ahead of the shard's Redis TIME, as
+        # the last fire measured it (0 with an authoritative clock): the
+        # successors computed here are on the shard's time, and the head the
+        # fire step returns is moved into this clock's frame for the sleep.
+        self._skew_ms = 0
 
     @property
     def keys(self) -> EngineKeys:
@@ -559,7 +564,7 @@ class DelayEngine:
         """
         if not quads or self._recurrence is None:
             return
-        now = self._clock.now_ms()
+        now = self._shard_now()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         for i in range(0, len(quads) - 3, 4):
             # All inside the guard: a hand-written envelope's fields (not UTF-8, say)
@@ -607,17 +612,33 @@ class DelayEngine:
                 )
             )
 
+    def _decide_at(self) -> tuple[int, int | str]:
+        """This replica's clock now, and the FIRE/CLAIM/RELEASE `now` argument:
+        that time from an authoritative (injected) clock, else '' for the
+        shard's Redis TIME (see clock.Clock.authoritative)."""
+        local = self._clock.now_ms()
+        return local, (local if self._clock.authoritative else "")
+
+    def _measured(self, local: int, decided: int, head: str) -> int | None:
+        """Records the skew a fire step measured; returns its head in this clock's frame."""
+        self._skew_ms = local - decided
+        return int(float(head)) + self._skew_ms if head else None
+
+    def _shard_now(self) -> int:
+        """The shard's time as of the last fire step's measurement (successors are computed on it)."""
+        return self._clock.now_ms() - self._skew_ms
+
     async def _fire_once(self) -> tuple[int, int | None, int, Sequence[Any]]:
         if self._config.two_phase:
             return await self._fire_two_phase()
-        now = self._clock.now_ms()
-        mode, threshold = self._trim.args(now)
+        local, now_arg = self._decide_at()
+        mode, threshold = self._trim.args(local)
         cfg = self._config
         raw = await self._fire(
             keys=self._keys.script_keys,
             args=[
                 self._keys.buckets,
-                now,
+                now_arg,
                 cfg.batch_size,
                 cfg.batch_entries,
                 cfg.batch_bytes,
@@ -629,20 +650,21 @@ class DelayEngine:
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
-        parked, refill, entries, gone, n_expired = (
+        parked, refill, entries, gone, decided, n_expired = (
             int(raw[4]),
             int(raw[5]),
             int(raw[6]),
             int(raw[7]),
             int(raw[8]),
+            int(raw[9]),
         )
-        expired = [(_topic(raw[9 + 2 * i]), _topic(raw[10 + 2 * i])) for i in range(n_expired)]
+        expired = [(_topic(raw[10 + 2 * i]), _topic(raw[11 + 2 * i])) for i in range(n_expired)]
         if expired:
             await self._markers("MaxAge", expired)
         if gone:
             self._log_gone(gone)
-        self._report(now, fired, first, pending, parked, entries)
-        return fired, (int(float(head)) if head else None), refill, raw[9 + 2 * n_expired :]
+        self._report(decided, fired, first, pending, parked, entries)
+        return fired, self._measured(local, decided, head), refill, raw[10 + 2 * n_expired :]
 
     def _log_gone(self, gone: int) -> None:
         log.error(
@@ -663,13 +685,13 @@ class DelayEngine:
         and parks what could not be. See the module docstring for why no crash
         point loses or doubles a message.
         """
-        now = self._clock.now_ms()
+        now, now_arg = self._decide_at()
         cfg = self._config
         raw = await self._claim(
             keys=self._keys.two_phase_keys,
             args=[
                 self._keys.buckets,
-                now,
+                now_arg,
                 cfg.batch_size,
                 cfg.batch_entries,
                 cfg.batch_bytes,
@@ -680,9 +702,9 @@ class DelayEngine:
             ],
         )
         head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
-        gone, n_expired = int(raw[5]), int(raw[6])
-        expired = [(_topic(raw[7 + 2 * i]), _topic(raw[8 + 2 * i])) for i in range(n_expired)]
-        claims = _parse_claims(raw[7 + 2 * n_expired :])
+        gone, decided, n_expired = int(raw[5]), int(raw[6]), int(raw[7])
+        expired = [(_topic(raw[8 + 2 * i]), _topic(raw[9 + 2 * i])) for i in range(n_expired)]
+        claims = _parse_claims(raw[8 + 2 * n_expired :])
         # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
         if expired:
             await self._markers("MaxAge", expired)
@@ -693,7 +715,7 @@ class DelayEngine:
         if claims:
             await self._at("claimed")
             outcomes = await self._append_claims(claims, now)
-            args: list[Any] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), len(claims)]
+            args: list[Any] = [self._keys.buckets, self._decide_at()[1], self._history_len(), len(claims)]
             for c in claims:
                 args += [c.id, outcomes[c.id]]
             done = await self._release(keys=self._keys.two_phase_keys, args=args)
@@ -703,10 +725,10 @@ class DelayEngine:
             head = _s(done[4])
             quads = done[5:]
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
-        self._report(now, fired, first, pending, parked, entries)
+        self._report(decided, fired, first, pending, parked, entries)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
-        return more, (int(float(head)) if head else None), refill, quads
+        return more, self._measured(now, decided, head), refill, quads
 
     async def _append_claims(self, claims: Sequence[_Claim], claimed_at: int) -> dict[str, str]:
         """APPEND every claimed envelope, one call per target; outcome per envelope id."""
@@ -848,7 +870,7 @@ class DelayEngine:
             stream_id = ref.split()[0]
             pipe.xrange(self._keys.stream, stream_id, stream_id)
         rows_of = await pipe.execute()
-        now = self._clock.now_ms()
+        now = self._shard_now()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         ending: dict[str, str] = {}  # key -> its topic ('' unknown), for markers
         for (key, ref), rows in zip(live, rows_of, strict=True):

@@ -17,6 +17,7 @@ from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
+from tests.conftest import SkewedClock
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_v2 import drain, every, history, payloads, recurring
 
@@ -450,19 +451,66 @@ async def test_envelopes_deleted_outside_the_engine_are_reported(
 # --- clock skew ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FIRE compares due times with the firing replica's clock (the injected Clock); a single clock "
-    "for due times (Redis TIME, or a bound on the skew) is a design decision for the lead.",
-)
 async def test_a_replica_with_a_fast_clock_does_not_fire_early(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
-    """A message due in a minute by the publisher's clock (and Redis's) is delivered at once by
-    a replica whose clock runs ten minutes ahead."""
+    """A message due in a minute by the publisher's clock (and Redis's) was delivered at once
+    by a replica whose system clock runs ten minutes ahead: FIRE compared due times with the
+    firing replica's clock. Due decisions are made on Redis TIME."""
     t0 = SystemClock().now_ms()
     publisher = DelayEngine(aredis(), KEYS, ManualClock(t0))
-    fast = DelayEngine(aredis(), KEYS, ManualClock(t0 + 600_000))
+    fast = DelayEngine(aredis(), KEYS, SkewedClock(600_000))
     await publisher.schedule([env(1, t0 + 60_000)])
-    await drain(fast)
-    assert payloads(redis_client) == []
+    fired, head = await fast.fire_due()
+    assert (fired, payloads(redis_client)) == (0, [])
+    # The head comes back in the fast replica's own frame, so its loop sleeps ~a minute.
+    assert head is not None and 59_000 < head - fast._clock.now_ms() <= 60_000
+
+
+async def test_a_replica_with_a_slow_clock_fires_on_time_and_measures_lateness_on_redis_time(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A replica whose clock runs ten minutes behind held every message ten minutes (it found
+    nothing due), and would have recorded a negative lateness."""
+    slow = DelayEngine(aredis(), KEYS, SkewedClock(-600_000))
+    due = redis_ms(redis_client) + 200
+    await slow.schedule([env(1, due)])
+    while redis_ms(redis_client) < due:
+        await asyncio.sleep(0.02)
+    await drain(slow)
+    assert payloads(redis_client) == [1]
+    [fired] = [r for r in history(redis_client) if r.event == "fired"]
+    assert fired.lateness_ms is not None and 0 <= fired.lateness_ms < 5_000
+    assert 0 <= fired.at_ms - due < 5_000
+
+
+async def test_a_fast_replica_sleeps_until_the_message_is_due_by_redis_time(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A replica ten minutes ahead must neither spin on a head that looks overdue by its own
+    clock (one FIRE after another for ten minutes) nor fire before Redis says it is due."""
+    engine = DelayEngine(aredis(), KEYS, SkewedClock(600_000))
+    due = redis_ms(redis_client) + 1_500
+    await engine.schedule([env(1, due)])
+    redis_client.config_resetstat()
+    runner = asyncio.create_task(engine.run())
+    try:
+        while not payloads(redis_client):
+            await asyncio.sleep(0.02)
+        arrived = redis_ms(redis_client)
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+    [entry_id, _] = target(redis_client)[0]
+    assert int(entry_id.split("-")[0]) >= due
+    assert arrived - due < 1_000
+    # Woken by its own schedule's wake-up, then asleep until due: a handful of fire calls.
+    calls = int(redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    assert calls < 20
+
+
+def redis_ms(client: redis.Redis) -> int:
+    """The Redis server's clock (TIME) in ms."""
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000
