@@ -12,6 +12,8 @@ import redis.cluster
 from hypothesis import settings as hypothesis_settings
 
 from delayed_middleware.clock import SystemClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.keys import EngineKeys
 from tests.redis_server import RedisCluster, RedisServer
 
 
@@ -63,3 +65,17 @@ def admin(cluster: RedisCluster) -> Iterator[redis.cluster.RedisCluster]:
 # property test is about what it computes, not how fast, so no deadline.
 hypothesis_settings.register_profile("suite", deadline=None)
 hypothesis_settings.load_profile("suite")
+
+
+async def drain_and_compact(engine: DelayEngine) -> None:
+    """Fire steps until nothing is due and no compaction pass is under way."""
+    while (await engine.fire_due())[0] or engine.compacting:
+        pass
+
+
+def stored_bytes(client: redis.Redis | redis.cluster.RedisCluster, keys: EngineKeys) -> int:
+    """MEMORY USAGE (every node sampled) of a delayed topic's stream and its moved hash."""
+    total = 0
+    for key in (keys.stream, keys.moved):
+        total += int(client.memory_usage(key, samples=0) or 0)
+    return total
