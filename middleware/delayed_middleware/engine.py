@@ -589,6 +589,32 @@ class DelayEngine:
         """True while a compaction pass is under way (fire steps go on with it)."""
         return self._compact_pass is not None
 
+    async def compact(self) -> bool:
+        """Check the stream's density now and, if it is sparse, run a whole compaction
+        pass (for operators and tests; fire steps do the same in slices). True if a pass ran."""
+        if self._compact_pass is None:
+            end = await self._sparse_until()
+            if end is None:
+                return False
+            self._compact_pass = ("-", end)
+        while self._compact_pass is not None:
+            await self._compact_chunk()
+        return True
+
+    async def _compact_chunk(self) -> None:
+        assert self._compact_pass is not None
+        cfg = self._config
+        cursor, end = self._compact_pass
+        raw = await self._compact(
+            keys=self._keys.script_keys, args=[cursor, end, cfg.compact_chunk, cfg.compact_budget_us]
+        )
+        after = _s(raw[0])
+        if after:
+            self._compact_pass = (after, end)
+        else:
+            self._compact_pass = None
+            self._dense = await self._density()
+
     async def _compact_step(self, left: int, *, idle: bool) -> None:
         """Counts envelopes that left the stream; checks its density once enough did,
         and runs a slice of the compaction pass under way (lua/compact.lua).
@@ -617,16 +643,7 @@ class DelayEngine:
         # slice bounds how long fires wait behind compaction.
         deadline = time.monotonic() + cfg.compact_slice_s
         while self._compact_pass is not None:
-            cursor, end = self._compact_pass
-            raw = await self._compact(
-                keys=self._keys.script_keys, args=[cursor, end, cfg.compact_chunk, cfg.compact_budget_us]
-            )
-            after = _s(raw[0])
-            if after:
-                self._compact_pass = (after, end)
-            else:
-                self._compact_pass = None
-                self._dense = await self._density()
+            await self._compact_chunk()
             if time.monotonic() >= deadline:
                 break
         if self._compact_pass is not None:
