@@ -3,7 +3,9 @@ Redis Cluster per test module, flushed per test through `admin`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,11 @@ def stored_bytes(client: redis.Redis | redis.cluster.RedisCluster, keys: EngineK
     for key in (keys.stream, keys.moved):
         total += int(client.memory_usage(key, samples=0) or 0)
     return total
+
+
+async def wait_until(check: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    """Polls `check` (a look at Redis) until it holds; fails naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
+        await asyncio.sleep(0.02)

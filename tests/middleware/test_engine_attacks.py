@@ -17,7 +17,7 @@ from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
-from tests.conftest import SkewedClock, drain_and_compact, stored_bytes
+from tests.conftest import SkewedClock, drain_and_compact, stored_bytes, wait_until
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_v2 import drain, every, history, payloads, recurring
 
@@ -431,7 +431,8 @@ async def test_long_delays_interleaved_with_short_ones_do_not_multiply_memory(
     await drain(engine)
     assert sorted(payloads(redis_client)) == list(range(1_000))
     assert await engine.pending() == 0
-    assert redis_client.exists(KEYS.moved) == 0 and redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.xlen(KEYS.stream) == 0
 
 
 # --- a message deleted behind the engine's back is lost loudly -----------------------------------
@@ -469,7 +470,8 @@ async def test_a_replica_with_a_fast_clock_does_not_fire_early(
     fired, head = await fast.fire_due()
     assert (fired, payloads(redis_client)) == (0, [])
     # The head comes back in the fast replica's own frame, so its loop sleeps ~a minute.
-    assert head is not None and 59_000 < head - fast._clock.now_ms() <= 60_000
+    assert head is not None
+    assert 59_000 < head - fast._clock.now_ms() <= 60_000
 
 
 async def test_a_replica_with_a_slow_clock_fires_on_time_and_measures_lateness_on_redis_time(
@@ -480,12 +482,12 @@ async def test_a_replica_with_a_slow_clock_fires_on_time_and_measures_lateness_o
     slow = DelayEngine(aredis(), KEYS, SkewedClock(-600_000))
     due = redis_ms(redis_client) + 200
     await slow.schedule([env(1, due)])
-    while redis_ms(redis_client) < due:
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: redis_ms(redis_client) >= due, "Redis TIME past the due time")
     await drain(slow)
     assert payloads(redis_client) == [1]
     [fired] = [r for r in history(redis_client) if r.event == "fired"]
-    assert fired.lateness_ms is not None and 0 <= fired.lateness_ms < 5_000
+    assert fired.lateness_ms is not None
+    assert 0 <= fired.lateness_ms < 5_000
     assert 0 <= fired.at_ms - due < 5_000
 
 
@@ -500,8 +502,7 @@ async def test_a_fast_replica_sleeps_until_the_message_is_due_by_redis_time(
     redis_client.config_resetstat()
     runner = asyncio.create_task(engine.run())
     try:
-        while not payloads(redis_client):
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: bool(payloads(redis_client)), "the delivery")
         arrived = redis_ms(redis_client)
     finally:
         runner.cancel()
