@@ -118,7 +118,9 @@ async def schedule(socket: Path, port: int, n: int, payload: bytes, metadata: di
         return time.perf_counter() - t0
 
 
-async def mix_run(work: Path, n: int, settle_s: float, *, compact: bool, longs_only: bool) -> dict[str, float]:
+async def mix_run(
+    work: Path, n: int, settle_s: float, *, compact: bool, longs_only: bool
+) -> dict[str, float]:
     """One fresh redis-server: schedule the mix, let the engine fire the short ones, wait `settle_s`."""
     redis_server = RedisServer(work, appendonly=False)
     redis_server.start()
@@ -180,7 +182,11 @@ async def mix_run(work: Path, n: int, settle_s: float, *, compact: bool, longs_o
 
 
 def mix(n: int, settle_s: float) -> None:
-    runs = [("compaction on", True, False), ("compaction off", False, False), ("the long ones alone", True, True)]
+    runs = [
+        ("compaction on", True, False),
+        ("compaction off", False, False),
+        ("the long ones alone", True, True),
+    ]
     out = {}
     with tempfile.TemporaryDirectory(prefix="dps-mix-") as d:
         for i, (name, compact, alone) in enumerate(runs):
@@ -199,13 +205,17 @@ def mix(n: int, settle_s: float) -> None:
             f"{r['moved']:14.1f} {r['nodes']:6.0f}"
         )
     on, off = out["compaction on"]["freed"], out["compaction off"]["freed"]
-    print(f"freed per pending, off/on: {off / on:.2f}x; on/alone: {on / out['the long ones alone']['freed']:.2f}x")
+    print(
+        f"freed per pending, off/on: {off / on:.2f}x; on/alone: {on / out['the long ones alone']['freed']:.2f}x"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mix", action="store_true", help="the interleaved short/long mix (see above)")
-    ap.add_argument("--settle", type=float, default=40.0, help="--mix: seconds to wait after the short ones fired")
+    ap.add_argument(
+        "--settle", type=float, default=40.0, help="--mix: seconds to wait after the short ones fired"
+    )
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--payload", type=int, default=302, help="bytes of message body")
     ap.add_argument(

@@ -98,7 +98,9 @@ async def test_a_recurring_message_without_schedule_id_keeps_its_scheduler_heade
     of every message it produces, and the id that cancels it."""
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0), recurrence=every)
-    scheds = (await engine.schedule(interleaved([recurring(i, HOUR) for i in range(20)], per_long=100)))[::101]
+    scheds = (await engine.schedule(interleaved([recurring(i, HOUR) for i in range(20)], per_long=100)))[
+        ::101
+    ]
     await compacted(engine, redis_client)
     assert redis_client.hlen(KEYS.moved) == 20
     for _ in range(3):

@@ -417,7 +417,9 @@ async def test_long_delays_interleaved_with_short_ones_do_not_multiply_memory(
     for i in range(1_000):
         body = b'{"n":%d}' % i
         envs.append(
-            Envelope(id="", topic="orders", due_ms=T0 + 3_600_000, published_at_ms=T0, message=body.ljust(300))
+            Envelope(
+                id="", topic="orders", due_ms=T0 + 3_600_000, published_at_ms=T0, message=body.ljust(300)
+            )
         )
         envs += [Envelope(id="", topic="short", due_ms=T0, published_at_ms=T0, message=b"x" * 300)] * 9
     ids = await engine.schedule(envs)

@@ -140,7 +140,10 @@ def _read_before(fields: Any, seen: tuple[int, int]) -> bool:
 
 
 def _plan(
-    kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, str]], seen: dict[str, str] | None = None
+    kind: type[_Kind],
+    options: ReaderOptions,
+    ends: dict[str, tuple[str, str]],
+    seen: dict[str, str] | None = None,
 ) -> list[StreamRange]:
     parts = options.num_partitions or os.cpu_count() or 1
     out = []
