@@ -5,6 +5,7 @@ flight on Cluster): nothing is lost, doubled, or renamed. Real Redis, real Redis
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Callable
@@ -180,6 +181,34 @@ async def test_a_pass_cut_short_by_a_crash_is_started_again_without_loss_or_dupl
     clock.advance(HOUR)
     await drain(second)
     assert sorted(payloads(redis_client)) == list(range(50))
+
+
+async def test_five_replicas_compacting_at_once_keep_one_copy_of_each_envelope(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Every replica runs its own passes over the same stream: each move is atomic, so
+    whichever replica gets to an envelope first moves it and the others skip it."""
+    clock = ManualClock(T0)
+    # Passes only when asked (compact()), all five at once.
+    config = EngineConfig(history_max_len=0, compact_chunk=7, compact_check_every=0)
+    engines = [DelayEngine(aredis(), KEYS, clock, config=config) for _ in range(5)]
+    longs = [
+        Envelope(id="", topic="orders", due_ms=T0 + HOUR, published_at_ms=T0, message=b'{"n":%d}' % i)
+        for i in range(200)
+    ]
+    ids = (await engines[0].schedule(interleaved(longs, per_long=12)))[::13]
+    await drain(engines[0])
+    assert all(await asyncio.gather(*(e.compact() for e in engines)))
+    entries = stream_entries(redis_client, KEYS.stream)
+    assert len(entries) == 200
+    moved = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.moved).items()}
+    assert sorted(moved) == sorted(ids)
+    assert {entry_id: f[b"origin"].decode() for entry_id, f in entries} == {v: k for k, v in moved.items()}
+    clock.advance(HOUR)
+    await asyncio.gather(*(drain(e) for e in engines))
+    assert sorted(payloads(redis_client)) == list(range(200))
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
 
 
 async def test_a_parked_envelope_stays_parked_and_listed_after_moving(
