@@ -756,7 +756,8 @@ class DelayEngine:
         if self._config.two_phase:
             return await self._fire_two_phase()
         local, now_arg = self._decide_at()
-        mode, threshold = self._trim.args(local)
+        # streamTTL's MINID is compared with stream ids, which Redis's clock makes.
+        mode, threshold = self._trim.args(local - self._skew_ms)
         cfg = self._config
         raw = await self._fire(
             keys=self._keys.script_keys,

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import Callable
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
@@ -201,7 +202,8 @@ async def test_five_replicas_compacting_at_once_keep_one_copy_of_each_envelope(
     assert all(await asyncio.gather(*(e.compact() for e in engines)))
     entries = stream_entries(redis_client, KEYS.stream)
     assert len(entries) == 200
-    moved = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.moved).items()}
+    raw = cast("dict[bytes, bytes]", redis_client.hgetall(KEYS.moved))
+    moved = {k.decode(): v.decode() for k, v in raw.items()}
     assert sorted(moved) == sorted(ids)
     assert {entry_id: f[b"origin"].decode() for entry_id, f in entries} == {v: k for k, v in moved.items()}
     clock.advance(HOUR)
