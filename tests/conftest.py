@@ -3,7 +3,9 @@ Redis Cluster per test module, flushed per test through `admin`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,21 @@ import redis
 import redis.cluster
 from hypothesis import settings as hypothesis_settings
 
+from delayed_middleware.clock import SystemClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.keys import EngineKeys
 from tests.redis_server import RedisCluster, RedisServer
+
+
+class SkewedClock(SystemClock):
+    """A replica's system clock that runs `skew_ms` ahead (negative: behind) of the real time:
+    a production clock (not authoritative), as on a machine whose NTP has drifted."""
+
+    def __init__(self, skew_ms: int) -> None:
+        self.skew_ms = skew_ms
+
+    def now_ms(self) -> int:
+        return super().now_ms() + self.skew_ms
 
 
 @pytest.fixture(scope="session")
@@ -65,3 +81,34 @@ def small_stream_nodes(client: Any, entries: int) -> Iterator[None]:
 # property test is about what it computes, not how fast, so no deadline.
 hypothesis_settings.register_profile("suite", deadline=None)
 hypothesis_settings.load_profile("suite")
+
+
+async def drain_and_compact(engine: DelayEngine) -> None:
+    """Fire steps until nothing is due and no compaction pass is under way."""
+    while (await engine.fire_due())[0] or engine.compacting:
+        pass
+
+
+def stored_bytes(client: redis.Redis | redis.cluster.RedisCluster, keys: EngineKeys) -> int:
+    """MEMORY USAGE (every node sampled) of a delayed topic's stream and its moved hash."""
+    total = 0
+    for key in (keys.stream, keys.moved):
+        total += int(client.memory_usage(key, samples=0) or 0)
+    return total
+
+
+async def wait_until(check: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    """Polls `check` (a look at Redis) until it holds; fails naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
+        await asyncio.sleep(0.02)
+
+
+def freed_by_deleting(client: redis.Redis, keys: EngineKeys) -> int:
+    """used_memory freed by deleting every key of a delayed topic: what its pending messages
+    hold in Redis. Fixed costs (the script cache, the slowlog, connection buffers) stay out."""
+    before = int(client.info("memory")["used_memory"])
+    names = [keys.stream, *client.scan_iter(match="{" + keys.stream + "}*", count=1_000)]
+    client.delete(*names)
+    return before - int(client.info("memory")["used_memory"])

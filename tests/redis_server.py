@@ -542,7 +542,9 @@ class RedisSentinel:
             self.replica.stop()
 
 
-def stream_entries(client: redis.Redis, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
+def stream_entries(
+    client: redis.Redis | redis.cluster.RedisCluster, key: str
+) -> list[tuple[str, dict[bytes, bytes]]]:
     """XRANGE key - + as (id, fields): redis-py's own return type is too loose to use."""
     raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(key))
     return [(i.decode(), f) for i, f in raw]

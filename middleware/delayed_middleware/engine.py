@@ -110,6 +110,7 @@ import json
 import logging
 import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,20 @@ class EngineConfig:
     # Redis memory per fired message for this long. (Not marker_ttl_ms above:
     # that is deleteMarkerTTL's marker *messages*; these are idempotency keys.)
     fire_marker_ttl_ms: int = 900_000
+    # Compaction (lua/compact.lua): a stream node is freed only when all its
+    # entries are deleted, so envelopes that wait long among ones that fired keep
+    # whole nodes allocated. The stream's density (live entries per node) is
+    # checked once this many envelopes have left it (fired, cancelled) since the
+    # last check (0 = never compact); below half of what a pass last achieved (at
+    # first: a full node's worth, from its entries' size and Redis's default node
+    # size), over at least compact_min_nodes nodes, a pass re-homes the stream's
+    # envelopes to its tail, compact_chunk per call within compact_budget_us of
+    # Redis time, for up to compact_slice_s per fire step.
+    compact_check_every: int = 1_000
+    compact_min_nodes: int = 16
+    compact_chunk: int = 200
+    compact_budget_us: int = 5_000
+    compact_slice_s: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -247,6 +262,7 @@ class DelayEngine:
         self._append = client.register_script(scripts.APPEND)
         self._release = client.register_script(scripts.RELEASE)
         self._uncancel = client.register_script(scripts.UNCANCEL)
+        self._compact = client.register_script(scripts.COMPACT)
         # Test hook: awaited at each step of the two-phase fire ("claimed",
         # "appended:<n>", "released"); raising there stops the fire like a crash.
         self._fault = fault
@@ -257,6 +273,17 @@ class DelayEngine:
         self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
+        # How far this replica's clock runs ahead of the shard's Redis TIME, as
+        # the last fire measured it (0 with an authoritative clock): the
+        # successors computed here are on the shard's time, and the head the
+        # fire step returns is moved into this clock's frame for the sleep.
+        self._skew_ms = 0
+        # Compaction's state (per shard, nothing per message): envelopes that left
+        # the stream since its density was last checked, the live entries per node
+        # the last pass achieved, and the pass under way: (cursor, end id).
+        self._left_since_check = 0
+        self._dense: float | None = None
+        self._compact_pass: tuple[str, str] | None = None
 
     @property
     def keys(self) -> EngineKeys:
@@ -435,6 +462,8 @@ class DelayEngine:
             )
             n = 2 * len(part)
             out += [(bool(int(raw[i])), _topic(raw[i + 1])) for i in range(0, n, 2)]
+            # Cancelled envelopes left the stream: the next fire step's compaction check counts them.
+            self._left_since_check += sum(int(raw[i]) for i in range(0, n, 2))
             for i in range(n, len(raw), 6):
                 pos, id, due, target, kind, hid = raw[i : i + 6]
                 # A topic that is not text was never appended (its claim parks): nothing to stop.
@@ -523,8 +552,10 @@ class DelayEngine:
         return bool(await self._redis.hexists(self._keys.ids, key))
 
     async def holds(self, stream_id: str) -> bool:
-        """True if this delayed topic holds an envelope at `stream_id`."""
-        return bool(await self._redis.xrange(self._keys.stream, stream_id, stream_id))
+        """True if this delayed topic holds the envelope whose id is `stream_id` (wherever compaction put it)."""
+        at = await self._redis.hget(self._keys.moved, stream_id)
+        stored = stream_id if at is None else _s(at)
+        return bool(await self._redis.xrange(self._keys.stream, stored, stored))
 
     async def pending(self) -> int:
         """How many messages wait in the index of this delayed topic."""
@@ -546,7 +577,105 @@ class DelayEngine:
         if refill and await self.refill_pending(limit=max(refill, REFILL_BATCH)) and not fired:
             fired, head, _, quads = await self._fire_once()
             await self._advance(quads)
+        # Compaction runs only when nothing is due: it never delays a fire batch,
+        # and never re-homes envelopes about to fire.
+        await self._compact_step(fired, idle=head is None or head > self._clock.now_ms())
         return fired, head
+
+    # --- compaction: free the stream nodes that long-waiting envelopes pin ----
+
+    @property
+    def compacting(self) -> bool:
+        """True while a compaction pass is under way (fire steps go on with it)."""
+        return self._compact_pass is not None
+
+    async def compact(self) -> bool:
+        """Check the stream's density now and, if it is sparse, run a whole compaction
+        pass (for operators and tests; fire steps do the same in slices). True if a pass ran."""
+        if self._compact_pass is None:
+            end = await self._sparse_until()
+            if end is None:
+                return False
+            self._compact_pass = ("-", end)
+        while self._compact_pass is not None:
+            await self._compact_chunk()
+        return True
+
+    async def _compact_chunk(self) -> None:
+        assert self._compact_pass is not None
+        cfg = self._config
+        cursor, end = self._compact_pass
+        raw = await self._compact(
+            keys=self._keys.script_keys, args=[cursor, end, cfg.compact_chunk, cfg.compact_budget_us]
+        )
+        after = _s(raw[0])
+        if after:
+            self._compact_pass = (after, end)
+        else:
+            self._compact_pass = None
+            self._dense = await self._density()
+
+    async def _compact_step(self, left: int, *, idle: bool) -> None:
+        """Counts envelopes that left the stream; checks its density once enough did,
+        and runs a slice of the compaction pass under way (lua/compact.lua).
+
+        A pass walks the stream as it was when it began and re-homes every
+        envelope to the tail, so it ends. Passes start only when the density fell
+        to half of what the last one achieved: the envelopes re-homed per pass are
+        at most about twice those that left the stream since the last pass.
+        """
+        cfg = self._config
+        if not cfg.compact_check_every:
+            return
+        self._left_since_check += left
+        if not idle:
+            return
+        if self._compact_pass is None:
+            if self._left_since_check < cfg.compact_check_every:
+                return
+            self._left_since_check = 0
+            end = await self._sparse_until()
+            if end is None:
+                return
+            self._compact_pass = ("-", end)
+            log.info("compacting %s: re-homing envelopes up to %s", self._keys.stream, end)
+        # A budget of this process's time, not of the (injected) clock's: the
+        # slice bounds how long fires wait behind compaction.
+        deadline = time.monotonic() + cfg.compact_slice_s
+        while self._compact_pass is not None:
+            await self._compact_chunk()
+            if time.monotonic() >= deadline:
+                break
+        if self._compact_pass is not None:
+            # More to do: the run loop comes straight back instead of sleeping.
+            self._wake.set()
+
+    async def _density(self) -> float | None:
+        info = await self._stream_info()
+        if info is None:
+            return None
+        length, nodes = int(info["length"]), int(info["radix-tree-keys"])
+        return max(1.0, length / nodes) if nodes else None
+
+    async def _stream_info(self) -> dict[str, Any] | None:
+        try:
+            info: dict[str, Any] = await self._redis.xinfo_stream(self._keys.stream)
+        except ResponseError:
+            return None  # no stream (nothing pending)
+        return info
+
+    async def _sparse_until(self) -> str | None:
+        """The stream's last id if it is sparse enough to compact, else None."""
+        info = await self._stream_info()
+        if info is None:
+            return None
+        length, nodes = int(info["length"]), int(info["radix-tree-keys"])
+        if nodes < self._config.compact_min_nodes:
+            return None
+        dense = self._dense or _full_node(info.get("first-entry"))
+        if length * 2 >= nodes * dense:
+            return None
+        return _s(info["last-generated-id"])
 
     async def _advance(self, quads: Sequence[Any]) -> None:
         """REFILL the cron envelopes a fire step just advanced (common.lua's REFILLS).
@@ -559,7 +688,7 @@ class DelayEngine:
         """
         if not quads or self._recurrence is None:
             return
-        now = self._clock.now_ms()
+        now = self._shard_now()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         for i in range(0, len(quads) - 3, 4):
             # All inside the guard: a hand-written envelope's fields (not UTF-8, say)
@@ -607,17 +736,34 @@ class DelayEngine:
                 )
             )
 
+    def _decide_at(self) -> tuple[int, int | str]:
+        """This replica's clock now, and the FIRE/CLAIM/RELEASE `now` argument:
+        that time from an authoritative (injected) clock, else '' for the
+        shard's Redis TIME (see clock.Clock.authoritative)."""
+        local = self._clock.now_ms()
+        return local, (local if self._clock.authoritative else "")
+
+    def _measured(self, local: int, decided: int, head: str) -> int | None:
+        """Records the skew a fire step measured; returns its head in this clock's frame."""
+        self._skew_ms = local - decided
+        return int(float(head)) + self._skew_ms if head else None
+
+    def _shard_now(self) -> int:
+        """The shard's time as of the last fire step's measurement (successors are computed on it)."""
+        return self._clock.now_ms() - self._skew_ms
+
     async def _fire_once(self) -> tuple[int, int | None, int, Sequence[Any]]:
         if self._config.two_phase:
             return await self._fire_two_phase()
-        now = self._clock.now_ms()
-        mode, threshold = self._trim.args(now)
+        local, now_arg = self._decide_at()
+        # streamTTL's MINID is compared with stream ids, which Redis's clock makes.
+        mode, threshold = self._trim.args(local - self._skew_ms)
         cfg = self._config
         raw = await self._fire(
             keys=self._keys.script_keys,
             args=[
                 self._keys.buckets,
-                now,
+                now_arg,
                 cfg.batch_size,
                 cfg.batch_entries,
                 cfg.batch_bytes,
@@ -629,20 +775,21 @@ class DelayEngine:
             ],
         )
         fired, head, first, pending = int(raw[0]), _s(raw[1]), _s(raw[2]), int(raw[3])
-        parked, refill, entries, gone, n_expired = (
+        parked, refill, entries, gone, decided, n_expired = (
             int(raw[4]),
             int(raw[5]),
             int(raw[6]),
             int(raw[7]),
             int(raw[8]),
+            int(raw[9]),
         )
-        expired = [(_topic(raw[9 + 2 * i]), _topic(raw[10 + 2 * i])) for i in range(n_expired)]
+        expired = [(_topic(raw[10 + 2 * i]), _topic(raw[11 + 2 * i])) for i in range(n_expired)]
         if expired:
             await self._markers("MaxAge", expired)
         if gone:
             self._log_gone(gone)
-        self._report(now, fired, first, pending, parked, entries)
-        return fired, (int(float(head)) if head else None), refill, raw[9 + 2 * n_expired :]
+        self._report(decided, fired, first, pending, parked, entries)
+        return fired, self._measured(local, decided, head), refill, raw[10 + 2 * n_expired :]
 
     def _log_gone(self, gone: int) -> None:
         log.error(
@@ -663,13 +810,13 @@ class DelayEngine:
         and parks what could not be. See the module docstring for why no crash
         point loses or doubles a message.
         """
-        now = self._clock.now_ms()
+        now, now_arg = self._decide_at()
         cfg = self._config
         raw = await self._claim(
             keys=self._keys.two_phase_keys,
             args=[
                 self._keys.buckets,
-                now,
+                now_arg,
                 cfg.batch_size,
                 cfg.batch_entries,
                 cfg.batch_bytes,
@@ -680,9 +827,9 @@ class DelayEngine:
             ],
         )
         head, pending, parked, refill, first = _s(raw[0]), int(raw[1]), int(raw[2]), int(raw[3]), _s(raw[4])
-        gone, n_expired = int(raw[5]), int(raw[6])
-        expired = [(_topic(raw[7 + 2 * i]), _topic(raw[8 + 2 * i])) for i in range(n_expired)]
-        claims = _parse_claims(raw[7 + 2 * n_expired :])
+        gone, decided, n_expired = int(raw[5]), int(raw[6]), int(raw[7])
+        expired = [(_topic(raw[8 + 2 * i]), _topic(raw[9 + 2 * i])) for i in range(n_expired)]
+        claims = _parse_claims(raw[8 + 2 * n_expired :])
         # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
         if expired:
             await self._markers("MaxAge", expired)
@@ -693,7 +840,7 @@ class DelayEngine:
         if claims:
             await self._at("claimed")
             outcomes = await self._append_claims(claims, now)
-            args: list[Any] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), len(claims)]
+            args: list[Any] = [self._keys.buckets, self._decide_at()[1], self._history_len(), len(claims)]
             for c in claims:
                 args += [c.id, outcomes[c.id]]
             done = await self._release(keys=self._keys.two_phase_keys, args=args)
@@ -703,10 +850,10 @@ class DelayEngine:
             head = _s(done[4])
             quads = done[5:]
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
-        self._report(now, fired, first, pending, parked, entries)
+        self._report(decided, fired, first, pending, parked, entries)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
-        return more, (int(float(head)) if head else None), refill, quads
+        return more, self._measured(now, decided, head), refill, quads
 
     async def _append_claims(self, claims: Sequence[_Claim], claimed_at: int) -> dict[str, str]:
         """APPEND every claimed envelope, one call per target; outcome per envelope id."""
@@ -843,12 +990,14 @@ class DelayEngine:
         live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None]
         if not live:
             return len(gone)
+        # Where each envelope is stored now (compaction may have re-homed it).
+        moved = await self._redis.hmget(self._keys.moved, [ref.split()[0] for _, ref in live])
         pipe = self._redis.pipeline(transaction=False)
-        for _, ref in live:
-            stream_id = ref.split()[0]
+        for (_, ref), at in zip(live, moved, strict=True):
+            stream_id = ref.split()[0] if at is None else _s(at)
             pipe.xrange(self._keys.stream, stream_id, stream_id)
         rows_of = await pipe.execute()
-        now = self._clock.now_ms()
+        now = self._shard_now()
         args: list[Any] = [self._keys.buckets, self._keys.wake, 0]
         ending: dict[str, str] = {}  # key -> its topic ('' unknown), for markers
         for (key, ref), rows in zip(live, rows_of, strict=True):
@@ -1199,6 +1348,19 @@ class _Claim:
             if self.bulk:
                 out += ["bulk", self.scheduler]
         return out
+
+
+# Redis's default stream-node-max-entries and stream-node-max-bytes.
+_NODE_ENTRIES, _NODE_BYTES = 100, 4096
+
+
+def _full_node(first: Any) -> float:
+    """Entries a full stream node holds, estimated from one entry's size (an
+    envelope's fields; a listpack entry adds a few bytes per field)."""
+    if not first or not first[1]:
+        return float(_NODE_ENTRIES)
+    size = sum(len(k) + len(v) + 4 for k, v in first[1].items())
+    return float(max(1, min(_NODE_ENTRIES, _NODE_BYTES // max(1, size))))
 
 
 def _parse_claims(raw: Sequence[Any]) -> list[_Claim]:

@@ -159,6 +159,15 @@ def _s(value: bytes | str | None) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
+def _public_id(raw_id: Any, fields: Any) -> Any:
+    """An entry's envelope id: its stream id, or for a copy compaction made (lua/compact.lua)
+    the id it was first stored at (field `origin`), in the type the entry id came in."""
+    origin = fields.get(b"origin", fields.get("origin"))
+    if origin is None:
+        return raw_id
+    return origin if isinstance(raw_id, bytes) == isinstance(origin, bytes) else _s(origin)
+
+
 def _payload_size(env: Envelope) -> int:
     if env.is_bulk:
         return sum(len(e.event) for e in env.bulk_entries)
@@ -304,6 +313,7 @@ class Inspector:
         keys = self.shards[shard]
         decoded: list[tuple[str, Any, int]] = []
         for raw_id, fields in rows:
+            raw_id = _public_id(raw_id, fields)
             try:
                 msg = delayed_pb2.DelayedMessage.FromString(fields.get(b"data", fields.get("data")) or b"")
                 size = _raw_size(msg)
@@ -586,6 +596,7 @@ class Inspector:
                     flags = await self._redis.hmget(keys.parked, [r[0] for r in rows])
                     skip = {r[0] for r, f in zip(rows, flags, strict=True) if f is not None}
                 for raw_id, fields in rows:
+                    raw_id = _public_id(raw_id, fields)
                     if raw_id in skip:
                         continue
                     try:
@@ -686,7 +697,10 @@ class Inspector:
         return None
 
     async def _load(self, shard: int, stream_id: str) -> MessageInfo | None:
-        rows: Any = await self._redis.xrange(self.shards[shard].stream, stream_id, stream_id)
+        # Compaction may have re-homed the envelope: the moved hash says where it is now.
+        at = await self._redis.hget(self.shards[shard].moved, stream_id)
+        stored = stream_id if at is None else _s(at)
+        rows: Any = await self._redis.xrange(self.shards[shard].stream, stored, stored)
         if not rows:
             return None
         return await self._info(shard, stream_id, rows[0][1])
@@ -718,6 +732,7 @@ class Inspector:
                 start = "(" + _s(rows[-1][0])
                 scanned += len(rows)
                 for raw_id, fields in rows:
+                    raw_id = _public_id(raw_id, fields)
                     try:
                         env = decode_envelope(fields.get(b"data", fields.get("data")) or b"")
                     except EnvelopeDecodeError:

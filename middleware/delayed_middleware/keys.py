@@ -66,6 +66,9 @@ class EngineKeys:
              firing replica still has to compute (see engine.DelayEngine).
     outbox:  stream of fired messages bound for another Dapr pub/sub (targetPubsub),
              handed to the sidecar at least once by the forwarder.
+    moved:   hash, envelope id -> the stream id it is stored at now, for the
+             envelopes compaction re-homed to the stream's tail (see lua/compact.lua);
+             always the last key a script gets.
     """
 
     stream: str
@@ -80,6 +83,7 @@ class EngineKeys:
     calls: str
     refill: str
     outbox: str
+    moved: str
 
     @classmethod
     def for_topic(cls, topic: str) -> EngineKeys:
@@ -97,6 +101,7 @@ class EngineKeys:
             calls=f"{tag}:calls",
             refill=f"{tag}:refill",
             outbox=f"{tag}:outbox",
+            moved=f"{tag}:moved",
         )
 
     # Subscriber retries (delayed_pubsub.retry): not touched by the engine's scripts.
@@ -126,12 +131,17 @@ class EngineKeys:
 
     @property
     def two_phase_keys(self) -> list[str]:
-        """KEYS of CLAIM and RELEASE: the engine's keys, then in-flight and claims."""
-        return [*self.script_keys, self.inflight, self.claims]
+        """KEYS of CLAIM and RELEASE (and of SCHEDULE and CANCEL on Cluster): the engine's
+        keys, then in-flight and claims, then the moved hash (always the last key)."""
+        return [*self._base_keys, self.inflight, self.claims, self.moved]
 
     @property
     def script_keys(self) -> list[str]:
-        """KEYS of every engine script, in their order (see the .lua headers)."""
+        """KEYS of every engine script, in their order (see the .lua headers); the moved hash last."""
+        return [*self._base_keys, self.moved]
+
+    @property
+    def _base_keys(self) -> list[str]:
         return [
             self.stream,
             self.due,

@@ -14,8 +14,12 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
+from delayed_middleware.clock import SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.instants import format_instant
+from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
 
@@ -392,3 +396,30 @@ async def test_delay_shards_on_a_single_node_are_all_read_and_a_missing_count_is
     assert result.code == 0, result.err
     assert len(result.json()) == sum(r["id"].endswith("@0") for r in rows[1:])
     assert "app1~1-delayed exists" in result.err
+
+
+async def test_pending_inspect_and_cancel_name_messages_the_same_after_compaction(
+    populated: Component, conn: list[str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Compaction re-homes envelopes to the delayed topic's tail (new stream ids): the CLI
+    goes on listing, inspecting and cancelling them by the ids it showed before, once each."""
+    before = (await cli("pending", *conn, "--json")).json()
+    keys = EngineKeys.for_topic(delayed_topic("app1"))
+    client = aioredis.Redis(port=redis_server.port)
+    try:
+        # Any density counts as sparse here: the 15 envelopes share a node or two.
+        engine = DelayEngine(client, keys, SystemClock(), config=EngineConfig(compact_min_nodes=1))
+        assert await engine.compact()
+    finally:
+        await client.aclose()
+    assert redis_client.hlen(keys.moved) == 15
+    assert (await cli("pending", *conn, "--json")).json() == before
+    envelope_id = next(r["id"] for r in before if r["scheduleId"] is None)
+    shown = await cli("inspect", *conn, envelope_id)
+    assert shown.code == 0, shown.err
+    assert envelope_id in shown.out
+    result = await cli("cancel", *conn, envelope_id, "bill-2")
+    assert result.code == 0, result.err
+    after = (await cli("pending", *conn, "--json")).json()
+    assert after == [r for r in before if r["id"] not in (envelope_id, "bill-2")]
+    assert redis_client.hlen(keys.moved) == 13

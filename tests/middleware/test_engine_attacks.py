@@ -17,6 +17,7 @@ from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
+from tests.conftest import SkewedClock, drain_and_compact, stored_bytes, wait_until
 from tests.middleware.test_engine import KEYS, T0, env, target
 from tests.middleware.test_engine_v2 import drain, every, history, payloads, recurring
 
@@ -403,29 +404,37 @@ async def test_a_replica_with_a_fast_clock_does_not_forget_other_replicas_call_t
 # --- memory: fired envelopes must not pin their stream nodes -----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="XDEL only flags a stream entry deleted; a listpack node (stream-node-max-bytes 4096) is freed "
-    "when all its entries are. Needs compaction of sparse nodes or another envelope store: a design change.",
-)
 async def test_long_delays_interleaved_with_short_ones_do_not_multiply_memory(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
     """One message delayed by an hour among nine due at once (retries beside reminders):
-    after the nine fire, each pending 300-byte envelope pins a whole ~4 KB stream node,
-    ten times what the same messages cost when scheduled alone (measured 4,053 vs 405 B)."""
-    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=EngineConfig(history_max_len=0))
+    after the nine fire, each pending 300-byte envelope pinned a whole ~4 KB stream node,
+    ten times what the same messages cost when scheduled alone (measured 4,053 vs 405 B).
+    Compaction re-homes them; each still fires once, at its time."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
     envs = []
-    for _ in range(1_000):
+    for i in range(1_000):
+        body = b'{"n":%d}' % i
         envs.append(
-            Envelope(id="", topic="orders", due_ms=T0 + 3_600_000, published_at_ms=T0, message=b"x" * 300)
+            Envelope(
+                id="", topic="orders", due_ms=T0 + 3_600_000, published_at_ms=T0, message=body.ljust(300)
+            )
         )
-        envs += [Envelope(id="", topic="orders", due_ms=T0, published_at_ms=T0, message=b"x" * 300)] * 9
-    await engine.schedule(envs)
-    await drain(engine)
+        envs += [Envelope(id="", topic="short", due_ms=T0, published_at_ms=T0, message=b"x" * 300)] * 9
+    ids = await engine.schedule(envs)
+    await drain_and_compact(engine)
     assert await engine.pending() == 1_000
-    per_pending = int(redis_client.memory_usage(KEYS.stream, samples=0) or 0) / 1_000
-    assert per_pending < 1_000
+    assert stored_bytes(redis_client, KEYS) / 1_000 < 1_000
+    # Each long one is still held under its own id, and fires once, at its time.
+    long_ids = ids[::10]
+    assert all([await engine.holds(i) for i in long_ids])
+    clock.advance(3_600_000)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == list(range(1_000))
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.xlen(KEYS.stream) == 0
 
 
 # --- a message deleted behind the engine's back is lost loudly -----------------------------------
@@ -450,19 +459,66 @@ async def test_envelopes_deleted_outside_the_engine_are_reported(
 # --- clock skew ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FIRE compares due times with the firing replica's clock (the injected Clock); a single clock "
-    "for due times (Redis TIME, or a bound on the skew) is a design decision for the lead.",
-)
 async def test_a_replica_with_a_fast_clock_does_not_fire_early(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
-    """A message due in a minute by the publisher's clock (and Redis's) is delivered at once by
-    a replica whose clock runs ten minutes ahead."""
+    """A message due in a minute by the publisher's clock (and Redis's) was delivered at once
+    by a replica whose system clock runs ten minutes ahead: FIRE compared due times with the
+    firing replica's clock. Due decisions are made on Redis TIME."""
     t0 = SystemClock().now_ms()
     publisher = DelayEngine(aredis(), KEYS, ManualClock(t0))
-    fast = DelayEngine(aredis(), KEYS, ManualClock(t0 + 600_000))
+    fast = DelayEngine(aredis(), KEYS, SkewedClock(600_000))
     await publisher.schedule([env(1, t0 + 60_000)])
-    await drain(fast)
-    assert payloads(redis_client) == []
+    fired, head = await fast.fire_due()
+    assert (fired, payloads(redis_client)) == (0, [])
+    # The head comes back in the fast replica's own frame, so its loop sleeps ~a minute.
+    assert head is not None
+    assert 59_000 < head - fast._clock.now_ms() <= 60_000
+
+
+async def test_a_replica_with_a_slow_clock_fires_on_time_and_measures_lateness_on_redis_time(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A replica whose clock runs ten minutes behind held every message ten minutes (it found
+    nothing due), and would have recorded a negative lateness."""
+    slow = DelayEngine(aredis(), KEYS, SkewedClock(-600_000))
+    due = redis_ms(redis_client) + 200
+    await slow.schedule([env(1, due)])
+    await wait_until(lambda: redis_ms(redis_client) >= due, "Redis TIME past the due time")
+    await drain(slow)
+    assert payloads(redis_client) == [1]
+    [fired] = [r for r in history(redis_client) if r.event == "fired"]
+    assert fired.lateness_ms is not None
+    assert 0 <= fired.lateness_ms < 5_000
+    assert 0 <= fired.at_ms - due < 5_000
+
+
+async def test_a_fast_replica_sleeps_until_the_message_is_due_by_redis_time(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A replica ten minutes ahead must neither spin on a head that looks overdue by its own
+    clock (one FIRE after another for ten minutes) nor fire before Redis says it is due."""
+    engine = DelayEngine(aredis(), KEYS, SkewedClock(600_000))
+    due = redis_ms(redis_client) + 1_500
+    await engine.schedule([env(1, due)])
+    redis_client.config_resetstat()
+    runner = asyncio.create_task(engine.run())
+    try:
+        await wait_until(lambda: bool(payloads(redis_client)), "the delivery")
+        arrived = redis_ms(redis_client)
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+    [entry_id, _] = target(redis_client)[0]
+    assert int(entry_id.split("-")[0]) >= due
+    assert arrived - due < 1_000
+    # Woken by its own schedule's wake-up, then asleep until due: a handful of fire calls.
+    calls = int(redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    assert calls < 20
+
+
+def redis_ms(client: redis.Redis) -> int:
+    """The Redis server's clock (TIME) in ms."""
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000

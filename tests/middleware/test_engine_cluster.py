@@ -22,6 +22,7 @@ from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
+from tests.conftest import SkewedClock, wait_until
 from tests.redis_server import RedisCluster
 
 T0 = 1_800_000_000_000
@@ -626,3 +627,42 @@ async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_
     got = sorted(n for ns in delivered(admin, topics).values() for n in ns)
     # Occurrence 0's marker failed: it may go out (the cancel did not answer OK); 1-5 must not.
     assert set(got) - {0} == set(range(6, 12))
+
+
+async def test_fire_decisions_on_cluster_use_each_shards_redis_time_not_the_replicas_clock(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """Six shards over three masters: a replica ten minutes ahead claims nothing due in a
+    minute on any of them; one ten minutes behind fires what is due now on every shard, with
+    lateness measured on the shard master's clock."""
+    keys = [EngineKeys.for_topic(t) for t in shard_topics("app", 6)]
+    assert len({cluster.owner(k.stream).port for k in keys}) == 3
+    cfg = EngineConfig(two_phase=True, lease_ms=LEASE, batch_size=500, fire_budget_us=0)
+
+    def replica(skew_ms: int) -> ShardedEngine:
+        clock = SkewedClock(skew_ms)
+        return ShardedEngine([DelayEngine(aclient, k, clock, config=cfg) for k in keys])  # type: ignore[arg-type]
+
+    fast, slow = replica(600_000), replica(-600_000)
+    now = SystemClock().now_ms()
+    await fast.schedule([env(i, "orders", due=now + 60_000, schedule_id=f"later-{i}") for i in range(12)])
+    fired, _ = await fast.fire_due()
+    assert fired == 0
+    assert admin.exists("orders") == 0
+    assert all(admin.zcard(k.inflight) == 0 for k in keys)
+
+    due = now + 200
+    await slow.schedule([env(100 + i, "orders", due=due, schedule_id=f"now-{i}") for i in range(12)])
+    await wait_until(lambda: SystemClock().now_ms() > due + 50, "the due time")
+    while (await slow.fire_due())[0]:
+        pass
+    assert delivered(admin, ["orders"]) == {"orders": list(range(100, 112))}
+    late = [
+        r.lateness_ms
+        for k in keys
+        for r in (decode_record(i, f) for i, f in rows(admin, k.history))
+        if r.event == "fired"
+    ]
+    assert len(late) == 12
+    assert all(lat is not None and 0 <= lat < 10_000 for lat in late)
+    assert len({e.keys.stream for e in slow.engines if admin.xlen(e.keys.history)}) > 1

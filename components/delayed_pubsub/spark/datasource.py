@@ -68,6 +68,9 @@ class StreamRange(InputPartition):
     key: str
     start: str
     end: str
+    # A streaming micro-batch: the last id earlier batches read. A copy compaction
+    # re-homed (field `origin`) whose first id is at or before it was read there.
+    seen_through: str = ""
 
 
 class _Kind:
@@ -113,6 +116,9 @@ class _Pending(_Kind):
         # Parked envelopes are rare: skip the per-page lookup when there are none.
         any_parked = redis.hlen(keys.parked) > 0
         for page in redis.read(part.key, part.start, part.end, batch_size):
+            if part.seen_through:
+                seen = parse_id(part.seen_through)
+                page = [(i, f) for i, f in page if not _read_before(f, seen)]
             decoded = decode_pending(page)
             wanted = recurring_keys(decoded)
             current = {
@@ -127,7 +133,18 @@ class _Pending(_Kind):
             yield pending_batch(part.delayed_topic, decoded, current, parked)
 
 
-def _plan(kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, str]]) -> list[StreamRange]:
+def _read_before(fields: Any, seen: tuple[int, int]) -> bool:
+    """True for a compaction copy whose envelope a stream reader met at its first id."""
+    origin = fields.get(b"origin")
+    return origin is not None and parse_id(origin.decode()) <= seen
+
+
+def _plan(
+    kind: type[_Kind],
+    options: ReaderOptions,
+    ends: dict[str, tuple[str, str]],
+    seen: dict[str, str] | None = None,
+) -> list[StreamRange]:
     parts = options.num_partitions or os.cpu_count() or 1
     out = []
     for topic in options.delayed_topics:
@@ -135,7 +152,7 @@ def _plan(kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, 
             continue
         first, last = ends[topic]
         for start, end in split_range(first, last, parts):
-            out.append(StreamRange(topic, kind.key(topic), start, end))
+            out.append(StreamRange(topic, kind.key(topic), start, end, (seen or {}).get(topic, "")))
     return out
 
 
@@ -201,7 +218,7 @@ class _StreamReader(DataSourceStreamReader):
             lo, hi = start.get(topic, _FIRST_ID), end.get(topic, _FIRST_ID)
             if parse_id(hi) > parse_id(lo):
                 ends[topic] = (next_id(lo), hi)
-        return _plan(self._kind, self._options, ends)
+        return _plan(self._kind, self._options, ends, {t: start.get(t, _FIRST_ID) for t in ends})
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, StreamRange)

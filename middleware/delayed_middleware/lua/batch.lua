@@ -125,7 +125,5 @@ end
 -- Takes the batch's candidates out of the index and deletes its dropped stream entries.
 local function batch_finish()
   remove_candidates(B.taken)
-  for i = 1, #B.deletes, 500 do
-    redis.call('XDEL', KEYS[1], unpack(B.deletes, i, math.min(i + 499, #B.deletes)))
-  end
+  delete_envelopes(B.deletes)
 end

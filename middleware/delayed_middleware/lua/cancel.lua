@@ -1,7 +1,8 @@
 -- CANCEL: withdraw pending messages or schedules; nothing more is delivered.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
---       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua)
+--       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua); the last
+--       key is the moved hash (moved.lua): 11 on a single node, 13 on Cluster
 -- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen, 4 reason, 5 n, then n ids
 --       (each a scheduleId, or an envelope's stream id on the delayed topic)
 -- Returns two values per id: 1 when something pending (or parked) was cancelled,
@@ -146,7 +147,8 @@ end
 -- The history fields of the envelope at stream id `id` (see peek), or nil
 -- (gone or undecodable).
 local function peek_envelope(id)
-  local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+  local at = stored_at(id)
+  local e = redis.call('XRANGE', KEYS[1], at, at)[1]
   if not e then return nil end
   local f = e[2]
   for j = 1, #f, 2 do
@@ -179,7 +181,8 @@ end
 
 local function flush()
   remove_candidates(taken)
-  for _, q in ipairs({{'XDEL', KEYS[1], xdels}, {'HDEL', KEYS[3], keys}, {'ZREM', KEYS[9], keys},
+  delete_envelopes(xdels)
+  for _, q in ipairs({{'HDEL', KEYS[3], keys}, {'ZREM', KEYS[9], keys},
                       {'HDEL', KEYS[7], sids}}) do
     local list = q[3]
     for i = 1, #list, 500 do
@@ -235,7 +238,7 @@ local function cancel_stream_id(pos, key)
   flush()
   local sid, due = key, nil
   local env = read_envelope(sid)
-  if redis.call('XDEL', KEYS[1], sid) == 0 then return 0, '' end
+  if delete_envelopes({sid}) == 0 then return 0, '' end
   gone[sid] = true
   if env then
     due = env.due

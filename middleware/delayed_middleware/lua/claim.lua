@@ -2,16 +2,18 @@
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox,
 --       11 in-flight zset (member envelope id, score lease expiry ms),
---       12 claims hash (envelope id -> "<due ms> <next due ms | -> <scheduleNext> <scheduler>")
--- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max work (as FIRE's: entries,
+--       12 claims hash (envelope id -> "<due ms> <next due ms | -> <scheduleNext> <scheduler>"),
+--       13 moved hash (moved.lua)
+-- ARGV: 1 bucket key prefix, 2 now ms ('' = Redis TIME, as FIRE's), 3 max envelopes, 4 max work (as FIRE's: entries,
 --       plus one per METADATA_PER_ENTRY metadata pairs), 5 max envelope bytes,
 --       6 history maxlen (0 = off), 7 Redis time budget us (0 = none), 8 lease ms,
 --       9 the firing component's name ('' = any): its trim applies only to
 --       messages published through it (as FIRE's ARGV[10])
--- Returns {head, pending, parked, refill, first, gone, x, then x (id, topic)
+-- Returns {head, pending, parked, refill, first, gone, now, x, then x (id, topic)
 -- pairs, n, then n claims}: head = the earliest due time left in the index or
 -- lease end in flight ('' none); first = the earliest due time claimed ('' none);
--- gone = index entries whose envelope someone else deleted; the pairs are the
+-- gone = index entries whose envelope someone else deleted; now = the time the
+-- batch was decided at (ms; leases are measured on it); the pairs are the
 -- envelopes that expired unfired (for the caller's markers, as FIRE's); each
 -- claim is 12 values then its entries: envelope id, occurrence due ms,
 -- scheduler (the envelope's key), scheduleNext, append key (the target topic,
@@ -37,8 +39,8 @@
 --!include common.lua
 --!include batch.lua
 --!include inflight.lua
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[6]), ARGV[2]
-local now = tonumber(ARGV[2])
+local now = decision_now(ARGV[2])
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[6]), string.format('%.0f', now)
 local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease = tonumber(ARGV[8])
 local own_pubsub = ARGV[9] or ''
@@ -123,7 +125,8 @@ local h = next_wakeup()
 local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 -- Refills overdue (due now, successor unknown), reported so whichever replica fires next completes them (as FIRE).
 local refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
-local reply = {h or '', pending, B.parked, refill, first and tostring(first) or '', B.gone, #B.expired / 2}
+local reply = {h or '', pending, B.parked, refill, first and tostring(first) or '', B.gone, string.format('%.0f', now),
+  #B.expired / 2}
 for _, v in ipairs(B.expired) do reply[#reply + 1] = v end
 reply[#reply + 1] = n
 for _, v in ipairs(out) do reply[#reply + 1] = v end

@@ -1,10 +1,22 @@
 -- LIBRARY common.lua: envelope bookkeeping shared by the engine's scripts.
 -- Needs index.lua, decode.lua and history.lua included before it.
--- KEYS: 1 delayed stream, 3 ids hash, 7 parked hash, 9 refill zset.
+-- KEYS: 1 delayed stream, 3 ids hash, 7 parked hash, 9 refill zset, the last the moved hash.
+--!include moved.lua
+
+-- The time a fire decision is made at, in epoch ms: `arg` from an injected
+-- (authoritative) clock, or, when '', the Redis server's clock: the one clock
+-- every replica of this shard shares, so a replica whose own clock runs ahead
+-- never fires early and one that runs behind never fires late.
+local function decision_now(arg)
+  if arg ~= nil and arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
 local function read_envelope(id)
-  local e = redis.call('XRANGE', KEYS[1], id, id)[1]
+  local at = stored_at(id)
+  local e = redis.call('XRANGE', KEYS[1], at, at)[1]
   if not e then return nil, 'gone' end
   local f = e[2]
   for j = 1, #f, 2 do
@@ -23,7 +35,7 @@ local function drop_ref(key, ref)
   local sid, due, _, _, flag = parse_ref(ref)
   -- A ref without a numeric due (written by hand) names no index entry: locating it would raise.
   if flag ~= 'u' and tonumber(due) then remove(sid, due) end
-  redis.call('XDEL', KEYS[1], sid)
+  delete_envelopes({sid})
   redis.call('ZREM', KEYS[9], key)
   redis.call('HDEL', KEYS[7], sid)
   return sid, due

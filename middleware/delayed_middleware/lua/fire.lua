@@ -1,17 +1,17 @@
 -- FIRE: deliver what is due, exactly once, failure-atomic.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
--- ARGV: 1 bucket key prefix, 2 now ms, 3 max envelopes, 4 max work (entries appended, plus
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 moved hash (moved.lua)
+-- ARGV: 1 bucket key prefix, 2 now ms ('' = the Redis server's TIME: common.lua decision_now), 3 max envelopes, 4 max work (entries appended, plus
 --       one per METADATA_PER_ENTRY metadata pairs decoded), 5 max envelope bytes,
 --       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
 --       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
 --       trim applies only to messages published through it
--- Returns {fired, head, first, pending, parked, refill, entries, gone, x, ...}: envelopes fired;
+-- Returns {fired, head, first, pending, parked, refill, entries, gone, now, x, ...}: envelopes fired;
 -- the earliest due time left ('' when none); the earliest due time fired ('' when
 -- none); messages left in the index; envelopes parked; recurring envelopes whose
 -- refill is overdue (due now, successor unknown: any replica completes them);
 -- entries appended; index entries whose envelope someone else deleted from the
--- delayed topic; then x (envelope id, topic) pairs of the envelopes that expired
+-- delayed topic; the time the batch was decided at (ms); then x (envelope id, topic) pairs of the envelopes that expired
 -- unfired; then the rest: common.lua's REFILLS quads for this batch's cron envelopes.
 --
 -- Why exactly once: an occurrence leaves the index (or, recurring, moves to its
@@ -40,8 +40,8 @@
 --!include history.lua
 --!include common.lua
 --!include batch.lua
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[8]), ARGV[2]
-local now = tonumber(ARGV[2])
+local now = decision_now(ARGV[2])
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[8]), string.format('%.0f', now)
 local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local trim_mode, trim_at = ARGV[6], ARGV[7]
 local fired, appended, first = 0, 0, nil
@@ -186,7 +186,8 @@ local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
 -- computed: their replica stopped between its FIRE and its REFILL, or they
 -- waited above), reported so that whichever replica fires next completes them.
 local refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
-local out = {fired, head() or '', first and tostring(first) or '', pending, B.parked, refill, appended, B.gone, #B.expired / 2}
+local out = {fired, head() or '', first and tostring(first) or '', pending, B.parked, refill, appended, B.gone,
+  string.format('%.0f', now), #B.expired / 2}
 for _, v in ipairs(B.expired) do out[#out + 1] = v end
 for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out

@@ -3,7 +3,7 @@
 -- on the ids hash ref, so a refill racing a replace, a cancel or another
 -- replica's refill changes nothing.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 moved hash (moved.lua)
 -- ARGV: 1 bucket key prefix, 2 wake channel, 3 n, then n groups of 4:
 --       envelope id (ids hash key), the ref the replica read, next due ms
 --       ('purge': the schedule ends after the pending occurrence; 'end': withdraw it

@@ -1,8 +1,9 @@
 -- RELEASE: phase 3 of the two-phase fire, in the shard's slot: finalize what
 -- APPEND did, exactly as FIRE does after its append.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
---       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 in-flight zset, 12 claims hash
--- ARGV: 1 bucket key prefix, 2 now ms, 3 history maxlen (0 = off), 4 n, then n
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 in-flight zset, 12 claims hash,
+--       13 moved hash (moved.lua)
+-- ARGV: 1 bucket key prefix, 2 now ms ('' = Redis TIME, as FIRE's), 3 history maxlen (0 = off), 4 n, then n
 --       pairs: envelope id, outcome ('ok' | 'dup': appended; anything else: the
 --       reason it could not be, and the envelope parks)
 -- Returns {released, parked, refill, fired, head, ...}: refill = envelopes marked for
@@ -19,8 +20,8 @@
 --!include history.lua
 --!include common.lua
 --!include inflight.lua
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
-local now = tonumber(ARGV[2])
+local now = decision_now(ARGV[2])
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), string.format('%.0f', now)
 local released, parked, refill, fired = 0, 0, 0, 0
 -- Recurring envelopes re-enter the index together at the end (index.lua insert_many).
 local reinserts = {}
@@ -45,7 +46,7 @@ for _ = 1, tonumber(ARGV[4]) do
         local current = ref and parse_ref(ref) == id
         if next_due == '-' or (env.kind == 1 and not current) then
           -- The last occurrence, or a schedule replaced or cancelled in flight.
-          redis.call('XDEL', KEYS[1], id)
+          delete_envelopes({id})
           if current then
             redis.call('HDEL', KEYS[3], key)
             redis.call('ZREM', KEYS[9], key)

@@ -1,7 +1,8 @@
 -- SCHEDULE: store envelopes durably and index them by due time.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
---       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua)
+--       two-phase fire also 11 in-flight zset, 12 claims hash (claim.lua); the last
+--       key is the moved hash (moved.lua): 11 on a single node, 13 on Cluster
 -- ARGV: 1 bucket key prefix, 2 wake channel, 3 now ms (history), 4 call token ('' = none),
 --       5 history maxlen (0 = off), 6 token window ms, 7 n, then n groups of 9:
 --       envelope bytes, due ms, scheduleId, kind (0 one-shot, 1 recurring, 2 retry),

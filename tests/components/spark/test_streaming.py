@@ -8,9 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.envelope import Envelope
+from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.components.driver import Component
-from tests.components.spark.conftest import add_history, fired
+from tests.components.spark.conftest import APP, add_history, fired
+from tests.redis_server import RedisServer
+
+T0 = 1_800_000_000_000
 
 
 def history_stream(spark: Any, options: dict[str, str], **extra: str) -> Any:
@@ -130,3 +138,50 @@ async def test_pending_stream_sees_new_envelopes(
         assert ids == ["s-0", "s-1", "s-2", "s-3"]
     finally:
         query.stop()
+
+
+async def test_pending_reads_after_compaction_show_each_envelope_once_under_its_id(
+    spark: Any, redis_client: redis.Redis, options: dict[str, str], redis_server: RedisServer
+) -> None:
+    """Compaction re-homes envelopes to the delayed topic's tail (new stream ids). A running
+    stream query already read them: it must not read them again; a batch read and a stream
+    query started afterwards read each once, under the id it was published with."""
+    clock = ManualClock(T0)
+    client = aioredis.Redis(port=redis_server.port)
+    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic(APP)), clock)
+    waiting = [Envelope(id="", topic="later", due_ms=T0 + 3_600_000, published_at_ms=T0, message=b"{}")]
+    filler = [Envelope(id="", topic="now", due_ms=T0, published_at_ms=T0, message=b"x" * 300)] * 20
+    ids = (await engine.schedule((waiting + filler) * 30))[::21]
+    while (await engine.fire_due())[0]:
+        pass
+
+    def pending_ids(table: str) -> list[str]:
+        return sorted(r["id"] for r in spark.sql(f"SELECT id FROM {table}").collect())
+
+    query = (
+        spark.readStream.format("delayed-pending").options(**options).load()
+        .writeStream.format("memory").queryName("pending_compacted")
+        .trigger(processingTime="200 milliseconds").start()
+    )  # fmt: skip
+    try:
+        query.processAllAvailable()
+        assert pending_ids("pending_compacted") == sorted(ids)
+        assert await engine.compact()
+        assert redis_client.hlen(EngineKeys.for_topic(delayed_topic(APP)).moved) == 30
+        more = await engine.schedule(waiting * 2)
+        query.processAllAvailable()
+        assert pending_ids("pending_compacted") == sorted(ids + more)
+    finally:
+        query.stop()
+        await client.aclose()
+    batch = spark.read.format("delayed-pending").options(**options, numPartitions="3").load()
+    assert sorted(r["id"] for r in batch.collect()) == sorted(ids + more)
+    late = (
+        spark.readStream.format("delayed-pending").options(**options).load()
+        .writeStream.format("memory").queryName("pending_after").start()
+    )  # fmt: skip
+    try:
+        late.processAllAvailable()
+        assert pending_ids("pending_after") == sorted(ids + more)
+    finally:
+        late.stop()

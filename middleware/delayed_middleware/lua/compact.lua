@@ -1,0 +1,53 @@
+-- COMPACT: re-home the envelopes of one stretch of the delayed topic to its
+-- tail, so the stream nodes they kept allocated are freed.
+-- KEYS: the engine's (1 delayed stream, ...), the moved hash last (moved.lua)
+-- ARGV: 1 cursor: the last stream id walked ('-' from the start), 2 the pass's
+--       end: the stream's last id when the pass began (the copies land after it,
+--       so a pass ends), 3 max entries, 4 Redis time budget us (0 = none)
+-- Returns {cursor, moved}: the last stream id walked ('' once the pass reached
+-- its end), and how many envelopes were re-homed by this call.
+--
+-- Why: XDEL only flags an entry deleted; a stream node (a listpack of up to
+-- stream-node-max-entries / -bytes) is freed once all its entries are. One
+-- message waiting a day among a hundred fired ones keeps its whole node.
+-- Copying it to the tail (XADD) and deleting the original frees the node; the
+-- copies of one call sit together, densely. The envelope keeps its public id
+-- (its first stream id): the copy carries it in field `origin`, and the moved
+-- hash points from it to the copy, in this same atomic step, so every script
+-- (FIRE, CLAIM, RELEASE, CANCEL, a replace) finds it, before or after, and
+-- nothing is lost or doubled. Readers of the delayed topic show a copy under
+-- its `origin` id. Bounded: max entries per call and a Redis time budget.
+--!include moved.lua
+local cursor, last, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local budget = tonumber(ARGV[4] or '0')
+local function clock_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local started = budget > 0 and clock_us() or 0
+local from = cursor == '-' and '-' or '(' .. cursor
+local rows = redis.call('XRANGE', KEYS[1], from, last, 'COUNT', max)
+local moved = 0
+for i, e in ipairs(rows) do
+  if budget > 0 and i > 1 and i % 16 == 0 and clock_us() - started > budget then break end
+  local id, f = e[1], e[2]
+  local origin = id
+  local args = {KEYS[1], '*'}
+  for j = 1, #f, 2 do
+    if f[j] == 'origin' then
+      origin = f[j + 1]
+    else
+      args[#args + 1] = f[j]
+      args[#args + 1] = f[j + 1]
+    end
+  end
+  args[#args + 1] = 'origin'
+  args[#args + 1] = origin
+  local copy = redis.call('XADD', unpack(args))
+  redis.call('XDEL', KEYS[1], id)
+  redis.call('HSET', MOVED, origin, copy)
+  cursor = id
+  moved = moved + 1
+end
+if #rows < max and moved == #rows then cursor = '' end
+return {cursor, moved}
