@@ -7,7 +7,12 @@ then one ack per message, and never re-opens a stream.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -132,3 +137,34 @@ class Stream:
         """An abrupt end (daprd killed): the stream is cancelled mid-flight."""
         self.call.cancel()
         await asyncio.wait_for(self.ended.wait(), 5)
+
+
+# --- the `delayed-pubsub` command line, run as a real process ------------------
+
+EXE = Path(sys.executable).with_name("delayed-pubsub")
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a finished `delayed-pubsub` process left: exit code, stdout, stderr."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
+    """Run the installed `delayed-pubsub` with `args` (and `env` over ours) to its end."""
+    proc = await asyncio.create_subprocess_exec(
+        str(EXE),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "250", **(env or {})},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())

@@ -5,45 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from delayed_middleware.instants import format_instant
-from tests.components.driver import Component
+from tests.components.driver import EXE, Component, cli
 from tests.redis_server import RedisServer
 
 Factory = Callable[[str], Component]
-EXE = Path(sys.executable).with_name("delayed-pubsub")
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
-    proc = await asyncio.create_subprocess_exec(
-        str(EXE),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "250", **(env or {})},
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return Result(proc.returncode, out.decode(), err.decode())
 
 
 @pytest.fixture
