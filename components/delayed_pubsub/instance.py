@@ -128,6 +128,7 @@ class Instance:
         connection = connect(settings)
         try:
             await connection.ping()
+            await connection.check_version()
         except BaseException:
             await connection.aclose()
             raise
