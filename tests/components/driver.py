@@ -156,8 +156,11 @@ class Result:
         return json.loads(self.out)
 
 
-async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
-    """Run the installed `delayed-pubsub` with `args` (and `env` over ours) to its end."""
+async def cli(*args: str, env: Mapping[str, str] | None = None, within: float = 60) -> Result:
+    """Run the installed `delayed-pubsub` with `args` (and `env` over ours) to its end.
+
+    Past `within` seconds the process is killed (and waited for) and TimeoutError raised.
+    """
     proc = await asyncio.create_subprocess_exec(
         str(EXE),
         *args,
@@ -165,6 +168,11 @@ async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "COLUMNS": "250", **(env or {})},
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), within)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
     assert proc.returncode is not None
     return Result(proc.returncode, out.decode(), err.decode())

@@ -255,7 +255,8 @@ async def test_clean_errors_and_exit_codes(args: list[str], code: int, message: 
 def test_the_shipped_component_yaml_loads_with_a_secret_from_the_environment() -> None:
     import argparse
 
-    from delayed_pubsub.operate import load_settings, secret_env_names
+    from delayed_pubsub.component_file import secret_env_names
+    from delayed_pubsub.operate import load_settings
 
     shipped = Path(__file__).resolve().parents[2] / "dapr" / "components" / "delayed-pubsub.yaml"
     args = argparse.Namespace(component=shipped, redis_host=None, redis_password=None, app_id="myapp")
