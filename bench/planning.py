@@ -80,7 +80,7 @@ def extract(ref: str, into: Path) -> Path:
 
 def probe(tree: Path) -> dict[str, float]:
     path = os.pathsep.join(str(tree / p) for p in ("proto", "middleware", "components"))
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True, cwd=tree
     )
@@ -104,17 +104,25 @@ def main() -> None:
             for name, tree in order if i % 2 == 0 else reversed(order):
                 runs[name].append(probe(tree))
     print(f"machine: {platform.node()}, {os.cpu_count()} cores; python {platform.python_version()}")
-    keys = list(runs["this tree"][0])
-    print(f"| figure (median of {args.rounds}) | this tree | {args.base} | ratio |")
+    print(
+        f"| figure | this tree (median of {args.rounds}) | {args.base} | ratio: median of the rounds' "
+        "ratios (lowest, highest) |"
+    )
     print("|---|---|---|---|")
-    for key in keys:
-        ours = statistics.median(r[key] for r in runs["this tree"])
-        theirs = [r[key] for r in runs[args.base] if key in r]
-        if theirs:
-            other = statistics.median(theirs)
-            print(f"| {key} | {ours:,.1f} | {other:,.1f} | {ours / other:.2f} |")
-        else:
-            print(f"| {key} | {ours:,.1f} | (not delayed there) | |")
+    for key in runs["this tree"][0]:
+        ours = [r[key] for r in runs["this tree"]]
+        pairs = [
+            (a[key], b[key]) for a, b in zip(runs["this tree"], runs[args.base], strict=True) if key in b
+        ]
+        if not pairs:
+            print(f"| {key} | {statistics.median(ours):,.1f} | (not delayed there) | |")
+            continue
+        ratios = [a / b for a, b in pairs]
+        other = statistics.median(b for _, b in pairs)
+        print(
+            f"| {key} | {statistics.median(ours):,.1f} | {other:,.1f} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}, {max(ratios):.2f}) |"
+        )
 
 
 if __name__ == "__main__":
