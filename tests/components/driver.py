@@ -7,6 +7,7 @@ then one ack per message, and never re-opens a stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -70,9 +71,12 @@ class Component:
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str] | None = None) -> Stream:
         call = self.stub.PullMessages(metadata=self.md)
-        await call.write(
-            pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=topic, metadata=metadata or {}))
-        )
+        # The component may end the stream before it reads the topic (an instance never Init'ed):
+        # then the write fails with the stream's own status, which Stream.status() reports.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call.write(
+                pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=topic, metadata=metadata or {}))
+            )
         return Stream(call)
 
 
