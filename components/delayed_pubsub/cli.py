@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,17 @@ from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
+
+DISTRIBUTION = "dapr-delayed-pubsub"
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as pip recorded it)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        # Imported from a source tree that was never installed: say so rather than guess.
+        return "unknown (not installed)"
 
 
 def tcp_port(text: str) -> int:
@@ -35,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="delayed-pubsub", description="Dapr pluggable pub/sub on Redis Streams"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="serve the component on a unix socket for daprd")
     run.add_argument(

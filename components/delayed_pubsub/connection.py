@@ -9,7 +9,8 @@ import os
 import shutil
 import ssl
 import tempfile
-from typing import Any, TypeAlias
+from collections.abc import Mapping
+from typing import Any, Final, TypeAlias
 
 import hiredis
 import redis.asyncio as aioredis
@@ -20,7 +21,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
-from delayed_middleware.errors import BackendAuthError, BackendUnavailableError
+from delayed_middleware.errors import BackendAuthError, BackendUnavailableError, UnsupportedRedisError
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,26 @@ class Connection:
         except redis.exceptions.RedisError as e:
             raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
 
+    async def check_version(self) -> None:
+        """UnsupportedRedisError if Redis (any node of a cluster) is older than MIN_REDIS_VERSION.
+
+        When INFO is refused (a managed Redis or an ACL user without it) the
+        version cannot be known: that is logged, not refused.
+        """
+        try:
+            async with asyncio.timeout(self.ping_timeout):
+                if isinstance(self.client, RedisCluster):
+                    reply: Mapping[str, Any] = await self.client.info(
+                        "server", target_nodes=RedisCluster.ALL_NODES
+                    )
+                else:
+                    reply = await self.client.info("server")
+        except (redis.exceptions.RedisError, TimeoutError) as e:
+            log.warning("redis at %s: version unknown (INFO server failed: %s)", self.address, e)
+            return
+        for version in _versions(reply):
+            check_redis_version(version, self.address)
+
     async def aclose(self) -> None:
         """Close every pooled connection and remove the TLS key files."""
         try:
@@ -192,6 +213,39 @@ class Connection:
         finally:
             if self._tempdir is not None:
                 shutil.rmtree(self._tempdir, ignore_errors=True)
+
+
+# XAUTOCLAIM (reclaiming abandoned messages) and XADD/XTRIM MINID (streamTTL) arrived in Redis 6.2.
+MIN_REDIS_VERSION: Final = (6, 2)
+
+
+def check_redis_version(version: str, address: str) -> None:
+    """Refuse a Redis whose INFO redis_version is older than MIN_REDIS_VERSION.
+
+    Only a version known to be too old is refused: text that does not start
+    with numbers (a fork's own scheme) passes, since it proves nothing.
+    """
+    parts = []
+    for part in version.strip().split(".")[:2]:
+        digits = part.split("-")[0]
+        if not digits.isascii() or not digits.isdigit():
+            return
+        parts.append(int(digits))
+    if len(parts) == 2 and tuple(parts) < MIN_REDIS_VERSION:
+        need = ".".join(map(str, MIN_REDIS_VERSION))
+        raise UnsupportedRedisError(
+            f"redis at {address} is version {version.strip()}; this component needs Redis {need} or "
+            f"later (it uses XAUTOCLAIM and MINID trimming, added in {need})"
+        )
+
+
+def _versions(reply: Mapping[str, Any]) -> list[str]:
+    """The redis_version of each server in an INFO reply (one server's, or a cluster's by node)."""
+    if "redis_version" in reply:
+        return [str(reply["redis_version"])]
+    return [
+        str(v["redis_version"]) for v in reply.values() if isinstance(v, Mapping) and "redis_version" in v
+    ]
 
 
 def _is_auth_reply(error: redis.exceptions.ResponseError) -> bool:

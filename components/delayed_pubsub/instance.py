@@ -46,7 +46,7 @@ from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.retry import Retrier
-from delayed_pubsub.settings import Settings, parse_settings
+from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Instance:
         connection = connect(settings)
         try:
             await connection.ping()
+            await connection.check_version()
         except BaseException:
             await connection.aclose()
             raise
@@ -618,6 +619,9 @@ class Instances:
         `name` are no longer counted orphaned: daprd re-Inits a component when
         it (re)starts or reloads it, and then opens whatever it subscribes.
         """
+        # Before parsing: a misspelt key may be why the parse fails (redisHots: "redisHost required").
+        for warning in unknown_keys(props):
+            log.warning("instance %r: %s", name, warning)
         settings = parse_settings(props)
         async with self._name_lock(name):
             instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))

@@ -2,13 +2,9 @@
 
 Every command reads Redis with the component's own settings:
 
-- `--component PATH.yaml`: our Component YAML (the first `pubsub.*` Component in
-  the file). `secretKeyRef` values come from environment variables: the
-  variable named like the ref's `key`, upper-cased with every other character
-  than A-Z/0-9 turned into `_` (`key: redis-password` -> `REDIS_PASSWORD`, as
-  Dapr's local.env secret store names them); if that is unset,
-  `<NAME>_<KEY>` likewise (`name: redis, key: password` -> `REDIS_PASSWORD`,
-  `name: redis-tls, key: tls.key` -> `REDIS_TLS_TLS_KEY`).
+- `--component PATH.yaml`: our Component YAML, read as `stats` reads it
+  (delayed_pubsub.component_file: `secretKeyRef` values from environment
+  variables, `key: redis-password` -> `REDIS_PASSWORD`).
 - or `--redis-host host:port` with `--redis-password` (or the environment
   variable DELAYED_PUBSUB_REDIS_PASSWORD, which keeps it out of `ps`).
 - `--app-id`: the consumerID whose delayed topic, history and dead letters to
@@ -33,14 +29,12 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
 from redis.exceptions import MovedError
 from rich import box
 from rich.console import Console
@@ -60,6 +54,7 @@ from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.retry import DL_KEYS
 from delayed_middleware.scripts import SCHEDULER
+from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.settings import Settings, parse_settings
 
@@ -233,7 +228,10 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
     if (args.component is None) == (args.redis_host is None):
         raise UsageError("give exactly one of --component PATH.yaml or --redis-host HOST:PORT")
     if args.component is not None:
-        props = component_properties(args.component, environ)
+        try:
+            props = component_properties(args.component, environ)
+        except ComponentFileError as e:
+            raise UsageError(str(e)) from None
     else:
         props = {"redisHost": args.redis_host}
     password = args.redis_password or environ.get(PASSWORD_ENV)
@@ -252,63 +250,6 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         return parse_settings(props)
     except DelayedPubSubError as e:
         raise UsageError(str(e)) from None
-
-
-def component_properties(path: Path, environ: Mapping[str, str]) -> dict[str, str]:
-    """The metadata of the first pub/sub Component in a YAML file, secrets from the environment."""
-    try:
-        docs = list(yaml.safe_load_all(path.read_text()))
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UsageError(f"{path} is not valid YAML: {e}") from None
-    for doc in docs:
-        if not isinstance(doc, dict) or doc.get("kind") != "Component":
-            continue
-        spec = doc.get("spec") or {}
-        if not str(spec.get("type", "")).startswith("pubsub."):
-            continue
-        props: dict[str, str] = {}
-        for item in spec.get("metadata") or []:
-            if not isinstance(item, dict) or "name" not in item:
-                raise UsageError(f"{path}: a spec.metadata item has no name: {item!r}")
-            name = str(item["name"])
-            if "secretKeyRef" in item:
-                props[name] = secret_from_env(item["secretKeyRef"], name, environ)
-            else:
-                props[name] = _yaml_string(item.get("value", ""))
-        return props
-    raise UsageError(f"{path} holds no pub/sub Component (kind: Component, spec.type: pubsub.*)")
-
-
-def secret_env_names(ref: Mapping[str, Any]) -> list[str]:
-    """The environment variables a secretKeyRef is read from, in order."""
-    name, key = str(ref.get("name", "")), str(ref.get("key", "") or ref.get("name", ""))
-    names = [_env_name(key)]
-    if name and name != key:
-        names.append(_env_name(f"{name}_{key}"))
-    return names
-
-
-def secret_from_env(ref: Any, field: str, environ: Mapping[str, str]) -> str:
-    if not isinstance(ref, Mapping):
-        raise UsageError(f"{field}: secretKeyRef must be a mapping with name and key")
-    names = secret_env_names(ref)
-    for env in names:
-        if env in environ:
-            return environ[env]
-    raise UsageError(f"{field} comes from a secretKeyRef: set the environment variable {' or '.join(names)}")
-
-
-def _env_name(text: str) -> str:
-    return re.sub(r"[^A-Z0-9]", "_", text.upper())
-
-
-def _yaml_string(value: Any) -> str:
-    # YAML turns `true` and `5` into bool and int; daprd hands us their text.
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return "" if value is None else str(value)
 
 
 # --- output helpers ---------------------------------------------------------------

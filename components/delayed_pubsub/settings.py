@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
-from delayed_middleware.retry import KEYS as RETRY_KEYS
 from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 from delayed_middleware.target import check_target_name
+from delayed_pubsub.settings_spec import load_spec, unknown_key_warnings
 
 log = logging.getLogger(__name__)
 
@@ -27,46 +27,10 @@ DEFAULT_PORT = 6379
 DEFAULT_CLUSTER_SHARDS = 16
 MAX_DELAY_SHARDS = 1024
 
-# Every key we read. Anything else daprd hands us (it passes a few of its own,
-# and pubsub.redis YAMLs carry go-redis pool knobs we have no use for) is ignored.
-KNOWN_KEYS = frozenset(
-    {
-        "redisHost",
-        "redisPort",
-        "redisUsername",
-        "redisPassword",
-        "redisDB",
-        "redisType",
-        "failover",
-        "sentinelMasterName",
-        "enableTLS",
-        "insecureSkipTLSVerify",
-        "clientCert",
-        "clientKey",
-        "consumerID",
-        "processingTimeout",
-        "redeliverInterval",
-        "queueDepth",
-        "concurrency",
-        "maxLenApprox",
-        "streamTTL",
-        "redisMaxRetries",
-        "dialTimeout",
-        "readTimeout",
-        "writeTimeout",
-        "poolSize",
-        "enableDelayedMessaging",
-        "maxDelay",
-        "historyMaxLen",
-        "historyMaxAge",
-        "deleteMarkerTTL",
-        # Delays for any Dapr pub/sub (see delayed_pubsub.forwarder).
-        "defaultTargetPubsub",
-        "daprGrpcAddress",
-        "deadLetterTopic",
-        "delayShards",
-    }
-)
+# Every key we read, as metadata.yaml declares them (settings_spec). Anything
+# else daprd hands us is ignored, with a warning at Init (unknown_keys).
+SPEC: Final = load_spec()
+KNOWN_KEYS: Final = SPEC.names
 
 # Upper bounds, checked at Init so a value that parses but that Redis (or the
 # data path) would refuse later fails now, naming its key. See RELIABILITY.md.
@@ -84,8 +48,6 @@ MAX_IN_FLIGHT = 100_000
 # Redis's default maxclients.
 MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
-# Subscriber retry policy (delayed_middleware.retry): same keys per subscription.
-KNOWN_KEYS = KNOWN_KEYS | frozenset(RETRY_KEYS)
 
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
@@ -152,10 +114,8 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     """Parse Init metadata (the YAML's spec.metadata, secrets resolved) into Settings.
 
     Raises InvalidArgumentError for the first malformed value, naming its key.
+    Keys it does not read are ignored here; `unknown_keys` says which.
     """
-    for key in sorted(set(props) - KNOWN_KEYS):
-        log.debug("ignoring unknown metadata key %r", key)
-
     port = _int(props, "redisPort", DEFAULT_PORT, minimum=1, maximum=65535)
     hosts = _hosts(props.get("redisHost", "").strip(), port)
 
@@ -226,6 +186,11 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         retry=parse_retry_policy(props),
         delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
     )
+
+
+def unknown_keys(props: Mapping[str, str]) -> list[str]:
+    """A warning for each key of `props` that parse_settings does not read (names only, never values)."""
+    return unknown_key_warnings(props, SPEC)
 
 
 def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:

@@ -2,7 +2,10 @@
 
 A publisher asks for a delay with ``scheduledSendTime`` (an RFC 3339 instant) or
 ``scheduledSendDelay`` (a Go duration or whole seconds), optionally naming the
-message with ``scheduleId``. ``parse_delay`` turns that metadata into a
+message with ``scheduleId``. ``pubsub.pulsar``'s keys work too, so an app that
+moves from Pulsar changes no code: ``deliverAt`` (an RFC 3339 instant) and
+``deliverAfter`` (a Go duration; Pulsar takes no bare seconds), both ignored
+when empty, as Pulsar ignores them. One message takes one of the four. ``parse_delay`` turns that metadata into a
 ``Delay`` or refuses it with an ``InvalidArgumentError`` naming the key and the
 value. It is a pure function: refusing here, before anything touches Redis, is
 what lets the servicer promise that a refused publish stored nothing.
@@ -21,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
+from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds, parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
 
@@ -32,6 +35,10 @@ SCHEDULE_ID: Final = "scheduleId"
 SCHEDULE_CANCEL: Final = "scheduleCancel"
 SCHEDULE_SOURCE: Final = "scheduleSource"
 SCHEDULE_TTL: Final = "scheduleTTL"
+# pubsub.pulsar's publish keys (components-contrib pubsub/pulsar: time.Parse(time.RFC3339)
+# and time.ParseDuration), read as aliases of scheduledSendTime and scheduledSendDelay.
+DELIVER_AT: Final = "deliverAt"
+DELIVER_AFTER: Final = "deliverAfter"
 TTL_IN_SECONDS: Final = "ttlInSeconds"
 TTL: Final = "ttl"
 
@@ -43,12 +50,19 @@ ENABLE_DELAYED_MESSAGING: Final = "enableDelayedMessaging"
 DELAY_KEYS: Final[tuple[str, ...]] = (
     SCHEDULED_SEND_TIME,
     SCHEDULED_SEND_DELAY,
+    DELIVER_AT,
+    DELIVER_AFTER,
     SCHEDULE,
     SCHEDULE_ID,
     SCHEDULE_CANCEL,
     SCHEDULE_SOURCE,
     SCHEDULE_TTL,
 )
+
+# The keys that say when a one-shot is due: a message gives at most one of them.
+TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
+# The Pulsar aliases: an empty value means "no delay" there, so it does here.
+PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
 
 # Keys this one-shot parser does not handle (plan.read_request does).
 _NOT_ONE_SHOT: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
@@ -91,8 +105,9 @@ def parse_delay(
         max_delay_ms: the longest accepted delay from ``now_ms``, or None for no limit.
 
     Returns:
-        None when the metadata carries no time key (``scheduledSendTime`` or
-        ``scheduledSendDelay``), including when it carries only a valid
+        None when the metadata carries no time key (``scheduledSendTime``,
+        ``scheduledSendDelay``, ``deliverAt``, ``deliverAfter``; an empty Pulsar
+        key counts as absent), including when it carries only a valid
         ``scheduleId``: an id names a delayed message, it does not delay one.
         (``scheduleId`` with ``scheduleCancel`` is read by ``plan.read_request``.) Otherwise a ``Delay``; a time in the past or a
         zero delay gives ``due_ms == now_ms``, i.e. deliver at once.
@@ -100,10 +115,10 @@ def parse_delay(
     Raises:
         InvalidArgumentError: naming the key and value, when a delay key is
             present while delayed messaging is disabled, is empty, is malformed,
-            is a not-yet-supported schedule key, when both time keys are given,
+            is a not-yet-supported schedule key, when two time keys are given,
             when the delay is negative, or when it exceeds ``max_delay_ms``.
     """
-    present = [key for key in DELAY_KEYS if key in metadata]
+    present = delay_keys_in(metadata)
     if not present:
         return None
     if not enabled:
@@ -117,37 +132,34 @@ def parse_delay(
             raise InvalidArgumentError(
                 key,
                 metadata[key],
-                "not a one-shot delay key: plan.read_request handles it (parse_delay reads scheduledSendTime and scheduledSendDelay only)",
+                "not a one-shot delay key: plan.read_request handles it (parse_delay reads "
+                "scheduledSendTime, scheduledSendDelay, deliverAt and deliverAfter only)",
             )
 
     schedule_id = metadata.get(SCHEDULE_ID)
     if schedule_id is not None:
         _check_schedule_id(schedule_id)
 
-    send_time = metadata.get(SCHEDULED_SEND_TIME)
-    send_delay = metadata.get(SCHEDULED_SEND_DELAY)
-    if send_time is not None and send_delay is not None:
-        raise InvalidArgumentError(
-            SCHEDULED_SEND_DELAY, send_delay, "give scheduledSendTime or scheduledSendDelay, not both"
-        )
-
-    if send_time is not None:
-        key, value = SCHEDULED_SEND_TIME, send_time
+    times = [key for key in present if key in TIME_KEYS]
+    if not times:
+        return None
+    check_one_time_key(metadata, times)
+    key = times[0]
+    value = metadata[key]
+    if key in (SCHEDULED_SEND_TIME, DELIVER_AT):
         try:
-            due_ms = parse_instant(send_time)
+            due_ms = parse_instant(value)
         except ValueError as exc:
             raise InvalidArgumentError(key, value, str(exc)) from None
-    elif send_delay is not None:
-        key, value = SCHEDULED_SEND_DELAY, send_delay
+    else:
         try:
-            delay_ms = parse_duration_or_seconds(send_delay)
+            # deliverAfter is Pulsar's time.ParseDuration: a Go duration, no bare seconds.
+            delay_ms = parse_go_duration(value) if key == DELIVER_AFTER else parse_duration_or_seconds(value)
         except ValueError as exc:
             raise InvalidArgumentError(key, value, str(exc)) from None
         if delay_ms < 0:
             raise InvalidArgumentError(key, value, "must not be negative")
         due_ms = now_ms + delay_ms
-    else:
-        return None
 
     # A past instant is not an error: clocks differ, and "deliver at once" is
     # what the publisher would want from a time that has already come.
@@ -160,6 +172,26 @@ def parse_delay(
             f"more than the maximum delay of {format_go_duration(max_delay_ms)}",
         )
     return Delay(due_ms=due_ms, schedule_id=schedule_id)
+
+
+def delay_keys_in(metadata: Mapping[str, str]) -> list[str]:
+    """The keys of DELAY_KEYS `metadata` gives, in DELAY_KEYS order.
+
+    An empty ``deliverAt`` or ``deliverAfter`` is left out: ``pubsub.pulsar``
+    ignores an empty value, so an app moving from it keeps working.
+    """
+    return [key for key in DELAY_KEYS if key in metadata and not (key in PULSAR_KEYS and metadata[key] == "")]
+
+
+def check_one_time_key(metadata: Mapping[str, str], times: list[str]) -> None:
+    """Refuse a message that gives two of TIME_KEYS, naming both: which one wins would be a guess."""
+    if len(times) > 1:
+        first, second = times[0], times[1]
+        raise InvalidArgumentError(
+            second,
+            metadata[second],
+            f"given together with {first}={metadata[first]!r}: give one of {', '.join(TIME_KEYS)}, not both",
+        )
 
 
 def _check_schedule_id(schedule_id: str) -> None:

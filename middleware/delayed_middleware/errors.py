@@ -87,6 +87,14 @@ class FailedPreconditionError(DelayedPubSubError):
     whose key holds a hash, not a stream). Maps to gRPC FAILED_PRECONDITION."""
 
 
+class UnsupportedRedisError(FailedPreconditionError):
+    """Redis is too old for this component (it needs MIN_REDIS_VERSION).
+
+    Not transient: Init fails with FAILED_PRECONDITION, and daprd reports the
+    component as failed to initialize, with this message.
+    """
+
+
 class RestoreFailedError(NotInitializedError):
     """A restarted component could not re-Init an instance from its Init record.
 

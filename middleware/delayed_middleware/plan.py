@@ -29,9 +29,9 @@ from delayed_middleware.delay import (
     SCHEDULE_ID,
     SCHEDULE_SOURCE,
     SCHEDULE_TTL,
-    SCHEDULED_SEND_DELAY,
-    SCHEDULED_SEND_TIME,
+    TIME_KEYS,
     Delay,
+    delay_keys_in,
     parse_delay,
 )
 from delayed_middleware.durations import format_go_duration
@@ -200,7 +200,9 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
       every other key of DELAY_KEYS needs enableDelayedMessaging.
     - ``scheduleCancel``: ``true`` (or ``false``, = absent), with ``scheduleId``
       and without any timing key: the request cancels, it schedules nothing.
-    - ``schedule`` excludes ``scheduledSendTime`` / ``scheduledSendDelay``; an
+    - One timing per message: ``schedule``, ``scheduledSendTime``,
+      ``scheduledSendDelay`` and pubsub.pulsar's ``deliverAt`` / ``deliverAfter``
+      exclude each other (the refusal names both keys); an
       ``@at`` schedule is a one-shot (a past instant: at once), the others
       recur. ``maxDelay`` bounds the first fire.
     - ``scheduleSource`` and ``scheduleTTL`` need ``schedule``; the source must
@@ -214,7 +216,7 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
         delay = _delay(metadata, ctx)
         timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
         return Request(timing=timing, expires_at_ms=expires_at_ms)
-    present = [key for key in DELAY_KEYS if key in metadata]
+    present = delay_keys_in(metadata)
     # parse_delay refuses every delay key while disabled, and empty values, for
     # the schedule keys too: call it on the whole metadata first only for that.
     if not ctx.enabled or any(metadata[key] == "" for key in present):
@@ -232,8 +234,8 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
                 )
             # Validates the id (length, control characters).
             _delay({SCHEDULE_ID: schedule_id}, ctx)
-            for key in (SCHEDULE, SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, SCHEDULE_SOURCE, SCHEDULE_TTL):
-                if key in metadata:
+            for key in (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL):
+                if key in present:
                     raise InvalidArgumentError(
                         key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
                     )
@@ -250,10 +252,10 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
         timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
         return Request(timing=timing, expires_at_ms=expires_at_ms)
 
-    for key in (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY):
-        if key in metadata:
+    for key in TIME_KEYS:
+        if key in present:
             raise InvalidArgumentError(
-                key, metadata[key], "give schedule or scheduledSendTime/scheduledSendDelay, not both"
+                key, metadata[key], f"given together with schedule={expr!r}: give one of them, not both"
             )
     schedule = parse_schedule(expr, now_ms=ctx.now_ms)
     due_ms = first_fire(schedule, now_ms=ctx.now_ms)

@@ -56,7 +56,7 @@ def target_pubsub(metadata: Mapping[str, str], *, delayed: bool, default: str = 
             raise InvalidArgumentError(
                 TARGET_PUBSUB,
                 name,
-                "needs delay metadata (scheduledSendTime or scheduledSendDelay); "
+                "needs delay metadata (scheduledSendTime, scheduledSendDelay, deliverAt or deliverAfter); "
                 "without a delay, publish to that pub/sub directly",
             )
         return check_target_name(TARGET_PUBSUB, name)

@@ -80,3 +80,82 @@ class LosingProxy:
                 with contextlib.suppress(Exception):
                     await w.wait_closed()
             self._tasks.discard(task)
+
+
+class VersionProxy:
+    """Forwards 127.0.0.1:<port> to a real Redis at `upstream_port`, with one change: every reply's
+    `redis_version:<real>` reads `redis_version:<shown>`. No Redis older than 6.2 is available here;
+    this is how an Init meets one, every other byte coming from the real server.
+
+    `shown` must be as long as the real version, so a RESP bulk string's length stays right.
+    """
+
+    def __init__(self, upstream_port: int, real: str, shown: str) -> None:
+        if len(real) != len(shown):
+            raise ValueError(f"{shown!r} must be as long as {real!r}")
+        self.upstream_port = upstream_port
+        self._needle = f"redis_version:{real}".encode()
+        self._replacement = f"redis_version:{shown}".encode()
+        self.rewritten = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _held_back(self, data: bytes) -> int:
+        """How many bytes at the end of `data` could start the needle (kept until more arrives)."""
+        for k in range(min(len(self._needle) - 1, len(data)), 0, -1):
+            if data.endswith(self._needle[:k]):
+                return k
+        return 0
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.close()
+            return
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            pending = b""
+            while data := await redis_r.read(65536):
+                pending += data
+                self.rewritten += pending.count(self._needle)
+                pending = pending.replace(self._needle, self._replacement)
+                keep = self._held_back(pending)
+                client_w.write(pending[: len(pending) - keep])
+                await client_w.drain()
+                pending = pending[len(pending) - keep :]
+
+        pumps = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for w in (client_w, redis_w):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+            self._tasks.discard(task)

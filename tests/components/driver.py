@@ -7,7 +7,13 @@ then one ack per message, and never re-opens a stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -65,9 +71,12 @@ class Component:
 
     async def subscribe(self, topic: str, metadata: Mapping[str, str] | None = None) -> Stream:
         call = self.stub.PullMessages(metadata=self.md)
-        await call.write(
-            pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=topic, metadata=metadata or {}))
-        )
+        # The component may end the stream before it reads the topic (an instance never Init'ed):
+        # then the write fails with the stream's own status, which Stream.status() reports.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call.write(
+                pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=topic, metadata=metadata or {}))
+            )
         return Stream(call)
 
 
@@ -132,3 +141,42 @@ class Stream:
         """An abrupt end (daprd killed): the stream is cancelled mid-flight."""
         self.call.cancel()
         await asyncio.wait_for(self.ended.wait(), 5)
+
+
+# --- the `delayed-pubsub` command line, run as a real process ------------------
+
+EXE = Path(sys.executable).with_name("delayed-pubsub")
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a finished `delayed-pubsub` process left: exit code, stdout, stderr."""
+
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+async def cli(*args: str, env: Mapping[str, str] | None = None, within: float = 60) -> Result:
+    """Run the installed `delayed-pubsub` with `args` (and `env` over ours) to its end.
+
+    Past `within` seconds the process is killed (and waited for) and TimeoutError raised.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        str(EXE),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "250", **(env or {})},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), within)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())

@@ -1,6 +1,6 @@
 """connection.py against a real Redis: pool limits that wait instead of failing,
 blocking reads kept off the bounded pool, and an Init that is bounded and says
-plainly when Redis refuses our credentials."""
+plainly when Redis refuses our credentials or is too old."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import prometheus_client
 import pytest
 import redis
 
-from delayed_pubsub.connection import connect
+from delayed_middleware.errors import UnsupportedRedisError
+from delayed_pubsub.connection import check_redis_version, connect
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.settings import parse_settings
+from tests.chaos.proxy import VersionProxy
 from tests.components.driver import Component
 from tests.redis_server import RedisSentinel, RedisServer, TlsRedisServer, make_tls_files
 
@@ -296,3 +298,68 @@ async def test_pool_size_holds_under_tls_with_client_certificates_and_sentinel(
     short = [cl for cl in admin.client_list() if cl["name"] == "delayed-pubsub:app1"]
     assert len(short) <= 3
     admin.close()
+
+
+# --- the oldest Redis: 6.2 (XAUTOCLAIM, MINID) ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version", ["6.2.0", "6.2.14", "6.3.4", "7.0.15", "7.2.4", "8.0.1", "10.0.0", "255.255.255", "6.2.0-rc1"]
+)
+def test_redis_6_2_and_later_are_accepted(version: str) -> None:
+    check_redis_version(version, "redis:6379")
+
+
+@pytest.mark.parametrize("version", ["6.0.16", "6.1.9", "5.0.14", "4.0.14", "2.8.24", "6.0.0-rc1", "0.9"])
+def test_redis_older_than_6_2_is_refused_saying_what_it_is_and_needs(version: str) -> None:
+    with pytest.raises(UnsupportedRedisError) as caught:
+        check_redis_version(version, "redis:6379")
+    message = str(caught.value)
+    assert f"redis at redis:6379 is version {version}" in message
+    assert "needs Redis 6.2 or later" in message
+    assert "XAUTOCLAIM" in message
+
+
+@pytest.mark.parametrize("version", ["", "unknown", "v7", "7"])
+def test_a_version_that_proves_nothing_is_not_refused(version: str) -> None:
+    check_redis_version(version, "redis:6379")
+
+
+def real_version(server: RedisServer) -> str:
+    return str(server.client().info("server")["redis_version"])
+
+
+async def test_init_against_the_real_redis_here_is_accepted(
+    component: Factory, props: dict[str, str], redis_server: RedisServer
+) -> None:
+    major, minor = (int(p) for p in real_version(redis_server).split(".")[:2])
+    assert (major, minor) >= (6, 2)
+    c = component("current")
+    await c.init(props)
+    await c.publish("orders", b"x")
+
+
+async def test_init_against_redis_6_0_fails_with_failed_precondition_and_stores_nothing(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    real = real_version(redis_server)
+    shown = "6.0." + "9" * (len(real) - 4)  # as long as the real one: 7.0.15 reads 6.0.99
+    proxy = VersionProxy(redis_server.port, real, shown)
+    await proxy.start()
+    try:
+        c = component("old")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await c.init({**props, "redisHost": f"127.0.0.1:{proxy.port}", "enableDelayedMessaging": "true"})
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.details() == (
+            f"redis at 127.0.0.1:{proxy.port} is version {shown}; this component needs Redis 6.2 or "
+            "later (it uses XAUTOCLAIM and MINID trimming, added in 6.2)"
+        )
+        assert proxy.rewritten >= 1
+        # Not initialized: a publish is refused as before any Init, and Redis holds nothing.
+        with pytest.raises(grpc.aio.AioRpcError) as publish:
+            await c.publish("orders", b"x")
+        assert publish.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert redis_client.dbsize() == 0
+    finally:
+        await proxy.stop()

@@ -400,3 +400,82 @@ async def test_delayed_publish_records_its_history(
     assert (await stream.next(within=5)).data == b"soon"
     events = [f[b"event"] for _, f in stream_entries(redis_client, "{app1-delayed}:history")]
     assert events == [b"scheduled", b"fired"]
+
+
+# --- pubsub.pulsar's delay keys: an app moving from Pulsar changes no code ---
+
+
+@pytest.mark.parametrize("key", ["deliverAfter", "deliverAt"])
+async def test_pulsar_delay_key_delivers_when_due_not_at_once(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis, key: str
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    stream = await c.subscribe("orders")
+    published = now_ms()
+    value = "1200ms" if key == "deliverAfter" else format_instant(published + 1200)
+    await c.publish("orders", b'{"n":1}', {key: value})
+
+    # It waits as an envelope, not on the topic.
+    assert redis_client.xlen("app1-delayed") == 1
+    assert await stream.nothing_for(0.8)
+    msg = await stream.next(within=3)
+    assert now_ms() >= published + 1200
+    assert msg.data == b'{"n":1}'
+    assert msg.metadata[key] == value
+    assert msg.metadata["scheduleNext"] == "purge"
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(0.3)
+    await stream.close()
+
+
+@pytest.mark.parametrize(
+    ("metadata", "first", "second"),
+    [
+        ({"scheduledSendDelay": "5s", "deliverAfter": "5s"}, "scheduledSendDelay", "deliverAfter"),
+        (
+            {"scheduledSendTime": "2045-11-05T08:15:30Z", "deliverAt": "2045-11-05T08:15:30Z"},
+            "scheduledSendTime",
+            "deliverAt",
+        ),
+        ({"deliverAt": "2045-11-05T08:15:30Z", "deliverAfter": "5s"}, "deliverAt", "deliverAfter"),
+        ({"schedule": "@every 5s", "deliverAfter": "5s"}, "schedule", "deliverAfter"),
+        (
+            {"schedule": "@at 2045-11-05T08:15:30Z", "deliverAt": "2045-11-05T08:15:30Z"},
+            "schedule",
+            "deliverAt",
+        ),
+    ],
+)
+async def test_pulsar_delay_key_with_another_timing_is_refused_naming_both_and_nothing_stored(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    metadata: dict[str, str],
+    first: str,
+    second: str,
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    before = redis_client.dbsize()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"{}", metadata)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert f"{first}=" in details
+    assert f"{second}=" in details
+    assert redis_client.dbsize() == before
+    assert not redis_client.exists("orders")
+
+
+async def test_pulsar_delay_key_is_refused_while_delayed_messaging_is_disabled(
+    component: Callable[[str], Component], props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("plain")
+    await c.init(props)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.publish("orders", b"{}", {"deliverAfter": "5s"})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "deliverAfter='5s'" in (err.value.details() or "")
+    assert "enableDelayedMessaging" in (err.value.details() or "")
+    assert redis_client.dbsize() == 0

@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -20,34 +17,10 @@ from delayed_middleware.clock import SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic
-from tests.components.driver import Component
+from tests.components.driver import EXE, Component, cli
 from tests.redis_server import RedisServer
 
 Factory = Callable[[str], Component]
-EXE = Path(sys.executable).with_name("delayed-pubsub")
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-async def cli(*args: str, env: Mapping[str, str] | None = None) -> Result:
-    proc = await asyncio.create_subprocess_exec(
-        str(EXE),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "250", **(env or {})},
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode is not None
-    return Result(proc.returncode, out.decode(), err.decode())
 
 
 @pytest.fixture
@@ -286,7 +259,8 @@ async def test_clean_errors_and_exit_codes(args: list[str], code: int, message: 
 def test_the_shipped_component_yaml_loads_with_a_secret_from_the_environment() -> None:
     import argparse
 
-    from delayed_pubsub.operate import load_settings, secret_env_names
+    from delayed_pubsub.component_file import secret_env_names
+    from delayed_pubsub.operate import load_settings
 
     shipped = Path(__file__).resolve().parents[2] / "dapr" / "components" / "delayed-pubsub.yaml"
     args = argparse.Namespace(component=shipped, redis_host=None, redis_password=None, app_id="myapp")

@@ -22,7 +22,7 @@ from delayed_pubsub.instance import Instance
 from delayed_pubsub.metrics import OTHER_TOPICS, Metrics
 from delayed_pubsub.settings import parse_settings
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.test_operate import cli
+from tests.components.driver import cli
 from tests.components.test_serve_replicas import Serve, folder, instance, now_ms
 from tests.redis_server import RedisCluster
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -10,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_pubsub.settings import Settings, parse_settings
+from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 BASE = {"redisHost": "localhost:6379"}
 PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -142,12 +141,13 @@ def test_refuses_naming_key_and_value(props: dict[str, str], key: str, value: st
     assert key in str(err.value)
 
 
-def test_unknown_keys_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="delayed_pubsub.settings"):
-        s = parse_settings({**BASE, "idleTimeout": "5m", "minIdleConns": "3"})
-    assert s == parse_settings(BASE)
-    assert "idleTimeout" in caplog.text
-    assert "minIdleConns" in caplog.text
+def test_unknown_keys_are_ignored_and_each_has_a_warning() -> None:
+    props = {**BASE, "idleTimeout": "5m", "minIdleConns": "3"}
+    assert parse_settings(props) == parse_settings(BASE)
+    warnings = unknown_keys(props)
+    assert len(warnings) == 2
+    assert "'idleTimeout'" in warnings[0]
+    assert "'minIdleConns'" in warnings[1]
 
 
 def test_settings_are_frozen() -> None:

@@ -157,6 +157,37 @@ def test_bad_delay_metadata_is_refused(stack: Stack) -> None:
     assert stack.wait_arrivals(carries(marker), 1, timeout=3) == []
 
 
+def test_http_pulsar_deliver_after_arrives_when_due(stack: Stack) -> None:
+    """An app written for pubsub.pulsar (`?metadata.deliverAfter=2s`) works unchanged."""
+    marker = unique("pulsar-after")
+    t0 = now_ms()
+    payload = {"id": marker, "due_ms": t0 + 2000}
+    response = stack.publish(PUBSUB, "later", payload, metadata={"deliverAfter": "2s"})
+    assert response.status_code == 204, response.text
+    arrival = assert_on_time(stack, "http deliverAfter=2s", marker, t0 + 2000, payload)
+    assert header(arrival, "deliverAfter") == "2s"
+
+
+def test_http_pulsar_deliver_at_arrives_when_due(stack: Stack) -> None:
+    marker = unique("pulsar-at")
+    due_ms = (now_ms() // 1000 + 3) * 1000
+    payload = {"id": marker, "due_ms": due_ms}
+    response = stack.publish(PUBSUB, "later", payload, metadata={"deliverAt": rfc3339(due_ms)})
+    assert response.status_code == 204, response.text
+    assert_on_time(stack, "http deliverAt", marker, due_ms, payload)
+
+
+def test_pulsar_and_our_delay_key_together_are_refused_naming_both(stack: Stack) -> None:
+    marker = unique("pulsar-both")
+    response = stack.publish(
+        PUBSUB, "later", {"id": marker}, metadata={"deliverAfter": "2s", "scheduledSendDelay": "2s"}
+    )
+    assert response.status_code >= 400, response.text
+    assert "deliverAfter" in response.text
+    assert "scheduledSendDelay" in response.text
+    assert stack.wait_arrivals(carries(marker), 1, timeout=4) == []
+
+
 def test_ttl_longer_than_the_delay_is_delivered(stack: Stack) -> None:
     marker = unique("ttl-ok")
     t0 = now_ms()

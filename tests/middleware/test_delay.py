@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 
 from delayed_middleware.delay import (
     DELAY_KEYS,
+    DELIVER_AFTER,
+    DELIVER_AT,
     SCHEDULE,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
@@ -18,6 +21,7 @@ from delayed_middleware.delay import (
     SCHEDULE_TTL,
     SCHEDULED_SEND_DELAY,
     SCHEDULED_SEND_TIME,
+    TIME_KEYS,
     TTL,
     TTL_IN_SECONDS,
     Delay,
@@ -50,9 +54,13 @@ def test_contract_key_names() -> None:
         "scheduleTTL",
     )
     assert (TTL_IN_SECONDS, TTL) == ("ttlInSeconds", "ttl")
+    # pubsub.pulsar's keys, spelled as components-contrib's pubsub/pulsar reads them.
+    assert (DELIVER_AT, DELIVER_AFTER) == ("deliverAt", "deliverAfter")
     assert set(DELAY_KEYS) == {
         "scheduledSendTime",
         "scheduledSendDelay",
+        "deliverAt",
+        "deliverAfter",
         "schedule",
         "scheduleId",
         "scheduleCancel",
@@ -129,7 +137,7 @@ def test_parse_delay_valid(metadata: dict[str, str], expected: Delay | None) -> 
             {SCHEDULED_SEND_TIME: "2027-01-15T09:00:00Z", SCHEDULED_SEND_DELAY: "1s"},
             SCHEDULED_SEND_DELAY,
             "1s",
-            "give scheduledSendTime or scheduledSendDelay, not both",
+            "given together with scheduledSendTime='2027-01-15T09:00:00Z'",
         ),
         (
             {SCHEDULED_SEND_DELAY: "1s", SCHEDULE_ID: "a" * 257},
@@ -282,3 +290,109 @@ def test_arbitrary_metadata_gives_delay_none_or_invalid_argument(
             assert delay.due_ms - NOW <= max_delay_ms
         assert delay.schedule_id == metadata.get(SCHEDULE_ID)
     assert metadata == snapshot  # pure: the input is never changed
+
+
+# --- pubsub.pulsar's keys: deliverAt (RFC 3339) and deliverAfter (Go duration) ---
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({DELIVER_AT: "2027-01-15T09:00:00Z"}, Delay(NOW + HOUR, None)),
+        ({DELIVER_AT: "2027-01-15T04:00:00-05:00"}, Delay(NOW + HOUR, None)),
+        ({DELIVER_AT: "2027-01-15T08:00:00.000000001Z"}, Delay(NOW + 1, None)),  # Go's RFC3339 takes nanos
+        ({DELIVER_AT: "2001-01-01T00:00:00Z"}, Delay(NOW, None)),  # past: at once
+        ({DELIVER_AFTER: "90s"}, Delay(NOW + 90_000, None)),
+        ({DELIVER_AFTER: "1h30m"}, Delay(NOW + 5_400_000, None)),
+        ({DELIVER_AFTER: "1.5ms"}, Delay(NOW + 2, None)),
+        ({DELIVER_AFTER: "0"}, Delay(NOW, None)),
+        ({DELIVER_AFTER: "2s", SCHEDULE_ID: "order-66"}, Delay(NOW + 2_000, "order-66")),
+        # Pulsar skips a key whose value is empty: no delay, and no conflict with ours.
+        ({DELIVER_AT: ""}, None),
+        ({DELIVER_AFTER: ""}, None),
+        ({DELIVER_AFTER: "", SCHEDULED_SEND_DELAY: "5s"}, Delay(NOW + 5_000, None)),
+        ({DELIVER_AT: "", DELIVER_AFTER: "5s"}, Delay(NOW + 5_000, None)),
+    ],
+)
+def test_pulsar_delay_keys_delay_like_ours(metadata: dict[str, str], expected: Delay | None) -> None:
+    assert parse(metadata) == expected
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key", "reason"),
+    [
+        # time.ParseDuration needs a unit: Pulsar refuses "90", so do we (scheduledSendDelay takes it).
+        ({DELIVER_AFTER: "90"}, DELIVER_AFTER, "missing unit"),
+        ({DELIVER_AFTER: "soon"}, DELIVER_AFTER, "not a duration"),
+        ({DELIVER_AFTER: "-5s"}, DELIVER_AFTER, "must not be negative"),
+        ({DELIVER_AT: "tomorrow"}, DELIVER_AT, "not an RFC 3339 instant"),
+        ({DELIVER_AT: "2027-01-15T09:00:00"}, DELIVER_AT, "needs a UTC offset"),
+        ({DELIVER_AT: "1800000000000"}, DELIVER_AT, "not an RFC 3339 instant"),
+    ],
+)
+def test_pulsar_delay_keys_refuse_bad_values_naming_the_key(
+    metadata: dict[str, str], key: str, reason: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse(metadata)
+    assert caught.value.key == key
+    assert caught.value.value == metadata[key]
+    assert reason in caught.value.reason
+
+
+@pytest.mark.parametrize(("first", "second"), list(itertools.combinations(TIME_KEYS, 2)))
+def test_two_time_keys_are_refused_naming_both(first: str, second: str) -> None:
+    values = {
+        SCHEDULED_SEND_TIME: "2027-01-15T09:00:00Z",
+        SCHEDULED_SEND_DELAY: "60",
+        DELIVER_AT: "2027-01-15T10:00:00Z",
+        DELIVER_AFTER: "2m",
+    }
+    metadata = {first: values[first], second: values[second]}
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse(metadata)
+    message = str(caught.value)
+    assert f"{first}=" in message
+    assert f"{second}=" in message
+    assert {caught.value.key} <= {first, second}
+
+
+@pytest.mark.parametrize("key", [DELIVER_AT, DELIVER_AFTER])
+def test_pulsar_delay_keys_are_refused_while_delayed_messaging_is_disabled(key: str) -> None:
+    value = "2027-01-15T09:00:00Z" if key == DELIVER_AT else "5s"
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse({key: value}, enabled=False)
+    assert caught.value.key == key
+    assert "enableDelayedMessaging" in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key"),
+    [({DELIVER_AFTER: "2h"}, DELIVER_AFTER), ({DELIVER_AT: "2027-01-15T10:00:01Z"}, DELIVER_AT)],
+)
+def test_pulsar_delay_keys_are_bounded_by_max_delay(metadata: dict[str, str], key: str) -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse(metadata, max_delay_ms=HOUR)
+    assert caught.value.key == key
+    assert "maximum delay of 1h" in caught.value.reason
+
+
+go_durations = st.builds(
+    lambda h, m, s, ms: f"{h}h{m}m{s}s{ms}ms",
+    st.integers(0, 10_000),
+    st.integers(0, 59),
+    st.integers(0, 59),
+    st.integers(0, 999),
+)
+
+
+@given(go_durations, st.none() | st.text(min_size=1, max_size=20).filter(str.isprintable))
+def test_deliver_after_is_scheduled_send_delay_for_every_go_duration(duration: str, sid: str | None) -> None:
+    extra = {} if sid is None else {SCHEDULE_ID: sid}
+    assert parse({DELIVER_AFTER: duration, **extra}) == parse({SCHEDULED_SEND_DELAY: duration, **extra})
+
+
+@given(st.integers(min_value=0, max_value=4 * 10**12))
+def test_deliver_at_is_scheduled_send_time_for_every_instant(due_ms: int) -> None:
+    instant = format_instant(due_ms)
+    assert parse({DELIVER_AT: instant}) == parse({SCHEDULED_SEND_TIME: instant})

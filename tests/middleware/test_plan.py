@@ -111,6 +111,26 @@ def test_cancel_false_is_no_cancel() -> None:
             "scheduledSendTime",
             "not both",
         ),
+        # pubsub.pulsar's deliverAt/deliverAfter are delay keys like ours: one timing per message.
+        ({"schedule": "@every 1s", "deliverAfter": "1s"}, "deliverAfter", "together with schedule="),
+        ({"schedule": "@daily", "deliverAt": "2030-01-01T00:00:00Z"}, "deliverAt", "together with schedule="),
+        (
+            {"scheduleCancel": "true", "scheduleId": "a", "deliverAfter": "1s"},
+            "deliverAfter",
+            "schedules nothing",
+        ),
+        (
+            {"scheduledSendTime": "2030-01-01T00:00:00Z", "deliverAfter": "1s"},
+            "deliverAfter",
+            "together with scheduledSendTime=",
+        ),
+        (
+            {"deliverAt": "2030-01-01T00:00:00Z", "deliverAfter": "1s"},
+            "deliverAfter",
+            "together with deliverAt=",
+        ),
+        ({"scheduledSendDelay": "1s", "deliverAt": "2030-01-01T00:00:00Z"}, "deliverAt", "not both"),
+        ({"deliverAfter": "1"}, "deliverAfter", "missing unit"),
         ({"schedule": "@every 500ms"}, "schedule", "minimum of 1s"),
         ({"schedule": "* * * * *"}, "schedule", "6 fields"),
         ({"schedule": ""}, "schedule", "empty"),
@@ -242,6 +262,36 @@ def test_bulk_request_level_ttl_and_schedule() -> None:
     )
 
 
+def test_pulsar_deliver_after_delays_a_publish_and_stays_on_the_message() -> None:
+    p = plan_publish("orders", CLOUDEVENT, {"deliverAfter": "90s", "traceid": "t"}, "", CTX)
+    [d] = p.delayed
+    assert (p.immediate, d.envelope.due_ms, d.envelope.topic) == ((), NOW + 90_000, "orders")
+    # Delivered messages keep the publisher's metadata verbatim, this key included.
+    assert d.envelope.metadata == {"deliverAfter": "90s", "traceid": "t"}
+
+
+def test_bulk_entries_with_pulsar_keys_and_a_request_level_delay_that_clashes() -> None:
+    entries = [
+        ("a", StreamEntry(b"1", {"deliverAfter": "2s"})),
+        ("b", StreamEntry(b"2", {"deliverAt": "2026-11-26T06:00:00Z"})),
+        ("c", StreamEntry(b"3", {"deliverAfter": ""})),
+    ]
+    p = plan_bulk("orders", entries, {}, CTX)
+    assert sorted((d.entry_ids, d.envelope.due_ms) for d in p.delayed) == [
+        (("a",), NOW + 2_000),
+        (("b",), parse_instant("2026-11-26T06:00:00Z")),
+    ]
+    assert [i.entry_id for i in p.immediate] == ["c"]
+    # A request-level deliverAfter and an entry's own scheduledSendDelay: that entry is refused, naming both.
+    p = plan_bulk(
+        "orders", [("a", StreamEntry(b"1", {"scheduledSendDelay": "5s"}))], {"deliverAfter": "2s"}, CTX
+    )
+    [failed] = p.failed
+    assert (failed.entry_id, p.delayed, p.immediate) == ("a", (), ())
+    assert "deliverAfter" in failed.error
+    assert "scheduledSendDelay" in failed.error
+
+
 def test_bulk_request_level_cancel_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="per entry") as caught:
         plan_bulk("orders", [("a", StreamEntry(b""))], {"scheduleCancel": "true", "scheduleId": "x"}, CTX)
@@ -258,13 +308,28 @@ def test_bulk_request_level_cancel_is_refused() -> None:
                 "scheduleSource",
                 "scheduleTTL",
                 "scheduledSendDelay",
+                "scheduledSendTime",
+                "deliverAt",
+                "deliverAfter",
                 "ttl",
                 "ttlInSeconds",
                 "x",
             ]
         ),
         st.sampled_from(
-            ["", "true", "@every 1s", "1s", "0 0 * * * *", "never", "a", "-1", "@at 2030-01-01T00:00:00Z"]
+            [
+                "",
+                "true",
+                "@every 1s",
+                "1s",
+                "5",
+                "0 0 * * * *",
+                "never",
+                "a",
+                "-1",
+                "@at 2030-01-01T00:00:00Z",
+                "2030-01-01T00:00:00Z",
+            ]
         ),
         max_size=5,
     )

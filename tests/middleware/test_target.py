@@ -59,3 +59,8 @@ def test_forwarded_metadata_drops_our_keys_and_keeps_the_users() -> None:
         "scheduleNext": "purge",
         "partitionKey": "k",
     }
+
+
+def test_pulsar_delay_keys_are_not_forwarded_so_a_pulsar_target_does_not_delay_again() -> None:
+    metadata = {"deliverAfter": "5s", "deliverAt": "", "targetPubsub": "pulsar", "customer": "acme"}
+    assert forwarded_metadata(metadata) == {"customer": "acme"}

@@ -2,7 +2,8 @@
 
     delayed-pubsub stats --redis-host H --app-id A [--out DIR] [--master URL] [--follow]
     delayed-pubsub stats --redis-host H --redis-type cluster --delay-shards N --app-id A [...]
-    delayed-pubsub stats --component YAML --app-id A [...]
+    delayed-pubsub stats --component YAML --app-id A [...]   (secretKeyRef from the environment,
+                                                              as the operator commands read it)
 
 This module imports nothing of Spark until the command runs, so registering
 the subcommand costs the rest of the CLI nothing and a missing `[spark]` extra
@@ -12,6 +13,7 @@ is one clear error message.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -23,14 +25,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.settings import KNOWN_KEYS
 
-COMPONENT_TYPE = "pubsub.delayed-pubsub"
 FOLLOW_INTERVAL_S = 2
-
-
-class ComponentFileError(DelayedPubSubError):
-    """A --component YAML that does not give usable metadata."""
 
 
 def register(subparsers: Any) -> None:
@@ -62,45 +60,27 @@ def register(subparsers: Any) -> None:
         "--component",
         metavar="YAML",
         type=Path,
-        help="read the Redis metadata (redisHost, redisPassword, enableTLS, ...) from this component YAML",
+        help="read the Redis metadata (redisHost, redisPassword, enableTLS, ...) from this component YAML; "
+        "a secretKeyRef comes from the environment (key: redis-password -> $REDIS_PASSWORD)",
     )
     p.set_defaults(handler=run)
 
 
-def component_metadata(path: Path) -> dict[str, str]:
-    """The plain `spec.metadata` values of the delayed-pubsub component in a Dapr YAML file."""
-    import yaml
+def component_metadata(path: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """The component's metadata from a Dapr YAML file, as the operator commands read it
+    (delayed_pubsub.component_file: secretKeyRef values from the environment).
 
-    try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
-    except (OSError, yaml.YAMLError) as e:
-        raise ComponentFileError(f"{path}: cannot read it as YAML: {e}") from None
-    ours = [
-        d
-        for d in docs
-        if d.get("kind") == "Component" and (d.get("spec") or {}).get("type") == COMPONENT_TYPE
-    ]
-    if not ours:
-        raise ComponentFileError(f"{path}: no Component of type {COMPONENT_TYPE}")
-    out: dict[str, str] = {}
-    for item in (ours[0].get("spec") or {}).get("metadata") or []:
-        name = str(item.get("name", ""))
-        if name not in KNOWN_KEYS:
-            continue  # keys for the component only (or newer than this reader)
-        if "value" not in item:
-            raise ComponentFileError(
-                f"{path}: metadata {name} is not a plain value (secretKeyRef?): "
-                "stats cannot resolve Dapr secrets; use a YAML with the value"
-            )
-        out[name] = str(item["value"])
-    return out
+    Keys the component does not read are left out: the reader has no use for them.
+    """
+    props = component_properties(path, environ)
+    return {name: value for name, value in props.items() if name in KNOWN_KEYS}
 
 
-def reader_options(args: argparse.Namespace) -> dict[str, str]:
-    """Data source options from the command line (and --component)."""
+def reader_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Data source options from the command line (and --component, secrets from `environ`)."""
     opts: dict[str, str] = {}
     if args.component is not None:
-        opts.update(component_metadata(args.component))
+        opts.update(component_metadata(args.component, os.environ if environ is None else environ))
     if args.redis_host:
         opts["redisHost"] = args.redis_host
     # Every shard stream of the delayed topic is read (keys.shard_topics): as many as the component has.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 from collections import Counter
 from collections.abc import Callable
@@ -18,13 +19,15 @@ import redis
 
 from delayed_middleware.history import HistoryRecord
 from delayed_pubsub.cli import build_parser
+from delayed_pubsub.component_file import ComponentFileError
 from delayed_pubsub.spark.charts import FIRES_PNG, LATENESS_PNG, PENDING_PNG
-from delayed_pubsub.spark.cli import ComponentFileError, component_metadata, run
-from tests.components.driver import Component
+from delayed_pubsub.spark.cli import component_metadata, run
+from tests.components.driver import Component, cli
 from tests.components.spark import workload as w
 from tests.components.spark.conftest import APP, add_history, fired
 from tests.redis_server import RedisServer, free_port
 
+STARTUP_S = 240  # a CLI process starts its own Spark: slow on a loaded 2-core machine
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -167,7 +170,7 @@ spec:
     - {name: someFutureKey, value: "x"}
 """
     )
-    assert component_metadata(path) == {
+    assert component_metadata(path, {}) == {
         "redisHost": "10.0.0.5:6380",
         "redisPassword": "pw",
         "enableTLS": "true",
@@ -191,12 +194,14 @@ spec:
         "kind: Component\nspec:\n  type: pubsub.delayed-pubsub\n  metadata:\n"
         "    - name: redisPassword\n      secretKeyRef: {name: redis, key: pw}\n"
     )
-    with pytest.raises(ComponentFileError, match="redisPassword is not a plain value"):
-        component_metadata(secret)
+    # A secretKeyRef comes from the environment, as the operator commands read it.
+    assert component_metadata(secret, {"PW": "from-env"}) == {"redisPassword": "from-env"}
+    with pytest.raises(ComponentFileError, match="set the environment variable PW or REDIS_PW"):
+        component_metadata(secret, {})
     other = tmp_path / "o.yaml"
-    other.write_text("kind: Component\nspec: {type: pubsub.redis}\n")
-    with pytest.raises(ComponentFileError, match=r"no Component of type pubsub\.delayed-pubsub"):
-        component_metadata(other)
+    other.write_text("kind: ConfigMap\n")
+    with pytest.raises(ComponentFileError, match=r"holds no pub/sub Component"):
+        component_metadata(other, {})
 
 
 def test_missing_extra_is_one_clear_message() -> None:
@@ -228,3 +233,54 @@ def test_stats_reads_redis_settings_from_the_component_yaml(
     assert run(stats_args("--component", str(yaml_file), "--app-id", APP), out) == 0
     fired_line = next(line for line in out.getvalue().splitlines() if line.strip().startswith("a "))
     assert fired_line.split()[:2] == ["a", "3"]
+
+
+@pytest.mark.timeout(2 * STARTUP_S + 60)
+async def test_stats_and_pending_resolve_the_same_secret_key_ref_from_the_environment(
+    redis_client: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    add_history(redis_client, [fired("a", 1_000, n) for n in range(4)])
+    yaml_file = tmp_path / "delayed.yaml"
+    yaml_file.write_text(
+        "apiVersion: dapr.io/v1alpha1\nkind: Component\nmetadata: {name: delayed}\nspec:\n"
+        "  type: pubsub.delayed-pubsub\n  version: v1\n  metadata:\n"
+        f'    - {{name: redisHost, value: "{redis_server.address}"}}\n'
+        "    - name: redisPassword\n      secretKeyRef: {name: redis, key: redis-password}\n"
+        '    - {name: enableDelayedMessaging, value: "true"}\n'
+    )
+    # The CLI processes start their own Spark: the venv's interpreter, loopback.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "SPARK_LOCAL_IP")}
+    redis_client.config_set("requirepass", "st-s3cret")
+    try:
+        stats = await cli(
+            "stats",
+            "--component",
+            str(yaml_file),
+            "--app-id",
+            APP,
+            env={**env, "REDIS_PASSWORD": "st-s3cret"},
+            within=STARTUP_S,
+        )
+        assert stats.code == 0, stats.err[-2000:]
+        fired_line = next(line for line in stats.out.splitlines() if line.strip().startswith("a "))
+        assert fired_line.split()[:2] == ["a", "4"]
+        pending = await cli(
+            "pending",
+            "--component",
+            str(yaml_file),
+            "--app-id",
+            APP,
+            "--json",
+            env={**env, "REDIS_PASSWORD": "st-s3cret"},
+        )
+        assert pending.code == 0, pending.err
+
+        # Without the variable both refuse alike, before touching Redis (or starting Spark).
+        said = "redisPassword comes from a secretKeyRef: set the environment variable REDIS_PASSWORD or REDIS_REDIS_PASSWORD"
+        for command in ("stats", "pending"):
+            missing = await cli(command, "--component", str(yaml_file), "--app-id", APP, env=env)
+            assert missing.code == 2, (command, missing.err)
+            assert said in missing.err, (command, missing.err)
+            assert "Traceback" not in missing.err
+    finally:
+        redis_client.config_set("requirepass", "")
