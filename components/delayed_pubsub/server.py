@@ -39,7 +39,7 @@ PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 # grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
 # instance's Redis does not answer; this one is NOT_SERVING while subscriptions
 # are orphaned (only a daprd restart resumes them: for alerts and for whatever
-# supervises daprd; see README, Operations: restarts).
+# supervises daprd; see docs/operations.md, "Restarts and upgrades").
 SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
 # How often each instance's Redis is PINGed for the health status, and how long a PING may take.
 HEALTH_INTERVAL_S = 5.0
