@@ -49,6 +49,9 @@ from delayed_pubsub.settings import Settings, parse_settings
 
 log = logging.getLogger(__name__)
 
+# Beyond a fire loop's longest pass and sleep, how long it may go without a pass before it counts as stalled.
+STALL_SLACK_S = 10.0
+
 
 class Instance:
     """An initialized component instance. Publish routing lives here (not in the
@@ -72,7 +75,6 @@ class Instance:
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
         self.engine: ShardedEngine | None = None
-        self._engine_task: asyncio.Task[None] | None = None
         self._gauge_task: asyncio.Task[None] | None = None
         # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
         self.forwarder: Forwarder | None = None
@@ -109,8 +111,12 @@ class Instance:
 
     def start(self) -> None:
         """Start firing delayed messages (overdue ones fire at once)."""
-        if self.engine is not None and self._engine_task is None:
-            self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
+        if self.engine is not None and not self.engine.loops:
+            cfg = self.engine.engines[0].config
+            # A pass takes at most op_timeout_s and a sleep at most max_sleep_s
+            # (or a backoff, at most retry_max_s): longer without one is a stall.
+            stall = cfg.op_timeout_s + max(cfg.max_sleep_s, cfg.retry_max_s) + STALL_SLACK_S
+            self.engine.start(on_state=self.metrics.fire_loop_state, stall_after_s=stall)
         if self.forwarder is not None:
             self.forwarder.start()
         for f in self._shard_forwarders:
@@ -414,21 +420,19 @@ class Instance:
         """Redis PING."""
         await self.broker.ping()
 
+    def dead_loops(self) -> list[str]:
+        """The background loops that ended without a stop (waiting for their restart) or
+        stalled, by name: while there is one, health is NOT_SERVING."""
+        loops = list(self.engine.loops) if self.engine is not None else []
+        return [f"{loop.name} ({'stalled' if loop.up else 'ended'})" for loop in loops if not loop.healthy]
+
     async def close(self) -> None:
         """Stop the delay engine and close every subscription, then the Redis connection.
 
         Nothing pending is lost: delayed messages wait in Redis for the next start.
         """
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            try:
-                await self._engine_task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                # Whatever ended the engine must not keep the rest from closing.
-                log.exception("instance %r: delay engine had failed", self.name)
-            self._engine_task = None
+        if self.engine is not None:
+            await self.engine.close()
         if self._gauge_task is not None:
             self._gauge_task.cancel()
             await asyncio.gather(self._gauge_task, return_exceptions=True)
