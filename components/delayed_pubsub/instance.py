@@ -37,6 +37,7 @@ from delayed_middleware.errors import (
     RestoreFailedError,
 )
 from delayed_middleware.keys import EngineKeys, shard_topics
+from delayed_middleware.liveness import Supervised
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
@@ -75,7 +76,7 @@ class Instance:
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
         self.engine: ShardedEngine | None = None
-        self._gauge_task: asyncio.Task[None] | None = None
+        self._gauge: Supervised | None = None
         # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
         self.forwarder: Forwarder | None = None
         self._shard_forwarders: list[Forwarder] = []
@@ -87,6 +88,7 @@ class Instance:
                 metrics.forwarder,
                 name=name,
                 read_client=connection.blocking_client,
+                on_state=metrics.loop_state("forwarder"),
             )
             # Each shard fires into its own outbox (its own hash slot): shard 0's
             # is the forwarder above, the others get one each, same settings.
@@ -99,6 +101,7 @@ class Instance:
                     metrics.forwarder,
                     name=f"{name}~{n}",
                     read_client=connection.blocking_client,  # type: ignore[arg-type]
+                    on_state=metrics.loop_state("forwarder"),
                 )
                 for n, topic in enumerate(shard_topics(settings.consumer_id, settings.shards))
                 if n
@@ -165,7 +168,10 @@ class Instance:
             call_timeout=call_timeout(self.settings),
             shards=self.settings.shards,
         )
-        self._gauge_task = asyncio.create_task(gauge.run(), name=f"pending-gauge:{self.name}")
+        self._gauge = Supervised(
+            f"pending gauge of {self.name!r}", gauge.run, on_state=self.metrics.loop_state("gauge")
+        )
+        self._gauge.start()
 
     async def _warn_if_evicting(self) -> None:
         """Log an error when Redis may evict the delay engine's keys.
@@ -433,9 +439,8 @@ class Instance:
         """
         if self.engine is not None:
             await self.engine.close()
-        if self._gauge_task is not None:
-            self._gauge_task.cancel()
-            await asyncio.gather(self._gauge_task, return_exceptions=True)
+        if self._gauge is not None:
+            await self._gauge.stop()
         for f in [self.forwarder, *self._shard_forwarders] if self.forwarder is not None else []:
             try:
                 await f.close()

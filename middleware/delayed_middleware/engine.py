@@ -138,7 +138,7 @@ from delayed_middleware.keys import (
     is_engine_key,
     shard_index,
 )
-from delayed_middleware.liveness import Supervised
+from delayed_middleware.liveness import Supervised, run_until_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -913,14 +913,18 @@ class DelayEngine:
         await self._redis.xtrim(self._keys.history, minid=f"{now - max_age}-0", approximate=True)
 
     async def run(self, stop: asyncio.Event | None = None, beat: Callable[[], None] | None = None) -> None:
-        """Fire due messages until `stop` is set (or the task is cancelled); survives Redis outages.
+        """Fire due messages until `stop` is set; survives Redis outages.
 
-        `beat` is called after each pass, failed or not (liveness.Supervised.beat:
-        a loop that stops beating shows as stalled). A cancellation that a
-        Redis call swallowed is not honoured here: stopping is the stop flag's
-        business (see liveness.py), and a stray request is no stop.
+        `beat` is called before each pass (liveness.Supervised.beat: a loop
+        that stops beating shows as stalled). A cancellation request left on
+        the task is not read as a stop: stopping is the stop flag's business
+        (see liveness.py). Without `stop`, the loop runs supervised until this
+        task is cancelled.
         """
-        stop = stop if stop is not None else asyncio.Event()
+        if stop is None:
+            body = functools.partial(self.run, beat=beat)
+            await run_until_cancelled([Supervised(f"fire loop of {self._keys.stream}", body)])
+            return
         listener = Supervised(f"wake listener of {self._keys.stream}", self._listen_wake)
         listener.start()
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
@@ -1212,7 +1216,7 @@ class ShardedEngine:
         """Fire every shard until cancelled: start(), then close() when cancelled."""
         self.start()
         try:
-            await asyncio.Event().wait()
+            await run_until_cancelled([])
         finally:
             await self.close()
 

@@ -49,8 +49,11 @@ async def supervise(
     stop: asyncio.Event,
     backoff: Backoff | None = None,
     on_state: StateHook | None = None,
+    on_run: Callable[[asyncio.Task[None]], None] | None = None,
 ) -> None:
     """Run `body(stop)` until `stop` is set, restarting it after any other end.
+
+    `on_run` is handed each run's task as it starts (Supervised.current_run).
 
     Each run is a task of its own. The supervising task awaits nothing but that
     task and its backoff sleep, so a cancellation of the supervising task
@@ -64,6 +67,8 @@ async def supervise(
             on_state(True, None)
         started = loop.time()
         run = asyncio.create_task(_call(body, stop), name=name)
+        if on_run is not None:
+            on_run(run)
         try:
             await asyncio.wait({run})
         except asyncio.CancelledError:
@@ -148,6 +153,8 @@ class Supervised:
         self.stall_after_s = stall_after_s
         self.stop_flag = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # The task of the run going on (each run has its own; see supervise).
+        self.current_run: asyncio.Task[None] | None = None
         self.up = False
         self.restarts = 0
         self.last_error: BaseException | None = None
@@ -158,9 +165,12 @@ class Supervised:
         if self._task is None:
             self._last_beat = time.monotonic()
             self._task = asyncio.create_task(
-                supervise(self.name, self._body, self.stop_flag, self._backoff, self._state),
+                supervise(self.name, self._body, self.stop_flag, self._backoff, self._state, self._set_run),
                 name=f"supervise {self.name}",
             )
+
+    def _set_run(self, run: asyncio.Task[None]) -> None:
+        self.current_run = run
 
     def _state(self, up: bool, error: BaseException | None) -> None:
         self.up = up
@@ -208,3 +218,18 @@ class Supervised:
             return True
         log.error("%s did not stop within %.1fs; abandoning it", self.name, timeout_s)
         return False
+
+
+async def run_until_cancelled(loops: list[Supervised]) -> None:
+    """Start `loops` and keep them until this task is cancelled, then stop them.
+
+    For callers that stop a loop by cancelling the task that runs it: the
+    cancellation reaches only this task, which stops each loop by its flag
+    (so a cancellation swallowed inside a loop still ends it).
+    """
+    for loop in loops:
+        loop.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.gather(*(loop.stop() for loop in loops))
