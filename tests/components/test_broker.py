@@ -251,9 +251,12 @@ async def test_a_fetch_loop_cancelled_without_a_stop_is_restarted_and_delivers(
     await sub.start()
     try:
         assert sub._fetcher is not None
-        while sub._fetcher.current_run is None:
+        for _ in range(500):  # the supervisor starts its first run at its first step
+            if sub._fetcher.current_run is not None:
+                break
             await asyncio.sleep(0.01)
         first = sub._fetcher.current_run
+        assert first is not None
         # A stray cancellation (one a library left behind), not our stop.
         first.cancel()
         await asyncio.wait({first}, timeout=5)
