@@ -439,6 +439,9 @@ class Instance:
         """
         if self.engine is not None:
             await self.engine.close()
+            # This instance's fire loops are gone, not down: no stale series.
+            for n in range(len(self.engine.engines)):
+                self.metrics.drop_fire_loop(n)
         if self._gauge is not None:
             await self._gauge.stop()
         for f in [self.forwarder, *self._shard_forwarders] if self.forwarder is not None else []:

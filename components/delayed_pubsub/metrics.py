@@ -8,6 +8,7 @@ gauge, bounded to the largest topics plus one "(other)" series.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -241,6 +242,13 @@ class InstanceMetrics:
                 self.loop_restarts.labels(self.name, loop).inc()
 
         return hook
+
+    def drop_fire_loop(self, shard: int) -> None:
+        """Remove the series of a shard's fire loop that was stopped (its instance closed)."""
+        for family in (self.fire_loop_up, self.fire_loop_restarts):
+            if family is not None:
+                with contextlib.suppress(KeyError):
+                    family.remove(self.name, str(shard))
 
     def fire_loop_state(self, shard: int, up: bool, error: BaseException | None) -> None:
         """The sharded engine's on_state hook: `delayed_pubsub_fire_loop_up` and its restarts."""

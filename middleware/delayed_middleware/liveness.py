@@ -33,7 +33,8 @@ from delayed_middleware.backoff import Backoff
 log = logging.getLogger(__name__)
 
 # (up, error): up=False with the error (None if the body returned) when a run
-# ended without a stop; up=True when a (re)started run begins.
+# ended without a stop; up=True when a (re)started run begins, and when stop()
+# ends a loop that was waiting for its restart (it is no longer down).
 StateHook = Callable[[bool, BaseException | None], None]
 Body = Callable[[asyncio.Event], Awaitable[None]]
 
@@ -211,6 +212,8 @@ class Supervised:
         """
         self.stop_flag.set()
         task, self._task = self._task, None
+        if not self.up and self.restarts and self._on_state is not None:
+            self._on_state(True, None)
         self.up = False
         if task is None:
             return True
