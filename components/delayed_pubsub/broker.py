@@ -351,6 +351,13 @@ class Subscription:
         if self.retry is not None:
             self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
 
+    def loops(self) -> list[Supervised]:
+        """The subscription's supervised loops (fetch, ack, and the retry poller), once started."""
+        found = [loop for loop in (self._fetcher, self._acker) if loop is not None]
+        if self.retry is not None and self.retry.loop is not None:
+            found.append(self.retry.loop)
+        return found
+
     def stop(self) -> None:
         """Make deliveries() end; close() finishes the job."""
         self._closed = True

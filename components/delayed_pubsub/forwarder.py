@@ -233,6 +233,11 @@ class Forwarder:
 
     # --- lifecycle ---------------------------------------------------------
 
+    @property
+    def loop(self) -> Supervised | None:
+        """The supervised forwarding loop, while started."""
+        return self._loop
+
     def start(self) -> None:
         """Start forwarding (entries written while nobody ran go first), as a supervised loop."""
         if self._loop is None:

@@ -429,8 +429,19 @@ class Instance:
     def dead_loops(self) -> list[str]:
         """The background loops that ended without a stop (waiting for their restart) or
         stalled, by name: while there is one, health is NOT_SERVING."""
-        loops = list(self.engine.loops) if self.engine is not None else []
-        return [f"{loop.name} ({'stalled' if loop.up else 'ended'})" for loop in loops if not loop.healthy]
+        loops: list[Supervised | None] = []
+        if self.engine is not None:
+            loops += self.engine.loops
+            loops += [e.listener for e in self.engine.engines]
+        loops += [f.loop for f in ([self.forwarder, *self._shard_forwarders] if self.forwarder else [])]
+        loops.append(self._gauge)
+        for sub in self._subscriptions:
+            loops += sub.loops()
+        return [
+            f"{loop.name} ({'stalled' if loop.up else 'ended'})"
+            for loop in loops
+            if loop is not None and loop.down
+        ]
 
     async def close(self) -> None:
         """Stop the delay engine and close every subscription, then the Redis connection.
@@ -498,6 +509,7 @@ def _sharded_engine(
                 config=config,
                 listen_client=connection.blocking_client,  # type: ignore[arg-type]
                 recurrence=EnvelopeRecurrence(),
+                on_listener_state=metrics.loop_state("wake"),
             )
             for n, topic in enumerate(topics)
         ]

@@ -101,6 +101,11 @@ class Retrier:
             )
             self._poller.start()
 
+    @property
+    def loop(self) -> Supervised | None:
+        """The supervised poller, once started."""
+        return self._poller
+
     async def close(self) -> None:
         """Stop the poller; records stay in Redis for the next stream of the group."""
         self._closed = True

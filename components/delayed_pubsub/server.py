@@ -37,7 +37,7 @@ SOCKET_MODE = 0o660
 
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 # grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
-# instance's Redis does not answer or a fire loop is down (ended or stalled); this one is NOT_SERVING while subscriptions
+# instance's Redis does not answer or a background loop is down (ended or stalled); this one is NOT_SERVING while subscriptions
 # are orphaned (only a daprd restart resumes them: for alerts and for whatever
 # supervises daprd; see README, Operations: restarts).
 SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
@@ -251,7 +251,8 @@ class ComponentServer:
     async def check_health(self) -> None:
         """PING every instance's Redis, look at every supervised background loop, and set the
         health statuses (also run by the periodic check). NOT_SERVING while an instance's Redis
-        does not answer or one of its fire loops has ended or stalled."""
+        does not answer or one of its background loops has ended (waiting for its restart) or
+        stalled."""
         instances = self.instances.items()
         results = await asyncio.gather(*(_ping(i.ping) for _, i in instances))
         down = frozenset(name for (name, _), error in zip(instances, results, strict=True) if error)
@@ -264,8 +265,8 @@ class ComponentServer:
             elif not error and name in self._redis_down:
                 log.info("instance %r: redis answers again", name)
         self._redis_down = down
-        # A fire loop that ended (waiting for its restart) or stalled: delayed
-        # messages are not delivered, whatever Redis says.
+        # A loop that ended (waiting for its restart) or stalled: delayed messages
+        # are not fired, or a stream not fed, whatever Redis says.
         dead: dict[str, list[str]] = {}
         for name, instance in instances:
             loops = instance.dead_loops()

@@ -138,7 +138,7 @@ from delayed_middleware.keys import (
     is_engine_key,
     shard_index,
 )
-from delayed_middleware.liveness import Supervised, run_until_cancelled
+from delayed_middleware.liveness import StateHook, Supervised, run_until_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,7 @@ class DelayEngine:
         listen_client: aioredis.Redis | None = None,
         pubsub_name: str = "",
         fault: Callable[[str], Awaitable[None]] | None = None,
+        on_listener_state: StateHook | None = None,
     ) -> None:
         self._redis = client
         # The wake listener parks a connection for good: on a client of its own
@@ -259,6 +260,9 @@ class DelayEngine:
         self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
+        # The wake listener of the running loop (supervised), and who hears of its ends.
+        self.listener: Supervised | None = None
+        self._on_listener_state = on_listener_state
 
     @property
     def keys(self) -> EngineKeys:
@@ -925,7 +929,10 @@ class DelayEngine:
             body = functools.partial(self.run, beat=beat)
             await run_until_cancelled([Supervised(f"fire loop of {self._keys.stream}", body)])
             return
-        listener = Supervised(f"wake listener of {self._keys.stream}", self._listen_wake)
+        listener = Supervised(
+            f"wake listener of {self._keys.stream}", self._listen_wake, on_state=self._on_listener_state
+        )
+        self.listener = listener
         listener.start()
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         try:

@@ -166,9 +166,15 @@ class Supervised:
         if self._task is None:
             self._last_beat = time.monotonic()
             self._task = asyncio.create_task(
-                supervise(self.name, self._body, self.stop_flag, self._backoff, self._state, self._set_run),
+                supervise(
+                    self.name, self._run_body, self.stop_flag, self._backoff, self._state, self._set_run
+                ),
                 name=f"supervise {self.name}",
             )
+
+    async def _run_body(self, stop: asyncio.Event) -> None:
+        # Looked up at each run, so a restart runs whatever body is set now.
+        await self._body(stop)
 
     def _set_run(self, run: asyncio.Task[None]) -> None:
         self.current_run = run
@@ -198,6 +204,11 @@ class Supervised:
     def healthy(self) -> bool:
         """Running, and beating if it beats."""
         return self.up and not self.stalled
+
+    @property
+    def down(self) -> bool:
+        """Started, not being stopped, and ended (waiting for its restart) or stalled."""
+        return self._task is not None and not self.stopping and not self.healthy
 
     @property
     def stopping(self) -> bool:

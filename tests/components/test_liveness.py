@@ -107,6 +107,46 @@ async def test_a_fire_loop_that_keeps_ending_is_not_serving_and_comes_back_when_
     assert sample(server, "delayed_pubsub_fire_loop_up", labels) == 1.0
 
 
+async def test_a_subscription_loop_that_keeps_ending_is_not_serving_then_delivers_again(
+    server: ComponentServer, channel: grpc.aio.Channel, component: Factory, own_redis: RedisServer
+) -> None:
+    c = component("delayed")
+    await c.init(props(own_redis))
+    stream = await c.subscribe("orders")
+    await health_becomes(channel, SERVING)
+    instance = server.instances.get("delayed")
+    for _ in range(500):  # the stream's subscription is made as its first request is read
+        if instance._subscriptions and next(iter(instance._subscriptions))._fetcher is not None:
+            break
+        await asyncio.sleep(0.01)
+    [sub] = instance._subscriptions
+    fetch = sub._fetcher
+    assert fetch is not None
+    for _ in range(500):
+        if fetch.current_run is not None:
+            break
+        await asyncio.sleep(0.01)
+    real_body = fetch._body
+
+    async def failing(stop: asyncio.Event) -> None:
+        raise ConnectionResetError("a bug in the fetch path")
+
+    fetch._body = failing
+    assert fetch.current_run is not None
+    fetch.current_run.cancel()  # end the running one: the restarts run the failing body
+    await health_becomes(channel, NOT_SERVING)
+    labels = {"instance": "delayed", "loop": "fetch"}
+    assert (sample(server, "delayed_pubsub_loop_restarts_total", labels) or 0) >= 2
+    assert sample(server, "delayed_pubsub_loops_down", labels) == 1.0
+
+    fetch._body = real_body
+    await c.publish("orders", b"after")
+    msg = await stream.next(within=15)
+    assert msg.data == b"after"
+    await health_becomes(channel, SERVING)
+    assert sample(server, "delayed_pubsub_loops_down", labels) == 0.0
+
+
 async def test_close_is_prompt_while_every_loop_is_stuck_in_a_redis_call(
     server: ComponentServer, component: Factory, own_redis: RedisServer
 ) -> None:
