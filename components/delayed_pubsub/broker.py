@@ -29,6 +29,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
+from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.retry import Retrier
@@ -311,8 +312,8 @@ class Subscription:
         # Read when at least half the window is free (or nothing is in flight),
         # so one XREADGROUP fills many slots instead of one read per ack.
         self._low_water = max(1, min(settings.concurrency // 2, settings.queue_depth))
-        self._fetcher: asyncio.Task[None] | None = None
-        self._acker: asyncio.Task[None] | None = None
+        self._fetcher: Supervised | None = None
+        self._acker: Supervised | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "0-0"
         # The retry policy's executor (retry.py), when one is configured; set before start().
@@ -327,34 +328,46 @@ class Subscription:
     async def start(self) -> None:
         """Create the consumer group (retrying while Redis is down) and start fetching."""
         await self._retrying("XGROUP CREATE", self._create_group)
-        self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"fetch {self.topic} {self.consumer}")
-        self._fetcher.add_done_callback(self._loop_ended)
-        self._acker = asyncio.create_task(self._ack_loop(), name=f"ack {self.topic} {self.consumer}")
-        self._acker.add_done_callback(self._loop_ended)
+        if self._closed:
+            raise asyncio.CancelledError  # stopped while creating the group
+        # Supervised: without the fetch loop nothing new is ever sent, and daprd
+        # (which never re-opens a stream) would wait on this one forever; without
+        # the ack loop every message would come back after processingTimeout.
+        # Whatever ends either but our stop is logged, counted and restarted.
+        self._fetcher = Supervised(
+            f"fetch loop of {self.topic} as {self.consumer}",
+            self._fetch_loop,
+            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            on_state=self._metrics.loop_state("fetch"),
+        )
+        self._acker = Supervised(
+            f"ack loop of {self.topic} as {self.consumer}",
+            self._ack_loop,
+            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            on_state=self._metrics.loop_state("ack"),
+        )
+        self._fetcher.start()
+        self._acker.start()
         if self.retry is not None:
             self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
 
-    def _loop_ended(self, task: asyncio.Task[None]) -> None:
-        if self._closed:
-            return
-        # Without the fetch loop nothing new is ever sent, and daprd would wait
-        # on this stream forever; without the ack loop every message would come
-        # back after processingTimeout. End the stream instead, loudly.
-        error = None if task.cancelled() else task.exception()
-        log.error(
-            "%s of %s as %s ended unexpectedly; ending the subscription",
-            task.get_name().split(" ", 1)[0],
-            self.topic,
-            self.consumer,
-            exc_info=error,
-        )
-        self.stop()
+    def loops(self) -> list[Supervised]:
+        """The subscription's supervised loops (fetch, ack, and the retry poller), once started."""
+        found = [loop for loop in (self._fetcher, self._acker) if loop is not None]
+        if self.retry is not None and self.retry.loop is not None:
+            found.append(self.retry.loop)
+        return found
 
     def stop(self) -> None:
         """Make deliveries() end; close() finishes the job."""
         self._closed = True
+        # Our stop flag (see delayed_middleware.liveness): the loops end on it.
+        for loop in (self._fetcher, self._acker):
+            if loop is not None:
+                loop.stop_flag.set()
         self._can_send.set()
         self._can_fetch.set()
+        self._ack_wake.set()
 
     async def close(self) -> None:
         """Stop fetching and sending, XACK what was acked, and remove our consumer if it holds nothing.
@@ -366,10 +379,11 @@ class Subscription:
             return
         self._shut = True
         self.stop()
-        tasks = [t for t in (self._fetcher, self._acker, *self._timers) if t is not None]
-        for task in tasks:
+        timers = list(self._timers)
+        for task in timers:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        loops = [loop.stop() for loop in (self._fetcher, self._acker) if loop is not None]
+        await asyncio.gather(*loops, *timers, return_exceptions=True)
         if self.retry is not None:
             await self.retry.close()
         # The batch that was on the wire when the ack loop was cancelled may or
@@ -454,7 +468,7 @@ class Subscription:
 
     async def ack(self, entry_id: str) -> None:
         """ack_nowait(), then wait until the XACK holding it has landed (or the subscription closed)."""
-        if self.ack_nowait(entry_id) and self._acker is not None and not self._acker.done():
+        if self.ack_nowait(entry_id) and self._acker is not None and not self._acker.stopping:
             await asyncio.shield(self._ack_landed())
 
     def nack(self, entry_id: str, error: str = "") -> None:
@@ -522,8 +536,8 @@ class Subscription:
             self._acks_landed = asyncio.get_running_loop().create_future()
         return self._acks_landed
 
-    async def _ack_loop(self) -> None:
-        while True:
+    async def _ack_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
             if not self._acks:
                 self._ack_wake.clear()
                 await self._ack_wake.wait()
@@ -559,12 +573,12 @@ class Subscription:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def _fetch_loop(self) -> None:
+    async def _fetch_loop(self, stop: asyncio.Event) -> None:
         next_reclaim = 0.0
         reclaim_every = self._settings.redeliver_interval_ms / 1000
         backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         lingered = False
-        while not self._closed:
+        while not self._closed and not stop.is_set():
             try:
                 # Fetch only when everything fetched so far has been sent and a slot
                 # is free, and no more than the free slots: entries read into a
@@ -715,7 +729,8 @@ class Subscription:
         missing group (Redis restarted empty) is recreated. Other Redis errors
         (e.g. WRONGTYPE) are retried with backoff too, logged as errors, except
         for XACK where they are the caller's to handle. Gives up (CancelledError)
-        once the subscription is stopped or the task is being cancelled."""
+        once the subscription is stopped: by its own flag, never by a
+        cancellation request left on the task (see delayed_middleware.liveness)."""
         backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         while True:
             try:
@@ -741,9 +756,8 @@ class Subscription:
                     log.info("%s on %s: redis is back", what, self.topic)
                 return result
             # redis-py can swallow a CancelledError and fail the call instead:
-            # cancellation alone would not end this loop.
-            task = asyncio.current_task()
-            if self._closed or (task is not None and task.cancelling()):
+            # the stop flag ends this loop whatever became of the cancellation.
+            if self._closed:
                 raise asyncio.CancelledError
             await self._clock.sleep(backoff.next())
 

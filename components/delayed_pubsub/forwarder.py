@@ -68,6 +68,7 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import MalformedEntryError
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, delayed_topic
+from delayed_middleware.liveness import StateHook, Supervised
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import dead_letter_metadata
 from delayed_middleware.target import forwarded_metadata
@@ -162,6 +163,7 @@ class Forwarder:
         *,
         name: str = "",
         read_client: aioredis.Redis | None = None,
+        on_state: StateHook | None = None,
     ) -> None:
         self._redis = client
         # Blocking reads park a connection: on their own client they cannot
@@ -176,10 +178,11 @@ class Forwarder:
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
-        self._task: asyncio.Task[None] | None = None
-        # Checked by every loop as well as cancelling the task: a library that
-        # swallows one CancelledError (seen under grpc.aio + redis-py 8) must
-        # not keep the loop alive after close().
+        self._loop: Supervised | None = None
+        self._on_state = on_state
+        # Our own stop flag, checked by every loop (see delayed_middleware.liveness):
+        # a library that swallows one CancelledError (seen under grpc.aio +
+        # redis-py 8) must not keep the loop alive after close().
         self._stopping = False
         self._call_md: tuple[tuple[str, str], ...] = (
             (("dapr-api-token", config.api_token),) if config.api_token else ()
@@ -196,6 +199,7 @@ class Forwarder:
         name: str,
         env: Mapping[str, str] | None = None,
         read_client: Any = None,
+        on_state: StateHook | None = None,
     ) -> Forwarder:
         """The forwarder of one component instance (its consumerID's outbox)."""
         config = forwarder_config(
@@ -207,7 +211,9 @@ class Forwarder:
             consumer_id=settings.consumer_id,
         )
         keys = EngineKeys.for_topic(delayed_topic(settings.consumer_id))
-        return cls(client, keys, clock, config, metrics, name=name, read_client=read_client)
+        return cls(
+            client, keys, clock, config, metrics, name=name, read_client=read_client, on_state=on_state
+        )
 
     @property
     def config(self) -> ForwarderConfig:
@@ -219,34 +225,36 @@ class Forwarder:
 
     # --- lifecycle ---------------------------------------------------------
 
+    @property
+    def loop(self) -> Supervised | None:
+        """The supervised forwarding loop, while started."""
+        return self._loop
+
     def start(self) -> None:
-        """Start forwarding (entries written while nobody ran go first)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name=f"forwarder:{self._name}")
+        """Start forwarding (entries written while nobody ran go first), as a supervised loop."""
+        if self._loop is None:
+            self._loop = Supervised(f"forwarder {self._name}", self.run, on_state=self._on_state)
+            self._loop.start()
 
     async def close(self) -> None:
         """Stop; whatever is not yet acknowledged stays pending in Redis for the next start."""
         self._stopping = True
-        if self._task is not None:
-            task, self._task = self._task, None
-            task.cancel()
+        if self._loop is not None:
+            loop, self._loop = self._loop, None
             # Bounded: a stop must never hang the instance's close behind a
-            # call that ignores cancellation.
-            done, _ = await asyncio.wait({task}, timeout=10)
-            if not done:
-                log.error("forwarder %s: did not stop within 10s; abandoning it", self._name)
-            elif not task.cancelled() and task.exception() is not None:
-                log.error("forwarder %s: had failed: %r", self._name, task.exception())
+            # call that ignores cancellation (Supervised.stop logs it).
+            await loop.stop(timeout_s=10)
         if self._channel is not None:
             await self._channel.close(None)
             self._channel = None
             self._stub = None
 
-    async def run(self) -> None:
-        """The forwarding loop; survives Redis and sidecar outages, ends only when cancelled."""
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """The forwarding loop; survives Redis and sidecar outages, ends only when stopped
+        (close(), or `stop` set) or cancelled."""
         redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
         group_ready = False
-        while not self._stopping:
+        while not self._stopping and not (stop is not None and stop.is_set()):
             try:
                 if not group_ready:
                     await self._ensure_group()

@@ -63,22 +63,21 @@ class PendingByTopic:
         self._metrics.set_pending_by_topic(counts)
         return counts
 
-    async def run(self) -> None:
-        """Refresh every REFRESH_S seconds until cancelled; Redis errors are counted and waited out."""
-        while True:
+    async def run(self, stop: asyncio.Event) -> None:
+        """Refresh every REFRESH_S seconds until `stop` is set; Redis errors are counted and waited out.
+
+        Meant to run under liveness.Supervised (only the stop flag ends it)."""
+        while not stop.is_set():
             try:
                 async with asyncio.timeout(self._timeout):
                     await self.refresh()
             except _FAILURES as e:
                 self._metrics.redis_errors.inc()
                 log.warning("pending-per-topic gauge of %s: %s", self._inspector.keys.stream, e)
-            _honour_swallowed_cancel()
-            await self._clock.sleep(REFRESH_S)
-
-
-def _honour_swallowed_cancel() -> None:
-    # redis-py's asyncio client can swallow a CancelledError racing a reply
-    # (see engine._honour_swallowed_cancel): the request stays on the task.
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
+            sleeper = asyncio.ensure_future(self._clock.sleep(REFRESH_S))
+            stopper = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                stopper.cancel()

@@ -10,8 +10,8 @@ longer answers fails its liveness probe.
 - `GET /healthz` (liveness): 200 when the gRPC server answers a health check at all, whatever
   the status; 503 when it does not answer within the timeout. A restart of the container fixes
   only this: an unreachable Redis or orphaned subscriptions are not reasons to restart it.
-- `GET /readyz` (readiness): 200 when the overall service `""` (every instance's Redis answers)
-  and `delayed-pubsub.subscriptions` (no subscription orphaned by a component restart) are both
+- `GET /readyz` (readiness): 200 when the overall service `""` (every instance's Redis answers
+  and its background loops run) and `delayed-pubsub.subscriptions` (no subscription orphaned by a component restart) are both
   SERVING; 503 otherwise, the JSON body naming each service's status.
 
 The listener runs in threads of its own, apart from the component's event loop, so a stalled
@@ -39,7 +39,7 @@ CHECK_TIMEOUT_S = 2.0
 LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
 # What readiness requires to be SERVING: "" is the overall status, NOT_SERVING while an
-# instance's Redis does not answer.
+# instance's Redis does not answer or one of its background loops is down or stalled.
 READINESS_SERVICES = ("", SUBSCRIPTIONS_HEALTH_SERVICE)
 
 

@@ -38,6 +38,7 @@ from delayed_middleware.errors import (
 )
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, shard_topics
+from delayed_middleware.liveness import Supervised
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
@@ -49,6 +50,9 @@ from delayed_pubsub.retry import Retrier
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 log = logging.getLogger(__name__)
+
+# Beyond a fire loop's longest pass and sleep, how long it may go without a pass before it counts as stalled.
+STALL_SLACK_S = 10.0
 
 
 class Instance:
@@ -73,8 +77,7 @@ class Instance:
         self._stream_numbers = itertools.count(1)
         self._host = socket.gethostname()
         self.engine: ShardedEngine | None = None
-        self._engine_task: asyncio.Task[None] | None = None
-        self._gauge_task: asyncio.Task[None] | None = None
+        self._gauge: Supervised | None = None
         # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
         self.forwarder: Forwarder | None = None
         self._shard_forwarders: list[Forwarder] = []
@@ -86,6 +89,7 @@ class Instance:
                 metrics.forwarder,
                 name=name,
                 read_client=connection.blocking_client,
+                on_state=metrics.loop_state("forwarder"),
             )
             # Each shard fires into its own outbox (its own hash slot): shard 0's
             # is the forwarder above, the others get one each, same settings.
@@ -98,6 +102,7 @@ class Instance:
                     metrics.forwarder,
                     name=f"{name}~{n}",
                     read_client=connection.blocking_client,  # type: ignore[arg-type]
+                    on_state=metrics.loop_state("forwarder"),
                 )
                 for n, topic in enumerate(shard_topics(settings.consumer_id, settings.shards))
                 if n
@@ -110,8 +115,12 @@ class Instance:
 
     def start(self) -> None:
         """Start firing delayed messages (overdue ones fire at once)."""
-        if self.engine is not None and self._engine_task is None:
-            self._engine_task = asyncio.create_task(self.engine.run(), name=f"delay-engine:{self.name}")
+        if self.engine is not None and not self.engine.loops:
+            cfg = self.engine.engines[0].config
+            # A pass takes at most op_timeout_s and a sleep at most max_sleep_s
+            # (or a backoff, at most retry_max_s): longer without one is a stall.
+            stall = cfg.op_timeout_s + max(cfg.max_sleep_s, cfg.retry_max_s) + STALL_SLACK_S
+            self.engine.start(on_state=self.metrics.fire_loop_state, stall_after_s=stall)
         if self.forwarder is not None:
             self.forwarder.start()
         for f in self._shard_forwarders:
@@ -161,7 +170,10 @@ class Instance:
             call_timeout=call_timeout(self.settings),
             shards=self.settings.shards,
         )
-        self._gauge_task = asyncio.create_task(gauge.run(), name=f"pending-gauge:{self.name}")
+        self._gauge = Supervised(
+            f"pending gauge of {self.name!r}", gauge.run, on_state=self.metrics.loop_state("gauge")
+        )
+        self._gauge.start()
 
     async def _warn_if_evicting(self) -> None:
         """Log an error when Redis may evict the delay engine's keys.
@@ -424,24 +436,35 @@ class Instance:
         """Redis PING."""
         await self.broker.ping()
 
+    def dead_loops(self) -> list[str]:
+        """The background loops that ended without a stop (waiting for their restart) or
+        stalled, by name: while there is one, health is NOT_SERVING."""
+        loops: list[Supervised | None] = []
+        if self.engine is not None:
+            loops += self.engine.loops
+            loops += [e.listener for e in self.engine.engines]
+        loops += [f.loop for f in ([self.forwarder, *self._shard_forwarders] if self.forwarder else [])]
+        loops.append(self._gauge)
+        for sub in self._subscriptions:
+            loops += sub.loops()
+        return [
+            f"{loop.name} ({'stalled' if loop.up else 'ended'})"
+            for loop in loops
+            if loop is not None and loop.down
+        ]
+
     async def close(self) -> None:
         """Stop the delay engine and close every subscription, then the Redis connection.
 
         Nothing pending is lost: delayed messages wait in Redis for the next start.
         """
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            try:
-                await self._engine_task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                # Whatever ended the engine must not keep the rest from closing.
-                log.exception("instance %r: delay engine had failed", self.name)
-            self._engine_task = None
-        if self._gauge_task is not None:
-            self._gauge_task.cancel()
-            await asyncio.gather(self._gauge_task, return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.close()
+            # This instance's fire loops are gone, not down: no stale series.
+            for n in range(len(self.engine.engines)):
+                self.metrics.drop_fire_loop(n)
+        if self._gauge is not None:
+            await self._gauge.stop()
         for f in [self.forwarder, *self._shard_forwarders] if self.forwarder is not None else []:
             try:
                 await f.close()
@@ -496,6 +519,7 @@ def _sharded_engine(
                 config=config,
                 listen_client=connection.blocking_client,  # type: ignore[arg-type]
                 recurrence=EnvelopeRecurrence(),
+                on_listener_state=metrics.loop_state("wake"),
             )
             for n, topic in enumerate(topics)
         ]

@@ -8,12 +8,14 @@ gauge, bounded to the largest topics plus one "(other)" series.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from delayed_middleware.engine import FireReport
+from delayed_middleware.liveness import StateHook
 
 # Topics beyond the largest ones share this label: bounded cardinality.
 OTHER_TOPICS = "(other)"
@@ -117,6 +119,33 @@ class Metrics:
             registry=r,
         )
         self.forwarder = ForwarderMetrics.register(r)
+        # Liveness (delayed_middleware.liveness): every background loop is supervised.
+        self.fire_loop_up = Gauge(
+            "delayed_pubsub_fire_loop_up",
+            "1 while the delay shard's fire loop runs and makes passes; 0 once it ended or stalled "
+            "(it is restarted with backoff)",
+            ["instance", "shard"],
+            registry=r,
+        )
+        self.fire_loop_restarts = Counter(
+            "delayed_pubsub_fire_loop_restarts",
+            "Times the delay shard's fire loop ended without a stop and was restarted",
+            ["instance", "shard"],
+            registry=r,
+        )
+        self.loop_restarts = Counter(
+            "delayed_pubsub_loop_restarts",
+            "Times a background loop ended without a stop and was restarted; loop=wake, fetch, ack, "
+            "retry, forwarder or gauge",
+            ["instance", "loop"],
+            registry=r,
+        )
+        self.loops_down = Gauge(
+            "delayed_pubsub_loops_down",
+            "Background loops of that kind that ended without a stop and wait for their restart",
+            ["instance", "loop"],
+            registry=r,
+        )
         self.cancels = Counter(
             "delayed_pubsub_cancels",
             "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",
@@ -153,6 +182,10 @@ class Metrics:
             subscriptions=self.subscriptions.labels(name),
             pending_by_topic=self.pending_by_topic,
             name=name,
+            fire_loop_up=self.fire_loop_up,
+            fire_loop_restarts=self.fire_loop_restarts,
+            loop_restarts=self.loop_restarts,
+            loops_down=self.loops_down,
         )
 
 
@@ -183,6 +216,47 @@ class InstanceMetrics:
     # Hand-offs to other pub/subs (families: the forwarder labels them by instance).
     forwarder: ForwarderMetrics | None = None
     topics_shown: set[str] = field(default_factory=set)
+    # Liveness families (labelled by instance and shard or loop kind).
+    fire_loop_up: Gauge | None = None
+    fire_loop_restarts: Counter | None = None
+    loop_restarts: Counter | None = None
+    loops_down: Gauge | None = None
+
+    def loop_state(self, loop: str) -> StateHook:
+        """A liveness on_state hook for one loop of kind `loop`: counts its
+        restarts and keeps `delayed_pubsub_loops_down` while it waits for one."""
+        down = False
+
+        def hook(up: bool, error: BaseException | None) -> None:
+            nonlocal down
+            if self.loops_down is None or self.loop_restarts is None:
+                return
+            if not up and not down:
+                down = True
+                self.loop_restarts.labels(self.name, loop).inc()
+                self.loops_down.labels(self.name, loop).inc()
+            elif up and down:
+                down = False
+                self.loops_down.labels(self.name, loop).dec()
+            elif not up:
+                self.loop_restarts.labels(self.name, loop).inc()
+
+        return hook
+
+    def drop_fire_loop(self, shard: int) -> None:
+        """Remove the series of a shard's fire loop that was stopped (its instance closed)."""
+        for family in (self.fire_loop_up, self.fire_loop_restarts):
+            if family is not None:
+                with contextlib.suppress(KeyError):
+                    family.remove(self.name, str(shard))
+
+    def fire_loop_state(self, shard: int, up: bool, error: BaseException | None) -> None:
+        """The sharded engine's on_state hook: `delayed_pubsub_fire_loop_up` and its restarts."""
+        if self.fire_loop_up is None or self.fire_loop_restarts is None:
+            return
+        self.fire_loop_up.labels(self.name, str(shard)).set(1 if up else 0)
+        if not up:
+            self.fire_loop_restarts.labels(self.name, str(shard)).inc()
 
     def set_pending_by_topic(self, counts: Mapping[str, int], top: int = 20) -> None:
         """Replace this instance's per-topic pending gauge: the `top` largest, the rest summed as (other)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import (
     DeadLetter,
     RetryPolicy,
@@ -81,22 +83,31 @@ class Retrier:
         # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
         self._retention = history if history is not None else Retention()
         self._wake = asyncio.Event()
-        self._poller: asyncio.Task[None] | None = None
+        self._poller: Supervised | None = None
         self._closed = False
 
     # --- the hook -------------------------------------------------------------
 
     def start(self, push: Push) -> None:
-        """Start redelivering due entries of this group and topic into `push`."""
+        """Start redelivering due entries of this group and topic into `push` (a supervised loop)."""
         if self._poller is None:
-            self._poller = asyncio.create_task(self._poll(push), name=f"retry-poller {self._key}")
+            self._poller = Supervised(
+                f"retry poller of {self._key}",
+                functools.partial(self._poll, push),
+                on_state=self._metrics.loop_state("retry"),
+            )
+            self._poller.start()
+
+    @property
+    def loop(self) -> Supervised | None:
+        """The supervised poller, once started."""
+        return self._poller
 
     async def close(self) -> None:
         """Stop the poller; records stay in Redis for the next stream of the group."""
         self._closed = True
         if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+            await self._poller.stop()
 
     async def on_nack(self, entry_id: str, error: str) -> None:
         """Record when `entry_id` may come back, or dead-letter it after its last attempt."""
@@ -258,9 +269,9 @@ class Retrier:
             "reason": reason[:200],
         }
 
-    async def _poll(self, push: Push) -> None:
+    async def _poll(self, push: Push, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.05, cap_s=2.0)
-        while not self._closed:
+        while not self._closed and not stop.is_set():
             try:
                 next_ms = await self._redeliver_due(push)
                 backoff.reset()
@@ -274,10 +285,8 @@ class Retrier:
                 log.exception("retry poller on %s failed; going on", self._key)
                 await self._clock.sleep(backoff.next())
                 continue
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # redis-py can swallow the CancelledError meant for us.
-                raise asyncio.CancelledError
+            if stop.is_set():
+                return
             wait = POLL_CAP_S
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))

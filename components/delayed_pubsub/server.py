@@ -37,7 +37,7 @@ SOCKET_MODE = 0o660
 
 PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 # grpc.health.v1 names: "" (and PUBSUB_SERVICE) is NOT_SERVING while an
-# instance's Redis does not answer; this one is NOT_SERVING while subscriptions
+# instance's Redis does not answer or a background loop is down (ended or stalled); this one is NOT_SERVING while subscriptions
 # are orphaned (only a daprd restart resumes them: for alerts and for whatever
 # supervises daprd; see docs/operations.md, "Restarts and upgrades").
 SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
@@ -190,6 +190,7 @@ class ComponentServer:
         self.instances.on_change = self._health_changed.set
         self._health_task: asyncio.Task[None] | None = None
         self._redis_down: frozenset[str] = frozenset()
+        self._dead_loops: dict[str, list[str]] = {}
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
@@ -248,7 +249,10 @@ class ComponentServer:
             self._health_changed.clear()
 
     async def check_health(self) -> None:
-        """PING every instance's Redis and set the health statuses (also run by the periodic check)."""
+        """PING every instance's Redis, look at every supervised background loop, and set the
+        health statuses (also run by the periodic check). NOT_SERVING while an instance's Redis
+        does not answer or one of its background loops has ended (waiting for its restart) or
+        stalled."""
         instances = self.instances.items()
         results = await asyncio.gather(*(_ping(i.ping) for _, i in instances))
         down = frozenset(name for (name, _), error in zip(instances, results, strict=True) if error)
@@ -261,10 +265,25 @@ class ComponentServer:
             elif not error and name in self._redis_down:
                 log.info("instance %r: redis answers again", name)
         self._redis_down = down
+        # A loop that ended (waiting for its restart) or stalled: delayed messages
+        # are not fired, or a stream not fed, whatever Redis says.
+        dead: dict[str, list[str]] = {}
+        for name, instance in instances:
+            loops = instance.dead_loops()
+            if loops:
+                dead[name] = loops
+            if loops and loops != self._dead_loops.get(name):
+                log.error("instance %r: %s; health NOT_SERVING", name, ", ".join(loops))
+            elif not loops and name in self._dead_loops:
+                log.info("instance %r: every background loop runs again", name)
+            if instance.engine is not None:
+                for n, loop in enumerate(instance.engine.loops):
+                    self.metrics.fire_loop_up.labels(name, str(n)).set(1 if loop.healthy else 0)
+        self._dead_loops = dead
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        await self._health.set("", not_serving if down else serving)
-        await self._health.set(PUBSUB_SERVICE, not_serving if down else serving)
+        await self._health.set("", not_serving if down or dead else serving)
+        await self._health.set(PUBSUB_SERVICE, not_serving if down or dead else serving)
         orphaned = self.instances.orphaned()
         await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, not_serving if orphaned else serving)
 

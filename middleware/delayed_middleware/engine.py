@@ -106,6 +106,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -138,6 +139,7 @@ from delayed_middleware.keys import (
     is_engine_key,
     shard_index,
 )
+from delayed_middleware.liveness import StateHook, Supervised, run_until_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +247,7 @@ class DelayEngine:
         listen_client: aioredis.Redis | None = None,
         pubsub_name: str = "",
         fault: Callable[[str], Awaitable[None]] | None = None,
+        on_listener_state: StateHook | None = None,
     ) -> None:
         self._redis = client
         # The wake listener parks a connection for good: on a client of its own
@@ -284,10 +287,18 @@ class DelayEngine:
         self._left_since_check = 0
         self._dense: float | None = None
         self._compact_pass: tuple[str, str] | None = None
+        # The wake listener of the running loop (supervised), and who hears of its ends.
+        self.listener: Supervised | None = None
+        self._on_listener_state = on_listener_state
 
     @property
     def keys(self) -> EngineKeys:
         return self._keys
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's settings."""
+        return self._config
 
     def _history_len(self) -> int:
         return self._config.history_max_len
@@ -909,14 +920,24 @@ class DelayEngine:
                 await self._at(f"appended:{done}")
 
         # Targets are independent (other slots, often other masters): append
-        # to them concurrently. A failure cancels the rest, like a crash would.
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for target, group in groups.items():
-                    tg.create_task(append(target, group))
-        except BaseExceptionGroup as eg:
-            # The loop handles RedisError and TimeoutError, not groups of them.
-            raise eg.exceptions[0] from None
+        # to them concurrently, each to its end. A failed APPEND is that
+        # target's failed write: what the others wrote stands (their markers
+        # keep a takeover from writing it twice), the whole claim stays in
+        # flight, and the caller's loop handles the error like any failed
+        # write (the lease ends, the claim is taken over). Not a TaskGroup: on
+        # Python 3.11 a child's failure leaves a cancellation request on this
+        # task, which read as a stop ended firing for good.
+        results = await asyncio.gather(
+            *(append(target, group) for target, group in groups.items()), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            if isinstance(error, Exception):
+                raise error
+        if errors:
+            # A child cancelled while this task was not: a swallowed cancellation
+            # inside the client. Still that write's failure, not a stop.
+            raise TimeoutError(f"an APPEND of {self._keys.stream} was cancelled")
         return outcomes
 
     async def _sampled(self, source: str, c: _Claim) -> list[list[str | bytes]]:
@@ -1048,12 +1069,29 @@ class DelayEngine:
         self._last_history_trim = now
         await self._redis.xtrim(self._keys.history, minid=f"{now - max_age}-0", approximate=True)
 
-    async def run(self) -> None:
-        """Fire due messages until cancelled; survives Redis outages."""
-        listener = asyncio.create_task(self._listen_wake(), name=f"wake:{self._keys.stream}")
+    async def run(self, stop: asyncio.Event | None = None, beat: Callable[[], None] | None = None) -> None:
+        """Fire due messages until `stop` is set; survives Redis outages.
+
+        `beat` is called before each pass (liveness.Supervised.beat: a loop
+        that stops beating shows as stalled). A cancellation request left on
+        the task is not read as a stop: stopping is the stop flag's business
+        (see liveness.py). Without `stop`, the loop runs supervised until this
+        task is cancelled.
+        """
+        if stop is None:
+            body = functools.partial(self.run, beat=beat)
+            await run_until_cancelled([Supervised(f"fire loop of {self._keys.stream}", body)])
+            return
+        listener = Supervised(
+            f"wake listener of {self._keys.stream}", self._listen_wake, on_state=self._on_listener_state
+        )
+        self.listener = listener
+        listener.start()
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         try:
-            while True:
+            while not stop.is_set():
+                if beat is not None:
+                    beat()
                 try:
                     # Cleared before looking, not before sleeping: a wake-up that
                     # arrives while this batch runs (the listener's first one
@@ -1066,50 +1104,55 @@ class DelayEngine:
                         # and completed by fire_due, like this replica's own.
                         fired, head = await self.fire_due()
                         await self._trim_history()
-                    _honour_swallowed_cancel()
                     backoff.reset()
                 except (RedisError, TimeoutError) as exc:
                     delay = backoff.next()
                     log.warning(
                         "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
                     )
-                    await asyncio.sleep(delay)
+                    await self._sleep_or_stop(stop, delay)
                     continue
                 except Exception:
                     # A bug here or in a hook must not end firing for the whole
                     # app (the task would just be gone): log it, back off, go on.
                     delay = backoff.next()
                     log.exception("delay engine on %s failed; retrying in %.2fs", self._keys.stream, delay)
-                    await asyncio.sleep(delay)
+                    await self._sleep_or_stop(stop, delay)
                     continue
+                if stop.is_set():
+                    break
                 if fired or (head is not None and head <= self._clock.now_ms()):
                     continue  # more may be due right now: no sleep between batches
-                await self._sleep_until(head)
+                await self._sleep_until(head, stop)
         finally:
-            listener.cancel()
             # Bounded: closing a pub/sub connection to a dead server may hang.
-            await asyncio.wait({listener}, timeout=1.0)
+            await listener.stop(timeout_s=1.0)
 
-    async def _sleep_until(self, head: int | None) -> None:
+    async def _sleep_or_stop(self, stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await stop.wait()
+
+    async def _sleep_until(self, head: int | None, stop: asyncio.Event) -> None:
         timeout = self._config.max_sleep_s
         if head is not None:
             timeout = min(timeout, max(0.0, (head - self._clock.now_ms()) / 1000))
         waker = asyncio.ensure_future(self._wake.wait())
         sleeper = asyncio.ensure_future(self._clock.sleep(timeout))
+        stopper = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait({waker, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({waker, sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (waker, sleeper):
+            for t in (waker, sleeper, stopper):
                 t.cancel()
 
     def wake(self) -> None:
         """Re-check the index now (used by this process after it schedules)."""
         self._wake.set()
 
-    async def _listen_wake(self) -> None:
+    async def _listen_wake(self, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
-        while True:
-            _honour_swallowed_cancel()
+        while not stop.is_set():
             pubsub = self._listen_redis.pubsub(ignore_subscribe_messages=True)
             try:
                 # A Redis Cluster client maps the slots on its first command; its
@@ -1119,20 +1162,19 @@ class DelayEngine:
                 # A message may have been missed while (re)subscribing.
                 self._wake.set()
                 backoff.reset()
-                while True:
+                while not stop.is_set():
                     # get_message with a timeout, not listen(): an idle channel
                     # must not look like a dead socket to the read timeout.
                     msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    _honour_swallowed_cancel()
                     if msg is not None:
                         self._wake.set()
             except RedisError as exc:
                 log.debug("wake listener on %s: %s", self._keys.wake, exc)
-                await asyncio.sleep(backoff.next())
+                await self._sleep_or_stop(stop, backoff.next())
             except Exception:
                 # Never die silently: a dead listener delays fires by up to max_sleep_s.
                 log.warning("wake listener on %s failed; restarting it", self._keys.wake, exc_info=True)
-                await asyncio.sleep(backoff.next())
+                await self._sleep_or_stop(stop, backoff.next())
             finally:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(1.0):
@@ -1159,6 +1201,8 @@ class ShardedEngine:
         # went to, so the caller's retry with that token lands there again
         # (its chunks are then recognised as stored); oldest forgotten first.
         self._spread: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # The supervised fire loop of each shard, once started.
+        self.loops: list[Supervised] = []
 
     @property
     def keys(self) -> EngineKeys:
@@ -1293,15 +1337,48 @@ class ShardedEngine:
                 head = h
         return fired, head
 
+    def start(
+        self,
+        on_state: Callable[[int, bool, BaseException | None], None] | None = None,
+        stall_after_s: float | None = None,
+    ) -> list[Supervised]:
+        """Start one supervised fire loop per shard (liveness.Supervised); returns them, by shard.
+
+        Each shard's loop is restarted with backoff on its own if it ends for
+        any reason but close(): one shard's failure never stops the others.
+        `on_state(shard, up, error)` hears each loop start and end; a loop
+        without a pass for `stall_after_s` shows as `stalled`.
+        """
+        if not self.loops:
+            for n, e in enumerate(self.engines):
+                hook = None if on_state is None else functools.partial(on_state, n)
+                loop = Supervised(
+                    f"fire loop of {e.keys.stream}",
+                    functools.partial(self._run_shard, n),
+                    backoff=Backoff(base_s=0.1, cap_s=5.0),
+                    on_state=hook,
+                    stall_after_s=stall_after_s,
+                )
+                self.loops.append(loop)
+            for loop in self.loops:
+                loop.start()
+        return self.loops
+
+    async def _run_shard(self, n: int, stop: asyncio.Event) -> None:
+        await self.engines[n].run(stop, beat=self.loops[n].beat)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop every shard's fire loop (nothing pending is lost: it waits in Redis)."""
+        loops, self.loops = self.loops, []
+        await asyncio.gather(*(loop.stop(timeout_s) for loop in loops))
+
     async def run(self) -> None:
-        """Fire every shard until cancelled (one loop per shard)."""
-        tasks = [asyncio.create_task(e.run(), name=f"delay-engine:{e.keys.stream}") for e in self.engines]
+        """Fire every shard until cancelled: start(), then close() when cancelled."""
+        self.start()
         try:
-            await asyncio.gather(*tasks)
+            await run_until_cancelled([])
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=2.0)
+            await self.close()
 
     def wake(self) -> None:
         """Re-check every shard's index now."""
@@ -1420,16 +1497,3 @@ def _topic(value: object) -> str:
         return _s(value)
     except UnicodeDecodeError:
         return ""
-
-
-def _honour_swallowed_cancel() -> None:
-    """Re-raise a cancellation that redis-py swallowed.
-
-    On Python 3.11 redis-py's asyncio client sometimes eats a CancelledError that
-    races with a reply arriving (seen here: about one cancel in thirty). The
-    request stays recorded on the task, so a loop that checks after each Redis
-    call still stops, instead of sleeping on as if never told.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from delayed_middleware.entry import decode_entry
 from tests.chaos.conftest import figure
 from tests.components.driver import Component, Stream
 from tests.redis_server import RedisServer
@@ -42,6 +43,7 @@ class Ledger:
         self.c = c
         self.accepted: set[bytes] = set()
         self.accepted_at: list[float] = []
+        self.accepted_when: dict[bytes, float] = {}
         self.failed: dict[bytes, grpc.StatusCode] = {}
         self.slowest_failure_s = 0.0
         self.received: list[bytes] = []
@@ -59,14 +61,16 @@ class Ledger:
             return False
         self.accepted.add(data)
         self.accepted_at.append(time.monotonic())
+        self.accepted_when[data] = self.accepted_at[-1]
         return True
 
-    async def drain(self, stream: Stream, within: float) -> None:
-        """Receive (and ack) until every accepted message arrived."""
+    async def drain(self, stream: Stream, within: float, expected: set[bytes] | None = None) -> None:
+        """Receive (and ack) until every accepted message (or every one of `expected`) arrived."""
+        want = self.accepted if expected is None else expected
         deadline = time.monotonic() + within
-        while not self.accepted <= set(self.received):
+        while not want <= set(self.received):
             left = deadline - time.monotonic()
-            assert left > 0, f"lost: {sorted(self.accepted - set(self.received))[:10]}"
+            assert left > 0, f"lost: {sorted(want - set(self.received))[:10]}"
             msg = await stream.next(within=left)
             self.received.append(msg.data)
             await stream.ack(msg.id)
@@ -132,12 +136,20 @@ async def test_frozen_redis_fails_publishes_fast_and_the_stream_resumes_losing_n
     ("signal_name", "fsync", "down_s"),
     [("SIGKILL", "always", 10.0), ("SIGTERM", "always", 2.0), ("SIGKILL", "everysec", 2.0)],
 )
-async def test_redis_killed_under_load_and_restarted_with_aof_loses_no_accepted_publish(
+async def test_redis_killed_under_load_and_restarted_with_aof_delivers_every_publish_redis_kept(
     component: Factory, own_redis: RedisServer, signal_name: str, fsync: str, down_s: float
 ) -> None:
-    """`everysec` also loses nothing when only the Redis process dies: Redis
-    write()s the AOF before it replies, and the kernel keeps what was written.
-    Its window (up to ~2 s) opens only when the machine itself goes down."""
+    """Every publish Redis still holds after the restart is delivered, once, on
+    the stream that stayed open, and publishes go on being accepted.
+
+    With `always` that is every accepted publish: Redis fsyncs before it replies.
+    With `everysec` Redis itself may lose acknowledged writes when only its
+    process dies: while a background fsync is slow (a busy disk) it postpones
+    its AOF write() for up to 2 s and replies meanwhile, so a SIGKILL in that
+    window drops what it acknowledged. Measured on the loaded dev machine: 16 runs
+    in 165, up to ~480 publishes. Those never reach any subscriber (they
+    are not in Redis); the figure counts them, and they are all from before the
+    kill."""
     admin = own_redis.client()
     admin.config_set("appendfsync", fsync)
     admin.close()
@@ -173,9 +185,22 @@ async def test_redis_killed_under_load_and_restarted_with_aof_loses_no_accepted_
     assert set(ledger.failed.values()) == {grpc.StatusCode.UNAVAILABLE}
     assert ledger.slowest_failure_s < 2.5, ledger.slowest_failure_s
     first_after = min(t for t in ledger.accepted_at if t > restarted_at)
-    await ledger.drain(stream, within=30)
+    accepted_after = {d for d, t in ledger.accepted_when.items() if t > restarted_at}
+    with own_redis.client() as r:
+        kept = {decode_entry(fields).data for _, fields in r.xrange("orders")}
+    lost_by_redis = ledger.accepted - kept
+    if fsync == "always":
+        assert lost_by_redis == set(), f"Redis lost {len(lost_by_redis)} acknowledged writes"
+    # Whatever Redis lost, it lost before the kill: nothing accepted since.
+    assert not lost_by_redis & accepted_after
+    await ledger.drain(stream, within=30, expected=ledger.accepted & kept)
     name = f"redis {signal_name} + restart, appendfsync {fsync}"
-    figure(f"{name}: accepted publishes (all delivered)", len(ledger.accepted), "msgs")
+    figure(
+        f"{name}: accepted publishes that Redis lost (SIGKILL mid-postponed AOF write)",
+        len(lost_by_redis),
+        "msgs",
+    )
+    figure(f"{name}: accepted publishes (all Redis kept delivered)", len(ledger.accepted), "msgs")
     figure(f"{name}: drained after restart", time.monotonic() - restarted_at, "s")
     figure(f"{name}: down", restarted_at - down_at, "s")
     # own_redis.start() returns once Redis answers PING: this is the component's part of the recovery.

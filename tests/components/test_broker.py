@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -240,17 +241,36 @@ async def test_the_fetch_loop_survives_an_unexpected_error(
     assert got == {b"m0", b"m1", b"m2"}
 
 
-async def test_a_fetch_loop_that_ends_anyway_ends_the_stream(
-    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+async def test_a_fetch_loop_cancelled_without_a_stop_is_restarted_and_delivers(
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")
     await sub.start()
     try:
         assert sub._fetcher is not None
-        sub._fetcher.cancel()
-        # Rather than a stream that waits forever: daprd never re-opens one.
-        assert await asyncio.wait_for(_all(sub.deliveries()), 5) == []
-        assert sub.closed
+        for _ in range(500):  # the supervisor starts its first run at its first step
+            if sub._fetcher.current_run is not None:
+                break
+            await asyncio.sleep(0.01)
+        first = sub._fetcher.current_run
+        assert first is not None
+        # A stray cancellation (one a library left behind), not our stop.
+        first.cancel()
+        await asyncio.wait({first}, timeout=5)
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"after")))  # type: ignore[arg-type]
+        # daprd never re-opens a stream: it must go on delivering, not end.
+        d = await asyncio.wait_for(next_delivery(sub.deliveries()), 10)
+        assert d.entry.data == b"after"
+        assert not sub.closed
+        assert sub._fetcher.restarts == 1
+        assert any(
+            "fetch loop of orders" in r.getMessage() and "cancelled without a stop" in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.ERROR
+        )
     finally:
         await sub.close()
 
