@@ -1,7 +1,8 @@
-"""The README's quickstart, run as written: the repository's component and subscription YAML,
-`delayed-pubsub serve`, daprd started as `dapr run --app-id quickstart --app-port ...` starts it,
-examples/quickstart/subscriber.py as the app and examples/quickstart/publisher.py (the Python
-SDK) publishing through that sidecar. What it checks is what the subscriber prints.
+"""The README's quickstart, run as written: the repository's component YAML, `delayed-pubsub
+serve`, daprd started as `dapr run --app-id quickstart --app-port ...` starts it,
+examples/quickstart/subscriber.py (a Dapr Python SDK app, which subscribes in code) as the app
+and examples/quickstart/publisher.py (the Python SDK) publishing through that sidecar. What it
+checks is what the subscriber prints.
 
 Only two things differ from the README: Redis runs on a private port (the YAML's
 ``localhost:6379`` is rewritten to it) and daprd's ports are free ones instead of 3500/50001.
@@ -81,7 +82,7 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         (resources / "delayed-pubsub.yaml").write_text(
             on_private_redis((REPO / "dapr" / "components" / "delayed-pubsub.yaml").read_text(), redis.port)
         )
-        (resources / "orders.yaml").write_text((REPO / "dapr" / "subscriptions" / "orders.yaml").read_text())
+        # No subscription YAML: as in the README, the subscriber declares its one subscription itself.
 
         socket_dir = workdir / "sockets"
         started.append(harness.start_component(workdir, socket_dir))
@@ -105,11 +106,11 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
         def subscribed() -> bool:
             meta = httpx.get(f"http://127.0.0.1:{ports.http}/v1.0/metadata", timeout=2).json()
-            return any(
-                s["pubsubname"] == "delayed" and s["topic"] == "orders" for s in meta.get("subscriptions", [])
-            )
+            # Exactly one subscription, and the app's (GET /dapr/subscribe), not a YAML one.
+            subs = [(s["pubsubname"], s["topic"], s.get("type")) for s in meta.get("subscriptions", [])]
+            return subs == [("delayed", "orders", "PROGRAMMATIC")]
 
-        harness.wait_until(subscribed, 30, "daprd to load dapr/subscriptions/orders.yaml", daprd)
+        harness.wait_until(subscribed, 30, "daprd to load the subscriber's own subscription", daprd)
         yield Quickstart(subscriber, daprd, ports, workdir)
     except harness.HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)
