@@ -78,7 +78,9 @@ async def orders(request: Request) -> JSONResponse:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--port", type=int, default=6002, help="port to listen on, 127.0.0.1 (default 6002)")
     args = parser.parse_args(argv)
     print(f"subscriber listening on 127.0.0.1:{args.port}", file=sys.stderr, flush=True)
