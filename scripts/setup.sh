@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything `make demo` and `make test` need:
-#   .venv (Python >= 3.11) with the project installed editable, its dev and spark extras;
+#   .venv (Python >= 3.11) with the project installed editable, its dev, spark and examples extras;
 #   redis-server and a Java runtime (for the Spark tests), from apt when missing;
 #   podman, runc and mmdebstrap (the container image test builds its base from Debian packages);
 #   a daprd (scripts/daprd.sh: found, or built once into ~/.cache; the first build takes minutes).
@@ -24,7 +24,7 @@ if [[ ! -x "$py" ]]; then
 fi
 
 # Re-install only when pyproject.toml changed since the last successful install.
-extras="${SETUP_EXTRAS:-dev,spark}"
+extras="${SETUP_EXTRAS:-dev,spark,examples}"
 stamp="$venv/.setup-$(printf '%s' "$extras" | tr ',' '-')"
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! "$venv/bin/delayed-pubsub" --help >/dev/null 2>&1; then
     say "installing the project into .venv: pip install -e '.[$extras]'"

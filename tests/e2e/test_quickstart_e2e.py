@@ -1,7 +1,8 @@
-"""The README's quickstart, run as written: the repository's component and subscription YAML,
-`delayed-pubsub serve`, daprd started as `dapr run --app-id quickstart --app-port ...` starts it,
-examples/quickstart/subscriber.py as the app and examples/quickstart/publisher.py (the Python
-SDK) publishing through that sidecar. What it checks is what the subscriber prints.
+"""The README's quickstart, run as written: the repository's component YAML, `delayed-pubsub
+serve`, daprd started as `dapr run --app-id quickstart --app-port ...` starts it,
+examples/quickstart/subscriber.py (a Dapr Python SDK app, which subscribes in code) as the app
+and examples/quickstart/publisher.py (the Python SDK) publishing through that sidecar. What it
+checks is what the subscriber prints.
 
 Only two things differ from the README: Redis runs on a private port (the YAML's
 ``localhost:6379`` is rewritten to it) and daprd's ports are free ones instead of 3500/50001.
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -69,9 +71,13 @@ def on_private_redis(component_yaml: str, port: int) -> str:
     return "".join(lines)
 
 
-@pytest.fixture(scope="module")
-def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Quickstart]:
-    workdir = Path(tmp_path_factory.mktemp("quickstart"))
+@contextmanager
+def running_quickstart(daprd_path: str, workdir: Path, *, subscription_yaml: bool) -> Iterator[Quickstart]:
+    """Redis, `delayed-pubsub serve`, the subscriber and its daprd, as the README starts them.
+
+    With ``subscription_yaml`` daprd also loads dapr/subscriptions/orders.yaml (the README's
+    alternative for apps that do not subscribe in code), beside the app's own subscription.
+    """
     redis = RedisServer(workdir / "redis")
     redis.start()
     started: list[ManagedProcess] = []
@@ -81,14 +87,22 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         (resources / "delayed-pubsub.yaml").write_text(
             on_private_redis((REPO / "dapr" / "components" / "delayed-pubsub.yaml").read_text(), redis.port)
         )
-        (resources / "orders.yaml").write_text((REPO / "dapr" / "subscriptions" / "orders.yaml").read_text())
+        if subscription_yaml:
+            (resources / "orders.yaml").write_text(
+                (REPO / "dapr" / "subscriptions" / "orders.yaml").read_text()
+            )
 
         socket_dir = workdir / "sockets"
         started.append(harness.start_component(workdir, socket_dir))
         app_port = free_port()
         subscriber = ManagedProcess(
             "quickstart subscriber",
-            [sys.executable, str(REPO / "examples" / "quickstart" / "subscriber.py"), "--port", str(app_port)],
+            [
+                sys.executable,
+                str(REPO / "examples" / "quickstart" / "subscriber.py"),
+                "--port",
+                str(app_port),
+            ],
             workdir / "subscriber.log",
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         ).start()
@@ -105,11 +119,11 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
         def subscribed() -> bool:
             meta = httpx.get(f"http://127.0.0.1:{ports.http}/v1.0/metadata", timeout=2).json()
-            return any(
-                s["pubsubname"] == "delayed" and s["topic"] == "orders" for s in meta.get("subscriptions", [])
-            )
+            # Exactly one subscription, and the app's (GET /dapr/subscribe), not a YAML one.
+            subs = [(s["pubsubname"], s["topic"], s.get("type")) for s in meta.get("subscriptions", [])]
+            return subs == [("delayed", "orders", "PROGRAMMATIC")]
 
-        harness.wait_until(subscribed, 30, "daprd to load dapr/subscriptions/orders.yaml", daprd)
+        harness.wait_until(subscribed, 30, "daprd to load the subscriber's own subscription", daprd)
         yield Quickstart(subscriber, daprd, ports, workdir)
     except harness.HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)
@@ -117,6 +131,15 @@ def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         for proc in reversed(started):
             proc.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def quickstart(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Quickstart]:
+    """The README's quickstart: no subscription YAML, the subscriber subscribes in code."""
+    with running_quickstart(
+        daprd_path, Path(tmp_path_factory.mktemp("quickstart")), subscription_yaml=False
+    ) as q:
+        yield q
 
 
 def run_publisher(q: Quickstart) -> int:
@@ -175,3 +198,28 @@ def test_quickstart_delivers_delayed_scheduled_and_retried_messages_with_their_h
     assert all(0 <= int(d["lateness_ms"]) <= harness.LATENESS_TOLERANCE_MS for d in ticks), ticks
     # By now (over 20 s after the publish) a schedule that had not ended would have fired ~7 times.
     assert harness.now_ms() - published_ms >= 20_000
+
+
+def test_quickstart_subscriber_with_the_subscription_yaml_too_gets_each_message_once(
+    daprd_path: str, tmp_path: Path
+) -> None:
+    """The README: an app that subscribes in code and a YAML for the same topic: daprd keeps the app's."""
+    with running_quickstart(daprd_path, tmp_path, subscription_yaml=True) as q:
+        # (running_quickstart already checked daprd lists one subscription, the app's.)
+        labels = [f"plain-{i}" for i in range(10)]
+        with httpx.Client(timeout=10) as client:
+            for label in labels:
+                reply = client.post(
+                    f"http://127.0.0.1:{q.ports.http}/v1.0/publish/delayed/orders", json={"label": label}
+                )
+                assert reply.status_code == 204, reply.text
+            got = q.wait(lambda ds: {d["label"] for d in ds} >= set(labels), 30, "the ten plain messages")
+            # A second subscription would deliver again (or split the messages between two
+            # consumers): publish a last one and wait for it, so anything queued behind got its turn.
+            reply = client.post(
+                f"http://127.0.0.1:{q.ports.http}/v1.0/publish/delayed/orders", json={"label": "last"}
+            )
+            assert reply.status_code == 204, reply.text
+            got = q.wait(lambda ds: any(d["label"] == "last" for d in ds), 30, "the last message")
+    assert sorted(d["label"] for d in got) == sorted([*labels, "last"]), got
+    assert all(d["deliveryAttempt"] == "1" and d["status"] == "200" for d in got), got
