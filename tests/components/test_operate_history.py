@@ -155,3 +155,13 @@ def test_history_piped_into_head_ends_quietly(redis_server: RedisServer, redis_c
     assert len(done.stdout.splitlines()) == 3
     assert "Traceback" not in done.stderr, done.stderr
     assert "Error" not in done.stderr, done.stderr
+
+
+def test_a_corrupt_history_record_is_shown_not_fatal(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    redis_client.xadd(HISTORY, {b"\xff\xfe": b"\x80", b"event": b"fired", b"id": b"m\xff"}, id=f"{T0}-0")
+    write_history(redis_client, HISTORY, [(f"{T0 + 1}-0", history_fields("fired", "after", T0 + 1))])
+    result = run_cli("history", *conn(redis_server))
+    assert result.code == 0, result.err
+    assert [r[3] for r in rows(result.out)] == ["m\ufffd", "after"]
