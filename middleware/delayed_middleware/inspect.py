@@ -52,6 +52,11 @@ from delayed_middleware.retry import (
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500
+# inspect shows at most this many of a message's newest records.
+INSPECT_HISTORY = 50
+# How far around an envelope's own stream id its scheduling records are looked for (ms):
+# written by the same script, they are within that script's run (a script keeps to ~20 ms) of it.
+HISTORY_SLACK_MS = 250
 # Up to this many parked envelopes are loaded once per count instead of looked up per page.
 _PARKED_IN_MEMORY = 10_000
 DELIVERY_ATTEMPT = "deliveryAttempt"
@@ -560,8 +565,45 @@ class Inspector:
             info = await self._find(id, progress)
         if info is None:
             return None
-        records = await self.history(id=info.message.id)
+        records = await self.message_history(info)
         return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+
+    async def message_history(self, info: MessageInfo, limit: int = INSPECT_HISTORY) -> list[HistoryRecord]:
+        """The records of the message `info` describes (oldest first), read by time, not by a scan
+        of the whole history.
+
+        A history stream id carries the Redis time of its write, and so does
+        the envelope's id on the delayed topic: the script that appends the
+        envelope writes its `scheduled` (or `replaced`) record in the same
+        step. So its records are read from around its own id (+-HISTORY_SLACK_MS)
+        and, when anything can have happened since (it is recurring, parked,
+        overdue or waiting for a retry), backwards from the newest record down to
+        that window, until `limit` of its records are found. A one-shot that
+        waits for a later due time has nothing after its scheduling: one short
+        range. Records of earlier messages under the same scheduleId are not
+        shown (`history --id` lists every record).
+        """
+        m = info.message
+        shard = m.shard or 0
+        local = m.schedule_id or m.stream_id
+        born = HistoryPosition.of(m.stream_id).ms
+        low, high = f"{max(0, born - HISTORY_SLACK_MS)}-0", f"{born + HISTORY_SLACK_MS}-{2**64 - 1}"
+        out = [item async for item in self._shard_records(shard, low, local, reverse=False, stop=high)]
+        seconds, micros = await self._redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        settled = m.kind == ONESHOT and info.state == "pending" and m.due_ms > now_ms
+        if not settled:
+            later: list[tuple[HistoryPosition, HistoryRecord]] = []
+            newest = self._shard_records(shard, "+", local, reverse=True, stop=f"({high}")
+            try:
+                async for item in newest:
+                    later.append(item)
+                    if len(later) >= limit:
+                        break
+            finally:
+                await newest.aclose()
+            out += reversed(later)
+        return [record for _, record in out[-limit:]]
 
     async def _by_key(self, key: str) -> MessageInfo | None:
         """The envelope a scheduleId (or a recurring envelope's id) names in an ids hash.
@@ -733,15 +775,16 @@ class Inspector:
         return out
 
     async def _shard_records(
-        self, shard: int, start: str, id: str | None, *, reverse: bool
+        self, shard: int, start: str, id: str | None, *, reverse: bool, stop: str | None = None
     ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
-        """One shard's records from `start` (XRANGE start, or XREVRANGE end when `reverse`), paged."""
+        """One shard's records from `start` to `stop` (XRANGE start/end, or XREVRANGE end/start when
+        `reverse`; the stream's other end when None), paged."""
         key = self.shards[shard].history
         while True:
             if reverse:
-                rows: Any = await self._redis.xrevrange(key, start, "-", count=self._page)
+                rows: Any = await self._redis.xrevrange(key, start, stop or "-", count=self._page)
             else:
-                rows = await self._redis.xrange(key, start, "+", count=self._page)
+                rows = await self._redis.xrange(key, start, stop or "+", count=self._page)
             if not rows:
                 return
             start = "(" + _s(rows[-1][0])

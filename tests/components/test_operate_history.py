@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from delayed_middleware.history import EVENTS
+from delayed_middleware.inspect import HISTORY_SLACK_MS
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from tests.components.conftest import history_fields, run_cli, write_history
+from tests.components.driver import Component
 from tests.redis_server import RedisServer
 
+Factory = Callable[[str], Component]
 HISTORY = EngineKeys.for_topic(delayed_topic("app1")).history
 T0 = 1_790_000_000_000
 LONG = 50_000
@@ -165,3 +173,67 @@ def test_a_corrupt_history_record_is_shown_not_fatal(
     result = run_cli("history", *conn(redis_server))
     assert result.code == 0, result.err
     assert [r[3] for r in rows(result.out)] == ["m\ufffd", "after"]
+
+
+def history_events(inspect_output: str, id: str) -> list[str]:
+    """The events of `id` in the history table `inspect` prints."""
+    cells = [line.split() for line in inspect_output.splitlines()]
+    return [c[1] for c in cells if len(c) > 2 and c[1] in EVENTS and c[2] == id]
+
+
+def tick_records(client: redis.Redis) -> int:
+    newest: Any = client.xrevrange(HISTORY, count=50)
+    return sum(fields[b"id"] == b"tick" for _, fields in newest)
+
+
+def history_reads(client: redis.Redis) -> int:
+    """XRANGE and XREVRANGE calls Redis has served so far."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("xrange", "xrevrange"))
+
+
+async def test_inspect_reads_a_messages_records_by_its_time_not_the_whole_history(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # 20,000 records of other messages before it and 20,000 after: a scan reads 80 pages or more.
+    now = int(time.time() * 1000)
+    write_history(
+        redis_client,
+        HISTORY,
+        (
+            (f"{now - 600_000 + i}-0", history_fields("fired", f"old{i}", now - 600_000))
+            for i in range(20_000)
+        ),
+    )
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("orders", b"v1", {"scheduledSendDelay": "1h", "scheduleId": "inv-1"})
+    await c.publish("orders", b"v2", {"scheduledSendDelay": "1h", "scheduleId": "inv-1"})  # replaces v1
+    await asyncio.sleep(HISTORY_SLACK_MS / 1000 + 0.5)  # the others' records come later, as in real traffic
+    write_history(
+        redis_client, HISTORY, (("*", history_fields("fired", f"new{i}", now)) for i in range(20_000))
+    )
+    before = history_reads(redis_client)
+    result = run_cli("inspect", *conn(redis_server), "inv-1")
+    reads = history_reads(redis_client) - before
+    assert result.code == 0, result.err
+    assert "v2" in result.out
+    # v1's scheduling, its replacement and v2's scheduling: all written with the envelope.
+    assert history_events(result.out, "inv-1") == ["scheduled", "replaced", "scheduled"], result.out
+    assert reads <= 5, reads
+
+    # A recurring message has records after its scheduling: read back from the newest, down to it.
+    await asyncio.sleep(HISTORY_SLACK_MS / 1000 + 0.5)
+    await c.publish("orders", b"tick", {"schedule": "@every 1s", "scheduleId": "tick"})
+    deadline = time.monotonic() + 30
+    while tick_records(redis_client) < 4:
+        assert time.monotonic() < deadline, "the schedule did not fire 3 times within 30 s"
+        await asyncio.sleep(0.2)
+    before = history_reads(redis_client)
+    shown = run_cli("inspect", *conn(redis_server), "tick")
+    reads = history_reads(redis_client) - before
+    assert shown.code == 0, shown.err
+    ticks = history_events(shown.out, "tick")
+    assert ticks[0] == "scheduled", shown.out
+    assert ticks.count("fired") >= 3, shown.out
+    assert reads <= 5, reads
