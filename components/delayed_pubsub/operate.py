@@ -571,9 +571,8 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
     for column in ("at", "event", "id", "topic", "kind", "due", "attempt", "reason"):
         table.add_column(column, overflow="fold")
     for r in records:
-        table.add_row(
-            _time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason
-        )
+        cells = (_time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason)
+        table.add_row(*(_printable(c) for c in cells))
     return table
 
 
@@ -637,6 +636,14 @@ _HISTORY_COLUMNS = (
 )
 
 
+def _printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped (\\x1b): a record's reason
+    comes from apps and may carry terminal escape sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class _TextRows:
     """History rows as aligned text, written as they come (a table needs every row first)."""
 
@@ -645,7 +652,7 @@ class _TextRows:
         self._line([name for name, _ in _HISTORY_COLUMNS])
 
     def _line(self, values: Sequence[str]) -> None:
-        cells = [v.ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
+        cells = [_printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
         self._file.write("  ".join(cells).rstrip() + "\n")
 
     def row(self, cursor: str, r: hist.HistoryRecord) -> None:

@@ -169,10 +169,15 @@ def test_a_corrupt_history_record_is_shown_not_fatal(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     redis_client.xadd(HISTORY, {b"\xff\xfe": b"\x80", b"event": b"fired", b"id": b"m\xff"}, id=f"{T0}-0")
-    write_history(redis_client, HISTORY, [(f"{T0 + 1}-0", history_fields("fired", "after", T0 + 1))])
+    # A reason is an app's error text: it may try to drive the operator's terminal.
+    hostile = "\x1b]0;owned\x07\x1b[2J\rdone\x9b1m"
+    fields = history_fields("retried", "after", T0 + 1, reason=hostile)
+    write_history(redis_client, HISTORY, [(f"{T0 + 1}-0", fields)])
     result = run_cli("history", *conn(redis_server))
     assert result.code == 0, result.err
     assert [r[3] for r in rows(result.out)] == ["m\ufffd", "after"]
+    assert rows(result.out)[1][-1] == "\\x1b]0;owned\\x07\\x1b[2J\\rdone\\x9b1m"
+    assert not any((ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F for c in result.out)
 
 
 def history_events(inspect_output: str, id: str) -> list[str]:
