@@ -47,6 +47,7 @@ from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
@@ -572,7 +573,8 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
         table.add_column(column, overflow="fold")
     for r in records:
         cells = (_time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason)
-        table.add_row(*(_printable(c) for c in cells))
+        # Text, not markup: a reason such as "[link=…]" is shown as written.
+        table.add_row(*(Text(_printable(c)) for c in cells))
     return table
 
 
