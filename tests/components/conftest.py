@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,27 +77,42 @@ class CliRun:
         return json.loads(self.out)
 
 
+# Starts the CLI and writes its own peak RSS (KB) to argv[1]. A child's ru_maxrss starts at
+# what its parent held when it forked; this small launcher, not the test process (hundreds
+# of MB once Spark has run), is the parent the measure starts from.
+_LAUNCHER = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_cli(*args: str, timeout: float = 120.0) -> CliRun:
-    """Run the CLI as a real process (the venv's console script) and measure its peak RSS (wait4)."""
+    """Run the CLI as a real process (the venv's console script) and measure its peak RSS."""
     exe = Path(sys.executable).with_name("delayed-pubsub")
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            [str(exe), *args], stdout=out, stderr=err, env={**os.environ, "COLUMNS": "250"}
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                raise AssertionError(f"delayed-pubsub {' '.join(args)} still running after {timeout} s")
-            time.sleep(0.01)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return CliRun(proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss / 1024)
+    with tempfile.TemporaryDirectory() as work:
+        out_path, err_path, rss_path = (Path(work) / name for name in ("out", "err", "rss"))
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCHER, str(rss_path), str(exe), *args],
+                stdout=out,
+                stderr=err,
+                env={**os.environ, "COLUMNS": "250"},
+                start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise AssertionError(
+                    f"delayed-pubsub {' '.join(args)} still running after {timeout} s"
+                ) from None
+        rss_kb = int(rss_path.read_text())
+        return CliRun(code, out_path.read_text(), err_path.read_text(), rss_kb / 1024)
 
 
 def write_history(client: redis.Redis, key: str, records: Iterable[tuple[str, Mapping[str, str]]]) -> None:
