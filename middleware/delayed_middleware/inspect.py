@@ -263,6 +263,15 @@ class HistoryPosition:
         return f"{self.ms}-{self.seq}" + (f"@{self.shard}" if shards > 1 else "")
 
 
+def _start_key(start: str) -> tuple[int, int, int]:
+    """An XRANGE start ("-", "<ms>-<seq>", "(<ms>-<seq>") in stream order."""
+    if start == "-":
+        return (-1, 0, 0)
+    exclusive = start.startswith("(")
+    position = HistoryPosition.of(start.lstrip("("))
+    return (position.ms, position.seq, int(exclusive))
+
+
 async def _merge(
     sources: list[AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]], *, reverse: bool
 ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
@@ -734,6 +743,15 @@ class Inspector:
             return [named[0]], named[1]
         return list(range(len(self.shards))), id
 
+    @staticmethod
+    def _born_ms(local: str | None) -> int:
+        """Where the records of an id written as a stream id (an envelope's, or a topic entry's for
+        retries) can begin: that id's own time, less the slack of its scheduling script. 0 for
+        any other id (a scheduleId may have records from any time)."""
+        if local is None or not looks_like_stream_id(local):
+            return 0
+        return max(0, HistoryPosition.of(local).ms - HISTORY_SLACK_MS)
+
     async def history_forward(
         self,
         *,
@@ -745,6 +763,10 @@ class Inspector:
         (the cursor to continue after it). Streams: memory is a page per shard, whatever the length."""
         shards, local = self._history_filter(id)
         starts = self._history_starts(after, since_ms)
+        born = self._born_ms(local)
+        if born:
+            # Nothing about it was written before it existed: skip the older history.
+            starts = [max(st, f"{born}-0", key=_start_key) for st in starts]
         pages = [self._shard_records(n, starts[n], local, reverse=False) for n in shards]
         async for item in _merge(pages, reverse=False):
             yield item
@@ -758,7 +780,9 @@ class Inspector:
         and time follow `limit`, not the history's length (with `id`, the
         records after its newest `limit` ones are still read past)."""
         shards, local = self._history_filter(id)
-        pages = [self._shard_records(n, "+", local, reverse=True) for n in shards]
+        born = self._born_ms(local)
+        stop = f"{born}-0" if born else None
+        pages = [self._shard_records(n, "+", local, reverse=True, stop=stop) for n in shards]
         out: list[tuple[HistoryPosition, HistoryRecord]] = []
         merged = _merge(pages, reverse=True)
         try:

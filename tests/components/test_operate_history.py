@@ -242,3 +242,32 @@ async def test_inspect_reads_a_messages_records_by_its_time_not_the_whole_histor
     assert ticks[0] == "scheduled", shown.out
     assert ticks.count("fired") >= 3, shown.out
     assert reads <= 5, reads
+
+
+async def test_history_of_an_envelope_id_reads_from_its_own_time_on(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # 20,000 records of messages before it: nothing about it can be among them.
+    now = int(time.time() * 1000)
+    write_history(
+        redis_client,
+        HISTORY,
+        (
+            (f"{now - 600_000 + i}-0", history_fields("fired", f"old{i}", now - 600_000))
+            for i in range(20_000)
+        ),
+    )
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("orders", b"x", {"scheduledSendDelay": "1h"})
+    entries: Any = redis_client.xrange("app1-delayed")
+    [(envelope, _)] = entries
+    id = envelope.decode()
+    assert run_cli("cancel", *conn(redis_server), id).code == 0
+    for flags in ([], ["--limit", "0"]):
+        before = history_reads(redis_client)
+        result = run_cli("history", *conn(redis_server, "--id", id, "--json", *flags))
+        reads = history_reads(redis_client) - before
+        assert result.code == 0, result.err
+        assert [r["event"] for r in result.json()] == ["scheduled", "cancelled"], flags
+        assert reads <= 5, (flags, reads)
