@@ -24,12 +24,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
 from bench.ops import populate  # noqa: E402
+from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 
@@ -74,6 +76,22 @@ def timed(argv: list[str], code: Path | None, timeout: float) -> Run:
     return Run(took, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, killed, size)
 
 
+def middle_envelope(port: int) -> str:
+    """The id of an envelope scheduled halfway through the population (one without a scheduleId)."""
+    import redis
+
+    client = redis.Redis(port=port)
+    first: Any = client.xrange("bench-delayed", count=1)
+    last: Any = client.xrevrange("bench-delayed", count=1)
+    lo, hi = (int(rows[0][0].split(b"-")[0]) for rows in (first, last))
+    rows: Any = client.xrange("bench-delayed", f"{(lo + hi) // 2}", "+", count=20)
+    client.close()
+    for entry_id, fields in rows:
+        if not delayed_pb2.DelayedMessage.FromString(fields[b"data"]).scheduleId:
+            return str(entry_id.decode())
+    raise SystemExit("no envelope without a scheduleId found")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=100_000)
@@ -92,18 +110,21 @@ def main() -> None:
             asyncio.run(populate(server.port, n, 30))
             print(f"populated {n} pending messages ({n} history records) in {time.perf_counter() - t:.0f} s")
             conn = ["--redis-host", f"127.0.0.1:{server.port}", "--app-id", "bench"]
+            envelope = middle_envelope(server.port)
             after: list[tuple[str, list[str]]] = [
                 ("pending --json (reference)", ["pending", "--json"]),
                 ("history (default: newest 100)", ["history"]),
                 ("history --limit 0 (all, table)", ["history", "--limit", "0"]),
                 ("history --limit 0 --json (all)", ["history", "--limit", "0", "--json"]),
                 (f"history --id {sched}", ["history", "--id", sched]),
+                (f"history --id {envelope} (an envelope id)", ["history", "--id", envelope]),
                 (f"inspect {sched}", ["inspect", sched]),
             ]
             before: list[tuple[str, list[str]]] = [
                 ("pending --json (reference)", ["pending", "--json"]),
                 ("history (all: no --limit)", ["history"]),
                 (f"history --id {sched}", ["history", "--id", sched]),
+                (f"history --id {envelope} (an envelope id)", ["history", "--id", envelope]),
                 (f"inspect {sched}", ["inspect", sched]),
             ]
             runs = [] if args.only_before else [("after", None, after)]
