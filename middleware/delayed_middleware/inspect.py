@@ -276,6 +276,11 @@ async def _merge(
     sources: list[AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]], *, reverse: bool
 ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
     """Merge sorted record streams by position (descending when `reverse`), one item per source held."""
+    if len(sources) == 1:
+        # One shard: nothing to merge.
+        async for item in sources[0]:
+            yield item
+        return
     heap: list[tuple[tuple[int, int, int], int, tuple[HistoryPosition, HistoryRecord]]] = []
     sign = -1 if reverse else 1
 
@@ -804,6 +809,7 @@ class Inspector:
         """One shard's records from `start` to `stop` (XRANGE start/end, or XREVRANGE end/start when
         `reverse`; the stream's other end when None), paged."""
         key = self.shards[shard].history
+        wanted = id.encode() if id is not None else None
         while True:
             if reverse:
                 rows: Any = await self._redis.xrevrange(key, start, stop or "-", count=self._page)
@@ -813,6 +819,14 @@ class Inspector:
                 return
             start = "(" + _s(rows[-1][0])
             for raw_id, fields in rows:
+                # Most records are another message's: compare the raw values before decoding one
+                # (bytes, or text from a client that decodes responses).
+                if (
+                    wanted is not None
+                    and wanted not in (fields.get(b"id"), fields.get(b"sid"))
+                    and id not in (fields.get("id"), fields.get("sid"))
+                ):
+                    continue
                 record = decode_record(raw_id, fields)
                 if id is None or id in (record.id, record.schedule_id):
                     yield HistoryPosition.of(record.stream_id, shard), self._relabel(shard, record)
