@@ -29,17 +29,19 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from redis.exceptions import MovedError
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
@@ -47,7 +49,7 @@ from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
-from delayed_middleware.inspect import Inspector, PendingMessage
+from delayed_middleware.inspect import HistoryPosition, Inspector, PendingMessage, looks_like_stream_id
 from delayed_middleware.inspect import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
@@ -134,9 +136,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--topic", help="only dead letters that came from this topic")
     p.set_defaults(operate=_retry_dead)
 
-    p = subparsers.add_parser("history", parents=[common], help="lifecycle records of delayed messages")
+    p = subparsers.add_parser(
+        "history",
+        parents=[common],
+        help="lifecycle records of delayed messages, oldest first, written as they are read",
+        description="Without --after/--since: the newest --limit records. With them: the first --limit "
+        "records from that point on; stderr then names the --after cursor of the next page.",
+    )
     p.add_argument("--id", help="only the records of this scheduleId or envelope id")
+    p.add_argument(
+        "--after",
+        metavar="CURSOR|TIME",
+        help="only records after this one: a cursor (a record's history stream id, `<id>@<shard>` with "
+        "several shards, as --json's `cursor` and the paging hint name it), or a time as --since takes",
+    )
     p.add_argument("--since", help="RFC3339 instant, or a Go duration back from now (e.g. 1h)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=DEFAULT_LIMIT,
+        help=f"at most N records (default {DEFAULT_LIMIT}: the newest, or the first after --after/--since;"
+        " 0: all, streamed)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print only a JSON array of the records (streamed: one record per line)",
+    )
     p.set_defaults(operate=_history)
 
 
@@ -167,6 +193,12 @@ def run(args: argparse.Namespace) -> int:
     except _REDIS_FAILURES as e:
         err.print(f"delayed-pubsub {args.command}: redis error: {_hint(e)}", markup=False)
         return EXIT_REDIS
+    except BrokenPipeError:
+        # The reader went away (`| head`): not an error. Point stdout at /dev/null so the
+        # interpreter's final flush does not fail again on the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -182,6 +214,13 @@ def _check_flags(args: argparse.Namespace) -> None:
     args.since_ms = None
     if getattr(args, "since", None):
         args.since_ms = parse_since(args.since, int(time.time() * 1000))
+    if getattr(args, "after", None):
+        if args.since:
+            raise UsageError("give one of --after and --since")
+        if not looks_like_stream_id(args.after.rpartition("@")[0] or args.after):
+            # Not a cursor: a time, read as --since reads it.
+            args.since_ms = parse_since(args.after, int(time.time() * 1000), flag="--after")
+            args.after = None
 
 
 async def _with_redis(settings: Settings, args: argparse.Namespace, out: Console, err: Console) -> int:
@@ -500,22 +539,136 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
     for column in ("at", "event", "id", "topic", "kind", "due", "attempt", "reason"):
         table.add_column(column, overflow="fold")
     for r in records:
-        table.add_row(
-            _time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason
-        )
+        cells = (_time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason)
+        # Text, not markup: a reason such as "[link=…]" is shown as written.
+        table.add_row(*(Text(_printable(c)) for c in cells))
     return table
 
 
 async def _history(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
-    records = await _inspector(connection, settings).history(id=args.id, since_ms=args.since_ms)
-    out.print(_history_table(records, title=f"history of {settings.consumer_id}"))
-    out.print(f"{len(records)} records")
+    inspector = _inspector(connection, settings)
+    shards = len(inspector.shards)
+    after = None
+    if args.after is not None:
+        after = HistoryPosition.parse(args.after, shards)
+        if after is None:
+            raise UsageError(f"--after {args.after!r}: no such shard (the app has {shards})")
+    limit: int = args.limit
+    write = _JsonRows(out.file) if args.json else _TextRows(out.file)
+    shown = 0
+    last: HistoryPosition | None = None
+    more = False
+    if after is None and args.since_ms is None and limit > 0:
+        # The newest `limit`, as `tail` shows a log: one more read tells whether older ones exist.
+        newest = await inspector.history_newest(limit + 1, id=args.id)
+        more = len(newest) > limit
+        for position, record in newest[-limit:]:
+            write.row(position.text(shards), record)
+            shown += 1
+        write.close(shown)
+        if more:
+            err.print(
+                f"showing the newest {shown} records; older ones: --limit 0 (all) or --after CURSOR|TIME",
+                markup=False,
+            )
+        return EXIT_OK
+    records = inspector.history_forward(id=args.id, after=after, since_ms=args.since_ms)
+    try:
+        async for position, record in records:
+            if limit and shown >= limit:
+                more = True
+                break
+            write.row(position.text(shards), record)
+            shown += 1
+            last = position
+    finally:
+        await records.aclose()
+    write.close(shown)
+    if more and last is not None:
+        err.print(f"more records follow: --after {last.text(shards)}", markup=False)
     return EXIT_OK
 
 
-def parse_since(text: str, now_ms: int) -> int:
+# The streamed table's columns and their widths (a longer value widens its row, never cut).
+_HISTORY_COLUMNS = (
+    ("cursor", 17),
+    ("at", 24),
+    ("event", 12),
+    ("id", 24),
+    ("topic", 16),
+    ("kind", 9),
+    ("due", 24),
+    ("attempt", 7),
+    ("reason", 0),
+)
+
+
+def _printable(text: str) -> str:
+    """`text` with control and other unprintable characters escaped (\\x1b): a record's reason
+    comes from apps and may carry terminal escape sequences."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class _TextRows:
+    """History rows as aligned text, written as they come (a table needs every row first)."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+        self._line([name for name, _ in _HISTORY_COLUMNS])
+
+    def _line(self, values: Sequence[str]) -> None:
+        cells = [_printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
+        self._file.write("  ".join(cells).rstrip() + "\n")
+
+    def row(self, cursor: str, r: hist.HistoryRecord) -> None:
+        due = _time(r.due_ms)
+        self._line([cursor, _time(r.at_ms), r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason])
+
+    def close(self, shown: int) -> None:
+        self._file.write(f"{shown} records\n")
+        self._file.flush()
+
+
+class _JsonRows:
+    """History rows as one JSON array, an element per line, written as they come."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+        self._sep = "["
+
+    def row(self, cursor: str, r: hist.HistoryRecord) -> None:
+        self._file.write(self._sep + json.dumps(history_json(cursor, r), ensure_ascii=False) + "\n")
+        self._sep = ","
+
+    def close(self, shown: int) -> None:
+        self._file.write("[]\n" if self._sep == "[" else "]\n")
+        self._file.flush()
+
+
+def history_json(cursor: str, r: hist.HistoryRecord) -> dict[str, Any]:
+    """A history record as `history --json` prints it: times as RFC3339, absent numbers as null."""
+    return {
+        "cursor": cursor,
+        "at": _time(r.at_ms),
+        "event": r.event,
+        "id": r.id,
+        "scheduleId": r.schedule_id or None,
+        "topic": r.topic,
+        "kind": r.kind,
+        "due": _time(r.due_ms) or None,
+        "lateMs": r.lateness_ms,
+        "size": r.size_bytes,
+        "attempt": r.attempt,
+        "reason": r.reason,
+        "schedule": r.schedule or None,
+    }
+
+
+def parse_since(text: str, now_ms: int, flag: str = "--since") -> int:
     """An RFC3339 instant, or a Go duration back from `now_ms`."""
     try:
         return parse_instant(text)
@@ -524,6 +677,7 @@ def parse_since(text: str, now_ms: int) -> int:
     try:
         return now_ms - parse_go_duration(text)
     except ValueError:
+        what = "a history cursor (e.g. 1764167453000-0), " if flag == "--after" else ""
         raise UsageError(
-            f"--since {text!r}: neither an RFC3339 instant nor a Go duration (e.g. 1h)"
+            f"{flag} {text!r}: neither {what}an RFC3339 instant nor a Go duration (e.g. 1h)"
         ) from None

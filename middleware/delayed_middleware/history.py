@@ -23,10 +23,16 @@ Each entry is a flat set of string fields:
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 
 Fields may be added later; readers must ignore unknown ones.
+
+A record that does not follow this format (record_problem says why: no or an
+unknown `event`, no `at` or one that is not a time, a number field or `kind`
+holding something else, bytes that are not UTF-8) is malformed: analytics count
+it apart and never as an event.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -125,8 +131,9 @@ def _int(value: str, default: int | None) -> int | None:
 
 def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mapping[str, str]) -> HistoryRecord:
     """Parse one history stream entry (tolerant: unknown fields ignored, missing ones empty)."""
+    # Keys too may be any bytes (a hand-written or corrupt entry): never fail the whole read on one.
     f = {
-        (k.decode() if isinstance(k, bytes) else k): (
+        (k.decode(errors="replace") if isinstance(k, bytes) else k): (
             v.decode(errors="replace") if isinstance(v, bytes) else v
         )
         for k, v in fields.items()
@@ -147,3 +154,66 @@ def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mappin
         reason=f.get("reason", ""),
         schedule=f.get("schedule", ""),
     )
+
+
+# Numbers as the scripts write them (Lua tostring of an integer): optional minus, at most 18 digits.
+_NUMBER = re.compile(r"-?[0-9]{1,18}")
+NUMBER_PATTERN: Final = "^" + _NUMBER.pattern + "$"
+NUMBER_FIELDS: Final = ("due", "late", "size", "attempt")
+# `at` must be a time Spark can hold (years 1-9999), after the epoch: no event happens at 1970-01-01.
+AT_MAX_MS: Final = 253_402_300_799_999
+
+# record_problem's answers, in the order it checks.
+NOT_UTF8: Final = "not UTF-8"
+NO_EVENT: Final = "no event"
+UNKNOWN_EVENT: Final = "unknown event"
+NO_AT: Final = "no at"
+AT_NOT_A_TIME: Final = "at is not a time"
+UNKNOWN_KIND: Final = "unknown kind"
+
+
+def not_a_number(field: str) -> str:
+    return f"{field} is not a number"
+
+
+def parse_at(value: str) -> int | None:
+    """An `at` value as epoch ms when it is a time (a number, after the epoch, before year 10000)."""
+    if not _NUMBER.fullmatch(value):
+        return None
+    ms = int(value)
+    return ms if 0 < ms <= AT_MAX_MS else None
+
+
+def record_problem(fields: Mapping[bytes, bytes] | Mapping[str, str]) -> str | None:
+    """Why a history entry does not follow the format (the first problem found), or None.
+
+    Unknown fields are ignored; `id`, `sid`, `topic`, `reason` and `schedule`
+    may be empty (a dead-lettered raw entry has no topic).
+    """
+    f: dict[str, str] = {}
+    for k, v in fields.items():
+        key = k.decode(errors="replace") if isinstance(k, bytes) else k
+        if key not in FIELDS:
+            continue  # an unknown field, whatever its bytes
+        try:
+            f[key] = v.decode() if isinstance(v, bytes) else v
+        except UnicodeDecodeError:
+            return NOT_UTF8
+    event = f.get("event", "")
+    if not event:
+        return NO_EVENT
+    if event not in EVENTS:
+        return UNKNOWN_EVENT
+    at = f.get("at", "")
+    if not at:
+        return NO_AT
+    if parse_at(at) is None:
+        return AT_NOT_A_TIME
+    for name in NUMBER_FIELDS:
+        value = f.get(name, "")
+        if value and not _NUMBER.fullmatch(value):
+            return not_a_number(name)
+    kind = f.get("kind", "")
+    if kind and kind not in KINDS:
+        return UNKNOWN_KIND
+    return None

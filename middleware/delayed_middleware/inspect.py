@@ -27,7 +27,7 @@ import heapq
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,11 @@ from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 PAGE_SIZE = 500
 # The kind of a fired message waiting in the outbox for its hand-off to a targetPubsub.
 HANDOFF = "handoff"
+# inspect shows at most this many of a message's newest records.
+INSPECT_HISTORY = 50
+# How far around an envelope's own stream id its scheduling records are looked for (ms):
+# written by the same script, they are within that script's run (a script keeps to ~20 ms) of it.
+HISTORY_SLACK_MS = 250
 # Up to this many parked envelopes are loaded once per count instead of looked up per page.
 _PARKED_IN_MEMORY = 10_000
 DELIVERY_ATTEMPT = "deliveryAttempt"
@@ -244,6 +249,73 @@ def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
 def looks_like_stream_id(text: str) -> bool:
     ms, dash, seq = text.partition("-")
     return bool(dash) and ms.isdigit() and seq.isdigit()
+
+
+@dataclass(frozen=True, order=True)
+class HistoryPosition:
+    """Where a record sits in an app's history, every shard merged: (stream id, shard).
+
+    A history stream id is `<ms>-<seq>`, its ms the Redis server's time of
+    the write, so positions are ordered in time. The text form (`text`) is
+    the cursor an operator pages with: `<ms>-<seq>`, `<ms>-<seq>@<shard>`
+    when the delayed topic has several shards."""
+
+    ms: int
+    seq: int
+    shard: int = 0
+
+    @classmethod
+    def of(cls, stream_id: str, shard: int = 0) -> HistoryPosition:
+        ms, _, seq = stream_id.partition("-")
+        return cls(int(ms), int(seq or 0), shard)
+
+    @classmethod
+    def parse(cls, text: str, shards: int) -> HistoryPosition | None:
+        """A cursor as `text` writes it (a bare stream id means shard 0); None if it is not one."""
+        named = split_shard_id(text, shards)
+        if named is not None:
+            return cls.of(named[1], named[0])
+        if looks_like_stream_id(text):
+            return cls.of(text)
+        return None
+
+    def text(self, shards: int) -> str:
+        return f"{self.ms}-{self.seq}" + (f"@{self.shard}" if shards > 1 else "")
+
+
+def _start_key(start: str) -> tuple[int, int, int]:
+    """An XRANGE start ("-", "<ms>-<seq>", "(<ms>-<seq>") in stream order."""
+    if start == "-":
+        return (-1, 0, 0)
+    exclusive = start.startswith("(")
+    position = HistoryPosition.of(start.lstrip("("))
+    return (position.ms, position.seq, int(exclusive))
+
+
+async def _merge(
+    sources: list[AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]], *, reverse: bool
+) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
+    """Merge sorted record streams by position (descending when `reverse`), one item per source held."""
+    if len(sources) == 1:
+        # One shard: nothing to merge.
+        async for item in sources[0]:
+            yield item
+        return
+    heap: list[tuple[tuple[int, int, int], int, tuple[HistoryPosition, HistoryRecord]]] = []
+    sign = -1 if reverse else 1
+
+    async def push(i: int) -> None:
+        item = await anext(sources[i], None)
+        if item is not None:
+            p = item[0]
+            heapq.heappush(heap, ((sign * p.ms, sign * p.seq, sign * p.shard), i, item))
+
+    for i in range(len(sources)):
+        await push(i)
+    while heap:
+        _, i, item = heapq.heappop(heap)
+        yield item
+        await push(i)
 
 
 class Inspector:
@@ -643,8 +715,45 @@ class Inspector:
             info = await self._find(id, progress)
         if info is None:
             return None
-        records = await self.history(id=info.message.id)
+        records = await self.message_history(info)
         return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+
+    async def message_history(self, info: MessageInfo, limit: int = INSPECT_HISTORY) -> list[HistoryRecord]:
+        """The records of the message `info` describes (oldest first), read by time, not by a scan
+        of the whole history.
+
+        A history stream id carries the Redis time of its write, and so does
+        the envelope's id on the delayed topic: the script that appends the
+        envelope writes its `scheduled` (or `replaced`) record in the same
+        step. So its records are read from around its own id (+-HISTORY_SLACK_MS)
+        and, when anything can have happened since (it is recurring, parked,
+        overdue or waiting for a retry), backwards from the newest record down to
+        that window, until `limit` of its records are found. A one-shot that
+        waits for a later due time has nothing after its scheduling: one short
+        range. Records of earlier messages under the same scheduleId are not
+        shown (`history --id` lists every record).
+        """
+        m = info.message
+        shard = m.shard or 0
+        local = m.schedule_id or m.stream_id
+        born = HistoryPosition.of(m.stream_id).ms
+        low, high = f"{max(0, born - HISTORY_SLACK_MS)}-0", f"{born + HISTORY_SLACK_MS}-{2**64 - 1}"
+        out = [item async for item in self._shard_records(shard, low, local, reverse=False, stop=high)]
+        seconds, micros = await self._redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        settled = m.kind == ONESHOT and info.state == "pending" and m.due_ms > now_ms
+        if not settled:
+            later: list[tuple[HistoryPosition, HistoryRecord]] = []
+            newest = self._shard_records(shard, "+", local, reverse=True, stop=f"({high}")
+            try:
+                async for item in newest:
+                    later.append(item)
+                    if len(later) >= limit:
+                        break
+            finally:
+                await newest.aclose()
+            out += reversed(later)
+        return [record for _, record in out[-limit:]]
 
     async def _by_key(self, key: str) -> MessageInfo | None:
         """The envelope a scheduleId (or a recurring envelope's id) names in an ids hash.
@@ -749,35 +858,120 @@ class Inspector:
         self, *, id: str | None = None, since_ms: int | None = None, limit: int | None = None
     ) -> list[HistoryRecord]:
         """Lifecycle records of every shard, oldest first: of one message (by id or scheduleId) when
-        `id` is given. With several shards, a record naming an envelope by its stream id names it
-        `<stream id>@<shard>`, as the listing does."""
-        named = split_shard_id(id, len(self.shards)) if id is not None else None
-        wanted = [(named[0], named[1])] if named else [(n, id) for n in range(len(self.shards))]
-        out: list[HistoryRecord] = []
-        for shard, local in wanted:
-            out += await self._shard_history(shard, local, since_ms, limit)
-        if len(wanted) > 1:
-            # Each shard's records are in order; stable by time across them.
-            out.sort(key=lambda r: r.at_ms)
-        return out if limit is None else out[:limit]
+        `id` is given; the first `limit` of them. With several shards, a record naming an envelope
+        by its stream id names it `<stream id>@<shard>`, as the listing does.
 
-    async def _shard_history(
-        self, shard: int, id: str | None, since_ms: int | None, limit: int | None
-    ) -> list[HistoryRecord]:
-        start = f"{since_ms}-0" if since_ms is not None else "-"
+        A list: for small histories and tests. Operators' reads go through
+        history_forward / history_newest, which stream."""
         out: list[HistoryRecord] = []
-        while limit is None or len(out) < limit:
-            rows: Any = await self._redis.xrange(self.shards[shard].history, start, "+", count=self._page)
-            if not rows:
+        async for _, record in self.history_forward(id=id, since_ms=since_ms):
+            if limit is not None and len(out) >= limit:
                 break
+            out.append(record)
+        return out
+
+    def _history_starts(self, after: HistoryPosition | None, since_ms: int | None) -> list[str]:
+        """Each shard's XRANGE start for records after `after` (exclusive) or from `since_ms`.
+
+        Records of all shards are ordered by (stream id, shard): a shard at or
+        before the cursor's starts after its stream id, a later shard at it."""
+        if after is not None:
+            at = f"{after.ms}-{after.seq}"
+            return [f"({at}" if n <= after.shard else at for n in range(len(self.shards))]
+        start = f"{since_ms}-0" if since_ms is not None else "-"
+        return [start] * len(self.shards)
+
+    def _history_filter(self, id: str | None) -> tuple[list[int], str | None]:
+        """The shards to read and the id their records must carry (None: every record)."""
+        named = split_shard_id(id, len(self.shards)) if id is not None else None
+        if named is not None:
+            return [named[0]], named[1]
+        return list(range(len(self.shards))), id
+
+    @staticmethod
+    def _born_ms(local: str | None) -> int:
+        """Where the records of an id written as a stream id (an envelope's, or a topic entry's for
+        retries) can begin: that id's own time, less the slack of its scheduling script. 0 for
+        any other id (a scheduleId may have records from any time)."""
+        if local is None or not looks_like_stream_id(local):
+            return 0
+        return max(0, HistoryPosition.of(local).ms - HISTORY_SLACK_MS)
+
+    async def history_forward(
+        self,
+        *,
+        id: str | None = None,
+        after: HistoryPosition | None = None,
+        since_ms: int | None = None,
+    ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
+        """Records oldest first, every shard merged by (stream id, shard), each with its position
+        (the cursor to continue after it). Streams: memory is a page per shard, whatever the length."""
+        shards, local = self._history_filter(id)
+        starts = self._history_starts(after, since_ms)
+        born = self._born_ms(local)
+        if born:
+            # Nothing about it was written before it existed: skip the older history.
+            starts = [max(st, f"{born}-0", key=_start_key) for st in starts]
+        pages = [self._shard_records(n, starts[n], local, reverse=False) for n in shards]
+        async for item in _merge(pages, reverse=False):
+            yield item
+
+    async def history_newest(
+        self, limit: int, *, id: str | None = None
+    ) -> list[tuple[HistoryPosition, HistoryRecord]]:
+        """The newest `limit` records (of one message when `id` is given), oldest first.
+
+        Reads every shard backwards from its end and stops at `limit`: memory
+        and time follow `limit`, not the history's length (with `id`, the
+        records after its newest `limit` ones are still read past)."""
+        shards, local = self._history_filter(id)
+        born = self._born_ms(local)
+        stop = f"{born}-0" if born else None
+        pages = [self._shard_records(n, "+", local, reverse=True, stop=stop) for n in shards]
+        out: list[tuple[HistoryPosition, HistoryRecord]] = []
+        merged = _merge(pages, reverse=True)
+        try:
+            while len(out) < limit:
+                item = await anext(merged, None)
+                if item is None:
+                    break
+                out.append(item)
+        finally:
+            await merged.aclose()
+            for page in pages:
+                await page.aclose()
+        out.reverse()
+        return out
+
+    async def _shard_records(
+        self, shard: int, start: str, id: str | None, *, reverse: bool, stop: str | None = None
+    ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
+        """One shard's records from `start` to `stop` (XRANGE start/end, or XREVRANGE end/start when
+        `reverse`; the stream's other end when None), paged."""
+        key = self.shards[shard].history
+        wanted = id.encode() if id is not None else None
+        while True:
+            if reverse:
+                rows: Any = await self._redis.xrevrange(key, start, stop or "-", count=self._page)
+            else:
+                rows = await self._redis.xrange(key, start, stop or "+", count=self._page)
+            if not rows:
+                return
             start = "(" + _s(rows[-1][0])
             for raw_id, fields in rows:
+                # Most records are another message's: compare the raw values before decoding one
+                # (bytes, or text from a client that decodes responses).
+                if (
+                    wanted is not None
+                    and wanted not in (fields.get(b"id"), fields.get(b"sid"))
+                    and id not in (fields.get("id"), fields.get("sid"))
+                ):
+                    continue
                 record = decode_record(raw_id, fields)
                 if id is None or id in (record.id, record.schedule_id):
-                    out.append(self._relabel(shard, record))
+                    yield HistoryPosition.of(record.stream_id, shard), self._relabel(shard, record)
             if len(rows) < self._page:
-                break
-        return out if limit is None else out[:limit]
+                return
 
     def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
         # A subscriber retry's record names an entry of its topic, not an envelope.

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import redis
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
@@ -54,3 +62,84 @@ async def channel(server: ComponentServer) -> AsyncIterator[grpc.aio.Channel]:
 def component(channel: grpc.aio.Channel) -> Callable[[str], Component]:
     """Factory: the component instance `name` on the shared socket."""
     return lambda name: Component(channel, name)
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """One `delayed-pubsub` process: exit code, output and its own peak RSS."""
+
+    code: int
+    out: str
+    err: str
+    peak_rss_mb: float
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+# Starts the CLI and writes its own peak RSS (KB) to argv[1]. A child's ru_maxrss starts at
+# what its parent held when it forked; this small launcher, not the test process (hundreds
+# of MB once Spark has run), is the parent the measure starts from.
+_LAUNCHER = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_cli(*args: str, timeout: float = 120.0) -> CliRun:
+    """Run the CLI as a real process (the venv's console script) and measure its peak RSS."""
+    exe = Path(sys.executable).with_name("delayed-pubsub")
+    with tempfile.TemporaryDirectory() as work:
+        out_path, err_path, rss_path = (Path(work) / name for name in ("out", "err", "rss"))
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _LAUNCHER, str(rss_path), str(exe), *args],
+                stdout=out,
+                stderr=err,
+                env={**os.environ, "COLUMNS": "250"},
+                start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise AssertionError(
+                    f"delayed-pubsub {' '.join(args)} still running after {timeout} s"
+                ) from None
+        rss_kb = int(rss_path.read_text())
+        return CliRun(code, out_path.read_text(), err_path.read_text(), rss_kb / 1024)
+
+
+def write_history(client: redis.Redis, key: str, records: Iterable[tuple[str, Mapping[str, str]]]) -> None:
+    """Write hand-made history records (explicit stream ids) as the engine's scripts lay them out."""
+    pipe = client.pipeline(transaction=False)
+    for n, (entry_id, fields) in enumerate(records, 1):
+        pipe.xadd(key, dict(fields), id=entry_id)  # type: ignore[arg-type]
+        if n % 5_000 == 0:
+            pipe.execute()
+    pipe.execute()
+
+
+def history_fields(event: str, id: str, at_ms: int, **more: str) -> dict[str, str]:
+    """Every field of a history record (delayed_middleware.history), in the scripts' order."""
+    fields = {
+        "event": event,
+        "at": str(at_ms),
+        "id": id,
+        "sid": "",
+        "topic": "orders",
+        "kind": "oneshot",
+        "due": str(at_ms),
+        "late": "",
+        "size": "3",
+        "attempt": "1",
+        "reason": "",
+        "schedule": "",
+    }
+    fields.update(more)
+    return fields

@@ -227,9 +227,13 @@ async def test_cancel_of_ids_on_shard_5_removes_them_and_nothing_else(scene: Sce
 
 
 async def test_history_of_every_shard_merged(scene: Scene) -> None:
-    result = await cli("history", *scene.conn)
+    result = await cli("history", *scene.conn, "--limit", "0")
     assert result.code == 0, result.err
     assert f"{TOTAL} records" in result.out
+    # By default the newest 100 of them, every shard merged.
+    newest = await cli("history", *scene.conn)
+    assert newest.out.splitlines()[-1] == "100 records"
+    assert newest.out.splitlines()[1:-1] == result.out.splitlines()[-101:-1]
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ import pyarrow.compute as pc
 from google.protobuf.message import DecodeError as ProtoDecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from delayed_middleware import history as hist
 from delayed_middleware.entry import DATA
-from delayed_middleware.history import FIRED, ONESHOT, RECURRING, RETRY, decode_record
+from delayed_middleware.history import FIRED, ONESHOT, RECURRING, RETRY, decode_record, record_problem
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 # Spark's TimestampType crosses Arrow as microseconds in UTC.
@@ -45,6 +46,9 @@ HISTORY_COLUMNS: Final[tuple[tuple[str, str, pa.DataType], ...]] = (
     ("size_bytes", "BIGINT", pa.int64()),
     ("attempt", "BIGINT", pa.int64()),
     ("reason", "STRING", pa.string()),
+    # Why the record does not follow the history format (history.record_problem), null when it
+    # does. A malformed record is no event: its `event` and `fired_at` are null.
+    ("malformed", "STRING", pa.string()),
 )
 
 PENDING_COLUMNS: Final[tuple[tuple[str, str, pa.DataType], ...]] = (
@@ -128,31 +132,115 @@ def history_batch(delayed_topic: str, entries: Sequence[tuple[Any, Mapping[Any, 
         key = field.encode()
         return [d.get(key) for d in dicts]
 
-    event = _text_column(raw("event"), "")
-    at = _number(raw("at"), 0)
-    kind = _text_column(raw("kind"), "")
-    attempt = _number(raw("attempt"), 1)
+    values = {name: raw(name) for name in hist.FIELDS}
+    checked = {name: _utf8(values[name]) for name in hist.FIELDS}
+    text = {name: column for name, column in checked.items() if column is not None}
+    if len(text) < len(checked):
+        # Bytes that are not UTF-8 (a malformed record): this batch record by record.
+        return _history_batch_by_record(delayed_topic, entries)
+    malformed, at_ok, plain = _problems(text)
+    well_formed = pc.is_null(malformed)
+
+    def words(name: str) -> pa.Array:
+        return pc.fill_null(text[name], "")
+
+    def number(name: str, default: int | None) -> pa.Array:
+        return _number_text(text[name], plain[name], values[name], default)
+
+    event = words("event")
+    # Not a time (missing, not a number, not after the epoch): null, never 1970-01-01.
+    at = pc.if_else(at_ok, number("at", 0), pa.scalar(None, pa.int64()))
+    kind = words("kind")
+    attempt = number("attempt", 1)
+    no_event = pa.scalar(None, pa.string())
     columns: dict[str, pa.Array] = {
         "delayed_topic": pa.array([delayed_topic] * n, pa.string()),
         "history_id": pa.array([_text_id(i) for i, _ in entries], pa.string()),
-        "event": event,
+        "event": pc.if_else(well_formed, event, no_event),
         "at": _ts(at),
-        "id": _text_column(raw("id"), ""),
-        "schedule_id": _text_column(raw("sid"), ""),
-        "topic": _text_column(raw("topic"), ""),
+        "id": words("id"),
+        "schedule_id": words("sid"),
+        "topic": words("topic"),
         # decode_record: `kind or ONESHOT`, `attempt or 1`
         "kind": pc.if_else(pc.equal(kind, ""), ONESHOT, kind),
-        "schedule": _text_column(raw("schedule"), ""),
-        "due_at": _ts(_number(raw("due"), None)),
-        "fired_at": _ts(pc.if_else(pc.equal(event, FIRED), at, pa.scalar(None, pa.int64()))),
-        "lateness_ms": _number(raw("late"), None),
-        "size_bytes": _number(raw("size"), 0),
+        "schedule": words("schedule"),
+        "due_at": _ts(number("due", None)),
+        "fired_at": _ts(
+            pc.if_else(pc.and_(well_formed, pc.equal(event, FIRED)), at, pa.scalar(None, pa.int64()))
+        ),
+        "lateness_ms": number("late", None),
+        "size_bytes": number("size", 0),
         "attempt": pc.if_else(pc.equal(attempt, 0), 1, attempt),
-        "reason": _text_column(raw("reason"), ""),
+        "reason": words("reason"),
+        "malformed": malformed,
     }
     return pa.RecordBatch.from_arrays(
         [columns[name] for name, _, _ in HISTORY_COLUMNS], schema=HISTORY_SCHEMA
     )
+
+
+def _utf8(values: list[Any]) -> pa.Array | None:
+    """A field's values as text (null where missing), or None when one is not UTF-8."""
+    try:
+        return pa.array(values, pa.binary()).cast(pa.string())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+
+
+def _problems(text: Mapping[str, pa.Array]) -> tuple[pa.Array, pa.Array, dict[str, pa.Array]]:
+    """history.record_problem over whole columns: the first problem of each record (null when
+    none), whether its `at` is a time (history.parse_at), and per number field whether each
+    value is a plain number.
+
+    The same checks in the same order (a property test holds the two together)."""
+    present = {name: pc.fill_null(pc.not_equal(text[name], ""), False) for name in ("event", "at", "kind")}
+    plain = {
+        name: pc.fill_null(pc.match_substring_regex(text[name], hist.NUMBER_PATTERN), False)
+        for name in ("at", *hist.NUMBER_FIELDS)
+    }
+    for name in hist.NUMBER_FIELDS:
+        present[name] = pc.fill_null(pc.not_equal(text[name], ""), False)
+    at_number = plain["at"]
+    at_ms = pc.cast(pc.if_else(at_number, text["at"], pa.scalar(None, pa.string())), pa.int64())
+    at_in_range = pc.fill_null(pc.and_(pc.greater(at_ms, 0), pc.less_equal(at_ms, hist.AT_MAX_MS)), False)
+    checks: list[tuple[pa.Array, str]] = [
+        (pc.invert(present["event"]), hist.NO_EVENT),
+        (pc.invert(pc.is_in(text["event"], pa.array(hist.EVENTS))), hist.UNKNOWN_EVENT),
+        (pc.invert(present["at"]), hist.NO_AT),
+        (pc.invert(pc.and_(at_number, at_in_range)), hist.AT_NOT_A_TIME),
+        *(
+            (pc.and_(present[name], pc.invert(plain[name])), hist.not_a_number(name))
+            for name in hist.NUMBER_FIELDS
+        ),
+        (
+            pc.and_(present["kind"], pc.invert(pc.is_in(text["kind"], pa.array(hist.KINDS)))),
+            hist.UNKNOWN_KIND,
+        ),
+    ]
+    # Nearly every batch is well formed: one any() then, instead of a case_when.
+    if not pc.any(_any_of([c for c, _ in checks])).as_py():
+        problems = pa.nulls(len(text["event"]), pa.string())
+    else:
+        names = [str(i) for i in range(len(checks))]
+        conditions = pc.make_struct(*(c for c, _ in checks), field_names=names)
+        problems = pc.case_when(conditions, *(pa.scalar(r, pa.string()) for _, r in checks))
+    return problems, pc.and_(at_number, at_in_range), plain
+
+
+def _any_of(conditions: list[pa.Array]) -> pa.Array:
+    out = conditions[0]
+    for c in conditions[1:]:
+        out = pc.or_(out, c)
+    return out
+
+
+def _number_text(text: pa.Array, plain: pa.Array, values: list[Any], default: int | None) -> pa.Array:
+    """_number on a column already checked: its text and which values are plain numbers."""
+    present = pc.fill_null(pc.not_equal(text, ""), False)
+    if not pc.all(pc.or_(pc.invert(present), plain)).as_py():
+        return pa.array([_py_int(v, default) for v in values], pa.int64())
+    arr = pc.cast(pc.if_else(present, text, pa.scalar(None, pa.string())), pa.int64())
+    return arr if default is None else pc.fill_null(arr, default)
 
 
 def _text_id(value: Any) -> str:
@@ -212,20 +300,24 @@ def _history_batch_by_record(
     cols: dict[str, list[Any]] = {name: [] for name, _, _ in HISTORY_COLUMNS}
     for stream_id, fields in entries:
         r = decode_record(stream_id, fields)
+        problem = record_problem(fields)
         cols["history_id"].append(r.stream_id)
-        cols["event"].append(r.event)
-        cols["at"].append(r.at_ms)
+        cols["event"].append(r.event if problem is None else None)
+        at = fields.get(b"at", fields.get("at"))
+        at_ms = hist.parse_at(_str(at)) if at is not None else None
+        cols["at"].append(at_ms)
         cols["id"].append(r.id)
         cols["schedule_id"].append(r.schedule_id)
         cols["topic"].append(r.topic)
         cols["kind"].append(r.kind)
         cols["schedule"].append(r.schedule)
         cols["due_at"].append(r.due_ms)
-        cols["fired_at"].append(r.at_ms if r.event == FIRED else None)
+        cols["fired_at"].append(at_ms if r.event == FIRED and problem is None else None)
         cols["lateness_ms"].append(r.lateness_ms)
         cols["size_bytes"].append(r.size_bytes)
         cols["attempt"].append(r.attempt)
         cols["reason"].append(r.reason)
+        cols["malformed"].append(problem)
     cols["delayed_topic"] = [delayed_topic] * len(entries)
     arrays = [_column(cols[name], typ) for name, _, typ in HISTORY_COLUMNS]
     return pa.RecordBatch.from_arrays(arrays, schema=HISTORY_SCHEMA)

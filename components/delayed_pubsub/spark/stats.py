@@ -12,6 +12,9 @@ Definitions (what a user checks against):
   p50/p95/p99 are exact percentiles with linear interpolation between ranks
   (numpy's default), max the largest.
 - throughput: "fired" events per UTC minute of their fired-at time.
+- malformed: history records that do not follow the format
+  (delayed_middleware.history.record_problem), counted by what is wrong; they
+  are no event, so none of the figures above counts them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class StatsTables:
     events: pd.DataFrame  # event, count (every known event, zeros included)
     lateness_histogram: pd.DataFrame  # bin_start_ms, bin_end_ms, count
     pending_by_due: pd.DataFrame  # due_from, due_to, topic, count
+    malformed: pd.DataFrame  # problem, count (history records that do not parse)
     now_ms: int
 
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -65,12 +69,12 @@ def compute_stats(history: DataFrame, pending: DataFrame, now_ms: int) -> StatsT
     grouping-sets pass for event counts, fires per minute and the lateness
     histogram.
     """
-    h = history.select("event", "topic", "fired_at", "lateness_ms").persist()
+    h = history.select("event", "topic", "fired_at", "lateness_ms", "malformed").persist()
     p = pending.select("topic", "status", "due_at", "size_bytes").persist()
     try:
         per_topic = _pending_per_topic(p, now_ms)
         fired = _fired_by_topic(h)
-        events, throughput, histogram = _history_breakdown(h, fired)
+        events, throughput, histogram, malformed = _history_breakdown(h, fired)
         return StatsTables(
             pending_by_topic=per_topic[
                 ["topic", "pending", "parked", "undecodable", "size_bytes", "next_due_at"]
@@ -83,6 +87,7 @@ def compute_stats(history: DataFrame, pending: DataFrame, now_ms: int) -> StatsT
             events=events,
             lateness_histogram=histogram,
             pending_by_due=_pending_by_due(p, now_ms, per_topic["max_due_ms"].max()),
+            malformed=malformed,
             now_ms=now_ms,
         )
     finally:
@@ -157,8 +162,11 @@ def _fired_by_topic(h: DataFrame) -> pd.DataFrame:
     ]
 
 
-def _history_breakdown(h: DataFrame, fired: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Event counts, fires per minute and the lateness histogram, in one pass (grouping sets)."""
+def _history_breakdown(
+    h: DataFrame, fired: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Event counts, fires per minute, the lateness histogram and the malformed records by problem,
+    in one pass (grouping sets)."""
     lo = fired["lateness_min_ms"].dropna()
     hi = fired["lateness_max_ms"].dropna()
     lo_ms = int(lo.min()) if len(lo) else 0
@@ -172,17 +180,27 @@ def _history_breakdown(h: DataFrame, fired: pd.DataFrame) -> tuple[pd.DataFrame,
         is_fired & F.col("lateness_ms").isNotNull(), F.floor((F.col("lateness_ms") - lo_ms) / width)
     )
     rows = (
-        h.select("event", minute.alias("minute"), late_bin.alias("bin"))
-        .groupingSets([["event"], ["minute"], ["bin"]], "event", "minute", "bin")
+        h.select("event", minute.alias("minute"), late_bin.alias("bin"), "malformed")
+        .groupingSets([["event"], ["minute"], ["bin"], ["malformed"]], "event", "minute", "bin", "malformed")
         .agg(F.count("*").alias("n"), F.grouping_id().alias("g"))
         .collect()
     )
-    # grouping_id bits (event, minute, bin): 0b011 = by event, 0b101 = by minute, 0b110 = by bin.
-    counted = {r["event"]: int(r["n"]) for r in rows if r["g"] == 0b011}
-    names = list(EVENTS) + sorted(set(counted) - set(EVENTS))
+    # grouping_id bits (event, minute, bin, malformed), 1 = not grouped by it.
+    # A malformed record's event is null (no event): it is counted only by its problem.
+    counted = {r["event"]: int(r["n"]) for r in rows if r["g"] == 0b0111 and r["event"] is not None}
+    names = list(EVENTS)
     events = pd.DataFrame({"event": names, "count": [counted.get(n, 0) for n in names]})
+    problems = sorted(
+        (str(r["malformed"]), int(r["n"])) for r in rows if r["g"] == 0b1110 and r["malformed"] is not None
+    )
+    malformed = pd.DataFrame(
+        {
+            "problem": pd.Series([p for p, _ in problems], dtype="object"),
+            "count": pd.Series([n for _, n in problems], dtype="int64"),
+        }
+    )
     per_minute = sorted(
-        (int(r["minute"]), int(r["n"])) for r in rows if r["g"] == 0b101 and r["minute"] is not None
+        (int(r["minute"]), int(r["n"])) for r in rows if r["g"] == 0b1011 and r["minute"] is not None
     )
     throughput = pd.DataFrame(
         {
@@ -190,7 +208,7 @@ def _history_breakdown(h: DataFrame, fired: pd.DataFrame) -> tuple[pd.DataFrame,
             "fired": pd.Series([n for _, n in per_minute], dtype="int64"),
         }
     )
-    by_bin = {int(r["bin"]): int(r["n"]) for r in rows if r["g"] == 0b110 and r["bin"] is not None}
+    by_bin = {int(r["bin"]): int(r["n"]) for r in rows if r["g"] == 0b1101 and r["bin"] is not None}
     if not by_bin:
         histogram = pd.DataFrame({"bin_start_ms": [], "bin_end_ms": [], "count": []})
     else:
@@ -202,7 +220,7 @@ def _history_breakdown(h: DataFrame, fired: pd.DataFrame) -> tuple[pd.DataFrame,
                 "count": [by_bin.get(b, 0) for b in bins],
             }
         )
-    return events, throughput, histogram
+    return events, throughput, histogram, malformed
 
 
 # Bin widths for the pending-by-due chart: the smallest that gives at most 60 bars.
@@ -296,6 +314,10 @@ def render(stats: StatsTables, app_id: str, recent_minutes: int = 10) -> str:
             tp.tail(recent_minutes),
         ),
         text_table("lifecycle events", stats.events[stats.events["count"] > 0], empty="(no history)"),
+        text_table(
+            f"malformed history records (not counted as events): {int(stats.malformed['count'].sum()):,}",
+            stats.malformed,
+        ),
         f"{headline}",
     ]
     return "\n\n".join(parts) + "\n"

@@ -6,7 +6,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
-from delayed_middleware.history import FIELDS, decode_record
+from delayed_middleware.history import EVENTS, FIELDS, KINDS, decode_record, parse_at, record_problem
 from delayed_pubsub.spark.rows import (
     PARKED,
     PENDING,
@@ -117,7 +117,13 @@ def test_bulk_parked_and_undecodable_rows() -> None:
 
 
 text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=12)
-value = st.one_of(text, st.integers(-(2**70), 2**70).map(str), st.just(""))
+value = st.one_of(
+    text,
+    st.integers(-(2**70), 2**70).map(str),
+    st.just(""),
+    st.sampled_from([*EVENTS, *KINDS]),
+    st.integers(1, 2**45).map(str),
+)
 I64 = range(-(2**63), 2**63)
 TS_MS = range(-62_135_596_800_000, 253_402_300_800_000)
 
@@ -131,24 +137,30 @@ def _in(v: int | None, bounds: range) -> int | None:
 @example({"at": "+5", "due": " 7", "late": "1_000", "size": "\u0663", "attempt": "0"})
 @example({"at": "1e3", "due": "-0", "late": "007", "size": "99999999999999999999", "attempt": "-1"})
 @example({"event": "fired", "topic": "caf\u00e9", "reason": "\U0001f600", "kind": ""})
+@example({"event": "fired", "at": "253402300799999", "late": "-5", "kind": "retry"})
+@example({"event": "fired", "at": "253402300800000"})
+@example({"event": "fired", "at": "0"})
 def test_history_rows_equal_decode_record(fields: dict[str, str]) -> None:
     raw = {k.encode(): v.encode() for k, v in fields.items()}
-    [row] = history_batch("app1-delayed", [(b"9-1", raw)]).to_pylist()
+    [fast] = history_batch("app1-delayed", [(b"9-1", raw)]).to_pylist()
+    # The record-by-record path (text keys) must read it exactly as the column path does.
+    [slow] = history_batch("app1-delayed", [("9-1", fields)]).to_pylist()
+    assert fast == slow
+    row = fast
     rec = decode_record(b"9-1", raw)
+    problem = record_problem(raw)
+    assert row["malformed"] == problem
     assert row["history_id"] == "9-1"
-    assert (row["event"], row["id"], row["schedule_id"], row["topic"]) == (
-        rec.event,
-        rec.id,
-        rec.schedule_id,
-        rec.topic,
-    )
+    # A malformed record is no event.
+    assert row["event"] == (rec.event if problem is None else None)
+    assert (row["id"], row["schedule_id"], row["topic"]) == (rec.id, rec.schedule_id, rec.topic)
     assert (row["kind"], row["schedule"], row["reason"]) == (rec.kind, rec.schedule, rec.reason)
     assert row["lateness_ms"] == _in(rec.lateness_ms, I64)
     assert (row["size_bytes"], row["attempt"]) == (_in(rec.size_bytes, I64), _in(rec.attempt, I64))
-    at = _in(rec.at_ms, TS_MS)
+    at = parse_at(fields.get("at", ""))
     assert (row["at"] is None) if at is None else (round(row["at"].timestamp() * 1000) == at)
     assert (row["due_at"] is None) == (_in(rec.due_ms, TS_MS) is None)
-    assert (row["fired_at"] is None) == (rec.event != "fired")
+    assert (row["fired_at"] is None) == (rec.event != "fired" or problem is not None or at is None)
 
 
 def test_history_bytes_that_are_not_utf8_read_as_decode_record_reads_them() -> None:
@@ -156,3 +168,7 @@ def test_history_bytes_that_are_not_utf8_read_as_decode_record_reads_them() -> N
     [row] = history_batch("d", [(b"1-0", raw)]).to_pylist()
     assert row["topic"] == decode_record(b"1-0", raw).topic == "caf\ufffd"
     assert row["lateness_ms"] == 12
+    # Bytes that are not UTF-8 do not follow the format: the record is malformed, no event.
+    assert row["malformed"] == "not UTF-8"
+    assert row["event"] is None
+    assert row["fired_at"] is None

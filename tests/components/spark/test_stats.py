@@ -72,6 +72,7 @@ def check_stats_on_workload(redis_server: RedisServer, tmp_path: Path, real: lis
         "events",
         "lateness_histogram",
         "pending_by_due",
+        "malformed",
     }
     pending = tables["pending_by_topic"].set_index("topic")
     assert list(pending.index) == [w.WAIT_TOPIC]
