@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=tcp_port,
         default=None,
         help="serve HTTP GET /healthz (liveness: the component answers) and /readyz (readiness: every "
-        "instance's Redis answers and no subscription is orphaned) on this port, for Kubernetes probes "
+        "instance's Redis answers, its background loops run and no subscription is orphaned) on this "
+        "port, for Kubernetes probes "
         "(default off)",
     )
     run.add_argument(
