@@ -304,3 +304,28 @@ async def test_a_claim_in_flight_while_its_envelope_moves_is_appended_once(clust
     finally:
         await client.aclose()
         admin.close()
+
+
+async def test_a_hand_written_entry_claiming_a_pending_message_origin_cannot_take_its_place(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Anyone with Redis access can XADD to the delayed topic. An entry that carries an
+    `origin` field naming a pending message (here: a copy of message 5's fields claiming to be
+    message 3) must not become message 3: compaction trusts `origin` only on the copy the
+    moved hash points at. Each of the 40 messages fires once, with its own body, and the
+    readers list each id once."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
+    ids = (await engine.schedule(interleaved(longs)))[::10]
+    [(_, fields)] = redis_client.xrange(KEYS.stream, ids[5], ids[5])
+    forged = {**fields, b"origin": ids[3].encode()}
+    redis_client.xadd(KEYS.stream, forged)  # type: ignore[arg-type]
+    await compacted(engine, redis_client)
+    listed = [m.id for m in (await Inspector(aredis(), "app").pending()).messages]
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(40))
+    # Every message's envelope left the stream; only the hand-written entry remains.
+    assert redis_client.xlen(KEYS.stream) == 1
+    assert listed.count(ids[3]) == 1

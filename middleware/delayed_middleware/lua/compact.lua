@@ -35,7 +35,11 @@ for i, e in ipairs(rows) do
   local args = {KEYS[1], '*'}
   for j = 1, #f, 2 do
     if f[j] == 'origin' then
-      origin = f[j + 1]
+      -- Only the copy the moved hash points at is that envelope: anyone can
+      -- XADD an `origin` field, and trusting it would make their entry fire
+      -- in a pending message's place (and orphan the real copy). Any other
+      -- entry is re-homed under its own id, the untrusted field dropped.
+      if redis.call('HGET', MOVED, f[j + 1]) == id then origin = f[j + 1] end
     else
       args[#args + 1] = f[j]
       args[#args + 1] = f[j + 1]
