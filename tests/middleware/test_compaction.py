@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from typing import cast
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as acluster
@@ -329,3 +330,38 @@ async def test_a_hand_written_entry_claiming_a_pending_message_origin_cannot_tak
     # Every message's envelope left the stream; only the hand-written entry remains.
     assert redis_client.xlen(KEYS.stream) == 1
     assert listed.count(ids[3]) == 1
+
+
+@pytest.mark.parametrize("when", ["before-due", "in-flight"])
+async def test_a_moved_envelope_deleted_by_someone_else_leaves_no_move_record_behind(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, when: str
+) -> None:
+    """An operator's XDEL/XTRIM of the delayed topic loses the messages it deletes (logged as
+    lost when they come due); their move records must go with them, or the moved hash grows
+    with every such loss for good. Deleted before they come due (FIRE, CLAIM), or while the
+    two-phase fire holds them claimed (RELEASE)."""
+    clock = ManualClock(T0)
+    deleted: list[bytes] = []
+    armed = False
+
+    async def delete_claimed(step: str) -> None:
+        if armed and step == "claimed" and not deleted:
+            deleted.extend(i for i, _ in redis_client.xrange(KEYS.stream, count=10))
+            redis_client.xdel(KEYS.stream, *deleted)
+
+    cfg = EngineConfig(history_max_len=0, two_phase=when == "in-flight")
+    engine = DelayEngine(aredis(), KEYS, clock, config=cfg, fault=delete_claimed)
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
+    await engine.schedule(interleaved(longs))
+    await compacted(engine, redis_client)
+    copies = [i for i, _ in redis_client.xrange(KEYS.stream)]
+    assert len(copies) == 40
+    if when == "before-due":
+        redis_client.xdel(KEYS.stream, *copies[:10])
+    armed = True
+    clock.advance(HOUR)
+    await drain(engine)
+    # Claimed ones carry their messages in the claim: those still go out, once.
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(10 if when == "before-due" else 0, 40))
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.hlen(KEYS.moved) == 0
