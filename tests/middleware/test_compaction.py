@@ -319,9 +319,8 @@ async def test_a_hand_written_entry_claiming_a_pending_message_origin_cannot_tak
     engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
     longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
     ids = (await engine.schedule(interleaved(longs)))[::10]
-    [(_, fields)] = redis_client.xrange(KEYS.stream, ids[5], ids[5])
-    forged = {**fields, b"origin": ids[3].encode()}
-    redis_client.xadd(KEYS.stream, forged)  # type: ignore[arg-type]
+    [fields] = [f for i, f in stream_entries(redis_client, KEYS.stream) if i == ids[5]]
+    redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[3].encode()})  # type: ignore[dict-item]
     await compacted(engine, redis_client)
     listed = [m.id for m in (await Inspector(aredis(), "app").pending()).messages]
     clock.advance(HOUR)
@@ -341,12 +340,12 @@ async def test_a_moved_envelope_deleted_by_someone_else_leaves_no_move_record_be
     with every such loss for good. Deleted before they come due (FIRE, CLAIM), or while the
     two-phase fire holds them claimed (RELEASE)."""
     clock = ManualClock(T0)
-    deleted: list[bytes] = []
+    deleted: list[str] = []
     armed = False
 
     async def delete_claimed(step: str) -> None:
         if armed and step == "claimed" and not deleted:
-            deleted.extend(i for i, _ in redis_client.xrange(KEYS.stream, count=10))
+            deleted.extend(i for i, _ in stream_entries(redis_client, KEYS.stream)[:10])
             redis_client.xdel(KEYS.stream, *deleted)
 
     cfg = EngineConfig(history_max_len=0, two_phase=when == "in-flight")
@@ -354,7 +353,7 @@ async def test_a_moved_envelope_deleted_by_someone_else_leaves_no_move_record_be
     longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
     await engine.schedule(interleaved(longs))
     await compacted(engine, redis_client)
-    copies = [i for i, _ in redis_client.xrange(KEYS.stream)]
+    copies = [i for i, _ in stream_entries(redis_client, KEYS.stream)]
     assert len(copies) == 40
     if when == "before-due":
         redis_client.xdel(KEYS.stream, *copies[:10])
@@ -365,3 +364,24 @@ async def test_a_moved_envelope_deleted_by_someone_else_leaves_no_move_record_be
     assert sorted(n for n, _ in delivered(redis_client)) == list(range(10 if when == "before-due" else 0, 40))
     assert redis_client.xlen(KEYS.stream) == 0
     assert redis_client.hlen(KEYS.moved) == 0
+
+
+async def test_a_listing_that_pages_through_a_pass_lists_each_message_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """`pending` pages through the stream while fire steps compact it: an envelope read at its
+    first place and moved to the tail before the listing reaches the tail is still one message,
+    and one moved from ahead of the listing is still listed."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=STEPWISE)
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(60)]
+    ids = (await engine.schedule(interleaved(longs, per_long=30)))[::31]
+    await drain(engine)
+    assert engine.compacting
+    listed: list[str] = []
+    async for m in Inspector(aredis(), "app", page_size=7).scan():
+        listed.append(m.id)
+        # The pass goes on between the listing's pages.
+        await engine.fire_due()
+    assert not engine.compacting
+    assert sorted(listed) == sorted(ids)
