@@ -385,3 +385,24 @@ async def test_a_listing_that_pages_through_a_pass_lists_each_message_once(
         await engine.fire_due()
     assert not engine.compacting
     assert sorted(listed) == sorted(ids)
+
+
+@pytest.mark.parametrize("parked_besides", [0, 10_001])
+async def test_the_pending_gauge_does_not_count_a_parked_envelope_after_it_moved(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, parked_besides: int
+) -> None:
+    """The gauge's counts skip parked envelopes, whether the parked hash is read whole (small)
+    or looked up page by page (over 10,000 parked): by the envelope's id, not its copy's."""
+    clock = ManualClock(T0)
+    redis_client.set("not-a-stream", "x")
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    bad = Envelope(id="", topic="not-a-stream", due_ms=T0, published_at_ms=T0, message=b"{}")
+    await engine.schedule(
+        [bad, *interleaved([env(i, T0 + HOUR, sid=f"s{i}") for i in range(30)], per_long=10)]
+    )
+    await compacted(engine, redis_client)
+    for start in range(0, parked_besides, 1000):
+        redis_client.hset(KEYS.parked, mapping={f"0-{i}": "elsewhere" for i in range(start, start + 1000)})
+    counts, complete = await Inspector(aredis(), "app").counts_by_topic()
+    assert complete
+    assert counts == {"orders": 30}
