@@ -406,3 +406,37 @@ async def test_the_pending_gauge_does_not_count_a_parked_envelope_after_it_moved
     counts, complete = await Inspector(aredis(), "app").counts_by_topic()
     assert complete
     assert counts == {"orders": 30}
+
+
+async def test_a_cancel_by_the_id_a_moved_envelope_is_stored_at_cancels_that_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A subscriber of the delayed topic sees a moved envelope at its copy's stream id; a
+    cancel by that id cancels the message as a cancel by its first id does: nothing fires,
+    nothing waits in the index, no move record is left. One-shot and recurring messages,
+    with and without scheduleId."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0), recurrence=every)
+    longs = [
+        env(i, T0 + HOUR, sid=f"s{i}") if i % 4 == 1 else dataclasses.replace(env(i, T0 + HOUR), id="")
+        for i in range(0, 40, 2)
+    ]
+    longs += [recurring(i, HOUR, sid=f"r{i}" if i % 4 == 3 else "") for i in range(1, 40, 2)]
+    await engine.schedule(interleaved(longs))
+    await compacted(engine, redis_client)
+    copies = [i for i, _ in stream_entries(redis_client, KEYS.stream)]
+    assert len(copies) == 40
+    assert await engine.cancel_many(copies[:10] + copies[20:30]) == [(True, "orders")] * 20
+    assert await engine.pending() == 20
+    assert redis_client.hlen(KEYS.moved) == 20
+    for _ in range(2):
+        clock.advance(HOUR)
+        await drain(engine)
+    # The first ten one-shots and the first ten schedules were cancelled; the other
+    # schedules fired twice.
+    got = sorted(n for n, _ in delivered(redis_client))
+    assert got == sorted([*range(20, 40, 2), *range(21, 40, 2), *range(21, 40, 2)])
+    assert await engine.cancel_many(copies[30:]) == [(True, "orders")] * 10
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.hlen(KEYS.ids) == 0
