@@ -440,3 +440,35 @@ async def test_a_cancel_by_the_id_a_moved_envelope_is_stored_at_cancels_that_mes
     assert redis_client.xlen(KEYS.stream) == 0
     assert redis_client.exists(KEYS.moved) == 0
     assert redis_client.hlen(KEYS.ids) == 0
+
+
+async def test_replace_and_cancel_find_a_message_whose_envelope_moved_twice(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Two passes move the first messages twice (the second copies the first's copies). A
+    publish with the same scheduleId replaces such a message, a cancel by its first id
+    cancels it; the replaced and cancelled envelopes leave the stream with their move
+    records, and what fires is each message once, in its latest version."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    first = [
+        env(i, T0 + HOUR, sid=f"s{i}") if i % 2 else dataclasses.replace(env(i, T0 + HOUR), id="")
+        for i in range(20)
+    ]
+    ids = (await engine.schedule(interleaved(first)))[::10]
+    await compacted(engine, redis_client)
+    once = {k: redis_client.hget(KEYS.moved, k) for k in ids if not k.startswith("s")}
+    await engine.schedule(interleaved([env(i, T0 + HOUR) for i in range(20, 40)]))
+    await compacted(engine, redis_client)
+    twice = {k: redis_client.hget(KEYS.moved, k) for k in once}
+    assert all(twice[k] not in (None, once[k]) for k in once)
+    # Replace the scheduleId ones with new bodies (n + 100), cancel the others by their first id.
+    await engine.schedule([env(i + 100, T0 + HOUR, sid=f"s{i}") for i in range(1, 20, 2)])
+    assert await engine.cancel_many(list(once)) == [(True, "orders")] * 10
+    assert await engine.pending() == 30
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == [*range(20, 40), *range(101, 120, 2)]
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.hlen(KEYS.ids) == 0
