@@ -472,3 +472,30 @@ async def test_replace_and_cancel_find_a_message_whose_envelope_moved_twice(
     assert redis_client.xlen(KEYS.stream) == 0
     assert redis_client.exists(KEYS.moved) == 0
     assert redis_client.hlen(KEYS.ids) == 0
+
+
+async def test_moved_messages_that_expire_or_park_then_cancel_leave_no_move_record(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The moved hash shrinks back to nothing when the moved envelopes are gone, whatever
+    took them: a TTL that ran out before the due time, a park then a cancel, a fire."""
+    clock = ManualClock(T0)
+    redis_client.set("not-a-stream", "x")
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    expiring = [
+        dataclasses.replace(env(i, T0 + HOUR), id="", expires_at_ms=T0 + HOUR // 2) for i in range(10)
+    ]
+    parking = [dataclasses.replace(env(i, T0 + HOUR, topic="not-a-stream"), id="") for i in range(10, 20)]
+    firing = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(20, 30)]
+    ids = (await engine.schedule(interleaved([*expiring, *parking, *firing])))[::10]
+    await compacted(engine, redis_client)
+    assert redis_client.hlen(KEYS.moved) == 30
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(20, 30))
+    assert redis_client.hlen(KEYS.parked) == 10
+    assert redis_client.hlen(KEYS.moved) == 10
+    assert await engine.cancel_many(ids[10:20]) == [(True, "not-a-stream")] * 10
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.exists(KEYS.parked) == 0
