@@ -194,9 +194,11 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 return {rows, top}
 """
 
-    def __init__(self, redis: aioredis.Redis, stream: str, count: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: EngineKeys, count: int) -> None:
+        self._redis = redis
         self._script = redis.register_script(self._PAGE)
-        self._stream = stream
+        self._stream = keys.stream
+        self._moved = keys.moved
         self._count = count
         self._start: Any = "-"
         self._ends: list[tuple[int, int]] = []
@@ -217,6 +219,24 @@ return {rows, top}
         self._tops.append(_stream_id(top[0][0]))
         self.done = len(rows) < count
         return rows
+
+    async def named(self, rows: Any) -> list[tuple[Any, Any]]:
+        """The page's entries this walk did not meet before, each under its envelope's id:
+        a copy's `origin` only where the moved hash points at that copy (anyone can write an
+        `origin` field; compact.lua trusts it the same way), else the entry's own id."""
+        rows = [(i, f) for i, f in rows if not self.met_before(i, f)]
+        claimed = [(n, f.get(b"origin", f.get("origin"))) for n, (_, f) in enumerate(rows)]
+        claimed = [(n, o) for n, o in claimed if o is not None]
+        named = list(rows)
+        if claimed:
+            at = await self._redis.hmget(self._moved, [o for _, o in claimed])
+            for (n, origin), stored in zip(claimed, at, strict=True):
+                if stored is not None and _s(stored) == _s(rows[n][0]):
+                    raw_id = rows[n][0]
+                    # In the type the entry id came in (bytes or str, by the client's decoding).
+                    public = origin if isinstance(raw_id, bytes) == isinstance(origin, bytes) else _s(origin)
+                    named[n] = (public, rows[n][1])
+        return named
 
     def met_before(self, entry_id: Any, fields: Any) -> bool:
         """True for a copy whose envelope this walk already met where it was copied from."""
@@ -350,15 +370,14 @@ class Inspector:
         total = await self.stream_length() if progress is not None else 0
         scanned = 0
         for shard, keys in enumerate(self.shards):
-            walk = _Walk(self._redis, keys.stream, self._page)
+            walk = _Walk(self._redis, keys, self._page)
             while max_entries is None or scanned < max_entries:
                 count = self._page if max_entries is None else min(self._page, max_entries - scanned)
                 rows: Any = await walk.page(count)
                 if not rows:
                     break
                 scanned += len(rows)
-                fresh = [(i, f) for i, f in rows if not walk.met_before(i, f)]
-                for message in await self._decode_page(shard, fresh, stats):
+                for message in await self._decode_page(shard, await walk.named(rows), stats):
                     if topic is not None and message.topic != topic:
                         continue
                     if due_before_ms is not None and message.due_ms >= due_before_ms:
@@ -372,12 +391,12 @@ class Inspector:
                     break
 
     async def _decode_page(self, shard: int, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
+        # `rows` are named by their envelopes' ids already (_Walk.named).
         # The listing needs a few fields, not a whole Envelope (metadata and
         # payload copied): the raw protobuf is read directly, ~4x cheaper.
         keys = self.shards[shard]
         decoded: list[tuple[str, Any, int]] = []
         for raw_id, fields in rows:
-            raw_id = _public_id(raw_id, fields)
             try:
                 msg = delayed_pb2.DelayedMessage.FromString(fields.get(b"data", fields.get("data")) or b"")
                 size = _raw_size(msg)
@@ -647,14 +666,14 @@ class Inspector:
             if int(await self._redis.hlen(keys.parked)) <= _PARKED_IN_MEMORY:
                 names: Any = await self._redis.hkeys(keys.parked)
                 parked = set(names)
-            walk = _Walk(self._redis, keys.stream, self._page)
+            walk = _Walk(self._redis, keys, self._page)
             while max_entries is None or scanned < max_entries:
                 count = self._page if max_entries is None else min(self._page, max_entries - scanned)
                 rows: Any = await walk.page(count)
                 if not rows:
                     break
                 scanned += len(rows)
-                rows = [(_public_id(i, f), f) for i, f in rows if not walk.met_before(i, f)]
+                rows = await walk.named(rows)
                 skip: set[bytes] | list[Any] = parked if parked is not None else []
                 if parked is None and rows:
                     flags = await self._redis.hmget(keys.parked, [r[0] for r in rows])

@@ -322,13 +322,19 @@ async def test_a_hand_written_entry_claiming_a_pending_message_origin_cannot_tak
     [fields] = [f for i, f in stream_entries(redis_client, KEYS.stream) if i == ids[5]]
     redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[3].encode()})  # type: ignore[dict-item]
     await compacted(engine, redis_client)
-    listed = [m.id for m in (await Inspector(aredis(), "app").pending()).messages]
+    # And one written after the pass: the listing shows it under its own id, not as message 3.
+    redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[3].encode()})  # type: ignore[dict-item]
+    inspector = Inspector(aredis(), "app")
+    listed = [m.id for m in (await inspector.pending()).messages]
+    counts, _ = await inspector.counts_by_topic()
     clock.advance(HOUR)
     await drain(engine)
     assert sorted(n for n, _ in delivered(redis_client)) == list(range(40))
-    # Every message's envelope left the stream; only the hand-written entry remains.
-    assert redis_client.xlen(KEYS.stream) == 1
+    # Every message's envelope left the stream; only the hand-written entries remain.
+    assert redis_client.xlen(KEYS.stream) == 2
     assert listed.count(ids[3]) == 1
+    assert len(listed) == len(set(listed)) == 42
+    assert counts == {"orders": 42}
 
 
 @pytest.mark.parametrize("when", ["before-due", "in-flight"])
