@@ -18,6 +18,7 @@ import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, cast
 
 import redis
 
@@ -40,12 +41,12 @@ def fill(client: redis.Redis, key: str, n: int) -> None:
 
 def thin(client: redis.Redis, key: str) -> None:
     """Deletes 99 of every 100 entries (as after the short ones of the issue's mix fired)."""
-    start: bytes | str = "-"
+    start = "-"
     while True:
-        rows = client.xrange(key, start, "+", count=10_000)
+        rows = cast("list[tuple[bytes, Any]]", client.xrange(key, start, "+", count=10_000))
         if not rows:
             return
-        start = b"(" + rows[-1][0]
+        start = "(" + rows[-1][0].decode()
         client.xdel(key, *[i for n, (i, _) in enumerate(rows) if n % 100])
 
 
