@@ -759,6 +759,19 @@ class DelayEngine:
         self._skew_ms = local - decided
         return int(float(head)) + self._skew_ms if head else None
 
+    def _trim_args(self, local: int) -> tuple[str, str]:
+        """The trim FIRE and APPEND apply to target topics (maxLenApprox / streamTTL).
+
+        streamTTL's MINID is compared with stream ids, which the target's Redis
+        clock makes. Unless this clock is authoritative, the script takes the
+        threshold from its own TIME (mode MINAGE, threshold = the age): a skew
+        measured by an earlier fire step is unknown at the first one, and on
+        Cluster the target's node is not the shard's."""
+        mode, threshold = self._trim.args(local)
+        if mode == "MINID" and not self._clock.authoritative:
+            return "MINAGE", str(self._trim.max_age_ms)
+        return mode, threshold
+
     def _shard_now(self) -> int:
         """The shard's time as of the last fire step's measurement (successors are computed on it)."""
         return self._clock.now_ms() - self._skew_ms
@@ -767,8 +780,7 @@ class DelayEngine:
         if self._config.two_phase:
             return await self._fire_two_phase()
         local, now_arg = self._decide_at()
-        # streamTTL's MINID is compared with stream ids, which Redis's clock makes.
-        mode, threshold = self._trim.args(local - self._skew_ms)
+        mode, threshold = self._trim_args(local)
         cfg = self._config
         raw = await self._fire(
             keys=self._keys.script_keys,
@@ -878,7 +890,7 @@ class DelayEngine:
                 groups.setdefault(c.target, []).append(c)
             else:
                 outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
-        mode, threshold = self._trim.args(self._clock.now_ms())
+        mode, threshold = self._trim_args(self._clock.now_ms())
         done = 0
 
         async def append(target: str, group: list[_Claim]) -> None:
@@ -1063,7 +1075,8 @@ class DelayEngine:
         was turned off still age out.
         """
         max_age = self._config.history_max_age_ms
-        now = self._clock.now_ms()
+        # Record ids come from Redis's clock: the shard's time, not this replica's.
+        now = self._shard_now()
         if not max_age or now - self._last_history_trim < 60_000:
             return
         self._last_history_trim = now

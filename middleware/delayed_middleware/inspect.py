@@ -22,6 +22,7 @@ with a small constant; callers that run often bound it (`max_entries`).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -171,6 +172,89 @@ def _public_id(raw_id: Any, fields: Any) -> Any:
     if origin is None:
         return raw_id
     return origin if isinstance(raw_id, bytes) == isinstance(origin, bytes) else _s(origin)
+
+
+def _stream_id(value: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _s(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+class _Walk:
+    """A forward walk over one delayed stream, page by page, that knows which compaction
+    copies (lua/compact.lua) hold an envelope it already met.
+
+    A pass running meanwhile moves envelopes to the stream's tail, ahead of the walk: one
+    met at its old place would be met again at the tail. A copy names the entry it was
+    copied from (field `from`); the walk met the envelope there if a page covered that
+    place while the entry was still there, that is, before the copy existed: the copy's
+    id is above the stream's last id when that page was read. Keeps one (page end, last
+    id) pair per page, nothing per message. (An envelope moved twice while the walk goes
+    on is judged by its last move only.)"""
+
+    # A page and the stream's last id, read at one moment (one script: atomic on a
+    # single node and on Cluster, where a MULTI pipeline is not usable here).
+    _PAGE = """
+local rows = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+return {rows, top}
+"""
+
+    def __init__(self, redis: aioredis.Redis, keys: EngineKeys, count: int) -> None:
+        self._redis = redis
+        self._script = redis.register_script(self._PAGE)
+        self._stream = keys.stream
+        self._moved = keys.moved
+        self._count = count
+        self._start: Any = "-"
+        self._ends: list[tuple[int, int]] = []
+        self._tops: list[tuple[int, int]] = []
+        self.done = False
+
+    async def page(self, count: int | None = None) -> Any:
+        """The next page (empty at the end), read with the stream's last id in one transaction."""
+        count = self._count if count is None else count
+        raw, top = await self._script(keys=[self._stream], args=[self._start, count])
+        rows = [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in raw]
+        if not rows:
+            self.done = True
+            return rows
+        last = rows[-1][0]
+        self._start = b"(" + last if isinstance(last, bytes) else "(" + last
+        self._ends.append(_stream_id(last))
+        self._tops.append(_stream_id(top[0][0]))
+        self.done = len(rows) < count
+        return rows
+
+    async def named(self, rows: Any) -> list[tuple[Any, Any]]:
+        """The page's entries this walk did not meet before, each under its envelope's id:
+        a copy's `origin` only where the moved hash points at that copy (anyone can write an
+        `origin` field; compact.lua trusts it the same way), else the entry's own id."""
+        rows = [(i, f) for i, f in rows if not self.met_before(i, f)]
+        claimed = [(n, f.get(b"origin", f.get("origin"))) for n, (_, f) in enumerate(rows)]
+        claimed = [(n, o) for n, o in claimed if o is not None]
+        named = list(rows)
+        if claimed:
+            at = await self._redis.hmget(self._moved, [o for _, o in claimed])
+            for (n, origin), stored in zip(claimed, at, strict=True):
+                if stored is not None and _s(stored) == _s(rows[n][0]):
+                    raw_id = rows[n][0]
+                    # In the type the entry id came in (bytes or str, by the client's decoding).
+                    public = origin if isinstance(raw_id, bytes) == isinstance(origin, bytes) else _s(origin)
+                    named[n] = (public, rows[n][1])
+        return named
+
+    def met_before(self, entry_id: Any, fields: Any) -> bool:
+        """True for a copy whose envelope this walk already met where it was copied from."""
+        source = fields.get(b"from", fields.get("from"))
+        if source is None:
+            return False
+        try:
+            at = _stream_id(source)
+            here = _stream_id(entry_id)
+        except ValueError:
+            return False  # not ours (written by hand): shown as it is
+        k = bisect.bisect_left(self._ends, at)
+        return k < len(self._ends) and self._tops[k] < here
 
 
 def _payload_size(env: Envelope) -> int:
@@ -358,15 +442,14 @@ class Inspector:
         total = await self.stream_length() if progress is not None else 0
         scanned = 0
         for shard, keys in enumerate(self.shards):
-            start = "-"
+            walk = _Walk(self._redis, keys, self._page)
             while max_entries is None or scanned < max_entries:
                 count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=count)
+                rows: Any = await walk.page(count)
                 if not rows:
                     break
-                start = "(" + _s(rows[-1][0])
                 scanned += len(rows)
-                for message in await self._decode_page(shard, rows, stats):
+                for message in await self._decode_page(shard, await walk.named(rows), stats):
                     if topic is not None and message.topic != topic:
                         continue
                     if due_before_ms is not None and message.due_ms >= due_before_ms:
@@ -376,16 +459,16 @@ class Inspector:
                     stats["scanned"] += len(rows)
                 if progress is not None:
                     progress(scanned, max(total, scanned))
-                if len(rows) < count:
+                if walk.done:
                     break
 
     async def _decode_page(self, shard: int, rows: Any, stats: Counter[str] | None) -> list[PendingMessage]:
+        # `rows` are named by their envelopes' ids already (_Walk.named).
         # The listing needs a few fields, not a whole Envelope (metadata and
         # payload copied): the raw protobuf is read directly, ~4x cheaper.
         keys = self.shards[shard]
         decoded: list[tuple[str, Any, int]] = []
         for raw_id, fields in rows:
-            raw_id = _public_id(raw_id, fields)
             try:
                 msg = delayed_pb2.DelayedMessage.FromString(fields.get(b"data", fields.get("data")) or b"")
                 size = _raw_size(msg)
@@ -655,20 +738,19 @@ class Inspector:
             if int(await self._redis.hlen(keys.parked)) <= _PARKED_IN_MEMORY:
                 names: Any = await self._redis.hkeys(keys.parked)
                 parked = set(names)
-            start: Any = "-"
+            walk = _Walk(self._redis, keys, self._page)
             while max_entries is None or scanned < max_entries:
                 count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=count)
+                rows: Any = await walk.page(count)
                 if not rows:
                     break
-                start = b"(" + rows[-1][0] if isinstance(rows[-1][0], bytes) else "(" + rows[-1][0]
                 scanned += len(rows)
+                rows = await walk.named(rows)
                 skip: set[bytes] | list[Any] = parked if parked is not None else []
-                if parked is None:
+                if parked is None and rows:
                     flags = await self._redis.hmget(keys.parked, [r[0] for r in rows])
                     skip = {r[0] for r, f in zip(rows, flags, strict=True) if f is not None}
                 for raw_id, fields in rows:
-                    raw_id = _public_id(raw_id, fields)
                     if raw_id in skip:
                         continue
                     try:
@@ -677,12 +759,11 @@ class Inspector:
                         continue
                     if topic:
                         counts[topic] += 1
-                if len(rows) < count:
+                if walk.done:
                     break
             else:
                 # The budget ran out on this shard: complete only if nothing was left on it.
-                more: Any = await self._redis.xrange(keys.stream, start, "+", count=1)
-                if more:
+                if await walk.page(1):
                     return dict(counts), False
         return dict(counts), True
 

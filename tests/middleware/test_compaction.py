@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from typing import cast
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as acluster
@@ -304,3 +305,203 @@ async def test_a_claim_in_flight_while_its_envelope_moves_is_appended_once(clust
     finally:
         await client.aclose()
         admin.close()
+
+
+async def test_a_hand_written_entry_claiming_a_pending_message_origin_cannot_take_its_place(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Anyone with Redis access can XADD to the delayed topic. An entry that carries an
+    `origin` field naming a pending message (here: a copy of message 5's fields claiming to be
+    message 3) must not become message 3: compaction trusts `origin` only on the copy the
+    moved hash points at. Each of the 40 messages fires once, with its own body, and the
+    readers list each id once."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
+    ids = (await engine.schedule(interleaved(longs)))[::10]
+    [fields] = [f for i, f in stream_entries(redis_client, KEYS.stream) if i == ids[5]]
+    redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[3].encode()})  # type: ignore[dict-item]
+    await compacted(engine, redis_client)
+    # And one written after the pass: the listing shows it under its own id, not as message 3.
+    redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[3].encode()})  # type: ignore[dict-item]
+    inspector = Inspector(aredis(), "app")
+    listed = [m.id for m in (await inspector.pending()).messages]
+    counts, _ = await inspector.counts_by_topic()
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(40))
+    # Every message's envelope left the stream; only the hand-written entries remain.
+    assert redis_client.xlen(KEYS.stream) == 2
+    assert listed.count(ids[3]) == 1
+    assert len(listed) == len(set(listed)) == 42
+    assert counts == {"orders": 42}
+
+
+@pytest.mark.parametrize("when", ["before-due", "in-flight"])
+async def test_a_moved_envelope_deleted_by_someone_else_leaves_no_move_record_behind(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, when: str
+) -> None:
+    """An operator's XDEL/XTRIM of the delayed topic loses the messages it deletes (logged as
+    lost when they come due); their move records must go with them, or the moved hash grows
+    with every such loss for good. Deleted before they come due (FIRE, CLAIM), or while the
+    two-phase fire holds them claimed (RELEASE)."""
+    clock = ManualClock(T0)
+    deleted: list[str] = []
+    armed = False
+
+    async def delete_claimed(step: str) -> None:
+        if armed and step == "claimed" and not deleted:
+            deleted.extend(i for i, _ in stream_entries(redis_client, KEYS.stream)[:10])
+            redis_client.xdel(KEYS.stream, *deleted)
+
+    cfg = EngineConfig(history_max_len=0, two_phase=when == "in-flight")
+    engine = DelayEngine(aredis(), KEYS, clock, config=cfg, fault=delete_claimed)
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(40)]
+    await engine.schedule(interleaved(longs))
+    await compacted(engine, redis_client)
+    copies = [i for i, _ in stream_entries(redis_client, KEYS.stream)]
+    assert len(copies) == 40
+    if when == "before-due":
+        redis_client.xdel(KEYS.stream, *copies[:10])
+    armed = True
+    clock.advance(HOUR)
+    await drain(engine)
+    # Claimed ones carry their messages in the claim: those still go out, once.
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(10 if when == "before-due" else 0, 40))
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.hlen(KEYS.moved) == 0
+
+
+async def test_a_listing_that_pages_through_a_pass_lists_each_message_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """`pending` pages through the stream while fire steps compact it: an envelope read at its
+    first place and moved to the tail before the listing reaches the tail is still one message,
+    and one moved from ahead of the listing is still listed."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=STEPWISE)
+    longs = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(60)]
+    ids = (await engine.schedule(interleaved(longs, per_long=30)))[::31]
+    await drain(engine)
+    assert engine.compacting
+    listed: list[str] = []
+    async for m in Inspector(aredis(), "app", page_size=7).scan():
+        listed.append(m.id)
+        # The pass goes on between the listing's pages.
+        await engine.fire_due()
+    assert not engine.compacting
+    assert sorted(listed) == sorted(ids)
+
+
+@pytest.mark.parametrize("parked_besides", [0, 10_001])
+async def test_the_pending_gauge_does_not_count_a_parked_envelope_after_it_moved(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, parked_besides: int
+) -> None:
+    """The gauge's counts skip parked envelopes, whether the parked hash is read whole (small)
+    or looked up page by page (over 10,000 parked): by the envelope's id, not its copy's."""
+    clock = ManualClock(T0)
+    redis_client.set("not-a-stream", "x")
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    bad = Envelope(id="", topic="not-a-stream", due_ms=T0, published_at_ms=T0, message=b"{}")
+    await engine.schedule(
+        [bad, *interleaved([env(i, T0 + HOUR, sid=f"s{i}") for i in range(30)], per_long=10)]
+    )
+    await compacted(engine, redis_client)
+    for start in range(0, parked_besides, 1000):
+        redis_client.hset(KEYS.parked, mapping={f"0-{i}": "elsewhere" for i in range(start, start + 1000)})
+    counts, complete = await Inspector(aredis(), "app").counts_by_topic()
+    assert complete
+    assert counts == {"orders": 30}
+
+
+async def test_a_cancel_by_the_id_a_moved_envelope_is_stored_at_cancels_that_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A subscriber of the delayed topic sees a moved envelope at its copy's stream id; a
+    cancel by that id cancels the message as a cancel by its first id does: nothing fires,
+    nothing waits in the index, no move record is left. One-shot and recurring messages,
+    with and without scheduleId."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0), recurrence=every)
+    longs = [
+        env(i, T0 + HOUR, sid=f"s{i}") if i % 4 == 1 else dataclasses.replace(env(i, T0 + HOUR), id="")
+        for i in range(0, 40, 2)
+    ]
+    longs += [recurring(i, HOUR, sid=f"r{i}" if i % 4 == 3 else "") for i in range(1, 40, 2)]
+    await engine.schedule(interleaved(longs))
+    await compacted(engine, redis_client)
+    copies = [i for i, _ in stream_entries(redis_client, KEYS.stream)]
+    assert len(copies) == 40
+    assert await engine.cancel_many(copies[:10] + copies[20:30]) == [(True, "orders")] * 20
+    assert await engine.pending() == 20
+    assert redis_client.hlen(KEYS.moved) == 20
+    for _ in range(2):
+        clock.advance(HOUR)
+        await drain(engine)
+    # The first ten one-shots and the first ten schedules were cancelled; the other
+    # schedules fired twice.
+    got = sorted(n for n, _ in delivered(redis_client))
+    assert got == sorted([*range(20, 40, 2), *range(21, 40, 2), *range(21, 40, 2)])
+    assert await engine.cancel_many(copies[30:]) == [(True, "orders")] * 10
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.hlen(KEYS.ids) == 0
+
+
+async def test_replace_and_cancel_find_a_message_whose_envelope_moved_twice(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Two passes move the first messages twice (the second copies the first's copies). A
+    publish with the same scheduleId replaces such a message, a cancel by its first id
+    cancels it; the replaced and cancelled envelopes leave the stream with their move
+    records, and what fires is each message once, in its latest version."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    first = [
+        env(i, T0 + HOUR, sid=f"s{i}") if i % 2 else dataclasses.replace(env(i, T0 + HOUR), id="")
+        for i in range(20)
+    ]
+    ids = (await engine.schedule(interleaved(first)))[::10]
+    await compacted(engine, redis_client)
+    once = {k: redis_client.hget(KEYS.moved, k) for k in ids if not k.startswith("s")}
+    await engine.schedule(interleaved([env(i, T0 + HOUR) for i in range(20, 40)]))
+    await compacted(engine, redis_client)
+    twice = {k: redis_client.hget(KEYS.moved, k) for k in once}
+    assert all(twice[k] not in (None, once[k]) for k in once)
+    # Replace the scheduleId ones with new bodies (n + 100), cancel the others by their first id.
+    await engine.schedule([env(i + 100, T0 + HOUR, sid=f"s{i}") for i in range(1, 20, 2)])
+    assert await engine.cancel_many(list(once)) == [(True, "orders")] * 10
+    assert await engine.pending() == 30
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == [*range(20, 40), *range(101, 120, 2)]
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.hlen(KEYS.ids) == 0
+
+
+async def test_moved_messages_that_expire_or_park_then_cancel_leave_no_move_record(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The moved hash shrinks back to nothing when the moved envelopes are gone, whatever
+    took them: a TTL that ran out before the due time, a park then a cancel, a fire."""
+    clock = ManualClock(T0)
+    redis_client.set("not-a-stream", "x")
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(history_max_len=0))
+    expiring = [
+        dataclasses.replace(env(i, T0 + HOUR), id="", expires_at_ms=T0 + HOUR // 2) for i in range(10)
+    ]
+    parking = [dataclasses.replace(env(i, T0 + HOUR, topic="not-a-stream"), id="") for i in range(10, 20)]
+    firing = [dataclasses.replace(env(i, T0 + HOUR), id="") for i in range(20, 30)]
+    ids = (await engine.schedule(interleaved([*expiring, *parking, *firing])))[::10]
+    await compacted(engine, redis_client)
+    assert redis_client.hlen(KEYS.moved) == 30
+    clock.advance(HOUR)
+    await drain(engine)
+    assert sorted(n for n, _ in delivered(redis_client)) == list(range(20, 30))
+    assert redis_client.hlen(KEYS.parked) == 10
+    assert redis_client.hlen(KEYS.moved) == 10
+    assert await engine.cancel_many(ids[10:20]) == [(True, "not-a-stream")] * 10
+    assert redis_client.xlen(KEYS.stream) == 0
+    assert redis_client.exists(KEYS.moved) == 0
+    assert redis_client.exists(KEYS.parked) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 
@@ -522,3 +523,54 @@ def redis_ms(client: redis.Redis) -> int:
     """The Redis server's clock (TIME) in ms."""
     sec, usec = client.time()
     return int(sec) * 1000 + int(usec) // 1000
+
+
+async def test_a_replica_with_a_fast_clock_does_not_age_out_history_early(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """History records carry stream ids from Redis's clock; a replica two days ahead trimmed
+    by its own clock, so a one-day retention deleted records written a second ago. The age
+    trim is taken on the shard's time, as FIRE's streamTTL trim is."""
+    slow = DelayEngine(aredis(), KEYS, SystemClock())
+    due = redis_ms(redis_client)
+    await slow.schedule([env(1, due)])
+    await drain(slow)
+    assert [r.event for r in history(redis_client)] == ["scheduled", "fired"]
+    fast = DelayEngine(aredis(), KEYS, SkewedClock(2 * 86_400_000))
+    stop = asyncio.Event()
+    passes = 0
+
+    def beat() -> None:
+        nonlocal passes
+        passes += 1
+
+    run = asyncio.create_task(fast.run(stop, beat=beat))
+    await wait_until(lambda: passes >= 2, "two passes of the fast replica's loop")
+    stop.set()
+    await run
+    assert [r.event for r in history(redis_client)] == ["scheduled", "fired"]
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["fire", "two-phase"])
+async def test_a_replica_with_a_fast_clock_does_not_trim_unread_messages_by_stream_ttl(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, two_phase: bool
+) -> None:
+    """streamTTL trims a topic by MINID, and topic entry ids come from Redis's clock. A replica
+    two days ahead that fires a message with a one-day streamTTL must not trim the messages
+    published to that topic a moment ago (nobody has read them yet); those older than a day
+    by Redis's clock still go (whole stream nodes: `~`)."""
+    old = redis_ms(redis_client) - 2 * 86_400_000
+    for n in range(300):
+        redis_client.xadd(
+            "orders", {"data": json.dumps({"n": n + 1000}), "metadata": "{}"}, id=f"{old}-{n + 1}"
+        )
+    for n in range(5):
+        redis_client.xadd("orders", {"data": json.dumps({"n": n + 100}), "metadata": "{}"})
+    trim = Trim(mode="MINID", max_age_ms=86_400_000)
+    cfg = EngineConfig(two_phase=two_phase)
+    fast = DelayEngine(aredis(), KEYS, SkewedClock(2 * 86_400_000), trim=trim, config=cfg)
+    await fast.schedule([env(1, redis_ms(redis_client))])
+    await drain(fast)
+    got = sorted(payloads(redis_client))
+    assert [n for n in got if n < 1000] == [1, 100, 101, 102, 103, 104]
+    assert len(got) - 6 < 100

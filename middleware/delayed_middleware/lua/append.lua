@@ -2,7 +2,8 @@
 -- target key (a topic, or a shard's outbox), for the claimed envelopes bound there.
 -- KEYS: 1 the target stream, 2..n+1 the fire marker of each envelope
 --       ({<target's tag>}:<shard stream>}fired:<envelope id>:<due ms>, see keys.fire_marker_prefix)
--- ARGV: 1 marker TTL ms, 2 trim mode ('' | 'MAXLEN' | 'MINID'), 3 trim threshold,
+-- ARGV: 1 marker TTL ms, 2 trim mode ('' | 'MAXLEN' | 'MINID' | 'MINAGE': MINID at
+--       this node's TIME - ARGV[3]), 3 trim threshold,
 --       4 n envelopes; then per envelope: trim (1: apply ARGV[2..3]; 0: the message
 --       was published through another component, whose trim is not ours, as in
 --       FIRE), k entries, then per entry: m field/value pairs, then the 2m strings
@@ -17,6 +18,13 @@
 -- the marker and appends nothing. The marker lives longer than any claim can
 -- stay in flight (engine.EngineConfig.fire_marker_ttl_ms).
 local ttl, trim_mode, trim_at = ARGV[1], ARGV[2], ARGV[3]
+-- MINAGE: streamTTL with the threshold on this node's TIME, the clock that
+-- made the target topic's ids (not the firing replica's).
+if trim_mode == 'MINAGE' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at))
+end
 local target = KEYS[1]
 local t = redis.call('TYPE', target).ok
 local bad = nil

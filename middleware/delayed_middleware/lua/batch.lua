@@ -85,6 +85,7 @@ local function decide(c, now, max_entries, max_bytes, busy)
       -- Deleted from the delayed topic by something else than the engine (an
       -- XTRIM, another client's MAXLEN): lost, but not silently.
       B.gone = B.gone + 1
+      forget_move(id)
     else
       park(id, nil, id, due, why)
     end

@@ -234,7 +234,23 @@ local function cancel_stream_id(pos, key)
   if not string.match(key, '^%d+%-%d+$') then return 0, '' end
   -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
   -- id that cannot exist names nothing pending.
-  if not pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1) then return 0, '' end
+  local ok, rows = pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1)
+  if not ok then return 0, '' end
+  -- A copy compaction made (a subscriber of the delayed topic sees it under
+  -- this id): the message is the envelope it holds, named by its first id,
+  -- the id the index and the moved hash know. Only the copy the moved hash
+  -- points at is that envelope (compact.lua).
+  local f = rows[1] and rows[1][2] or {}
+  for j = 1, #f, 2 do
+    if f[j] == 'origin' and redis.call('HGET', MOVED, f[j + 1]) == key then key = f[j + 1] end
+  end
+  if gone[key] or done[key] then return 0, '' end
+  -- A recurring envelope without scheduleId is known by that first id in the ids hash.
+  local ref = redis.call('HGET', KEYS[3], key)
+  if ref then
+    done[key] = true
+    return cancel_ref(pos, key, ref)
+  end
   flush()
   local sid, due = key, nil
   local env = read_envelope(sid)

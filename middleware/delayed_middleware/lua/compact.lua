@@ -16,7 +16,7 @@
 -- hash points from it to the copy, in this same atomic step, so every script
 -- (FIRE, CLAIM, RELEASE, CANCEL, a replace) finds it, before or after, and
 -- nothing is lost or doubled. Readers of the delayed topic show a copy under
--- its `origin` id. Bounded: max entries per call and a Redis time budget.
+-- its `origin` id; field `from` names the entry it was copied from. Bounded: max entries per call and a Redis time budget.
 --!include moved.lua
 local cursor, last, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local budget = tonumber(ARGV[4] or '0')
@@ -34,8 +34,14 @@ for i, e in ipairs(rows) do
   local origin = id
   local args = {KEYS[1], '*'}
   for j = 1, #f, 2 do
-    if f[j] == 'origin' then
-      origin = f[j + 1]
+    if f[j] == 'from' then
+      -- Ours (below), rewritten on each move.
+    elseif f[j] == 'origin' then
+      -- Only the copy the moved hash points at is that envelope: anyone can
+      -- XADD an `origin` field, and trusting it would make their entry fire
+      -- in a pending message's place (and orphan the real copy). Any other
+      -- entry is re-homed under its own id, the untrusted field dropped.
+      if redis.call('HGET', MOVED, f[j + 1]) == id then origin = f[j + 1] end
     else
       args[#args + 1] = f[j]
       args[#args + 1] = f[j + 1]
@@ -43,6 +49,11 @@ for i, e in ipairs(rows) do
   end
   args[#args + 1] = 'origin'
   args[#args + 1] = origin
+  -- Where this copy comes from: a reader paging through the stream while a
+  -- pass runs tells by it whether it already met the envelope there
+  -- (inspect.py's _Walk), so it lists each message once.
+  args[#args + 1] = 'from'
+  args[#args + 1] = id
   local copy = redis.call('XADD', unpack(args))
   redis.call('XDEL', KEYS[1], id)
   redis.call('HSET', MOVED, origin, copy)

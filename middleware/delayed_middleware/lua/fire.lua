@@ -3,7 +3,7 @@
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 moved hash (moved.lua)
 -- ARGV: 1 bucket key prefix, 2 now ms ('' = the Redis server's TIME: common.lua decision_now), 3 max envelopes, 4 max work (entries appended, plus
 --       one per METADATA_PER_ENTRY metadata pairs decoded), 5 max envelope bytes,
---       6 trim mode ('' | 'MAXLEN' | 'MINID'), 7 trim threshold, 8 history maxlen (0 = off),
+--       6 trim mode ('' | 'MAXLEN' | 'MINID' | 'MINAGE': MINID at now - ARGV[7]), 7 trim threshold, 8 history maxlen (0 = off),
 --       9 time budget us (0 = none), 10 the firing component's name ('' = any): its
 --       trim applies only to messages published through it
 -- Returns {fired, head, first, pending, parked, refill, entries, gone, now, x, ...}: envelopes fired;
@@ -44,6 +44,9 @@ local now = decision_now(ARGV[2])
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[8]), string.format('%.0f', now)
 local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local trim_mode, trim_at = ARGV[6], ARGV[7]
+-- MINAGE: streamTTL with the threshold on this decision's time (Redis TIME
+-- unless the clock is authoritative): topic ids come from Redis's clock.
+if trim_mode == 'MINAGE' then trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at)) end
 local fired, appended, first = 0, 0, nil
 local types = {}
 -- Recurring envelopes re-enter the index only after the batch's removals

@@ -44,3 +44,9 @@ local function delete_envelopes(ids)
   end
   return n
 end
+
+-- Forgets the move of envelope `id`, whose stored entry someone else deleted
+-- (an operator's XDEL/XTRIM): the record would otherwise outlive it for good.
+local function forget_move(id)
+  redis.call('HDEL', MOVED, id)
+end

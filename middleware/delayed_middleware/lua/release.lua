@@ -32,7 +32,8 @@ for _ = 1, tonumber(ARGV[4]) do
   if redis.call('ZREM', KEYS[11], id) == 1 then
     local rec = redis.call('HGET', KEYS[12], id)
     redis.call('HDEL', KEYS[12], id)
-    local env = read_envelope(id)
+    local env, why = read_envelope(id)
+    if why == 'gone' then forget_move(id) end
     if rec and env then
       local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
       local attempt = math.max(env.attempt, 1)
