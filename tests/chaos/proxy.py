@@ -1,27 +1,30 @@
-"""A TCP proxy on loopback that can lose a reply: it forwards a command that
-contains a marker to Redis, then cuts both connections before Redis's answer
-gets back. The write has landed; the client never learns it did."""
+"""TCP proxies on loopback in front of a real Redis, each changing one thing.
+
+`LosingProxy` can lose a reply: it forwards a command that contains a marker to
+Redis, then cuts both connections before Redis's answer gets back. The write has
+landed; the client never learns it did. `VersionProxy` shows another Redis version
+in INFO, every other byte coming from the real server.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+Pump = Callable[[], Coroutine[Any, Any, None]]
 
 
-class LosingProxy:
-    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`.
+class _Proxy:
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`, one pair of pumps per connection.
 
-    While `armed`, the first client->Redis chunk that contains `marker` is
-    forwarded, Redis is given `settle_s` to execute it, and then the client and
-    Redis sides of that connection are both closed without the reply.
+    Subclasses say what each direction does (`_pumps`); this class owns the listener, the
+    upstream connection and the teardown, so a connection ends the same way in every proxy.
     """
 
-    def __init__(self, upstream_port: int, marker: bytes, settle_s: float = 0.2) -> None:
+    def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.marker = marker
-        self.settle_s = settle_s
-        self.armed = False
-        self.cuts = 0
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -37,6 +40,16 @@ class LosingProxy:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        """(client -> Redis, Redis -> client); the connection ends when either returns."""
+        raise NotImplementedError
+
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -45,7 +58,46 @@ class LosingProxy:
             redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
             client_w.close()
+            self._tasks.discard(task)
             return
+        pumps = [asyncio.create_task(p()) for p in self._pumps(client_r, client_w, redis_r, redis_w)]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's stream callback must not see a cancelled task fail
+        finally:
+            for p in pumps:
+                p.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for w in (client_w, redis_w):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+            self._tasks.discard(task)
+
+
+class LosingProxy(_Proxy):
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`.
+
+    While `armed`, the first client->Redis chunk that contains `marker` is
+    forwarded, Redis is given `settle_s` to execute it, and then the client and
+    Redis sides of that connection are both closed without the reply.
+    """
+
+    def __init__(self, upstream_port: int, marker: bytes, settle_s: float = 0.2) -> None:
+        super().__init__(upstream_port)
+        self.marker = marker
+        self.settle_s = settle_s
+        self.armed = False
+        self.cuts = 0
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
         cut = asyncio.Event()
 
         async def upstream() -> None:
@@ -66,23 +118,10 @@ class LosingProxy:
                 client_w.write(data)
                 await client_w.drain()
 
-        pumps = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            pass  # stop(): asyncio's stream callback must not see a cancelled task fail
-        finally:
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            for w in (client_w, redis_w):
-                w.close()
-                with contextlib.suppress(Exception):
-                    await w.wait_closed()
-            self._tasks.discard(task)
+        return upstream, downstream
 
 
-class VersionProxy:
+class VersionProxy(_Proxy):
     """Forwards 127.0.0.1:<port> to a real Redis at `upstream_port`, with one change: every reply's
     `redis_version:<real>` reads `redis_version:<shown>`. No Redis older than 6.2 is available here;
     this is how an Init meets one, every other byte coming from the real server.
@@ -93,24 +132,10 @@ class VersionProxy:
     def __init__(self, upstream_port: int, real: str, shown: str) -> None:
         if len(real) != len(shown):
             raise ValueError(f"{shown!r} must be as long as {real!r}")
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self._needle = f"redis_version:{real}".encode()
         self._replacement = f"redis_version:{shown}".encode()
         self.rewritten = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _held_back(self, data: bytes) -> int:
         """How many bytes at the end of `data` could start the needle (kept until more arrives)."""
@@ -119,16 +144,13 @@ class VersionProxy:
                 return k
         return 0
 
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        try:
-            redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_w.close()
-            return
-
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
         async def upstream() -> None:
             while data := await client_r.read(65536):
                 redis_w.write(data)
@@ -145,17 +167,4 @@ class VersionProxy:
                 await client_w.drain()
                 pending = pending[len(pending) - keep :]
 
-        pumps = [asyncio.create_task(upstream()), asyncio.create_task(downstream())]
-        try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            pass
-        finally:
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            for w in (client_w, redis_w):
-                w.close()
-                with contextlib.suppress(Exception):
-                    await w.wait_closed()
-            self._tasks.discard(task)
+        return upstream, downstream
