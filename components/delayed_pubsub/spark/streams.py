@@ -137,3 +137,24 @@ class RedisStreams:
 
     def hlen(self, key: str) -> int:
         return int(self._run(self._conn.client.hlen(key)))
+
+    def hget(self, key: str, field: str) -> bytes | None:
+        return cast(bytes | None, self._run(self._conn.client.hget(key, field)))
+
+    def entry(self, key: str, stream_id: str) -> dict[bytes, bytes] | None:
+        """The fields of the entry at `stream_id`, or None when there is none (now)."""
+        got = cast(Entries, self._run(self._conn.client.xrange(key, min=stream_id, max=stream_id, count=1)))
+        return got[0][1] if got else None
+
+    def hscan(self, key: str, count: int) -> Iterator[dict[bytes, bytes]]:
+        """The hash's fields and values in HSCAN pages: each field present from the first
+        page to the last is in some page (possibly twice)."""
+        cursor = 0
+        while True:
+            cursor, page = cast(
+                tuple[int, dict[bytes, bytes]], self._run(self._conn.client.hscan(key, cursor, count=count))
+            )
+            if page:
+                yield page
+            if cursor == 0:
+                return
