@@ -96,7 +96,7 @@ class CompactionPass:
         """Re-homes up to `chunk` envelopes to the tail; when no pass is under way, starts one
         over the stream as it is now. Returns how many moved."""
         if self._cursor is None:
-            top = self._client.xrevrange(self._keys.stream, count=1)
+            top: Any = self._client.xrevrange(self._keys.stream, count=1)
             if not top:
                 return 0
             self._cursor, self._end = "-", top[0][0].decode()

@@ -3,7 +3,7 @@ pass re-homes envelopes to the stream's tail between and during the reader's pag
 
 The readers are driven here as Spark drives them (partitions(), then read() of each
 partition), with the engine's compaction script run between their pages; the last test
-reads through a real SparkSession."""
+reads through a real SparkSession, halfway through a pass."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def test_an_envelope_that_fires_after_it_moved_is_not_listed_from_its_old_place(
     CompactionPass(redis_client, chunk=100).whole_pass()
     # Gone from the stream as FIRE and CANCEL leave it: entry deleted, move forgotten.
     gone = ids[0]
-    redis_client.xdel(KEYS.stream, redis_client.hget(KEYS.moved, gone))
+    at: Any = redis_client.hget(KEYS.moved, gone)
+    redis_client.xdel(KEYS.stream, at)
     redis_client.hdel(KEYS.moved, gone)
     reader = PendingDataSource(options).reader(None)
     assert sorted(ids_of(b for p in reader.partitions() for b in reader.read(p))) == sorted(ids[1:])
@@ -80,8 +81,10 @@ def test_an_entry_with_a_forged_origin_is_listed_under_its_own_id(
 ) -> None:
     """Anyone can XADD an `origin` field: only the moved hash makes an entry a copy."""
     ids = schedule_waiting(redis_server.port, rounds=1, per_round=3, due_ms=DUE)
-    [(_, fields)] = redis_client.xrange(KEYS.stream, ids[0], ids[0])
-    forged = redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[1].encode()}).decode()
+    first: Any = redis_client.xrange(KEYS.stream, ids[0], ids[0])
+    [(_, fields)] = first
+    forged_id: Any = redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[1].encode()})
+    forged = forged_id.decode()
     reader = PendingDataSource(options).reader(None)
 
     def listed() -> list[str]:
@@ -99,7 +102,7 @@ def test_stream_micro_batches_list_an_envelope_moved_past_their_end_once(
     """A micro-batch is planned, then the pass moves its envelopes past its end before it
     reads them: it must list them (the next micro-batch meets the copies and skips them)."""
     ids = schedule_waiting(redis_server.port, rounds=3, per_round=10, due_ms=DUE)
-    reader = PendingDataSource({**options, "numPartitions": "2", "batchSize": "5"}).streamReader(None)
+    reader: Any = PendingDataSource({**options, "numPartitions": "2", "batchSize": "5"}).streamReader(None)
     start = reader.initialOffset()
     end = reader.latestOffset(start)
     first = reader.partitions(start, end)
@@ -113,3 +116,18 @@ def test_stream_micro_batches_list_an_envelope_moved_past_their_end_once(
     reader.stop()
     assert sorted(listed) == sorted(ids + later)
     assert len(listed) == 35
+
+
+def test_spark_reads_each_envelope_once_halfway_through_a_pass_with_a_forged_copy(
+    spark: Any, redis_server: RedisServer, redis_client: redis.Redis, options: dict[str, str]
+) -> None:
+    ids = schedule_waiting(redis_server.port, rounds=6, per_round=10, due_ms=DUE)
+    first: Any = redis_client.xrange(KEYS.stream, ids[0], ids[0])
+    [(_, fields)] = first
+    forged_id: Any = redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[50].encode()})
+    compaction = CompactionPass(redis_client, chunk=30)
+    assert compaction.step() == 30  # half the envelopes now sit at the tail, the pass goes on
+    rows = spark.read.format("delayed-pending").options(**options, numPartitions="3", batchSize="5").load()
+    listed = [(r["id"], r["stream_id"]) for r in rows.collect()]
+    assert sorted(i for i, _ in listed) == sorted([*ids, forged_id.decode()])
+    assert all(i == sid for i, sid in listed)
