@@ -132,25 +132,29 @@ class _Pending(_Kind):
             counted.update(parse_id(_text(sid)) for sid, _ in own)
             if own:
                 yield _pending_rows(redis, keys, part.delayed_topic, own, any_parked)
-        moved: list[tuple[str, dict[bytes, bytes]]] = []
         for found in redis.hscan(keys.moved, batch_size):
+            wanted: dict[tuple[int, int], tuple[str, str]] = {}
             for raw_origin, raw_at in found.items():
                 origin = _text(raw_origin)
                 try:
                     first = parse_id(origin)
                 except ValueError:
                     continue
-                if not lo <= first <= hi or first in counted:
-                    continue
-                fields = _current_copy(redis, keys, part.key, origin, _text(raw_at))
+                if lo <= first <= hi and first not in counted:
+                    wanted[first] = (origin, _text(raw_at))
+            if not wanted:
+                continue
+            moved = []
+            got = redis.entries(part.key, [at for _, at in wanted.values()])
+            for (first, (origin, at)), fields in zip(wanted.items(), got, strict=True):
+                if fields is None:
+                    # Moved again or gone since the scan: follow the moved hash.
+                    fields = _current_copy(redis, keys, part.key, origin, at)
                 if fields is not None:
                     counted.add(first)
                     moved.append((origin, fields))
-                if len(moved) >= batch_size:
-                    yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
-                    moved = []
-        if moved:
-            yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
+            if moved:
+                yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
 
 
 def _text(value: Any) -> str:

@@ -146,6 +146,19 @@ class RedisStreams:
         got = cast(Entries, self._run(self._conn.client.xrange(key, min=stream_id, max=stream_id, count=1)))
         return got[0][1] if got else None
 
+    def entries(self, key: str, stream_ids: Sequence[str]) -> list[dict[bytes, bytes] | None]:
+        """entry() of each id, in one round trip (a pipeline: one key, so one slot on Cluster)."""
+        if not stream_ids:
+            return []
+
+        async def run() -> list[Any]:
+            pipe = self._conn.client.pipeline(transaction=False)
+            for sid in stream_ids:
+                pipe.xrange(key, min=sid, max=sid, count=1)
+            return await pipe.execute()
+
+        return [got[0][1] if got else None for got in self._run(run())]
+
     def hscan(self, key: str, count: int) -> Iterator[dict[bytes, bytes]]:
         """The hash's fields and values in HSCAN pages: each field present from the first
         page to the last is in some page (possibly twice)."""
