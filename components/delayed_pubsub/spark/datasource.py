@@ -158,7 +158,8 @@ class _Pending(_Kind):
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # A forged `origin` may be any bytes: replaced, it matches no id, never fails the read.
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _own_entries(redis: RedisStreams, keys: EngineKeys, page: Any) -> list[tuple[str, Any]]:

@@ -84,16 +84,17 @@ def test_an_entry_with_a_forged_origin_is_listed_under_its_own_id(
     first: Any = redis_client.xrange(KEYS.stream, ids[0], ids[0])
     [(_, fields)] = first
     forged_id: Any = redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[1].encode()})
-    forged = forged_id.decode()
+    garbled_id: Any = redis_client.xadd(KEYS.stream, {**fields, b"origin": b"\xff\xfe-1"})
+    forged = [forged_id.decode(), garbled_id.decode()]
     reader = PendingDataSource(options).reader(None)
 
     def listed() -> list[str]:
         return sorted(ids_of(b for p in reader.partitions() for b in reader.read(p)))
 
-    assert listed() == sorted([*ids, forged])
-    # Compaction re-homes the forgery under its own id too (it drops the untrusted field).
-    assert CompactionPass(redis_client, chunk=100).whole_pass() == 4
-    assert listed() == sorted([*ids, forged])
+    assert listed() == sorted([*ids, *forged])
+    # Compaction re-homes the forgeries under their own ids too (it drops the untrusted field).
+    assert CompactionPass(redis_client, chunk=100).whole_pass() == 5
+    assert listed() == sorted([*ids, *forged])
 
 
 def test_stream_micro_batches_list_an_envelope_moved_past_their_end_once(
