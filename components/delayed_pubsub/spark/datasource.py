@@ -62,15 +62,16 @@ _FIRST_ID = "0-0"
 
 @dataclass(frozen=True)
 class StreamRange(InputPartition):
-    """One task's share of a stream: ids in [start, end] of `key`, of delayed topic `delayed_topic`."""
+    """One task's share of a stream: ids in [start, end] of `key`, of delayed topic `delayed_topic`.
+
+    For delayed-pending the task owns the envelopes whose id (first stream id) is in
+    [start, end], wherever compaction stores them now.
+    """
 
     delayed_topic: str
     key: str
     start: str
     end: str
-    # A streaming micro-batch: the last id earlier batches read. A copy compaction
-    # re-homed (field `origin`) whose first id is at or before it was read there.
-    seen_through: str = ""
 
 
 class _Kind:
@@ -112,38 +113,114 @@ class _Pending(_Kind):
 
     @staticmethod
     def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+        """The envelopes whose id is in the partition's range, each once, even while a
+        compaction pass re-homes them (lua/compact.lua).
+
+        First the range itself: an entry counts under its own id unless it is a genuine
+        copy (moved[origin] == its id), which its origin's owner lists. Then the moved
+        hash: an envelope of this range stored elsewhere now and not met in the range is
+        read at its current place. In that order a move racing the read is met in one of
+        the two, and the ids counted in the first keep the second from listing it again.
+        """
         keys = EngineKeys.for_topic(part.delayed_topic)
+        lo, hi = parse_id(part.start), parse_id(part.end)
         # Parked envelopes are rare: skip the per-page lookup when there are none.
         any_parked = redis.hlen(keys.parked) > 0
+        counted: set[tuple[int, int]] = set()
         for page in redis.read(part.key, part.start, part.end, batch_size):
-            if part.seen_through:
-                seen = parse_id(part.seen_through)
-                page = [(i, f) for i, f in page if not _read_before(f, seen)]
-            decoded = decode_pending(page)
-            wanted = recurring_keys(decoded)
-            current = {
-                k: parse_ids_value(v) for k, v in zip(wanted, redis.hmget(keys.ids, wanted), strict=True) if v
-            }
-            parked: dict[str, str] = {}
-            if any_parked:
-                ids = [sid for sid, _ in decoded]
-                for sid, reason in zip(ids, redis.hmget(keys.parked, ids), strict=True):
-                    if reason is not None:
-                        parked[sid] = reason.decode("utf-8", errors="replace")
-            yield pending_batch(part.delayed_topic, decoded, current, parked)
+            own = _own_entries(redis, keys, page)
+            counted.update(parse_id(_text(sid)) for sid, _ in own)
+            if own:
+                yield _pending_rows(redis, keys, part.delayed_topic, own, any_parked)
+        for found in redis.hscan(keys.moved, batch_size):
+            wanted: dict[tuple[int, int], tuple[str, str]] = {}
+            for raw_origin, raw_at in found.items():
+                origin = _text(raw_origin)
+                try:
+                    first = parse_id(origin)
+                except ValueError:
+                    continue
+                if lo <= first <= hi and first not in counted:
+                    wanted[first] = (origin, _text(raw_at))
+            if not wanted:
+                continue
+            moved = []
+            got = redis.entries(part.key, [at for _, at in wanted.values()])
+            for (first, (origin, at)), fields in zip(wanted.items(), got, strict=True):
+                if fields is None:
+                    # Moved again or gone since the scan: follow the moved hash.
+                    fields = _current_copy(redis, keys, part.key, origin, at)
+                if fields is not None:
+                    counted.add(first)
+                    moved.append((origin, fields))
+            if moved:
+                yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
 
 
-def _read_before(fields: Any, seen: tuple[int, int]) -> bool:
-    """True for a compaction copy whose envelope a stream reader met at its first id."""
-    origin = fields.get(b"origin")
-    return origin is not None and parse_id(origin.decode()) <= seen
+def _text(value: Any) -> str:
+    # A forged `origin` may be any bytes: replaced, it matches no id, never fails the read.
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _own_entries(redis: RedisStreams, keys: EngineKeys, page: Any) -> list[tuple[str, Any]]:
+    """The entries of a page that count under their own id: all but genuine compaction copies.
+
+    A copy is genuine if the moved hash points from its `origin` to it. One that does not
+    is a forgery (anyone can XADD an `origin` field) unless it left the stream before the
+    look-up: a genuine copy re-homed again (its owner finds its new place) or an entry that
+    fired meanwhile. Still there after the look-up means it was there during it: a forgery,
+    listed under its own id.
+    """
+    with_origin = [(_text(i), _text(f[_ORIGIN])) for i, f in page if _ORIGIN in f]
+    points = dict(zip(with_origin, redis.hmget(keys.moved, [o for _, o in with_origin]), strict=True))
+    out = []
+    for raw_id, fields in page:
+        sid = _text(raw_id)
+        if _ORIGIN in fields:
+            at = points[(sid, _text(fields[_ORIGIN]))]
+            if at is not None and _text(at) == sid:
+                continue
+            if redis.entry(keys.stream, sid) is None:
+                continue
+        out.append((sid, fields))
+    return out
+
+
+def _current_copy(
+    redis: RedisStreams, keys: EngineKeys, stream: str, origin: str, at: str
+) -> dict[bytes, bytes] | None:
+    """The fields of envelope `origin`'s copy, found at `at` or where it moved since; None
+    once it left the stream (fired or cancelled: the moved hash forgets it then)."""
+    while True:
+        fields = redis.entry(stream, at)
+        if fields is not None:
+            return fields
+        now = redis.hget(keys.moved, origin)
+        if now is None or _text(now) == at:
+            return None
+        at = _text(now)
+
+
+def _pending_rows(
+    redis: RedisStreams, keys: EngineKeys, delayed_topic: str, entries: Any, any_parked: bool
+) -> pa.RecordBatch:
+    decoded = decode_pending(entries)
+    wanted = recurring_keys(decoded)
+    current = {k: parse_ids_value(v) for k, v in zip(wanted, redis.hmget(keys.ids, wanted), strict=True) if v}
+    parked: dict[str, str] = {}
+    if any_parked:
+        ids = [sid for sid, _ in decoded]
+        for sid, reason in zip(ids, redis.hmget(keys.parked, ids), strict=True):
+            if reason is not None:
+                parked[sid] = reason.decode("utf-8", errors="replace")
+    return pending_batch(delayed_topic, decoded, current, parked)
+
+
+_ORIGIN = b"origin"
 
 
 def _plan(
-    kind: type[_Kind],
-    options: ReaderOptions,
-    ends: dict[str, tuple[str, str]],
-    seen: dict[str, str] | None = None,
+    kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, str]], *, from_zero: bool = False
 ) -> list[StreamRange]:
     parts = options.num_partitions or os.cpu_count() or 1
     out = []
@@ -151,8 +228,10 @@ def _plan(
         if topic not in ends:
             continue
         first, last = ends[topic]
-        for start, end in split_range(first, last, parts):
-            out.append(StreamRange(topic, kind.key(topic), start, end, (seen or {}).get(topic, "")))
+        for i, (start, end) in enumerate(split_range(first, last, parts)):
+            # A whole read: the first range also owns the envelopes whose first id is
+            # below the stream's first entry now (all of them re-homed by compaction).
+            out.append(StreamRange(topic, kind.key(topic), _FIRST_ID if from_zero and i == 0 else start, end))
     return out
 
 
@@ -169,7 +248,7 @@ class _BatchReader(DataSourceReader):
                 bounds = redis.bounds(self._kind.key(topic))
                 if bounds is not None:
                     ends[topic] = bounds
-        planned = _plan(self._kind, self._options, ends)
+        planned = _plan(self._kind, self._options, ends, from_zero=True)
         # Spark wants at least one partition: an empty range reads nothing.
         topic = self._options.delayed_topics[0]
         return planned or [StreamRange(topic, self._kind.key(topic), "1-0", "0-0")]
@@ -218,7 +297,9 @@ class _StreamReader(DataSourceStreamReader):
             lo, hi = start.get(topic, _FIRST_ID), end.get(topic, _FIRST_ID)
             if parse_id(hi) > parse_id(lo):
                 ends[topic] = (next_id(lo), hi)
-        return _plan(self._kind, self._options, ends, {t: start.get(t, _FIRST_ID) for t in ends})
+        # Each micro-batch owns the envelopes whose first id is in (start, end]: a
+        # compaction copy of an earlier one that lands later is not listed again.
+        return _plan(self._kind, self._options, ends)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, StreamRange)

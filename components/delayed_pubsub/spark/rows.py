@@ -450,18 +450,17 @@ def parse_ids_value(value: Any) -> tuple[str, int | None, int | None]:
     return parts[0], num(parts[1]), num(parts[2])
 
 
-_ORIGIN_FIELD: Final = b"origin"
-
-
 def decode_pending(entries: Sequence[tuple[Any, Mapping[Any, Any]]]) -> list[tuple[str, EnvelopeRow | str]]:
-    """XRANGE output of a delayed topic -> (envelope id, row values or the reason it does not decode).
+    """(envelope id, fields of its stream entry) pairs -> (envelope id, row values or the reason
+    it does not decode).
 
-    An envelope's id is the stream id it was first stored at: a copy that compaction
-    re-homed to the stream's tail names it in its `origin` field.
+    An envelope's id is the stream id it was first stored at. For a copy that compaction
+    re-homed to the stream's tail the caller passes that id, not the copy's: only the moved
+    hash tells a genuine copy from an entry that merely carries an `origin` field, so this
+    decoder never reads that field.
     """
     out: list[tuple[str, EnvelopeRow | str]] = []
-    for entry_id, fields in entries:
-        raw_id = fields.get(_ORIGIN_FIELD) or entry_id
+    for raw_id, fields in entries:
         data = fields.get(_DATA_FIELD)
         if data is None:
             out.append((_text(raw_id), "entry has no data field"))

@@ -137,3 +137,37 @@ class RedisStreams:
 
     def hlen(self, key: str) -> int:
         return int(self._run(self._conn.client.hlen(key)))
+
+    def hget(self, key: str, field: str) -> bytes | None:
+        return cast(bytes | None, self._run(self._conn.client.hget(key, field)))
+
+    def entry(self, key: str, stream_id: str) -> dict[bytes, bytes] | None:
+        """The fields of the entry at `stream_id`, or None when there is none (now)."""
+        got = cast(Entries, self._run(self._conn.client.xrange(key, min=stream_id, max=stream_id, count=1)))
+        return got[0][1] if got else None
+
+    def entries(self, key: str, stream_ids: Sequence[str]) -> list[dict[bytes, bytes] | None]:
+        """entry() of each id, in one round trip (a pipeline: one key, so one slot on Cluster)."""
+        if not stream_ids:
+            return []
+
+        async def run() -> list[Any]:
+            pipe = self._conn.client.pipeline(transaction=False)
+            for sid in stream_ids:
+                pipe.xrange(key, min=sid, max=sid, count=1)
+            return await pipe.execute()
+
+        return [got[0][1] if got else None for got in self._run(run())]
+
+    def hscan(self, key: str, count: int) -> Iterator[dict[bytes, bytes]]:
+        """The hash's fields and values in HSCAN pages: each field present from the first
+        page to the last is in some page (possibly twice)."""
+        cursor = 0
+        while True:
+            cursor, page = cast(
+                tuple[int, dict[bytes, bytes]], self._run(self._conn.client.hscan(key, cursor, count=count))
+            )
+            if page:
+                yield page
+            if cursor == 0:
+                return

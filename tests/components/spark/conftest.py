@@ -8,12 +8,18 @@ real component, published over its gRPC socket.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
+from delayed_middleware import scripts
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.spark.session import build_session
 from tests.redis_server import RedisServer
@@ -72,3 +78,55 @@ def fired(topic: str, due_ms: int, late_ms: int, **extra: Any) -> dict[str, Any]
         "size": 10,
         **extra,
     }
+
+
+class CompactionPass:
+    """Compaction of the app's delayed topic, run a slice at a time by the engine's own script
+    (lua/compact.lua), so a test can move envelopes between a reader's pages."""
+
+    def __init__(self, client: redis.Redis, chunk: int, app: str = APP) -> None:
+        self._client = client
+        self._keys = EngineKeys.for_topic(delayed_topic(app))
+        self._script = client.register_script(scripts.COMPACT)
+        self._chunk = chunk
+        self._cursor: str | None = None
+        self._end = ""
+
+    def step(self) -> int:
+        """Re-homes up to `chunk` envelopes to the tail; when no pass is under way, starts one
+        over the stream as it is now. Returns how many moved."""
+        if self._cursor is None:
+            top: Any = self._client.xrevrange(self._keys.stream, count=1)
+            if not top:
+                return 0
+            self._cursor, self._end = "-", top[0][0].decode()
+        cursor, moved = self._script(keys=self._keys.script_keys, args=[self._cursor, self._end, self._chunk, 0])
+        self._cursor = cursor.decode() or None
+        return int(moved)
+
+    def whole_pass(self) -> int:
+        """Runs a pass from the start to its end; how many envelopes it re-homed."""
+        total = self.step()
+        while self._cursor is not None:
+            total += self.step()
+        return total
+
+
+def schedule_waiting(port: int, rounds: int, per_round: int, due_ms: int) -> list[str]:
+    """Schedules rounds x per_round envelopes due at `due_ms` through the real engine, a few
+    milliseconds apart (so the stream spans several partitions); their ids, in order."""
+
+    async def run() -> list[str]:
+        client = aioredis.Redis(port=port)
+        engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic(APP)), ManualClock(due_ms - 3_600_000))
+        env = Envelope(id="", topic="later", due_ms=due_ms, published_at_ms=due_ms - 3_600_000, message=b"{}")
+        ids: list[str] = []
+        try:
+            for _ in range(rounds):
+                ids += await engine.schedule([env] * per_round)
+                await asyncio.sleep(0.003)
+        finally:
+            await client.aclose()
+        return ids
+
+    return asyncio.run(run())
