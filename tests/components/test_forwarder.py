@@ -43,6 +43,7 @@ from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
 from tests.components.driver import Component, cli
+from tests.components.test_operate_cluster import cluster_conn
 from tests.conftest import small_stream_nodes
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess
@@ -999,19 +1000,6 @@ def cluster_layout(c: RedisCluster) -> tuple[EngineKeys, str]:
     return shard, dlq
 
 
-def cluster_cli(c: RedisCluster) -> list[str]:
-    return [
-        "--redis-host",
-        c.nodes[1].address,
-        "--redis-type",
-        "cluster",
-        "--delay-shards",
-        str(CLUSTER_SHARDS),
-        "--app-id",
-        APP_ID,
-    ]
-
-
 async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_handed_back(
     sidecar: Sidecar, cluster: RedisCluster, admin: Any
 ) -> None:
@@ -1042,15 +1030,15 @@ async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_h
     assert fields[b"data"] == data
     assert [decode_record(i, f).event for i, f in admin.xrange(shard.history)] == ["deadlettered"]
 
-    listed = await cli("dead", *cluster_cli(cluster))
+    listed = await cli("dead", *cluster_conn(cluster, APP_ID, CLUSTER_SHARDS))
     assert listed.code == 0, listed.err
     assert "1 dead letters" in listed.out
     assert "no-such-pubsub/orders" in listed.out
-    moved = await cli("retry-dead", *cluster_cli(cluster))
+    moved = await cli("retry-dead", *cluster_conn(cluster, APP_ID, CLUSTER_SHARDS))
     assert moved.code == 0, moved.err
     assert "1 dead letters moved back" in moved.out
     assert int(admin.xlen(dlq)) == 0
-    waiting = (await cli("pending", *cluster_cli(cluster), "--json")).json()
+    waiting = (await cli("pending", *cluster_conn(cluster, APP_ID, CLUSTER_SHARDS), "--json")).json()
     assert [(r["kind"], r["id"], r["targetPubsub"], r["attempts"]) for r in waiting] == [
         ("handoff", "cl-1", "no-such-pubsub", 0)
     ]

@@ -24,6 +24,7 @@ from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.records import records_folder
 from delayed_pubsub.server import SUBSCRIPTIONS_HEALTH_SERVICE, ComponentServer
 from tests.components.driver import Component
+from tests.components.test_server import wait_for_socket
 from tests.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,22 +59,6 @@ def serve_cli(sock: Path, *args: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-
-
-def wait_answering(proc: subprocess.Popen[bytes], sock: Path, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
-            return
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
-        assert time.monotonic() < deadline, f"no socket {sock} within {within}s"
-        time.sleep(0.05)
 
 
 async def test_readiness_fails_while_redis_is_down_and_returns_with_it(
@@ -179,7 +164,7 @@ async def test_serve_health_port_readiness_fails_for_subscriptions_orphaned_by_a
     props = {"redisHost": redis_server.address, "consumerID": "app1"}
     first = serve_cli(sock)
     try:
-        wait_answering(first, sock)
+        wait_for_socket(first, sock)
         async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
             c = Component(channel, "delayed")
             await c.init(props)
@@ -196,7 +181,7 @@ async def test_serve_health_port_readiness_fails_for_subscriptions_orphaned_by_a
     port = free_port()
     second = serve_cli(sock, "--health-port", str(port))
     try:
-        wait_answering(second, sock)
+        wait_for_socket(second, sock)
         async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
             # daprd's next call (a publish) re-Inits the instance from its record.
             await Component(channel, "delayed").publish("orders", b"y")

@@ -44,16 +44,17 @@ class Scene:
     conn: list[str]
 
 
-def cluster_conn(c: RedisCluster) -> list[str]:
+def cluster_conn(c: RedisCluster, app_id: str = "app1", shards: int = SHARDS) -> list[str]:
+    """The operator CLI's connection flags for `app_id`'s messages on cluster `c`."""
     return [
         "--redis-host",
         c.nodes[1].address,
         "--redis-type",
         "cluster",
         "--delay-shards",
-        str(SHARDS),
+        str(shards),
         "--app-id",
-        "app1",
+        app_id,
     ]
 
 
