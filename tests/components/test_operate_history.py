@@ -197,11 +197,8 @@ def history_reads(client: redis.Redis) -> int:
     return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("xrange", "xrevrange"))
 
 
-async def test_inspect_reads_a_messages_records_by_its_time_not_the_whole_history(
-    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
-) -> None:
-    # 20,000 records of other messages before it and 20,000 after: a scan reads 80 pages or more.
-    now = int(time.time() * 1000)
+def write_older_records(redis_client: redis.Redis, now: int) -> None:
+    """20,000 `fired` records of other messages, ten minutes before `now`."""
     write_history(
         redis_client,
         HISTORY,
@@ -210,6 +207,14 @@ async def test_inspect_reads_a_messages_records_by_its_time_not_the_whole_histor
             for i in range(20_000)
         ),
     )
+
+
+async def test_inspect_reads_a_messages_records_by_its_time_not_the_whole_history(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # 20,000 records of other messages before it and 20,000 after: a scan reads 80 pages or more.
+    now = int(time.time() * 1000)
+    write_older_records(redis_client, now)
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"v1", {"scheduledSendDelay": "1h", "scheduleId": "inv-1"})
@@ -249,14 +254,7 @@ async def test_history_of_an_envelope_id_reads_from_its_own_time_on(
 ) -> None:
     # 20,000 records of messages before it: nothing about it can be among them.
     now = int(time.time() * 1000)
-    write_history(
-        redis_client,
-        HISTORY,
-        (
-            (f"{now - 600_000 + i}-0", history_fields("fired", f"old{i}", now - 600_000))
-            for i in range(20_000)
-        ),
-    )
+    write_older_records(redis_client, now)
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"x", {"scheduledSendDelay": "1h"})
