@@ -32,7 +32,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.retry import Retrier
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class Subscription:
         self._acker: Supervised | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "0-0"
-        # The retry policy's executor (retry.py), when one is configured; set before start().
+        # The retry policy's executor (redelivery.py), when one is configured; set before start().
         self.retry: Retrier | None = None
         # Short blocks keep a dead connection from going unnoticed for long.
         self._block_ms = 1000

@@ -26,7 +26,7 @@ Delivery guarantees
   ours) or, without one, kept and retried at the longest interval, reported
   in the log and the metrics: nothing is dropped.
 - Dead letters are written as the subscriber retries write theirs (one writer,
-  delayed_pubsub.retry.append_dead_letter, one vocabulary of `deadLetter*`
+  delayed_pubsub.redelivery.append_dead_letter, one vocabulary of `deadLetter*`
   metadata), so `delayed-pubsub dead` lists them and `retry-dead` puts them
   back in the outbox. The dead letter is written first, the entry settled
   after, in two steps: on Redis Cluster the dead-letter topic lives in another
@@ -73,7 +73,7 @@ from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, 
 from delayed_middleware.retry import dead_letter_metadata
 from delayed_middleware.target import forwarded_metadata
 from delayed_pubsub.metrics import ForwarderMetrics
-from delayed_pubsub.retry import append_dead_letter
+from delayed_pubsub.redelivery import append_dead_letter
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)

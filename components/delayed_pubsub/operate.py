@@ -49,8 +49,8 @@ from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
-from delayed_middleware.inspect import HistoryPosition, Inspector, PendingMessage, looks_like_stream_id
-from delayed_middleware.inspect import Progress as ProgressFn
+from delayed_middleware.inspector import HistoryPosition, Inspector, PendingMessage, looks_like_stream_id
+from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry

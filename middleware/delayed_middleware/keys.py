@@ -104,7 +104,7 @@ class EngineKeys:
             moved=f"{tag}:moved",
         )
 
-    # Subscriber retries (delayed_pubsub.retry): not touched by the engine's scripts.
+    # Subscriber retries (delayed_pubsub.redelivery): not touched by the engine's scripts.
     def retry(self, topic: str) -> str:
         """Sorted set: entry ids of `topic` waiting out a retry backoff, scored by their next delivery (ms)."""
         return "{" + self.stream + "}:retry:" + topic

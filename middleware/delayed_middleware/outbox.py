@@ -45,7 +45,7 @@ OUTBOX_GROUP = "forwarder"
 class HandOffPolicy:
     """How often a refused hand-off is retried, and where it goes after the last attempt.
 
-    The forwarder carries it out; the operator's listing (delayed_middleware.inspect)
+    The forwarder carries it out; the operator's listing (delayed_middleware.inspector)
     reads the next try of a waiting entry from it. The delay before attempt n+1
     is compute_backoff(n).
     """

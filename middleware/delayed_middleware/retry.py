@@ -1,7 +1,7 @@
 """Subscriber retry policy: when a nacked message comes back, and when it gives up.
 
 Pure: `RetryPolicy.on_nack(attempt, error)` says `Redeliver(after_s)` or
-`DeadLetter(reason)`; the Redis side (components/delayed_pubsub/retry.py)
+`DeadLetter(reason)`; the Redis side (components/delayed_pubsub/redelivery.py)
 carries the decision out. Delays come from the one backoff,
 `delayed_middleware.backoff.compute_backoff`.
 
@@ -40,7 +40,7 @@ epoch ms from which it may be redelivered). Then:
 - the key sits in the reserved `-delayed}` namespace: no topic can collide with it
   (once publish/subscribe refuse engine keys, see keys.is_engine_key);
 - the topics having such a schedule are listed in the set `{<consumerID>-delayed}:retrying`,
-  so operators (delayed_middleware.inspect) find the waiting retries without KEYS.
+  so operators (delayed_middleware.inspector) find the waiting retries without KEYS.
 
 The rejected alternative, scheduling a retry envelope through the delay
 engine, would need a per-group target the broker does not have, and would

@@ -9,13 +9,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import delayed_middleware.inspect
+import delayed_middleware.inspector
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.inspect import Inspector, looks_like_stream_id, payload_preview
+from delayed_middleware.inspector import Inspector, looks_like_stream_id, payload_preview
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 
 T0 = 1_800_000_000_000
@@ -124,7 +124,7 @@ async def test_parked_and_undecodable_are_counted_not_listed(
     assert (report.parked, report.undecodable) == (1, 1)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     # Many parked: looked up per page instead of loaded at once, same answer.
-    monkeypatch.setattr(delayed_middleware.inspect, "_PARKED_IN_MEMORY", 0)
+    monkeypatch.setattr(delayed_middleware.inspector, "_PARKED_IN_MEMORY", 0)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     info = await inspector.get(a)
     assert info is not None
