@@ -27,7 +27,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.history import Retention
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import (
     DeadLetter,
@@ -260,7 +260,7 @@ class Retrier:
             "event": event,
             "at": str(self._clock.now_ms() if at_ms is None else at_ms),
             "id": scheduler or entry_id,
-            "sid": scheduler if scheduler and not _is_stream_id(scheduler) else "",
+            "sid": scheduler if scheduler and not is_stream_id(scheduler) else "",
             "topic": self._topic,
             "kind": history.RETRY,
             "due": "" if due_ms is None else str(due_ms),
@@ -369,8 +369,3 @@ async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: S
 
 def _id(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _is_stream_id(text: str) -> bool:
-    ms, dash, seq = text.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit()

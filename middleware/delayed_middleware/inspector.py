@@ -41,7 +41,7 @@ from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
 from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
-from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
+from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, shard_topics, split_shard_id
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import (
     DL_AT,
@@ -95,7 +95,7 @@ class PendingMessage:
         (`<stream id>@<shard>` when the delayed topic has several shards)."""
         if self.schedule_id:
             return self.schedule_id
-        return self.stream_id if self.shard is None else f"{self.stream_id}@{self.shard}"
+        return self.stream_id if self.shard is None else shard_id(self.stream_id, self.shard)
 
 
 @dataclass(frozen=True)
@@ -321,20 +321,6 @@ def _pending(
     )
 
 
-def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
-    """(shard, stream id) of an envelope id written `<stream id>@<shard>`, else None."""
-    local, at, shard = id.rpartition("@")
-    if not at or not looks_like_stream_id(local) or not (shard.isascii() and shard.isdigit()):
-        return None
-    n = int(shard)
-    return (n, local) if n < shards else None
-
-
-def looks_like_stream_id(text: str) -> bool:
-    ms, dash, seq = text.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit()
-
-
 @dataclass(frozen=True, order=True)
 class HistoryPosition:
     """Where a record sits in an app's history, every shard merged: (stream id, shard).
@@ -359,12 +345,13 @@ class HistoryPosition:
         named = split_shard_id(text, shards)
         if named is not None:
             return cls.of(named[1], named[0])
-        if looks_like_stream_id(text):
+        if is_stream_id(text):
             return cls.of(text)
         return None
 
     def text(self, shards: int) -> str:
-        return f"{self.ms}-{self.seq}" + (f"@{self.shard}" if shards > 1 else "")
+        local = f"{self.ms}-{self.seq}"
+        return shard_id(local, self.shard) if shards > 1 else local
 
 
 def _start_key(start: str) -> tuple[int, int, int]:
@@ -606,7 +593,7 @@ class Inspector:
                         kind=RETRY,
                         size=len(entry.data),
                         attempts=int(pel[0]["times_delivered"]) if pel else 0,
-                        published_at_ms=int(entry_id.split("-")[0]) if looks_like_stream_id(entry_id) else 0,
+                        published_at_ms=int(entry_id.split("-")[0]) if is_stream_id(entry_id) else 0,
                     )
                 if len(page) < self._page:
                     break
@@ -677,12 +664,12 @@ class Inspector:
         except MalformedEntryError:
             return None  # the forwarder dead-letters it on its next read
         deliveries, idle = tries.get(outbox_id, (0, 0))
-        fired_ms = int(outbox_id.split("-")[0]) if looks_like_stream_id(outbox_id) else now_ms
+        fired_ms = int(outbox_id.split("-")[0]) if is_stream_id(outbox_id) else now_ms
         due = fired_ms if deliveries == 0 else now_ms - idle + policy.delay_ms(deliveries)
         return PendingMessage(
             stream_id=outbox_id,
             # The publisher's scheduleId names it; an envelope id (the envelope is gone) does not.
-            schedule_id="" if looks_like_stream_id(entry.id) else entry.id,
+            schedule_id="" if is_stream_id(entry.id) else entry.id,
             topic=entry.topic,
             due_ms=due,
             kind=HANDOFF,
@@ -700,7 +687,7 @@ class Inspector:
             if (
                 id in (m.id, m.schedule_id)
                 or (named is not None and (m.shard or 0, m.stream_id) == named)
-                or (looks_like_stream_id(id) and m.stream_id == id)
+                or (is_stream_id(id) and m.stream_id == id)
             ):
                 rows: Any = await self._redis.xrange(self.stream_of(m), m.stream_id, m.stream_id)
                 if not rows:
@@ -779,14 +766,14 @@ class Inspector:
             info = await self._load(*named)
         else:
             info = await self._by_key(id)
-            if info is None and looks_like_stream_id(id):
+            if info is None and is_stream_id(id):
                 found = [i for i in [await self._load(n, id) for n in range(len(self.shards))] if i]
                 if len(found) > 1:
                     raise InvalidArgumentError(
                         "id", id, f"on {len(found)} shards; name one as {id}@<shard> (see `pending`)"
                     )
                 info = found[0] if found else None
-        if info is None and looks_like_stream_id(id):
+        if info is None and is_stream_id(id):
             info = await self._retry_info(id)
         if info is None:
             info = await self._handoff_info(id)
@@ -974,7 +961,7 @@ class Inspector:
         """Where the records of an id written as a stream id (an envelope's, or a topic entry's for
         retries) can begin: that id's own time, less the slack of its scheduling script. 0 for
         any other id (a scheduleId may have records from any time)."""
-        if local is None or not looks_like_stream_id(local):
+        if local is None or not is_stream_id(local):
             return 0
         return max(0, HistoryPosition.of(local).ms - HISTORY_SLACK_MS)
 
@@ -1057,9 +1044,9 @@ class Inspector:
     def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
         # A subscriber retry's record names an entry of its topic, not an envelope.
         label = self._label(shard)
-        if label is None or record.kind == RETRY or record.schedule_id or not looks_like_stream_id(record.id):
+        if label is None or record.kind == RETRY or record.schedule_id or not is_stream_id(record.id):
             return record
-        return dataclasses.replace(record, id=f"{record.id}@{label}")
+        return dataclasses.replace(record, id=shard_id(record.id, label))
 
     async def dead_letter_topics(self) -> list[str]:
         """The dead-letter topics this app's subscriptions and hand-offs have written to."""
