@@ -61,6 +61,7 @@ from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
 from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import history
+from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.delay import TTL_IN_SECONDS
@@ -338,7 +339,7 @@ class Forwarder:
         for p in pending:
             deliveries = int(p["times_delivered"])
             wait = policy.delay_ms(min(deliveries, policy.max_attempts))
-            consumer = p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]
+            consumer = text(p["consumer"])
             if consumer != self.consumer:
                 wait = max(wait, cfg.claim_idle_ms)
             if int(p["time_since_delivered"]) >= wait:
@@ -446,7 +447,7 @@ class Forwarder:
         jobs: list[_Job] = []
         settled = 0
         for (raw_id, fields), attempt in rows:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            entry_id = text(raw_id)
             if not fields:
                 # Deleted while pending (an operator's XDEL): nothing left to send.
                 await self._settle([entry_id], None)

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from delayed_middleware import history
+from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
@@ -305,7 +306,7 @@ class Retrier:
         async with asyncio.timeout(self._timeout):
             due, later = await pipe.execute()
         if due:
-            ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in due]
+            ids = [text(raw) for raw in due]
             async with asyncio.timeout(self._timeout):
                 # ZREM returning 1 is the token: of racing streams, one redelivers.
                 pipe = self._client.pipeline(transaction=False)
@@ -317,7 +318,7 @@ class Retrier:
                     # Bumps each PEL delivery count: that is the attempt number.
                     claimed = await self._client.xclaim(self._topic, self._group, self._consumer, 0, mine)
                 # Deleted or trimmed while they waited: nothing to redeliver.
-                live = [(_id(i), f) for i, f in claimed if f is not None]
+                live = [(text(i), f) for i, f in claimed if f is not None]
                 attempts = await self._attempts([i for i, _ in live])
             for entry_id, fields in live:
                 push(entry_id, fields, attempts.get(entry_id, 2))
@@ -334,22 +335,25 @@ class Retrier:
         counts: dict[str, int] = {}
         for rows in await pipe.execute():
             for row in rows:
-                counts[_id(row["message_id"])] = int(row["times_delivered"])
+                counts[text(row["message_id"])] = int(row["times_delivered"])
         return counts
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it works; gives up (CancelledError) once closed."""
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
-        while True:
-            try:
-                async with asyncio.timeout(self._timeout):
-                    return await call()
-            except _RETRIED as e:
-                self._metrics.redis_errors.inc()
-                log.warning("%s on %s: %s; retrying", what, self._topic, e)
-            if self._closed:
-                raise asyncio.CancelledError
-            await self._clock.sleep(backoff.next())
+
+        async def count(e: BaseException) -> None:
+            self._metrics.redis_errors.inc()
+            log.warning("%s on %s: %s; retrying", what, self._topic, e)
+
+        return await retrying(
+            call,
+            retried=_RETRIED,
+            on_error=count,
+            stopped=lambda: self._closed,
+            sleep=self._clock.sleep,
+            backoff=Backoff(base_s=0.05, cap_s=2.0),
+            call_timeout=self._timeout,
+        )
 
 
 async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: StreamEntry) -> None:
@@ -365,7 +369,3 @@ async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: S
     pipe.xadd(topic, encode_entry(entry))
     pipe.sadd(dead_letter_topics_key(consumer_id), topic)
     await pipe.execute()
-
-
-def _id(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

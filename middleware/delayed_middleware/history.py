@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from delayed_middleware.aio import text
+
 SCHEDULED: Final = "scheduled"
 REPLACED: Final = "replaced"
 CANCELLED: Final = "cancelled"
@@ -138,7 +140,7 @@ def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mappin
         )
         for k, v in fields.items()
     }
-    sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    sid = text(stream_id)
     return HistoryRecord(
         stream_id=sid,
         event=f.get("event", ""),

@@ -36,12 +36,20 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
+from delayed_middleware.aio import text
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
 from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
-from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, shard_topics, split_shard_id
+from delayed_middleware.keys import (
+    EngineKeys,
+    is_stream_id,
+    shard_id,
+    shard_index,
+    shard_topics,
+    split_shard_id,
+)
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import (
     DL_AT,
@@ -160,9 +168,8 @@ def payload_preview(data: bytes, limit: int = 256) -> str:
 
 
 def _s(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+    # An operator's listing shows undecodable bytes replaced rather than failing.
+    return text(value, errors="replace")
 
 
 def _public_id(raw_id: Any, fields: Any) -> Any:

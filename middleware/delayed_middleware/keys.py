@@ -169,7 +169,7 @@ _SHARD_SEP = "@"
 
 def _u64(text: str) -> bool:
     # ASCII digits only: str.isdigit() and the regex \d also accept other
-    # scripts' digits ("١", "²"), which are no stream id Redis would give.
+    # scripts' digits (Arabic-Indic, superscripts), which are no stream id Redis would give.
     return text.isascii() and text.isdigit() and int(text) <= _U64_MAX
 
 
