@@ -79,7 +79,9 @@ async def test_retrying_backs_off_through_failures_until_the_call_works() -> Non
     seen: list[BaseException] = []
     result, slept = await run(call, seen=seen)
     assert (result, call.calls, len(seen), len(slept)) == ("ok", 4, 3, 3)
-    assert slept == sorted(slept) and slept[0] > 0  # growing waits, never a busy loop
+    # Growing waits, never a busy loop.
+    assert slept == sorted(slept)
+    assert slept[0] > 0
 
 
 async def test_retrying_lets_an_error_it_does_not_retry_through_at_once() -> None:
