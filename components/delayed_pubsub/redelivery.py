@@ -29,6 +29,7 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
+from delayed_middleware.kinds import Kind
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import (
     DeadLetter,
@@ -263,7 +264,7 @@ class Retrier:
             "id": scheduler or entry_id,
             "sid": scheduler if scheduler and not is_stream_id(scheduler) else "",
             "topic": self._topic,
-            "kind": history.RETRY,
+            "kind": Kind.RETRY.label,
             "due": "" if due_ms is None else str(due_ms),
             "size": str(len(entry.data)),
             "attempt": str(attempt),

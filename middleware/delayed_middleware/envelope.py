@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError as _ProtoDecodeError
 
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_middleware.kinds import Kind
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
-# DelayedMessage.kind
-ONESHOT = 0
-RECURRING = 1
-RETRY = 2
+# DelayedMessage.kind (delayed_middleware.kinds), under the names the engine and its tests import.
+ONESHOT = Kind.ONESHOT
+RECURRING = Kind.RECURRING
+RETRY = Kind.RETRY
 
 
 class EnvelopeDecodeError(DelayedPubSubError):
@@ -54,7 +55,8 @@ class Envelope:
     pubsub_name: str = ""
     schedule_id: str = ""
     bulk_entries: Sequence[BulkEntry] = ()
-    kind: int = ONESHOT
+    # A Kind number; an envelope written elsewhere may carry one we do not know.
+    kind: int = Kind.ONESHOT
     # The schedule expression of a recurring envelope.
     schedule: str = ""
     # Epoch ms after which the message is never delivered; 0 = never expires.
@@ -72,7 +74,7 @@ class Envelope:
 
     @property
     def is_recurring(self) -> bool:
-        return self.kind == RECURRING
+        return self.kind == Kind.RECURRING
 
     @property
     def size(self) -> int:

@@ -38,10 +38,9 @@ from redis.exceptions import ResponseError
 
 from delayed_middleware.aio import text
 from delayed_middleware.entry import StreamEntry, decode_entry
-from delayed_middleware.envelope import RECURRING as RECURRING_KIND
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
-from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
+from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.keys import (
     EngineKeys,
     is_stream_id,
@@ -50,6 +49,7 @@ from delayed_middleware.keys import (
     shard_topics,
     split_shard_id,
 )
+from delayed_middleware.kinds import Kind
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import (
     DL_AT,
@@ -307,14 +307,14 @@ def _pending(
 ) -> PendingMessage:
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
-    due, kind = due_ms, RECURRING if recurring else ONESHOT
+    due, kind = due_ms, (Kind.RECURRING if recurring else Kind.ONESHOT).label
     if ref is not None:
         ref_id, ref_due, ref_next = _ref(ref)
         # A recurring envelope's current occurrence lives in the ids hash.
         if ref_id == stream_id and ref_due is not None:
             due = ref_due
         if ref_id == stream_id and ref_next:
-            kind = RECURRING
+            kind = Kind.RECURRING.label
     return PendingMessage(
         stream_id=stream_id,
         schedule_id=schedule_id,
@@ -496,7 +496,7 @@ class Inspector:
                     size=size,
                     attempts=attempts,
                     published_at_ms=msg.publishedAtMs,
-                    recurring=msg.kind == RECURRING_KIND,
+                    recurring=msg.kind == Kind.RECURRING,
                     shard=self._label(shard),
                 )
             )
@@ -597,7 +597,7 @@ class Inspector:
                         schedule_id="",
                         topic=name,
                         due_ms=int(score),
-                        kind=RETRY,
+                        kind=Kind.RETRY.label,
                         size=len(entry.data),
                         attempts=int(pel[0]["times_delivered"]) if pel else 0,
                         published_at_ms=int(entry_id.split("-")[0]) if is_stream_id(entry_id) else 0,
@@ -816,7 +816,7 @@ class Inspector:
         out = [item async for item in self._shard_records(shard, low, local, reverse=False, stop=high)]
         seconds, micros = await self._redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        settled = m.kind == ONESHOT and info.state == "pending" and m.due_ms > now_ms
+        settled = m.kind == Kind.ONESHOT.label and info.state == "pending" and m.due_ms > now_ms
         if not settled:
             later: list[tuple[HistoryPosition, HistoryRecord]] = []
             newest = self._shard_records(shard, "+", local, reverse=True, stop=f"({high}")
@@ -863,7 +863,7 @@ class Inspector:
                 schedule_id="",
                 topic=name,
                 due_ms=int(score),
-                kind=RETRY,
+                kind=Kind.RETRY.label,
                 size=len(entry.data),
                 attempts=int(pel[0]["times_delivered"]) if pel else 0,
                 published_at_ms=published,
@@ -1051,7 +1051,7 @@ class Inspector:
     def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
         # A subscriber retry's record names an entry of its topic, not an envelope.
         label = self._label(shard)
-        if label is None or record.kind == RETRY or record.schedule_id or not is_stream_id(record.id):
+        if label is None or record.kind == Kind.RETRY.label or record.schedule_id or not is_stream_id(record.id):
             return record
         return dataclasses.replace(record, id=shard_id(record.id, label))
 
