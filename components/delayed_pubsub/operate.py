@@ -45,6 +45,7 @@ from rich.text import Text
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
+from delayed_middleware.deadletters import DL_KEYS
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -54,7 +55,6 @@ from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.retry import DL_KEYS
 from delayed_middleware.scripts import SCHEDULER
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect

@@ -26,19 +26,13 @@ from delayed_middleware import history
 from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.deadletters import write_dead_letter
+from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
 from delayed_middleware.kinds import Kind
 from delayed_middleware.liveness import Supervised
-from delayed_middleware.retry import (
-    DeadLetter,
-    RetryPolicy,
-    dead_letter_metadata,
-    dead_letter_topics_key,
-    retry_key,
-    retry_topics_key,
-)
+from delayed_middleware.retry import DeadLetter, RetryPolicy, retry_key, retry_topics_key
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
 from delayed_pubsub.metrics import InstanceMetrics
 
@@ -190,19 +184,20 @@ class Retrier:
     async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
         topic = decision.topic
         if topic:
-            metadata = dead_letter_metadata(
-                entry.metadata,
+            write = functools.partial(
+                write_dead_letter,
+                self._client,
+                self._group,
+                topic,
+                entry,
                 reason=decision.reason,
                 attempts=decision.attempts,
                 source_topic=self._topic,
                 consumer=self._group,
                 at_ms=self._clock.now_ms(),
             )
-            dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
-            await self._retrying(
-                "dead letter XADD", lambda: append_dead_letter(self._client, self._group, topic, dead)
-            )
+            await self._retrying("dead letter XADD", write)
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
         (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
         await self._append_history(
@@ -355,18 +350,3 @@ class Retrier:
             backoff=Backoff(base_s=0.05, cap_s=2.0),
             call_timeout=self._timeout,
         )
-
-
-async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: StreamEntry) -> None:
-    """The one dead-letter writer (subscriber retries and hand-offs): `entry` on `topic`,
-    and `topic` in the app's set of dead-letter topics, where `delayed-pubsub dead` looks.
-
-    One pipeline, not a transaction: on Redis Cluster the topic and the set
-    live in other slots than each other and than whatever the caller settles.
-    Callers write the dead letter first and settle the source after, so a
-    crash in between dead-letters twice, never zero times.
-    """
-    pipe = client.pipeline(transaction=False)
-    pipe.xadd(topic, encode_entry(entry))
-    pipe.sadd(dead_letter_topics_key(consumer_id), topic)
-    await pipe.execute()

@@ -37,6 +37,15 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
 from delayed_middleware.aio import text
+from delayed_middleware.deadletters import (
+    DL_AT,
+    DL_ATTEMPTS,
+    DL_CONSUMER,
+    DL_PUBSUB,
+    DL_REASON,
+    DL_SOURCE_TOPIC,
+    dead_letter_topics_key,
+)
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
@@ -51,17 +60,7 @@ from delayed_middleware.keys import (
 )
 from delayed_middleware.kinds import Kind
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
-from delayed_middleware.retry import (
-    DL_AT,
-    DL_ATTEMPTS,
-    DL_CONSUMER,
-    DL_PUBSUB,
-    DL_REASON,
-    DL_SOURCE_TOPIC,
-    dead_letter_topics_key,
-    retry_key,
-    retry_topics_key,
-)
+from delayed_middleware.retry import retry_key, retry_topics_key
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500

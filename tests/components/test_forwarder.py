@@ -28,10 +28,10 @@ import redis.asyncio.cluster as acluster
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
+from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.history import Retention, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.retry import dead_letter_topics_key
 from delayed_pubsub.forwarder import (
     Forwarder,
     ForwarderConfig,

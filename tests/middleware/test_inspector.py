@@ -174,7 +174,7 @@ async def test_history_filters_by_id_and_since(client: aioredis.Redis, redis_cli
 
 
 async def test_dead_letters_of_this_app_only(client: aioredis.Redis, redis_client: redis.Redis) -> None:
-    from delayed_middleware.retry import dead_letter_topics_key
+    from delayed_middleware.deadletters import dead_letter_topics_key
 
     def dead(app: str, source: str) -> dict[str, bytes]:
         md = {
