@@ -64,7 +64,7 @@ from delayed_middleware import history
 from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.deadletters import write_dead_letter
+from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.delay import TTL_IN_SECONDS
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import MalformedEntryError
@@ -601,22 +601,10 @@ class Forwarder:
         message = StreamEntry(
             entry.data, forwarded_metadata(entry.metadata), entry.content_type, entry.expires_at_ms
         )
+        gave_up = GaveUp(why, job.attempt, entry.topic, self._consumer_id, self._clock.now_ms(), entry.pubsub)
         # First the dead letter (its own slots), then the settle: a crash in
         # between leaves the entry pending, dead-lettered again on its next try.
-        await self._bounded(
-            write_dead_letter(
-                self._redis,
-                self._consumer_id,
-                topic,
-                message,
-                reason=why,
-                attempts=job.attempt,
-                source_topic=entry.topic,
-                consumer=self._consumer_id,
-                at_ms=self._clock.now_ms(),
-                pubsub=entry.pubsub,
-            )
-        )
+        await self._bounded(write_dead_letter(self._redis, self._consumer_id, topic, message, gave_up))
         await self._settle([entry_id], self._record(history.DEAD_LETTERED, job, [entry_id], why[:500]))
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()
@@ -634,18 +622,9 @@ class Forwarder:
         }
         if topic:
             # No target to put it back to: listed by `dead`, skipped by `retry-dead`.
+            gave_up = GaveUp(why, 1, "", self._consumer_id, now)
             await self._bounded(
-                write_dead_letter(
-                    self._redis,
-                    self._consumer_id,
-                    topic,
-                    StreamEntry(data),
-                    reason=why,
-                    attempts=1,
-                    source_topic="",
-                    consumer=self._consumer_id,
-                    at_ms=now,
-                )
+                write_dead_letter(self._redis, self._consumer_id, topic, StreamEntry(data), gave_up)
             )
         await self._settle([entry_id], record)
         if self._metrics is not None:

@@ -26,7 +26,7 @@ from delayed_middleware import history
 from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.deadletters import write_dead_letter
+from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
@@ -184,18 +184,8 @@ class Retrier:
     async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
         topic = decision.topic
         if topic:
-            write = functools.partial(
-                write_dead_letter,
-                self._client,
-                self._group,
-                topic,
-                entry,
-                reason=decision.reason,
-                attempts=decision.attempts,
-                source_topic=self._topic,
-                consumer=self._group,
-                at_ms=self._clock.now_ms(),
-            )
+            why = GaveUp(decision.reason, decision.attempts, self._topic, self._group, self._clock.now_ms())
+            write = functools.partial(write_dead_letter, self._client, self._group, topic, entry, why)
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
             await self._retrying("dead letter XADD", write)
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))

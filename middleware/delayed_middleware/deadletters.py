@@ -23,6 +23,7 @@ crash in between dead-letters twice, never zero times.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -50,35 +51,41 @@ def clip_reason(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "…"
 
 
-def dead_letter_metadata(
-    metadata: Mapping[str, str],
-    *,
-    reason: str,
-    attempts: int,
-    source_topic: str,
-    consumer: str,
-    at_ms: int,
-    pubsub: str = "",
-) -> dict[str, str]:
+@dataclass(frozen=True)
+class GaveUp:
+    """Who gave up on a message, when, and why: what a dead letter's `deadLetter*` keys say."""
+
+    reason: str
+    attempts: int
+    # The subscribed topic, or a hand-off's target topic.
+    source_topic: str
+    # The app (consumer group) that gave up.
+    consumer: str
+    at_ms: int
+    # A hand-off's targetPubsub; '' for a subscriber's dead letter.
+    pubsub: str = ""
+
+
+def dead_letter_metadata(metadata: Mapping[str, str], why: GaveUp) -> dict[str, str]:
     """A dead letter's metadata: the message's own, plus the `deadLetter*` keys.
 
-    `pubsub` is set for a hand-off (the targetPubsub it was bound for): then
+    `why.pubsub` is set for a hand-off (the targetPubsub it was bound for): then
     `delayed-pubsub retry-dead` hands it off again instead of appending it to
     `source_topic` of ours.
     """
     out = {k: v for k, v in metadata.items() if k not in DL_KEYS}
     out.update(
         {
-            DL_REASON: clip_reason(reason),
-            DL_ATTEMPTS: str(attempts),
-            DL_SOURCE_TOPIC: source_topic,
-            DL_CONSUMER: consumer,
-            DL_AT: str(at_ms),
+            DL_REASON: clip_reason(why.reason),
+            DL_ATTEMPTS: str(why.attempts),
+            DL_SOURCE_TOPIC: why.source_topic,
+            DL_CONSUMER: why.consumer,
+            DL_AT: str(why.at_ms),
         }
     )
-    if pubsub:
-        out[DL_PUBSUB] = pubsub
-        out[DL_TARGET_TOPIC] = source_topic
+    if why.pubsub:
+        out[DL_PUBSUB] = why.pubsub
+        out[DL_TARGET_TOPIC] = why.source_topic
     return out
 
 
@@ -88,35 +95,17 @@ def dead_letter_topics_key(consumer_id: str) -> str:
 
 
 async def write_dead_letter(
-    client: Any,
-    consumer_id: str,
-    topic: str,
-    entry: StreamEntry,
-    *,
-    reason: str,
-    attempts: int,
-    source_topic: str,
-    consumer: str,
-    at_ms: int,
-    pubsub: str = "",
+    client: Any, consumer_id: str, topic: str, entry: StreamEntry, why: GaveUp
 ) -> None:
-    """The one dead-letter writer: `entry` on `topic` with the `deadLetter*` metadata
-    (see dead_letter_metadata), and `topic` in app `consumer_id`'s dead-letter set.
+    """The one dead-letter writer: `entry` on `topic` with the `deadLetter*` metadata `why`
+    gives it, and `topic` in app `consumer_id`'s dead-letter set.
 
-    `client` is a redis.asyncio Redis or RedisCluster. Idempotent to retry
-    whole only in the sense that matters: a retried write may add a second
-    dead letter, never lose one.
+    `client` is a redis.asyncio Redis or RedisCluster. Retrying a failed write
+    may add a second dead letter, never lose one.
     """
-    metadata = dead_letter_metadata(
-        entry.metadata,
-        reason=reason,
-        attempts=attempts,
-        source_topic=source_topic,
-        consumer=consumer,
-        at_ms=at_ms,
-        pubsub=pubsub,
+    dead = StreamEntry(
+        entry.data, dead_letter_metadata(entry.metadata, why), entry.content_type, entry.expires_at_ms
     )
-    dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
     pipe = client.pipeline(transaction=False)
     pipe.xadd(topic, encode_entry(dead))
     pipe.sadd(dead_letter_topics_key(consumer_id), topic)

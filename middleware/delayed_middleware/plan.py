@@ -340,7 +340,7 @@ def _envelope(
         pubsub_name=ctx.pubsub_name,
         schedule_id=timing.schedule_id or "",
         bulk_entries=tuple(bulk_entries),
-        kind=Kind.RECURRING if recurring else Kind.ONESHOT,
+        kind=(Kind.RECURRING if recurring else Kind.ONESHOT).value,
         schedule=timing.schedule.expr if timing.schedule is not None else "",
         expires_at_ms=expires_at_ms,
         schedule_source=timing.source,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from importlib.resources import files
 
-from delayed_middleware.envelope import Envelope, decode_envelope, encode_envelope
+from delayed_middleware.envelope import ONESHOT, RECURRING, RETRY, Envelope, decode_envelope, encode_envelope
 from delayed_middleware.history import KINDS, decode_record
 from delayed_middleware.kinds import Kind
 
@@ -25,6 +25,12 @@ def test_an_envelope_kind_survives_encoding_and_reads_as_the_enum() -> None:
         back = decode_envelope(encode_envelope(env))
         assert back.kind == kind
         assert back.is_recurring is (kind is Kind.RECURRING)
+
+
+def test_envelope_kinds_are_plain_ints_a_script_argument_can_carry() -> None:
+    # The engine hands Envelope.kind to its scripts as it is; hiredis refuses an IntEnum member.
+    assert all(type(k) is int for k in (ONESHOT, RECURRING, RETRY, Envelope("", "t", 1, 1).kind))
+    assert tuple(Kind) == (ONESHOT, RECURRING, RETRY)
 
 
 def test_a_record_without_a_kind_reads_as_a_oneshot() -> None:
