@@ -905,7 +905,9 @@ async def test_dead_and_retry_dead_list_and_move_a_subscriber_and_a_hand_off_dea
         await retrier.close()
         await client.aclose()
     # A hand-off is refused (no API token) until the forwarder gives up on it.
-    add(outbox_db, OutboxEntry("mem", "orders", cloudevent("both"), id="job-both"))
+    # As the engine writes it: the id is also the `scheduler` of the metadata.
+    metadata = {"scheduler": "job-both", "scheduleNext": "purge"}
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent("both"), id="job-both", metadata=metadata))
     refused = make_forwarder(
         address=f"127.0.0.1:{token_daprd.grpc}",
         policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
