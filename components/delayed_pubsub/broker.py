@@ -33,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Retrier
+from delayed_pubsub.redelivery import Retrier, delivery_counts
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -699,14 +699,7 @@ class Subscription:
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
         """Delivery counts from the PEL, in one round trip."""
-        pipe = self._client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xpending_range(self.topic, self._group, min=entry_id, max=entry_id, count=1)
-        counts: dict[str, int] = {}
-        for rows in await pipe.execute():
-            for row in rows:
-                counts[text(row["message_id"])] = int(row["times_delivered"])
-        return counts
+        return await delivery_counts(self._client, self.topic, self._group, ids)
 
     def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         if self._closed:

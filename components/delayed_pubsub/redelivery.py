@@ -313,16 +313,7 @@ class Retrier:
         return int(later[0][1]) if later else None
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
-        if not ids:
-            return {}
-        pipe = self._client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xpending_range(self._topic, self._group, min=entry_id, max=entry_id, count=1)
-        counts: dict[str, int] = {}
-        for rows in await pipe.execute():
-            for row in rows:
-                counts[text(row["message_id"])] = int(row["times_delivered"])
-        return counts
+        return await delivery_counts(self._client, self._topic, self._group, ids)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it works; gives up (CancelledError) once closed."""
@@ -340,3 +331,18 @@ class Retrier:
             backoff=Backoff(base_s=0.05, cap_s=2.0),
             call_timeout=self._timeout,
         )
+
+
+async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str]) -> dict[str, int]:
+    """Each entry's delivery count in `group`'s PEL on `topic`, in one round trip: the attempt
+    number a redelivery carries (an id no longer pending is left out)."""
+    if not ids:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for entry_id in ids:
+        pipe.xpending_range(topic, group, min=entry_id, max=entry_id, count=1)
+    counts: dict[str, int] = {}
+    for rows in await pipe.execute():
+        for row in rows:
+            counts[text(row["message_id"])] = int(row["times_delivered"])
+    return counts
