@@ -38,13 +38,13 @@ from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.entry import StreamEntry  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.history import FIELDS, Retention  # noqa: E402
-from delayed_middleware.inspect import Inspector  # noqa: E402
+from delayed_middleware.inspector import Inspector  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.connection import connect  # noqa: E402
 from delayed_pubsub.metrics import Metrics  # noqa: E402
-from delayed_pubsub.retry import Retrier  # noqa: E402
+from delayed_pubsub.redelivery import Retrier  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 

@@ -30,7 +30,7 @@ from bench.common import PAYLOAD, timed_cli  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.engine import DelayEngine, ShardedEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
-from delayed_middleware.inspect import Inspector  # noqa: E402
+from delayed_middleware.inspector import Inspector  # noqa: E402
 from delayed_middleware.keys import EngineKeys, shard_topics  # noqa: E402
 from tests.redis_server import RedisCluster  # noqa: E402
 

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import redis.exceptions
 
 from delayed_middleware import scripts
+from delayed_middleware.aio import raise_if_stopped, retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
@@ -32,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.retry import Retrier
+from delayed_pubsub.redelivery import Retrier, delivery_counts
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class Broker:
             raise BackendUnavailableError(f"publish to {topic!r}: redis unavailable: {e}") from e
         except redis.exceptions.RedisError as e:
             raise DelayedPubSubError(f"publish to {topic!r}: redis refused XADD: {e}") from e
-        return _str(entry_id)
+        return text(entry_id)
 
     async def bulk_publish(self, topic: str, entries: Sequence[BulkEntry]) -> list[FailedEntry]:
         """XADD every entry in one pipelined round trip; returns the entries Redis refused.
@@ -316,7 +317,7 @@ class Subscription:
         self._acker: Supervised | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "0-0"
-        # The retry policy's executor (retry.py), when one is configured; set before start().
+        # The retry policy's executor (redelivery.py), when one is configured; set before start().
         self.retry: Retrier | None = None
         # Short blocks keep a dead connection from going unnoticed for long.
         self._block_ms = 1000
@@ -328,8 +329,7 @@ class Subscription:
     async def start(self) -> None:
         """Create the consumer group (retrying while Redis is down) and start fetching."""
         await self._retrying("XGROUP CREATE", self._create_group)
-        if self._closed:
-            raise asyncio.CancelledError  # stopped while creating the group
+        raise_if_stopped(self._closed)  # stopped while creating the group
         # Supervised: without the fetch loop nothing new is ever sent, and daprd
         # (which never re-opens a stream) would wait on this one forever; without
         # the ack loop every message would come back after processingTimeout.
@@ -628,7 +628,7 @@ class Subscription:
         )
         for _stream, items in reply or ():
             for raw_id, fields in items:
-                self._push(_str(raw_id), fields, attempt=1)
+                self._push(text(raw_id), fields, attempt=1)
 
     async def _reclaim(self, count: int) -> int:
         """Take over up to `count` entries idle past processingTimeout; returns how many were taken."""
@@ -667,18 +667,18 @@ class Subscription:
             self._reclaim_cursor,
             count,
         )
-        self._reclaim_cursor = _str(reply[0])
+        self._reclaim_cursor = text(reply[0])
         deleted = reply[2] if len(reply) > 2 else []
         if deleted:
             # Redis 7 drops deleted/trimmed ids from the PEL itself; nothing to deliver.
             log.info("%d pending entries of %s were deleted before delivery", len(deleted), self.topic)
-        return [_str(i) for i in reply[1] if _str(i) not in self._owned]
+        return [text(i) for i in reply[1] if text(i) not in self._owned]
 
     async def _claim(self, ids: Sequence[str]) -> list[tuple[str, Any]]:
         """XCLAIM entries of ours again, which bumps their delivery count; returns
         those that still exist, with their fields."""
         reply: Any = await self._client.xclaim(self.topic, self._group, self.consumer, 0, list(ids))
-        return [(_str(i), f) for i, f in reply if f is not None]
+        return [(text(i), f) for i, f in reply if f is not None]
 
     async def _redeliver(self, entry_id: str, delay_s: float) -> None:
         # Reset its idle time now, or another consumer could reclaim it while it
@@ -699,14 +699,7 @@ class Subscription:
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
         """Delivery counts from the PEL, in one round trip."""
-        pipe = self._client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xpending_range(self.topic, self._group, min=entry_id, max=entry_id, count=1)
-        counts: dict[str, int] = {}
-        for rows in await pipe.execute():
-            for row in rows:
-                counts[_str(row["message_id"])] = int(row["times_delivered"])
-        return counts
+        return await delivery_counts(self._client, self.topic, self._group, ids)
 
     def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         if self._closed:
@@ -730,36 +723,33 @@ class Subscription:
         (e.g. WRONGTYPE) are retried with backoff too, logged as errors, except
         for XACK where they are the caller's to handle. Gives up (CancelledError)
         once the subscription is stopped: by its own flag, never by a
-        cancellation request left on the task (see delayed_middleware.liveness)."""
+        cancellation request left on the task (see delayed_middleware.aio)."""
         backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
-        while True:
-            try:
-                async with asyncio.timeout(self._timeout):
-                    result = await call()
-            except redis.exceptions.ResponseError as e:
-                self._metrics.redis_errors.inc()
-                if "NOGROUP" in str(e):
-                    log.warning(
-                        "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic
-                    )
-                    with contextlib.suppress(*REDIS_ERRORS):
-                        await self._create_group()
-                elif what == "XACK":
-                    raise
-                else:
-                    log.error("%s on %s failed: %s; retrying", what, self.topic, e)
-            except TRANSIENT_ERRORS as e:
-                self._metrics.redis_errors.inc()
-                log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
-            else:
-                if backoff.failures:
-                    log.info("%s on %s: redis is back", what, self.topic)
-                return result
-            # redis-py can swallow a CancelledError and fail the call instead:
-            # the stop flag ends this loop whatever became of the cancellation.
-            if self._closed:
-                raise asyncio.CancelledError
-            await self._clock.sleep(backoff.next())
+        result = await retrying(
+            call,
+            retried=(redis.exceptions.ResponseError, *TRANSIENT_ERRORS),
+            on_error=functools.partial(self._on_redis_error, what),
+            stopped=lambda: self._closed,
+            sleep=self._clock.sleep,
+            backoff=backoff,
+            call_timeout=self._timeout,
+        )
+        if backoff.failures:
+            log.info("%s on %s: redis is back", what, self.topic)
+        return result
+
+    async def _on_redis_error(self, what: str, e: BaseException) -> None:
+        self._metrics.redis_errors.inc()
+        if not isinstance(e, redis.exceptions.ResponseError):
+            log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
+        elif "NOGROUP" in str(e):
+            log.warning("%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic)
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._create_group()
+        elif what == "XACK":
+            raise e
+        else:
+            log.error("%s on %s failed: %s; retrying", what, self.topic, e)
 
 
 def _expired(entry: StreamEntry, clock: Clock) -> bool:
@@ -767,5 +757,3 @@ def _expired(entry: StreamEntry, clock: Clock) -> bool:
     return entry.expires_at_ms > 0 and clock.now_ms() >= entry.expires_at_ms
 
 
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -26,7 +26,7 @@ Delivery guarantees
   ours) or, without one, kept and retried at the longest interval, reported
   in the log and the metrics: nothing is dropped.
 - Dead letters are written as the subscriber retries write theirs (one writer,
-  delayed_pubsub.retry.append_dead_letter, one vocabulary of `deadLetter*`
+  delayed_middleware.deadletters.write_dead_letter, one vocabulary of `deadLetter*`
   metadata), so `delayed-pubsub dead` lists them and `retry-dead` puts them
   back in the outbox. The dead letter is written first, the entry settled
   after, in two steps: on Redis Cluster the dead-letter topic lives in another
@@ -61,8 +61,10 @@ from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
 from redis.exceptions import RedisError, ResponseError
 
 from delayed_middleware import history
+from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
+from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.delay import TTL_IN_SECONDS
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import MalformedEntryError
@@ -70,10 +72,8 @@ from delayed_middleware.history import Retention
 from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, delayed_topic
 from delayed_middleware.liveness import StateHook, Supervised
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
-from delayed_middleware.retry import dead_letter_metadata
 from delayed_middleware.target import forwarded_metadata
 from delayed_pubsub.metrics import ForwarderMetrics
-from delayed_pubsub.retry import append_dead_letter
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ class Forwarder:
         for p in pending:
             deliveries = int(p["times_delivered"])
             wait = policy.delay_ms(min(deliveries, policy.max_attempts))
-            consumer = p["consumer"].decode() if isinstance(p["consumer"], bytes) else p["consumer"]
+            consumer = text(p["consumer"])
             if consumer != self.consumer:
                 wait = max(wait, cfg.claim_idle_ms)
             if int(p["time_since_delivered"]) >= wait:
@@ -446,7 +446,7 @@ class Forwarder:
         jobs: list[_Job] = []
         settled = 0
         for (raw_id, fields), attempt in rows:
-            entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            entry_id = text(raw_id)
             if not fields:
                 # Deleted while pending (an operator's XDEL): nothing left to send.
                 await self._settle([entry_id], None)
@@ -588,15 +588,6 @@ class Forwarder:
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: _Job, why: str) -> None:
         topic = self._config.policy.dead_letter_topic
-        metadata = dead_letter_metadata(
-            forwarded_metadata(entry.metadata),
-            reason=why,
-            attempts=job.attempt,
-            source_topic=entry.topic,
-            consumer=self._consumer_id,
-            at_ms=self._clock.now_ms(),
-            pubsub=entry.pubsub,
-        )
         log.error(
             "forwarder %s: %s/%s refused %s after %d attempts, dead-lettered to %r: %s",
             self._name,
@@ -607,10 +598,13 @@ class Forwarder:
             topic,
             why,
         )
-        dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
+        message = StreamEntry(
+            entry.data, forwarded_metadata(entry.metadata), entry.content_type, entry.expires_at_ms
+        )
+        gave_up = GaveUp(why, job.attempt, entry.topic, self._consumer_id, self._clock.now_ms(), entry.pubsub)
         # First the dead letter (its own slots), then the settle: a crash in
         # between leaves the entry pending, dead-lettered again on its next try.
-        await self._bounded(append_dead_letter(self._redis, self._consumer_id, topic, dead))
+        await self._bounded(write_dead_letter(self._redis, self._consumer_id, topic, message, gave_up))
         await self._settle([entry_id], self._record(history.DEAD_LETTERED, job, [entry_id], why[:500]))
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()
@@ -628,11 +622,10 @@ class Forwarder:
         }
         if topic:
             # No target to put it back to: listed by `dead`, skipped by `retry-dead`.
-            metadata = dead_letter_metadata(
-                {}, reason=why, attempts=1, source_topic="", consumer=self._consumer_id, at_ms=now
+            gave_up = GaveUp(why, 1, "", self._consumer_id, now)
+            await self._bounded(
+                write_dead_letter(self._redis, self._consumer_id, topic, StreamEntry(data), gave_up)
             )
-            dead = StreamEntry(data, metadata)
-            await self._bounded(append_dead_letter(self._redis, self._consumer_id, topic, dead))
         await self._settle([entry_id], record)
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()

@@ -18,7 +18,7 @@ import logging
 import redis.asyncio as aioredis
 
 from delayed_middleware.clock import Clock
-from delayed_middleware.inspect import Inspector
+from delayed_middleware.inspector import Inspector
 from delayed_pubsub.connection import REDIS_ERRORS
 from delayed_pubsub.metrics import OTHER_TOPICS, InstanceMetrics
 

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
 from delayed_middleware import plan
+from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport, ShardedEngine
@@ -46,7 +47,7 @@ from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
-from delayed_pubsub.retry import Retrier
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class Instance:
         except (RedisError, TimeoutError):
             return
         value = next(iter(dict(got).values()), b"")
-        policy = value.decode() if isinstance(value, bytes) else str(value)
+        policy = text(value)
         if policy.startswith("allkeys"):
             log.error(
                 "instance %r: Redis maxmemory-policy is %s: under memory pressure Redis may evict the delay "
@@ -219,7 +220,7 @@ class Instance:
                 kind = await self._connection.client.type(topic)
         except (RedisError, TimeoutError) as e:
             raise BackendUnavailableError(f"checking topic {topic!r}: redis: {e or 'timed out'}") from e
-        kind_s = kind.decode() if isinstance(kind, bytes) else str(kind)
+        kind_s = text(kind)
         if kind_s not in ("stream", "none"):
             raise FailedPreconditionError(
                 f"topic {topic!r}: its Redis key holds a {kind_s}, not a stream; choose another topic name"

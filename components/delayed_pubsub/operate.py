@@ -45,16 +45,16 @@ from rich.text import Text
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
+from delayed_middleware.deadletters import DL_KEYS
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
-from delayed_middleware.inspect import HistoryPosition, Inspector, PendingMessage, looks_like_stream_id
-from delayed_middleware.inspect import Progress as ProgressFn
+from delayed_middleware.inspector import HistoryPosition, Inspector, PendingMessage
+from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
-from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.retry import DL_KEYS
 from delayed_middleware.scripts import SCHEDULER
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
@@ -217,7 +217,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if getattr(args, "after", None):
         if args.since:
             raise UsageError("give one of --after and --since")
-        if not looks_like_stream_id(args.after.rpartition("@")[0] or args.after):
+        if not is_stream_id(args.after.rpartition("@")[0] or args.after):
             # Not a cursor: a time, read as --since reads it.
             args.since_ms = parse_since(args.after, int(time.time() * 1000), flag="--after")
             args.after = None

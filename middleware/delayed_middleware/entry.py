@@ -45,6 +45,26 @@ def encode_entry(entry: StreamEntry) -> dict[str, bytes]:
     return fields
 
 
+def decode_metadata(raw: bytes | str | None) -> dict[str, str]:
+    """An entry's `metadata` field as a str map: {} when missing or not a JSON object.
+
+    Malformed metadata is dropped rather than refused, as pubsub.redis does: the
+    data must still go out. A value that is not a string (a hand-written entry)
+    is kept as its JSON text.
+    """
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        # RecursionError: deeply nested JSON (e.g. 100000 '['), which would
+        # otherwise escape from here and kill the loop that reads the entry.
+        return {}
+    if not isinstance(parsed, dict):
+        return {}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+
+
 def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamEntry:
     """Read an entry written by us or by pubsub.redis.
 
@@ -53,17 +73,7 @@ def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamE
     """
     norm = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
     data = norm.get(DATA, b"")
-    metadata: dict[str, str] = {}
-    raw = norm.get(METADATA)
-    if raw:
-        try:
-            parsed = json.loads(raw)
-        except (ValueError, RecursionError):
-            # RecursionError: deeply nested JSON (e.g. 100000 '['), which would
-            # otherwise escape from here and kill the subscription's fetch loop.
-            parsed = None
-        if isinstance(parsed, dict):
-            metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    metadata = decode_metadata(norm.get(METADATA))
     content_type = norm.get(CONTENT_TYPE, b"").decode(errors="replace")
     expires_at_ms = 0
     raw_expiry = norm.get(EXPIRES_AT)

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from google.protobuf.message import DecodeError as _ProtoDecodeError
 
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_middleware.kinds import Kind
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
-# DelayedMessage.kind
-ONESHOT = 0
-RECURRING = 1
-RETRY = 2
+# DelayedMessage.kind (delayed_middleware.kinds), under the names the engine and its tests import.
+# Plain ints, as Envelope.kind holds: the engine passes it to its scripts as it is, and
+# hiredis packs only exact str, int, float and bytes (an IntEnum member fails the publish).
+ONESHOT: Final = Kind.ONESHOT.value
+RECURRING: Final = Kind.RECURRING.value
+RETRY: Final = Kind.RETRY.value
 
 
 class EnvelopeDecodeError(DelayedPubSubError):
@@ -54,7 +58,8 @@ class Envelope:
     pubsub_name: str = ""
     schedule_id: str = ""
     bulk_entries: Sequence[BulkEntry] = ()
-    kind: int = ONESHOT
+    # A Kind number as a plain int (see ONESHOT); an envelope written elsewhere may carry one we do not know.
+    kind: int = Kind.ONESHOT.value
     # The schedule expression of a recurring envelope.
     schedule: str = ""
     # Epoch ms after which the message is never delivered; 0 = never expires.
@@ -72,7 +77,7 @@ class Envelope:
 
     @property
     def is_recurring(self) -> bool:
-        return self.kind == RECURRING
+        return self.kind == Kind.RECURRING
 
     @property
     def size(self) -> int:

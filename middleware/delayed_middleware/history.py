@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from delayed_middleware.aio import text
+from delayed_middleware.kinds import LABELS, Kind
 from delayed_middleware.scripts import HIST_APPEND, HIST_SWEEP
 
 SCHEDULED: Final = "scheduled"
@@ -58,10 +60,8 @@ DEAD_LETTERED: Final = "deadlettered"
 HANDED_OFF: Final = "handedoff"
 EVENTS: Final = (SCHEDULED, REPLACED, CANCELLED, FIRED, PARKED, EXPIRED, RETRIED, DEAD_LETTERED, HANDED_OFF)
 
-ONESHOT: Final = "oneshot"
-RECURRING: Final = "recurring"
-RETRY: Final = "retry"
-KINDS: Final = (ONESHOT, RECURRING, RETRY)
+# A record's `kind`: a Kind label (delayed_middleware.kinds).
+KINDS: Final = LABELS
 
 FIELDS: Final = (
     "event",
@@ -183,7 +183,7 @@ def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mappin
         )
         for k, v in fields.items()
     }
-    sid = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    sid = text(stream_id)
     return HistoryRecord(
         stream_id=sid,
         event=f.get("event", ""),
@@ -191,7 +191,7 @@ def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mappin
         id=f.get("id", ""),
         schedule_id=f.get("sid", ""),
         topic=f.get("topic", ""),
-        kind=f.get("kind", "") or ONESHOT,
+        kind=f.get("kind", "") or Kind.ONESHOT.label,
         due_ms=_int(f.get("due", ""), None),
         lateness_ms=_int(f.get("late", ""), None),
         size_bytes=_int(f.get("size", ""), 0) or 0,

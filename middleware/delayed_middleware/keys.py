@@ -104,7 +104,7 @@ class EngineKeys:
             moved=f"{tag}:moved",
         )
 
-    # Subscriber retries (delayed_pubsub.retry): not touched by the engine's scripts.
+    # Subscriber retries (delayed_pubsub.redelivery): not touched by the engine's scripts.
     def retry(self, topic: str) -> str:
         """Sorted set: entry ids of `topic` waiting out a retry backoff, scored by their next delivery (ms)."""
         return "{" + self.stream + "}:retry:" + topic
@@ -161,6 +161,50 @@ class EngineKeys:
             self.refill,
             self.outbox,
         ]
+
+
+# --- Stream ids and shard-qualified envelope ids -----------------------------
+#
+# A Redis stream entry id is `<ms>-<seq>`, both unsigned 64-bit decimals. An
+# envelope id on a delayed topic split into shards (below) is only unique
+# within its shard stream, so operators name it `<stream id>@<shard>`.
+
+# 2**64 - 1: the largest part of a stream id Redis accepts.
+_U64_MAX = 18_446_744_073_709_551_615
+_SHARD_SEP = "@"
+
+
+def _u64(text: str) -> bool:
+    # ASCII digits only: str.isdigit() and the regex \d also accept other
+    # scripts' digits (Arabic-Indic, superscripts), which are no stream id Redis would give.
+    return text.isascii() and text.isdigit() and int(text) <= _U64_MAX
+
+
+def is_stream_id(text: str) -> bool:
+    """True when `text` is a complete stream entry id, `<ms>-<seq>` (not `<ms>` alone, not `-`/`+`)."""
+    ms, dash, seq = text.partition("-")
+    return bool(dash) and _u64(ms) and _u64(seq)
+
+
+def shard_id(stream_id: str, shard: int) -> str:
+    """How an envelope on shard `shard` is named: `<stream id>@<shard>` (split_shard_id reads it)."""
+    return f"{stream_id}{_SHARD_SEP}{shard}"
+
+
+def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
+    """(shard, stream id) of an id written as shard_id writes it, for a delayed topic of `shards`
+    shards; None for anything else (a scheduleId, a bare stream id, a shard out of range).
+
+    Only shard_id's own form is read: a shard in plain decimal without a sign or
+    leading zero (`@01` is not shard 1: it may be part of a scheduleId), below `shards`.
+    """
+    local, sep, shard = id.rpartition(_SHARD_SEP)
+    if not sep or not is_stream_id(local) or not (shard.isascii() and shard.isdigit()):
+        return None
+    if shard != str(int(shard)):
+        return None
+    n = int(shard)
+    return (n, local) if n < shards else None
 
 
 # --- Redis Cluster: shards and fire markers ----------------------------------

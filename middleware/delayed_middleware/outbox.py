@@ -24,12 +24,19 @@ Unknown fields are ignored.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from delayed_middleware.backoff import compute_backoff
-from delayed_middleware.entry import CONTENT_TYPE, DATA, EXPIRES_AT, METADATA, StreamEntry, encode_entry
+from delayed_middleware.entry import (
+    CONTENT_TYPE,
+    DATA,
+    EXPIRES_AT,
+    METADATA,
+    StreamEntry,
+    decode_metadata,
+    encode_entry,
+)
 from delayed_middleware.errors import MalformedEntryError
 
 # The topic entry's fields (entry.py) plus where the message goes.
@@ -45,7 +52,7 @@ OUTBOX_GROUP = "forwarder"
 class HandOffPolicy:
     """How often a refused hand-off is retried, and where it goes after the last attempt.
 
-    The forwarder carries it out; the operator's listing (delayed_middleware.inspect)
+    The forwarder carries it out; the operator's listing (delayed_middleware.inspector)
     reads the next try of a waiting entry from it. The delay before attempt n+1
     is compute_backoff(n).
     """
@@ -113,15 +120,7 @@ def decode_outbox_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> 
     pubsub, topic = text(PUBSUB), text(TOPIC)
     if not pubsub or not topic:
         raise MalformedEntryError(f"outbox entry without a target: pubsub={pubsub!r} topic={topic!r}")
-    metadata: dict[str, str] = {}
-    raw = norm.get(METADATA)
-    if raw:
-        try:
-            parsed = json.loads(raw)
-        except (ValueError, RecursionError):
-            parsed = None
-        if isinstance(parsed, dict):
-            metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    metadata = decode_metadata(norm.get(METADATA))
     expires_at_ms = 0
     raw_expiry = text(EXPIRES_AT)
     if raw_expiry:

@@ -38,6 +38,7 @@ from delayed_middleware.durations import format_go_duration
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.kinds import Kind
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule
 from delayed_middleware.target import TARGET_PUBSUB, target_pubsub
 from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
@@ -339,7 +340,7 @@ def _envelope(
         pubsub_name=ctx.pubsub_name,
         schedule_id=timing.schedule_id or "",
         bulk_entries=tuple(bulk_entries),
-        kind=env.RECURRING if recurring else env.ONESHOT,
+        kind=(Kind.RECURRING if recurring else Kind.ONESHOT).value,
         schedule=timing.schedule.expr if timing.schedule is not None else "",
         expires_at_ms=expires_at_ms,
         schedule_source=timing.source,

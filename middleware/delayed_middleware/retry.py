@@ -1,7 +1,7 @@
 """Subscriber retry policy: when a nacked message comes back, and when it gives up.
 
 Pure: `RetryPolicy.on_nack(attempt, error)` says `Redeliver(after_s)` or
-`DeadLetter(reason)`; the Redis side (components/delayed_pubsub/retry.py)
+`DeadLetter(reason)`; the Redis side (components/delayed_pubsub/redelivery.py)
 carries the decision out. Delays come from the one backoff,
 `delayed_middleware.backoff.compute_backoff`.
 
@@ -40,16 +40,16 @@ epoch ms from which it may be redelivered). Then:
 - the key sits in the reserved `-delayed}` namespace: no topic can collide with it
   (once publish/subscribe refuse engine keys, see keys.is_engine_key);
 - the topics having such a schedule are listed in the set `{<consumerID>-delayed}:retrying`,
-  so operators (delayed_middleware.inspect) find the waiting retries without KEYS.
+  so operators (delayed_middleware.inspector) find the waiting retries without KEYS.
 
 The rejected alternative, scheduling a retry envelope through the delay
 engine, would need a per-group target the broker does not have, and would
 copy the payload once per retry.
 
 Dead letters: after the last attempt the entry is appended to `deadLetterTopic`
-(its data, content type and metadata, plus `deadLetterReason`,
-`deadLetterAttempts`, `deadLetterSourceTopic`, `deadLetterConsumer`,
-`deadLetterAt`), then XACKed: at least once (a crash between the two writes
+by the one dead-letter writer (delayed_middleware.deadletters: its data,
+content type and metadata, plus `deadLetterReason`, `deadLetterAttempts`,
+`deadLetterSourceTopic`, `deadLetterConsumer`, `deadLetterAt`), then XACKed: at least once (a crash between the two writes
 a second dead letter, never loses one). The dead-letter topic's name is added
 to the set `{<consumerID>-delayed}:deadletters`, so operators find dead
 letters knowing only the app id. Hand-offs that exhaust their attempts are
@@ -80,6 +80,7 @@ from dataclasses import dataclass, replace
 from typing import Final
 
 from delayed_middleware.backoff import compute_backoff
+from delayed_middleware.deadletters import clip_reason
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_delayed_topic, is_engine_key
@@ -99,57 +100,9 @@ KEYS: Final = (
     DEAD_LETTER_TOPIC,
 )
 
-# Metadata added to a dead letter (public contract), by subscriber retries and
-# hand-offs alike: `delayed-pubsub dead` lists both by it.
-DL_REASON: Final = "deadLetterReason"
-DL_ATTEMPTS: Final = "deadLetterAttempts"
-# Where the message came from: the subscribed topic, or a hand-off's target topic.
-DL_SOURCE_TOPIC: Final = "deadLetterSourceTopic"
-DL_CONSUMER: Final = "deadLetterConsumer"
-DL_AT: Final = "deadLetterAt"
-# A hand-off's only (targetPubsub): the pub/sub and topic it was bound for.
-DL_PUBSUB: Final = "deadLetterPubsub"
-DL_TARGET_TOPIC: Final = "deadLetterTargetTopic"
-DL_KEYS: Final = (DL_REASON, DL_ATTEMPTS, DL_SOURCE_TOPIC, DL_CONSUMER, DL_AT, DL_PUBSUB, DL_TARGET_TOPIC)
-
-# An app's error text can be anything; a dead letter's metadata must stay small.
-MAX_REASON_CHARS: Final = 1024
-
 DEFAULT_INITIAL_MS: Final = 1_000
 DEFAULT_MAX_MS: Final = 60_000
 DEFAULT_MULTIPLIER: Final = 2.0
-
-
-def dead_letter_metadata(
-    metadata: Mapping[str, str],
-    *,
-    reason: str,
-    attempts: int,
-    source_topic: str,
-    consumer: str,
-    at_ms: int,
-    pubsub: str = "",
-) -> dict[str, str]:
-    """A dead letter's metadata: the message's own, plus the `deadLetter*` keys.
-
-    `pubsub` is set for a hand-off (the targetPubsub it was bound for): then
-    `delayed-pubsub retry-dead` hands it off again instead of appending it to
-    `source_topic` of ours.
-    """
-    out = {k: v for k, v in metadata.items() if k not in DL_KEYS}
-    out.update(
-        {
-            DL_REASON: reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS] + "…",
-            DL_ATTEMPTS: str(attempts),
-            DL_SOURCE_TOPIC: source_topic,
-            DL_CONSUMER: consumer,
-            DL_AT: str(at_ms),
-        }
-    )
-    if pubsub:
-        out[DL_PUBSUB] = pubsub
-        out[DL_TARGET_TOPIC] = source_topic
-    return out
 
 
 def retry_key(consumer_id: str, topic: str) -> str:
@@ -160,11 +113,6 @@ def retry_key(consumer_id: str, topic: str) -> str:
 def retry_topics_key(consumer_id: str) -> str:
     """Set of the topics that have (or had) a retry schedule for this app (EngineKeys.retrying)."""
     return EngineKeys.for_topic(delayed_topic(consumer_id)).retrying
-
-
-def dead_letter_topics_key(consumer_id: str) -> str:
-    """Set of the dead-letter topics this app has written to (EngineKeys.dead_letters)."""
-    return EngineKeys.for_topic(delayed_topic(consumer_id)).dead_letters
 
 
 @dataclass(frozen=True)
@@ -217,8 +165,7 @@ class RetryPolicy:
         """What to do after delivery number `attempt` (1, 2, ...) failed with `error`."""
         attempt = max(1, attempt)
         if self.max_attempts is not None and attempt >= self.max_attempts:
-            reason = error if len(error) <= MAX_REASON_CHARS else error[:MAX_REASON_CHARS] + "…"
-            return DeadLetter(reason=reason, attempts=attempt, topic=self.dead_letter_topic)
+            return DeadLetter(reason=clip_reason(error), attempts=attempt, topic=self.dead_letter_topic)
         return Redeliver(after_s=self.delay_s(attempt, rand), next_attempt=attempt + 1)
 
     def overridden(self, props: Mapping[str, str]) -> RetryPolicy:

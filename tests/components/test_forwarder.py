@@ -28,10 +28,12 @@ import redis.asyncio.cluster as acluster
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
+from delayed_middleware.deadletters import dead_letter_topics_key
+from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.history import Retention, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.retry import dead_letter_topics_key
+from delayed_middleware.retry import RetryPolicy
 from delayed_pubsub.forwarder import (
     Forwarder,
     ForwarderConfig,
@@ -40,6 +42,7 @@ from delayed_pubsub.forwarder import (
     resolve_dapr_address,
 )
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
 from tests.components.driver import Component, cli
@@ -870,6 +873,68 @@ async def test_a_dead_lettered_hand_off_is_listed_by_dead_and_retry_dead_hands_i
     assert header(arrival, "customer") == "c9"
     await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 5, "the outbox to empty")
     assert [r.event for r in history(outbox_db) if r.id == "job-9"] == ["deadlettered", "handedoff"]
+
+
+async def test_dead_and_retry_dead_list_and_move_a_subscriber_and_a_hand_off_dead_letter_alike(
+    sidecar: Sidecar,
+    token_daprd: DaprdPorts,
+    outbox_db: Any,
+    make_forwarder: Callable[..., Forwarder],
+) -> None:
+    """The retrier and the forwarder give up into the one `deadLetterTopic` through the one writer:
+    `dead` lists both, and `retry-dead` puts each back where it came from (the subscribed
+    topic, the outbox)."""
+    # A subscriber gives up on an entry of `inbox` after its last delivery (the real retrier).
+    outbox_db.xgroup_create("inbox", APP_ID, id="0", mkstream=True)
+    outbox_db.xadd("inbox", encode_entry(StreamEntry(b"poison", {"k": "v"})))
+    [[_, [(raw_id, _)]]] = outbox_db.xreadgroup(APP_ID, "c1", {"inbox": ">"})
+    client = aioredis.Redis(port=sidecar.redis.port)
+    retrier = Retrier(
+        client,
+        RetryPolicy(max_attempts=1, dead_letter_topic="dlq", active=True),
+        topic="inbox",
+        group=APP_ID,
+        consumer="c1",
+        clock=SystemClock(),
+        metrics=Metrics(CollectorRegistry()).for_instance("both"),
+        call_timeout=5.0,
+    )
+    try:
+        await retrier.on_nack(raw_id.decode(), "handler exploded")
+    finally:
+        await retrier.close()
+        await client.aclose()
+    # A hand-off is refused (no API token) until the forwarder gives up on it.
+    # As the engine writes it: the id is also the `scheduler` of the metadata.
+    metadata = {"scheduler": "job-both", "scheduleNext": "purge"}
+    add(outbox_db, OutboxEntry("mem", "orders", cloudevent("both"), id="job-both", metadata=metadata))
+    refused = make_forwarder(
+        address=f"127.0.0.1:{token_daprd.grpc}",
+        policy=HandOffPolicy(max_attempts=1, base_s=0.1, cap_s=0.2, dead_letter_topic="dlq"),
+    )
+    refused.start()
+    await wait_for(lambda: asyncio.sleep(0, int(outbox_db.xlen("dlq")) == 2), 15, "both dead letters")
+    await refused.close()
+    assert outbox_left(outbox_db) == (0, 0)
+
+    listed = await cli("dead", *app_conn(sidecar))
+    assert listed.code == 0, listed.err
+    assert "2 dead letters" in listed.out
+    assert "handler exploded" in listed.out
+    assert "mem/orders" in listed.out
+    assert "UNAUTHENTICATED" in listed.out
+    for topic in ("inbox", "orders"):
+        assert "1 dead letters" in (await cli("dead", *app_conn(sidecar), "--topic", topic)).out
+
+    moved = await cli("retry-dead", *app_conn(sidecar))
+    assert moved.code == 0, moved.err
+    assert "2 dead letters moved back" in moved.out
+    assert int(outbox_db.xlen("dlq")) == 0
+    # The subscriber's on its topic again, as a new entry its group reads; the hand-off in the outbox.
+    [(_, back)] = outbox_db.xrange("inbox", f"({raw_id.decode()}", "+")
+    assert (back[b"data"], json.loads(back[b"metadata"])) == (b"poison", {"k": "v"})
+    [(_, handoff)] = outbox_db.xrange(KEYS.outbox)
+    assert (handoff[b"pubsub"], handoff[b"topic"], handoff[b"id"]) == (b"mem", b"orders", b"job-both")
 
 
 class _DiesAfterItsDeadLetter(Forwarder):

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from delayed_middleware.history import EVENTS, Retention
-from delayed_middleware.inspect import HISTORY_SLACK_MS
+from delayed_middleware.inspector import HISTORY_SLACK_MS
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from tests.components.conftest import history_fields, run_cli, write_history

@@ -14,8 +14,9 @@ import prometheus_client
 import pytest
 import redis
 
+from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import decode_entry
-from delayed_middleware.retry import dead_letter_topics_key, retry_key
+from delayed_middleware.retry import retry_key
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component, Stream
 from tests.conftest import small_stream_nodes

@@ -20,7 +20,7 @@ import redis.asyncio.cluster as acluster
 
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.history import DEAD_LETTERED, RETRIED
-from delayed_middleware.inspect import Inspector
+from delayed_middleware.inspector import Inspector
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.retry import retry_key
 from tests.components.driver import Component, Stream, cli

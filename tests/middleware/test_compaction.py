@@ -21,7 +21,7 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import Envelope
-from delayed_middleware.inspect import Inspector
+from delayed_middleware.inspector import Inspector
 from delayed_middleware.keys import EngineKeys, shard_topics
 from tests.conftest import drain_and_compact, freed_by_deleting, stored_bytes
 from tests.middleware.test_engine import KEYS, T0, env, target

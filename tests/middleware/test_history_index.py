@@ -16,7 +16,7 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.envelope import RECURRING, Envelope
 from delayed_middleware.history import HANDED_OFF, IndexSweep, Retention, decode_record
-from delayed_middleware.inspect import HistoryPosition, Inspector
+from delayed_middleware.inspector import HistoryPosition, Inspector
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.redis_server import stream_entries
 

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_engine_key
 from delayed_middleware.retry import (
     DeadLetter,
     Redeliver,
     RetryPolicy,
-    dead_letter_topics_key,
     parse_retry_policy,
     retry_key,
 )

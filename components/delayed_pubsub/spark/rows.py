@@ -24,7 +24,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from delayed_middleware import history as hist
 from delayed_middleware.entry import DATA
-from delayed_middleware.history import FIRED, ONESHOT, RECURRING, RETRY, decode_record, record_problem
+from delayed_middleware.history import FIRED, decode_record, record_problem
+from delayed_middleware.kinds import Kind
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 # Spark's TimestampType crosses Arrow as microseconds in UTC.
@@ -161,8 +162,8 @@ def history_batch(delayed_topic: str, entries: Sequence[tuple[Any, Mapping[Any, 
         "id": words("id"),
         "schedule_id": words("sid"),
         "topic": words("topic"),
-        # decode_record: `kind or ONESHOT`, `attempt or 1`
-        "kind": pc.if_else(pc.equal(kind, ""), ONESHOT, kind),
+        # decode_record: `kind or oneshot`, `attempt or 1`
+        "kind": pc.if_else(pc.equal(kind, ""), ONESHOT_LABEL, kind),
         "schedule": words("schedule"),
         "due_at": _ts(number("due", None)),
         "fired_at": _ts(
@@ -338,7 +339,9 @@ V2_FIELDS: Final = {
 }
 _KNOWN_V2 = frozenset(name for name in V2_FIELDS if name in _DESCRIPTOR.fields_by_name)
 # An enum `kind` as an unknown varint: the order the engine declares them in.
-_KIND_BY_NUMBER: Final = {0: ONESHOT, 1: RECURRING, 2: RETRY}
+_KIND_BY_NUMBER: Final = {k.value: k.label for k in Kind}
+ONESHOT_LABEL: Final = Kind.ONESHOT.label
+RECURRING_LABEL: Final = Kind.RECURRING.label
 _DATA_FIELD: Final = DATA.encode()
 
 
@@ -376,9 +379,9 @@ def _kind_text(value: Any) -> str:
                 else ""
             )
             # KIND_RECURRING / RECURRING -> recurring
-            return name.lower().removeprefix("kind_") or ONESHOT
+            return name.lower().removeprefix("kind_") or ONESHOT_LABEL
         return _KIND_BY_NUMBER.get(value, str(value))
-    return str(value) or ONESHOT
+    return str(value) or ONESHOT_LABEL
 
 
 def _v2(msg: delayed_pb2.DelayedMessage) -> dict[str, Any]:
@@ -415,7 +418,7 @@ def decode_envelope_row(raw: bytes) -> EnvelopeRow:
             raise ValueError(f"bulk DelayedMessage has a bad body: {e}") from None
         size, entries = sum(len(e.event) for e in bulk.entries), len(bulk.entries)
     schedule = str(v2.get("schedule", "") or "")
-    kind = _kind_text(v2["kind"]) if "kind" in v2 else (RECURRING if schedule else ONESHOT)
+    kind = _kind_text(v2["kind"]) if "kind" in v2 else (RECURRING_LABEL if schedule else ONESHOT_LABEL)
     return EnvelopeRow(
         id=msg.id,
         schedule_id=msg.scheduleId,
@@ -477,7 +480,7 @@ def recurring_keys(decoded: Sequence[tuple[str, EnvelopeRow | str]]) -> list[str
     return [
         row.id or stream_id
         for stream_id, row in decoded
-        if isinstance(row, EnvelopeRow) and row.kind == RECURRING
+        if isinstance(row, EnvelopeRow) and row.kind == RECURRING_LABEL
     ]
 
 
@@ -526,7 +529,7 @@ def pending_batch(
             continue
         key = row.id or stream_id
         due, next_due = row.due_ms, None
-        if row.kind == RECURRING:
+        if row.kind == RECURRING_LABEL:
             tracked = current_due.get(key)
             # The ids entry must point at this very envelope: a replaced one has moved on.
             if tracked is not None and tracked[0] == stream_id:

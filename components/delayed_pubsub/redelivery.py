@@ -23,20 +23,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from delayed_middleware import history
+from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
+from delayed_middleware.deadletters import GaveUp, write_dead_letter
+from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.history import Retention
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
+from delayed_middleware.kinds import Kind
 from delayed_middleware.liveness import Supervised
-from delayed_middleware.retry import (
-    DeadLetter,
-    RetryPolicy,
-    dead_letter_metadata,
-    dead_letter_topics_key,
-    retry_key,
-    retry_topics_key,
-)
+from delayed_middleware.retry import DeadLetter, RetryPolicy, retry_key, retry_topics_key
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
 from delayed_pubsub.metrics import InstanceMetrics
 
@@ -188,19 +184,10 @@ class Retrier:
     async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
         topic = decision.topic
         if topic:
-            metadata = dead_letter_metadata(
-                entry.metadata,
-                reason=decision.reason,
-                attempts=decision.attempts,
-                source_topic=self._topic,
-                consumer=self._group,
-                at_ms=self._clock.now_ms(),
-            )
-            dead = StreamEntry(entry.data, metadata, entry.content_type, entry.expires_at_ms)
+            why = GaveUp(decision.reason, decision.attempts, self._topic, self._group, self._clock.now_ms())
+            write = functools.partial(write_dead_letter, self._client, self._group, topic, entry, why)
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
-            await self._retrying(
-                "dead letter XADD", lambda: append_dead_letter(self._client, self._group, topic, dead)
-            )
+            await self._retrying("dead letter XADD", write)
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
         (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
         await self._append_history(
@@ -260,9 +247,9 @@ class Retrier:
             "event": event,
             "at": str(self._clock.now_ms() if at_ms is None else at_ms),
             "id": scheduler or entry_id,
-            "sid": scheduler if scheduler and not _is_stream_id(scheduler) else "",
+            "sid": scheduler if scheduler and not is_stream_id(scheduler) else "",
             "topic": self._topic,
-            "kind": history.RETRY,
+            "kind": Kind.RETRY.label,
             "due": "" if due_ms is None else str(due_ms),
             "size": str(len(entry.data)),
             "attempt": str(attempt),
@@ -305,7 +292,7 @@ class Retrier:
         async with asyncio.timeout(self._timeout):
             due, later = await pipe.execute()
         if due:
-            ids = [raw.decode() if isinstance(raw, bytes) else str(raw) for raw in due]
+            ids = [text(raw) for raw in due]
             async with asyncio.timeout(self._timeout):
                 # ZREM returning 1 is the token: of racing streams, one redelivers.
                 pipe = self._client.pipeline(transaction=False)
@@ -317,7 +304,7 @@ class Retrier:
                     # Bumps each PEL delivery count: that is the attempt number.
                     claimed = await self._client.xclaim(self._topic, self._group, self._consumer, 0, mine)
                 # Deleted or trimmed while they waited: nothing to redeliver.
-                live = [(_id(i), f) for i, f in claimed if f is not None]
+                live = [(text(i), f) for i, f in claimed if f is not None]
                 attempts = await self._attempts([i for i, _ in live])
             for entry_id, fields in live:
                 push(entry_id, fields, attempts.get(entry_id, 2))
@@ -326,51 +313,36 @@ class Retrier:
         return int(later[0][1]) if later else None
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
-        if not ids:
-            return {}
-        pipe = self._client.pipeline(transaction=False)
-        for entry_id in ids:
-            pipe.xpending_range(self._topic, self._group, min=entry_id, max=entry_id, count=1)
-        counts: dict[str, int] = {}
-        for rows in await pipe.execute():
-            for row in rows:
-                counts[_id(row["message_id"])] = int(row["times_delivered"])
-        return counts
+        return await delivery_counts(self._client, self._topic, self._group, ids)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it works; gives up (CancelledError) once closed."""
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
-        while True:
-            try:
-                async with asyncio.timeout(self._timeout):
-                    return await call()
-            except _RETRIED as e:
-                self._metrics.redis_errors.inc()
-                log.warning("%s on %s: %s; retrying", what, self._topic, e)
-            if self._closed:
-                raise asyncio.CancelledError
-            await self._clock.sleep(backoff.next())
+
+        async def count(e: BaseException) -> None:
+            self._metrics.redis_errors.inc()
+            log.warning("%s on %s: %s; retrying", what, self._topic, e)
+
+        return await retrying(
+            call,
+            retried=_RETRIED,
+            on_error=count,
+            stopped=lambda: self._closed,
+            sleep=self._clock.sleep,
+            backoff=Backoff(base_s=0.05, cap_s=2.0),
+            call_timeout=self._timeout,
+        )
 
 
-async def append_dead_letter(client: Any, consumer_id: str, topic: str, entry: StreamEntry) -> None:
-    """The one dead-letter writer (subscriber retries and hand-offs): `entry` on `topic`,
-    and `topic` in the app's set of dead-letter topics, where `delayed-pubsub dead` looks.
-
-    One pipeline, not a transaction: on Redis Cluster the topic and the set
-    live in other slots than each other and than whatever the caller settles.
-    Callers write the dead letter first and settle the source after, so a
-    crash in between dead-letters twice, never zero times.
-    """
+async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str]) -> dict[str, int]:
+    """Each entry's delivery count in `group`'s PEL on `topic`, in one round trip: the attempt
+    number a redelivery carries (an id no longer pending is left out)."""
+    if not ids:
+        return {}
     pipe = client.pipeline(transaction=False)
-    pipe.xadd(topic, encode_entry(entry))
-    pipe.sadd(dead_letter_topics_key(consumer_id), topic)
-    await pipe.execute()
-
-
-def _id(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _is_stream_id(text: str) -> bool:
-    ms, dash, seq = text.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit()
+    for entry_id in ids:
+        pipe.xpending_range(topic, group, min=entry_id, max=entry_id, count=1)
+    counts: dict[str, int] = {}
+    for rows in await pipe.execute():
+        for row in rows:
+            counts[text(row["message_id"])] = int(row["times_delivered"])
+    return counts

@@ -36,14 +36,8 @@ import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
-from delayed_middleware.entry import StreamEntry, decode_entry
-from delayed_middleware.envelope import RECURRING as RECURRING_KIND
-from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
-from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
-from delayed_middleware.history import ONESHOT, RECURRING, RETRY, HistoryRecord, decode_record
-from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
-from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
-from delayed_middleware.retry import (
+from delayed_middleware.aio import text
+from delayed_middleware.deadletters import (
     DL_AT,
     DL_ATTEMPTS,
     DL_CONSUMER,
@@ -51,9 +45,22 @@ from delayed_middleware.retry import (
     DL_REASON,
     DL_SOURCE_TOPIC,
     dead_letter_topics_key,
-    retry_key,
-    retry_topics_key,
 )
+from delayed_middleware.entry import StreamEntry, decode_entry
+from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.errors import InvalidArgumentError, MalformedEntryError
+from delayed_middleware.history import HistoryRecord, decode_record
+from delayed_middleware.keys import (
+    EngineKeys,
+    is_stream_id,
+    shard_id,
+    shard_index,
+    shard_topics,
+    split_shard_id,
+)
+from delayed_middleware.kinds import Kind
+from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
+from delayed_middleware.retry import retry_key, retry_topics_key
 from delayed_middleware.scripts import HIST_WALK
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
@@ -99,7 +106,7 @@ class PendingMessage:
         (`<stream id>@<shard>` when the delayed topic has several shards)."""
         if self.schedule_id:
             return self.schedule_id
-        return self.stream_id if self.shard is None else f"{self.stream_id}@{self.shard}"
+        return self.stream_id if self.shard is None else shard_id(self.stream_id, self.shard)
 
 
 @dataclass(frozen=True)
@@ -164,9 +171,8 @@ def payload_preview(data: bytes, limit: int = 256) -> str:
 
 
 def _s(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+    # An operator's listing shows undecodable bytes replaced rather than failing.
+    return text(value, errors="replace")
 
 
 def _public_id(raw_id: Any, fields: Any) -> Any:
@@ -304,14 +310,14 @@ def _pending(
 ) -> PendingMessage:
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
-    due, kind = due_ms, RECURRING if recurring else ONESHOT
+    due, kind = due_ms, (Kind.RECURRING if recurring else Kind.ONESHOT).label
     if ref is not None:
         ref_id, ref_due, ref_next = _ref(ref)
         # A recurring envelope's current occurrence lives in the ids hash.
         if ref_id == stream_id and ref_due is not None:
             due = ref_due
         if ref_id == stream_id and ref_next:
-            kind = RECURRING
+            kind = Kind.RECURRING.label
     return PendingMessage(
         stream_id=stream_id,
         schedule_id=schedule_id,
@@ -323,20 +329,6 @@ def _pending(
         published_at_ms=published_at_ms,
         shard=shard,
     )
-
-
-def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
-    """(shard, stream id) of an envelope id written `<stream id>@<shard>`, else None."""
-    local, at, shard = id.rpartition("@")
-    if not at or not looks_like_stream_id(local) or not (shard.isascii() and shard.isdigit()):
-        return None
-    n = int(shard)
-    return (n, local) if n < shards else None
-
-
-def looks_like_stream_id(text: str) -> bool:
-    ms, dash, seq = text.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit()
 
 
 @dataclass(frozen=True, order=True)
@@ -363,12 +355,13 @@ class HistoryPosition:
         named = split_shard_id(text, shards)
         if named is not None:
             return cls.of(named[1], named[0])
-        if looks_like_stream_id(text):
+        if is_stream_id(text):
             return cls.of(text)
         return None
 
     def text(self, shards: int) -> str:
-        return f"{self.ms}-{self.seq}" + (f"@{self.shard}" if shards > 1 else "")
+        local = f"{self.ms}-{self.seq}"
+        return shard_id(local, self.shard) if shards > 1 else local
 
 
 def _start_key(start: str) -> tuple[int, int, int]:
@@ -519,7 +512,7 @@ class Inspector:
                     size=size,
                     attempts=attempts,
                     published_at_ms=msg.publishedAtMs,
-                    recurring=msg.kind == RECURRING_KIND,
+                    recurring=msg.kind == Kind.RECURRING,
                     shard=self._label(shard),
                 )
             )
@@ -620,10 +613,10 @@ class Inspector:
                         schedule_id="",
                         topic=name,
                         due_ms=int(score),
-                        kind=RETRY,
+                        kind=Kind.RETRY.label,
                         size=len(entry.data),
                         attempts=int(pel[0]["times_delivered"]) if pel else 0,
-                        published_at_ms=int(entry_id.split("-")[0]) if looks_like_stream_id(entry_id) else 0,
+                        published_at_ms=int(entry_id.split("-")[0]) if is_stream_id(entry_id) else 0,
                     )
                 if len(page) < self._page:
                     break
@@ -694,12 +687,12 @@ class Inspector:
         except MalformedEntryError:
             return None  # the forwarder dead-letters it on its next read
         deliveries, idle = tries.get(outbox_id, (0, 0))
-        fired_ms = int(outbox_id.split("-")[0]) if looks_like_stream_id(outbox_id) else now_ms
+        fired_ms = int(outbox_id.split("-")[0]) if is_stream_id(outbox_id) else now_ms
         due = fired_ms if deliveries == 0 else now_ms - idle + policy.delay_ms(deliveries)
         return PendingMessage(
             stream_id=outbox_id,
             # The publisher's scheduleId names it; an envelope id (the envelope is gone) does not.
-            schedule_id="" if looks_like_stream_id(entry.id) else entry.id,
+            schedule_id="" if is_stream_id(entry.id) else entry.id,
             topic=entry.topic,
             due_ms=due,
             kind=HANDOFF,
@@ -717,7 +710,7 @@ class Inspector:
             if (
                 id in (m.id, m.schedule_id)
                 or (named is not None and (m.shard or 0, m.stream_id) == named)
-                or (looks_like_stream_id(id) and m.stream_id == id)
+                or (is_stream_id(id) and m.stream_id == id)
             ):
                 rows: Any = await self._redis.xrange(self.stream_of(m), m.stream_id, m.stream_id)
                 if not rows:
@@ -796,14 +789,14 @@ class Inspector:
             info = await self._load(*named)
         else:
             info = await self._by_key(id)
-            if info is None and looks_like_stream_id(id):
+            if info is None and is_stream_id(id):
                 found = [i for i in [await self._load(n, id) for n in range(len(self.shards))] if i]
                 if len(found) > 1:
                     raise InvalidArgumentError(
                         "id", id, f"on {len(found)} shards; name one as {id}@<shard> (see `pending`)"
                     )
                 info = found[0] if found else None
-        if info is None and looks_like_stream_id(id):
+        if info is None and is_stream_id(id):
             info = await self._retry_info(id)
         if info is None:
             info = await self._handoff_info(id)
@@ -839,7 +832,7 @@ class Inspector:
         out = [item async for item in self._shard_records(shard, low, local, reverse=False, stop=high)]
         seconds, micros = await self._redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        settled = m.kind == ONESHOT and info.state == "pending" and m.due_ms > now_ms
+        settled = m.kind == Kind.ONESHOT.label and info.state == "pending" and m.due_ms > now_ms
         if not settled:
             later: list[tuple[HistoryPosition, HistoryRecord]] = []
             newest = self._shard_records(shard, "+", local, reverse=True, stop=f"({high}")
@@ -886,7 +879,7 @@ class Inspector:
                 schedule_id="",
                 topic=name,
                 due_ms=int(score),
-                kind=RETRY,
+                kind=Kind.RETRY.label,
                 size=len(entry.data),
                 attempts=int(pel[0]["times_delivered"]) if pel else 0,
                 published_at_ms=published,
@@ -991,7 +984,7 @@ class Inspector:
         """Where the records of an id written as a stream id (an envelope's, or a topic entry's for
         retries) can begin: that id's own time, less the slack of its scheduling script. 0 for
         any other id (a scheduleId may have records from any time)."""
-        if local is None or not looks_like_stream_id(local):
+        if local is None or not is_stream_id(local):
             return 0
         return max(0, HistoryPosition.of(local).ms - HISTORY_SLACK_MS)
 
@@ -1010,7 +1003,7 @@ class Inspector:
         if born:
             # Nothing about it was written before it existed: skip the older history.
             starts = [max(st, f"{born}-0", key=_start_key) for st in starts]
-        if local is not None and not looks_like_stream_id(local):
+        if local is not None and not is_stream_id(local):
             pages = [self._indexed_forward(n, starts[n], local) for n in shards]
         else:
             pages = [self._shard_records(n, starts[n], local, reverse=False) for n in shards]
@@ -1086,7 +1079,7 @@ class Inspector:
         shards, local = self._history_filter(id)
         born = self._born_ms(local)
         stop = f"{born}-0" if born else None
-        if local is not None and not looks_like_stream_id(local):
+        if local is not None and not is_stream_id(local):
             pages = [self._indexed_newest(n, local, "") for n in shards]
         else:
             pages = [self._shard_records(n, "+", local, reverse=True, stop=stop) for n in shards]
@@ -1138,9 +1131,9 @@ class Inspector:
     def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
         # A subscriber retry's record names an entry of its topic, not an envelope.
         label = self._label(shard)
-        if label is None or record.kind == RETRY or record.schedule_id or not looks_like_stream_id(record.id):
+        if label is None or record.kind == Kind.RETRY.label or record.schedule_id or not is_stream_id(record.id):
             return record
-        return dataclasses.replace(record, id=f"{record.id}@{label}")
+        return dataclasses.replace(record, id=shard_id(record.id, label))
 
     async def dead_letter_topics(self) -> list[str]:
         """The dead-letter topics this app's subscriptions and hand-offs have written to."""

@@ -9,14 +9,14 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import delayed_middleware.inspect
+import delayed_middleware.inspector
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.inspect import Inspector, looks_like_stream_id, payload_preview
-from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
+from delayed_middleware.inspector import Inspector, payload_preview
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 
 T0 = 1_800_000_000_000
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
@@ -86,7 +86,7 @@ async def test_get_by_schedule_id_and_by_envelope_id(client: aioredis.Redis, eng
     inspector = Inspector(client, "app")
     info = await inspector.get("invoice-7")
     assert info is not None
-    assert looks_like_stream_id(info.message.stream_id)
+    assert is_stream_id(info.message.stream_id)
     assert info.message.id == "invoice-7"
     assert info.state == "pending"
     assert info.preview() == '{"n":1}'
@@ -124,7 +124,7 @@ async def test_parked_and_undecodable_are_counted_not_listed(
     assert (report.parked, report.undecodable) == (1, 1)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     # Many parked: looked up per page instead of loaded at once, same answer.
-    monkeypatch.setattr(delayed_middleware.inspect, "_PARKED_IN_MEMORY", 0)
+    monkeypatch.setattr(delayed_middleware.inspector, "_PARKED_IN_MEMORY", 0)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     info = await inspector.get(a)
     assert info is not None
@@ -174,7 +174,7 @@ async def test_history_filters_by_id_and_since(client: aioredis.Redis, redis_cli
 
 
 async def test_dead_letters_of_this_app_only(client: aioredis.Redis, redis_client: redis.Redis) -> None:
-    from delayed_middleware.retry import dead_letter_topics_key
+    from delayed_middleware.deadletters import dead_letter_topics_key
 
     def dead(app: str, source: str) -> dict[str, bytes]:
         md = {
@@ -241,6 +241,19 @@ async def test_every_shard_is_listed_merged_by_due_time_with_shard_labelled_ids(
         assert [r.id for r in info.history] == [m.id]
     assert await inspector.get("1-1@2") is None
     assert await inspector.get(ids[0].partition("@")[0] + "@9") is None  # no shard 9
+
+
+async def test_a_schedule_id_spelled_like_a_padded_shard_id_is_found_by_its_schedule_id(
+    client: aioredis.Redis,
+) -> None:
+    # `1-1@01` is no id shard_id writes (it would be `1-1@1`): the operator means the scheduleId.
+    clock = ManualClock(T0)
+    engine = sharded(client, clock)
+    await engine.schedule([env(1, T0 + 60_000, "orders", sid="1-1@01")])
+    await engine.schedule([env(2, T0 + 60_000, "orders")])
+    info = await Inspector(client, "app", shards=3).get("1-1@01")
+    assert info is not None
+    assert (info.message.id, info.message.schedule_id, info.state) == ("1-1@01", "1-1@01", "pending")
 
 
 async def test_counts_over_shards_respect_the_scan_bound(client: aioredis.Redis) -> None:

@@ -1,0 +1,27 @@
+"""What a delayed message is: a one-shot, a recurring schedule, or a subscriber retry.
+
+One enum for both spellings a kind has: its number is `DelayedMessage.kind` in
+the envelope (and the index lua/history.lua's KIND_NAMES maps), its label is
+what history records, the inspector's listings and the Spark rows carry.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Kind(enum.IntEnum):
+    """A delayed message's kind; the value is DelayedMessage.kind, `label` the text form."""
+
+    ONESHOT = 0
+    RECURRING = 1
+    RETRY = 2
+
+    @property
+    def label(self) -> str:
+        """The text form: `oneshot`, `recurring`, `retry`."""
+        return self.name.lower()
+
+
+# Every label, in number order (history records are checked against it).
+LABELS: tuple[str, ...] = tuple(k.label for k in Kind)
