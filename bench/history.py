@@ -31,6 +31,7 @@ for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
 from bench.ops import populate  # noqa: E402
+from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -92,6 +93,25 @@ def middle_envelope(port: int) -> str:
     raise SystemExit("no envelope without a scheduleId found")
 
 
+def memory(port: int) -> str:
+    """The history's and its by-id index's memory (MEMORY USAGE, every element counted)."""
+    import redis
+
+    keys = EngineKeys.for_topic(delayed_topic("bench"))
+    client = redis.Redis(port=port)
+    try:
+        history = client.memory_usage(keys.history, samples=0) or 0
+        index = client.memory_usage(keys.history_index, samples=0) or 0
+        fields = client.hlen(keys.history_index)
+        records = client.xlen(keys.history)
+    finally:
+        client.close()
+    return (
+        f"history: {records} records, {history / 2**20:.1f} MB ({history / max(records, 1):.0f} B each); "
+        f"by-id index: {fields} fields, {index / 2**20:.1f} MB ({index / max(fields, 1):.0f} B each)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=100_000)
@@ -110,6 +130,7 @@ def main() -> None:
             asyncio.run(populate(server.port, n, 30))
             print(f"populated {n} pending messages ({n} history records) in {time.perf_counter() - t:.0f} s")
             conn = ["--redis-host", f"127.0.0.1:{server.port}", "--app-id", "bench"]
+            print(memory(server.port), flush=True)
             envelope = middle_envelope(server.port)
             after: list[tuple[str, list[str]]] = [
                 ("pending --json (reference)", ["pending", "--json"]),
@@ -122,7 +143,7 @@ def main() -> None:
             ]
             before: list[tuple[str, list[str]]] = [
                 ("pending --json (reference)", ["pending", "--json"]),
-                ("history (all: no --limit)", ["history"]),
+                ("history (default)", ["history"]),
                 (f"history --id {sched}", ["history", "--id", sched]),
                 (f"history --id {envelope} (an envelope id)", ["history", "--id", envelope]),
                 (f"inspect {sched}", ["inspect", sched]),

@@ -131,6 +131,7 @@ from delayed_middleware.envelope import (
     encode_envelope,
 )
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
+from delayed_middleware.history import IndexSweep
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import (
     EngineKeys,
@@ -276,6 +277,7 @@ class DelayEngine:
         self._pubsub_name = pubsub_name
         self._wake = asyncio.Event()
         self._last_history_trim = 0
+        self._index_sweep = IndexSweep(self._keys.history, self._keys.history_index)
         # How far this replica's clock runs ahead of the shard's Redis TIME, as
         # the last fire measured it (0 with an authoritative clock): the
         # successors computed here are on the shard's time, and the head the
@@ -1077,6 +1079,7 @@ class DelayEngine:
         max_age = self._config.history_max_age_ms
         # Record ids come from Redis's clock: the shard's time, not this replica's.
         now = self._shard_now()
+        await self._index_sweep.step(self._redis, now)
         if not max_age or now - self._last_history_trim < 60_000:
             return
         self._last_history_trim = now

@@ -21,8 +21,16 @@ Each entry is a flat set of string fields:
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
 | `reason`  | parked / expired / cancelled / deadlettered: why ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
+| `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
 
 Fields may be added later; readers must ignore unknown ones.
+
+The by-id index: `{<consumerID>-delayed}:history-ids` (EngineKeys.history_index)
+maps each `id` that is not a stream id (a scheduleId) to its newest record's
+entry id, and `prev` links each such record to the one before, so the records
+of one scheduleId are read without a scan of the history (see lua/history.lua;
+Inspector.history_newest / history_forward read it, HIST_SWEEP drops what
+trimming left behind).
 
 A record that does not follow this format (record_problem says why: no or an
 unknown `event`, no `at` or one that is not a time, a number field or `kind`
@@ -39,6 +47,7 @@ from typing import Any, Final
 
 from delayed_middleware.aio import text
 from delayed_middleware.kinds import LABELS, Kind
+from delayed_middleware.scripts import HIST_APPEND, HIST_SWEEP
 
 SCHEDULED: Final = "scheduled"
 REPLACED: Final = "replaced"
@@ -107,20 +116,55 @@ class Retention:
         return self.max_len > 0
 
     def append(self, pipe: Any, key: str, record: Mapping[str, str], now_ms: int) -> int:
-        """Queue the record's XADD (bounded by max_len) and the age trim on a redis-py pipeline.
+        """Queue the record's XADD (bounded by max_len, linked into the by-id index) and the age trim
+        on a redis-py pipeline.
 
         Returns how many commands were queued: 0 when the history is off (then
-        nothing is written), else 1 or 2. Both commands touch only `key`, so
-        they fit in a transaction with the key's own slot on Redis Cluster.
+        nothing is written), else 1 or 2. Both commands touch only `key` and its
+        index (one hash tag), so they fit in a transaction with the key's own slot
+        on Redis Cluster. The script goes as EVAL, not EVALSHA: a NOSCRIPT inside
+        a MULTI would drop the record while the transaction's other commands run.
         """
         if not self.enabled:
             return 0
-        pipe.xadd(key, dict(record), maxlen=self.max_len, approximate=True)
+        args = [item for pair in record.items() for item in pair]
+        pipe.eval(HIST_APPEND, 1, key, self.max_len, *args)
         if not self.max_age_ms:
             return 1
         # Approximate: only whole stream nodes go, so this is cheap on every write.
         pipe.xtrim(key, minid=f"{max(0, now_ms - self.max_age_ms)}-0", approximate=True)
         return 2
+
+
+class IndexSweep:
+    """Keeps the by-id index as long as the history: drops the fields whose newest record was
+    trimmed away (by `historyMaxLen` or `historyMaxAge`).
+
+    A sweep walks the whole hash a page per `step` (HIST_SWEEP), one every
+    `every_ms`: a page per fire-loop pass while a sweep is under way, so no
+    pass waits on more than a page, and the index is walked once a minute
+    (the fire loop passes at least every `max_sleep_s`). Each field costs
+    Redis about a microsecond: a 1M-field index, about a second a minute.
+    Replicas sweep side by side; each drop is checked inside the script.
+    """
+
+    def __init__(self, history: str, index: str, *, page: int = 5000, every_ms: int = 60_000) -> None:
+        self._keys = [history, index]
+        self._page = page
+        self._every_ms = every_ms
+        self._cursor: str | None = None
+        self._started_ms = -every_ms
+        self.dropped = 0
+
+    async def step(self, redis: Any, now_ms: int) -> None:
+        if self._cursor is None:
+            if now_ms - self._started_ms < self._every_ms:
+                return
+            self._started_ms, self._cursor = now_ms, "0"
+        cursor, dropped = await redis.eval(HIST_SWEEP, 2, *self._keys, self._cursor, self._page)
+        self.dropped += int(dropped)
+        cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        self._cursor = None if cursor == "0" else cursor
 
 
 def _int(value: str, default: int | None) -> int | None:

@@ -61,6 +61,7 @@ from delayed_middleware.keys import (
 from delayed_middleware.kinds import Kind
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.retry import retry_key, retry_topics_key
+from delayed_middleware.scripts import HIST_WALK
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500
@@ -71,6 +72,9 @@ INSPECT_HISTORY = 50
 # How far around an envelope's own stream id its scheduling records are looked for (ms):
 # written by the same script, they are within that script's run (a script keeps to ~20 ms) of it.
 HISTORY_SLACK_MS = 250
+# history_forward of one scheduleId collects at most this many of a shard's records from the
+# by-id index before it shows them oldest first; an id with more is read by a scan (it is dense).
+INDEXED_FORWARD_MAX = 20_000
 # Up to this many parked envelopes are loaded once per count instead of looked up per page.
 _PARKED_IN_MEMORY = 10_000
 DELIVERY_ATTEMPT = "deliveryAttempt"
@@ -367,6 +371,19 @@ def _start_key(start: str) -> tuple[int, int, int]:
     exclusive = start.startswith("(")
     position = HistoryPosition.of(start.lstrip("("))
     return (position.ms, position.seq, int(exclusive))
+
+
+def _exclusive_low(start: str) -> str:
+    """An XRANGE start ("-", "<ms>-<seq>", "(<ms>-<seq>") as the entry id the records must
+    follow ('' = none): hist_walk.lua's lower bound."""
+    if start == "-":
+        return ""
+    if start.startswith("("):
+        return start[1:]
+    position = HistoryPosition.of(start)
+    if position.seq:
+        return f"{position.ms}-{position.seq - 1}"
+    return f"{position.ms - 1}-{2**64 - 1}" if position.ms else ""
 
 
 async def _merge(
@@ -986,9 +1003,70 @@ class Inspector:
         if born:
             # Nothing about it was written before it existed: skip the older history.
             starts = [max(st, f"{born}-0", key=_start_key) for st in starts]
-        pages = [self._shard_records(n, starts[n], local, reverse=False) for n in shards]
+        if local is not None and not is_stream_id(local):
+            pages = [self._indexed_forward(n, starts[n], local) for n in shards]
+        else:
+            pages = [self._shard_records(n, starts[n], local, reverse=False) for n in shards]
         async for item in _merge(pages, reverse=False):
             yield item
+
+    async def _indexed_forward(
+        self, shard: int, start: str, id: str
+    ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
+        """One shard's records of `id` (not a stream id) from `start` on, oldest first: read newest
+        first through the by-id index down to `start`, then given in order. Beyond
+        INDEXED_FORWARD_MAX of them, a scan: memory stays bounded."""
+        found: list[tuple[HistoryPosition, HistoryRecord]] = []
+        walk = self._indexed_newest(shard, id, _exclusive_low(start))
+        try:
+            async for item in walk:
+                found.append(item)
+                if len(found) > INDEXED_FORWARD_MAX:
+                    break
+            else:
+                for item in reversed(found):
+                    yield item
+                return
+        finally:
+            await walk.aclose()
+        found.clear()
+        async for item in self._shard_records(shard, start, id, reverse=False):
+            yield item
+
+    async def _indexed_newest(
+        self, shard: int, id: str, low: str
+    ) -> AsyncGenerator[tuple[HistoryPosition, HistoryRecord]]:
+        """One shard's records of `id` (not a stream id), newest first, down to the entry id `low`
+        (exclusive; '' = all): along the by-id index's chain (lua/hist_walk.lua), a page per call,
+        then by a scan where the chain cannot answer (records older than the index, or below a
+        record rewritten out of place)."""
+        keys = self.shards[shard]
+        link = ""
+        while True:
+            raw: Any = await self._redis.eval(
+                HIST_WALK, 2, keys.history, keys.history_index, id, link, low, self._page
+            )
+            state, link, marker, first = (_s(x) for x in raw[:4])
+            rows = raw[4:]
+            for i in range(0, len(rows), 2):
+                flat = rows[i + 1]
+                record = decode_record(rows[i], dict(zip(flat[::2], flat[1::2], strict=True)))
+                if id in (record.id, record.schedule_id):
+                    yield HistoryPosition.of(record.stream_id, shard), self._relabel(shard, record)
+            if state != "more":
+                break
+        below: str | None = None
+        if state == "gap":
+            below = "(" + link
+        elif state in ("start", "none"):
+            if not marker:
+                below = "+"  # nothing indexed yet: a history written before the index
+            elif first and _stream_id(first) < _stream_id(marker):
+                below = "(" + marker  # the records before indexing began
+        if below is not None:
+            stop = "(" + low if low else None
+            async for item in self._shard_records(shard, below, id, reverse=True, stop=stop):
+                yield item
 
     async def history_newest(
         self, limit: int, *, id: str | None = None
@@ -1001,7 +1079,10 @@ class Inspector:
         shards, local = self._history_filter(id)
         born = self._born_ms(local)
         stop = f"{born}-0" if born else None
-        pages = [self._shard_records(n, "+", local, reverse=True, stop=stop) for n in shards]
+        if local is not None and not is_stream_id(local):
+            pages = [self._indexed_newest(n, local, "") for n in shards]
+        else:
+            pages = [self._shard_records(n, "+", local, reverse=True, stop=stop) for n in shards]
         out: list[tuple[HistoryPosition, HistoryRecord]] = []
         merged = _merge(pages, reverse=True)
         try:

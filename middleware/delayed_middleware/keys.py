@@ -120,6 +120,13 @@ class EngineKeys:
         return "{" + self.stream + "}:deadletters"
 
     @property
+    def history_index(self) -> str:
+        """Hash, id (not a stream id) -> its newest history record's entry id: the history's by-id
+        index (see delayed_middleware.history). Derived from the history's name, never passed as
+        a key: lua/history.lua appends `-ids`, in the history's slot."""
+        return self.history + "-ids"
+
+    @property
     def inflight(self) -> str:
         """Redis Cluster's two-phase fire: sorted set of claimed envelope ids by lease end (ms)."""
         return "{" + self.stream + "}:inflight"

@@ -66,3 +66,7 @@ CLAIM: Final = load("claim.lua")
 APPEND: Final = load("append.lua")
 RELEASE: Final = load("release.lua")
 UNCANCEL: Final = load("uncancel.lua")
+# The history's by-id index: the other writers' append, and the sweep after trimming.
+HIST_APPEND: Final = load("hist_append.lua")
+HIST_SWEEP: Final = load("hist_sweep.lua")
+HIST_WALK: Final = load("hist_walk.lua")

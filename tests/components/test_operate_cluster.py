@@ -222,6 +222,12 @@ async def test_cancel_of_ids_on_shard_5_removes_them_and_nothing_else(scene: Sce
     assert result.code == 0, result.err
     assert "cancelled" in result.out
     assert "operator" in result.out
+    # And by scheduleId, through shard 5's by-id index.
+    result = await cli("history", *scene.conn, "--id", sid, "--limit", "0", "--json")
+    assert result.code == 0, result.err
+    [last] = result.json()[-1:]
+    assert (last["event"], last["reason"].split()[0]) == ("cancelled", "operator")
+    assert admin.hget(shard5.history_index, sid) is not None
     # Cancelling again: not pending any more.
     result = await cli("cancel", *scene.conn, envelope)
     assert result.code == 1

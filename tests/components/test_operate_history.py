@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from delayed_middleware.history import EVENTS
+from delayed_middleware.history import EVENTS, Retention
 from delayed_middleware.inspector import HISTORY_SLACK_MS
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
@@ -269,3 +269,44 @@ async def test_history_of_an_envelope_id_reads_from_its_own_time_on(
         assert result.code == 0, result.err
         assert [r["event"] for r in result.json()] == ["scheduled", "cancelled"], flags
         assert reads <= 5, (flags, reads)
+
+
+def write_indexed_records(redis_client: redis.Redis, n: int = 20_000) -> None:
+    """`n` records of other scheduleIds, written as the retrier and the forwarder write them (linked
+    into the by-id index)."""
+    retention = Retention()
+    now = int(time.time() * 1000)
+    for start in range(0, n, 2_000):
+        pipe = redis_client.pipeline(transaction=False)
+        for i in range(start, min(n, start + 2_000)):
+            retention.append(pipe, HISTORY, {**history_fields("handedoff", f"other{i}", now), "sid": ""}, now)
+        pipe.execute()
+
+
+async def test_history_of_a_schedule_id_reads_its_own_records_not_the_whole_history(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # 20,000 records of other scheduleIds before it and 20,000 after: a scan reads 80 pages or more.
+    write_indexed_records(redis_client)
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("orders", b"tick", {"schedule": "@every 1s", "scheduleId": "tick"})
+    deadline = time.monotonic() + 30
+    while tick_records(redis_client) < 4:
+        assert time.monotonic() < deadline, "the schedule did not fire 3 times within 30 s"
+        await asyncio.sleep(0.2)
+    await c.publish("orders", b"", {"scheduleCancel": "true", "scheduleId": "tick"})
+    write_indexed_records(redis_client)
+    for flags in ([], ["--limit", "0"], ["--limit", "2"]):
+        before = history_reads(redis_client)
+        result = run_cli("history", *conn(redis_server, "--id", "tick", "--json", *flags))
+        reads = history_reads(redis_client) - before
+        assert result.code == 0, result.err
+        events = [r["event"] for r in result.json()]
+        if flags == ["--limit", "2"]:
+            assert events == ["fired", "cancelled"], events  # the newest two
+        else:
+            assert len(events) >= 5, events
+            assert events == ["scheduled"] + ["fired"] * (len(events) - 2) + ["cancelled"], events
+        # One XRANGE per record of tick and a few more: not a page of the other 40,000.
+        assert reads <= 2 * len(events) + 6, (flags, reads)

@@ -28,8 +28,9 @@ def history(client: redis.Redis, event: str) -> list[HistoryRecord]:
 
 def engine_keys_left(client: redis.Redis) -> list[str]:
     """Engine state still holding something (index, ids, marks, envelopes), beyond the
-    history, the call tokens and the bucket sequence: nothing, once all is cancelled or fired."""
-    keep = {KEYS.history, KEYS.calls, KEYS.seq}
+    history (and its by-id index), the call tokens and the bucket sequence: nothing, once all is
+    cancelled or fired."""
+    keep = {KEYS.history, KEYS.history_index, KEYS.calls, KEYS.seq}
     left = sorted(
         k.decode()
         for k in client.scan_iter(match="{app-delayed}*")

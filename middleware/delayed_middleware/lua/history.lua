@@ -1,16 +1,62 @@
 -- LIBRARY history.lua: appends lifecycle records (format: delayed_middleware/history.py).
--- Expects KEYS[6] = history stream. The including script sets HIST_MAXLEN
--- (0 = history off) and HIST_NOW before calling hist().
+-- Expects KEYS[6] = history stream (an including script may set HIST_KEY to
+-- another). The including script sets HIST_MAXLEN (0 = history off) and
+-- HIST_NOW before calling hist().
 -- Every record has the same fields in the same order, so Redis stores the
 -- field names once per stream node instead of once per record.
+--
+-- The by-id index (`history --id` without a scan): a record whose `id` is
+-- not a stream id (a scheduleId, or an id a publisher named) carries in
+-- `prev` the entry id of the previous record of the same id, and the hash
+-- HIST_KEY .. '-ids' maps the id to its newest record's entry id. The
+-- records of one id are so a chain, newest first, that ends where the
+-- history was trimmed. The hash's field '' holds the first record indexed
+-- (older records predate the index and are found by a scan). The key is
+-- derived, not passed: it shares the history's hash tag, so its slot, and
+-- every script that writes history keeps its KEYS.
 local HIST_MAXLEN, HIST_NOW = 0, '0'
+local HIST_KEY = KEYS[6]
 local KIND_NAMES = {[0] = 'oneshot', [1] = 'recurring', [2] = 'retry'}
 
--- Returns the record's entry id (nil when the history is off).
+local function hist_indexed(id)
+  return id ~= '' and not string.find(id, '^%d+%-%d+$')
+end
+
+-- XADD of one record given as a flat field/value list without `prev`
+-- (the history's other writers: the subscriber retrier and the forwarder
+-- through hist_append.lua, UNCANCEL), linked into the by-id index after
+-- `prev` (nil: the id's newest record). Returns the entry id.
+local function hist_fields(id, fields, prev)
+  local index = HIST_KEY .. '-ids'
+  local indexed = hist_indexed(id)
+  if prev == nil then prev = indexed and redis.call('HGET', index, id) or '' end
+  local args = {HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*'}
+  for i = 1, #fields do args[#args + 1] = fields[i] end
+  args[#args + 1] = 'prev'
+  args[#args + 1] = prev
+  local entry = redis.call('XADD', unpack(args))
+  if indexed then
+    redis.call('HSET', index, id, entry)
+    if prev == '' then redis.call('HSETNX', index, '', entry) end
+  end
+  return entry
+end
+
+-- Returns the record's entry id (nil when the history is off). The fire
+-- path's writer: one XADD with literal arguments, and for an indexed id an
+-- HGET and an HSET besides.
 local function hist(event, id, sid, topic, kind, due, late, size, attempt, reason, schedule)
   if HIST_MAXLEN == 0 then return nil end
-  return redis.call('XADD', KEYS[6], 'MAXLEN', '~', HIST_MAXLEN, '*',
+  local indexed = hist_indexed(id)
+  local index = HIST_KEY .. '-ids'
+  local prev = indexed and redis.call('HGET', index, id) or ''
+  local entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
     'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
     'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
-    'attempt', attempt, 'reason', reason, 'schedule', schedule)
+    'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
+  if indexed then
+    redis.call('HSET', index, id, entry)
+    if prev == '' then redis.call('HSETNX', index, '', entry) end
+  end
+  return entry
 end

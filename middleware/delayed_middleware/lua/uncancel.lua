@@ -7,24 +7,34 @@
 -- KEYS: 1 history stream
 -- ARGV: 1 the `cancelled` record's entry id, 2 now ms, 3 history maxlen
 -- Returns 1 when rewritten, 0 when the record is gone (trimmed).
-local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])[1]
+--!include history.lua
+HIST_KEY, HIST_MAXLEN, HIST_NOW = KEYS[1], tonumber(ARGV[3]), ARGV[2]
+local e = redis.call('XRANGE', HIST_KEY, ARGV[1], ARGV[1])[1]
 if not e then return 0 end
 local f = e[2]
-local due = nil
+local due, id, prev = nil, '', ''
 for i = 1, #f, 2 do
   if f[i] == 'due' then due = tonumber(f[i + 1]) end
+  if f[i] == 'id' then id = f[i + 1] end
+  if f[i] == 'prev' then prev = f[i + 1] end
 end
-local args = {KEYS[1], 'MAXLEN', '~', ARGV[3], '*'}
+local fields = {}
 for i = 1, #f, 2 do
   local k, v = f[i], f[i + 1]
   if k == 'event' then v = 'fired'
-  elseif k == 'at' then v = ARGV[2]
+  elseif k == 'at' then v = HIST_NOW
   elseif k == 'reason' then v = ''
-  elseif k == 'late' and due then v = tostring(tonumber(ARGV[2]) - due)
+  elseif k == 'late' and due then v = tostring(tonumber(HIST_NOW) - due)
   end
-  args[#args + 1] = k
-  args[#args + 1] = v
+  if k ~= 'prev' then
+    fields[#fields + 1] = k
+    fields[#fields + 1] = v
+  end
 end
-redis.call('XDEL', KEYS[1], ARGV[1])
-redis.call('XADD', unpack(args))
+redis.call('XDEL', HIST_KEY, ARGV[1])
+-- The new record takes the old one's place in its id's chain when the old one
+-- was the newest; else it follows the newest, and the chain's link to the
+-- deleted record is found missing by the reader, which scans from there.
+if hist_indexed(id) and redis.call('HGET', HIST_KEY .. '-ids', id) ~= ARGV[1] then prev = nil end
+hist_fields(id, fields, prev)
 return 1

@@ -1,0 +1,35 @@
+-- HIST_SWEEP: drops by-id index fields (history.lua) whose newest record the
+-- history no longer holds (trimmed by length or age), a page at a time, so
+-- the index stays as long as the history. A field is dropped only if it still
+-- points before the history's first record: a writer that moved it on since
+-- the page was read keeps it. The field '' (where indexing began) stays; a
+-- sweep's first page sets it when missing, to the history's last entry id
+-- ('0-0' when empty): every record after it was written by an indexing writer.
+-- KEYS: 1 history stream, 2 its by-id index hash
+-- ARGV: 1 HSCAN cursor, 2 page size
+-- Returns {next cursor ('0' when the sweep is through), fields dropped}.
+local function before(a, b)
+  local am, as = string.match(a, '^(%d+)%-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
+  if not am or not bm then return false end
+  if #am ~= #bm then return #am < #bm end
+  if am ~= bm then return am < bm end
+  if #as ~= #bs then return #as < #bs end
+  return as < bs
+end
+if ARGV[1] == '0' and redis.call('HEXISTS', KEYS[2], '') == 0 then
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+  redis.call('HSET', KEYS[2], '', last and last[1] or '0-0')
+end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+local page = redis.call('HSCAN', KEYS[2], ARGV[1], 'COUNT', tonumber(ARGV[2]))
+local gone = {}
+local fields = page[2]
+for i = 1, #fields, 2 do
+  local id, at = fields[i], fields[i + 1]
+  if id ~= '' and (not first or before(at, first[1])) then gone[#gone + 1] = id end
+end
+for i = 1, #gone, 500 do
+  redis.call('HDEL', KEYS[2], unpack(gone, i, math.min(i + 499, #gone)))
+end
+return {page[1], #gone}
