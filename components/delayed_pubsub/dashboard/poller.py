@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import math
 import time
@@ -161,13 +163,16 @@ class Poller:
             seen = -1
             while True:
                 async with self._changed:
-                    await self._changed.wait_for(lambda: self.snapshot is not None and self.snapshot.version != seen)
+                    await self._changed.wait_for(functools.partial(self._newer_than, seen))
                     snap = self.snapshot
                 assert snap is not None
                 seen = snap.version
                 yield snap
         finally:
             self.watchers -= 1
+
+    def _newer_than(self, version: int) -> bool:
+        return self.snapshot is not None and self.snapshot.version != version
 
     def _wanted(self) -> bool:
         return self.watchers > 0 or time.monotonic() - self._last_view < self.interval_s * IDLE_INTERVALS
@@ -207,8 +212,8 @@ class Poller:
             base = Snapshot(0, 0, empty, (), lateness_of(()), 0, 0, {}, 0.0)
         else:
             base = previous
-        snap = Snapshot(**{**base.__dict__, "version": base.version + 1, "error": error})
-        return Snapshot(**{**snap.__dict__, "parts": self._render(snap)})
+        snap = dataclasses.replace(base, version=base.version + 1, error=error)
+        return dataclasses.replace(snap, parts=self._render(snap))
 
     async def _poll(self) -> Snapshot:
         started = time.perf_counter()
@@ -228,4 +233,4 @@ class Poller:
             dead_by_topic=dict(Counter(d.source_topic for d in dead)),
             poll_ms=(time.perf_counter() - started) * 1000,
         )
-        return Snapshot(**{**snap.__dict__, "parts": self._render(snap)})
+        return dataclasses.replace(snap, parts=self._render(snap))

@@ -143,8 +143,9 @@ class Source:
     def __init__(self, connection: Connection, settings: Settings, page_size: int = 500) -> None:
         self.connection = connection
         self.settings = settings
-        self.client: Any = connection.client
-        self.inspector = Inspector(self.client, settings.consumer_id, page_size, shards=settings.shards)
+        client: Any = connection.client
+        self.client = client
+        self.inspector = Inspector(client, settings.consumer_id, page_size, shards=settings.shards)
 
     @property
     def shards(self) -> int:
@@ -319,7 +320,7 @@ class Source:
         records = await ins.message_history(info)
         return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
 
-    async def schedules(self, cursor: str | None, count: int, budget: int = 20_000) -> SchedulesPage:
+    async def schedules(self, cursor: str | None, count: int, budget: int = 5_000) -> SchedulesPage:
         """Recurring messages from the ids hashes (HSCAN from `cursor`, `<shard>:<hscan cursor>`),
         at most `count` of them and `budget` hash entries examined per call."""
         shard, at = 0, 0
@@ -333,27 +334,25 @@ class Source:
             keys = self.inspector.shards[shard]
             at, page = await self.client.hscan(keys.ids, at, count=1000)
             examined += max(len(page), 1)
-            recurring: list[tuple[str, list[str]]] = []
-            for k, v in page.items():
-                parts = _s(v).split()
-                if len(parts) > 2 and parts[2] != "-":
-                    recurring.append((_s(k), parts))
-            if recurring:
-                envs = await self._raw_envelopes(shard, [p[0] for _, p in recurring])
-                for (key, parts), env in zip(recurring, envs, strict=True):
-                    if env is None:
-                        continue
-                    due = int(parts[1]) if parts[1].lstrip("-").isdigit() else None
-                    rows.append(
-                        ScheduleRow(
-                            id=key,
-                            topic=env.topic,
-                            schedule=env.schedule,
-                            next_ms=due,
-                            following=parts[3] if len(parts) > 3 and parts[3] != "-" else "",
-                            shard=shard if self.shards > 1 else None,
-                        )
+            # Whether an entry recurs is the envelope's to say (an @every's ref names no next fire):
+            # each envelope is read, a page of the hash at a time, within the budget.
+            refs = [(_s(k), _s(v).split()) for k, v in page.items()]
+            refs = [(key, parts) for key, parts in refs if parts]
+            envs = await self._raw_envelopes(shard, [parts[0] for _, parts in refs]) if refs else []
+            for (key, parts), env in zip(refs, envs, strict=True):
+                if env is None or not env.is_recurring:
+                    continue
+                due = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
+                rows.append(
+                    ScheduleRow(
+                        id=key,
+                        topic=env.topic,
+                        schedule=env.schedule,
+                        next_ms=due,
+                        following=parts[3] if len(parts) > 3 and parts[3] != "-" else "",
+                        shard=shard if self.shards > 1 else None,
                     )
+                )
             if at == 0:
                 shard += 1
         more = shard < self.shards
@@ -361,10 +360,17 @@ class Source:
         return SchedulesPage(tuple(rows), f"{shard}:{at}" if more else None, examined)
 
     async def _raw_envelopes(self, shard: int, stream_ids: Sequence[str]) -> list[Any]:
+        """The envelopes (decoded, None where gone or undecodable) at these ids, where compaction
+        may have moved them (the moved hash)."""
         keys = self.inspector.shards[shard]
         pipe = self.client.pipeline(transaction=False)
         for sid in stream_ids:
-            pipe.xrange(keys.stream, sid, sid)
+            pipe.hget(keys.moved, sid)
+        moved = await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for sid, at in zip(stream_ids, moved, strict=True):
+            stored = sid if at is None else _s(at)
+            pipe.xrange(keys.stream, stored, stored)
         out: list[Any] = []
         for reply in await pipe.execute():
             try:
