@@ -21,7 +21,7 @@ from playwright.async_api import Browser, Dialog, Page, expect
 
 from tests.components.conftest import Dashboard
 from tests.components.driver import Component, cli
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 Factory = Callable[[str], Component]
 Start = Callable[..., Dashboard]
@@ -100,27 +100,48 @@ async def shot(page: Page, name: str) -> None:
 async def test_overview_counts_match_pending_json(
     waiting: Component, conn: list[str], dashboard: Start, browser: Browser
 ) -> None:
+    # Six fire at once (their lateness is in the history), one recurs every hour.
+    for i in range(6):
+        await waiting.publish("reminders", f"r{i}".encode(), {"scheduledSendDelay": "200ms"})
+    await waiting.publish("reports", b"nightly", {"schedule": "@every 1h", "scheduleId": "hourly-report"})
+    deadline = time.monotonic() + 15
+    while len(rows := (await cli("pending", *cli_conn(conn), "--json", "--limit", "0")).json()) != 16:
+        assert time.monotonic() < deadline, rows
+        await asyncio.sleep(0.2)
     d = dashboard(*conn)
     page = await browser.new_page()
     await page.goto(f"{d.url}/")
-    rows = (await cli("pending", *cli_conn(conn), "--json", "--limit", "0")).json()
-    assert len(rows) == 15
-    assert await page.inner_text("#total-pending") == "15"
+    assert await page.inner_text("#total-pending") == "16"
     by_topic = {topic: int(n) for topic, n in await table(page, "#by-topic")}
-    assert by_topic == Counter(r["topic"] for r in rows) == {"orders": 10, "billing": 5}
+    assert by_topic == Counter(r["topic"] for r in rows) == {"orders": 10, "billing": 5, "reports": 1}
     by_window = {label: int(n) for label, n, _ in await table(page, "#by-window")}
     assert by_window == {
         "overdue": 0,
         "within 1 min": 0,
         "within 10 min": 3,
-        "within 1 h": 12,
+        "within 1 h": 13,
         "within 1 day": 0,
         "later": 0,
     }
     # Due next: the earliest ten, in the order `pending --json` lists them.
     soonest = [cells[0] for cells in await table(page, "#soonest")]
     assert soonest == [r["id"] for r in rows[:10]]
+    # The six fires: counted in their minute(s), with their lateness.
+    fires = sum(int(n) for _, n, _ in await table(page, "#fires"))
+    assert fires == 6
+    assert sum(int(n) for _, n, _ in await table(page, "#lateness-histogram")) == 6
+    assert "of the last 6 fires" in await page.inner_text("main")
     await shot(page, "overview")
+    await page.goto(f"{d.url}/pending")
+    assert len(await table(page, "#pending")) == 16
+    await shot(page, "pending")
+    await page.goto(f"{d.url}/schedules")
+    schedules = await table(page, "#schedules")
+    report = next(r for r in rows if r["id"] == "hourly-report")
+    assert [(r[0], r[1], r[2], r[4]) for r in schedules] == [
+        ("hourly-report", "reports", "@every 1h0m0s", report["due"])
+    ]
+    await shot(page, "schedules")
 
 
 async def test_a_published_message_appears_live_without_a_reload(
@@ -426,3 +447,49 @@ async def test_pending_pages_and_prefix_search(
     assert await found("order-0*") == []  # a glob character is a character, not a pattern
     bare = [i for i in await pending_ids(conn) if not i.startswith("order-")]
     assert await found(bare[0]) == [bare[0]]
+
+
+async def test_every_shard_on_redis_cluster(
+    component: Factory, cluster: RedisCluster, admin: Any, dashboard: Start, browser: Browser
+) -> None:
+    c = component("delayed")
+    props = {
+        "redisHost": cluster.nodes[0].address,
+        "redisType": "cluster",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+        "delayShards": "4",
+    }
+    await c.init(props)
+    for i in range(60):
+        extra = {"scheduleId": f"job-{i}"} if i % 2 else {}
+        await c.publish(f"topic-{i % 3}", b"x", {"scheduledSendDelay": f"{i + 5}m", **extra})
+    flags = ["--redis-host", cluster.nodes[1].address, "--redis-type", "cluster", "--delay-shards", "4"]
+    flags += ["--app-id", "app1"]
+    rows = (await cli("pending", *flags, "--json", "--limit", "0")).json()
+    assert len(rows) == 60
+    shards = {r["id"].rpartition("@")[2] for r in rows if r["scheduleId"] is None}
+    assert len(shards) > 1, "the envelopes should be spread over several shards"
+    d = dashboard(*flags, "--interval", "0.5")
+    page = await browser.new_page()
+    await page.goto(f"{d.url}/")
+    await expect(page.locator("#total-pending")).to_have_text("60")
+    assert {t: int(n) for t, n in await table(page, "#by-topic")} == Counter(r["topic"] for r in rows)
+    assert [cells[0] for cells in await table(page, "#soonest")] == [r["id"] for r in rows[:10]]
+    # The pending pages walk every shard, each envelope once, named as `pending` names it.
+    seen: list[str] = []
+    url: str | None = "/pending"
+    while url is not None:
+        await page.goto(f"{d.url}{url}")
+        seen += [cells[0] for cells in await table(page, "#pending")]
+        url = await page.get_attribute("#next", "href") if await page.locator("#next").count() else None
+    assert sorted(seen) == sorted(r["id"] for r in rows)
+    # An `<id>@<shard>` envelope id and a scheduleId both open their message.
+    bare = next(r for r in rows if r["scheduleId"] is None and not r["id"].endswith("@0"))
+    for id in (bare["id"], "job-7"):
+        await page.goto(f"{d.url}/message?" + str(httpx.QueryParams({"id": id})))
+        await expect(page.locator("#message-id")).to_have_text(id)
+    await page.goto(f"{d.url}/pending?q=job-1")
+    assert sorted(cells[0] for cells in await table(page, "#pending")) == sorted(
+        ["job-1", *(f"job-1{i}" for i in range(1, 10, 2))]
+    )

@@ -360,19 +360,24 @@ class Source:
         return SchedulesPage(tuple(rows), f"{shard}:{at}" if more else None, examined)
 
     async def _raw_envelopes(self, shard: int, stream_ids: Sequence[str]) -> list[Any]:
-        """The envelopes (decoded, None where gone or undecodable) at these ids, where compaction
-        may have moved them (the moved hash)."""
+        """The envelopes (decoded, None where gone or undecodable) at these ids; one that is not
+        at its id is looked for where compaction may have moved it (the moved hash)."""
         keys = self.inspector.shards[shard]
         pipe = self.client.pipeline(transaction=False)
         for sid in stream_ids:
-            pipe.hget(keys.moved, sid)
-        moved = await pipe.execute()
-        pipe = self.client.pipeline(transaction=False)
-        for sid, at in zip(stream_ids, moved, strict=True):
-            stored = sid if at is None else _s(at)
-            pipe.xrange(keys.stream, stored, stored)
+            pipe.xrange(keys.stream, sid, sid)
+        replies = list(await pipe.execute())
+        missing = [n for n, reply in enumerate(replies) if not reply]
+        if missing:
+            moved = await self.client.hmget(keys.moved, [stream_ids[n] for n in missing])
+            found = [(n, _s(at)) for n, at in zip(missing, moved, strict=True) if at is not None]
+            pipe = self.client.pipeline(transaction=False)
+            for _, at in found:
+                pipe.xrange(keys.stream, at, at)
+            for (n, _), reply in zip(found, await pipe.execute() if found else [], strict=True):
+                replies[n] = reply
         out: list[Any] = []
-        for reply in await pipe.execute():
+        for reply in replies:
             try:
                 out.append(decode_envelope(reply[0][1].get(b"data", b"")) if reply else None)
             except EnvelopeDecodeError:
