@@ -493,3 +493,79 @@ async def test_every_shard_on_redis_cluster(
     assert sorted(cells[0] for cells in await table(page, "#pending")) == sorted(
         ["job-1", *(f"job-1{i}" for i in range(1, 10, 2))]
     )
+
+
+async def test_hand_edited_urls_never_break_a_page(
+    waiting: Component, conn: list[str], dashboard: Start
+) -> None:
+    d = dashboard(*conn)
+    huge = "9" * 30
+    for path, params in [
+        ("/pending", {"after": f"{huge}-0"}),
+        ("/pending", {"after": f"{huge}-0@0"}),
+        ("/pending", {"after": "1-0@99"}),
+        ("/pending", {"after": "not a cursor"}),
+        ("/pending", {"q": "["}),
+        ("/pending", {"q": "\\"}),
+        ("/pending", {"q": f"{huge}"}),
+        ("/pending", {"q": "x" * 10_000}),
+        ("/schedules", {"cursor": f"0:{huge}"}),
+        ("/schedules", {"cursor": "7:0"}),
+        ("/message", {"id": f"{huge}-0"}),
+        ("/message", {"id": f"1-0@{huge}"}),
+        ("/message", {"id": ""}),
+    ]:
+        r = await get(f"{d.url}{path}", params=params)
+        assert r.status_code in (200, 400, 404), (path, params, r.status_code, r.text[-300:])
+    # The first page still lists everything that waits.
+    r = await get(f"{d.url}/pending")
+    assert len(re.findall(r'<a href="/message\?id=', r.text)) == 15
+
+
+async def test_a_foreign_host_name_is_refused(waiting: Component, conn: list[str], dashboard: Start) -> None:
+    """A DNS-rebinding page (evil.example resolving to 127.0.0.1) reads nothing."""
+    d = dashboard(*conn)
+    port = d.url.rpartition(":")[2]
+    r = await get(f"{d.url}/pending", headers={"Host": f"evil.example:{port}"})
+    assert r.status_code == 400
+    assert "bill-0" not in r.text
+    assert (await get(f"{d.url}/pending", headers={"Host": f"localhost:{port}"})).status_code == 200
+
+
+async def test_actions_need_a_strong_token_to_start(conn: list[str], redis_client: object) -> None:
+    for args, env in [
+        (ACTIONS[:1], {}),
+        (ACTIONS, {}),
+        (ACTIONS, {"DASH_TOKEN": "short"}),
+        (("--token-env", "DASH_TOKEN"), TOKEN_ENV),
+    ]:
+        result = await cli("dashboard", *conn, *args, env=env, within=30)
+        assert result.code == 2, (args, result.err)
+        assert "token" in result.err
+
+
+async def test_redis_going_away_is_shown_and_the_page_recovers(tmp_path: Path, dashboard: Start) -> None:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        d = dashboard("--redis-host", f"127.0.0.1:{server.port}", "--app-id", "app1", "--interval", "0.3")
+        assert ">0</span>" in (await get(f"{d.url}/")).text
+        server.stop(kill=True)
+        deadline = time.monotonic() + 20
+        while "Not current: Redis" not in (page := (await get(f"{d.url}/")).text):
+            assert time.monotonic() < deadline, page[-500:]
+            await asyncio.sleep(0.2)
+        # A page read while Redis is away says so.
+        down = await get(f"{d.url}/pending")
+        assert down.status_code == 503
+        assert "Redis is not reachable" in down.text
+        server.start()
+        server.client().xadd("orders", {"data": "x"})
+        deadline = time.monotonic() + 60
+        while d.health()["error"]:
+            assert time.monotonic() < deadline, d.health()
+            await asyncio.sleep(0.2)
+        assert "Not current" not in (await get(f"{d.url}/")).text
+        assert (await get(f"{d.url}/pending")).status_code == 200
+    finally:
+        server.stop()

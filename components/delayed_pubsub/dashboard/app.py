@@ -19,6 +19,7 @@ from urllib.parse import quote, urlencode
 
 import jinja2
 from markupsafe import Markup
+from redis.exceptions import ResponseError
 from starlette.applications import Starlette
 from starlette.datastructures import FormData, MutableHeaders
 from starlette.middleware import Middleware
@@ -31,6 +32,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from delayed_middleware.instants import format_instant
+from delayed_pubsub.connection import TRANSIENT_ERRORS
 from delayed_pubsub.dashboard.guard import COOKIE, CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.poller import Poller, Snapshot
 from delayed_pubsub.dashboard.source import DUE_WINDOWS, Source
@@ -261,9 +263,21 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
         finally:
             await poller.stop()
 
+    async def redis_refused(request: Request, exc: Exception) -> Response:
+        # A cursor or id Redis cannot parse (a hand-edited URL): the request's fault, shown as such.
+        return page(request, "failed.html", status=400, text=f"Redis refused the request: {exc}")
+
+    async def redis_unreachable(request: Request, exc: Exception) -> Response:
+        return page(request, "failed.html", status=503, text=f"Redis is not reachable: {exc}")
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ResponseError: redis_refused,
+        **dict.fromkeys(TRANSIENT_ERRORS, redis_unreachable),
+    }
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        exception_handlers=handlers,
         middleware=[
             Middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts)),
             Middleware(SecurityHeaders),
