@@ -40,6 +40,9 @@ LATENESS_BUCKETS: tuple[tuple[int | None, str], ...] = (
 FIRE_MINUTES = 10
 # A page view keeps the poller going this many intervals without a live page open.
 IDLE_INTERVALS = 3
+# While Redis fails, polls back off (doubling from the interval) up to this: a dashboard notices
+# Redis's return within seconds, and a failing poll costs next to nothing.
+MAX_BACKOFF_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -193,12 +196,12 @@ class Poller:
             except REDIS_ERRORS as e:
                 log.error("dashboard poll failed: %s", e)
                 snap = self._failed(f"Redis: {e}")
-                backoff = min(backoff * 2, 60.0)
+                backoff = min(backoff * 2, max(MAX_BACKOFF_S, self.interval_s))
             except Exception as e:
                 # A bug must not end the poller (the pages would freeze): shown, logged, retried.
                 log.exception("dashboard poll failed")
                 snap = self._failed(f"{type(e).__name__}: {e}")
-                backoff = min(backoff * 2, 60.0)
+                backoff = min(backoff * 2, max(MAX_BACKOFF_S, self.interval_s))
             async with self._changed:
                 self.snapshot = snap
                 self._changed.notify_all()

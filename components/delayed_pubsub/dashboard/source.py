@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from delayed_middleware import history as hist
 from delayed_middleware.envelope import EnvelopeDecodeError, decode_envelope
 from delayed_middleware.history import HistoryRecord
 from delayed_middleware.inspect import (
@@ -94,6 +93,8 @@ class ScheduleRow:
 
 @dataclass(frozen=True)
 class SchedulesPage:
+    """Recurring messages found in one bounded part of the scheduleId index, and where to go on."""
+
     rows: tuple[ScheduleRow, ...]
     next_cursor: str | None
     examined: int
@@ -412,6 +413,3 @@ class Source:
             return False
         return bool(await self.client.xdel(d.dead_letter_topic, d.stream_id))
 
-
-def fired_records(records: Sequence[HistoryRecord]) -> list[HistoryRecord]:
-    return [r for r in records if r.event == hist.FIRED]
