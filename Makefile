@@ -22,5 +22,5 @@ bench:  ## the benchmarks of bench/ (see bench/RESULTS.md)
 proto:  ## regenerate proto/delayed_pubsub_pb from the .proto sources
 	.venv/bin/python scripts/genproto.py
 
-setup:  ## idempotent: .venv, pip install -e '.[dev,spark,examples]', redis-server, Java, podman, daprd
+setup:  ## idempotent: .venv, pip install -e '.[dev,spark,examples,dashboard]', redis-server, Java, podman, chromium, daprd
 	@scripts/setup.sh

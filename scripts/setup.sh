@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything `make demo` and `make test` need:
-#   .venv (Python >= 3.11) with the project installed editable, its dev, spark and examples extras;
+#   .venv (Python >= 3.11) with the project installed editable, its dev, spark, examples and dashboard
+#   extras;
 #   redis-server and a Java runtime (for the Spark tests), from apt when missing;
 #   podman, runc and mmdebstrap (the container image test builds its base from Debian packages);
+#   chromium (the dashboard's browser tests drive it headless; Playwright's own browser download is
+#   never used);
 #   a daprd (scripts/daprd.sh: found, or built once into ~/.cache; the first build takes minutes).
 # Safe to run again: each step checks before it acts.
 set -euo pipefail
@@ -24,7 +27,7 @@ if [[ ! -x "$py" ]]; then
 fi
 
 # Re-install only when pyproject.toml changed since the last successful install.
-extras="${SETUP_EXTRAS:-dev,spark,examples}"
+extras="${SETUP_EXTRAS:-dev,spark,examples,dashboard}"
 stamp="$venv/.setup-$(printf '%s' "$extras" | tr ',' '-')"
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]] || ! "$venv/bin/delayed-pubsub" --help >/dev/null 2>&1; then
     say "installing the project into .venv: pip install -e '.[$extras]'"
@@ -40,6 +43,9 @@ command -v podman >/dev/null 2>&1 || apt_packages+=(podman)
 # podman's default runtime (crun) fails on hosts with hybrid cgroups; scripts/image.sh uses runc.
 [[ -x /usr/sbin/runc ]] || apt_packages+=(runc)
 command -v mmdebstrap >/dev/null 2>&1 || apt_packages+=(mmdebstrap)
+if [[ ",$extras," == *",dashboard,"* ]] && ! command -v chromium >/dev/null 2>&1; then
+    apt_packages+=(chromium)
+fi
 if [[ ",$extras," == *",spark,"* ]] && ! command -v java >/dev/null 2>&1; then
     apt_packages+=(openjdk-17-jre-headless)
 fi

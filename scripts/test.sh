@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, end-to-end tests under a real daprd included, after set-up and lint.
-# Never skips what it cannot run: a missing redis-server, Java, daprd or podman is a failure here.
+# Never skips what it cannot run: a missing redis-server, Java, daprd, podman or chromium is a failure here.
 # Exit code: pytest's, or 1 when lint failed and pytest passed.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -12,6 +12,7 @@ command -v redis-server >/dev/null 2>&1 || missing+=("redis-server")
 command -v java >/dev/null 2>&1 || missing+=("java (a JRE 17+, for the Spark tests)")
 command -v podman >/dev/null 2>&1 || missing+=("podman (for the container image test)")
 command -v mmdebstrap >/dev/null 2>&1 || missing+=("mmdebstrap (builds the image's base from Debian packages)")
+command -v chromium >/dev/null 2>&1 || missing+=("chromium (the dashboard's browser tests)")
 if daprd="$("$root/scripts/daprd.sh")"; then
     export DAPRD="$daprd"  # the e2e fixtures reuse it instead of searching again
 else

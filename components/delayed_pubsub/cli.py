@@ -14,6 +14,7 @@ import prometheus_client
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
+from delayed_pubsub.dashboard import cli as dashboard_cli
 from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     operate.register(commands)
     spark_cli.register(commands)
+    dashboard_cli.register(commands)
     return parser
 
 
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "operate", None) is not None:
         return operate.run(args)
-    if getattr(args, "handler", None) is not None:  # stats (delayed_pubsub.spark.cli)
+    if getattr(args, "handler", None) is not None:  # stats (delayed_pubsub.spark.cli), dashboard
         return int(args.handler(args))
     logs.configure(args.log_level, args.log_format)
     if args.command == "serve":

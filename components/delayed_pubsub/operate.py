@@ -50,7 +50,7 @@ from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
-from delayed_middleware.inspector import HistoryPosition, Inspector, PendingMessage
+from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
 from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
@@ -85,8 +85,8 @@ class NotFound(Exception):
 # --- argument parsing -----------------------------------------------------------
 
 
-def register(subparsers: Any) -> None:
-    """Add the operator commands to the `delayed-pubsub` parser."""
+def connection_arguments() -> argparse.ArgumentParser:
+    """The connection flags every operator command (and `dashboard`) takes, as a parent parser."""
     common = argparse.ArgumentParser(add_help=False)
     conn = common.add_argument_group("connection (one of --component or --redis-host)")
     conn.add_argument("--component", type=Path, metavar="PATH.yaml", help="the component's YAML")
@@ -103,6 +103,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="the component's delayShards (default: the YAML's; 16 on a cluster, else 1)",
     )
+    return common
+
+
+def register(subparsers: Any) -> None:
+    """Add the operator commands to the `delayed-pubsub` parser."""
+    common = connection_arguments()
 
     p = subparsers.add_parser("pending", parents=[common], help="list pending delayed messages and schedules")
     p.add_argument("--topic", help="only messages for this target topic")
@@ -497,41 +503,49 @@ async def _retry_dead(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
     letters = await _inspector(connection, settings).dead_letters(source_topic=args.topic)
-    client: Any = connection.client
     moved = 0
-    # A hand-off goes back into the outbox (shard 0's): the forwarder hands it off again.
-    outbox = EngineKeys.for_topic(delayed_topic(settings.consumer_id)).outbox
     for d in letters:
-        if not d.source_topic:
+        where = await retry_dead_letter(connection.client, settings, d)
+        if where is None:
             err.print(f"skipping {d.stream_id} on {d.dead_letter_topic}: no source topic recorded")
             continue
-        metadata = {k: v for k, v in d.entry.metadata.items() if k not in DL_KEYS}
-        if d.target_pubsub:
-            again = OutboxEntry(
-                pubsub=d.target_pubsub,
-                topic=d.source_topic,
-                data=d.entry.data,
-                # The history names it as before: by its scheduleId (`scheduler`), if it had one.
-                id=metadata.get(SCHEDULER, ""),
-                metadata=metadata,
-                content_type=d.entry.content_type,
-                expires_at_ms=d.entry.expires_at_ms,
-            )
-            key, fields, where = (
-                outbox,
-                encode_outbox_entry(again),
-                f"the outbox for {d.target_pubsub}/{d.source_topic}",
-            )
-        else:
-            back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
-            key, fields, where = d.source_topic, encode_entry(back), d.source_topic
-        # Appended before it is deleted: a crash in between leaves a copy, never none.
-        await client.xadd(key, fields)
-        await client.xdel(d.dead_letter_topic, d.stream_id)
         moved += 1
         out.print(f"moved {d.stream_id} from {d.dead_letter_topic} back to {where}", markup=False)
     out.print(f"{moved} dead letters moved back")
     return EXIT_OK
+
+
+async def retry_dead_letter(client: Any, settings: Settings, d: DeadLetterInfo) -> str | None:
+    """Move one dead letter back to its topic (a hand-off's: to the outbox); where it went, or None
+    when it records no source topic (it is then left where it is)."""
+    if not d.source_topic:
+        return None
+    # A hand-off goes back into the outbox (shard 0's): the forwarder hands it off again.
+    outbox = EngineKeys.for_topic(delayed_topic(settings.consumer_id)).outbox
+    metadata = {k: v for k, v in d.entry.metadata.items() if k not in DL_KEYS}
+    if d.target_pubsub:
+        again = OutboxEntry(
+            pubsub=d.target_pubsub,
+            topic=d.source_topic,
+            data=d.entry.data,
+            # The history names it as before: by its scheduleId (`scheduler`), if it had one.
+            id=metadata.get(SCHEDULER, ""),
+            metadata=metadata,
+            content_type=d.entry.content_type,
+            expires_at_ms=d.entry.expires_at_ms,
+        )
+        key, fields, where = (
+            outbox,
+            encode_outbox_entry(again),
+            f"the outbox for {d.target_pubsub}/{d.source_topic}",
+        )
+    else:
+        back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
+        key, fields, where = d.source_topic, encode_entry(back), d.source_topic
+    # Appended before it is deleted: a crash in between leaves a copy, never none.
+    await client.xadd(key, fields)
+    await client.xdel(d.dead_letter_topic, d.stream_id)
+    return where
 
 
 def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import redis
+from playwright.async_api import Browser, async_playwright
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
@@ -143,3 +148,83 @@ def history_fields(event: str, id: str, at_ms: int, **more: str) -> dict[str, st
     }
     fields.update(more)
     return fields
+
+
+# --- the dashboard: a real `delayed-pubsub dashboard` process and a real headless Chromium ------
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    """A running `delayed-pubsub dashboard`: its base URL and process."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def health(self) -> Any:
+        return httpx.get(f"{self.url}/healthz", timeout=5).json()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def dashboard(tmp_path: Path) -> Iterator[Callable[..., Dashboard]]:
+    """Factory: start `delayed-pubsub dashboard *args` (with `env` over ours), wait until it answers."""
+    started: list[Dashboard] = []
+
+    def start(*args: str, env: Mapping[str, str] | None = None) -> Dashboard:
+        port = free_port()
+        log = tmp_path / f"dashboard-{port}.log"
+        exe = Path(sys.executable).with_name("delayed-pubsub")
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [str(exe), "dashboard", "--port", str(port), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
+        d = Dashboard(f"http://127.0.0.1:{port}", proc, log)
+        started.append(d)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{d.url}/healthz", timeout=1).status_code == 200:
+                    return d
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the dashboard did not start: {log.read_text()}")
+            time.sleep(0.1)
+
+    yield start
+    for d in started:
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            d.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+
+
+def chromium_path() -> str:
+    """The Debian chromium (scripts/setup.sh installs it): a missing browser fails the test."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("chromium is not installed (scripts/setup.sh installs it: apt-get install chromium)")
+    return path
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    """A headless Chromium from Debian packages, driven by Playwright (never its own browser build)."""
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=chromium_path(), headless=True, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            await b.close()
