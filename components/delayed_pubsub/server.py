@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.admission import AdmissionInterceptor, HeldCalls
 from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.records import RecordStore, records_folder
@@ -50,6 +51,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Admission control reads the calls held from channelz (on by default; said here because it relies on it).
+    ("grpc.enable_channelz", 1),
 )
 
 
@@ -192,7 +195,14 @@ class ComponentServer:
         self._redis_down: frozenset[str] = frozenset()
         self._dead_loops: dict[str, list[str]] = {}
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
+        # Admission first: a refused publish costs no more than its refusal.
+        self._server = grpc.aio.server(
+            options=GRPC_OPTIONS,
+            interceptors=[
+                AdmissionInterceptor(self.instances, HeldCalls(socket_path)),
+                MalformedRequestInterceptor(),
+            ],
+        )
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances), self._server
         )
