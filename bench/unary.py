@@ -10,11 +10,12 @@ A Go client (ghz, as daprd is a Go client) drives, in interleaved rounds:
   - ours behind a thread-pool server: the real PubSubServicer on its asyncio
     loop in a thread, each sync handler bridging into it
     (run_coroutine_threadsafe), as a sync server inside the component would.
-  - with --uvloop: the bare server and ours again, each on uvloop's event loop.
+  - with --uvloop: the bare server and ours again, each on uvloop's event loop,
+  - with --base DIR: `serve` from another source tree (before/after in one run).
 Each figure comes with the server process's CPU per call (utime+stime from /proc),
 and its ratio to the bare grpc.aio server's.
 
-    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2] [--no-sync] [--uvloop]
+    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2] [--no-sync] [--uvloop] [--base DIR]
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ DELAYED_PUBLISH = {**PUBLISH, "metadata": {"scheduledSendDelay": "1h"}}
 # The bare server and `serve`, each on uvloop's event loop instead of asyncio's.
 UVLOOP = "import asyncio, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())\n"
 SERVE_ON_UVLOOP = UVLOOP + "import sys\nfrom delayed_pubsub.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+# `serve` from another source tree (argv[1]: e.g. `git archive main | tar -x -C DIR`), ahead of ours on sys.path.
+SERVE_FROM = """
+import sys
+base = sys.argv.pop(1)
+sys.path[:0] = [base + "/proto", base + "/middleware", base + "/components"]
+from delayed_pubsub.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def main() -> None:
@@ -115,6 +124,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4, help="thread-pool size of the sync servers")
     ap.add_argument("--no-sync", action="store_true", help="leave out the thread-pool servers")
     ap.add_argument("--uvloop", action="store_true", help="also the bare server and ours on uvloop")
+    ap.add_argument(
+        "--base", type=Path, help="also `serve` from this source tree (an export of another commit)"
+    )
     a = ap.parse_args()
     exe = ghz_path()
     n, c = a.requests, a.concurrency
@@ -124,6 +136,7 @@ def main() -> None:
         redis_server.start()
         servers = ["bare", "ours"] + ([] if a.no_sync else ["bare_sync", "ours_sync"])
         servers += ["bare_uvloop", "ours_uvloop"] if a.uvloop else []
+        servers += ["ours_base"] if a.base else []
         socks = {k: folder / f"{k}.sock" for k in servers}
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
@@ -149,9 +162,25 @@ def main() -> None:
                     folder / "bare_uvloop.log",
                 )
                 procs["ours_uvloop"] = start_process(
-                    [sys.executable, "-c", SERVE_ON_UVLOOP, "serve", "--socket", str(socks["ours_uvloop"])],
+                    [
+                        sys.executable,
+                        "-c",
+                        SERVE_ON_UVLOOP,
+                        "serve",
+                        "--socket",
+                        str(socks["ours_uvloop"]),
+                        "--log-level",
+                        "warning",
+                    ],
                     socks["ours_uvloop"],
                     folder / "ours_uvloop.log",
+                )
+            if a.base:
+                args = ["serve", "--socket", str(socks["ours_base"]), "--log-level", "warning"]
+                procs["ours_base"] = start_process(
+                    [sys.executable, "-c", SERVE_FROM, str(a.base.resolve()), *args],
+                    socks["ours_base"],
+                    folder / "ours_base.log",
                 )
             props = {
                 "redisHost": f"127.0.0.1:{redis_server.port}",
@@ -170,6 +199,12 @@ def main() -> None:
                 "ours grpc.aio, Publish": ("ours", "Publish", PUBLISH),
                 "ours grpc.aio, delayed Publish": ("ours", "Publish", DELAYED_PUBLISH),
             }
+            if a.base:
+                runs |= {
+                    "base, Features": ("ours_base", "Features", {}),
+                    "base, Publish": ("ours_base", "Publish", PUBLISH),
+                    "base, delayed Publish": ("ours_base", "Publish", DELAYED_PUBLISH),
+                }
             if not a.no_sync:
                 runs |= {
                     f"bare sync ({a.threads} threads), Features (no-op)": ("bare_sync", "Features", {}),

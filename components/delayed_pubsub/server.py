@@ -135,6 +135,10 @@ class MalformedRequestInterceptor(_ServerInterceptor):
     itself is bad, and the caller should be told so, plainly.
     """
 
+    def __init__(self) -> None:
+        # The wrapped handler of each method's handler: made once, not per call.
+        self._wrapped: dict[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
@@ -143,21 +147,33 @@ class MalformedRequestInterceptor(_ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
             return handler
-        decode = handler.request_deserializer
-        behaviour = handler.unary_unary
+        wrapped = self._wrapped.get(handler)
+        if wrapped is None:
+            wrapped = self._wrapped[handler] = _answer_malformed(handler)
+        return wrapped
 
-        def deserializer(raw: bytes) -> Any:
-            try:
-                return decode(raw)
-            except DecodeError as e:
-                return _Malformed(str(e))
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
-            return await behaviour(request, context)  # type: ignore[arg-type]
+def _answer_malformed(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` (unary) with a deserializer that passes a malformed request on as _Malformed,
+    and a behaviour that answers it INVALID_ARGUMENT."""
+    decode = handler.request_deserializer
+    behaviour = handler.unary_unary
+    # Both checked by the caller.
+    assert decode is not None
+    assert behaviour is not None
 
-        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+    def deserializer(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError as e:
+            return _Malformed(str(e))
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+        return await behaviour(request, context)  # type: ignore[arg-type]
+
+    return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
 
 
 def default_socket_path(environ: Mapping[str, str]) -> Path:
