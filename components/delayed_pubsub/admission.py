@@ -53,6 +53,8 @@ _INSTANCE_KEY = "x-component-instance"
 # How old the count of calls held by gRPC may be: reading it costs ~0.35 ms
 # (gRPC renders channelz as JSON), so at most 20 reads a second, under 1 % of a core.
 QUEUE_SAMPLE_S = 0.05
+# While the last reading found no other call held: read again only after this many calls.
+QUIET_CALLS = 16
 
 
 class Admission:
@@ -107,9 +109,12 @@ class HeldCalls:
     running in Python or still waiting in gRPC's core for grpc.aio to take them.
 
     Read from gRPC's channelz counters (on by default; the server must have
-    been started, listening on `socket_path`), at most every QUEUE_SAMPLE_S.
-    0 when channelz cannot be read (logged once): then only the per-instance
-    count bounds the publishes.
+    been started, listening on `socket_path`), at most every QUEUE_SAMPLE_S,
+    and while the last reading found nothing else held, only every
+    QUIET_CALLS calls: a queue builds only when calls come fast, and a
+    trickle of publishes should not pay a reading each. 0 when channelz
+    cannot be read (logged once): then only the per-instance count bounds
+    the publishes.
     """
 
     def __init__(self, socket_path: Path, sample_s: float = QUEUE_SAMPLE_S) -> None:
@@ -119,12 +124,19 @@ class HeldCalls:
         self._server_id: int | None = None
         self._held = 0
         self._read_at = float("-inf")
+        self._calls = QUIET_CALLS
         self._broken = False
 
     def count(self, now: float) -> int:
-        """Calls held at most `sample_s` before `now` (a loop.time())."""
-        if now - self._read_at >= self._sample_s and not self._broken:
+        """Calls held at most `sample_s` before `now` (a loop.time()), for one more call."""
+        self._calls += 1
+        if (
+            now - self._read_at >= self._sample_s
+            and (self._held > 1 or self._calls >= QUIET_CALLS)
+            and not self._broken
+        ):
             self._read_at = now
+            self._calls = 0
             try:
                 self._held = self._read()
             except Exception as e:  # a private API: never let it fail a publish
