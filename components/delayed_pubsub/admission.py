@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,8 @@ _INSTANCE_KEY = "x-component-instance"
 # How old the count of calls held by gRPC may be: reading it costs ~0.35 ms
 # (gRPC renders channelz as JSON), so at most 20 reads a second, under 1 % of a core.
 QUEUE_SAMPLE_S = 0.05
-# While the last reading found no other call held: read again only after this many calls.
+# While the last reading was at most half the bound: read again only this late, after this many calls.
+QUIET_SAMPLE_S = 0.2
 QUIET_CALLS = 16
 
 
@@ -109,12 +111,12 @@ class HeldCalls:
     running in Python or still waiting in gRPC's core for grpc.aio to take them.
 
     Read from gRPC's channelz counters (on by default; the server must have
-    been started, listening on `socket_path`), at most every QUEUE_SAMPLE_S,
-    and while the last reading found nothing else held, only every
-    QUIET_CALLS calls: a queue builds only when calls come fast, and a
-    trickle of publishes should not pay a reading each. 0 when channelz
-    cannot be read (logged once): then only the per-instance count bounds
-    the publishes.
+    been started, listening on `socket_path`), at most every QUEUE_SAMPLE_S;
+    while the last reading was well below the bound, only every
+    QUIET_SAMPLE_S and QUIET_CALLS calls: a queue builds only when calls come
+    fast, and publishes at an ordinary pace should not pay for readings. 0
+    when channelz cannot be read (logged once): then only the per-instance
+    count bounds the publishes.
     """
 
     def __init__(self, socket_path: Path, sample_s: float = QUEUE_SAMPLE_S) -> None:
@@ -127,12 +129,14 @@ class HeldCalls:
         self._calls = QUIET_CALLS
         self._broken = False
 
-    def count(self, now: float) -> int:
-        """Calls held at most `sample_s` before `now` (a loop.time()), for one more call."""
+    def count(self, now: float, quiet: int) -> int:
+        """Calls held, as read at most `sample_s` before `now` (a loop.time()) when the last
+        reading was above `quiet`, else at most QUIET_SAMPLE_S before; for one more call."""
         self._calls += 1
+        age = now - self._read_at
         if (
-            now - self._read_at >= self._sample_s
-            and (self._held > 1 or self._calls >= QUIET_CALLS)
+            age >= self._sample_s
+            and (self._held > quiet or (age >= QUIET_SAMPLE_S and self._calls >= QUIET_CALLS))
             and not self._broken
         ):
             self._read_at = now
@@ -214,7 +218,7 @@ class AdmissionInterceptor(_ServerInterceptor):
         if instance is None:
             return await continuation(handler_call_details)
         admission = instance.admission
-        held = self._held.count(asyncio.get_running_loop().time()) - self._streams
+        held = self._held.count(time.monotonic(), admission.limit // 2 + self._streams) - self._streams
         if not admission.try_enter(held):
             return _refuse(admission.refusal())
         # This runs in the call's own task: its end, however it ends (answered,
