@@ -48,8 +48,9 @@ MAX_IN_FLIGHT = 100_000
 # Redis's default maxclients.
 MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
-# Publishes in flight per instance before RESOURCE_EXHAUSTED: about 0.1-0.2 s of
-# work for one process, so a caller past it hears at once instead of queueing.
+# Calls held by the process (queued in gRPC or running) before publishes are refused
+# with RESOURCE_EXHAUSTED (admission.py): about 0.25 s of delayed publishes for one
+# process on a small machine, so a caller past it hears at once instead of queueing.
 DEFAULT_MAX_INFLIGHT_PUBLISHES = 256
 
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
@@ -83,7 +84,7 @@ class Settings:
     read_timeout_ms: int | None = 3_000
     write_timeout_ms: int | None = 3_000
     pool_size: int | None = None
-    # Publish/BulkPublish calls one instance works on at once; past it they are refused (admission.py).
+    # The bound of admission control (admission.py): past it Publish/BulkPublish are refused.
     max_inflight_publishes: int = DEFAULT_MAX_INFLIGHT_PUBLISHES
     enable_delayed_messaging: bool = False
     max_delay_ms: int | None = None
