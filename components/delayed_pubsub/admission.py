@@ -9,8 +9,9 @@ little longer with every new caller, until clients time out or cancel, with
 nothing said about why. A refusal is cheap, stores nothing, names the bound, and
 tells daprd's resiliency policy and the SDKs' retries to back off.
 
-What is bounded is the number of calls gRPC holds for this process (started
-and not finished, read from gRPC's channelz counters), less the open streams:
+What is bounded is the number of calls gRPC holds for this process (streams
+started and not finished on its connections, read from gRPC's channelz
+counters), less the open streams:
 nearly all of them publishes under overload, since only publishes come in
 numbers. Past the bound a publish is refused with a probability that grows
 with the excess (random early detection), so that some work is still admitted
@@ -152,11 +153,23 @@ class HeldCalls:
         return self._held
 
     def _read(self) -> int:
+        # The sockets' stream counters, not the server's call counters: a call that gRPC's
+        # core cancels while it waits to be taken counts as neither succeeded nor failed
+        # among the server's calls (the count would only grow), but as a failed stream.
         if self._server_id is None:
             self._server_id = self._find()
-        data = json.loads(cygrpc.channelz_get_server(self._server_id))["server"]["data"]
-        started, ok, failed = (int(data.get(k, 0)) for k in ("callsStarted", "callsSucceeded", "callsFailed"))
-        return started - ok - failed
+        held = 0
+        start = 0
+        while True:
+            page = json.loads(cygrpc.channelz_get_server_sockets(self._server_id, start, 100))
+            refs = page.get("socketRef", ())
+            for ref in refs:
+                start = int(ref["socketId"]) + 1
+                data = json.loads(cygrpc.channelz_get_socket(start - 1))["socket"].get("data", {})
+                held += int(data.get("streamsStarted", 0))
+                held -= int(data.get("streamsSucceeded", 0)) + int(data.get("streamsFailed", 0))
+            if page.get("end", True) or not refs:
+                return held
 
     def _find(self) -> int:
         start = 0

@@ -222,3 +222,24 @@ async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_or_resource_ex
     # Ping stayed answerable: never refused or cancelled, each answer well inside daprd's timeouts.
     assert len(pings) >= 10
     assert max(pings) < 2.0
+
+
+@pytest.mark.slow
+async def test_after_3000_callers_on_one_connection_publishes_are_admitted_again(
+    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
+) -> None:
+    """At 3,000 callers gRPC's core itself cancels calls that wait too long to be taken (before
+    any of our code sees them); the bound must not count those as held for ever."""
+    props = {
+        "redisHost": f"127.0.0.1:{redis_server.port}",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+    sock = serve_process.socket
+    async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+        await Component(ch, "delayed").init(props)
+        flood = await ghz.publish(sock, "delayed", "flood", requests=9000, callers=3000)
+        assert flood.codes.get("ResourceExhausted", 0) > 0, flood.codes
+        calm = await ghz.publish(sock, "delayed", "calm", requests=1000, callers=4)
+    print(f"3,000 callers: {flood.codes}; then 4 callers: {calm.codes}")
+    assert calm.codes == {"OK": 1000}, calm.errors[:3]
