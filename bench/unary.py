@@ -4,14 +4,18 @@ A Go client (ghz, as daprd is a Go client) drives, in interleaved rounds:
   - bare grpc.aio: a server whose Features returns at once (the ceiling of any
     grpc.aio unary call here),
   - bare sync: the same on grpc's thread-pool server,
-  - ours (grpc.aio, `delayed-pubsub serve`): Features, and Publish (one XADD each,
-    coalesced with concurrent ones into one pipeline),
+  - ours (grpc.aio, `delayed-pubsub serve`): Features, Publish (one XADD each,
+    coalesced with concurrent ones into one pipeline), and a delayed Publish
+    (scheduledSendDelay 1h: the delay engine's schedule script, nothing fires),
   - ours behind a thread-pool server: the real PubSubServicer on its asyncio
     loop in a thread, each sync handler bridging into it
     (run_coroutine_threadsafe), as a sync server inside the component would.
-Each figure comes with the server process's CPU per call (utime+stime from /proc).
+  - with --uvloop: the bare server and ours again, each on uvloop's event loop,
+  - with --base DIR: `serve` from another source tree (before/after in one run).
+Each figure comes with the server process's CPU per call (utime+stime from /proc),
+and its ratio to the bare grpc.aio server's.
 
-    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2]
+    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2] [--no-sync] [--uvloop] [--base DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +100,20 @@ server.wait_for_termination()
 """
 
 PUBLISH = {"topic": "orders", "pubsub_name": "bench", "data": "eyJvcmRlcklkIjo2Nn0="}
+# Due in an hour: nothing fires during the run, so the figure is the publish's own cost.
+DELAYED_PUBLISH = {**PUBLISH, "metadata": {"scheduledSendDelay": "1h"}}
+
+# The bare server and `serve`, each on uvloop's event loop instead of asyncio's.
+UVLOOP = "import asyncio, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())\n"
+SERVE_ON_UVLOOP = UVLOOP + "import sys\nfrom delayed_pubsub.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+# `serve` from another source tree (argv[1]: e.g. `git archive main | tar -x -C DIR`), ahead of ours on sys.path.
+SERVE_FROM = """
+import sys
+base = sys.argv.pop(1)
+sys.path[:0] = [base + "/proto", base + "/middleware", base + "/components"]
+from delayed_pubsub.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def main() -> None:
@@ -103,6 +122,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every measurement")
     ap.add_argument("--threads", type=int, default=4, help="thread-pool size of the sync servers")
+    ap.add_argument("--no-sync", action="store_true", help="leave out the thread-pool servers")
+    ap.add_argument("--uvloop", action="store_true", help="also the bare server and ours on uvloop")
+    ap.add_argument(
+        "--base", type=Path, help="also `serve` from this source tree (an export of another commit)"
+    )
     a = ap.parse_args()
     exe = ghz_path()
     n, c = a.requests, a.concurrency
@@ -110,39 +134,90 @@ def main() -> None:
         folder = Path(d)
         redis_server = RedisServer(folder / "redis", appendonly=False)
         redis_server.start()
-        socks = {k: folder / f"{k}.sock" for k in ("bare", "bare_sync", "ours", "ours_sync")}
+        servers = ["bare", "ours"] + ([] if a.no_sync else ["bare_sync", "ours_sync"])
+        servers += ["bare_uvloop", "ours_uvloop"] if a.uvloop else []
+        servers += ["ours_base"] if a.base else []
+        socks = {k: folder / f"{k}.sock" for k in servers}
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
             procs["bare"] = start_process(
                 [sys.executable, "-c", BARE_SERVER, str(socks["bare"])], socks["bare"], folder / "bare.log"
             )
-            procs["bare_sync"] = start_process(
-                [sys.executable, "-c", BARE_SYNC_SERVER, str(socks["bare_sync"]), str(a.threads)],
-                socks["bare_sync"],
-                folder / "bare_sync.log",
-            )
             procs["ours"] = start_serve(socks["ours"], folder / "ours.log")
-            procs["ours_sync"] = start_process(
-                [sys.executable, "-c", SYNC_BRIDGE_SERVER, str(socks["ours_sync"]), str(a.threads)],
-                socks["ours_sync"],
-                folder / "ours_sync.log",
-            )
-            init = {
-                "metadata": {
-                    "properties": {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "bench"}
-                }
+            if not a.no_sync:
+                procs["bare_sync"] = start_process(
+                    [sys.executable, "-c", BARE_SYNC_SERVER, str(socks["bare_sync"]), str(a.threads)],
+                    socks["bare_sync"],
+                    folder / "bare_sync.log",
+                )
+                procs["ours_sync"] = start_process(
+                    [sys.executable, "-c", SYNC_BRIDGE_SERVER, str(socks["ours_sync"]), str(a.threads)],
+                    socks["ours_sync"],
+                    folder / "ours_sync.log",
+                )
+            if a.uvloop:
+                procs["bare_uvloop"] = start_process(
+                    [sys.executable, "-c", UVLOOP + BARE_SERVER, str(socks["bare_uvloop"])],
+                    socks["bare_uvloop"],
+                    folder / "bare_uvloop.log",
+                )
+                procs["ours_uvloop"] = start_process(
+                    [
+                        sys.executable,
+                        "-c",
+                        SERVE_ON_UVLOOP,
+                        "serve",
+                        "--socket",
+                        str(socks["ours_uvloop"]),
+                        "--log-level",
+                        "warning",
+                    ],
+                    socks["ours_uvloop"],
+                    folder / "ours_uvloop.log",
+                )
+            if a.base:
+                args = ["serve", "--socket", str(socks["ours_base"]), "--log-level", "warning"]
+                procs["ours_base"] = start_process(
+                    [sys.executable, "-c", SERVE_FROM, str(a.base.resolve()), *args],
+                    socks["ours_base"],
+                    folder / "ours_base.log",
+                )
+            props = {
+                "redisHost": f"127.0.0.1:{redis_server.port}",
+                "consumerID": "bench",
+                "enableDelayedMessaging": "true",
             }
-            for k in ("ours", "ours_sync"):
-                ghz(exe, socks[k], "Init", init, 1, 1)
-                ghz(exe, socks[k], "Publish", PUBLISH, 500, 16)  # warm-up
-            runs = {
+            init = {"metadata": {"properties": props}}
+            for k in servers:
+                if k.startswith("ours"):
+                    ghz(exe, socks[k], "Init", init, 1, 1)
+                    ghz(exe, socks[k], "Publish", PUBLISH, 500, 16)  # warm-up
+                    ghz(exe, socks[k], "Publish", DELAYED_PUBLISH, 500, 16)
+            runs: dict[str, tuple[str, str, Mapping[str, object]]] = {
                 "bare grpc.aio, Features (no-op)": ("bare", "Features", {}),
-                f"bare sync ({a.threads} threads), Features (no-op)": ("bare_sync", "Features", {}),
                 "ours grpc.aio, Features": ("ours", "Features", {}),
                 "ours grpc.aio, Publish": ("ours", "Publish", PUBLISH),
-                f"ours sync bridge ({a.threads} threads), Features": ("ours_sync", "Features", {}),
-                f"ours sync bridge ({a.threads} threads), Publish": ("ours_sync", "Publish", PUBLISH),
+                "ours grpc.aio, delayed Publish": ("ours", "Publish", DELAYED_PUBLISH),
             }
+            if a.base:
+                runs |= {
+                    "base, Features": ("ours_base", "Features", {}),
+                    "base, Publish": ("ours_base", "Publish", PUBLISH),
+                    "base, delayed Publish": ("ours_base", "Publish", DELAYED_PUBLISH),
+                }
+            if not a.no_sync:
+                runs |= {
+                    f"bare sync ({a.threads} threads), Features (no-op)": ("bare_sync", "Features", {}),
+                    f"ours sync bridge ({a.threads} threads), Features": ("ours_sync", "Features", {}),
+                    f"ours sync bridge ({a.threads} threads), Publish": ("ours_sync", "Publish", PUBLISH),
+                }
+            if a.uvloop:
+                runs |= {
+                    "bare grpc.aio on uvloop, Features (no-op)": ("bare_uvloop", "Features", {}),
+                    "ours on uvloop, Features": ("ours_uvloop", "Features", {}),
+                    "ours on uvloop, Publish": ("ours_uvloop", "Publish", PUBLISH),
+                    "ours on uvloop, delayed Publish": ("ours_uvloop", "Publish", DELAYED_PUBLISH),
+                }
             rps: dict[str, list[float]] = {k: [] for k in runs}
             cpu: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(a.rounds):
@@ -156,6 +231,7 @@ def main() -> None:
                 stop(p)
             redis_server.stop()
     bare = statistics.median(rps["bare grpc.aio, Features (no-op)"])
+    bare_cpu = statistics.median(cpu["bare grpc.aio, Features (no-op)"])
     print(
         f"# {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"load {os.getloadavg()[0]:.1f}; ghz {GHZ_VERSION}, {n} requests x {a.rounds} rounds, "
@@ -163,10 +239,12 @@ def main() -> None:
     )
     print(
         f"{'server, call':48s} {'calls/s (median)':>16s} {'ratio to bare aio':>18s} {'server CPU/call':>16s}"
+        f" {'CPU ratio to bare aio':>22s}"
     )
     for name in runs:
         r = statistics.median(rps[name])
-        print(f"{name:48s} {r:16,.0f} {r / bare:18.2f} {statistics.median(cpu[name]):13.0f} us")
+        c_us = statistics.median(cpu[name])
+        print(f"{name:48s} {r:16,.0f} {r / bare:18.2f} {c_us:13.0f} us {c_us / bare_cpu:22.2f}")
 
 
 if __name__ == "__main__":

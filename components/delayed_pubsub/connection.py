@@ -299,6 +299,13 @@ def init_ping_timeout(settings: Settings) -> float:
     return min(total, INIT_PING_MAX_S)
 
 
+# poolSize 0: no limit, as documented. redis-py's own default is 100 connections,
+# past which a command fails at once with "Too many connections" (a Ping too):
+# 100 delayed publishes in flight, each holding a connection for its script
+# call, were enough. What is in flight is bounded by admission control instead.
+UNLIMITED_CONNECTIONS = 2**31 - 1
+
+
 def _client(
     settings: Settings, kwargs: dict[str, Any], pool_size: int | None, wait_s: float | None
 ) -> RedisClient:
@@ -314,7 +321,7 @@ def _client(
         nodes = [ClusterNode(h, p) for h, p in settings.hosts]
         return RedisCluster(
             startup_nodes=nodes,
-            max_connections=pool_size or 2**31 - 1,
+            max_connections=pool_size or UNLIMITED_CONNECTIONS,
             **{
                 **kwargs,
                 "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
@@ -332,7 +339,11 @@ def _client(
         )
         master: aioredis.Redis
         if pool_size is None:
-            master = sentinel.master_for(settings.sentinel_master_name, **_without_maint_notifications())
+            master = sentinel.master_for(
+                settings.sentinel_master_name,
+                **_without_maint_notifications(),
+                max_connections=UNLIMITED_CONNECTIONS,
+            )
         else:
             master = sentinel.master_for(
                 settings.sentinel_master_name,
@@ -354,7 +365,9 @@ def _client(
         pool_kwargs["connection_class"] = HiredisPackingConnection
     pool: aioredis.ConnectionPool
     if pool_size is None:
-        pool = aioredis.ConnectionPool(host=host, port=port, db=settings.db, **pool_kwargs)
+        pool = aioredis.ConnectionPool(
+            host=host, port=port, db=settings.db, max_connections=UNLIMITED_CONNECTIONS, **pool_kwargs
+        )
     else:
         pool = aioredis.BlockingConnectionPool(
             host=host, port=port, db=settings.db, max_connections=pool_size, timeout=wait_s, **pool_kwargs

@@ -41,6 +41,7 @@ from delayed_middleware.history import Retention
 from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.schedules import EnvelopeRecurrence
+from delayed_pubsub.admission import Admission
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.forwarder import Forwarder
@@ -73,6 +74,8 @@ class Instance:
         )
         self._subscriptions: set[Subscription] = set()
         self._paused = False
+        # Publish/BulkPublish calls in flight, bounded by maxInflightPublishes (AdmissionInterceptor).
+        self.admission = Admission(settings.max_inflight_publishes, name, metrics.refused)
         # Consumer names must be unique per stream: a consumer shared by two
         # streams would let one stream's XREADGROUP swallow the other's entries.
         self._stream_numbers = itertools.count(1)
@@ -675,6 +678,10 @@ class Instances:
             "instance %r initialized: redis %s, consumerID %r", name, settings.address, settings.consumer_id
         )
         return instance
+
+    def find(self, name: str) -> Instance | None:
+        """The instance named `name` if this process has it (Init'ed or restored), else None."""
+        return self._instances.get(name)
 
     def get(self, name: str) -> Instance:
         """The instance named `name`; NotInitializedError if daprd has not called Init for it."""

@@ -152,6 +152,13 @@ class Metrics:
             ["instance", "result"],
             registry=r,
         )
+        self.refused = Counter(
+            "delayed_pubsub_refused_publishes",
+            "Publish/BulkPublish calls refused with RESOURCE_EXHAUSTED: the instance had "
+            "maxInflightPublishes calls in flight",
+            ["instance"],
+            registry=r,
+        )
         self.expired = Counter(
             "delayed_pubsub_expired_messages",
             "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
@@ -186,6 +193,7 @@ class Metrics:
             fire_loop_restarts=self.fire_loop_restarts,
             loop_restarts=self.loop_restarts,
             loops_down=self.loops_down,
+            refused=self.refused.labels(name),
         )
 
 
@@ -221,6 +229,8 @@ class InstanceMetrics:
     fire_loop_restarts: Counter | None = None
     loop_restarts: Counter | None = None
     loops_down: Gauge | None = None
+    # Publishes refused by admission control (admission.py).
+    refused: Counter | None = None
 
     def loop_state(self, loop: str) -> StateHook:
         """A liveness on_state hook for one loop of kind `loop`: counts its

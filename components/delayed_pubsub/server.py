@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.admission import AdmissionInterceptor, HeldCalls
 from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.records import RecordStore, records_folder
@@ -50,6 +51,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Admission control reads the calls held from channelz (on by default; said here because it relies on it).
+    ("grpc.enable_channelz", 1),
 )
 
 
@@ -132,6 +135,10 @@ class MalformedRequestInterceptor(_ServerInterceptor):
     itself is bad, and the caller should be told so, plainly.
     """
 
+    def __init__(self) -> None:
+        # The wrapped handler of each method's handler: made once, not per call.
+        self._wrapped: dict[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
@@ -140,21 +147,33 @@ class MalformedRequestInterceptor(_ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
             return handler
-        decode = handler.request_deserializer
-        behaviour = handler.unary_unary
+        wrapped = self._wrapped.get(handler)
+        if wrapped is None:
+            wrapped = self._wrapped[handler] = _answer_malformed(handler)
+        return wrapped
 
-        def deserializer(raw: bytes) -> Any:
-            try:
-                return decode(raw)
-            except DecodeError as e:
-                return _Malformed(str(e))
 
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
-            return await behaviour(request, context)  # type: ignore[arg-type]
+def _answer_malformed(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` (unary) with a deserializer that passes a malformed request on as _Malformed,
+    and a behaviour that answers it INVALID_ARGUMENT."""
+    decode = handler.request_deserializer
+    behaviour = handler.unary_unary
+    # Both checked by the caller.
+    assert decode is not None
+    assert behaviour is not None
 
-        return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+    def deserializer(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError as e:
+            return _Malformed(str(e))
+
+    async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+        return await behaviour(request, context)  # type: ignore[arg-type]
+
+    return handler._replace(request_deserializer=deserializer, unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
 
 
 def default_socket_path(environ: Mapping[str, str]) -> Path:
@@ -192,7 +211,14 @@ class ComponentServer:
         self._redis_down: frozenset[str] = frozenset()
         self._dead_loops: dict[str, list[str]] = {}
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[MalformedRequestInterceptor()])
+        # Admission first: a refused publish costs no more than its refusal.
+        self._server = grpc.aio.server(
+            options=GRPC_OPTIONS,
+            interceptors=[
+                AdmissionInterceptor(self.instances, HeldCalls(socket_path)),
+                MalformedRequestInterceptor(),
+            ],
+        )
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances), self._server
         )

@@ -48,6 +48,10 @@ MAX_IN_FLIGHT = 100_000
 # Redis's default maxclients.
 MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
+# Calls held by the process (queued in gRPC or running) before publishes are refused
+# with RESOURCE_EXHAUSTED (admission.py): about 0.25 s of delayed publishes for one
+# process on a small machine, so a caller past it hears at once instead of queueing.
+DEFAULT_MAX_INFLIGHT_PUBLISHES = 256
 
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
@@ -80,6 +84,8 @@ class Settings:
     read_timeout_ms: int | None = 3_000
     write_timeout_ms: int | None = 3_000
     pool_size: int | None = None
+    # The bound of admission control (admission.py): past it Publish/BulkPublish are refused.
+    max_inflight_publishes: int = DEFAULT_MAX_INFLIGHT_PUBLISHES
     enable_delayed_messaging: bool = False
     max_delay_ms: int | None = None
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
@@ -175,6 +181,9 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         read_timeout_ms=read_timeout,
         write_timeout_ms=_timeout(props, "writeTimeout", read_timeout),
         pool_size=_int(props, "poolSize", 0, minimum=0, maximum=MAX_POOL_SIZE) or None,
+        max_inflight_publishes=_int(
+            props, "maxInflightPublishes", DEFAULT_MAX_INFLIGHT_PUBLISHES, minimum=1, maximum=MAX_IN_FLIGHT
+        ),
         enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
         max_delay_ms=_duration(props, "maxDelay", 0) or None,
         history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -228,3 +229,78 @@ async def browser() -> AsyncIterator[Browser]:
             yield b
         finally:
             await b.close()
+
+
+@dataclass(frozen=True)
+class GhzRun:
+    """One ghz run: requests sent, calls/s, the count per status code name, the distinct error texts."""
+
+    requests: int
+    rps: float
+    codes: dict[str, int]
+    errors: list[str]
+
+
+class Ghz:
+    """ghz (a Go gRPC load generator, as daprd is a Go client) driving the component's Publish."""
+
+    PROTO_ROOT = Path(__file__).resolve().parents[2] / "proto"
+
+    def __init__(self, exe: str) -> None:
+        self.exe = exe
+
+    async def publish(
+        self, sock: Path, instance: str, topic: str, requests: int, callers: int, rps: float = 0
+    ) -> GhzRun:
+        """`requests` delayed publishes (due in 1 s) to `topic` from `callers` concurrent callers on
+        one connection, at most `rps` a second if given; each carries its request number as metadata `n`."""
+        request = {
+            "pubsub_name": instance,
+            "topic": topic,
+            "data": "e30=",  # {}
+            "metadata": {"scheduledSendDelay": "1s", "n": "{{.RequestNumber}}"},
+        }
+        args = [
+            self.exe,
+            "--insecure",
+            "--proto",
+            str(self.PROTO_ROOT / "dapr/proto/components/v1/pubsub.proto"),
+            "--import-paths",
+            str(self.PROTO_ROOT),
+            "--call",
+            "dapr.proto.components.v1.PubSub/Publish",
+            "-m",
+            json.dumps({"x-component-instance": instance}),
+            "-d",
+            json.dumps(request),
+            "-n",
+            str(requests),
+            "-c",
+            str(callers),
+            "--connections",
+            "1",
+            "--format",
+            "json",
+        ]
+        if rps:
+            args += ["--rps", str(int(rps))]
+        proc = await asyncio.create_subprocess_exec(
+            *args, f"unix://{sock}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        report = json.loads(out)
+        return GhzRun(
+            requests=requests,
+            rps=float(report["rps"]),
+            codes=dict(report.get("statusCodeDistribution") or {}),
+            errors=list(report.get("errorDistribution") or {}),
+        )
+
+
+@pytest.fixture(scope="session")
+def ghz() -> Ghz:
+    """ghz, found on PATH or built once from the Go module proxy into ~/.cache (as the benches do)."""
+    from bench.grpc_ceiling import ghz_path
+
+    return Ghz(ghz_path())
