@@ -152,6 +152,19 @@ class Metrics:
             ["instance", "result"],
             registry=r,
         )
+        self.pauses = Counter(
+            "delayed_pubsub_pauses",
+            "schedulePause requests; result=paused, resumed, ended (resumed after its last fire), "
+            "unknown (nothing pending under that id) or unchanged (paused or running already)",
+            ["instance", "result"],
+            registry=r,
+        )
+        self.prefix_cancelled = Counter(
+            "delayed_pubsub_prefix_cancelled_messages",
+            "Pending messages and schedules withdrawn by scheduleCancel with scheduleIdPrefix",
+            ["instance"],
+            registry=r,
+        )
         self.expired = Counter(
             "delayed_pubsub_expired_messages",
             "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
@@ -186,6 +199,8 @@ class Metrics:
             fire_loop_restarts=self.fire_loop_restarts,
             loop_restarts=self.loop_restarts,
             loops_down=self.loops_down,
+            pauses=self.pauses,
+            prefix_cancelled=self.prefix_cancelled.labels(name),
         )
 
 
@@ -221,6 +236,9 @@ class InstanceMetrics:
     fire_loop_restarts: Counter | None = None
     loop_restarts: Counter | None = None
     loops_down: Gauge | None = None
+    # schedulePause results (a family labelled by instance and result), scheduleIdPrefix cancels.
+    pauses: Counter | None = None
+    prefix_cancelled: Counter | None = None
 
     def loop_state(self, loop: str) -> StateHook:
         """A liveness on_state hook for one loop of kind `loop`: counts its

@@ -37,7 +37,14 @@ SCHEDULE_ID_PREFIX: Final = "scheduleIdPrefix"
 CONTROL_KEYS: Final[tuple[str, ...]] = (SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX)
 
 # Keys that would schedule or time something: a control request has none.
-_TIMING_KEYS: Final[tuple[str, ...]] = (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL, TTL, TTL_IN_SECONDS)
+_TIMING_KEYS: Final[tuple[str, ...]] = (
+    SCHEDULE,
+    *TIME_KEYS,
+    SCHEDULE_SOURCE,
+    SCHEDULE_TTL,
+    TTL,
+    TTL_IN_SECONDS,
+)
 _CONTROL: Final = frozenset(CONTROL_KEYS)
 
 
@@ -118,7 +125,9 @@ def _cancel_prefix(metadata: Mapping[str, str]) -> CancelPrefix:
     cancel = metadata.get(SCHEDULE_CANCEL)
     if cancel is None or cancel.lower() != "true":
         raise InvalidArgumentError(
-            SCHEDULE_ID_PREFIX, prefix, "only applies with scheduleCancel=true (cancel every id with this prefix)"
+            SCHEDULE_ID_PREFIX,
+            prefix,
+            "only applies with scheduleCancel=true (cancel every id with this prefix)",
         )
     if SCHEDULE_ID in metadata:
         raise InvalidArgumentError(

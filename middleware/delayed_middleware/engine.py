@@ -572,8 +572,8 @@ class DelayEngine:
     async def run_pause_script(self, op: str, id: str, reason: str, extra: Sequence[str]) -> list[Any]:
         """One PAUSE call (lua/pause.lua) with this engine's keys; its raw reply."""
         keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
-        args = [self._keys.buckets, self._clock.now_ms(), self._history_len(), op, id, reason, self._keys.wake]
-        return list(await self._pause(keys=keys, args=[*args, *extra]))
+        args: list[str | int] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), op, id, reason]
+        return list(await self._pause(keys=keys, args=[*args, self._keys.wake, *extra]))
 
     @property
     def redis(self) -> aioredis.Redis:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from delayed_middleware import envelope as env
+from delayed_middleware.control import CONTROL_KEYS, Control, is_control, read_control
 from delayed_middleware.delay import (
     DELAY_KEYS,
     MAX_SCHEDULE_ID_LENGTH,
@@ -34,7 +35,6 @@ from delayed_middleware.delay import (
     delay_keys_in,
     parse_delay,
 )
-from delayed_middleware.control import CONTROL_KEYS, Control, is_control, read_control
 from delayed_middleware.durations import format_go_duration
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError

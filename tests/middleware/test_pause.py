@@ -28,7 +28,13 @@ KEYS = EngineKeys.for_topic(delayed_topic("app"))
 
 def oneshot(sid: str, due: int, topic: str = "orders") -> Envelope:
     return Envelope(
-        id=sid, topic=topic, due_ms=due, published_at_ms=T0, message=sid.encode(), schedule_id=sid, kind=ONESHOT
+        id=sid,
+        topic=topic,
+        due_ms=due,
+        published_at_ms=T0,
+        message=sid.encode(),
+        schedule_id=sid,
+        kind=ONESHOT,
     )
 
 
@@ -69,6 +75,12 @@ def delivered(client: redis.Redis, topic: str = "orders") -> list[tuple[str, str
     return out
 
 
+def ref(client: redis.Redis, id: str) -> str:
+    """The ids-hash ref of `id` ('' when there is none)."""
+    value = client.hget(KEYS.ids, id)
+    return value.decode() if isinstance(value, bytes) else ""
+
+
 def events(client: redis.Redis, id: str) -> list[HistoryRecord]:
     return [r for r in (decode_record(i, f) for i, f in stream_entries(client, KEYS.history)) if r.id == id]
 
@@ -94,7 +106,7 @@ async def test_a_paused_schedule_does_not_fire_and_resumes_on_its_grid_without_c
     assert await drain(engine) == 1
     clock.set(T0 + 15_000)
     assert (await engine.set_paused("tick", pause=True)).status == PAUSED
-    assert is_paused_ref(redis_client.hget(KEYS.ids, "tick").decode())
+    assert is_paused_ref(ref(redis_client, "tick"))
     # Five grid points pass while it is paused: nothing fires.
     for t in range(20_000, 70_000, 10_000):
         clock.set(T0 + t)
@@ -113,7 +125,7 @@ async def test_a_paused_schedule_does_not_fire_and_resumes_on_its_grid_without_c
     assert [p for p, _ in delivered(redis_client)] == ["tick"] * 3
     kinds = [r.event for r in events(redis_client, "tick")]
     assert kinds == ["scheduled", "fired", "paused", "resumed", "fired", "fired"]
-    resumed = [r for r in events(redis_client, "tick") if r.event == "resumed"][0]
+    resumed = next(r for r in events(redis_client, "tick") if r.event == "resumed")
     assert resumed.due_ms == T0 + 80_000
 
 
@@ -175,7 +187,7 @@ async def test_replacing_a_paused_schedule_stores_the_new_one_unpaused(
         id="r", topic="orders", due_ms=T0 + 6_000, published_at_ms=T0, message=b"new", schedule_id="r"
     )
     await engine.schedule([replacement])
-    assert not is_paused_ref(redis_client.hget(KEYS.ids, "r").decode())
+    assert not is_paused_ref(ref(redis_client, "r"))
     clock.set(T0 + 6_000)
     assert await drain(engine) == 1
     assert delivered(redis_client) == [("new", "purge")]
@@ -212,13 +224,13 @@ async def test_a_paused_cron_schedule_waiting_for_its_refill_stays_paused(
     clock.set(first)
     await drain(engine)  # fires, and without a recurrence leaves the refill to another replica
     assert redis_client.zcard(KEYS.refill) == 1
-    ref_before = redis_client.hget(KEYS.ids, "cr").decode()
+    ref_before = ref(redis_client, "cr")
     full = make_engine(aredis, clock)
     assert (await full.set_paused("cr", pause=True)).status == PAUSED
     assert redis_client.zcard(KEYS.refill) == 0
     assert await full.refill_pending() == 0
-    assert is_paused_ref(redis_client.hget(KEYS.ids, "cr").decode())
-    assert ref_before != redis_client.hget(KEYS.ids, "cr").decode()
+    assert is_paused_ref(ref(redis_client, "cr"))
+    assert ref_before != ref(redis_client, "cr")
     clock.set(first + 10_500)
     assert await drain(full) == 0
     assert (await full.set_paused("cr", pause=False)).status == RESUMED
@@ -246,7 +258,8 @@ async def test_a_pause_racing_the_fire_step_leaves_each_message_fired_or_paused(
         return [(await pauser.set_paused(i, pause=True)).status for i in ids]
 
     results = await asyncio.gather(pause_all(), *(drain(f) for f in firers))
-    statuses: list[str] = results[0]
+    statuses = results[0]
+    assert isinstance(statuses, list)
     fired = {p for p, _ in delivered(redis_client)}
     paused = {i for i, s in zip(ids, statuses, strict=True) if s == PAUSED}
     # Either fired (the pause then finds nothing: unknown) or paused, never both.
@@ -283,7 +296,7 @@ async def test_a_prefix_cancels_exactly_the_ids_that_start_with_it_glob_characte
     await engine.schedule([oneshot(i, T0 + 5_000) for i in ids])
     await engine.set_paused("a*2", pause=True)
     assert await engine.cancel_prefix("a*") == 2
-    assert sorted(k.decode() for k in redis_client.hkeys(KEYS.ids)) == sorted(set(ids) - {"a*1", "a*2"})
+    assert sorted(i for i in ids if ref(redis_client, i)) == sorted(set(ids) - {"a*1", "a*2"})
     assert await engine.cancel_prefix("a[") == 1
     assert await engine.cancel_prefix("a\\") == 1
     clock.set(T0 + 5_000)
@@ -306,7 +319,9 @@ async def test_a_prefix_matching_100k_cancels_them_all_in_bounded_script_calls(
     assert await engine.cancel_prefix("bulk:") == n
     took = time.perf_counter() - started
     stats = redis_client.info("commandstats")["cmdstat_evalsha"]
-    print(f"prefix cancel of {n}: {took:.2f} s in {stats['calls']} script calls, {stats['usec_per_call']:.0f} us each")
+    print(
+        f"prefix cancel of {n}: {took:.2f} s in {stats['calls']} script calls, {stats['usec_per_call']:.0f} us each"
+    )
     assert redis_client.hlen(KEYS.ids) == 1
     assert redis_client.xlen(KEYS.stream) == 1
     assert await engine.pending() == 1
