@@ -572,7 +572,14 @@ class DelayEngine:
     async def run_pause_script(self, op: str, id: str, reason: str, extra: Sequence[str]) -> list[Any]:
         """One PAUSE call (lua/pause.lua) with this engine's keys; its raw reply."""
         keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
-        args: list[str | int] = [self._keys.buckets, self._clock.now_ms(), self._history_len(), op, id, reason]
+        args: list[str | int] = [
+            self._keys.buckets,
+            self._clock.now_ms(),
+            self._history_len(),
+            op,
+            id,
+            reason,
+        ]
         return list(await self._pause(keys=keys, args=[*args, self._keys.wake, *extra]))
 
     @property
@@ -1057,7 +1064,9 @@ class DelayEngine:
         if gone:
             await self._redis.zrem(self._keys.refill, *gone)
         # A paused envelope waits for its resume, not for a refill (pausing.py).
-        live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None and not pausing.is_paused_ref(r)]
+        live = [
+            (k, r) for k, r in zip(keys, refs, strict=True) if r is not None and not pausing.is_paused_ref(r)
+        ]
         if not live:
             return len(gone)
         # Where each envelope is stored now (compaction may have re-homed it).

@@ -467,7 +467,9 @@ def plan_bulk(
         if is_control(entry.metadata):
             key = next(k for k in CONTROL_KEYS if k in entry.metadata)
             refused = InvalidArgumentError(
-                key, entry.metadata[key], "not in a bulk publish: send it as a single publish (no body needed)"
+                key,
+                entry.metadata[key],
+                "not in a bulk publish: send it as a single publish (no body needed)",
             )
             failed.append(Failed(entry_id, str(refused)))
             continue
