@@ -71,7 +71,7 @@ async def test_cancel_by_prefix_asks_first_and_cancels_with_yes(
     done = await cli("cancel", *conn, "--prefix", "tenant-1:", "--yes")
     assert done.code == 0, done.err
     assert done.out.strip() == "cancelled 30 whose id starts with 'tenant-1:'"
-    assert [k.decode() for k in redis_client.hkeys("{app1-delayed}:ids")] == ["tenant-2:0"]
+    assert redis_client.hkeys("{app1-delayed}:ids") == [b"tenant-2:0"]
     nothing = await cli("cancel", *conn, "--prefix", "tenant-1:", "--yes")
     assert nothing.out.strip() == "cancelled 0 whose id starts with 'tenant-1:'"
 
