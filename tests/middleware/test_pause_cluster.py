@@ -73,7 +73,7 @@ def msg(sid: str, due: int, topic: str = "orders", recurring: bool = False) -> E
 
 def delivered(admin: redis.cluster.RedisCluster, topic: str = "orders") -> list[str]:
     got = admin.xrange(topic)
-    return [decode_entry(dict(f)).data.decode() for _, f in got]  # type: ignore[union-attr]
+    return [decode_entry(dict(f)).data.decode() for _, f in got]  # type: ignore[union-attr,arg-type]
 
 
 async def fire_all(e: ShardedEngine) -> None:
