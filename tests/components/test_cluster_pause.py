@@ -6,6 +6,7 @@ after its pause returned."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -111,15 +112,17 @@ async def test_pauses_racing_fires_and_a_kill_9_on_cluster_hold_exactly(
             assert held == [], f"{scheduler} fired {len(held)} time(s) while paused"
             # After the resume: the next grid points, none of those missed while paused.
             after = sorted(d for d, landed in occurrences if landed >= resumed)
-            assert after and after[0] >= resumed - INTERVAL_MS, (scheduler, after[:1], resumed)
+            assert after, f"{scheduler} did not fire after its resume"
+            # Its resume came after `resumed`; 100 ms for the replica's measure of the Redis clock.
+            assert after[0] > resumed - 100, (scheduler, after[0], resumed)
         else:
             # Running throughout, on its grid. An occurrence the killed replica had claimed is taken
             # over when its lease ends (5 s): it fires then, once, and the grid points that passed
             # meanwhile are skipped (the missed-fires policy), so a gap is at most about a lease.
             inside = sorted(d for d in dues if start + INTERVAL_MS <= d <= end - 2 * INTERVAL_MS)
             assert inside, f"{scheduler}: no fire inside the window"
-            assert all((y - x) % INTERVAL_MS == 0 for x, y in zip(inside, inside[1:], strict=False))
-            gaps = [y - x for x, y in zip(inside, inside[1:], strict=False)]
+            assert all((y - x) % INTERVAL_MS == 0 for x, y in itertools.pairwise(inside))
+            gaps = [y - x for x, y in itertools.pairwise(inside)]
             assert max(gaps, default=0) <= LEASE_MS + 2 * INTERVAL_MS, (
                 f"{scheduler}: stopped firing: {inside}"
             )

@@ -33,7 +33,8 @@ async def test_pause_and_resume_show_in_pending_and_inspect(app: Component, conn
     assert paused.code == 0, paused.err
     assert paused.out.split("\n")[:2] == ["paused tick", "paused order-1"]
     rows = {r["id"]: r for r in (await cli("pending", *conn, "--json")).json()}
-    assert rows["tick"]["paused"] is True and rows["tick"]["pausedAt"]
+    assert rows["tick"]["paused"] is True
+    assert rows["tick"]["pausedAt"]
     assert rows["order-1"]["paused"] is True
     table = await cli("pending", *conn)
     assert "recurring (paused)" in table.out
@@ -45,7 +46,8 @@ async def test_pause_and_resume_show_in_pending_and_inspect(app: Component, conn
     resumed = await cli("resume", *conn, "tick")
     assert (resumed.code, resumed.out.strip()) == (0, "resumed tick"), resumed.err
     rows = {r["id"]: r for r in (await cli("pending", *conn, "--json")).json()}
-    assert rows["tick"]["paused"] is False and rows["tick"]["pausedAt"] is None
+    assert rows["tick"]["paused"] is False
+    assert rows["tick"]["pausedAt"] is None
     assert rows["order-1"]["paused"] is True
 
 
@@ -64,10 +66,12 @@ async def test_cancel_by_prefix_asks_first_and_cancels_with_yes(
     # Not a terminal, no --yes: refused, with what it would have cancelled.
     asked = await cli("cancel", *conn, "--prefix", "tenant-1:")
     assert asked.code == 2
-    assert "cancel the 30 pending" in asked.err and "--yes" in asked.err
+    assert "cancel the 30 pending" in asked.err
+    assert "--yes" in asked.err
     assert redis_client.hlen("{app1-delayed}:ids") == 31
     empty = await cli("cancel", *conn, "--prefix", "", "--yes")
-    assert empty.code == 2 and "every pending message and schedule" in empty.err
+    assert empty.code == 2
+    assert "every pending message and schedule" in empty.err
     done = await cli("cancel", *conn, "--prefix", "tenant-1:", "--yes")
     assert done.code == 0, done.err
     assert done.out.strip() == "cancelled 30 whose id starts with 'tenant-1:'"
@@ -101,4 +105,5 @@ async def test_pending_by_prefix_pages_through_every_match_once(app: Component, 
     first = (await cli("pending", *conn, "--after", "0-0", "--limit", "2", "--json")).json()
     assert [r["id"] for r in first] == ["a:0", "b:0"]
     bad = await cli("pending", *conn, "--after", "tomorrow")
-    assert bad.code == 2 and "tomorrow" in bad.err
+    assert bad.code == 2
+    assert "tomorrow" in bad.err

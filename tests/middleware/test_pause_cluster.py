@@ -181,7 +181,8 @@ async def test_a_paused_message_on_its_shard_is_not_claimed_and_resumes_there(
     for i in ids[:10]:
         shard = engine.shard_of(i)
         ref = await shard.redis.hget(shard.keys.ids, i)
-        assert isinstance(ref, bytes) and is_paused_ref(ref.decode())
+        assert isinstance(ref, bytes)
+        assert is_paused_ref(ref.decode())
         assert (await engine.set_paused(i, pause=False)).status == RESUMED
     await fire_all(engine)
     assert sorted(delivered(admin)) == sorted(ids)
