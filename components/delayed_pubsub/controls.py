@@ -28,7 +28,11 @@ async def control_request(
     stream = engine.keys.stream
     if isinstance(request, Pause):
         result = await engine.set_paused(request.schedule_id, pause=request.pause, reason=PAUSE_REASON)
-        label = result.status if result.changed or result.status == pausing.UNKNOWN else "unchanged"
+        # Parked: held for a bad target, nothing to pause or resume, as for an unknown id.
+        if result.status in (pausing.UNKNOWN, pausing.PARKED):
+            label = pausing.UNKNOWN
+        else:
+            label = result.status if result.changed else "unchanged"
         if metrics.pauses is not None:
             metrics.pauses.labels(metrics.name, label).inc()
         what = "pause" if request.pause else "resume"

@@ -18,7 +18,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import ONESHOT, RECURRING, Envelope
 from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic
-from delayed_middleware.pausing import ALREADY, PAUSED, RESUMED, UNKNOWN, is_paused_ref
+from delayed_middleware.pausing import ALREADY, PARKED, PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.schedules import EnvelopeRecurrence
 from tests.redis_server import stream_entries
 
@@ -331,3 +331,18 @@ async def test_a_prefix_matching_100k_cancels_them_all_in_bounded_script_calls(
     # Chunked: the 100k ids went to Redis in script calls of at most 500 ids (CANCEL_BATCH).
     assert stats["calls"] >= n // 500
     assert len([r for r in stream_entries(redis_client, KEYS.history) if r[1][b"event"] == b"cancelled"]) == n
+
+
+async def test_a_parked_message_is_not_paused(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make_engine(aredis, clock)
+    redis_client.hset("not-a-stream", "k", "v")  # its topic cannot take it: it parks at its fire
+    await engine.schedule([oneshot("stuck", T0 + 1_000, topic="not-a-stream")])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert redis_client.hexists(KEYS.parked, ref(redis_client, "stuck").split()[0])
+    before = ref(redis_client, "stuck")
+    assert (await engine.set_paused("stuck", pause=True)).status == PARKED
+    assert ref(redis_client, "stuck") == before
