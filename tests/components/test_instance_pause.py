@@ -5,6 +5,7 @@ bad value is refused with INVALID_ARGUMENT naming the key and the value, storing
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -105,7 +106,9 @@ async def test_a_prefix_cancel_withdraws_exactly_the_matching_ids_and_counts_the
     component: Callable[[str], Component],
     delayed_props: dict[str, str],
     redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO)
     c = component("delayed")
     await c.init(delayed_props)
     stream = await c.subscribe("orders")
@@ -114,6 +117,8 @@ async def test_a_prefix_cancel_withdraws_exactly_the_matching_ids_and_counts_the
     await c.publish("orders", b"", {"schedule": "@every 1s", "scheduleId": "tenant-1:tick"})
     await c.publish("orders", b"", {"scheduleCancel": "true", "scheduleIdPrefix": "tenant-1:"})
     assert sample(server, "delayed_pubsub_prefix_cancelled_messages_total") == 3
+    logged = [r.getMessage() for r in caplog.records if "scheduleIdPrefix" in r.getMessage()]
+    assert logged == ["scheduleCancel with scheduleIdPrefix 'tenant-1:' on app1-delayed: cancelled 3"]
     got = set()
     for _ in range(2):
         msg = await stream.next(within=3)
