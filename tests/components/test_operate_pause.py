@@ -3,12 +3,16 @@ against a Redis populated through the real component."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import pty
+import subprocess
 from collections.abc import Callable
 
 import pytest
 import redis
 
-from tests.components.driver import Component, cli
+from tests.components.driver import EXE, Component, cli
 from tests.redis_server import RedisServer
 
 Factory = Callable[[str], Component]
@@ -107,3 +111,35 @@ async def test_pending_by_prefix_pages_through_every_match_once(app: Component, 
     bad = await cli("pending", *conn, "--after", "tomorrow")
     assert bad.code == 2
     assert "tomorrow" in bad.err
+
+
+def _answer_on_a_terminal(args: list[str], answer: str) -> tuple[int, str]:
+    """Run the CLI with a pseudo-terminal as stdin, type `answer`; its exit code and output."""
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [str(EXE), *args], stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        os.write(controller, answer.encode() + b"\n")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    return proc.returncode, out.decode()
+
+
+async def test_cancel_by_prefix_on_a_terminal_cancels_only_when_the_answer_is_yes(
+    app: Component, conn: list[str], redis_client: redis.Redis
+) -> None:
+    for i in range(3):
+        await app.publish("orders", b"x", {"scheduledSendDelay": "1h", "scheduleId": f"job:{i}"})
+    args = ["cancel", *conn, "--prefix", "job:"]
+    code, out = await asyncio.to_thread(_answer_on_a_terminal, args, "n")
+    assert code == 0
+    assert "cancel the 3 pending messages and schedules of app1 whose id starts with 'job:'?" in out
+    assert "nothing cancelled" in out
+    assert redis_client.hlen("{app1-delayed}:ids") == 3
+    code, out = await asyncio.to_thread(_answer_on_a_terminal, args, "y")
+    assert code == 0
+    assert "cancelled 3 whose id starts with 'job:'" in out
+    assert redis_client.hlen("{app1-delayed}:ids") == 0
