@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -307,6 +308,8 @@ async def test_a_prefix_cancels_exactly_the_ids_that_start_with_it_glob_characte
     assert sorted(p for p, _ in delivered(redis_client)) == sorted(["ab", "a?c", "b*1", "A*1"])
 
 
+# A scale test: its wall time on a shared machine is not what it asserts.
+@pytest.mark.timeout(600)
 async def test_a_prefix_matching_100k_cancels_them_all_in_bounded_script_calls(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
