@@ -407,9 +407,6 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
         out.file.write(f"{'cursor':<24}  {'id':<24}  {'topic':<16}  {'due':<24}  {'kind':<20}  size\n")
     try:
         async for cursor, m in rows:
-            if limit and shown >= limit:
-                more = True
-                break
             if args.json:
                 out.file.write(sep + json.dumps({**_as_json(m), "cursor": cursor}, ensure_ascii=False) + "\n")
                 sep = ","
@@ -420,6 +417,11 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
                 out.file.write(f"{line}  {m.size}\n")
             shown += 1
             last = cursor
+            if limit and shown >= limit:
+                # Stop here: finding out whether one more matches could mean reading the
+                # whole rest of the delayed topic (a rare prefix). The next page may be empty.
+                more = True
+                break
     finally:
         await rows.aclose()
     if args.json:
@@ -428,7 +430,7 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
         out.file.write(f"{shown} messages\n")
     out.file.flush()
     if more:
-        err.print(f"more follow: --after {last}", markup=False)
+        err.print(f"next page: --after {last}", markup=False)
     return EXIT_OK
 
 

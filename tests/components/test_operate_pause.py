@@ -99,9 +99,9 @@ async def test_pending_by_prefix_pages_through_every_match_once(app: Component, 
         assert len(rows) <= 300
         seen += [r["id"] for r in rows]
         pages += 1
-        if "more follow: --after " not in page.err:
+        if "next page: --after " not in page.err:
             break
-        after = ["--after", page.err.split("more follow: --after ")[1].split()[0]]
+        after = ["--after", page.err.split("next page: --after ")[1].split()[0]]
         assert after[1] == rows[-1]["cursor"]
     assert pages == 5
     assert sorted(seen) == sorted(f"a:{i}" for i in range(1_250))
