@@ -4,7 +4,9 @@
 
 A private redis-server (AOF off). Measures, the CLI run as a real process with its own peak RSS:
 - with N pending (scheduleIds `t<i % 1000>:<i>`): `pending --prefix t7: --limit 100` (a sparse prefix:
-  the whole delayed topic is read, one page held), `pending --after 0-0 --limit 100` (the first page),
+  one id in 1000, so about the first 100,000 entries are read), `pending --prefix none: --limit 100`
+  (matches nothing: the whole delayed topic is read, one page held), `pending --after 0-0 --limit 100`
+  (the first page),
   and `pending --prefix t --limit 0 --json` (every message written out as read); the peer in the same
   run is `pending --limit 100` (earliest by due: reads everything, holds the earliest 100) and
   `pending --limit 0 --json` (holds every match before writing);
@@ -110,6 +112,10 @@ def listings(port: int, n: int) -> None:
             "pending --prefix t7: --limit 100 (sparse prefix)",
             ["pending", "--prefix", "t7:", "--limit", "100"],
         ),
+        (
+            "pending --prefix none: --limit 100 (matches nothing)",
+            ["pending", "--prefix", "none:", "--limit", "100"],
+        ),
         ("pending --after 0-0 --limit 100 (first page)", ["pending", "--after", "0-0", "--limit", "100"]),
         (
             "pending --prefix t --limit 0 --json (all, streamed)",
@@ -162,8 +168,9 @@ async def main() -> None:
             listings(server.port, small)
             await populate(server.port, args.pending - small, start=small)
             listings(server.port, args.pending)
-            print()
-            await cancels(server.port, args.cancel)
+            if args.cancel:
+                print()
+                await cancels(server.port, args.cancel)
         finally:
             server.stop()
 
