@@ -26,6 +26,7 @@ from delayed_middleware import plan
 from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
+from delayed_middleware.control import Control
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport, ShardedEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
@@ -44,6 +45,7 @@ from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.admission import Admission
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
+from delayed_pubsub.controls import control_request
 from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -320,6 +322,19 @@ class Instance:
             self.metrics.published_delayed.inc()
         if p.cancels:
             await self._cancel(p.cancels)
+        if p.control is not None:
+            await self._control(p.control)
+
+    async def _control(self, request: Control) -> None:
+        """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see pausing.py."""
+        if self.engine is None:
+            raise DelayedPubSubError("delayed messaging is not enabled on this instance")
+        try:
+            await control_request(self.engine, request, self.metrics, log)
+        except (RedisError, TimeoutError) as e:
+            raise BackendUnavailableError(
+                f"{type(request).__name__} on {self.engine.keys.stream!r}: redis: {e or 'timed out'}"
+            ) from e
 
     async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
         try:

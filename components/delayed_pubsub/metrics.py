@@ -159,6 +159,19 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.pauses = Counter(
+            "delayed_pubsub_pauses",
+            "schedulePause requests; result=paused, resumed, ended (resumed after its last fire), "
+            "unknown (nothing pending under that id) or unchanged (paused or running already)",
+            ["instance", "result"],
+            registry=r,
+        )
+        self.prefix_cancelled = Counter(
+            "delayed_pubsub_prefix_cancelled_messages",
+            "Pending messages and schedules withdrawn by scheduleCancel with scheduleIdPrefix",
+            ["instance"],
+            registry=r,
+        )
         self.expired = Counter(
             "delayed_pubsub_expired_messages",
             "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
@@ -194,6 +207,8 @@ class Metrics:
             loop_restarts=self.loop_restarts,
             loops_down=self.loops_down,
             refused=self.refused.labels(name),
+            pauses=self.pauses,
+            prefix_cancelled=self.prefix_cancelled.labels(name),
         )
 
 
@@ -231,6 +246,9 @@ class InstanceMetrics:
     loops_down: Gauge | None = None
     # Publishes refused by admission control (admission.py).
     refused: Counter | None = None
+    # schedulePause results (a family labelled by instance and result), scheduleIdPrefix cancels.
+    pauses: Counter | None = None
+    prefix_cancelled: Counter | None = None
 
     def loop_state(self, loop: str) -> StateHook:
         """A liveness on_state hook for one loop of kind `loop`: counts its

@@ -44,6 +44,7 @@ from rich.table import Table
 from rich.text import Text
 
 from delayed_middleware import history as hist
+from delayed_middleware import pausing
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import DL_KEYS
 from delayed_middleware.durations import parse_go_duration
@@ -55,6 +56,8 @@ from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_middleware.pausing import scan_prefix
+from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_middleware.scripts import SCHEDULER
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
@@ -120,6 +123,18 @@ def register(subparsers: Any) -> None:
         help=f"earliest N by due time (default {DEFAULT_LIMIT}; 0: all)",
     )
     p.add_argument("--json", action="store_true", help="print only a JSON array of the messages")
+    p.add_argument(
+        "--prefix",
+        metavar="P",
+        help="only messages and schedules whose scheduleId starts with P (pages in stream order, see --after)",
+    )
+    p.add_argument(
+        "--after",
+        dest="page_after",
+        metavar="CURSOR",
+        help="page on: list in stream order from after this cursor (stderr names the next page's); with "
+        "--prefix or --after nothing is held beyond one page, whatever the number pending",
+    )
     p.set_defaults(operate=_pending)
 
     p = subparsers.add_parser("inspect", parents=[common], help="one delayed message decoded")
@@ -127,8 +142,23 @@ def register(subparsers: Any) -> None:
     p.set_defaults(operate=_inspect)
 
     p = subparsers.add_parser("cancel", parents=[common], help="cancel pending messages (as scheduleCancel)")
-    p.add_argument("ids", metavar="ID", nargs="+", help="scheduleIds or envelope ids")
+    p.add_argument("ids", metavar="ID", nargs="*", help="scheduleIds or envelope ids")
+    p.add_argument(
+        "--prefix",
+        metavar="P",
+        help="cancel every pending message and schedule whose id starts with P (asks first, unless --yes)",
+    )
+    p.add_argument("--yes", action="store_true", help="with --prefix: do not ask for confirmation")
     p.set_defaults(operate=_cancel)
+
+    for name, what in (("pause", "hold"), ("resume", "resume")):
+        p = subparsers.add_parser(
+            name,
+            parents=[common],
+            help=f"{what} pending schedules or messages (as schedulePause={name == 'pause'})",
+        )
+        p.add_argument("ids", metavar="ID", nargs="+", help="scheduleIds (or a recurring envelope's id)")
+        p.set_defaults(operate=_pause if name == "pause" else _resume)
 
     p = subparsers.add_parser("dead", parents=[common], help="list this app's dead letters")
     p.add_argument("--topic", help="only dead letters that came from this topic")
@@ -352,16 +382,70 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
         "attempts": m.attempts,
         # A hand-off (kind handoff): the pub/sub it waits to be handed to.
         "targetPubsub": m.pubsub or None,
+        # schedulePause: held until resumed (since `pausedAt`); `due` is then the occurrence it was held at.
+        "paused": m.paused,
+        "pausedAt": _time(m.paused_at_ms) or None,
     }
 
 
+def _since(m: PendingMessage) -> str:
+    return f" since {_time(m.paused_at_ms)}" if m.paused else ""
+
+
+def _kind(m: PendingMessage) -> str:
+    return f"{m.kind} (paused)" if m.paused else m.kind
+
+
 # --- commands -----------------------------------------------------------------------
+
+
+async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Console, err: Console) -> int:
+    """`pending --prefix P` / `--after CURSOR`: a page in stream order, written as it is read."""
+    if args.prefix == "":
+        raise UsageError("--prefix '': give a prefix (or leave --prefix out)")
+    limit: int = args.limit
+    rows = inspector.listing(
+        prefix=args.prefix or "", after=args.page_after, topic=args.topic, due_before_ms=args.due_before_ms
+    )
+    sep = "["
+    shown, last, more = 0, "", False
+    if not args.json:
+        out.file.write(f"{'cursor':<24}  {'id':<24}  {'topic':<16}  {'due':<24}  {'kind':<20}  size\n")
+    try:
+        async for cursor, m in rows:
+            if args.json:
+                out.file.write(sep + json.dumps({**_as_json(m), "cursor": cursor}, ensure_ascii=False) + "\n")
+                sep = ","
+            else:
+                cells = (cursor, m.id, m.topic, _time(m.due_ms), _kind(m))
+                widths = (24, 24, 16, 24, 20)
+                line = "  ".join(_printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+                out.file.write(f"{line}  {m.size}\n")
+            shown += 1
+            last = cursor
+            if limit and shown >= limit:
+                # Stop here: finding out whether one more matches could mean reading the
+                # whole rest of the delayed topic (a rare prefix). The next page may be empty.
+                more = True
+                break
+    finally:
+        await rows.aclose()
+    if args.json:
+        out.file.write("[]\n" if sep == "[" else "]\n")
+    else:
+        out.file.write(f"{shown} messages\n")
+    out.file.flush()
+    if more:
+        err.print(f"next page: --after {last}", markup=False)
+    return EXIT_OK
 
 
 async def _pending(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
     inspector = _inspector(connection, settings)
+    if args.prefix is not None or args.page_after is not None:
+        return await _pending_pages(inspector, args, out, err)
     with _progress(err, "scanning", await inspector.stream_length()) as progress:
         report = await inspector.pending(
             topic=args.topic, due_before_ms=args.due_before_ms, limit=args.limit or None, progress=progress
@@ -374,7 +458,7 @@ async def _pending(
         table.add_column(column, justify="right" if column in ("size", "attempts") else "left")
     for m in report.messages:
         topic = f"{m.pubsub}/{m.topic}" if m.pubsub else m.topic
-        table.add_row(m.id, topic, _time(m.due_ms), m.kind, str(m.size), str(m.attempts))
+        table.add_row(m.id, topic, _time(m.due_ms), _kind(m), str(m.size), str(m.attempts))
     out.print(table)
     counts = Table(box=box.SIMPLE, title="pending per topic")
     counts.add_column("topic")
@@ -409,7 +493,7 @@ async def _inspect(
         ("id", m.id),
         ("scheduleId", m.schedule_id or "-"),
         ("envelope", f"{inspector.stream_of(m)} {m.stream_id}"),
-        ("state", info.state + (f" ({info.parked_reason})" if info.parked_reason else "")),
+        ("state", info.state + (f" ({info.parked_reason})" if info.parked_reason else "") + _since(m)),
         ("topic", m.topic),
         ("due", _time(m.due_ms)),
         ("kind", m.kind),
@@ -468,11 +552,107 @@ async def cancel_ids(
 async def _cancel(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
+    if args.prefix is not None:
+        return await _cancel_prefix(connection, settings, args, out, err)
+    if not args.ids:
+        raise UsageError("give the IDs to cancel, or --prefix P")
     done, missing = await cancel_ids(connection, settings, args.ids)
     for id in done:
         out.print(f"cancelled {id}", markup=False)
     if missing:
         raise NotFound(", ".join(missing) + " (not pending: unknown, already fired or cancelled)")
+    return EXIT_OK
+
+
+def operator_engine(connection: Connection, settings: Settings) -> ShardedEngine:
+    """The component's engine over every shard, for pause, resume and a prefix cancel: with its
+    history and marker settings, its recurrence (a resume computes the next fire) and, on Redis
+    Cluster, the two-phase fire's keys (a pause waits for an occurrence in flight)."""
+    config = EngineConfig(
+        history_max_len=settings.history_max_len,
+        history_max_age_ms=settings.history_max_age_ms,
+        marker_ttl_ms=settings.delete_marker_ttl_ms,
+        two_phase=settings.redis_type == "cluster",
+    )
+    return ShardedEngine(
+        [
+            DelayEngine(
+                connection.client,  # type: ignore[arg-type]
+                EngineKeys.for_topic(topic),
+                SystemClock(),
+                config=config,
+                recurrence=EnvelopeRecurrence(),
+            )
+            for topic in shard_topics(settings.consumer_id, settings.shards)
+        ]
+    )
+
+
+async def _cancel_prefix(
+    connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
+) -> int:
+    prefix: str = args.prefix
+    if args.ids:
+        raise UsageError("give IDs or --prefix, not both")
+    if not prefix:
+        raise UsageError(
+            "--prefix '': an empty prefix would cancel every pending message and schedule; give a prefix"
+        )
+    engine = operator_engine(connection, settings)
+    if not args.yes:
+        matching = 0
+        for e in engine.engines:
+            async for keys in scan_prefix(e.redis, e.keys.ids, prefix):
+                matching += len(keys)
+        question = (
+            f"cancel the {matching} pending messages and schedules of {settings.consumer_id} "
+            f"whose id starts with {prefix!r}?"
+        )
+        if not sys.stdin.isatty():
+            raise UsageError(f"{question} Not a terminal: confirm with --yes")
+        answer = await asyncio.to_thread(input, f"{question} [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            err.print("nothing cancelled", markup=False)
+            return EXIT_OK
+    cancelled = await engine.cancel_prefix(prefix, reason=CANCEL_REASON)
+    out.print(f"cancelled {cancelled} whose id starts with {prefix!r}", markup=False)
+    return EXIT_OK
+
+
+# The `reason` of the `paused` / `resumed` history records the CLI writes.
+PAUSE_REASON = "operator (delayed-pubsub pause)"
+RESUME_REASON = "operator (delayed-pubsub resume)"
+
+
+async def _pause(
+    connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
+) -> int:
+    return await _set_paused(connection, settings, args.ids, True, out)
+
+
+async def _resume(
+    connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
+) -> int:
+    return await _set_paused(connection, settings, args.ids, False, out)
+
+
+async def _set_paused(
+    connection: Connection, settings: Settings, ids: Sequence[str], pause: bool, out: Console
+) -> int:
+    engine = operator_engine(connection, settings)
+    missing = []
+    for id in ids:
+        result = await engine.set_paused(id, pause=pause, reason=PAUSE_REASON if pause else RESUME_REASON)
+        if result.status in (pausing.PAUSED, pausing.RESUMED):
+            out.print(f"{result.status} {id}", markup=False)
+        elif result.status == pausing.ENDED:
+            out.print(f"{id}: its schedule has no fire left after now; cancelled", markup=False)
+        elif result.status == pausing.ALREADY:
+            out.print(f"{id}: {'paused' if pause else 'running'} already", markup=False)
+        else:
+            missing.append(id)
+    if missing:
+        raise NotFound(", ".join(missing) + " (not pending: unknown, already fired, cancelled or parked)")
     return EXIT_OK
 
 

@@ -196,6 +196,11 @@ def check_one_time_key(metadata: Mapping[str, str], times: list[str]) -> None:
 
 def _check_schedule_id(schedule_id: str) -> None:
     """Refuse ids that would be awkward as Redis key parts or in logs."""
+    check_schedule_id(schedule_id)
+
+
+def check_schedule_id(schedule_id: str) -> None:
+    """Refuse a scheduleId that would be awkward as a Redis key part or in logs (InvalidArgumentError)."""
     if len(schedule_id) > MAX_SCHEDULE_ID_LENGTH:
         raise InvalidArgumentError(
             SCHEDULE_ID,

@@ -119,7 +119,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from delayed_middleware import scripts
+from delayed_middleware import pausing, scripts
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import Trim
@@ -267,6 +267,7 @@ class DelayEngine:
         self._release = client.register_script(scripts.RELEASE)
         self._uncancel = client.register_script(scripts.UNCANCEL)
         self._compact = client.register_script(scripts.COMPACT)
+        self._pause = client.register_script(scripts.PAUSE)
         # Test hook: awaited at each step of the two-phase fire ("claimed",
         # "appended:<n>", "released"); raising there stops the fire like a crash.
         self._fault = fault
@@ -559,6 +560,48 @@ class DelayEngine:
         for result in await pipe.execute(raise_on_error=False):
             if isinstance(result, Exception):
                 log.warning("marker (%s) on %s not written: %s", reason, self._keys.stream, result)
+
+    # --- pause, resume, cancel by prefix (the logic is in pausing.py) --------
+
+    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> pausing.PauseResult:
+        """Pause (True) or resume (False) one pending message or schedule by id (see pausing)."""
+        return await pausing.set_paused(self, id, pause=pause, reason=reason)
+
+    async def cancel_prefix(self, prefix: str, *, reason: str = "Remove") -> int:
+        """Cancel every pending message and schedule whose id starts with `prefix`; how many."""
+        return await pausing.cancel_prefix(self, prefix, reason=reason)
+
+    async def run_pause_script(self, op: str, id: str, reason: str, extra: Sequence[str]) -> list[Any]:
+        """One PAUSE call (lua/pause.lua) with this engine's keys; its raw reply."""
+        keys = self._keys.two_phase_keys if self._config.two_phase else self._keys.script_keys
+        args: list[str | int] = [
+            self._keys.buckets,
+            self._clock.now_ms(),
+            self._history_len(),
+            op,
+            id,
+            reason,
+        ]
+        return list(await self._pause(keys=keys, args=[*args, self._keys.wake, *extra]))
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The client this engine writes with."""
+        return self._redis
+
+    def shard_now(self) -> int:
+        """This shard's time as of the last fire step's measurement."""
+        return self._shard_now()
+
+    def next_fire(self, env: Envelope, after_ms: int) -> int | None:
+        """A recurring envelope's first fire strictly after `after_ms` (None: none left)."""
+        if self._recurrence is None:
+            raise ValueError("a recurring envelope needs the engine's recurrence function")
+        return self._recurrence(env, after_ms)
+
+    def next_after(self, env: Envelope, after_ms: int) -> tuple[str, str]:
+        """As next_fire, as the ref's (ms, RFC 3339) strings, ('purge', '-') when none."""
+        return self._next_after(env, after_ms)
 
     async def has_key(self, key: str) -> bool:
         """True if `key` is a pending scheduleId (or recurring envelope id) here."""
@@ -1022,7 +1065,10 @@ class DelayEngine:
         gone = [k for k, r in zip(keys, refs, strict=True) if r is None]
         if gone:
             await self._redis.zrem(self._keys.refill, *gone)
-        live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None]
+        # A paused envelope waits for its resume, not for a refill (pausing.py).
+        live = [
+            (k, r) for k, r in zip(keys, refs, strict=True) if r is not None and not pausing.is_paused_ref(r)
+        ]
         if not live:
             return len(gone)
         # Where each envelope is stored now (compaction may have re-homed it).
@@ -1338,6 +1384,15 @@ class ShardedEngine:
             for (pos, _), result in zip(items, got, strict=True):
                 out[pos] = result
         return out
+
+    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> pausing.PauseResult:
+        """As DelayEngine.set_paused, on the shard that holds `id` (see cancel)."""
+        shard, local = await self._locate(id)
+        return await self.engines[shard].set_paused(local, pause=pause, reason=reason)
+
+    async def cancel_prefix(self, prefix: str, *, reason: str = "Remove") -> int:
+        """As DelayEngine.cancel_prefix, over every shard; the total cancelled."""
+        return sum([await e.cancel_prefix(prefix, reason=reason) for e in self.engines])
 
     async def pending(self) -> int:
         """Messages waiting over every shard."""

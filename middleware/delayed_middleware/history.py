@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -19,7 +19,7 @@ Each entry is a flat set of string fields:
 | `late`    | fired only: fired-at minus due, ms |
 | `size`    | payload bytes (all entries of a bulk envelope) |
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
-| `reason`  | parked / expired / cancelled / deadlettered: why ('' otherwise) |
+| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 | `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
 
@@ -58,7 +58,22 @@ EXPIRED: Final = "expired"
 RETRIED: Final = "retried"
 DEAD_LETTERED: Final = "deadlettered"
 HANDED_OFF: Final = "handedoff"
-EVENTS: Final = (SCHEDULED, REPLACED, CANCELLED, FIRED, PARKED, EXPIRED, RETRIED, DEAD_LETTERED, HANDED_OFF)
+# schedulePause: held, and resumed (its `due` is where it went back into the index).
+PAUSED: Final = "paused"
+RESUMED: Final = "resumed"
+EVENTS: Final = (
+    SCHEDULED,
+    REPLACED,
+    CANCELLED,
+    FIRED,
+    PARKED,
+    EXPIRED,
+    RETRIED,
+    DEAD_LETTERED,
+    HANDED_OFF,
+    PAUSED,
+    RESUMED,
+)
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).
 KINDS: Final = LABELS

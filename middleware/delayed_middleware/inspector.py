@@ -60,6 +60,7 @@ from delayed_middleware.keys import (
 )
 from delayed_middleware.kinds import Kind
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
+from delayed_middleware.pausing import paused_at_ms
 from delayed_middleware.retry import retry_key, retry_topics_key
 from delayed_middleware.scripts import HIST_WALK
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
@@ -99,6 +100,13 @@ class PendingMessage:
     shard: int | None = None
     # A hand-off (kind "handoff"): the Dapr pub/sub it waits to be handed to.
     pubsub: str = ""
+    # Paused (schedulePause): when, epoch ms; None while it runs.
+    paused_at_ms: int | None = None
+
+    @property
+    def paused(self) -> bool:
+        """True while held by schedulePause: it does not fire until resumed."""
+        return self.paused_at_ms is not None
 
     @property
     def id(self) -> str:
@@ -127,7 +135,7 @@ class MessageInfo:
 
     message: PendingMessage
     envelope: Envelope
-    # pending | parked | retry (a failed message waiting for its next delivery)
+    # pending | paused (schedulePause) | parked | retry (a failed message waiting for its next delivery)
     # | handoff (fired, waiting in the outbox for the sidecar to accept it)
     state: str
     parked_reason: str = ""
@@ -209,13 +217,14 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 return {rows, top}
 """
 
-    def __init__(self, redis: aioredis.Redis, keys: EngineKeys, count: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: EngineKeys, count: int, after: str | None = None) -> None:
         self._redis = redis
         self._script = redis.register_script(self._PAGE)
         self._stream = keys.stream
         self._moved = keys.moved
         self._count = count
-        self._start: Any = "-"
+        # `after`: a stream position (a raw entry id) the walk resumes after.
+        self._start: Any = "-" if after is None else "(" + after
         self._ends: list[tuple[int, int]] = []
         self._tops: list[tuple[int, int]] = []
         self.done = False
@@ -311,6 +320,7 @@ def _pending(
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
     due, kind = due_ms, (Kind.RECURRING if recurring else Kind.ONESHOT).label
+    paused_at = None
     if ref is not None:
         ref_id, ref_due, ref_next = _ref(ref)
         # A recurring envelope's current occurrence lives in the ids hash.
@@ -318,6 +328,8 @@ def _pending(
             due = ref_due
         if ref_id == stream_id and ref_next:
             kind = Kind.RECURRING.label
+        if ref_id == stream_id:
+            paused_at = paused_at_ms(text(ref))
     return PendingMessage(
         stream_id=stream_id,
         schedule_id=schedule_id,
@@ -328,6 +340,7 @@ def _pending(
         attempts=int(attempts) if attempts.isdigit() else 0,
         published_at_ms=published_at_ms,
         shard=shard,
+        paused_at_ms=paused_at,
     )
 
 
@@ -469,6 +482,58 @@ class Inspector:
                     stats["scanned"] += len(rows)
                 if progress is not None:
                     progress(scanned, max(total, scanned))
+                if walk.done:
+                    break
+
+    async def listing(
+        self,
+        *,
+        prefix: str = "",
+        after: str | None = None,
+        topic: str | None = None,
+        due_before_ms: int | None = None,
+    ) -> AsyncGenerator[tuple[str, PendingMessage]]:
+        """Pending messages on the delayed topic in stream order (shard by shard), each with its cursor.
+
+        Paging for listings too long to hold: nothing is kept beyond one page
+        of PAGE_SIZE entries, so memory stays flat however many are pending.
+        `after` is a cursor this gave (`<stream id>`, `<stream id>@<shard>` with
+        several shards): the listing resumes right after it. `prefix` keeps the
+        messages whose scheduleId (a recurring envelope without one: its
+        envelope id) starts with it, the ids a prefix cancel matches. Parked and
+        undecodable envelopes are left out; retries and hand-offs are not on
+        the delayed topic and are not listed here (`pending` without paging
+        shows them). A compaction pass running between two pages may list an
+        envelope it moved again on a later page.
+        """
+        first_shard, start = 0, None
+        if after is not None:
+            named = split_shard_id(after, len(self.shards))
+            if named is not None:
+                first_shard, start = named
+            elif is_stream_id(after):
+                start = after
+            else:
+                raise InvalidArgumentError("--after", after, "not a cursor of this listing")
+        for shard in range(first_shard, len(self.shards)):
+            walk = _Walk(self._redis, self.shards[shard], self._page, start if shard == first_shard else None)
+            while True:
+                rows: Any = await walk.page()
+                if not rows:
+                    break
+                kept = [(i, f) for i, f in rows if not walk.met_before(i, f)]
+                named_rows = await walk.named(rows)
+                raw_of = {_s(public): _s(raw) for (raw, _), (public, _) in zip(kept, named_rows, strict=True)}
+                for m in await self._decode_page(shard, named_rows, None):
+                    own = m.schedule_id or (m.stream_id if m.kind == Kind.RECURRING.label else "")
+                    if prefix and not own.startswith(prefix):
+                        continue
+                    if topic is not None and m.topic != topic:
+                        continue
+                    if due_before_ms is not None and m.due_ms >= due_before_ms:
+                        continue
+                    raw = raw_of.get(m.stream_id, m.stream_id)
+                    yield (raw if len(self.shards) == 1 else f"{raw}@{shard}"), m
                 if walk.done:
                     break
 
@@ -918,7 +983,7 @@ class Inspector:
         message = self._message(shard, stream_id, env, ref)
         if parked is not None:
             return MessageInfo(message, env, "parked", _s(parked))
-        return MessageInfo(message, env, "pending")
+        return MessageInfo(message, env, "paused" if message.paused else "pending")
 
     async def _find(self, id: str, progress: Progress | None) -> MessageInfo | None:
         total = await self.stream_length() if progress is not None else 0

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from delayed_middleware import envelope as env
+from delayed_middleware.control import CONTROL_KEYS, Control, is_control, read_control
 from delayed_middleware.delay import (
     DELAY_KEYS,
     MAX_SCHEDULE_ID_LENGTH,
@@ -113,6 +114,9 @@ class PublishPlan:
     delayed: tuple[Delayed, ...] = ()
     failed: tuple[Failed, ...] = ()
     cancels: tuple[Cancel, ...] = field(default=())
+    # schedulePause / scheduleIdPrefix (control.py): a request that changes
+    # pending state and stores no message.
+    control: Control | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +397,8 @@ def plan_publish(
     check_topic(topic)
     if (cancel_id := plain_cancel(metadata, ctx)) is not None:
         return PublishPlan(cancels=(Cancel(("",), cancel_id),))
+    if (control := read_control(metadata, enabled=ctx.enabled)) is not None:
+        return PublishPlan(control=control)
     request = read_request(metadata, ctx)
     if request.cancel is not None:
         return PublishPlan(cancels=(Cancel(("",), request.cancel),))
@@ -431,6 +437,11 @@ def plan_bulk(
     of entries each with scheduleCancel and scheduleId).
     """
     check_topic(topic)
+    if is_control(metadata):
+        key = next(k for k in CONTROL_KEYS if k in metadata)
+        raise InvalidArgumentError(
+            key, metadata[key], "not for a bulk publish: send it as a single publish (no body needed)"
+        )
     request = read_request(metadata, ctx)
     if request.cancel is not None:
         raise InvalidArgumentError(
@@ -453,6 +464,15 @@ def plan_bulk(
     for entry_id, entry in entries:
         if plain and (cancel_id := plain_cancel(entry.metadata, ctx)) is not None:
             cancels.append(Cancel((entry_id,), cancel_id))
+            continue
+        if is_control(entry.metadata):
+            key = next(k for k in CONTROL_KEYS if k in entry.metadata)
+            refused = InvalidArgumentError(
+                key,
+                entry.metadata[key],
+                "not in a bulk publish: send it as a single publish (no body needed)",
+            )
+            failed.append(Failed(entry_id, str(refused)))
             continue
         # The common case, no metadata anywhere, allocates nothing new.
         merged = entry

@@ -1,0 +1,93 @@
+"""schedulePause and scheduleIdPrefix under a real daprd on a real 3-master Redis Cluster with
+`delayShards: "6"`, driven with curl as a user would: a schedule on a far shard pauses and
+resumes, and a prefix cancel reaches the messages of every shard."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from delayed_middleware.keys import shard_index
+from tests.e2e.harness import Stack, carries, now_ms, unique
+from tests.e2e.test_cluster_e2e import SHARDS, admin, stack
+from tests.e2e.test_schedules_e2e import curl_publish, header, instant_ms, ok_arrivals
+
+pytestmark = pytest.mark.e2e
+__all__ = ["admin", "stack"]  # the module's cluster stack, imported for its use here
+
+TOPIC = "later"
+
+
+def far_id(prefix: str) -> str:
+    """A scheduleId whose home shard is not shard 0."""
+    for i in range(100):
+        candidate = f"{prefix}-{i}"
+        if shard_index(candidate, SHARDS) != 0:
+            return candidate
+    raise AssertionError("no id off shard 0")
+
+
+def test_a_schedule_on_a_far_shard_pauses_and_resumes_through_curl(stack: Stack) -> None:
+    marker, schedule_id = unique("c-pause"), far_id(unique("c-sched"))
+    code, text = curl_publish(
+        stack, TOPIC, {"schedule": "@every 1s", "scheduleId": schedule_id}, json.dumps({"id": marker})
+    )
+    assert code == 204, text
+    assert len(ok_arrivals(stack, marker, 1, timeout=5)) == 1
+    code, text = curl_publish(stack, TOPIC, {"schedulePause": "true", "scheduleId": schedule_id})
+    paused = now_ms()
+    assert code == 204, text
+    time.sleep(3)
+    # By each fire's own due time (one interval before its scheduleNext), not by when daprd
+    # delivered it: a fire that went out just before the pause may reach the app later.
+    late = [
+        a
+        for a in stack.arrivals()
+        if carries(marker)(a) and instant_ms(header(a, "scheduleNext")) - 1_000 > paused
+    ]
+    assert late == [], f"{len(late)} occurrence(s) due after the pause fired"
+    before = len([a for a in stack.arrivals() if carries(marker)(a)])
+    resumed = now_ms()
+    code, text = curl_publish(stack, TOPIC, {"schedulePause": "false", "scheduleId": schedule_id})
+    assert code == 204, text
+    fires = ok_arrivals(stack, marker, before + 1, timeout=5)
+    assert len(fires) == before + 1
+    assert instant_ms(header(fires[-1], "scheduleNext")) - 1_000 >= resumed - 5
+    code, text = curl_publish(stack, TOPIC, {"scheduleCancel": "true", "scheduleId": schedule_id})
+    assert code == 204, text
+
+
+def test_a_prefix_cancel_through_curl_reaches_every_shard(stack: Stack) -> None:
+    prefix = unique("c-tenant") + ":"
+    ids = [f"{prefix}{i}" for i in range(24)]
+    assert len({shard_index(i, SHARDS) for i in ids}) >= 3
+    # Due well after the cancel can land, however slow 25 publishes through daprd are here.
+    delay_ms = 15_000
+    first = now_ms()
+    markers = []
+    for sid in ids:
+        marker = unique("c-prefixed")
+        markers.append(marker)
+        code, text = curl_publish(
+            stack,
+            TOPIC,
+            {"scheduledSendDelay": f"{delay_ms}ms", "scheduleId": sid},
+            json.dumps({"id": marker}),
+        )
+        assert code == 204, text
+    kept = unique("c-kept")
+    code, text = curl_publish(
+        stack,
+        TOPIC,
+        {"scheduledSendDelay": f"{delay_ms}ms", "scheduleId": far_id(unique("c-other"))},
+        json.dumps({"id": kept}),
+    )
+    assert code == 204, text
+    code, text = curl_publish(stack, TOPIC, {"scheduleCancel": "true", "scheduleIdPrefix": prefix})
+    assert code == 204, text
+    assert now_ms() - first < delay_ms, "the publishes took longer than their delay: nothing was pending"
+    assert len(stack.wait_arrivals(carries(kept), 1, timeout=delay_ms / 1000 + 10)) == 1
+    for m in markers:
+        assert stack.wait_arrivals(carries(m), 1, timeout=0) == [], "a message cancelled by prefix fired"
