@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, completed |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -19,7 +19,7 @@ Each entry is a flat set of string fields:
 | `late`    | fired only: fired-at minus due, ms |
 | `size`    | payload bytes (all entries of a bulk envelope) |
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
-| `reason`  | parked / expired / cancelled / deadlettered: why ('' otherwise) |
+| `reason`  | parked / expired / cancelled / deadlettered: why; completed: `NoNextFire` ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 
 Fields may be added later; readers must ignore unknown ones.
@@ -46,7 +46,20 @@ EXPIRED: Final = "expired"
 RETRIED: Final = "retried"
 DEAD_LETTERED: Final = "deadlettered"
 HANDED_OFF: Final = "handedoff"
-EVENTS: Final = (SCHEDULED, REPLACED, CANCELLED, FIRED, PARKED, EXPIRED, RETRIED, DEAD_LETTERED, HANDED_OFF)
+# A recurring schedule fired its last occurrence (scheduleEnd / scheduleLimit) and was removed.
+COMPLETED: Final = "completed"
+EVENTS: Final = (
+    SCHEDULED,
+    REPLACED,
+    CANCELLED,
+    FIRED,
+    PARKED,
+    EXPIRED,
+    RETRIED,
+    DEAD_LETTERED,
+    HANDED_OFF,
+    COMPLETED,
+)
 
 ONESHOT: Final = "oneshot"
 RECURRING: Final = "recurring"
