@@ -88,6 +88,8 @@ class PendingMessage:
     shard: int | None = None
     # A hand-off (kind "handoff"): the Dapr pub/sub it waits to be handed to.
     pubsub: str = ""
+    # A recurring one's stored schedule expression (with its zone, bounds and jitter).
+    schedule: str = ""
 
     @property
     def id(self) -> str:
@@ -297,6 +299,7 @@ def _pending(
     published_at_ms: int,
     recurring: bool = False,
     shard: int | None = None,
+    schedule: str = "",
 ) -> PendingMessage:
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
@@ -318,6 +321,7 @@ def _pending(
         attempts=int(attempts) if attempts.isdigit() else 0,
         published_at_ms=published_at_ms,
         shard=shard,
+        schedule=schedule,
     )
 
 
@@ -504,6 +508,7 @@ class Inspector:
                     published_at_ms=msg.publishedAtMs,
                     recurring=msg.kind == RECURRING_KIND,
                     shard=self._label(shard),
+                    schedule=msg.schedule,
                 )
             )
         return out
@@ -520,6 +525,7 @@ class Inspector:
             published_at_ms=env.published_at_ms,
             recurring=env.is_recurring,
             shard=self._label(shard),
+            schedule=env.schedule,
         )
 
     async def pending(

@@ -685,9 +685,7 @@ def _instant(key: str, value: str) -> int:
     try:
         return parse_instant(value)
     except ValueError as exc:
-        raise InvalidArgumentError(
-            key, value, str(exc)
-        ) from None
+        raise InvalidArgumentError(key, value, str(exc)) from None
 
 
 def _limit(schedule: Schedule, value: str) -> int:
@@ -857,6 +855,13 @@ class EnvelopeRecurrence:
         return self._memo.next_fire(
             schedule, start_ms=envelope.published_at_ms, after_ms=after_ms, key=envelope.schedule_id
         )
+
+
+def schedule_zone(stored: str) -> str:
+    """The IANA zone of a stored schedule expression ('' for UTC or none), without parsing the rest."""
+    if not stored.startswith(CRON_TZ_PREFIX):
+        return ""
+    return stored[len(CRON_TZ_PREFIX) :].split(maxsplit=1)[0] if len(stored) > len(CRON_TZ_PREFIX) else ""
 
 
 def schedule_next_value(next_ms: int | None) -> str:
