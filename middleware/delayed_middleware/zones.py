@@ -34,6 +34,7 @@ SCHEDULE_TIME_ZONE: Final = "scheduleTimeZone"
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _MS: Final = timedelta(milliseconds=1)
+_EPOCH_NAIVE: Final = datetime(1970, 1, 1)
 # An IANA name: letters, digits and - _ + / only (no '..', no absolute path:
 # zoneinfo would read a file by that name).
 _ZONE_NAME: Final = re.compile(r"[A-Za-z][A-Za-z0-9_+\-]*(?:/[A-Za-z0-9_+\-]+)*")
@@ -118,6 +119,25 @@ def cron_next_in_zone(cron: str, tz: ZoneInfo, after_ms: int) -> int | None:
         # No date matches within croniter's window, or the walk ran past year 9999.
         return None
     return None
+
+
+def cron_instants(cron: str, tz: ZoneInfo | None, after_ms: int, count: int) -> list[int]:
+    """Up to ``count`` successive fires strictly after ``after_ms`` (UTC when ``tz`` is None), in one walk."""
+    after_s = max(after_ms, MIN_INSTANT_MS) // 1000
+    start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
+    out: list[int] = []
+    try:
+        walk = croniter(cron, start, second_at_beginning=True)
+        for _ in range(count * 4 + _MAX_STEPS):
+            if len(out) >= count:
+                break
+            wall = walk.get_next(datetime)
+            due = wall_to_instant(wall, tz) if tz is not None else _ms(wall.replace(tzinfo=UTC))
+            if due > max(after_s * 1000 + 999, out[-1] if out else 0) and due <= MAX_INSTANT_MS:
+                out.append(due)
+    except (CroniterError, ValueError, OverflowError):
+        pass
+    return out
 
 
 def local_time(ms: int, tz: ZoneInfo) -> str:
