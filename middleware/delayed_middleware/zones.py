@@ -109,7 +109,7 @@ def cron_next_in_zone(cron: str, tz: ZoneInfo, after_ms: int) -> int | None:
     # its (earlier) first occurrence and so skipped: the repeat never fires.
     start = _wall_of(after_s * 1000, tz)
     try:
-        walk = croniter(cron, start, second_at_beginning=True)
+        walk = _walker(cron, start)
         for _ in range(_MAX_STEPS):
             wall = walk.get_next(datetime)
             due = wall_to_instant(wall, tz)
@@ -121,13 +121,27 @@ def cron_next_in_zone(cron: str, tz: ZoneInfo, after_ms: int) -> int | None:
     return None
 
 
+@lru_cache(maxsize=256)
+def _parsed(cron: str) -> croniter:
+    return croniter(cron, _EPOCH_NAIVE, second_at_beginning=True)
+
+
+def _walker(cron: str, start: datetime) -> croniter:
+    """A croniter over naive wall-clock times from ``start``: the parsed expression is reused (parsing
+    costs ~0.25 ms, a step ~0.04 ms). Callers walk it to completion before anyone else asks,
+    as everything here is synchronous."""
+    walk = _parsed(cron)
+    walk.set_current(start, force=True)
+    return walk
+
+
 def cron_instants(cron: str, tz: ZoneInfo | None, after_ms: int, count: int) -> list[int]:
     """Up to ``count`` successive fires strictly after ``after_ms`` (UTC when ``tz`` is None), in one walk."""
     after_s = max(after_ms, MIN_INSTANT_MS) // 1000
     start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
     out: list[int] = []
     try:
-        walk = croniter(cron, start, second_at_beginning=True)
+        walk = _walker(cron, start)
         for _ in range(count * 4 + _MAX_STEPS):
             if len(out) >= count:
                 break
