@@ -1,6 +1,13 @@
 """Schedules as publishers write them (``schedule`` metadata), and the one pure "next fire after t".
 
-The grammar is the NATS message scheduler's (ADR-51), all in UTC:
+The grammar is the NATS message scheduler's (ADR-51), in UTC unless a cron or
+predefined schedule names a time zone (``scheduleTimeZone`` or a ``CRON_TZ=``
+prefix; zones.py has the wall-clock and daylight-saving rules). A recurring
+schedule may also carry bounds and jitter (``with_bounds``: ``scheduleStart``,
+``scheduleEnd``, ``scheduleLimit``, ``scheduleJitter``); they are kept in the
+envelope's stored expression as ``; name=value`` options
+(``parse_stored_schedule``), so the next fire stays a pure function of the
+envelope and every replica computes the same one:
 
 - ``@at <RFC3339>``: one-shot, the same instant ``scheduledSendTime`` takes; a
   past instant fires at once.
