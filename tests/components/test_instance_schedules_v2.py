@@ -139,14 +139,19 @@ async def test_a_thousand_every_10s_schedules_with_jitter_5s_fire_spread_over_5_
     )
     t1 = now_ms()
     assert not reply.failed_entries
-    # The index, and so pending's `due`, holds each schedule's jittered time: spread over [10 s, 15 s).
+    # The index, and so pending's `due`, holds each schedule's jittered time. One bulk publish is
+    # accepted at one instant, so every nominal fire is that instant + 10 s and the dues spread
+    # over the 5 s of jitter after it.
     listed = (await cli("pending", *conn, "--limit", "0", "--json")).json()
-    dues = [parse_instant(r["due"]) for r in listed]
-    assert len(dues) == 1000
-    assert all(t0 + 10_000 <= d < t1 + 15_000 for d in dues)
-    per_second = Counter((d - t0 - 10_000) // 1000 for d in dues)
+    due_of = {r["id"]: parse_instant(r["due"]) for r in listed}
+    assert len(due_of) == 1000
+    first_due = min(due_of.values())
+    assert all(t0 + 10_000 <= d < t1 + 15_000 for d in due_of.values())
+    assert 4_900 <= max(due_of.values()) - first_due < 5_000
+    per_second = Counter((d - first_due) // 1000 for d in due_of.values())
     assert all(140 <= per_second[s] <= 260 for s in range(5)), per_second
-    # And they fire at those times (the history's fired-at): over ~5 s, not at one instant.
+    # And they fire at those times (the history's fired-at): never before their own due time,
+    # over ~5 s, not at one instant.
     received: set[str] = set()
     while len(received) < 1000:
         got = await stream.next(within=20)
@@ -156,12 +161,12 @@ async def test_a_thousand_every_10s_schedules_with_jitter_5s_fire_spread_over_5_
     for r in (decode_record(i, f) for i, f in stream_entries(redis_client, HISTORY)):
         if r.event == "fired":
             fired.setdefault(r.id, r.at_ms)
+    assert set(fired) == set(due_of)
+    assert all(fired[sid] >= due_of[sid] for sid in due_of)
     first_fires = sorted(fired.values())
-    assert len(first_fires) >= 1000
-    spread = first_fires[999] - first_fires[0]
-    assert 4_000 <= spread <= 5_500, spread
-    by_second = Counter((t - first_fires[0]) // 1000 for t in first_fires[:1000])
-    assert max(by_second.values()) <= 300, by_second
+    assert first_fires[-1] - first_fires[0] >= 4_000
+    by_second = Counter((t - first_fires[0]) // 1000 for t in first_fires)
+    assert max(by_second.values()) <= 350, by_second
     cancels = [
         pubsub_pb2.BulkMessageEntry(
             entry_id=str(i), event=b"", metadata={"scheduleCancel": "true", "scheduleId": f"s{i}"}
