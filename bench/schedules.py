@@ -17,8 +17,14 @@ A private redis-server (AOF off), one `delayed-pubsub serve` process on a unix s
     in the same run, and BulkPublish (entries of 1,000) against bulk delayed publishes. Then the
     due time passes and the target topic must stay empty: nothing cancelled is delivered.
 
+  - zoned: N (100,000) `*/30 * * * * *` schedules in four time zones with `scheduleJitter` 20s,
+    firing for a window (120 s), then, in the same run, the same N in UTC without jitter. For each:
+    lateness against each fire's own (jittered) due time -- the `scheduleNext` its schedule's
+    previous fire named -- and the CPU of `serve` and of redis-server per fired occurrence.
+
     .venv/bin/python bench/schedules.py [--schedules 10000] [--window 20] [--cron] [--spread] [--cancels 100000]
     .venv/bin/python bench/schedules.py --schedules 0 --cancels 100000 --cancel-lead 60   # cancels alone
+    .venv/bin/python bench/schedules.py --schedules 0 --cancels 0 --zoned 100000 --zoned-window 120
 
 Machine note for bench/RESULTS.md: 2 cores shared with other agents' work; quote ratios.
 """
@@ -339,6 +345,71 @@ async def cancels(
     }
 
 
+ZONES = ("America/New_York", "Europe/London", "Australia/Sydney", "Asia/Kathmandu")
+
+
+async def zoned_phase(
+    stub: Stub,
+    client: redis.Redis,
+    pids: tuple[int, int],
+    n: int,
+    window_s: int,
+    *,
+    zoned: bool,
+) -> dict[str, float]:
+    """N `*/30 * * * * *` schedules (zoned + jittered, or UTC plain) firing for `window_s`."""
+    topic = "zoned" if zoned else "utc"
+
+    def metadata(i: int) -> dict[str, str]:
+        md = {"schedule": "*/30 * * * * *", "scheduleId": f"{topic}-{i}"}
+        if zoned:
+            md.update({"scheduleTimeZone": ZONES[i % len(ZONES)], "scheduleJitter": "20s"})
+        return md
+
+    create_rate = await bulk(stub, topic, [(TICK, metadata(i)) for i in range(n)])
+    # The first fire of each schedule has no earlier scheduleNext to be measured against:
+    # measure from the first whole 30 s cycle after creation.
+    await asyncio.sleep(30 - (now_ms() / 1000) % 30 + 1)
+    a = now_ms()
+    cpu0 = [cpu_s(p) for p in pids]
+    await asyncio.sleep(window_s)
+    b = now_ms()
+    cpu1 = [cpu_s(p) for p in pids]
+    cancel_rate = await bulk(
+        stub, topic, [(b"", {"scheduleId": f"{topic}-{i}", "scheduleCancel": "true"}) for i in range(n)]
+    )
+    await asyncio.sleep(2)
+    rows = entries_since(client, topic, "0-0")
+    named: dict[str, int] = {}  # scheduler -> the due time its last fire named
+    late: list[int] = []
+    fired = 0
+    for landed, md in sorted(rows, key=lambda r: r[0]):
+        sid, nxt = md.get("scheduler", "?"), md.get("scheduleNext", "")
+        if a <= landed < b:
+            fired += 1
+            if sid in named:
+                late.append(landed - named[sid])
+        if nxt and nxt != "purge":
+            named[sid] = parse_instant(nxt)
+    if not late:
+        raise SystemExit(f"{topic}: no fire landed in the window")
+    client.delete(topic)
+    return {
+        "schedules": n,
+        "create_per_s": create_rate,
+        "fires": fired,
+        "fires_per_s": fired / ((b - a) / 1000),
+        "p50_ms": pct(late, 50),
+        "p99_ms": pct(late, 99),
+        "max_ms": max(late),
+        "early": sum(1 for x in late if x < 0),
+        "serve_cpu_us_per_fire": 1e6 * (cpu1[0] - cpu0[0]) / max(fired, 1),
+        "redis_cpu_us_per_fire": 1e6 * (cpu1[1] - cpu0[1]) / max(fired, 1),
+        "serve_cpu_pct_of_core": 100 * (cpu1[0] - cpu0[0]) / ((b - a) / 1000),
+        "cancel_per_s": cancel_rate,
+    }
+
+
 class Serve:
     def __init__(self, folder: Path) -> None:
         self.socket = folder / "delayed-pubsub.sock"
@@ -367,6 +438,10 @@ async def main() -> None:
         "--cancel-lead", type=int, default=120, help="seconds until the cancelled one-shots are due"
     )
     ap.add_argument("--callers", type=int, default=64)
+    ap.add_argument(
+        "--zoned", type=int, default=0, help="N zoned + jittered schedules, then N UTC ones (0 = skip)"
+    )
+    ap.add_argument("--zoned-window", type=int, default=120, help="seconds each set fires for")
     args = ap.parse_args()
     print(
         f"# {datetime.now(UTC):%Y-%m-%d %H:%M UTC} on {platform.node()}, {os.cpu_count()} cores, "
@@ -404,6 +479,14 @@ async def main() -> None:
                                     stub, client, serve.proc.pid, args.schedules, min(args.window, 10)
                                 ),
                             )
+                    if args.zoned:
+                        pids = (serve.proc.pid, redis_pid)
+                        for zoned in (True, False):
+                            name = "zoned + jitter 20s" if zoned else "UTC, no jitter"
+                            res = await zoned_phase(
+                                stub, client, pids, args.zoned, args.zoned_window, zoned=zoned
+                            )
+                            show(f"*/30 * * * * * x {args.zoned:,}, {name}", res)
                     if args.cancels:
                         show(
                             "cancels",

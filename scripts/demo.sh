@@ -6,7 +6,8 @@
 # arrival with its lateness) and daprd with a component YAML of `type: pubsub.delayed-pubsub`.
 # Then publishes with curl, exactly as a user would, a few messages delayed by 2-10 s
 # (scheduledSendDelay and scheduledSendTime), a recurring `@every 2s` schedule and a cron one
-# (`*/3 * * * * *`), cancels them with curl (scheduleCancel), checks they stopped, waits for
+# (`*/3 * * * * *`), a cron one in New York time limited to 3 fires (scheduleTimeZone,
+# scheduleLimit), cancels the first two with curl (scheduleCancel), checks they stopped, waits for
 # them, prints a summary and stops everything (also on Ctrl-C or error).
 # Exit code 0 only when every delayed message arrived, none before it was due.
 set -euo pipefail
@@ -156,9 +157,9 @@ report "at $at" $((at_ms - $(now_ms))) "$code"
 # fire's lateness. Once both have fired a few times the `@every` one is cancelled with curl, the
 # cron one keeps firing a little longer (to show only the cancelled one stopped), then it goes too.
 schedules=()
-schedule_publish() {  # schedule_publish LABEL ID QUERY_VALUE(url-encoded)
+schedule_publish() {  # schedule_publish LABEL ID QUERY_VALUE(url-encoded) [MORE_QUERY]
     local code
-    code=$(publish reminders "$1" null "metadata.schedule=$3&metadata.scheduleId=$2")
+    code=$(publish reminders "$1" null "metadata.schedule=$3&metadata.scheduleId=$2${4:-}")
     if [[ $code == 2* ]]; then
         schedules+=("$1")
         printf '  %-28s id %-14s -> %s\n' "schedule $1" "$2" "$code"
@@ -169,6 +170,9 @@ schedule_publish() {  # schedule_publish LABEL ID QUERY_VALUE(url-encoded)
 }
 schedule_publish "every 2s" demo-every "@every%202s"
 schedule_publish "cron */3" demo-cron "*/3%20*%20*%20*%20*%20*"
+# Every 2 s on New York's wall clock, three times, then removed by itself (history: completed).
+schedule_publish "new york x3" demo-zoned "*/2%20*%20*%20*%20*%20*" \
+    "&metadata.scheduleTimeZone=America/New_York&metadata.scheduleLimit=3"
 
 fires_of() {  # fires_of LABEL: successful arrivals of that label so far
     "$py" - "$work/arrivals.jsonl" "$1" <<'PY' 2>/dev/null || echo 0
@@ -271,6 +275,15 @@ def header(arrival, key):
 def instant_ms(text):
     return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
+
+# The zoned schedule with a limit: exactly three fires, the last naming no next one (purge).
+zoned = by_label.get("new york x3", [])
+if n_schedules:
+    nexts = [header(f, "scheduleNext") for f in zoned]
+    bad = len(zoned) != 3 or nexts[-1:] != ["purge"]
+    failed |= bad
+    print(f"  {'ok' if not bad else 'FAILED':<7}  schedule {'new york x3':<19} fired {len(zoned)} times (limit 3), "
+          f"scheduleNext {nexts}")
 
 # Each fire names the next due instant (scheduleNext): its own due time is one interval before.
 for label, interval in (("every 2s", 2000), ("cron */3", 3000)):

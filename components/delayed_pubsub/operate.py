@@ -57,8 +57,9 @@ from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.pausing import scan_prefix
-from delayed_middleware.schedules import EnvelopeRecurrence
+from delayed_middleware.schedules import EnvelopeRecurrence, schedule_zone
 from delayed_middleware.scripts import SCHEDULER
+from delayed_middleware.zones import local_time, zone
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.settings import Settings, parse_settings
@@ -372,11 +373,15 @@ def _title(inspector: Inspector) -> str:
 
 
 def _as_json(m: PendingMessage) -> dict[str, Any]:
+    zone_name, local = _in_zone(m.schedule, m.due_ms)
     return {
         "id": m.id,
         "scheduleId": m.schedule_id or None,
         "topic": m.topic,
         "due": _time(m.due_ms),
+        # A schedule in a time zone: the zone, and `due` as local time there.
+        "timeZone": zone_name or None,
+        "dueLocal": local or None,
         "kind": m.kind,
         "size": m.size,
         "attempts": m.attempts,
@@ -394,6 +399,16 @@ def _since(m: PendingMessage) -> str:
 
 def _kind(m: PendingMessage) -> str:
     return f"{m.kind} (paused)" if m.paused else m.kind
+def _in_zone(schedule: str, due_ms: int) -> tuple[str, str]:
+    """(zone, the due time as RFC 3339 local time there) of a zoned schedule, else ('', '')."""
+    name = schedule_zone(schedule)
+    if not name:
+        return "", ""
+    try:
+        return name, local_time(due_ms, zone(name))
+    except (ValueError, OSError, KeyError):
+        # A zone this host's tzdata does not know (written by a newer one): show the name alone.
+        return name, ""
 
 
 # --- commands -----------------------------------------------------------------------
@@ -454,11 +469,15 @@ async def _pending(
         print(json.dumps([_as_json(m) for m in report.messages], ensure_ascii=False))
         return EXIT_OK
     table = Table(box=box.SIMPLE, title=f"pending on {_title(inspector)}")
-    for column in ("id", "topic", "due", "kind", "size", "attempts"):
+    zoned = any(schedule_zone(m.schedule) for m in report.messages)
+    columns = ("id", "topic", "due", *(("due in zone",) if zoned else ()), "kind", "size", "attempts")
+    for column in columns:
         table.add_column(column, justify="right" if column in ("size", "attempts") else "left")
     for m in report.messages:
         topic = f"{m.pubsub}/{m.topic}" if m.pubsub else m.topic
-        table.add_row(m.id, topic, _time(m.due_ms), _kind(m), str(m.size), str(m.attempts))
+        zone_name, local = _in_zone(m.schedule, m.due_ms)
+        in_zone = (f"{local} {zone_name}" if zone_name else "",) if zoned else ()
+        table.add_row(m.id, topic, _time(m.due_ms), *in_zone, _kind(m), str(m.size), str(m.attempts))
     out.print(table)
     counts = Table(box=box.SIMPLE, title="pending per topic")
     counts.add_column("topic")
@@ -496,6 +515,7 @@ async def _inspect(
         ("state", info.state + (f" ({info.parked_reason})" if info.parked_reason else "") + _since(m)),
         ("topic", m.topic),
         ("due", _time(m.due_ms)),
+        *_zone_rows(env.schedule, m.due_ms),
         ("kind", m.kind),
         ("published", _time(m.published_at_ms) if m.published_at_ms else "-"),
         ("contentType", env.content_type or "-"),
@@ -509,6 +529,17 @@ async def _inspect(
     if info.history:
         out.print(_history_table(info.history, title="history"))
     return EXIT_OK
+
+
+def _zone_rows(schedule: str, due_ms: int) -> list[tuple[str, str]]:
+    """inspect's rows for a recurring schedule: its expression, and its zone with the due time there."""
+    if not schedule:
+        return []
+    rows = [("schedule", schedule)]
+    zone_name, local = _in_zone(schedule, due_ms)
+    if zone_name:
+        rows += [("timeZone", zone_name), ("due in zone", local or "-")]
+    return rows
 
 
 # The `reason` of the `cancelled` history record the CLI's cancel writes.

@@ -23,6 +23,7 @@ from delayed_middleware.delay import (
     SCHEDULE,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
+    SCHEDULE_OPTION_KEYS,
     SCHEDULE_SOURCE,
     SCHEDULE_TTL,
     TIME_KEYS,
@@ -40,6 +41,7 @@ CONTROL_KEYS: Final[tuple[str, ...]] = (SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX)
 _TIMING_KEYS: Final[tuple[str, ...]] = (
     SCHEDULE,
     *TIME_KEYS,
+    *SCHEDULE_OPTION_KEYS,
     SCHEDULE_SOURCE,
     SCHEDULE_TTL,
     TTL,

@@ -35,6 +35,19 @@ SCHEDULE_ID: Final = "scheduleId"
 SCHEDULE_CANCEL: Final = "scheduleCancel"
 SCHEDULE_SOURCE: Final = "scheduleSource"
 SCHEDULE_TTL: Final = "scheduleTTL"
+# A recurring schedule's zone, bounds and jitter (schedules.py, zones.py).
+SCHEDULE_TIME_ZONE: Final = "scheduleTimeZone"
+SCHEDULE_START: Final = "scheduleStart"
+SCHEDULE_END: Final = "scheduleEnd"
+SCHEDULE_LIMIT: Final = "scheduleLimit"
+SCHEDULE_JITTER: Final = "scheduleJitter"
+SCHEDULE_OPTION_KEYS: Final[tuple[str, ...]] = (
+    SCHEDULE_TIME_ZONE,
+    SCHEDULE_START,
+    SCHEDULE_END,
+    SCHEDULE_LIMIT,
+    SCHEDULE_JITTER,
+)
 # pubsub.pulsar's publish keys (components-contrib pubsub/pulsar: time.Parse(time.RFC3339)
 # and time.ParseDuration), read as aliases of scheduledSendTime and scheduledSendDelay.
 DELIVER_AT: Final = "deliverAt"
@@ -57,6 +70,7 @@ DELAY_KEYS: Final[tuple[str, ...]] = (
     SCHEDULE_CANCEL,
     SCHEDULE_SOURCE,
     SCHEDULE_TTL,
+    *SCHEDULE_OPTION_KEYS,
 )
 
 # The keys that say when a one-shot is due: a message gives at most one of them.
@@ -65,7 +79,13 @@ TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, 
 PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
 
 # Keys this one-shot parser does not handle (plan.read_request does).
-_NOT_ONE_SHOT: Final[tuple[str, ...]] = (SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL)
+_NOT_ONE_SHOT: Final[tuple[str, ...]] = (
+    SCHEDULE,
+    SCHEDULE_CANCEL,
+    SCHEDULE_SOURCE,
+    SCHEDULE_TTL,
+    *SCHEDULE_OPTION_KEYS,
+)
 
 MAX_SCHEDULE_ID_LENGTH: Final = 256
 

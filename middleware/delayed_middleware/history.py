@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -19,7 +19,7 @@ Each entry is a flat set of string fields:
 | `late`    | fired only: fired-at minus due, ms |
 | `size`    | payload bytes (all entries of a bulk envelope) |
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
-| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why ('' otherwise) |
+| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire` ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 | `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
 
@@ -61,6 +61,8 @@ HANDED_OFF: Final = "handedoff"
 # schedulePause: held, and resumed (its `due` is where it went back into the index).
 PAUSED: Final = "paused"
 RESUMED: Final = "resumed"
+# A recurring schedule fired its last occurrence (scheduleEnd / scheduleLimit) and was removed.
+COMPLETED: Final = "completed"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -73,6 +75,7 @@ EVENTS: Final = (
     HANDED_OFF,
     PAUSED,
     RESUMED,
+    COMPLETED,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

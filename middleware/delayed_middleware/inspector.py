@@ -100,6 +100,8 @@ class PendingMessage:
     shard: int | None = None
     # A hand-off (kind "handoff"): the Dapr pub/sub it waits to be handed to.
     pubsub: str = ""
+    # A recurring one's stored schedule expression (with its zone, bounds and jitter).
+    schedule: str = ""
     # Paused (schedulePause): when, epoch ms; None while it runs.
     paused_at_ms: int | None = None
 
@@ -316,6 +318,7 @@ def _pending(
     published_at_ms: int,
     recurring: bool = False,
     shard: int | None = None,
+    schedule: str = "",
 ) -> PendingMessage:
     # The envelope says whether it recurs (DelayedMessage.kind); a hand-edited
     # or older ids entry with a next occurrence says so too.
@@ -341,6 +344,7 @@ def _pending(
         published_at_ms=published_at_ms,
         shard=shard,
         paused_at_ms=paused_at,
+        schedule=schedule,
     )
 
 
@@ -579,6 +583,7 @@ class Inspector:
                     published_at_ms=msg.publishedAtMs,
                     recurring=msg.kind == Kind.RECURRING,
                     shard=self._label(shard),
+                    schedule=msg.schedule,
                 )
             )
         return out
@@ -595,6 +600,7 @@ class Inspector:
             published_at_ms=env.published_at_ms,
             recurring=env.is_recurring,
             shard=self._label(shard),
+            schedule=env.schedule,
         )
 
     async def pending(

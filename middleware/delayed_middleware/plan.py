@@ -17,6 +17,7 @@ would drop pending envelopes; subscribing to one is allowed.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -27,8 +28,14 @@ from delayed_middleware.delay import (
     MAX_SCHEDULE_ID_LENGTH,
     SCHEDULE,
     SCHEDULE_CANCEL,
+    SCHEDULE_END,
     SCHEDULE_ID,
+    SCHEDULE_JITTER,
+    SCHEDULE_LIMIT,
+    SCHEDULE_OPTION_KEYS,
     SCHEDULE_SOURCE,
+    SCHEDULE_START,
+    SCHEDULE_TIME_ZONE,
     SCHEDULE_TTL,
     TIME_KEYS,
     Delay,
@@ -40,7 +47,7 @@ from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.kinds import Kind
-from delayed_middleware.schedules import Schedule, first_fire, parse_schedule
+from delayed_middleware.schedules import Schedule, first_fire, parse_schedule, with_bounds
 from delayed_middleware.target import TARGET_PUBSUB, target_pubsub
 from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
 
@@ -59,7 +66,7 @@ MAX_TOPIC_LENGTH = 1024
 _DELAY_KEYS = frozenset(DELAY_KEYS)
 _TTL_KEYS = frozenset(TTL_KEYS)
 # The keys of the schedules contract that parse_delay (one-shot delays) does not read.
-_SCHEDULE_KEYS = frozenset((SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL))
+_SCHEDULE_KEYS = frozenset((SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS))
 # Every key read_request reads: request-level metadata without any of them
 # leaves an entry's own request unchanged (see plain_cancel).
 _REQUEST_KEYS = frozenset((*DELAY_KEYS, *TTL_KEYS, TARGET_PUBSUB))
@@ -239,7 +246,7 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
                 )
             # Validates the id (length, control characters).
             _delay({SCHEDULE_ID: schedule_id}, ctx)
-            for key in (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL):
+            for key in (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
                 if key in present:
                     raise InvalidArgumentError(
                         key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
@@ -251,8 +258,8 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
     source = metadata.get(SCHEDULE_SOURCE)
     schedule_ttl = metadata.get(SCHEDULE_TTL)
     if expr is None:
-        for key, value in ((SCHEDULE_SOURCE, source), (SCHEDULE_TTL, schedule_ttl)):
-            if value is not None:
+        for key in (SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
+            if (value := metadata.get(key)) is not None:
                 raise InvalidArgumentError(key, value, "only applies to a schedule: give schedule too")
         timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
         return Request(timing=timing, expires_at_ms=expires_at_ms)
@@ -262,8 +269,18 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
             raise InvalidArgumentError(
                 key, metadata[key], f"given together with schedule={expr!r}: give one of them, not both"
             )
-    schedule = parse_schedule(expr, now_ms=ctx.now_ms)
-    due_ms = first_fire(schedule, now_ms=ctx.now_ms)
+    schedule = parse_schedule(expr, now_ms=ctx.now_ms, time_zone=metadata.get(SCHEDULE_TIME_ZONE))
+    schedule = with_bounds(
+        schedule,
+        now_ms=ctx.now_ms,
+        key=schedule_id or "",
+        seed=_seed(metadata, ctx) if schedule_id is None and SCHEDULE_JITTER in metadata else "",
+        start=metadata.get(SCHEDULE_START),
+        end=metadata.get(SCHEDULE_END),
+        limit=metadata.get(SCHEDULE_LIMIT),
+        jitter=metadata.get(SCHEDULE_JITTER),
+    )
+    due_ms = first_fire(schedule, now_ms=ctx.now_ms, key=schedule_id or "")
     if due_ms is None:
         raise InvalidArgumentError(SCHEDULE, expr, "never fires")
     if ctx.max_delay_ms is not None and due_ms - ctx.now_ms > ctx.max_delay_ms:
@@ -289,6 +306,18 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
         ),
         expires_at_ms=expires_at_ms,
     )
+
+
+def _seed(metadata: Mapping[str, str], ctx: PlanContext) -> str:
+    """What a jittered schedule without a scheduleId hashes its offsets by.
+
+    Derived from the request (its metadata and acceptance time), so planning
+    stays pure; stored with the schedule, so every replica agrees on it. Two
+    such schedules published with the same metadata in the same millisecond
+    share their offsets: give them scheduleIds to spread them.
+    """
+    text = "\0".join(f"{k}={v}" for k, v in sorted(metadata.items()))
+    return hashlib.blake2b(f"{ctx.now_ms}\0{text}".encode(), digest_size=6).hexdigest()
 
 
 def check_topic(topic: str, *, subscribe: bool = False) -> None:
@@ -350,7 +379,11 @@ def _envelope(
         schedule_source=timing.source,
         schedule_ttl_ms=timing.schedule_ttl_ms,
         target_pubsub=timing.target_pubsub,
-        every_ms=(timing.schedule.interval_ms or 0) if timing.schedule is not None else 0,
+        # Only a plain @every is advanced by the fire script alone; one with a
+        # start, bounds or jitter is advanced through the recurrence function.
+        every_ms=(timing.schedule.interval_ms or 0)
+        if timing.schedule is not None and timing.schedule.plain
+        else 0,
     )
 
 

@@ -1,6 +1,13 @@
 """Schedules as publishers write them (``schedule`` metadata), and the one pure "next fire after t".
 
-The grammar is the NATS message scheduler's (ADR-51), all in UTC:
+The grammar is the NATS message scheduler's (ADR-51), in UTC unless a cron or
+predefined schedule names a time zone (``scheduleTimeZone`` or a ``CRON_TZ=``
+prefix; zones.py has the wall-clock and daylight-saving rules). A recurring
+schedule may also carry bounds and jitter (``with_bounds``: ``scheduleStart``,
+``scheduleEnd``, ``scheduleLimit``, ``scheduleJitter``); they are kept in the
+envelope's stored expression as ``; name=value`` options
+(``parse_stored_schedule``), so the next fire stays a pure function of the
+envelope and every replica computes the same one:
 
 - ``@at <RFC3339>``: one-shot, the same instant ``scheduledSendTime`` takes; a
   past instant fires at once.
@@ -33,10 +40,13 @@ pass ``now_ms`` from the injected Clock, so tests move time instead of sleeping.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Final, Literal
 
 from croniter import CroniterError, croniter
@@ -45,8 +55,29 @@ from delayed_middleware.durations import format_go_duration, parse_go_duration
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_instant, parse_instant
+from delayed_middleware.zones import (
+    SCHEDULE_TIME_ZONE,
+    cron_instants,
+    cron_next_in_zone,
+    parse_time_zone,
+    zone,
+)
 
 SCHEDULE_KEY: Final = "schedule"
+SCHEDULE_START: Final = "scheduleStart"
+SCHEDULE_END: Final = "scheduleEnd"
+SCHEDULE_LIMIT: Final = "scheduleLimit"
+SCHEDULE_JITTER: Final = "scheduleJitter"
+# Dapr Jobs' (and robfig/cron's) form of a zone on the expression itself.
+CRON_TZ_PREFIX: Final = "CRON_TZ="
+# scheduleLimit's range: an @every schedule's last occurrence is one
+# multiplication away; a cron's is found by stepping through its occurrences
+# once when it is accepted (~40 us a step), so it is held to fewer.
+MAX_LIMIT_EVERY: Final = 1_000_000
+MAX_LIMIT_CRON: Final = 10_000
+# A cron's jitter must be less than the shortest gap between two of its
+# occurrences, measured over this many from its start.
+JITTER_GAP_SAMPLE: Final = 64
 
 # NATS's floor for @every (and robfig/cron's): one fire per second at most.
 MIN_EVERY_MS: Final = 1000
@@ -142,22 +173,45 @@ class Schedule:
     at_ms: int | None = None
     interval_ms: int | None = None
     cron: str | None = None
+    # The IANA zone a cron's wall-clock times are in ('' = UTC).
+    tz: str = ""
+    # Bounds and jitter (with_bounds); None / 0 = none. ``last_ms`` is the
+    # nominal time of the scheduleLimit-th occurrence, fixed when accepted.
+    start_ms: int | None = None
+    end_ms: int | None = None
+    limit: int | None = None
+    last_ms: int | None = None
+    jitter_ms: int = 0
+    # What the jitter offsets hash when the schedule has no scheduleId.
+    seed: str = ""
 
     @property
     def recurring(self) -> bool:
         """True for ``every`` and ``cron``: the schedule stays after a fire."""
         return self.kind != "at"
 
+    @property
+    def plain(self) -> bool:
+        """No zone, bounds or jitter: an ``@every`` the fire script can advance on its own."""
+        return (
+            not (self.tz or self.start_ms is not None or self.end_ms is not None or self.last_ms is not None)
+            and not self.jitter_ms
+        )
 
-def parse_schedule(expr: str, *, now_ms: int) -> Schedule:
+
+def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> Schedule:
     """Parse a ``schedule`` metadata value.
 
     Args:
         expr: the value as published (surrounding whitespace is ignored, runs
             of blanks count as one, keywords and names are case-insensitive).
+            A cron or predefined schedule may start with ``CRON_TZ=<zone> ``.
         now_ms: the server's current time. Used only to refuse a recurring
             schedule that would never fire again before the year 10000, so
             re-parsing a stored ``expr`` later gives the same Schedule.
+        time_zone: the ``scheduleTimeZone`` value, if given: the IANA zone of
+            a cron's wall-clock times. With a ``CRON_TZ=`` prefix too, the two
+            must name the same zone.
 
     Raises:
         InvalidArgumentError: key ``schedule``, naming the value and what is
@@ -170,6 +224,25 @@ def parse_schedule(expr: str, *, now_ms: int) -> Schedule:
             SCHEDULE_KEY, expr, f"{len(expr)} characters, longer than the maximum of {MAX_SCHEDULE_LENGTH}"
         )
     text = expr.strip()
+    tz = ""
+    if text.startswith(CRON_TZ_PREFIX):
+        name, *rest_words = text[len(CRON_TZ_PREFIX) :].split(maxsplit=1)
+        try:
+            tz = parse_time_zone(name, key=SCHEDULE_KEY).key
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX}{name}: {err.reason}") from None
+        text = rest_words[0].strip() if rest_words else ""
+        if time_zone is not None and time_zone != tz:
+            raise InvalidArgumentError(
+                SCHEDULE_TIME_ZONE,
+                time_zone,
+                f"disagrees with the schedule's own {CRON_TZ_PREFIX}{tz}: give one zone (or the same in both)",
+            )
+    elif time_zone is not None:
+        tz = parse_time_zone(time_zone).key
+    if tz == "UTC":
+        # The default: stored without a zone, so it stays on the fast UTC path.
+        tz = ""
     if not text:
         raise InvalidArgumentError(SCHEDULE_KEY, expr, f"empty: give one of {_FORMS}")
     # Tabs count as blanks too; partition on " " alone would keep "@every\t1s" whole.
@@ -190,6 +263,17 @@ def parse_schedule(expr: str, *, now_ms: int) -> Schedule:
     else:
         cron = _normalise_cron(expr, words)
         schedule = Schedule(kind="cron", expr=cron, cron=cron)
+
+    if tz:
+        if schedule.kind != "cron":
+            key, value = (SCHEDULE_TIME_ZONE, time_zone) if time_zone is not None else (SCHEDULE_KEY, expr)
+            raise InvalidArgumentError(
+                key,
+                value,
+                f"a time zone applies to cron and the predefined schedules (@daily, ...), not to "
+                f"{keyword}: {keyword} names an instant or an interval, the same in every zone",
+            )
+        schedule = replace(schedule, expr=f"{CRON_TZ_PREFIX}{tz} {schedule.expr}", tz=tz)
 
     if schedule.recurring and first_fire(schedule, now_ms=now_ms) is None:
         raise InvalidArgumentError(
@@ -349,43 +433,22 @@ def _number(expr: str, field: _Field, word: str, digits: str, *, what: str) -> i
     return int(digits)
 
 
-def first_fire(schedule: Schedule, *, now_ms: int) -> int | None:
-    """When a schedule accepted at ``now_ms`` is first due (epoch ms).
-
-    ``@at``: its instant, or ``now_ms`` if that has passed ("deliver at once",
-    like ``scheduledSendTime``). ``@every``: one interval after ``now_ms``, which
-    is then the schedule's ``start_ms``. Cron: the first matching second after
-    ``now_ms``. None if that would be after year 9999 (``parse_schedule``
-    refuses such recurring schedules).
-    """
-    if schedule.kind == "at":
-        if schedule.at_ms is None:
-            return None
-        return max(schedule.at_ms, min(now_ms, MAX_INSTANT_MS))
-    return next_fire(schedule, start_ms=now_ms, after_ms=now_ms)
+CronNext = Callable[[str, str, int], int | None]
 
 
-def next_fire(schedule: Schedule, *, start_ms: int, after_ms: int) -> int | None:
-    """The first fire time strictly after ``after_ms`` (epoch ms), or None if there is none.
+def _cron_any(cron: str, tz: str, after_ms: int) -> int | None:
+    """A cron's first fire strictly after ``after_ms``: in UTC, or in zone ``tz``."""
+    if tz:
+        return cron_next_in_zone(cron, zone(tz), after_ms)
+    return _cron_next(cron, after_ms)
 
-    Args:
-        schedule: a parsed schedule.
-        start_ms: when the schedule was accepted (the envelope's publish time).
-            ``@every`` fires at ``start_ms + k * interval_ms`` for k >= 1: fires
-            are computed from the start, never from the previous (late) fire,
-            so thousands of fires do not drift. Cron and ``@at`` ignore it.
-        after_ms: fires at or before this instant are not returned.
 
-    Returns:
-        The due time, or None when nothing is left: a one-shot whose instant is
-        not after ``after_ms``, or a recurring schedule whose next fire would
-        fall after year 9999. Never raises for any int inputs.
+def _nominal_after(schedule: Schedule, origin_ms: int, after_ms: int, cron_next: CronNext) -> int | None:
+    """The first occurrence strictly after ``after_ms``, before jitter and the end bounds.
 
-    Missed fires (the component or Redis down across several fire times): the
-    engine fires the overdue occurrence ONCE, then continues on the schedule
-    from now rather than replaying the backlog; ``following_fire`` computes
-    that next due time (``next_fire(after_ms=max(due_ms, now_ms))``) and
-    ``missed_fires`` how many occurrences were skipped, for the history.
+    ``@every`` counts its grid from ``scheduleStart`` (fires at the start itself,
+    then every interval) or, without one, from ``origin_ms`` (the acceptance
+    time, which is not itself a fire). Cron fires at no match before the start.
     """
     if schedule.kind == "at":
         at_ms = schedule.at_ms
@@ -394,16 +457,130 @@ def next_fire(schedule: Schedule, *, start_ms: int, after_ms: int) -> int | None
         interval = schedule.interval_ms
         if interval is None or interval <= 0:
             return None
-        # k >= 1: the acceptance instant itself is not a fire.
-        k = max(1, (after_ms - start_ms) // interval + 1)
-        due = start_ms + k * interval
+        first_k = 1
+        if schedule.start_ms is not None:
+            origin_ms, first_k = schedule.start_ms, 0
+        # The first k >= first_k with origin + k * interval > after_ms.
+        k = max(first_k, (after_ms - origin_ms) // interval + 1)
+        due = origin_ms + k * interval
         return due if due <= MAX_INSTANT_MS else None
     if schedule.cron is None:
         return None
-    return _cron_next(schedule.cron, after_ms)
+    if schedule.start_ms is not None and schedule.start_ms - 1 > after_ms:
+        # A match at the start itself counts.
+        after_ms = schedule.start_ms - 1
+    return cron_next(schedule.cron, schedule.tz, after_ms)
 
 
-def following_fire(schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int) -> int | None:
+def jitter_offset(schedule: Schedule, nominal_ms: int, key: str) -> int:
+    """The jitter of the occurrence at ``nominal_ms``: in [0, jitter), the same for every replica and retry.
+
+    A hash of the schedule's identity (its seed, else ``key``: the scheduleId)
+    and the occurrence's nominal time, so it never depends on when or where it
+    is computed, and the grid the occurrences hang from does not drift.
+    """
+    if not schedule.jitter_ms:
+        return 0
+    digest = hashlib.blake2b(f"{schedule.seed or key}|{nominal_ms}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % schedule.jitter_ms
+
+
+def _next_occurrence(
+    schedule: Schedule, origin_ms: int, after_ms: int, key: str, cron_next: CronNext
+) -> tuple[int, int] | None:
+    """(nominal, jittered) of the first occurrence whose jittered time is after ``after_ms``.
+
+    With jitter less than the gap between occurrences, jittered times keep the
+    nominal order, so only the first nominal occurrence after
+    ``after_ms - jitter`` (or, if its offset keeps it at or before ``after_ms``,
+    the one after it) can be next.
+    """
+    jitter = schedule.jitter_ms
+    nominal = _nominal_after(schedule, origin_ms, after_ms - jitter, cron_next)
+    if nominal is None:
+        return None
+    due = nominal + jitter_offset(schedule, nominal, key)
+    if due <= after_ms:
+        nominal_next = _nominal_after(schedule, origin_ms, nominal, cron_next)
+        if nominal_next is None:
+            return None
+        nominal, due = nominal_next, nominal_next + jitter_offset(schedule, nominal_next, key)
+    return nominal, due
+
+
+def _bounded_next(
+    schedule: Schedule, origin_ms: int, after_ms: int, key: str, cron_next: CronNext
+) -> int | None:
+    found = _next_occurrence(schedule, origin_ms, after_ms, key, cron_next)
+    if found is None:
+        return None
+    nominal, due = found
+    if schedule.last_ms is not None and nominal > schedule.last_ms:
+        return None
+    if schedule.end_ms is not None and due > schedule.end_ms:
+        return None
+    return due if due <= MAX_INSTANT_MS else None
+
+
+def first_fire(schedule: Schedule, *, now_ms: int, key: str = "") -> int | None:
+    """When a schedule accepted at ``now_ms`` is first due (epoch ms).
+
+    ``@at``: its instant, or ``now_ms`` if that has passed ("deliver at once",
+    like ``scheduledSendTime``). ``@every``: one interval after ``now_ms``, which
+    is then the schedule's ``start_ms`` (with ``scheduleStart``: the first grid
+    point from that start not before now). Cron: the first matching second
+    after ``now_ms`` (and not before the start). Jitter included; ``key`` is the
+    scheduleId the jitter hashes. None if nothing fires within the bounds or
+    before year 9999 (``parse_schedule`` and ``with_bounds`` refuse those).
+    """
+    if schedule.kind == "at":
+        if schedule.at_ms is None:
+            return None
+        return max(schedule.at_ms, min(now_ms, MAX_INSTANT_MS))
+    return next_fire(schedule, start_ms=now_ms, after_ms=now_ms, key=key)
+
+
+def next_fire(
+    schedule: Schedule,
+    *,
+    start_ms: int,
+    after_ms: int,
+    key: str = "",
+    cron_next: CronNext = _cron_any,
+) -> int | None:
+    """The first fire time strictly after ``after_ms`` (epoch ms), or None if there is none.
+
+    Args:
+        schedule: a parsed schedule.
+        start_ms: when the schedule was accepted (the envelope's publish time).
+            ``@every`` fires at ``start_ms + k * interval_ms`` for k >= 1 (from
+            ``scheduleStart`` instead, k >= 0, when the schedule has one): fires
+            are computed from the start, never from the previous (late) fire,
+            so thousands of fires do not drift. Cron and ``@at`` ignore it.
+        after_ms: fires at or before this instant are not returned.
+        key: the scheduleId, which the jitter offsets hash (see jitter_offset).
+        cron_next: how a cron's next match is found (NextFireMemo remembers them).
+
+    Returns:
+        The due time (jittered), or None when nothing is left: a one-shot whose
+        instant is not after ``after_ms``, a schedule past its end or limit, or
+        a recurring schedule whose next fire would fall after year 9999. Never
+        raises for any int inputs.
+
+    Missed fires (the component or Redis down across several fire times): the
+    engine fires the overdue occurrence ONCE, then continues on the schedule
+    from now rather than replaying the backlog; ``following_fire`` computes
+    that next due time (``next_fire(after_ms=max(due_ms, now_ms))``) and
+    ``missed_fires`` how many occurrences were skipped, for the history. The
+    skipped occurrences count towards ``scheduleLimit``: the limit is the
+    occurrence, not the delivery, so every replica agrees on the last one.
+    """
+    return _bounded_next(schedule, start_ms, after_ms, key, cron_next)
+
+
+def following_fire(
+    schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int, key: str = ""
+) -> int | None:
     """The next due time after firing the occurrence due at ``due_ms`` at ``now_ms``: the missed-fires policy.
 
     On time (``now_ms`` a little after ``due_ms``) this is simply the next
@@ -411,21 +588,22 @@ def following_fire(schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: in
     ``due_ms``), the occurrences in between are skipped: the overdue one fires
     once (now), and the schedule continues with the first occurrence after
     ``now_ms`` -- never a storm of catch-up fires. ``@every`` stays aligned to
-    ``start_ms + k * interval``. None when nothing follows (a one-shot, or the
-    end of year 9999): the engine then removes the schedule.
+    ``start_ms + k * interval``. None when nothing follows (a one-shot, the
+    end or limit reached, or the end of year 9999): the engine then removes
+    the schedule.
     """
-    return next_fire(schedule, start_ms=start_ms, after_ms=max(due_ms, now_ms))
+    return next_fire(schedule, start_ms=start_ms, after_ms=max(due_ms, now_ms), key=key)
 
 
 def missed_fires(schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int, limit: int = 1000) -> int:
     """How many occurrences after ``due_ms`` and up to ``now_ms`` ``following_fire`` skips (at most ``limit``).
 
     For the history and metrics of a late fire: 0 when on time. Exact and O(1)
-    for ``@every``; cron counts by stepping, so it stops at ``limit``.
+    for ``@every`` without jitter; otherwise it counts by stepping, so it stops at ``limit``.
     """
     if now_ms <= due_ms or not schedule.recurring:
         return 0
-    if schedule.kind == "every" and schedule.interval_ms:
+    if schedule.kind == "every" and schedule.interval_ms and schedule.plain:
         first = next_fire(schedule, start_ms=start_ms, after_ms=due_ms)
         if first is None or first > now_ms:
             return 0
@@ -440,46 +618,235 @@ def missed_fires(schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int,
     return count
 
 
+def with_bounds(
+    schedule: Schedule,
+    *,
+    now_ms: int,
+    key: str,
+    seed: str = "",
+    start: str | None = None,
+    end: str | None = None,
+    limit: str | None = None,
+    jitter: str | None = None,
+) -> Schedule:
+    """A recurring schedule with ``scheduleStart``, ``scheduleEnd``, ``scheduleLimit`` and ``scheduleJitter``.
+
+    Args:
+        schedule: a recurring schedule from parse_schedule.
+        now_ms: the acceptance time.
+        key: the scheduleId ('' when none): what the jitter offsets hash.
+        seed: what they hash instead when there is no scheduleId (stored with
+            the schedule, so every replica computes the same offsets).
+        start, end: RFC 3339 instants, as published.
+        limit: a positive integer, as published.
+        jitter: a Go duration less than the schedule's interval, as published.
+
+    Returns:
+        The schedule with the bounds set and ``expr`` extended to the stored
+        form (``parse_stored_schedule`` reads it back), with ``last_ms`` the
+        nominal time of the limit-th occurrence from the first fire.
+
+    Raises:
+        InvalidArgumentError: naming the key and value: a malformed value, an
+            end not after the start, a limit out of range, a jitter not less
+            than the interval, or bounds within which the schedule never fires.
+    """
+    given = [
+        (k, v)
+        for k, v in (
+            (SCHEDULE_START, start),
+            (SCHEDULE_END, end),
+            (SCHEDULE_LIMIT, limit),
+            (SCHEDULE_JITTER, jitter),
+        )
+        if v is not None
+    ]
+    if not given:
+        return schedule
+    if not schedule.recurring:
+        k, v = given[0]
+        raise InvalidArgumentError(
+            k, v, "applies to a recurring schedule (@every, cron, @daily, ...), not to a one-shot @at"
+        )
+    start_ms = None if start is None else _instant(SCHEDULE_START, start)
+    end_ms = None if end is None else _instant(SCHEDULE_END, end)
+    if start_ms is not None and end_ms is not None and end_ms <= start_ms:
+        raise InvalidArgumentError(
+            SCHEDULE_END, end or "", f"is not after scheduleStart={start}: the schedule would never fire"
+        )
+    if end_ms is not None and end_ms <= now_ms:
+        raise InvalidArgumentError(SCHEDULE_END, end or "", "has passed: the schedule would never fire")
+    count = None if limit is None else _limit(schedule, limit)
+    jitter_ms = 0 if jitter is None else _jitter(schedule, jitter, now_ms)
+    bounded = replace(
+        schedule, start_ms=start_ms, end_ms=end_ms, limit=count, jitter_ms=jitter_ms, seed="" if key else seed
+    )
+    first = _next_occurrence(bounded, now_ms, now_ms, key, _cron_any)
+    if first is None or (end_ms is not None and first[1] > end_ms):
+        k, v = (SCHEDULE_END, end or "") if end is not None else given[0]
+        raise InvalidArgumentError(k, v, f"{schedule.expr} never fires within these bounds")
+    if count is not None:
+        last: int | None = first[0]
+        if schedule.kind == "every" and schedule.interval_ms:
+            last = first[0] + (count - 1) * schedule.interval_ms
+        else:
+            for _ in range(count - 1):
+                last = _nominal_after(bounded, now_ms, last, _cron_any) if last is not None else None
+        bounded = replace(bounded, last_ms=last if last is not None else MAX_INSTANT_MS)
+    return replace(bounded, expr=_stored_expr(bounded))
+
+
+def _instant(key: str, value: str) -> int:
+    try:
+        return parse_instant(value)
+    except ValueError as exc:
+        raise InvalidArgumentError(key, value, str(exc)) from None
+
+
+def _limit(schedule: Schedule, value: str) -> int:
+    most = MAX_LIMIT_EVERY if schedule.kind == "every" else MAX_LIMIT_CRON
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 7 or not 1 <= int(text) <= most:
+        raise InvalidArgumentError(
+            SCHEDULE_LIMIT, value, f"must be a whole number of fires from 1 to {most:,} for {schedule.kind}"
+        )
+    return int(text)
+
+
+def _jitter(schedule: Schedule, value: str, now_ms: int) -> int:
+    try:
+        jitter_ms = parse_go_duration(value)
+    except ValueError as exc:
+        raise InvalidArgumentError(SCHEDULE_JITTER, value, f"not a Go duration ({exc}), e.g. 5s") from None
+    if jitter_ms < 0:
+        raise InvalidArgumentError(SCHEDULE_JITTER, value, "must not be negative")
+    gap = schedule.interval_ms if schedule.kind == "every" else _shortest_gap(schedule, now_ms)
+    if gap is not None and jitter_ms >= gap:
+        raise InvalidArgumentError(
+            SCHEDULE_JITTER,
+            value,
+            f"must be less than the time between two fires of {schedule.expr} ({format_go_duration(gap)}), "
+            "so that occurrences keep their order",
+        )
+    return jitter_ms
+
+
+def _shortest_gap(schedule: Schedule, now_ms: int) -> int | None:
+    """The shortest time between two of a cron's next JITTER_GAP_SAMPLE occurrences."""
+    if schedule.cron is None:
+        return None
+    # The same for every schedule of one expression and zone published on one day: remembered,
+    # so a bulk of 100,000 jittered schedules does not walk the calendar 100,000 times.
+    return _cron_gap(schedule.cron, schedule.tz, max(now_ms, schedule.start_ms or 0) // 86_400_000)
+
+
+@lru_cache(maxsize=1024)
+def _cron_gap(cron: str, tz: str, day: int) -> int | None:
+    fires = cron_instants(cron, zone(tz) if tz else None, day * 86_400_000, JITTER_GAP_SAMPLE + 1)
+    gaps = [b - a for a, b in itertools.pairwise(fires)]
+    return min(gaps) if gaps else None
+
+
+# The stored form: the expression, then '; name=value' options. A cron never
+# contains ';', so the split is unambiguous; publishers never write this form
+# (parse_schedule refuses it), it is only read back from envelopes.
+_OPTION_SEPARATOR: Final = "; "
+
+
+def _stored_expr(schedule: Schedule) -> str:
+    base = schedule.expr.split(";", 1)[0]
+    options: list[str] = []
+    if schedule.start_ms is not None:
+        options.append(f"start={format_instant(schedule.start_ms)}")
+    if schedule.end_ms is not None:
+        options.append(f"end={format_instant(schedule.end_ms)}")
+    if schedule.limit is not None and schedule.last_ms is not None:
+        options.append(f"limit={schedule.limit}")
+        options.append(f"last={format_instant(schedule.last_ms)}")
+    if schedule.jitter_ms:
+        options.append(f"jitter={format_go_duration(schedule.jitter_ms)}")
+    if schedule.seed:
+        options.append(f"seed={schedule.seed}")
+    return _OPTION_SEPARATOR.join([base, *options])
+
+
+def parse_stored_schedule(stored: str, *, now_ms: int) -> Schedule:
+    """Read back the ``schedule`` field of an envelope: an expression, with its bounds and jitter if any.
+
+    Raises:
+        InvalidArgumentError: when the expression or an option does not parse.
+    """
+    base, *options = stored.split(";")
+    schedule = parse_schedule(base, now_ms=now_ms)
+    if not options:
+        return schedule
+    fields: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.strip().partition("=")
+        if not sep or name not in ("start", "end", "limit", "last", "jitter", "seed"):
+            raise InvalidArgumentError(SCHEDULE_KEY, stored, f"unknown option {option.strip()!r}")
+        fields[name] = value
+    try:
+        schedule = replace(
+            schedule,
+            start_ms=parse_instant(fields["start"]) if "start" in fields else None,
+            end_ms=parse_instant(fields["end"]) if "end" in fields else None,
+            limit=int(fields["limit"]) if "limit" in fields else None,
+            last_ms=parse_instant(fields["last"]) if "last" in fields else None,
+            jitter_ms=parse_go_duration(fields["jitter"]) if "jitter" in fields else 0,
+            seed=fields.get("seed", ""),
+        )
+    except ValueError as exc:
+        raise InvalidArgumentError(SCHEDULE_KEY, stored, f"bad option: {exc}") from None
+    return replace(schedule, expr=_stored_expr(schedule))
+
+
 class NextFireMemo:
     """``next_fire`` / ``following_fire`` with cron results remembered, for an engine firing many at once.
 
     A cron step costs croniter ~0.1-0.4 ms, ``@every`` well under a microsecond.
-    A cron answer depends only on the expression and the whole second it starts
-    from, so when 10,000 envelopes of ``* * * * * *`` fire in the same second
-    they share one computation. One instance per engine (never module-wide);
+    A cron answer depends only on the expression, its zone and the whole
+    second it starts from, so when 10,000 envelopes of ``* * * * * *`` fire in
+    the same second they share one computation (bounds and jitter are applied
+    per envelope around it). One instance per engine (never module-wide);
     bounded: it forgets everything once it holds ``max_entries`` answers.
     """
 
     def __init__(self, max_entries: int = 4096) -> None:
         self._max_entries = max_entries
-        self._cron: dict[tuple[str, int], int | None] = {}
+        self._cron: dict[tuple[str, str, int], int | None] = {}
 
-    def next_fire(self, schedule: Schedule, *, start_ms: int, after_ms: int) -> int | None:
-        """Same answer as the module's ``next_fire``."""
-        if schedule.kind != "cron" or schedule.cron is None:
-            return next_fire(schedule, start_ms=start_ms, after_ms=after_ms)
+    def _cron_next(self, cron: str, tz: str, after_ms: int) -> int | None:
         after_s = max(after_ms, MIN_INSTANT_MS) // 1000
-        key = (schedule.cron, after_s)
+        key = (cron, tz, after_s)
         if key not in self._cron:
             if len(self._cron) >= self._max_entries:
                 self._cron.clear()
-            self._cron[key] = _cron_next(schedule.cron, after_s * 1000)
+            self._cron[key] = _cron_any(cron, tz, after_s * 1000)
         return self._cron[key]
 
-    def following_fire(self, schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int) -> int | None:
+    def next_fire(self, schedule: Schedule, *, start_ms: int, after_ms: int, key: str = "") -> int | None:
+        """Same answer as the module's ``next_fire``."""
+        return next_fire(schedule, start_ms=start_ms, after_ms=after_ms, key=key, cron_next=self._cron_next)
+
+    def following_fire(
+        self, schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int, key: str = ""
+    ) -> int | None:
         """Same answer as the module's ``following_fire``."""
-        return self.next_fire(schedule, start_ms=start_ms, after_ms=max(due_ms, now_ms))
+        return self.next_fire(schedule, start_ms=start_ms, after_ms=max(due_ms, now_ms), key=key)
 
 
 class EnvelopeRecurrence:
     """The delay engine's recurrence function: the next fire of a recurring envelope after an instant.
 
-    The envelope stores the normalised expression (``schedule``) and its
-    acceptance time (``published_at_ms``, the start of an ``@every`` grid).
-    Parsed expressions and cron answers are remembered (bounded), because the
-    engine asks for every fire. An expression that no longer parses (written
-    by a newer version, say) or has no fire left answers None: the engine then
-    ends that schedule after its current occurrence.
+    The envelope stores the expression in its stored form (``schedule``: with
+    its zone, bounds and jitter, see parse_stored_schedule) and its acceptance
+    time (``published_at_ms``, the start of an ``@every`` grid without
+    ``scheduleStart``); its scheduleId is what the jitter hashes. Parsed
+    expressions and cron answers are remembered (bounded), because the engine
+    asks for every fire. An expression that no longer parses (written by a
+    newer version, say) or has no fire left (past its end or limit) answers
+    None: the engine then ends that schedule after its current occurrence.
     """
 
     def __init__(self, max_entries: int = 4096) -> None:
@@ -493,7 +860,7 @@ class EnvelopeRecurrence:
             if len(self._parsed) >= self._max_entries:
                 self._parsed.clear()
             try:
-                self._parsed[expr] = parse_schedule(
+                self._parsed[expr] = parse_stored_schedule(
                     expr, now_ms=min(max(after_ms, MIN_INSTANT_MS), MAX_INSTANT_MS)
                 )
             except InvalidArgumentError:
@@ -501,7 +868,16 @@ class EnvelopeRecurrence:
         schedule = self._parsed[expr]
         if schedule is None or not schedule.recurring:
             return None
-        return self._memo.next_fire(schedule, start_ms=envelope.published_at_ms, after_ms=after_ms)
+        return self._memo.next_fire(
+            schedule, start_ms=envelope.published_at_ms, after_ms=after_ms, key=envelope.schedule_id
+        )
+
+
+def schedule_zone(stored: str) -> str:
+    """The IANA zone of a stored schedule expression ('' for UTC or none), without parsing the rest."""
+    if not stored.startswith(CRON_TZ_PREFIX):
+        return ""
+    return stored[len(CRON_TZ_PREFIX) :].split(maxsplit=1)[0] if len(stored) > len(CRON_TZ_PREFIX) else ""
 
 
 def schedule_next_value(next_ms: int | None) -> str:

@@ -149,6 +149,12 @@ async def test_a_prefix_cancel_withdraws_exactly_the_matching_ids_and_counts_the
         ({"scheduleCancel": "true", "scheduleIdPrefix": "a", "scheduleId": "a1"}, "scheduleId", "a1"),
         ({"scheduleCancel": "true", "scheduleIdPrefix": "a\x01"}, "scheduleIdPrefix", "a\\x01"),
         ({"scheduleCancel": "true", "scheduleIdPrefix": "a", "ttl": "5s"}, "ttl", "5s"),
+        (
+            {"schedulePause": "true", "scheduleId": "x", "scheduleTimeZone": "Europe/Paris"},
+            "scheduleTimeZone",
+            "Europe/Paris",
+        ),
+        ({"scheduleCancel": "true", "scheduleIdPrefix": "a", "scheduleLimit": "3"}, "scheduleLimit", "3"),
     ],
 )
 async def test_bad_control_values_are_refused_naming_key_and_value_and_nothing_changes(

@@ -52,7 +52,20 @@ async def test_pending_json_lists_exactly_what_waits(populated: Component, conn:
     rows = result.json()
     assert len(rows) == 15
     assert {tuple(sorted(r)) for r in rows} == {
-        ("attempts", "due", "id", "kind", "paused", "pausedAt", "scheduleId", "size", "targetPubsub", "topic")
+        (
+            "attempts",
+            "due",
+            "dueLocal",
+            "id",
+            "kind",
+            "paused",
+            "pausedAt",
+            "scheduleId",
+            "size",
+            "targetPubsub",
+            "timeZone",
+            "topic",
+        )
     }
     assert sum(r["topic"] == "orders" for r in rows) == 10
     billing = sorted((r for r in rows if r["topic"] == "billing"), key=lambda r: r["id"])

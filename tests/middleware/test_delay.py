@@ -66,6 +66,11 @@ def test_contract_key_names() -> None:
         "scheduleCancel",
         "scheduleSource",
         "scheduleTTL",
+        "scheduleTimeZone",
+        "scheduleStart",
+        "scheduleEnd",
+        "scheduleLimit",
+        "scheduleJitter",
     }
 
 

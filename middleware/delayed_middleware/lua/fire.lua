@@ -177,6 +177,8 @@ for i, c in ipairs(due_candidates(now, max_env)) do
         if first == nil or tonumber(due) < first then first = tonumber(due) end
         local lateness = now - tonumber(due)
         hist('fired', key, env.sid, env.topic, env.kind, due, lateness, env.size, attempt, failed or '', env.schedule)
+        -- A recurring schedule's last occurrence (its end or limit reached): its own record.
+        if next_due == nil and env.kind == 1 then completed(key, env, due, attempt) end
         fired = fired + 1
       end
     end

@@ -60,3 +60,9 @@ local function hist(event, id, sid, topic, kind, due, late, size, attempt, reaso
   end
   return entry
 end
+
+-- A recurring schedule fired its last occurrence (its scheduleEnd or scheduleLimit
+-- reached, or year 9999) and is removed: the record `stats` counts as completed.
+local function completed(key, env, due, attempt)
+  return hist('completed', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, 'NoNextFire', env.schedule)
+end

@@ -57,6 +57,7 @@ for _ = 1, tonumber(ARGV[4]) do
           refill = refill + advance(env, id, key, next_due)
         end
         hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
+        if next_due == '-' and env.kind == 1 and current then completed(key, env, due, attempt) end
         fired = fired + 1
       end
     end

@@ -29,7 +29,7 @@ FIRED, WAITING = 100, 50
 WAIT_MS = 3_600_000
 # Exact percentiles of 0..99 with linear interpolation: rank = q * 99.
 P50, P95, P99, MAX = 49.5, 94.05, 98.01, 99
-COUNTS = {"cancelled": 3, "expired": 2, "retried": 4, "deadlettered": 1}
+COUNTS = {"cancelled": 3, "expired": 2, "retried": 4, "deadlettered": 1, "completed": 2}
 MINUTE0 = 1_795_000_020_000 // 60_000 * 60_000  # a whole UTC minute
 PER_MINUTE = [60, 40]
 
