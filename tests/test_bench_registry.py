@@ -92,3 +92,17 @@ def test_an_unknown_name_is_refused_naming_the_list() -> None:
     )
     assert run.returncode != 0
     assert "no benchmark 'no-such-bench'" in run.stderr
+
+
+def test_a_benchmark_whose_main_is_a_coroutine_really_runs() -> None:
+    """bench/delay.py's main is `async def`: called as a plain function it returned a coroutine
+    that nobody awaited, so `python -m bench delay` ran nothing and exited 0."""
+    run = subprocess.run(
+        [sys.executable, "-m", "bench", "delay", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--steady-seconds" in run.stdout
