@@ -380,3 +380,22 @@ async def test_another_components_max_len_does_not_trim_topics_it_did_not_publis
     await b.schedule([env(i, T0, topic="b-topic", pubsub_name="b") for i in range(300)])
     await drain(b)
     assert redis_client.xlen("b-topic") < 300
+
+
+@pytest.mark.both_fire_paths
+async def test_a_test_marked_for_both_fire_paths_fires_through_each(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, fire_path: str
+) -> None:
+    """The mark's two runs really take two paths: CLAIM, APPEND and RELEASE happen on the
+    two-phase run only, and the message is delivered once on both."""
+    points: list[str] = []
+
+    async def record(point: str) -> None:
+        points.append(point)
+
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), fault=record)
+    await engine.schedule([env(1, T0)])
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    expected = ["claimed", "appended:1", "released"] if fire_path == "two-phase" else []
+    assert points == expected
