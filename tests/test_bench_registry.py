@@ -24,12 +24,12 @@ def script(name: str) -> ast.Module:
 
 def options(tree: ast.Module) -> set[str]:
     """Every `--option` an argparse parser of the script declares."""
-    found = set()
+    found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
-            found |= {
-                a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")
-            }
+            for a in node.args:
+                if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--"):
+                    found.add(a.value)
     return found
 
 
