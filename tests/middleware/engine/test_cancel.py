@@ -1,6 +1,8 @@
 """CANCEL against a real Redis: batched removals that leave nothing behind, ids counted once
-per call however they are named, and history records that describe the cancelled message
-exactly (the script reads the envelope with a lean decoder of its own)."""
+per call however they are named (scheduleId, stream id, a recurring schedule's stream id after
+it fired, an id out of range), markers on the topic when asked, and history records that
+describe the cancelled message exactly (the script reads the envelope with a lean decoder of
+its own)."""
 
 from __future__ import annotations
 
