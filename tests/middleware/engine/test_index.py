@@ -141,6 +141,8 @@ async def test_earlier_publishes_after_a_20k_same_instant_burst(
 
 @pytest.mark.both_fire_paths
 @pytest.mark.slow
+# 100,000 schedules on each fire path: minutes of CPU on a shared machine, not a hang.
+@pytest.mark.timeout(600)
 async def test_index_model_with_100k_same_instant_mixed_with_earlier_later_replaced_cancelled(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
