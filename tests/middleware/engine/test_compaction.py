@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import pytest
@@ -185,7 +185,7 @@ async def test_a_pass_cut_short_by_a_crash_is_started_again_without_loss_or_dupl
 
 
 async def test_five_replicas_compacting_at_once_keep_one_copy_of_each_envelope(
-    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every replica runs its own passes over the same stream: each move is atomic, so
     whichever replica gets to an envelope first moves it and the others skip it."""
@@ -199,6 +199,17 @@ async def test_five_replicas_compacting_at_once_keep_one_copy_of_each_envelope(
     ]
     ids = (await engines[0].schedule(interleaved(longs, per_long=12)))[::13]
     await drain(engines[0])
+    # All five find the stream sparse before any moves, so the five passes overlap: on a busy
+    # machine a replica's density check could otherwise land after another's whole pass.
+    everyone_checked = asyncio.Barrier(len(engines))
+    for e in engines:
+
+        async def sparse_until(check: Callable[[], Awaitable[str | None]] = e._sparse_until) -> str | None:
+            end = await check()
+            await everyone_checked.wait()
+            return end
+
+        monkeypatch.setattr(e, "_sparse_until", sparse_until)
     assert all(await asyncio.gather(*(e.compact() for e in engines)))
     entries = stream_entries(redis_client, KEYS.stream)
     assert len(entries) == 200
