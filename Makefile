@@ -16,7 +16,7 @@ image:  ## build the component's container image with podman (base from Debian p
 lint:  ## ruff + mypy --strict
 	@scripts/lint.sh
 
-bench:  ## the benchmarks of bench/ (see bench/RESULTS.md)
+bench:  ## the quick set of bench/ (`python -m bench`; `python -m bench --list` names every benchmark)
 	@scripts/bench.sh
 
 proto:  ## regenerate proto/delayed_pubsub_pb from the .proto sources

@@ -1,26 +1,212 @@
-"""`python -m bench NAME [args]`: run one benchmark of this folder by name.
+"""`python -m bench`: the benchmarks of this folder, from one registry.
 
-python -m bench peers --quick     # side by side with NATS JetStream (bench/peers.py)
-python -m bench deliver           # PullMessages delivery of a burst (bench/deliver.py)
-python -m bench unary             # unary Publish against the grpc.aio ceiling (bench/unary.py)
-python -m bench publish           # publish paths (bench/publish.py)
-python -m bench delay             # the delay engine (bench/delay.py)
+    python -m bench                   # the quick set, each at its quick sizes (what `make bench` runs)
+    python -m bench --list            # every benchmark: quick or opt-in, what it needs, what it measures
+    python -m bench NAME [args]       # one benchmark, with its own options (`python -m bench NAME --help`)
+    python -m bench NAME --quick      # one benchmark of the quick set at its quick sizes
+
+The quick set needs only what `make setup` installs (redis-server, the venv) and finishes in
+minutes; its figures are smaller runs of the same measurements. The others are opt-in: long at
+their sizes, or they need daprd, ghz, NATS, podman or a Spark session. Figures go to stdout; the
+curated ones are kept in bench/RESULTS.md, each with the exact command that produced it.
 """
 
 from __future__ import annotations
 
-import importlib
+import runpy
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-NAMES = ("peers", "deliver", "unary", "memory", "publish", "delay", "grpc_ceiling")
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark script, bench/<name>.py, run as its `__main__` with its own argv."""
+
+    name: str
+    description: str
+    # The arguments of its run in the quick set; None: opt-in, never run by default.
+    quick: tuple[str, ...] | None = None
+    # Why an opt-in benchmark is not in the quick set: its length, or what it needs beyond
+    # redis-server and the venv.
+    why_opt_in: str = ""
+
+
+# The one registry: `python -m bench`, `make bench` and the test of this folder read it.
+BENCHES: tuple[Bench, ...] = (
+    # --- the quick set: run by `python -m bench` and `make bench`, in this order -------------
+    Bench(
+        "publish",
+        "unary and bulk Publish, publish -> pull -> ack, vs redis-benchmark XADD",
+        ("--messages", "5000"),
+    ),
+    Bench(
+        "delay",
+        "lateness at a steady rate, a same-instant burst's drain, delayed vs plain ingest, bytes per pending",
+        ("--steady-seconds", "5", "--burst", "10000", "--ingest", "5000", "--pending", "50000"),
+    ),
+    Bench(
+        "deliver",
+        "a backlog drained through PullMessages: time, CPU per message, exactly once",
+        ("--messages", "20000"),
+    ),
+    Bench("memory", "Redis bytes per pending delayed message, by key role", ("--messages", "20000")),
+    Bench(
+        "schedules",
+        "@every schedules in one instance: lateness, exactly once, CPU; bulk cancels",
+        ("--schedules", "1000", "--window", "5", "--cancels", "10000"),
+    ),
+    Bench(
+        "chaos",
+        "kill -9 cycles of two replicas under a firing backlog: lost and doubled",
+        ("--messages", "5000", "--cycles", "3", "--window", "15", "--settle", "60"),
+    ),
+    Bench("engine_attacks", "longest script call (SLOWLOG) for hostile envelopes", ()),
+    Bench(
+        "compaction_cost",
+        "the density check's Redis time on dense and sparse streams",
+        ("--entries", "100000"),
+    ),
+    Bench(
+        "ops",
+        "Inspector scans, the operator CLI as a process, the nack and hand-off paths",
+        ("--pending", "10000", "--nacks", "500", "--handoffs", "1000"),
+    ),
+    Bench(
+        "history",
+        "`delayed-pubsub history` and `inspect` as processes: wall, CPU, peak RSS",
+        ("--records", "10000"),
+    ),
+    Bench(
+        "history_rows",
+        "CPU of history entries -> Arrow rows (the Spark reader's hot loop)",
+        ("--records", "100000"),
+    ),
+    Bench(
+        "spark_pending",
+        "the delayed-pending reader before and after a compaction pass",
+        ("--envelopes", "10000"),
+    ),
+    Bench(
+        "liveness",
+        "firing on Redis Cluster under a small connection pool: every accepted publish lands",
+        ("--runs", "1"),
+    ),
+    Bench(
+        "ops_cluster",
+        "the operator tools reading every shard on Redis Cluster vs one shard",
+        ("--pending", "10000"),
+    ),
+    # --- opt-in: long, or needing more than redis-server ------------------------------------
+    Bench(
+        "cluster",
+        "the two-phase fire over 1-6 shards and 1-3 replicas on Redis Cluster",
+        why_opt_in="long: 9 shard/replica runs of a 20k burst",
+    ),
+    Bench(
+        "peers",
+        "side by side with NATS JetStream message schedules (--quick <= 10 min, --full)",
+        why_opt_in="long; nats-server (go install)",
+    ),
+    Bench(
+        "grpc_ceiling",
+        "unary Publish driven by a Go client vs a bare grpc.aio server",
+        why_opt_in="needs ghz (go install)",
+    ),
+    Bench(
+        "unary",
+        "unary Publish vs the grpc.aio ceiling and a thread-pool server",
+        why_opt_in="needs ghz (go install)",
+    ),
+    Bench(
+        "fastpath",
+        "ours, the built-in pubsub.redis and the fast path through one daprd",
+        why_opt_in="needs daprd and ghz",
+    ),
+    Bench(
+        "restart",
+        "failed publishes through daprd while serve restarts, with and without resiliency",
+        why_opt_in="needs daprd",
+    ),
+    Bench(
+        "container", "the container image vs serve on the host: start, RSS, stop", why_opt_in="needs podman"
+    ),
+    Bench(
+        "spark_stats",
+        "`delayed-pubsub stats` over 1M history events and 1M pending",
+        why_opt_in="long; needs Java (a Spark session)",
+    ),
+    Bench(
+        "planning",
+        "publish planning and settings start-up, this tree vs a git ref",
+        why_opt_in="a before/after against a git ref (--base)",
+    ),
+)
+
+# Python files of bench/ that are not benchmarks.
+NOT_BENCHMARKS: dict[str, str] = {
+    "__init__": "the package",
+    "__main__": "this registry and runner",
+    "common": "what the benchmarks share: payload, call metadata, serve as a process",
+}
+
+BY_NAME = {b.name: b for b in BENCHES}
+
+
+def listing() -> str:
+    """The registry as text: one line per benchmark."""
+    width = max(len(b.name) for b in BENCHES)
+    lines = []
+    for b in BENCHES:
+        if b.quick is not None:
+            kind, extra = "quick ", " ".join(b.quick)
+        else:
+            kind, extra = "opt-in", b.why_opt_in
+        lines.append(f"{b.name:<{width}}  {kind}  {b.description}" + (f"  [{extra}]" if extra else ""))
+    return "\n".join(lines)
+
+
+def run_quick_set() -> int:
+    """Every benchmark of the quick set, each in its own process; a summary; 1 if any failed."""
+    results: list[tuple[str, int, float]] = []
+    for b in BENCHES:
+        if b.quick is None:
+            continue
+        command = [sys.executable, "-m", "bench", b.name, *b.quick]
+        print(f"\n==> python -m bench {b.name} {' '.join(b.quick)}", flush=True)
+        started = time.monotonic()
+        code = subprocess.run(command, cwd=HERE.parent, check=False).returncode
+        results.append((b.name, code, time.monotonic() - started))
+    print("\n==> quick set")
+    for name, code, took in results:
+        print(f"{name:<16} {'ok' if code == 0 else f'FAILED ({code})':<12} {took:7.1f} s")
+    return 1 if any(code for _, code, _ in results) else 0
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in NAMES:
-        raise SystemExit(__doc__)
-    name = sys.argv[1]
-    sys.argv = [f"bench {name}", *sys.argv[2:]]
-    importlib.import_module(f"bench.{name}").main()
+    args = sys.argv[1:]
+    if not args:
+        raise SystemExit(run_quick_set())
+    if args[0] in ("-h", "--help"):
+        print(__doc__)
+        print(listing())
+        return
+    if args[0] == "--list":
+        print(listing())
+        return
+    bench = BY_NAME.get(args[0])
+    if bench is None:
+        raise SystemExit(f"no benchmark {args[0]!r}; `python -m bench --list` names them all")
+    rest = args[1:]
+    if rest == ["--quick"] and bench.quick is not None:
+        rest = list(bench.quick)
+    sys.argv = [f"bench {bench.name}", *rest]
+    # As `python bench/<name>.py` runs it: its own `__main__` block (some mains are coroutines).
+    runpy.run_module(f"bench.{bench.name}", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# Every benchmark in bench/ (each a standalone script with its own private Redis and component).
+# The quick set of benchmarks: exactly what `python -m bench` runs (the registry in
+# bench/__main__.py says which are quick and which are opt-in; `python -m bench --list`).
 # Figures go to stdout; the curated ones are kept in bench/RESULTS.md.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 "$root/scripts/setup.sh"
-# Each takes its own options (see its docstring); run one by hand to pass them.
-for bench in bench/publish.py bench/grpc_ceiling.py bench/delay.py bench/chaos.py bench/fastpath.py bench/ops.py bench/spark_stats.py; do
-    say "$bench"
-    "$py" "$bench"
-done
+exec "$py" -m bench

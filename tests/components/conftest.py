@@ -45,6 +45,14 @@ def socket_path(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
+def folder() -> Iterator[Path]:
+    """A short temporary folder for serve processes' sockets and logs (unix socket paths are
+    limited to 107 bytes)."""
+    with tempfile.TemporaryDirectory(prefix="dps-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
 def props(redis_server: RedisServer, redis_client: object) -> dict[str, str]:
     """Init metadata for the test Redis (flushed: redis_client is requested for that)."""
     return {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1", **FAST}

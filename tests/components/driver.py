@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any
 
 import grpc
 
+from delayed_middleware.instants import format_instant
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
+from tests.redis_server import RedisCluster
 
 
 class Component:
@@ -180,3 +183,39 @@ async def cli(*args: str, env: Mapping[str, str] | None = None, within: float = 
         raise
     assert proc.returncode is not None
     return Result(proc.returncode, out.decode(), err.decode())
+
+
+def now_ms() -> int:
+    """The wall clock in ms, as a publisher computes a scheduledSendTime."""
+    return time.time_ns() // 1_000_000
+
+
+def delayed_entries(n: int, first_due: int, spread_ms: int) -> list[pubsub_pb2.BulkMessageEntry]:
+    """n messages, each its own envelope, due evenly over [first_due, first_due + spread_ms)."""
+    return [
+        pubsub_pb2.BulkMessageEntry(
+            entry_id=str(i),
+            event=json.dumps({"n": i}).encode(),
+            metadata={"scheduledSendTime": format_instant(first_due + i * spread_ms // n)},
+        )
+        for i in range(n)
+    ]
+
+
+# The delayShards of the app the cluster tests deploy: more shards than masters, so some
+# master holds two and every master holds one.
+DELAY_SHARDS = 6
+
+
+def cluster_conn(c: RedisCluster, app_id: str = "app1", shards: int = DELAY_SHARDS) -> list[str]:
+    """The operator CLI's connection flags for `app_id`'s messages on cluster `c`."""
+    return [
+        "--redis-host",
+        c.nodes[1].address,
+        "--redis-type",
+        "cluster",
+        "--delay-shards",
+        str(shards),
+        "--app-id",
+        app_id,
+    ]

@@ -22,11 +22,10 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
-from tests.components.driver import Component
-from tests.components.test_serve_replicas import Serve, delayed_entries, folder, instance, now_ms
+from tests.components.driver import Component, delayed_entries, now_ms
+from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster, RedisSentinel
 
-__all__ = ["folder"]  # the fixture, imported for its use here
 pytestmark = pytest.mark.slow
 
 SHARDS = 16

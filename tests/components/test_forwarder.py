@@ -45,8 +45,7 @@ from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import FAST
-from tests.components.driver import Component, cli
-from tests.components.test_operate_cluster import cluster_conn
+from tests.components.driver import Component, cli, cluster_conn
 from tests.conftest import small_stream_nodes
 from tests.e2e import harness
 from tests.e2e.harness import DaprdPorts, ManagedProcess

@@ -24,7 +24,7 @@ from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.records import records_folder
 from delayed_pubsub.server import SUBSCRIPTIONS_HEALTH_SERVICE, ComponentServer
 from tests.components.driver import Component
-from tests.components.test_server import wait_for_socket
+from tests.components.serve import wait_for_socket
 from tests.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,10 +15,8 @@ import redis
 
 from delayed_pubsub.logs import JsonFormatter
 from tests.components.driver import Component
-from tests.components.test_server import folder, start_serve, terminate, wait_for_socket
+from tests.components.serve import start_serve, terminate, wait_for_socket
 from tests.redis_server import RedisServer
-
-__all__ = ["folder"]  # the fixture, imported for this module's tests
 
 PASSWORD = "pw-9f8e7d6c5b4a"
 BODY_MARK = "body-1a2b3c4d5e6f"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component
-from tests.components.test_server import start_serve, terminate, wait_for_socket
+from tests.components.serve import start_serve, terminate, wait_for_socket
 from tests.redis_server import free_port
 
 

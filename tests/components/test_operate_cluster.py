@@ -22,14 +22,13 @@ from delayed_pubsub.instance import Instance
 from delayed_pubsub.metrics import OTHER_TOPICS, Metrics
 from delayed_pubsub.settings import parse_settings
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.driver import cli
-from tests.components.test_serve_replicas import Serve, folder, instance, now_ms
+from tests.components.driver import DELAY_SHARDS, cli, cluster_conn, now_ms
+from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster
 
-__all__ = ["folder"]  # a fixture, imported for its use here
 pytestmark = pytest.mark.slow
 
-SHARDS = 6
+SHARDS = DELAY_SHARDS
 TOTAL = 1_000
 
 
@@ -42,20 +41,6 @@ class Scene:
     by_schedule_id: dict[str, tuple[str, int, int]]
     dues: list[int]
     conn: list[str]
-
-
-def cluster_conn(c: RedisCluster, app_id: str = "app1", shards: int = SHARDS) -> list[str]:
-    """The operator CLI's connection flags for `app_id`'s messages on cluster `c`."""
-    return [
-        "--redis-host",
-        c.nodes[1].address,
-        "--redis-type",
-        "cluster",
-        "--delay-shards",
-        str(shards),
-        "--app-id",
-        app_id,
-    ]
 
 
 def order(i: int) -> int:

@@ -23,8 +23,8 @@ from delayed_middleware.history import DEAD_LETTERED, RETRIED
 from delayed_middleware.inspector import Inspector
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shard_topics
 from delayed_middleware.retry import retry_key
-from tests.components.driver import Component, Stream, cli
-from tests.components.test_operate_cluster import SHARDS, cluster_conn
+from tests.components.driver import DELAY_SHARDS as SHARDS
+from tests.components.driver import Component, Stream, cli, cluster_conn
 from tests.redis_server import RedisCluster
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,10 @@ import redis
 
 from delayed_middleware.instants import parse_instant
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.test_serve_replicas import Serve, folder, instance, props_for
+from tests.components.serve import Serve, instance, props_for
 from tests.redis_server import RedisServer, stream_entries
 
 pytestmark = pytest.mark.slow
-__all__ = ["folder"]  # the fixture, imported for pytest
 
 INTERVAL_MS = 2000
 

@@ -19,10 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from delayed_pubsub.records import records_folder
 from delayed_pubsub.server import SUBSCRIPTIONS_HEALTH_SERVICE
 from tests.components.driver import Component
-from tests.components.test_server import folder, start_serve, terminate, wait_for_socket
+from tests.components.serve import start_serve, terminate, wait_for_socket
 from tests.redis_server import RedisServer, free_port
-
-__all__ = ["folder"]  # the fixture, re-used
 
 
 def orphan_gauge(port: int) -> float | None:

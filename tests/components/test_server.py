@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import grp
 import os
-import signal
 import socket
 import stat
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,56 +16,8 @@ import redis
 from delayed_pubsub.cli import build_parser
 from delayed_pubsub.server import default_socket_path
 from tests.components.driver import Component
+from tests.components.serve import start_serve, terminate, wait_for_socket
 from tests.redis_server import RedisServer
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def folder() -> Iterator[Path]:
-    # Short, so the socket path stays under the 107-byte limit.
-    with tempfile.TemporaryDirectory(prefix="dps-") as d:
-        yield Path(d)
-
-
-def start_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components")),
-        **(env or {}),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "delayed_pubsub", "serve", "--log-level", "debug", *args],
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def wait_for_socket(proc: subprocess.Popen[bytes], path: Path, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(str(path))
-                return
-            except OSError:
-                pass
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise AssertionError(f"serve exited with {proc.returncode}:\n{out}")
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
-
-
-def terminate(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
 
 
 def test_default_socket_path_follows_the_dapr_env() -> None:

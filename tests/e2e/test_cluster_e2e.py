@@ -24,9 +24,9 @@ from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
 from tests.e2e import harness
 from tests.e2e.conftest import APP_ID, PUBSUB
 from tests.e2e.harness import LATENESS, LATENESS_TOLERANCE_MS, ManagedProcess, Stack, carries, now_ms, unique
-from tests.e2e.test_delayed_e2e import assert_on_time
-from tests.e2e.test_schedules_e2e import (
+from tests.e2e.user import (
     assert_every_grid,
+    assert_on_time,
     assert_stops,
     cancel,
     curl_publish,

@@ -8,7 +8,6 @@ publish call, so a correct engine can only be later than them, never earlier.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
@@ -23,34 +22,9 @@ from tests.e2e.harness import (
     rfc3339,
     unique,
 )
+from tests.e2e.user import assert_on_time, header
 
 pytestmark = pytest.mark.e2e
-
-
-def assert_on_time(
-    stack: Stack, name: str, marker: str, due_ms: int, payload: dict[str, Any]
-) -> dict[str, Any]:
-    """Waits for the one arrival carrying `marker`; checks payload, not-before-due, lateness."""
-    early_deadline = (due_ms - now_ms()) / 1000
-    if early_deadline > 0.2:
-        # Still well before due: nothing may have arrived yet.
-        assert stack.wait_arrivals(carries(marker), 1, timeout=early_deadline - 0.2) == [], "arrived early"
-    got = stack.wait_arrivals(carries(marker), 1, timeout=max(0.0, (due_ms - now_ms()) / 1000) + 10)
-    assert len(got) == 1, f"expected one arrival of {marker}, got {got}"
-    arrival = got[0]
-    lateness = arrival["received_ms"] - due_ms
-    LATENESS.append((name, lateness))
-    assert arrival["data"] == payload
-    assert lateness >= 0, f"arrived {-lateness} ms before due"
-    assert lateness <= LATENESS_TOLERANCE_MS, f"arrived {lateness} ms after due"
-    return arrival
-
-
-def header(arrival: dict[str, Any], key: str) -> str | None:
-    for k, v in arrival["headers"].items():
-        if k.lower() == key.lower():
-            return str(v)
-    return None
 
 
 @pytest.mark.parametrize("delay", ["2s", "3"], ids=["go-duration", "whole-seconds"])

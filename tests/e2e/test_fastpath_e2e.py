@@ -29,6 +29,7 @@ from tests.e2e.harness import (
     now_ms,
     unique,
 )
+from tests.e2e.user import header
 from tests.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.e2e
@@ -86,10 +87,6 @@ def fast_stack(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         for proc in reversed(started):
             proc.stop()
         server.stop()
-
-
-def header(arrival: dict[str, Any], key: str) -> str | None:
-    return next((str(v) for k, v in arrival["headers"].items() if k.lower() == key.lower()), None)
 
 
 def only_arrival(stack: Stack, marker: str, due_ms: int, name: str) -> dict[str, Any]:

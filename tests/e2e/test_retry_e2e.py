@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 import pytest
 import redis
 
 from tests.e2e.conftest import DL_TOPIC, PUBSUB, PUBSUB_DL
 from tests.e2e.harness import Stack, carries, unique
+from tests.e2e.user import header
 
 pytestmark = pytest.mark.e2e
 
 # Each wait is the backoff plus daprd's hop and the app call: never shorter, at most this much longer.
 SLACK_MS = 900
-
-
-def header(arrival: dict[str, Any], key: str) -> str | None:
-    return next((str(v) for k, v in arrival["headers"].items() if k.lower() == key.lower()), None)
 
 
 def test_three_500s_then_success_sees_attempts_1_to_4_with_backoff(stack: Stack) -> None:

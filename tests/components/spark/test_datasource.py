@@ -13,7 +13,7 @@ from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.components.driver import Component
 from tests.components.spark import workload as w
 from tests.components.spark.conftest import APP
-from tests.components.spark.test_rows import v2_envelope
+from tests.components.spark.envelopes import v2_envelope
 from tests.redis_server import free_port
 
 

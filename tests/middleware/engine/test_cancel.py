@@ -1,29 +1,35 @@
 """CANCEL against a real Redis: batched removals that leave nothing behind, ids counted once
-per call however they are named, and history records that describe the cancelled message
-exactly (the script reads the envelope with a lean decoder of its own)."""
+per call however they are named (scheduleId, stream id, a recurring schedule's stream id after
+it fired, an id out of range), markers on the topic when asked, and history records that
+describe the cancelled message exactly (the script reads the envelope with a lean decoder of
+its own)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, RETRY, BulkEntry, Envelope
-from delayed_middleware.history import HistoryRecord, decode_record
-from tests.middleware.test_engine import KEYS, T0, env, target
-from tests.middleware.test_engine_v2 import drain, every, payloads, recurring
+from tests.middleware.engine.helpers import (
+    KEYS,
+    T0,
+    drain,
+    env,
+    every,
+    history,
+    payloads,
+    recurring,
+    target,
+)
 from tests.redis_server import stream_entries
-
-
-def history(client: redis.Redis, event: str) -> list[HistoryRecord]:
-    return [
-        r for r in (decode_record(i, f) for i, f in stream_entries(client, KEYS.history)) if r.event == event
-    ]
 
 
 def engine_keys_left(client: redis.Redis) -> list[str]:
@@ -196,3 +202,74 @@ async def test_parked_and_refill_waiting_messages_cancel_clean(
     await drain(every_engine)
     assert len(target(redis_client, "orders")) == 1  # tick's one fire before its cancel
     assert engine_keys_left(redis_client) == []
+
+
+@pytest.mark.both_fire_paths
+async def test_cancel_many_in_one_call_reports_each_id(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(i, T0 + 100, sid=f"s{i}") for i in range(1_200)])
+    [anon] = await engine.schedule([env(9_999, T0 + 100, topic="billing")])
+    ids = [f"s{i}" for i in range(0, 1_200, 2)] + ["nope", anon, "s0"]
+    results = await engine.cancel_many(ids)
+    assert results[:600] == [(True, "orders")] * 600
+    assert results[600:] == [(False, ""), (True, "billing"), (False, "")]  # s0 once only
+    assert await engine.pending() == 600
+    assert sum(1 for h in history(redis_client) if h.event == "cancelled") == 601
+    assert redis_client.exists("orders") == 0  # no markers unless asked for
+
+
+@pytest.mark.both_fire_paths
+async def test_cancel_of_a_stream_id_out_of_range_is_a_clean_no(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(1, T0 + 10)])
+    assert await engine.cancel("99999999999999999999999-1") is False
+    assert await engine.cancel("1-99999999999999999999999") is False
+    assert await engine.pending() == 1
+
+
+@pytest.mark.both_fire_paths
+async def test_cancel_by_stream_id_of_a_named_recurring_leaves_no_index_entry(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The stream-id path removed the index entry at the envelope's first due time; a
+    recurring envelope that fired since waits at a later one. Its index entry stayed,
+    counted as pending, until that time came."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    await engine.schedule([recurring(1, 1_000, sid="job")])
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    stream_id = redis_client.hget(KEYS.ids, "job").split()[0].decode()  # type: ignore[union-attr]
+    assert await engine.cancel(stream_id)
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.due, KEYS.ids, KEYS.refill) == 0
+    clock.set(T0 + 60_000)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+
+
+@pytest.mark.both_fire_paths
+async def test_markers_go_on_the_topic_when_a_cancel_or_an_expiry_removes_a_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(marker_ttl_ms=60_000))
+    await engine.schedule(
+        [env(1, T0 + 100, sid="c"), env(2, T0 + 100, topic="billing", expires_at_ms=T0 + 10)]
+    )
+    assert await engine.cancel("c")
+    clock.set(T0 + 100)
+    await drain(engine)
+    [(_, removed)] = target(redis_client, "orders")
+    [(_, aged)] = target(redis_client, "billing")
+    for fields, reason in ((removed, "Remove"), (aged, "MaxAge")):
+        marker = decode_entry(fields)
+        assert marker.data == b""
+        assert marker.metadata["markerReason"] == reason
+        assert marker.expires_at_ms in (T0 + 60_000, T0 + 100 + 60_000)
+    assert decode_entry(removed).metadata["scheduler"] == "c"

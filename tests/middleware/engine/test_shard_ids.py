@@ -15,8 +15,7 @@ from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.inspector import Inspector
 from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
-from tests.middleware.test_engine import T0, env, target
-from tests.middleware.test_engine_v2 import every, recurring
+from tests.middleware.engine.helpers import T0, env, every, recurring, target
 
 SHARDS = 3
 

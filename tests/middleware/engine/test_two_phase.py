@@ -1,9 +1,10 @@
 """The two-phase fire (CLAIM, APPEND, RELEASE: Redis Cluster's path) against a real Redis.
 
-First, every single-node engine test runs again with the fire routed through
-the two-phase path: both paths must give users the same results. Then the
-two-phase path's own promises: every crash point loses and doubles nothing,
-and a claim whose lease ended is taken over.
+Every promise the two paths share is tested on both: those tests carry the `both_fire_paths`
+mark (tests/middleware/engine/conftest.py) and run once through each path. Here are the
+two-phase path's own: its history order, APPEND calls bounded by bytes, and a cancel that
+lands between APPEND and RELEASE. Its crash points and leases are proved on a real cluster
+(test_cluster.py).
 """
 
 from __future__ import annotations
@@ -15,31 +16,13 @@ import redis
 import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
-from tests.middleware import test_engine, test_engine_attacks, test_engine_v2
-from tests.middleware.test_engine import KEYS, T0, env
-from tests.middleware.test_engine_v2 import drain, every, history, recurring
-
-# Same records, another order: the two-phase path learns a target's wrong type
-# in APPEND, so its 'parked' record comes after the batch's 'expired' ones
-# (test_history_in_the_two_phase_path below checks its records).
-# A scheduleSource's sample lives in another slot than the shard, so CLAIM
-# cannot count it against the batch; the two-phase path bounds each APPEND
-# call by bytes instead (test_sampled_messages_split_append_calls_by_bytes).
-_FIRE_ONLY: frozenset[str] = frozenset(
-    {"test_history_records_every_transition", "test_sampled_messages_count_against_the_fire_budget"}
-)
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from tests.middleware.engine.helpers import KEYS, T0, drain, env, every, history, recurring, target
 
 
 @pytest.fixture(autouse=True)
 def two_phase(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DelayEngine, "_fire_once", DelayEngine._fire_two_phase)
-
-
-for _module in (test_engine, test_engine_v2, test_engine_attacks):
-    for _name in dir(_module):
-        if _name.startswith("test_") and _name not in _FIRE_ONLY:
-            globals()[f"{_name}__two_phase"] = getattr(_module, _name)
 
 
 async def test_history_in_the_two_phase_path(
@@ -87,3 +70,26 @@ async def test_sampled_messages_split_append_calls_by_bytes(
     assert redis_client.xlen("orders") == 20
     appends = [c for c in calls if c.startswith("appended:")]
     assert len(appends) >= 5  # 20 MiB in runs of at most 4 MiB
+
+
+async def test_a_cancel_after_the_append_leaves_a_fired_record_not_a_cancelled_one(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Two-phase fire on one node: the cancel lands between APPEND and RELEASE. It is too
+    late and says so (False); the history must then say the message fired."""
+    clock = ManualClock(T0)
+    canceller = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True))
+    await canceller.schedule([env(1, T0 + 100, sid="s1")])
+    answers: list[bool] = []
+
+    async def cancel_after_append(at: str) -> None:
+        if at == "appended:1":
+            answers.append(await canceller.cancel("s1"))
+
+    firer = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True), fault=cancel_after_append)
+    clock.set(T0 + 100)
+    await drain(firer)
+    assert answers == [False]
+    assert len(target(redis_client)) == 1  # it went out, once
+    events = [r.event for r in history(redis_client) if r.id == "s1"]
+    assert events == ["scheduled", "fired"]

@@ -1,0 +1,116 @@
+"""The lifecycle history against a real Redis: a record for every transition, off when asked,
+trimmed to its length and aged out by its age."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.clock import ManualClock, SystemClock
+from delayed_middleware.engine import DelayEngine, EngineConfig
+from tests.conftest import small_stream_nodes
+from tests.middleware.engine.helpers import (
+    KEYS,
+    T0,
+    drain,
+    env,
+    history,
+    payloads,
+)
+
+
+async def test_history_records_every_transition(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    redis_client.hset("a-hash", "f", "v")
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(1, T0 + 100, sid="x")])
+    await engine.schedule([env(2, T0 + 200, sid="x")])  # replaces x
+    await engine.schedule([env(3, T0 + 100, sid="y"), env(4, T0 + 100, topic="a-hash")])
+    await engine.schedule([env(5, T0 + 100, expires_at_ms=T0 + 1)])
+    assert await engine.cancel("y")
+    assert not await engine.cancel("nope")
+    clock.set(T0 + 250)
+    await drain(engine)
+    h = history(redis_client)
+    assert [r.event for r in h] == [
+        "scheduled",
+        "replaced",
+        "scheduled",
+        "scheduled",
+        "scheduled",
+        "scheduled",
+        "cancelled",
+        *sorted(["fired", "parked", "expired"], key=lambda ev: {"parked": 0, "expired": 1, "fired": 2}[ev]),
+    ]
+    fired = h[-1]
+    assert (fired.event, fired.id, fired.schedule_id, fired.topic, fired.kind) == (
+        "fired",
+        "x",
+        "x",
+        "orders",
+        "oneshot",
+    )
+    assert (fired.due_ms, fired.lateness_ms, fired.size_bytes, fired.attempt) == (
+        T0 + 200,
+        50,
+        len(b'{"n":2}'),
+        1,
+    )
+    assert fired.at_ms == T0 + 250
+    assert (h[6].id, h[6].reason) == ("y", "Remove")
+    assert h[1].due_ms == T0 + 100  # the replaced one's due time
+
+
+@pytest.mark.both_fire_paths
+async def test_history_can_be_turned_off(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=EngineConfig(history_max_len=0))
+    await engine.schedule([env(1, T0)])
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    assert redis_client.exists(KEYS.history) == 0
+
+
+@pytest.mark.both_fire_paths
+async def test_history_is_trimmed_to_its_length(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=EngineConfig(history_max_len=100))
+    for i in range(20):
+        await engine.schedule([env(i * 100 + j, T0) for j in range(100)])
+    # Approximate trimming (whole stream nodes): bounded, never far above the setting.
+    assert redis_client.xlen(KEYS.history) <= 300
+
+
+@pytest.mark.both_fire_paths
+async def test_history_records_written_before_the_history_was_turned_off_still_age_out(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    # Written while the history was on: one old enough to go, one recent enough to stay, in
+    # stream nodes of their own (the age trim is approximate: it frees whole nodes).
+    now = int(time.time() * 1000)
+    with small_stream_nodes(redis_client, 1):
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 7_200_000}-0")
+        redis_client.xadd(KEYS.history, {"event": "fired"}, id=f"{now - 60_000}-0")
+    config = EngineConfig(history_max_len=0, history_max_age_ms=3_600_000, max_sleep_s=0.2)
+    engine = DelayEngine(aredis(), KEYS, SystemClock(), config=config)
+    task = asyncio.create_task(engine.run())
+    try:
+        deadline = time.monotonic() + 10
+        while redis_client.xlen(KEYS.history) != 1:
+            assert time.monotonic() < deadline, "the old record was not trimmed"
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    rows: Any = redis_client.xrange(KEYS.history)
+    assert [kept for kept, _ in rows] == [f"{now - 60_000}-0".encode()]
