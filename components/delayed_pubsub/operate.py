@@ -46,7 +46,6 @@ from rich.text import Text
 from delayed_middleware import history as hist
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.durations import parse_go_duration
-from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspect import HistoryPosition, Inspector, PendingMessage, looks_like_stream_id
@@ -58,6 +57,7 @@ from delayed_middleware.retry import DL_KEYS
 from delayed_middleware.scripts import SCHEDULER
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
+from delayed_pubsub.engines import build_engine
 from delayed_pubsub.settings import Settings, parse_settings
 
 EXIT_OK = 0
@@ -436,22 +436,9 @@ async def cancel_ids(
     to the shard that holds it (ShardedEngine.cancel_many: a scheduleId's
     home shard, `<stream id>@<shard>`, or the one shard holding a bare stream id).
     """
-    config = EngineConfig(
-        history_max_len=settings.history_max_len,
-        history_max_age_ms=settings.history_max_age_ms,
-        marker_ttl_ms=settings.delete_marker_ttl_ms,
-    )
-    engine = ShardedEngine(
-        [
-            DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(topic),
-                SystemClock(),
-                config=config,
-            )
-            for topic in shard_topics(settings.consumer_id, settings.shards)
-        ]
-    )
+    # The instance's own engine settings: on Cluster the two-phase fire's keys, so a cancel
+    # also stops an occurrence another replica has claimed but not yet appended.
+    engine = build_engine(settings, connection.client, SystemClock())
     # The history's reason tells an operator's cancel from a publisher's scheduleCancel (`Remove`).
     results = await engine.cancel_many(list(ids), reason=CANCEL_REASON)
     done = [id for id, (found, _) in zip(ids, results, strict=True) if found]
