@@ -15,7 +15,7 @@ RELEASE parks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,70 +273,29 @@ class EngineScripts:
         """UNCANCEL: turn a `cancelled` record into the `fired` one (the occurrence went out first)."""
         await self._uncancel(keys=[self._keys.history], args=[history_id, now, history_len])
 
-    def _budget(self, b: Budget) -> list[Any]:
-        return [b.batch_size, b.batch_entries, b.batch_bytes]
+    def _batch_args(self, now: int | str, b: Budget) -> list[Any]:
+        """FIRE's and CLAIM's ARGV 1..5, the same in both: bucket prefix, now, the batch's bounds."""
+        return [self._keys.buckets, now, b.batch_size, b.batch_entries, b.batch_bytes]
 
     async def fire(
         self, *, now: int | str, budget: Budget, trim: tuple[str, str], history_len: int, pubsub_name: str
     ) -> FireResult:
         """FIRE (single node): deliver one bounded batch of what is due."""
-        k = self._keys
-        raw = await self._fire(
-            keys=k.script_keys,
-            args=[
-                k.buckets,
-                now,
-                *self._budget(budget),
-                *trim,
-                history_len,
-                budget.fire_budget_us,
-                pubsub_name,
-            ],
-        )
-        n_expired = int(raw[9])
-        return FireResult(
-            fired=int(raw[0]),
-            head=text(raw[1]),
-            first=text(raw[2]),
-            pending=int(raw[3]),
-            parked=int(raw[4]),
-            refill=int(raw[5]),
-            entries=int(raw[6]),
-            gone=int(raw[7]),
-            decided=int(raw[8]),
-            expired=_pairs(raw, 10, n_expired),
-            refills=_refills(raw[10 + 2 * n_expired :]),
-        )
+        args = [*self._batch_args(now, budget), *trim, history_len, budget.fire_budget_us, pubsub_name]
+        raw = await self._fire(keys=self._keys.script_keys, args=args)
+        head, rest = _header(raw, _FIRE_REPLY)
+        expired, rest = _expired(rest)
+        return FireResult(**head, expired=expired, refills=_refills(rest))
 
     async def claim(
         self, *, now: int | str, budget: Budget, history_len: int, lease_ms: int, pubsub_name: str
     ) -> ClaimResult:
         """CLAIM (two-phase, the shard's slot): move a bounded due batch in flight."""
-        k = self._keys
-        raw = await self._claim(
-            keys=k.two_phase_keys,
-            args=[
-                k.buckets,
-                now,
-                *self._budget(budget),
-                history_len,
-                budget.fire_budget_us,
-                lease_ms,
-                pubsub_name,
-            ],
-        )
-        n_expired = int(raw[7])
-        return ClaimResult(
-            head=text(raw[0]),
-            pending=int(raw[1]),
-            parked=int(raw[2]),
-            refill=int(raw[3]),
-            first=text(raw[4]),
-            gone=int(raw[5]),
-            decided=int(raw[6]),
-            expired=_pairs(raw, 8, n_expired),
-            claims=_claims(raw[8 + 2 * n_expired :]),
-        )
+        args = [*self._batch_args(now, budget), history_len, budget.fire_budget_us, lease_ms, pubsub_name]
+        raw = await self._claim(keys=self._keys.two_phase_keys, args=args)
+        head, rest = _header(raw, _CLAIM_REPLY)
+        expired, rest = _expired(rest)
+        return ClaimResult(**head, expired=expired, claims=_claims(rest))
 
     async def append(
         self, target: str, items: Sequence[AppendItem], *, marker_ttl_ms: int, trim: tuple[str, str]
@@ -359,14 +318,8 @@ class EngineScripts:
         for id, outcome in outcomes:
             args += [id, outcome]
         raw = await self._release(keys=self._keys.two_phase_keys, args=args)
-        return ReleaseResult(
-            released=int(raw[0]),
-            parked=int(raw[1]),
-            refill=int(raw[2]),
-            fired=int(raw[3]),
-            head=text(raw[4]),
-            refills=_refills(raw[5:]),
-        )
+        head, rest = _header(raw, _RELEASE_REPLY)
+        return ReleaseResult(**head, refills=_refills(rest))
 
     async def refill(
         self, items: Sequence[RefillItem], *, history: tuple[int, int] | None = None
@@ -389,8 +342,46 @@ class EngineScripts:
         return text(raw[0])
 
 
-def _pairs(raw: Sequence[Any], start: int, n: int) -> list[tuple[str, str]]:
-    return [(topic(raw[start + 2 * i]), topic(raw[start + 1 + 2 * i])) for i in range(n)]
+# The fixed head of each reply, slot by slot, as the script's header lists it.
+_Layout = tuple[tuple[str, Callable[[Any], Any]], ...]
+_FIRE_REPLY: _Layout = (
+    ("fired", int),
+    ("head", text),
+    ("first", text),
+    ("pending", int),
+    ("parked", int),
+    ("refill", int),
+    ("entries", int),
+    ("gone", int),
+    ("decided", int),
+)
+_CLAIM_REPLY: _Layout = (
+    ("head", text),
+    ("pending", int),
+    ("parked", int),
+    ("refill", int),
+    ("first", text),
+    ("gone", int),
+    ("decided", int),
+)
+_RELEASE_REPLY: _Layout = (
+    ("released", int),
+    ("parked", int),
+    ("refill", int),
+    ("fired", int),
+    ("head", text),
+)
+
+
+def _header(raw: Sequence[Any], layout: _Layout) -> tuple[dict[str, Any], Sequence[Any]]:
+    """The reply's fixed head by name, and what follows it."""
+    return {name: read(raw[i]) for i, (name, read) in enumerate(layout)}, raw[len(layout) :]
+
+
+def _expired(raw: Sequence[Any]) -> tuple[list[tuple[str, str]], Sequence[Any]]:
+    """A count x, then x (envelope id, topic) pairs of envelopes that expired unfired; and what follows."""
+    n = int(raw[0])
+    return [(topic(raw[1 + 2 * i]), topic(raw[2 + 2 * i])) for i in range(n)], raw[1 + 2 * n :]
 
 
 def _refills(raw: Sequence[Any]) -> list[Refill]:
