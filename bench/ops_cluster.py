@@ -39,7 +39,7 @@ EXE = Path(sys.executable).with_name("delayed-pubsub")
 
 async def populate(client: acluster.RedisCluster, app: str, shards: int, n: int, topics: int) -> None:
     engine = ShardedEngine(
-        [DelayEngine(client, EngineKeys.for_topic(t), SystemClock()) for t in shard_topics(app, shards)]  # type: ignore[arg-type]
+        [DelayEngine(client, EngineKeys.for_topic(t), SystemClock()) for t in shard_topics(app, shards)]
     )
     now = int(time.time() * 1000)
     for start in range(0, n, 1000):

@@ -743,7 +743,9 @@ class Subscription:
         if not isinstance(e, redis.exceptions.ResponseError):
             log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
         elif "NOGROUP" in str(e):
-            log.warning("%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic)
+            log.warning(
+                "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic
+            )
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._create_group()
         elif what == "XACK":
@@ -755,5 +757,3 @@ class Subscription:
 def _expired(entry: StreamEntry, clock: Clock) -> bool:
     """True once the entry's expiry (0 = never) has come: the instant itself counts as expired."""
     return entry.expires_at_ms > 0 and clock.now_ms() >= entry.expires_at_ms
-
-

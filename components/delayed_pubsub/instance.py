@@ -27,7 +27,7 @@ from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.control import Control
-from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport, ShardedEngine
+from delayed_middleware.engine import FireReport, ShardedEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
     BackendUnavailableError,
@@ -46,6 +46,7 @@ from delayed_pubsub.admission import Admission
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.controls import control_request
+from delayed_pubsub.engines import build_engine
 from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -509,12 +510,6 @@ def _sharded_engine(
     On Redis Cluster the fire is two-phase (target topics live in other hash
     slots than the shard); on a single node or Sentinel it is one script.
     """
-    config = EngineConfig(
-        history_max_len=settings.history_max_len,
-        history_max_age_ms=settings.history_max_age_ms,
-        marker_ttl_ms=settings.delete_marker_ttl_ms,
-        two_phase=settings.redis_type == "cluster",
-    )
     topics = shard_topics(settings.consumer_id, settings.shards)
     pending = [0] * len(topics)
 
@@ -526,22 +521,16 @@ def _sharded_engine(
 
         return hook
 
-    return ShardedEngine(
-        [
-            DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(topic),
-                clock,
-                trim=broker.trim,
-                pubsub_name=name,
-                on_batch=on_batch(n),
-                config=config,
-                listen_client=connection.blocking_client,  # type: ignore[arg-type]
-                recurrence=EnvelopeRecurrence(),
-                on_listener_state=metrics.loop_state("wake"),
-            )
-            for n, topic in enumerate(topics)
-        ]
+    return build_engine(
+        settings,
+        connection.client,
+        clock,
+        trim=broker.trim,
+        pubsub_name=name,
+        on_batch=on_batch,
+        listen_client=connection.blocking_client,
+        recurrence=EnvelopeRecurrence(),
+        on_listener_state=metrics.loop_state("wake"),
     )
 
 

@@ -48,7 +48,7 @@ from delayed_middleware import pausing
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import DL_KEYS
 from delayed_middleware.durations import parse_go_duration
-from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
+from delayed_middleware.engine import ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
@@ -62,6 +62,7 @@ from delayed_middleware.scripts import SCHEDULER
 from delayed_middleware.zones import local_time, zone
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
+from delayed_pubsub.engines import build_engine
 from delayed_pubsub.settings import Settings, parse_settings
 
 EXIT_OK = 0
@@ -399,6 +400,8 @@ def _since(m: PendingMessage) -> str:
 
 def _kind(m: PendingMessage) -> str:
     return f"{m.kind} (paused)" if m.paused else m.kind
+
+
 def _in_zone(schedule: str, due_ms: int) -> tuple[str, str]:
     """(zone, the due time as RFC 3339 local time there) of a zoned schedule, else ('', '')."""
     name = schedule_zone(schedule)
@@ -557,22 +560,9 @@ async def cancel_ids(
     to the shard that holds it (ShardedEngine.cancel_many: a scheduleId's
     home shard, `<stream id>@<shard>`, or the one shard holding a bare stream id).
     """
-    config = EngineConfig(
-        history_max_len=settings.history_max_len,
-        history_max_age_ms=settings.history_max_age_ms,
-        marker_ttl_ms=settings.delete_marker_ttl_ms,
-    )
-    engine = ShardedEngine(
-        [
-            DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(topic),
-                SystemClock(),
-                config=config,
-            )
-            for topic in shard_topics(settings.consumer_id, settings.shards)
-        ]
-    )
+    # The instance's own engine settings: on Cluster the two-phase fire's keys, so a cancel
+    # also stops an occurrence another replica has claimed but not yet appended.
+    engine = build_engine(settings, connection.client, SystemClock())
     # The history's reason tells an operator's cancel from a publisher's scheduleCancel (`Remove`).
     results = await engine.cancel_many(list(ids), reason=CANCEL_REASON)
     done = [id for id, (found, _) in zip(ids, results, strict=True) if found]
@@ -599,24 +589,7 @@ def operator_engine(connection: Connection, settings: Settings) -> ShardedEngine
     """The component's engine over every shard, for pause, resume and a prefix cancel: with its
     history and marker settings, its recurrence (a resume computes the next fire) and, on Redis
     Cluster, the two-phase fire's keys (a pause waits for an occurrence in flight)."""
-    config = EngineConfig(
-        history_max_len=settings.history_max_len,
-        history_max_age_ms=settings.history_max_age_ms,
-        marker_ttl_ms=settings.delete_marker_ttl_ms,
-        two_phase=settings.redis_type == "cluster",
-    )
-    return ShardedEngine(
-        [
-            DelayEngine(
-                connection.client,  # type: ignore[arg-type]
-                EngineKeys.for_topic(topic),
-                SystemClock(),
-                config=config,
-                recurrence=EnvelopeRecurrence(),
-            )
-            for topic in shard_topics(settings.consumer_id, settings.shards)
-        ]
-    )
+    return build_engine(settings, connection.client, SystemClock(), recurrence=EnvelopeRecurrence())
 
 
 async def _cancel_prefix(

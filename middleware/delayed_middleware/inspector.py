@@ -1202,7 +1202,12 @@ class Inspector:
     def _relabel(self, shard: int, record: HistoryRecord) -> HistoryRecord:
         # A subscriber retry's record names an entry of its topic, not an envelope.
         label = self._label(shard)
-        if label is None or record.kind == Kind.RETRY.label or record.schedule_id or not is_stream_id(record.id):
+        if (
+            label is None
+            or record.kind == Kind.RETRY.label
+            or record.schedule_id
+            or not is_stream_id(record.id)
+        ):
             return record
         return dataclasses.replace(record, id=shard_id(record.id, label))
 

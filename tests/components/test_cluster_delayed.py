@@ -165,7 +165,7 @@ async def test_a_dead_replicas_claim_is_taken_over_within_2s_of_its_lease_ending
     try:
         # A replica (the real engine code, in this process) claims a due batch and dies.
         dead = DelayEngine(
-            client,  # type: ignore[arg-type]
+            client,
             shard,
             SystemClock(),
             config=EngineConfig(two_phase=True, fire_budget_us=0),

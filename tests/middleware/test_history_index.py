@@ -34,7 +34,12 @@ async def client(redis_client: redis.Redis) -> AsyncIterator[aioredis.Redis]:
 
 def one_shot(sid: str, due_ms: int, n: int = 0) -> Envelope:
     return Envelope(
-        id=sid, topic="orders", due_ms=due_ms, published_at_ms=T0, message=f'{{"n":{n}}}'.encode(), schedule_id=sid
+        id=sid,
+        topic="orders",
+        due_ms=due_ms,
+        published_at_ms=T0,
+        message=f'{{"n":{n}}}'.encode(),
+        schedule_id=sid,
     )
 
 
@@ -99,7 +104,9 @@ async def mixed_history(client: aioredis.Redis, clock: ManualClock) -> list[str]
     engine = DelayEngine(client, KEYS, clock)
     ids = [f"s{i}" for i in range(30)]
     await engine.schedule([one_shot(sid, T0 + 1_000 * (1 + i % 4), i) for i, sid in enumerate(ids)])
-    await engine.schedule([Envelope(id="", topic="orders", due_ms=T0 + 2_000, published_at_ms=T0) for _ in range(20)])
+    await engine.schedule(
+        [Envelope(id="", topic="orders", due_ms=T0 + 2_000, published_at_ms=T0) for _ in range(20)]
+    )
     await engine.schedule([every_second(f"r{i}") for i in range(3)])
     await engine.schedule([one_shot(sid, T0 + 3_500) for sid in ids[:10]])  # replaced
     for sid in ids[10:15]:

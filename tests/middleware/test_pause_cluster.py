@@ -46,7 +46,7 @@ def sharded(
     return ShardedEngine(
         [
             DelayEngine(
-                client,  # type: ignore[arg-type]
+                client,
                 EngineKeys.for_topic(t),
                 clock,
                 config=EngineConfig(two_phase=True, lease_ms=LEASE, fire_budget_us=0),

@@ -411,4 +411,3 @@ class Source:
         if d is None:
             return False
         return bool(await self.client.xdel(d.dead_letter_topic, d.stream_id))
-

@@ -100,7 +100,9 @@ class CompactionPass:
             if not top:
                 return 0
             self._cursor, self._end = "-", top[0][0].decode()
-        cursor, moved = self._script(keys=self._keys.script_keys, args=[self._cursor, self._end, self._chunk, 0])
+        cursor, moved = self._script(
+            keys=self._keys.script_keys, args=[self._cursor, self._end, self._chunk, 0]
+        )
         self._cursor = cursor.decode() or None
         return int(moved)
 
@@ -118,7 +120,9 @@ def schedule_waiting(port: int, rounds: int, per_round: int, due_ms: int) -> lis
 
     async def run() -> list[str]:
         client = aioredis.Redis(port=port)
-        engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic(APP)), ManualClock(due_ms - 3_600_000))
+        engine = DelayEngine(
+            client, EngineKeys.for_topic(delayed_topic(APP)), ManualClock(due_ms - 3_600_000)
+        )
         env = Envelope(id="", topic="later", due_ms=due_ms, published_at_ms=due_ms - 3_600_000, message=b"{}")
         ids: list[str] = []
         try:

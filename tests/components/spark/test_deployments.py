@@ -88,7 +88,7 @@ async def test_pending_and_stats_read_every_delay_shard_on_redis_cluster(
     topics = shard_topics(APP, 6)
     try:
         clock = ManualClock(time.time_ns() // 1_000_000)
-        sharded = ShardedEngine([DelayEngine(client, EngineKeys.for_topic(t), clock) for t in topics])  # type: ignore[arg-type]
+        sharded = ShardedEngine([DelayEngine(client, EngineKeys.for_topic(t), clock) for t in topics])
         due = clock.now_ms() + 3_600_000
 
         def env(i: int, schedule_id: str = "") -> Envelope:

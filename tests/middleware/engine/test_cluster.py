@@ -72,7 +72,7 @@ def engine(
     keys: EngineKeys = SHARD,
 ) -> DelayEngine:
     return DelayEngine(
-        client,  # type: ignore[arg-type]
+        client,
         keys,
         clock,
         # No Redis-time budget: each batch takes all 120 however loaded the machine.
@@ -322,7 +322,7 @@ async def test_cancel_many_finds_each_id_on_its_shard_and_marks_each_topic(
     shards = ShardedEngine(
         [
             DelayEngine(
-                aclient,  # type: ignore[arg-type]
+                aclient,
                 EngineKeys.for_topic(t),
                 clock,
                 config=EngineConfig(two_phase=True, lease_ms=LEASE, marker_ttl_ms=60_000),
@@ -366,7 +366,7 @@ async def test_a_sleeping_replica_is_woken_through_the_cluster_by_an_earlier_sch
     max_sleep_s (here 30 s); another's schedule of a message due in 0.3 s wakes it."""
     keys = EngineKeys.for_topic(shard_topics("app", 3)[2])
     sleeper = DelayEngine(
-        aclient,  # type: ignore[arg-type]
+        aclient,
         keys,
         SystemClock(),
         config=EngineConfig(two_phase=True, max_sleep_s=30.0),
@@ -641,7 +641,7 @@ async def test_fire_decisions_on_cluster_use_each_shards_redis_time_not_the_repl
 
     def replica(skew_ms: int) -> ShardedEngine:
         clock = SkewedClock(skew_ms)
-        return ShardedEngine([DelayEngine(aclient, k, clock, config=cfg) for k in keys])  # type: ignore[arg-type]
+        return ShardedEngine([DelayEngine(aclient, k, clock, config=cfg) for k in keys])
 
     fast, slow = replica(600_000), replica(-600_000)
     now = SystemClock().now_ms()

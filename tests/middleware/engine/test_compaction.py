@@ -290,18 +290,18 @@ async def test_a_claim_in_flight_while_its_envelope_moves_is_appended_once(clust
 
         async def fault(point: str) -> None:
             if point == "claimed":
-                helper = DelayEngine(client, shard, clock, config=cfg)  # type: ignore[arg-type]
+                helper = DelayEngine(client, shard, clock, config=cfg)
                 await helper.compact()
                 moved_during_claim.append(int(admin.hlen(shard.moved)))
 
         cfg = EngineConfig(two_phase=True, history_max_len=0, batch_size=500, fire_budget_us=0)
-        engine = DelayEngine(client, shard, clock, config=cfg, fault=fault)  # type: ignore[arg-type]
+        engine = DelayEngine(client, shard, clock, config=cfg, fault=fault)
         longs = [Envelope(id="", topic="orders", due_ms=T0 + HOUR, published_at_ms=T0,
                           message=b'{"n":%d}' % i) for i in range(30)]  # fmt: skip
         await engine.schedule(interleaved(longs, per_long=20))
         clock.advance(1)
         # Fire the filler without compaction (the fault hook would run it mid-claim).
-        quiet = DelayEngine(client, shard, clock, config=EngineConfig(  # type: ignore[arg-type]
+        quiet = DelayEngine(client, shard, clock, config=EngineConfig(
             two_phase=True, history_max_len=0, compact_check_every=0))  # fmt: skip
         await drain(quiet)
         clock.advance(HOUR)

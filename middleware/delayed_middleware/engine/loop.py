@@ -1,0 +1,148 @@
+"""The run loop and the wake listener: fire when due, with no fixed polling tick.
+
+The loop fires a batch, then sleeps until the earliest due time left (or a
+lease end, two-phase), at most max_sleep_s. A replica that schedules an
+earlier message PUBLISHes on the wake channel (SCHEDULE does, in its script);
+every replica's listener hears it and cuts its sleep short. A lost wake
+message (a dropped pub/sub connection) or a stepped clock delays a fire by at
+most max_sleep_s.
+
+Liveness: the loop ends only on its stop flag. A Redis error or a timeout
+(each pass is bounded by op_timeout_s) backs off (retry_min_s..retry_max_s)
+and goes on; any other exception is logged and backed off too, never the
+end of firing. The listener runs supervised beside it and restarts on its
+own. After a failover the loop reconnects through Sentinel or the refreshed
+cluster slot map and fires whatever is due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from delayed_middleware.backoff import Backoff
+from delayed_middleware.engine.fire import Firing
+from delayed_middleware.engine.retention import HistoryTrimming
+from delayed_middleware.liveness import Supervised, run_until_cancelled
+
+log = logging.getLogger(__name__)
+
+
+class Running(Firing, HistoryTrimming):
+    """run: the fire loop of one shard; wake: cut its sleep short."""
+
+    async def run(self, stop: asyncio.Event | None = None, beat: Callable[[], None] | None = None) -> None:
+        """Fire due messages until `stop` is set; survives Redis outages.
+
+        `beat` is called before each pass (liveness.Supervised.beat: a loop
+        that stops beating shows as stalled). A cancellation request left on
+        the task is not read as a stop: stopping is the stop flag's business
+        (see liveness.py). Without `stop`, the loop runs supervised until this
+        task is cancelled.
+        """
+        if stop is None:
+            body = functools.partial(self.run, beat=beat)
+            await run_until_cancelled([Supervised(f"fire loop of {self._keys.stream}", body)])
+            return
+        listener = Supervised(
+            f"wake listener of {self._keys.stream}", self._listen_wake, on_state=self._on_listener_state
+        )
+        self.listener = listener
+        listener.start()
+        backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
+        try:
+            while not stop.is_set():
+                if beat is not None:
+                    beat()
+                try:
+                    # Cleared before looking, not before sleeping: a wake-up that
+                    # arrives while this batch runs (the listener's first one
+                    # after subscribing, a schedule) must cut the next sleep short.
+                    self._wake.clear()
+                    # asyncio.timeout, not wait_for: wait_for can swallow a
+                    # cancellation that races with completion (Python < 3.12).
+                    async with asyncio.timeout(self._config.op_timeout_s):
+                        # Refills a dead replica left are reported by FIRE as due
+                        # and completed by fire_due, like this replica's own.
+                        fired, head = await self.fire_due()
+                        await self._trim_history()
+                    backoff.reset()
+                except (RedisError, TimeoutError) as exc:
+                    delay = backoff.next()
+                    log.warning(
+                        "delay engine on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
+                    )
+                    await self._sleep_or_stop(stop, delay)
+                    continue
+                except Exception:
+                    # A bug here or in a hook must not end firing for the whole
+                    # app (the task would just be gone): log it, back off, go on.
+                    delay = backoff.next()
+                    log.exception("delay engine on %s failed; retrying in %.2fs", self._keys.stream, delay)
+                    await self._sleep_or_stop(stop, delay)
+                    continue
+                if stop.is_set():
+                    break
+                if fired or (head is not None and head <= self._clock.now_ms()):
+                    continue  # more may be due right now: no sleep between batches
+                await self._sleep_until(head, stop)
+        finally:
+            # Bounded: closing a pub/sub connection to a dead server may hang.
+            await listener.stop(timeout_s=1.0)
+
+    async def _sleep_or_stop(self, stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await stop.wait()
+
+    async def _sleep_until(self, head: int | None, stop: asyncio.Event) -> None:
+        timeout = self._config.max_sleep_s
+        if head is not None:
+            timeout = min(timeout, max(0.0, (head - self._clock.now_ms()) / 1000))
+        waker = asyncio.ensure_future(self._wake.wait())
+        sleeper = asyncio.ensure_future(self._clock.sleep(timeout))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({waker, sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (waker, sleeper, stopper):
+                t.cancel()
+
+    def wake(self) -> None:
+        """Re-check the index now (used by this process after it schedules)."""
+        self._wake.set()
+
+    async def _listen_wake(self, stop: asyncio.Event) -> None:
+        backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
+        while not stop.is_set():
+            pubsub = self._listen_redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                # A Redis Cluster client maps the slots on its first command; its
+                # pub/sub cannot find the channel's node before that (KeyError).
+                await self._listen_redis.ping()
+                await pubsub.subscribe(self._keys.wake)
+                # A message may have been missed while (re)subscribing.
+                self._wake.set()
+                backoff.reset()
+                while not stop.is_set():
+                    # get_message with a timeout, not listen(): an idle channel
+                    # must not look like a dead socket to the read timeout.
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is not None:
+                        self._wake.set()
+            except RedisError as exc:
+                log.debug("wake listener on %s: %s", self._keys.wake, exc)
+                await self._sleep_or_stop(stop, backoff.next())
+            except Exception:
+                # Never die silently: a dead listener delays fires by up to max_sleep_s.
+                log.warning("wake listener on %s failed; restarting it", self._keys.wake, exc_info=True)
+                await self._sleep_or_stop(stop, backoff.next())
+            finally:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await pubsub.aclose()

@@ -1,0 +1,114 @@
+"""Schedule: store envelopes durably, in bounded chunks, each call made safe to retry by a token.
+
+Invariants: when `schedule` returns, Redis holds the envelopes (the stream
+entry, the due index, the ids-hash ref and the `scheduled` record come in one
+SCHEDULE script). A huge bulk publish is stored in chunks of at most
+schedule_chunk envelopes and schedule_chunk_bytes, so no call holds Redis
+long. Each chunk carries a token (`<token>/<offset>`) SCHEDULE remembers for
+token_window_ms on the Redis clock: a client's retry after a lost reply finds
+it and stores nothing twice. A scheduleId already pending is replaced in the
+same step (its old envelope leaves the index and the stream).
+
+Crash points: before a chunk's script, nothing of it is stored; after it, all
+of it is. A failure after some chunks raises PartiallyStoredError(n): the
+first n envelopes are stored, the caller knows exactly what to retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from delayed_middleware.engine.cancel import Cancelling
+from delayed_middleware.engine.scripts import ScheduleItem
+from delayed_middleware.envelope import Envelope, encode_envelope
+from delayed_middleware.errors import PartiallyStoredError
+
+
+class Scheduling(Cancelling):
+    """schedule: SCHEDULE in chunks; a replace stops the old envelope's in-flight occurrence (Cancelling)."""
+
+    async def schedule(
+        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
+    ) -> list[str]:
+        """Store envelopes durably; returns their ids (scheduleId, else their stream id).
+
+        When this returns, Redis holds them: a crash of this process from here
+        on loses nothing. Each SCHEDULE call carries a token the script
+        remembers (`<token>/<offset>` per chunk): calling again with the same
+        `token` after a lost reply stores nothing twice, so the caller may
+        retry. Recurring cron envelopes need a `recurrence` (@every ones, with
+        every_ms, are advanced by the fire step alone).
+
+        Many envelopes are stored in chunks, each bounded by `timeout_s`. When
+        a chunk fails after earlier ones were stored, PartiallyStoredError says
+        how many envelopes (in order) are stored; a failure before any chunk
+        was stored raises the Redis error (or TimeoutError) itself.
+        """
+        ids: list[str] = []
+        encoded = [encode_envelope(env) for env in envelopes]
+        for start, end in self._chunks(encoded):
+            # A caller's token names each chunk (a retry of the call repeats them all).
+            chunk_token = token if token is None or not start else f"{token}/{start}"
+            try:
+                async with asyncio.timeout(timeout_s):
+                    ids += await self._schedule_chunk(envelopes[start:end], encoded[start:end], chunk_token)
+            except (RedisError, TimeoutError) as exc:
+                if not start:
+                    raise
+                raise PartiallyStoredError(
+                    start,
+                    f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
+                    f"redis: {exc or 'timed out'}",
+                ) from exc
+        return ids
+
+    def _chunks(self, encoded: Sequence[bytes]) -> list[tuple[int, int]]:
+        """[start, end) runs of at most schedule_chunk envelopes and schedule_chunk_bytes
+        (one envelope above that is a run of its own)."""
+        runs: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, raw in enumerate(encoded):
+            full = (
+                i - start >= self._config.schedule_chunk
+                or size + len(raw) > self._config.schedule_chunk_bytes
+            )
+            if i > start and full:
+                runs.append((start, i))
+                start, size = i, 0
+            size += len(raw)
+        if start < len(encoded):
+            runs.append((start, len(encoded)))
+        return runs
+
+    async def _schedule_chunk(
+        self, envelopes: Sequence[Envelope], encoded: Sequence[bytes], token: str | None
+    ) -> list[str]:
+        if not envelopes:
+            return []
+        now = self._clock.now_ms()
+        items = []
+        for env, raw in zip(envelopes, encoded, strict=True):
+            nxt, iso = "-", "-"
+            # An @every envelope's successors come from the fire step itself.
+            if env.is_recurring and not env.every_ms:
+                nxt, iso = self._next_after(env, env.due_ms)
+            items.append(
+                ScheduleItem(
+                    raw, env.due_ms, env.schedule_id, env.kind, env.topic, env.size, env.schedule, nxt, iso
+                )
+            )
+        got = await self._scripts.schedule(
+            items,
+            now=now,
+            token=token or secrets.token_hex(8),
+            history_len=self._history_len(),
+            token_window_ms=self._config.token_window_ms,
+        )
+        # A dup: stored by an earlier attempt of this very call.
+        for old in got.replaced_in_flight:
+            await self._stop_replaced_in_flight(old)
+        return got.ids
