@@ -3,8 +3,9 @@
 -- the index stays as long as the history. A field is dropped only if it still
 -- points before the history's first record: a writer that moved it on since
 -- the page was read keeps it. The field '' (where indexing began) stays; a
--- sweep's first page sets it when missing, to the history's last entry id
--- ('0-0' when empty): every record after it was written by an indexing writer.
+-- sweep's first page sets it when missing and the history holds records, to
+-- the last of them: every record after it was written by an indexing writer
+-- (an empty history gets '0-0' from its first record: history.lua).
 -- KEYS: 1 history stream, 2 its by-id index hash
 -- ARGV: 1 HSCAN cursor, 2 page size
 -- Returns {next cursor ('0' when the sweep is through), fields dropped}.
@@ -19,7 +20,7 @@ local function before(a, b)
 end
 if ARGV[1] == '0' and redis.call('HEXISTS', KEYS[2], '') == 0 then
   local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-  redis.call('HSET', KEYS[2], '', last and last[1] or '0-0')
+  if last then redis.call('HSET', KEYS[2], '', last[1]) end
 end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
 local page = redis.call('HSCAN', KEYS[2], ARGV[1], 'COUNT', tonumber(ARGV[2]))

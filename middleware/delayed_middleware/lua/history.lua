@@ -10,8 +10,10 @@
 -- `prev` the entry id of the previous record of the same id, and the hash
 -- HIST_KEY .. '-ids' maps the id to its newest record's entry id. The
 -- records of one id are so a chain, newest first, that ends where the
--- history was trimmed. The hash's field '' holds the first record indexed
--- (older records predate the index and are found by a scan). The key is
+-- history was trimmed. The hash's field '' says where indexing began: '0-0'
+-- when the history's first record was written by this code, else the first
+-- record indexed or (HIST_SWEEP) the last record found unindexed; older
+-- records predate the index and are found by a scan. The key is
 -- derived, not passed: it shares the history's hash tag, so its slot, and
 -- every script that writes history keeps its KEYS.
 local HIST_MAXLEN, HIST_NOW = 0, '0'
@@ -20,6 +22,12 @@ local KIND_NAMES = {[0] = 'oneshot', [1] = 'recurring', [2] = 'retry'}
 
 local function hist_indexed(id)
   return id ~= '' and not string.find(id, '^%d+%-%d+$')
+end
+
+-- After an unindexed record: the history's very first record marks the whole
+-- history as indexed (an XLEN, O(1)).
+local function hist_began(index)
+  if redis.call('XLEN', HIST_KEY) == 1 then redis.call('HSETNX', index, '', '0-0') end
 end
 
 -- XADD of one record given as a flat field/value list without `prev`
@@ -38,6 +46,8 @@ local function hist_fields(id, fields, prev)
   if indexed then
     redis.call('HSET', index, id, entry)
     if prev == '' then redis.call('HSETNX', index, '', entry) end
+  else
+    hist_began(index)
   end
   return entry
 end
@@ -57,6 +67,8 @@ local function hist(event, id, sid, topic, kind, due, late, size, attempt, reaso
   if indexed then
     redis.call('HSET', index, id, entry)
     if prev == '' then redis.call('HSETNX', index, '', entry) end
+  else
+    hist_began(index)
   end
   return entry
 end
