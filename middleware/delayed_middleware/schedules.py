@@ -51,6 +51,7 @@ from typing import Final, Literal
 
 from croniter import CroniterError, croniter
 
+from delayed_middleware.delay import SCHEDULE, SCHEDULE_END, SCHEDULE_JITTER, SCHEDULE_LIMIT, SCHEDULE_START
 from delayed_middleware.durations import format_go_duration, parse_go_duration
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError
@@ -63,11 +64,7 @@ from delayed_middleware.zones import (
     zone,
 )
 
-SCHEDULE_KEY: Final = "schedule"
-SCHEDULE_START: Final = "scheduleStart"
-SCHEDULE_END: Final = "scheduleEnd"
-SCHEDULE_LIMIT: Final = "scheduleLimit"
-SCHEDULE_JITTER: Final = "scheduleJitter"
+SCHEDULE_KEY: Final = SCHEDULE
 # Dapr Jobs' (and robfig/cron's) form of a zone on the expression itself.
 CRON_TZ_PREFIX: Final = "CRON_TZ="
 # scheduleLimit's range: an @every schedule's last occurrence is one

@@ -27,10 +27,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterError, croniter
 
+from delayed_middleware.delay import SCHEDULE_TIME_ZONE
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS
-
-SCHEDULE_TIME_ZONE: Final = "scheduleTimeZone"
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _MS: Final = timedelta(milliseconds=1)

@@ -30,8 +30,8 @@ from redis.exceptions import RedisError
 from delayed_middleware.engine.config import CANCEL_BATCH
 from delayed_middleware.engine.core import EngineCore
 from delayed_middleware.engine.scripts import InFlight
-from delayed_middleware.envelope import RECURRING
 from delayed_middleware.keys import fire_marker_prefix
+from delayed_middleware.kinds import Kind
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Cancelling(EngineCore):
                 f.due,
                 f.target,
             )
-            if f.kind != RECURRING:
+            if f.kind != Kind.RECURRING:
                 out[f.position] = (False, out[f.position][1])
                 if f.history_id:
                     try:

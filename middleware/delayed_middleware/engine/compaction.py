@@ -23,8 +23,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from delayed_middleware.aio import text
 from delayed_middleware.engine.core import EngineCore
-from delayed_middleware.engine.scripts import text
 
 log = logging.getLogger(__name__)
 

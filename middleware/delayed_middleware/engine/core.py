@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from delayed_middleware import scripts as lua
+from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
 from delayed_middleware.clock import Clock
 from delayed_middleware.engine.config import (
@@ -31,7 +32,7 @@ from delayed_middleware.engine.config import (
     FireReport,
     Recurrence,
 )
-from delayed_middleware.engine.scripts import Budget, EngineScripts, text
+from delayed_middleware.engine.scripts import Budget, EngineScripts
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.history import IndexSweep

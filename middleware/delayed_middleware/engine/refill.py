@@ -25,10 +25,12 @@ import logging
 from collections.abc import Sequence
 
 from delayed_middleware import pausing
+from delayed_middleware.aio import text
 from delayed_middleware.engine.config import REFILL_BATCH
 from delayed_middleware.engine.core import EngineCore
-from delayed_middleware.engine.scripts import Refill, RefillItem, text
-from delayed_middleware.envelope import RECURRING, Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.engine.scripts import Refill, RefillItem
+from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.kinds import Kind
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Refilling(EngineCore):
                     due_ms=due,
                     published_at_ms=int(published),
                     schedule_id=sid,
-                    kind=RECURRING,
+                    kind=int(Kind.RECURRING),
                     schedule=expr,
                 )
                 nxt, iso = self._next_after(probe, max(due, now))

@@ -20,15 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from delayed_middleware import scripts as lua
+from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
 from delayed_middleware.keys import EngineKeys
-
-
-def text(value: object) -> str:
-    """A reply value as text ('' for nil)."""
-    if isinstance(value, bytes):
-        return value.decode()
-    return "" if value is None else str(value)
 
 
 def topic(value: object) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import re
 import secrets
 from collections.abc import Callable, Sequence
 
@@ -30,7 +29,7 @@ from delayed_middleware.engine.config import SPREAD_MEMORY
 from delayed_middleware.engine.delay_engine import DelayEngine
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
-from delayed_middleware.keys import EngineKeys, shard_index
+from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, split_shard_id
 from delayed_middleware.liveness import Supervised, run_until_cancelled
 
 
@@ -126,16 +125,16 @@ class ShardedEngine:
                 ) from cause
             stored.update(positions)
             for i, id in zip(positions, got, strict=False):
-                ids[i] = id if envelopes[i].schedule_id else f"{id}@{shard}"
+                ids[i] = id if envelopes[i].schedule_id else shard_id(id, shard)
         return ids
 
     async def _locate(self, id: str) -> tuple[int, str]:
         """(shard, id on that shard) for a scheduleId or an envelope id (see cancel)."""
-        m = _SHARD_ID.fullmatch(id)
-        if m and int(m.group(2)) < len(self.engines):
-            return int(m.group(2)), m.group(1)
+        named = split_shard_id(id, len(self.engines))
+        if named is not None:
+            return named
         home = shard_index(id, len(self.engines))
-        if len(self.engines) == 1 or not _STREAM_ID.fullmatch(id) or await self.engines[home].has_key(id):
+        if len(self.engines) == 1 or not is_stream_id(id) or await self.engines[home].has_key(id):
             return home, id
         # Stream ids are per shard stream, so two shards may both hold one (two
         # publishes in the same millisecond). A recurring schedule without a
@@ -248,5 +247,3 @@ class ShardedEngine:
             e.wake()
 
 
-_STREAM_ID = re.compile(r"\d+-\d+")
-_SHARD_ID = re.compile(r"(\d+-\d+)@(\d+)")

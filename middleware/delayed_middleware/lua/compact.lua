@@ -51,7 +51,7 @@ for i, e in ipairs(rows) do
   args[#args + 1] = origin
   -- Where this copy comes from: a reader paging through the stream while a
   -- pass runs tells by it whether it already met the envelope there
-  -- (inspect.py's _Walk), so it lists each message once.
+  -- (inspector.py's _Walk), so it lists each message once.
   args[#args + 1] = 'from'
   args[#args + 1] = id
   local copy = redis.call('XADD', unpack(args))
