@@ -51,13 +51,19 @@ from typing import Final, Literal
 
 from croniter import CroniterError, croniter
 
-from delayed_middleware.delay import SCHEDULE, SCHEDULE_END, SCHEDULE_JITTER, SCHEDULE_LIMIT, SCHEDULE_START
+from delayed_middleware.delay import (
+    SCHEDULE,
+    SCHEDULE_END,
+    SCHEDULE_JITTER,
+    SCHEDULE_LIMIT,
+    SCHEDULE_START,
+    SCHEDULE_TIME_ZONE,
+)
 from delayed_middleware.durations import format_go_duration, parse_go_duration
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_instant, parse_instant
 from delayed_middleware.zones import (
-    SCHEDULE_TIME_ZONE,
     cron_instants,
     cron_next_in_zone,
     parse_time_zone,
