@@ -38,7 +38,9 @@ def spark_home() -> Path:
 
     home = Path(pyspark.__file__).parent
     if not (home / "bin" / "spark-class").exists():
-        raise RuntimeError(f"pyspark at {home} has no bin/spark-class: pip install 'dapr-delayed-pubsub[spark]'")
+        raise RuntimeError(
+            f"pyspark at {home} has no bin/spark-class: pip install 'dapr-delayed-pubsub[spark]'"
+        )
     return home
 
 
@@ -120,7 +122,8 @@ class StandaloneCluster:
 
     def alive_workers(self) -> int:
         workers = self.state().get("workers", [])
-        return sum(1 for w in workers if isinstance(w, dict) and w.get("state") == "ALIVE")  # type: ignore[union-attr]
+        assert isinstance(workers, list)
+        return sum(1 for w in workers if isinstance(w, dict) and w.get("state") == "ALIVE")
 
     def start(self) -> None:
         env = _java_env(self.folder)
@@ -194,7 +197,7 @@ class ConnectServer:
                 "--master",
                 self.master,
                 "--conf",
-                f"spark.connect.grpc.binding.address=127.0.0.1",
+                "spark.connect.grpc.binding.address=127.0.0.1",
                 "--conf",
                 f"spark.connect.grpc.binding.port={self.port}",
                 "--conf",

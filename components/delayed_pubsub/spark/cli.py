@@ -160,7 +160,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             if remote
             else "it needs Java 17 (java on PATH or JAVA_HOME)"
         )
-        print(f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); {need}", file=sys.stderr)
+        print(
+            f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); {need}", file=sys.stderr
+        )
         return 1
     try:
         if args.follow:

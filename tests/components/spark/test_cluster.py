@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ MINUTE0 = 1_795_000_020_000 // 60_000 * 60_000
 def write_data(client: redis.Redis, port: int) -> None:
     """Fires over several topics and minutes, the rarer events, and envelopes waiting for days
     (so the due windows do not depend on when each run looks)."""
-    records: list[dict[str, Any]] = []
+    records: list[Mapping[str, Any]] = []
     for topic, n in FIRED_PER_TOPIC.items():
         records += [fired(topic, MINUTE0 + i * 1_357, (i * 37) % 1_000) for i in range(n)]
     for event, n in OTHER.items():
@@ -79,7 +79,8 @@ def assert_same_stats(local_text: str, local_out: Path, remote_text: str, remote
     assert remote_text.splitlines()[1:] == local_text.splitlines()[1:]
     local = {p.stem: pd.read_parquet(p) for p in local_out.glob("*.parquet")}
     remote = {p.stem: pd.read_parquet(p) for p in remote_out.glob("*.parquet")}
-    assert set(remote) == set(local) and len(local) == 8
+    assert set(remote) == set(local)
+    assert len(local) == 8
     for name, table in local.items():
         if name == "pending_by_due":
             # Its bins start at each run's "now": compare what falls in them.
@@ -122,7 +123,8 @@ def test_stats_on_a_standalone_cluster_equal_the_local_run(
     assert_same_stats(local_text, tmp_path / "local", text, tmp_path / "cluster")
     # It ran on the cluster: the master lists one more finished application, ours.
     apps = standalone.state().get("completedapps", [])
-    assert isinstance(apps, list) and len(apps) == before + 1
+    assert isinstance(apps, list)
+    assert len(apps) == before + 1
     assert apps[-1]["name"] == "delayed-pubsub stats"
 
 
