@@ -4,6 +4,8 @@
     delayed-pubsub stats --redis-host H --redis-type cluster --delay-shards N --app-id A [...]
     delayed-pubsub stats --component YAML --app-id A [...]   (secretKeyRef from the environment,
                                                               as the operator commands read it)
+    delayed-pubsub stats ... --master spark://HOST:7077 [--conf KEY=VALUE ...]   (a standalone cluster)
+    delayed-pubsub stats ... --remote sc://HOST:15002                           (a Spark Connect server)
 
 This module imports nothing of Spark until the command runs, so registering
 the subcommand costs the rest of the CLI nothing and a missing `[spark]` extra
@@ -52,7 +54,29 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--out", metavar="DIR", type=Path, help="also write the tables as Parquet and PNG charts here"
     )
-    p.add_argument("--master", metavar="URL", default="local[*]", help="Spark master (default local[*])")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--master",
+        metavar="URL",
+        default="local[*]",
+        help="Spark master: local[*] (the default), spark://HOST:PORT, yarn, k8s://...; "
+        "this package is shipped to the cluster's Python workers",
+    )
+    where.add_argument(
+        "--remote",
+        metavar="URL",
+        help="a Spark Connect server (sc://HOST:PORT) instead of a master; this package is "
+        "added to the session as a pyfile artifact",
+    )
+    p.add_argument(
+        "--conf",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        type=_conf_pair,
+        help="a Spark setting, as spark-submit --conf takes it (repeatable), e.g. "
+        "spark.archives=env.tar.gz#env",
+    )
     p.add_argument(
         "--follow", action="store_true", help="keep a streaming query running; refresh until Ctrl-C"
     )
@@ -64,6 +88,13 @@ def register(subparsers: Any) -> None:
         "a secretKeyRef comes from the environment (key: redis-password -> $REDIS_PASSWORD)",
     )
     p.set_defaults(handler=run)
+
+
+def _conf_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"--conf wants KEY=VALUE, got {text!r}")
+    return key.strip(), value
 
 
 def component_metadata(path: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -115,17 +146,22 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
     from delayed_pubsub.spark.session import Progress, build_session
 
-    print(f"delayed-pubsub stats: starting Spark ({args.master})…", file=sys.stderr, flush=True)
+    remote = getattr(args, "remote", None)
+    conf = dict(getattr(args, "conf", None) or [])
+    print(f"delayed-pubsub stats: starting Spark ({remote or args.master})…", file=sys.stderr, flush=True)
     try:
-        spark = build_session(args.master)
+        spark = build_session(args.master, remote=remote, conf=conf)
     except KeyboardInterrupt:
         print("delayed-pubsub stats: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # no Java, a master that does not answer, ...
+        need = (
+            f"is the Spark Connect server at {remote} up?"
+            if remote
+            else "it needs Java 17 (java on PATH or JAVA_HOME)"
+        )
         print(
-            f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); "
-            "it needs Java 17 (java on PATH or JAVA_HOME)",
-            file=sys.stderr,
+            f"delayed-pubsub stats: error: Spark did not start ({_spark_error(e)}); {need}", file=sys.stderr
         )
         return 1
     try:
@@ -158,6 +194,11 @@ def _spark_error(e: Exception) -> str:
 
 
 def _load(spark: Any, source: str, options: Mapping[str, str]) -> Any:
+    from delayed_pubsub.spark.ship import is_connect
+
+    if is_connect(spark):
+        # No SparkContext on a Connect client: the source's own default (the server's cores) applies.
+        return spark.read.format(source).options(**options).load()
     # One partition per core Spark has (local[N]: N; a cluster: its executors' cores).
     parts = str(max(1, int(spark.sparkContext.defaultParallelism)))
     return spark.read.format(source).options(**{"numPartitions": parts, **options}).load()

@@ -13,9 +13,9 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 from delayed_pubsub.spark import require_extra
 
@@ -62,16 +62,47 @@ def _log4j_file() -> Path:
     return path
 
 
-def build_session(master: str = "local[*]", app_name: str = "delayed-pubsub stats") -> Any:
-    """A SparkSession (or the running one) with both data sources registered."""
+def is_local(master: str) -> bool:
+    """True for an embedded master (`local`, `local[N]`, `local[*]`): nothing to ship."""
+    return master == "local" or master.startswith("local[")
+
+
+def build_session(
+    master: str = "local[*]",
+    app_name: str = "delayed-pubsub stats",
+    *,
+    remote: str | None = None,
+    conf: Mapping[str, str] | None = None,
+) -> Any:
+    """A SparkSession (or the running one) with both data sources registered.
+
+    `master` is a classic master URL; `remote` (`sc://host:port`) a Spark Connect
+    server instead. `conf` are extra Spark settings (`--conf`), applied last.
+    On anything but an embedded master our packages are shipped to the Python
+    workers (delayed_pubsub.spark.ship): as `spark.submit.pyFiles` for a classic
+    session, as a pyfile artifact over Connect.
+    """
     require_extra()
     from pyspark.sql import SparkSession
 
     from delayed_pubsub.spark.datasource import register
+    from delayed_pubsub.spark.ship import package_zip, ship_to_connect
+
+    extra = dict(conf or {})
+    if remote is not None:
+        # The Connect server is the driver: its JVM, logs, UI and Python workers are its own,
+        # so only the session's SQL settings are ours to set.
+        builder = SparkSession.builder.remote(remote).appName(app_name)
+        for key, value in {**_SQL_CONF, **extra}.items():
+            builder = builder.config(key, value)
+        spark = builder.getOrCreate()
+        ship_to_connect(spark, package_zip())
+        register(spark)
+        return spark
 
     prepare_environment(os.environ, master)
     log4j = _log4j_file()
-    spark = (
+    builder = (
         SparkSession.builder.master(master)
         .appName(app_name)
         .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{log4j}")
@@ -79,14 +110,26 @@ def build_session(master: str = "local[*]", app_name: str = "delayed-pubsub stat
         # No web UI port on the user's machine for a command-line job; our own progress line instead.
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.session.timeZone", "UTC")
-        # The stats tables are small: 200 shuffle partitions would be 200 tiny tasks each.
-        .config("spark.sql.shuffle.partitions", "8")
-        .getOrCreate()
     )
+    if not is_local(master):
+        # The workers import the data sources from this zip, at the driver's version; a
+        # user's own --py-files (spark.submit.pyFiles in --conf) are kept beside it.
+        shipped = str(package_zip())
+        theirs = extra.pop("spark.submit.pyFiles", "")
+        builder = builder.config("spark.submit.pyFiles", ",".join(p for p in (theirs, shipped) if p))
+    for key, value in {**_SQL_CONF, **extra}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark
+
+
+_SQL_CONF: Final = {
+    "spark.sql.session.timeZone": "UTC",
+    # The stats tables are small: 200 shuffle partitions would be 200 tiny tasks each.
+    "spark.sql.shuffle.partitions": "8",
+}
 
 
 class Progress:
@@ -97,7 +140,10 @@ class Progress:
     """
 
     def __init__(self, spark: Any, out: TextIO = sys.stderr, interval_s: float = 0.25) -> None:
-        self._tracker = spark.sparkContext.statusTracker()
+        from delayed_pubsub.spark.ship import is_connect
+
+        # A Connect client has no SparkContext: its status line is the phase alone.
+        self._tracker = None if is_connect(spark) else spark.sparkContext.statusTracker()
         self._out = out
         self._interval = interval_s
         self._phase = "starting"
@@ -128,6 +174,8 @@ class Progress:
     def line(self) -> str:
         """The current status text (phase, then done/total tasks of the running stages)."""
         parts = [self._phase]
+        if self._tracker is None:
+            return self._phase
         try:
             for stage_id in self._tracker.getActiveStageIds():
                 info = self._tracker.getStageInfo(stage_id)

@@ -23,6 +23,7 @@ from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys, delayed_topic
 from delayed_pubsub.spark.session import build_session
 from tests.redis_server import RedisServer
+from tests.spark_cluster import StandaloneCluster, bare_python
 
 APP = "app1"  # the consumerID the component fixtures (tests/components/conftest.py) use
 
@@ -32,6 +33,24 @@ def spark() -> Iterator[Any]:
     session = build_session("local[2]", app_name="delayed-pubsub tests")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    """One standalone master and worker (2 cores) for the whole run: each takes ~20 s to start."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-standalone"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def worker_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Python the cluster's workers run: the venv's packages without this project, which
+    must reach them the documented way (delayed_pubsub.spark.ship)."""
+    return str(bare_python(tmp_path_factory.mktemp("worker-python")))
 
 
 @pytest.fixture
