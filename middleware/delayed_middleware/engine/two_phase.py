@@ -23,7 +23,7 @@ Why no crash point loses a message: an occurrence leaves the due index only
 into the in-flight set, and leaves that only in RELEASE, after APPEND wrote it
 (or parks it). Why none doubles one: its entries are appended only by the
 APPEND call that set its marker (SET NX and XADD are one atomic script).
-Crash points, each tested in tests/middleware/test_engine_cluster.py: after
+Crash points, each tested in tests/middleware/engine/test_cluster.py: after
 CLAIM; after APPEND of some targets; after every APPEND, before RELEASE; after
 RELEASE; a replica stalled past its lease while another takes over.
 The bound: a marker lives fire_marker_ttl_ms (15 min by default); a replica
