@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from delayed_middleware.instants import format_instant
+from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
 from tests.redis_server import RedisCluster
 
@@ -219,3 +220,27 @@ def cluster_conn(c: RedisCluster, app_id: str = "app1", shards: int = DELAY_SHAR
         "--app-id",
         app_id,
     ]
+
+
+# The shard count of the two-replica Cluster runs (test_cluster_delayed, the v2 schedules, pause).
+CLUSTER_SHARDS = 16
+
+
+def cluster_props(c: RedisCluster) -> dict[str, str]:
+    """Init metadata of app1 on the Cluster `c`, delayed messaging on."""
+    return {
+        "redisHost": c.nodes[0].address,
+        "redisType": "cluster",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+
+
+def engine_left(admin: Any) -> dict[str, int]:
+    """What the engine still holds over every shard: pending, in flight, envelopes."""
+    keys = [EngineKeys.for_topic(t) for t in shard_topics("app1", CLUSTER_SHARDS)]
+    return {
+        "pending": sum(int(admin.get(k.count) or 0) for k in keys),
+        "inflight": sum(admin.zcard(k.inflight) for k in keys),
+        "envelopes": sum(admin.xlen(k.stream) for k in keys),
+    }

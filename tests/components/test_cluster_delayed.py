@@ -22,22 +22,20 @@ from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
-from tests.components.driver import Component, delayed_entries, now_ms
+from tests.components.driver import (
+    CLUSTER_SHARDS,
+    Component,
+    cluster_props,
+    delayed_entries,
+    engine_left,
+    now_ms,
+)
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster, RedisSentinel
 
 pytestmark = pytest.mark.slow
 
-SHARDS = 16
-
-
-def cluster_props(c: RedisCluster) -> dict[str, str]:
-    return {
-        "redisHost": c.nodes[0].address,
-        "redisType": "cluster",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-    }
+SHARDS = CLUSTER_SHARDS
 
 
 def topics_on_every_master(c: RedisCluster, n: int) -> list[str]:
@@ -83,16 +81,6 @@ async def wait_delivered(admin: Any, topics: list[str], total: int, within_s: fl
             return
         assert time.monotonic() < deadline, f"{got} of {total} delivered after {within_s}s"
         await asyncio.sleep(0.1)
-
-
-def engine_left(admin: Any) -> dict[str, int]:
-    """What the engine still holds over every shard: pending, in flight, envelopes."""
-    keys = [EngineKeys.for_topic(t) for t in shard_topics("app1", SHARDS)]
-    return {
-        "pending": sum(int(admin.get(k.count) or 0) for k in keys),
-        "inflight": sum(admin.zcard(k.inflight) for k in keys),
-        "envelopes": sum(admin.xlen(k.stream) for k in keys),
-    }
 
 
 async def test_two_replicas_fire_10k_to_50_topics_over_every_master_exactly_once(

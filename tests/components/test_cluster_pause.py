@@ -19,10 +19,9 @@ import redis.cluster
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import parse_instant
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.test_serve_replicas import Serve, folder, instance
+from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster
 
-__all__ = ["folder"]  # the fixture, imported for its use here
 pytestmark = pytest.mark.slow
 
 INTERVAL_MS = 1000

@@ -17,11 +17,11 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.history import decode_record
 from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.test_cluster_delayed import SHARDS, cluster_props, engine_left
-from tests.components.test_serve_replicas import Serve, folder, instance
+from tests.components.driver import CLUSTER_SHARDS as SHARDS
+from tests.components.driver import cluster_props, engine_left
+from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster
 
-__all__ = ["folder"]  # the fixture, imported for its use here
 pytestmark = pytest.mark.slow
 
 ZONES = ("America/New_York", "Asia/Kathmandu", "Australia/Sydney", "Europe/London")

@@ -23,7 +23,7 @@ from delayed_pubsub.server import ComponentServer
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.conftest import Ghz
 from tests.components.driver import Component
-from tests.components.test_serve_replicas import Serve
+from tests.components.serve import Serve
 from tests.conftest import wait_until
 from tests.redis_server import RedisServer, stream_entries
 

@@ -6,16 +6,31 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from delayed_middleware.keys import shard_index
+from tests.e2e.cluster_stack import SHARDS, admin_client, cluster_stack
 from tests.e2e.harness import Stack, carries, now_ms, unique
-from tests.e2e.test_cluster_e2e import SHARDS, admin, stack
-from tests.e2e.test_schedules_e2e import curl_publish, header, instant_ms, ok_arrivals
+from tests.e2e.user import curl_publish, header, instant_ms, ok_arrivals
+from tests.redis_server import RedisCluster
 
 pytestmark = pytest.mark.e2e
-__all__ = ["admin", "stack"]  # the module's cluster stack, imported for its use here
+
+
+@pytest.fixture(scope="module")
+def stack(
+    daprd_path: str, cluster: RedisCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """This module's own cluster stack (tests/e2e/cluster_stack.py)."""
+    yield from cluster_stack(daprd_path, cluster, tmp_path_factory)
+
+
+@pytest.fixture
+def admin(cluster: RedisCluster) -> Iterator[Any]:
+    yield from admin_client(cluster)
 
 TOPIC = "later"
 

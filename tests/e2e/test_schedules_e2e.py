@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.harness import LATENESS, LATENESS_TOLERANCE_MS, Stack, carries, now_ms, rfc3339, unique
 from tests.e2e.user import (
+    TOPIC,
     assert_every_grid,
     assert_stops,
     cancel,
@@ -31,7 +32,6 @@ from tests.e2e.user import (
 
 pytestmark = pytest.mark.e2e
 
-TOPIC = "later"  # subscribed as a CloudEvent topic (tests/e2e/conftest.py)
 RAW_TOPIC = "raw"  # subscribed with rawPayload=true
 
 

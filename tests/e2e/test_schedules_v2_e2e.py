@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.conftest import PUBSUB
 from tests.e2e.harness import LATENESS_TOLERANCE_MS, Stack, carries, dapr_client, now_ms, rfc3339, unique
-from tests.e2e.test_schedules_e2e import TOPIC, curl_publish, header, instant_ms, ok_arrivals
+from tests.e2e.user import TOPIC, curl_publish, header, instant_ms, ok_arrivals
 
 pytestmark = pytest.mark.e2e
 

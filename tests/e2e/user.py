@@ -12,6 +12,8 @@ from urllib.parse import quote
 from tests.e2e.conftest import PUBSUB
 from tests.e2e.harness import LATENESS, LATENESS_TOLERANCE_MS, Stack, carries, now_ms
 
+# The topic the e2e subscriber takes CloudEvents on (tests/e2e/conftest.py).
+TOPIC = "later"
 
 def assert_on_time(
     stack: Stack, name: str, marker: str, due_ms: int, payload: dict[str, Any]
