@@ -78,10 +78,11 @@ def register(subparsers: Any) -> None:
         help="a Spark setting, as spark-submit --conf takes it (repeatable), e.g. "
         "spark.archives=env.tar.gz#env",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--follow", action="store_true", help="keep a streaming query running; refresh until Ctrl-C"
     )
-    p.add_argument(
+    mode.add_argument(
         "--stream-out",
         metavar="DIR",
         type=Path,
