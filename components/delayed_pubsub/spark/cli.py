@@ -6,6 +6,7 @@
                                                               as the operator commands read it)
     delayed-pubsub stats ... --master spark://HOST:7077 [--conf KEY=VALUE ...]   (a standalone cluster)
     delayed-pubsub stats ... --remote sc://HOST:15002                           (a Spark Connect server)
+    delayed-pubsub stats ... --stream-out DIR     (per-minute aggregates as Parquet, until Ctrl-C)
 
 This module imports nothing of Spark until the command runs, so registering
 the subcommand costs the rest of the CLI nothing and a missing `[spark]` extra
@@ -77,8 +78,17 @@ def register(subparsers: Any) -> None:
         help="a Spark setting, as spark-submit --conf takes it (repeatable), e.g. "
         "spark.archives=env.tar.gz#env",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--follow", action="store_true", help="keep a streaming query running; refresh until Ctrl-C"
+    )
+    mode.add_argument(
+        "--stream-out",
+        metavar="DIR",
+        type=Path,
+        help="run a streaming query that writes per-minute aggregates of the history (events by "
+        "minute, topic and event; lateness sums) as Parquet under DIR/minutes until Ctrl-C; it "
+        "resumes from DIR/_checkpoint when restarted",
     )
     p.add_argument(
         "--component",
@@ -165,6 +175,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         )
         return 1
     try:
+        if getattr(args, "stream_out", None) is not None:
+            return _stream_out(spark, args, options)
         if args.follow:
             return _follow(spark, args, options, out)
         with Progress(spark) as progress:
@@ -225,6 +237,47 @@ def _write_out(stats: Any, out_dir: Path, app_id: str) -> None:
 
     write_parquet(stats, out_dir)
     write_charts(stats, out_dir, app_id)
+
+
+def _until_stopped(query: Any) -> int:
+    """Wait for Ctrl-C or SIGTERM (or the query's failure), then stop the query."""
+    # A flag, not a KeyboardInterrupt inside a Py4J call (see _follow).
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+        # A second Ctrl-C gets the previous handler back, for a stuck stop.
+        sig = signal.Signals(signum)
+        signal.signal(sig, previous[sig])
+
+    for sig in previous:
+        signal.signal(sig, on_signal)
+    try:
+        while query.isActive and not stop.is_set():
+            stop.wait(0.5)
+        if query.exception() is not None:
+            print(f"delayed-pubsub stats: error: {_spark_error(query.exception())}", file=sys.stderr)
+            return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        query.stop()
+    return 0
+
+
+def _stream_out(spark: Any, args: argparse.Namespace, options: Mapping[str, str]) -> int:
+    """Per-minute aggregates of the history as Parquet under --stream-out (minutes.py)."""
+    from delayed_pubsub.spark.minutes import MINUTES_DIR, start_minutes_query
+
+    query = start_minutes_query(spark, dict(options), args.stream_out, FOLLOW_INTERVAL_S)
+    print(
+        f"delayed-pubsub stats: streaming per-minute aggregates to {args.stream_out / MINUTES_DIR} "
+        f"every {FOLLOW_INTERVAL_S} s; Ctrl-C to stop",
+        file=sys.stderr,
+        flush=True,
+    )
+    return _until_stopped(query)
 
 
 def _follow(spark: Any, args: argparse.Namespace, options: Mapping[str, str], out: TextIO) -> int:
