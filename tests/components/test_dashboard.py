@@ -138,10 +138,34 @@ async def test_overview_counts_match_pending_json(
     await page.goto(f"{d.url}/schedules")
     schedules = await table(page, "#schedules")
     report = next(r for r in rows if r["id"] == "hourly-report")
-    assert [(r[0], r[1], r[2], r[4]) for r in schedules] == [
-        ("hourly-report", "reports", "@every 1h0m0s", report["due"])
+    assert [(r[0], r[1], r[2], r[3], r[4], r[6]) for r in schedules] == [
+        ("hourly-report", "reports", "@every 1h0m0s", "UTC", report["due"], "running")
     ]
     await shot(page, "schedules")
+
+
+async def test_schedules_show_their_zone_and_paused_state(
+    waiting: Component, conn: list[str], dashboard: Start, browser: Browser
+) -> None:
+    await waiting.publish(
+        "reports",
+        b"ny",
+        {"schedule": "0 0 9 * * *", "scheduleTimeZone": "America/New_York", "scheduleId": "ny-morning"},
+    )
+    await waiting.publish("reports", b"h", {"schedule": "@every 1h", "scheduleId": "held"})
+    await waiting.publish("reports", b"", {"scheduleId": "held", "schedulePause": "true"})
+    rows = {r["id"]: r for r in (await cli("pending", *cli_conn(conn), "--json", "--limit", "0")).json()}
+    assert rows["held"]["paused"] is True
+    d = dashboard(*conn)
+    page = await browser.new_page()
+    await page.goto(f"{d.url}/schedules")
+    shown = {r[0]: r for r in await table(page, "#schedules")}
+    assert set(shown) == {"ny-morning", "held"}
+    assert shown["ny-morning"][3] == "America/New_York"
+    assert shown["ny-morning"][4] == rows["ny-morning"]["due"]
+    assert shown["ny-morning"][6] == "running"
+    assert shown["held"][3] == "UTC"
+    assert shown["held"][6].startswith("paused since ")
 
 
 async def test_a_published_message_appears_live_without_a_reload(

@@ -28,6 +28,8 @@ from delayed_middleware.inspector import (
     PendingMessage,
 )
 from delayed_middleware.keys import is_stream_id, split_shard_id
+from delayed_middleware.pausing import paused_at_ms
+from delayed_middleware.schedules import schedule_zone
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection
 from delayed_pubsub.settings import Settings
@@ -88,6 +90,9 @@ class ScheduleRow:
     next_ms: int | None
     following: str
     shard: int | None
+    # Its scheduleTimeZone ('' = UTC), and when schedulePause held it (None while it runs).
+    zone: str = ""
+    paused_at_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -343,14 +348,17 @@ class Source:
                 if env is None or not env.is_recurring:
                     continue
                 due = int(parts[1]) if len(parts) > 1 and parts[1].lstrip("-").isdigit() else None
+                paused = paused_at_ms(" ".join(parts))
                 rows.append(
                     ScheduleRow(
                         id=key,
                         topic=env.topic,
                         schedule=env.schedule,
                         next_ms=due,
-                        following=parts[3] if len(parts) > 3 and parts[3] != "-" else "",
+                        following=parts[3] if len(parts) > 3 and parts[3] != "-" and not paused else "",
                         shard=shard if self.shards > 1 else None,
+                        zone=schedule_zone(env.schedule),
+                        paused_at_ms=paused,
                     )
                 )
             if at == 0:
