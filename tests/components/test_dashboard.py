@@ -206,6 +206,38 @@ async def test_cancel_with_the_token_cancels(
     await expect(page.locator("main")).to_contain_text("No pending message bill-0")
 
 
+async def test_pause_and_resume_with_the_token_and_not_without(
+    waiting: Component, conn: list[str], dashboard: Start, browser: Browser
+) -> None:
+    await waiting.publish("reports", b"h", {"schedule": "@every 1h", "scheduleId": "hourly"})
+    d = dashboard(*conn, *ACTIONS, env=TOKEN_ENV)
+    # Without a session: no button, and a same-origin POST is refused; the schedule runs on.
+    anonymous = await (await browser.new_context()).new_page()
+    await anonymous.goto(f"{d.url}/schedules")
+    assert await anonymous.locator("button:has-text('Pause')").count() == 0
+    status = await anonymous.evaluate(
+        """async url => (await fetch(url, {method: 'POST', body: new URLSearchParams({id: 'hourly'})})).status""",
+        f"{d.url}/actions/pause",
+    )
+    assert status == 403
+
+    async def paused() -> bool:
+        rows = (await cli("pending", *cli_conn(conn), "--json", "--limit", "0")).json()
+        return bool(next(r for r in rows if r["id"] == "hourly")["paused"])
+
+    assert not await paused()
+    page = await browser.new_page()
+    await log_in(page, d)
+    await page.goto(f"{d.url}/schedules")
+    await page.click("button:has-text('Pause')")
+    await expect(page.locator("#result")).to_have_text("paused hourly")
+    assert await paused()
+    await page.goto(f"{d.url}/schedules")
+    await page.click("button:has-text('Resume')")
+    await expect(page.locator("#result")).to_have_text("resumed hourly")
+    assert not await paused()
+
+
 async def test_without_the_token_nothing_changes(
     waiting: Component, conn: list[str], dashboard: Start, browser: Browser
 ) -> None:
@@ -263,7 +295,7 @@ async def test_read_only_without_allow_actions(
     await page.goto(f"{d.url}/message?id=bill-2")
     await expect(page.locator("header .mode")).to_have_text("read-only")
     assert await page.locator("form[method=post]").count() == 0
-    for path in ("/actions/cancel", "/actions/retry-dead", "/actions/delete-dead"):
+    for path in ("/actions/cancel", "/actions/pause", "/actions/resume", "/actions/retry-dead", "/actions/delete-dead"):
         r = await post(
             f"{d.url}{path}", data={"id": "bill-2"}, headers={"X-Dashboard-Token": TOKEN, "Origin": d.url}
         )

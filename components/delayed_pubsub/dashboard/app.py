@@ -31,6 +31,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from delayed_middleware import pausing
 from delayed_middleware.instants import format_instant
 from delayed_pubsub.connection import TRANSIENT_ERRORS
 from delayed_pubsub.dashboard.guard import COOKIE, CSRF_FIELD, Guard
@@ -224,6 +225,20 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
             return True, f"cancelled {id}"
         return False, f"{id} is not pending (unknown, already fired or cancelled)"
 
+    def do_set_paused(pause: bool) -> Callable[[FormData], Awaitable[tuple[bool, str]]]:
+        async def run(form: FormData) -> tuple[bool, str]:
+            id = _field(form, "id")
+            status = await source.set_paused(id, pause)
+            if status in (pausing.PAUSED, pausing.RESUMED):
+                return True, f"{status} {id}"
+            if status == pausing.ALREADY:
+                return True, f"{id} is {'paused' if pause else 'running'} already"
+            if status == pausing.ENDED:
+                return True, f"{id}: its schedule has no fire left after now; cancelled"
+            return False, f"{id} is not pending (unknown, already fired, cancelled or parked)"
+
+        return run
+
     async def do_retry_dead(form: FormData) -> tuple[bool, str]:
         topic, id = _field(form, "topic"), _field(form, "id")
         where = await source.retry_dead(topic, id)
@@ -251,6 +266,8 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
     if guard.enabled:
         routes += [
             Route("/actions/cancel", action(do_cancel), methods=["POST"]),
+            Route("/actions/pause", action(do_set_paused(True)), methods=["POST"]),
+            Route("/actions/resume", action(do_set_paused(False)), methods=["POST"]),
             Route("/actions/retry-dead", action(do_retry_dead), methods=["POST"]),
             Route("/actions/delete-dead", action(do_delete_dead), methods=["POST"]),
         ]

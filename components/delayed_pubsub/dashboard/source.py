@@ -399,6 +399,14 @@ class Source:
         done, _ = await operate.cancel_ids(self.connection, self.settings, [id])
         return bool(done)
 
+    async def set_paused(self, id: str, pause: bool) -> str:
+        """Pause or resume one schedule or pending message as `delayed-pubsub pause`/`resume` do;
+        the outcome (pausing.PAUSED, RESUMED, ALREADY, ENDED, UNKNOWN, PARKED)."""
+        engine = operate.operator_engine(self.connection, self.settings)
+        reason = operate.PAUSE_REASON if pause else operate.RESUME_REASON
+        result = await engine.set_paused(id, pause=pause, reason=reason.replace("delayed-pubsub", "dashboard"))
+        return result.status
+
     async def _dead_letter(self, topic: str, stream_id: str) -> DeadLetterInfo | None:
         # Only a dead letter of this app, as the listing shows it: never an arbitrary stream entry.
         for d in await self.inspector.dead_letters():
