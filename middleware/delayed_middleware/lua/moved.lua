@@ -1,5 +1,5 @@
 -- LIBRARY moved.lua: where an envelope is stored now (see compact.lua).
--- Expects the including script's locals STREAM (the delayed stream, KEYS[1]) and
+-- Expects the including script's locals STREAM (the delayed stream) and
 -- MOVED (the moved hash, always the last key).
 --
 -- Compaction re-homes long-waiting envelopes to the delayed topic's tail, so
