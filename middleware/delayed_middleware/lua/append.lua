@@ -17,7 +17,11 @@
 -- if its marker was absent; a re-run after a crash or a lease takeover finds
 -- the marker and appends nothing. The marker lives longer than any claim can
 -- stay in flight (engine.EngineConfig.fire_marker_ttl_ms).
-local ttl, trim_mode, trim_at = ARGV[1], ARGV[2], ARGV[3]
+local TARGET = KEYS[1]
+-- The fire marker of envelope i (KEYS[2..n+1]).
+local function marker(i) return KEYS[i + 1] end
+local TTL_MS, TRIM_MODE, TRIM_AT, N_ENVELOPES = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local ttl, trim_mode, trim_at = TTL_MS, TRIM_MODE, TRIM_AT
 -- MINAGE: streamTTL with the threshold on this node's TIME, the clock that
 -- made the target topic's ids (not the firing replica's).
 if trim_mode == 'MINAGE' then
@@ -25,12 +29,12 @@ if trim_mode == 'MINAGE' then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at))
 end
-local target = KEYS[1]
+local target = TARGET
 local t = redis.call('TYPE', target).ok
 local bad = nil
 if t ~= 'stream' and t ~= 'none' then bad = 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
 local out, pos = {}, 5
-for i = 1, tonumber(ARGV[4]) do
+for i = 1, tonumber(N_ENVELOPES) do
   local trim = ARGV[pos] == '1'
   local k = tonumber(ARGV[pos + 1])
   pos = pos + 2
@@ -42,7 +46,7 @@ for i = 1, tonumber(ARGV[4]) do
   end
   if bad then
     out[i] = bad
-  elseif not redis.call('SET', KEYS[i + 1], '1', 'NX', 'PX', ttl) then
+  elseif not redis.call('SET', marker(i), '1', 'NX', 'PX', ttl) then
     out[i] = 'dup'
   else
     local done, failed = 0, nil
@@ -60,7 +64,7 @@ for i = 1, tonumber(ARGV[4]) do
     end
     if failed and done == 0 then
       -- Nothing of it went out: no marker, so the envelope parks (RELEASE).
-      redis.call('DEL', KEYS[i + 1])
+      redis.call('DEL', marker(i))
       out[i] = failed
     else
       out[i] = 'ok'

@@ -5,4 +5,6 @@
 -- JUSTID does not bump delivery counts (entries we already hold must not count
 -- as redelivered); and redis-py's parser drops the next-start cursor of a
 -- JUSTID reply, so the script hands the reply back as it is.
-return redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+local STREAM = KEYS[1]
+local GROUP, CONSUMER, MIN_IDLE_MS, START, COUNT = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+return redis.call('XAUTOCLAIM', STREAM, GROUP, CONSUMER, MIN_IDLE_MS, START, 'COUNT', COUNT, 'JUSTID')

@@ -3,7 +3,7 @@
 -- occurrence the same way up to the append: budgets, gone and undecodable
 -- envelopes, recurring successors, expiry, parking. Needs index.lua,
 -- decode.lua, history.lua and common.lua included before it.
--- KEYS: 1 delayed stream, 3 ids hash, 6 history, 7 parked, 9 refill.
+-- Expects the including script's locals STREAM, IDS, HISTORY, PARKED, REFILL_SET.
 
 -- Decoding and encoding a metadata pair costs about a quarter of appending an entry.
 local METADATA_PER_ENTRY = 4
@@ -44,9 +44,9 @@ local function reserved(topic)
   return nil
 end
 
--- Keeps the envelope on the delayed topic, listed in KEYS[7] with why, recorded.
+-- Keeps the envelope on the delayed topic, listed in PARKED with why, recorded.
 local function park(id, env, key, due, why)
-  redis.call('HSET', KEYS[7], id, why)
+  redis.call('HSET', PARKED, id, why)
   B.parked = B.parked + 1
   if env then
     hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1), why, env.schedule)
@@ -60,10 +60,10 @@ end
 local function forget(id, env, key)
   B.deletes[#B.deletes + 1] = id
   if env.sid ~= '' or env.kind == 1 then
-    local r = redis.call('HGET', KEYS[3], key)
+    local r = redis.call('HGET', IDS, key)
     if r and parse_ref(r) == id then
-      redis.call('HDEL', KEYS[3], key)
-      redis.call('ZREM', KEYS[9], key)
+      redis.call('HDEL', IDS, key)
+      redis.call('ZREM', REFILL_SET, key)
     end
   end
 end

@@ -22,6 +22,14 @@
 -- few commands per call instead of ~10 per id. The script is atomic, so the
 -- order of its writes is invisible; within the call, `done` and `gone` make
 -- an id (or an envelope reached by two ids) count once.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+-- In-flight and claims: passed on Redis Cluster only (13 keys); nil otherwise.
+local INFLIGHT, CLAIMS
+if #KEYS >= 13 then INFLIGHT, CLAIMS = KEYS[11], KEYS[12] end
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_MS, HIST_LEN, REASON, N_IDS =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
@@ -148,7 +156,7 @@ end
 -- (gone or undecodable).
 local function peek_envelope(id)
   local at = stored_at(id)
-  local e = redis.call('XRANGE', KEYS[1], at, at)[1]
+  local e = redis.call('XRANGE', STREAM, at, at)[1]
   if not e then return nil end
   local f = e[2]
   for j = 1, #f, 2 do
@@ -171,10 +179,10 @@ local inflight = {}
 -- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
 -- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
 local function note_inflight(pos, id, topic, target, kind, hid)
-  if not KEYS[12] or topic == '' then return end
-  local rec = redis.call('HGET', KEYS[12], id)
+  if not CLAIMS or topic == '' then return end
+  local rec = redis.call('HGET', CLAIMS, id)
   if not rec then return end
-  local key = KEYS[10]
+  local key = OUTBOX
   if target == '' then key = topic end
   for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind, hid or ''}) do inflight[#inflight + 1] = v end
 end
@@ -182,8 +190,8 @@ end
 local function flush()
   remove_candidates(taken)
   delete_envelopes(xdels)
-  for _, q in ipairs({{'HDEL', KEYS[3], keys}, {'ZREM', KEYS[9], keys},
-                      {'HDEL', KEYS[7], sids}}) do
+  for _, q in ipairs({{'HDEL', IDS, keys}, {'ZREM', REFILL_SET, keys},
+                      {'HDEL', PARKED, sids}}) do
     local list = q[3]
     for i = 1, #list, 500 do
       redis.call(q[1], q[2], unpack(list, i, math.min(i + 499, #list)))
@@ -218,11 +226,11 @@ local function cancel_ref(pos, key, ref)
   keys[#keys + 1] = key
   sids[#sids + 1] = sid
   if topic then
-    local hid = hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, ARGV[4], schedule)
+    local hid = hist('cancelled', key, esid, topic, kind, due or '', '', size, 1, REASON, schedule)
     note_inflight(pos, sid, topic, target, kind, hid)
     return 1, topic
   end
-  hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
+  hist('cancelled', key, '', '', 0, due or '', '', '', 1, REASON, '')
   return 1, ''
 end
 
@@ -234,7 +242,7 @@ local function cancel_stream_id(pos, key)
   if not string.match(key, '^%d+%-%d+$') then return 0, '' end
   -- Digits beyond a stream id's 64-bit parts: XRANGE would refuse it, and an
   -- id that cannot exist names nothing pending.
-  local ok, rows = pcall(redis.call, 'XRANGE', KEYS[1], key, key, 'COUNT', 1)
+  local ok, rows = pcall(redis.call, 'XRANGE', STREAM, key, key, 'COUNT', 1)
   if not ok then return 0, '' end
   -- A copy compaction made (a subscriber of the delayed topic sees it under
   -- this id): the message is the envelope it holds, named by its first id,
@@ -246,7 +254,7 @@ local function cancel_stream_id(pos, key)
   end
   if gone[key] or done[key] then return 0, '' end
   -- A recurring envelope without scheduleId is known by that first id in the ids hash.
-  local ref = redis.call('HGET', KEYS[3], key)
+  local ref = redis.call('HGET', IDS, key)
   if ref then
     done[key] = true
     return cancel_ref(pos, key, ref)
@@ -258,36 +266,36 @@ local function cancel_stream_id(pos, key)
   gone[sid] = true
   if env then
     due = env.due
-    local r = env.sid ~= '' and redis.call('HGET', KEYS[3], env.sid)
+    local r = env.sid ~= '' and redis.call('HGET', IDS, env.sid)
     if r and parse_ref(r) == sid then
       -- Its ref knows where it waits now: a recurring envelope moves on after
       -- each fire (or waits for REFILL outside the index).
       local _, rdue, _, _, flag = parse_ref(r)
       due = rdue
       if flag ~= 'u' and tonumber(rdue) then remove(sid, rdue) end
-      redis.call('HDEL', KEYS[3], env.sid)
-      redis.call('ZREM', KEYS[9], env.sid)
+      redis.call('HDEL', IDS, env.sid)
+      redis.call('ZREM', REFILL_SET, env.sid)
       done[env.sid] = true
     else
       remove(sid, due)
     end
   end
-  redis.call('HDEL', KEYS[7], sid)
+  redis.call('HDEL', PARKED, sid)
   if env then
-    local hid = hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, ARGV[4], env.schedule)
+    local hid = hist('cancelled', key, env.sid, env.topic, env.kind, due or '', '', env.size, 1, REASON, env.schedule)
     note_inflight(pos, sid, env.topic, env.target, env.kind, hid)
     return 1, env.topic
   end
-  hist('cancelled', key, '', '', 0, due or '', '', '', 1, ARGV[4], '')
+  hist('cancelled', key, '', '', 0, due or '', '', '', 1, REASON, '')
   return 1, ''
 end
 
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
-local n = tonumber(ARGV[5])
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), NOW_MS
+local n = tonumber(N_IDS)
 local out = {}
 for from = 1, n, 500 do
   local to = math.min(from + 499, n)
-  local refs = redis.call('HMGET', KEYS[3], unpack(ARGV, 5 + from, 5 + to))
+  local refs = redis.call('HMGET', IDS, unpack(ARGV, 5 + from, 5 + to))
   for i = from, to do
     local key = ARGV[5 + i]
     local ref = refs[i - from + 1]

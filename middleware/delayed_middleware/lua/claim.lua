@@ -33,25 +33,31 @@
 -- claimed again first, with a new lease: the caller re-runs APPEND (the fire
 -- markers make repeats no-ops) and RELEASE. The target's type is checked by
 -- APPEND, in the target's slot.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local INFLIGHT, CLAIMS = KEYS[11], KEYS[12]
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_ARG, MAX_ENVELOPES, MAX_WORK, MAX_BYTES, HIST_LEN, BUDGET_US, LEASE_MS, OWN_PUBSUB =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
 --!include batch.lua
 --!include inflight.lua
-local now = decision_now(ARGV[2])
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[6]), string.format('%.0f', now)
-local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local lease = tonumber(ARGV[8])
-local own_pubsub = ARGV[9] or ''
+local now = decision_now(NOW_ARG)
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
+local max_env, max_entries, max_bytes = tonumber(MAX_ENVELOPES), tonumber(MAX_WORK), tonumber(MAX_BYTES)
+local lease = tonumber(LEASE_MS)
+local own_pubsub = OWN_PUBSUB or ''
 local first = nil
 local out, n = {}, 0
-batch_start(tonumber(ARGV[7]))
+batch_start(tonumber(BUDGET_US))
 
 -- One claim's reply record, or nil and why (metadata cjson cannot encode,
 -- e.g. 1e400 decoded as inf: FIRE parks such an envelope, so CLAIM does too).
 local function record(id, due, env, key, iso)
-  local target = KEYS[10]
+  local target = OUTBOX
   if env.target == '' then target = env.topic end
   local expires = env.expires
   if env.sttl > 0 then expires = now + env.sttl end
@@ -80,15 +86,15 @@ local function emit(rec, due)
 end
 
 -- 1. Claims whose lease ended: taken over first, with their recorded occurrence.
-local expired = redis.call('ZRANGEBYSCORE', KEYS[11], '-inf', now, 'LIMIT', 0, max_env)
+local expired = redis.call('ZRANGEBYSCORE', INFLIGHT, '-inf', now, 'LIMIT', 0, max_env)
 local withdrawn = {
   target = '', topic = '', expires = 0, sttl = 0, source = '', entries = {}, bulk = false, size = 0, pubsub = '',
 }
 for _, id in ipairs(expired) do
   if B.work >= max_entries or B.bytes >= max_bytes then break end
-  local rec = redis.call('HGET', KEYS[12], id)
+  local rec = redis.call('HGET', CLAIMS, id)
   local env = read_envelope(id)
-  redis.call('ZADD', KEYS[11], now + lease, id)
+  redis.call('ZADD', INFLIGHT, now + lease, id)
   local r, due = nil, rec and string.match(rec, '^(%S+)') or '0'
   if rec and env then
     local _, _, iso, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
@@ -114,17 +120,17 @@ for i, c in ipairs(due_candidates(now, max_env - n)) do
     if bad then
       park(id, env, key, due, bad)
     else
-      redis.call('ZADD', KEYS[11], now + lease, id)
-      redis.call('HSET', KEYS[12], id, due .. ' ' .. (next_due or '-') .. ' ' .. iso .. ' ' .. key)
+      redis.call('ZADD', INFLIGHT, now + lease, id)
+      redis.call('HSET', CLAIMS, id, due .. ' ' .. (next_due or '-') .. ' ' .. iso .. ' ' .. key)
       emit(r, due)
     end
   end
 end
 batch_finish()
 local h = next_wakeup()
-local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
+local pending = tonumber(redis.call('GET', PENDING) or '0')
 -- Refills overdue (due now, successor unknown), reported so whichever replica fires next completes them (as FIRE).
-local refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
+local refill = redis.call('ZCOUNT', REFILL_SET, '-inf', now)
 local reply = {h or '', pending, B.parked, refill, first and tostring(first) or '', B.gone, string.format('%.0f', now),
   #B.expired / 2}
 for _, v in ipairs(B.expired) do reply[#reply + 1] = v end

@@ -1,6 +1,7 @@
 -- LIBRARY common.lua: envelope bookkeeping shared by the engine's scripts.
 -- Needs index.lua, decode.lua and history.lua included before it.
--- KEYS: 1 delayed stream, 3 ids hash, 7 parked hash, 9 refill zset, the last the moved hash.
+-- Expects the including script's locals STREAM (delayed stream), IDS (ids hash),
+-- PARKED (parked hash), REFILL_SET (refill zset) and MOVED (moved hash).
 --!include moved.lua
 
 -- The time a fire decision is made at, in epoch ms: `arg` from an injected
@@ -16,7 +17,7 @@ end
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
 local function read_envelope(id)
   local at = stored_at(id)
-  local e = redis.call('XRANGE', KEYS[1], at, at)[1]
+  local e = redis.call('XRANGE', STREAM, at, at)[1]
   if not e then return nil, 'gone' end
   local f = e[2]
   for j = 1, #f, 2 do
@@ -36,8 +37,8 @@ local function drop_ref(key, ref)
   -- A ref without a numeric due (written by hand) names no index entry: locating it would raise.
   if flag ~= 'u' and tonumber(due) then remove(sid, due) end
   delete_envelopes({sid})
-  redis.call('ZREM', KEYS[9], key)
-  redis.call('HDEL', KEYS[7], sid)
+  redis.call('ZREM', REFILL_SET, key)
+  redis.call('HDEL', PARKED, sid)
   return sid, due
 end
 
@@ -82,14 +83,14 @@ end
 -- `key`) whose occurrence due at `due` is being fired at `now`:
 --   'orphan'              nothing refers to it any more (replaced or cancelled): drop it unfired;
 --   'wait'                its successor is unknown, or has passed too (missed fires): it leaves
---                         the index for the refill set (KEYS[9]) and fires once REFILL is done;
+--                         the index for the refill set (REFILL_SET) and fires once REFILL is done;
 --   'fire', nxt, iso      fire it; nxt = the next due ms (nil: this is the last occurrence),
 --                         iso = the scheduleNext its messages carry ('purge' with nil).
 -- An @every envelope (every > 0) never waits: its successor is the first grid point after
 -- max(due, now), so after an outage the overdue occurrence fires once and the
 -- schedule goes on from now on its grid (the missed-fires policy, as REFILL's).
 local function recurring_step(env, id, key, due, now)
-  local ref = redis.call('HGET', KEYS[3], key)
+  local ref = redis.call('HGET', IDS, key)
   if not ref or parse_ref(ref) ~= id then return 'orphan' end
   if env.every > 0 then
     local nxt = every_after(env, math.max(tonumber(due), now))
@@ -102,8 +103,8 @@ local function recurring_step(env, id, key, due, now)
   if not tonumber(rdue) then rdue = due end
   local rn = tonumber(rnext)
   if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
-    redis.call('HSET', KEYS[3], key, make_ref(id, rdue, '-', '-', 'u'))
-    redis.call('ZADD', KEYS[9], rdue, key)
+    redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u'))
+    redis.call('ZADD', REFILL_SET, rdue, key)
     return 'wait'
   end
   if rnext == 'purge' then return 'fire', nil, 'purge' end
@@ -122,9 +123,9 @@ local REFILLS = {}
 -- there. An @every one needs none. Returns 1 if it was marked for refill, else 0.
 local function advance(env, id, key, nxt)
   local ref = make_ref(id, nxt, '-', '-', 'i')
-  redis.call('HSET', KEYS[3], key, ref)
+  redis.call('HSET', IDS, key, ref)
   if env.every > 0 then return 0 end
-  redis.call('ZADD', KEYS[9], nxt, key)
+  redis.call('ZADD', REFILL_SET, nxt, key)
   local n = #REFILLS
   REFILLS[n + 1], REFILLS[n + 2], REFILLS[n + 3] = key, ref, env.schedule
   REFILLS[n + 4] = string.format('%.0f', env.published)

@@ -17,22 +17,24 @@
 -- (FIRE, CLAIM, RELEASE, CANCEL, a replace) finds it, before or after, and
 -- nothing is lost or doubled. Readers of the delayed topic show a copy under
 -- its `origin` id; field `from` names the entry it was copied from. Bounded: max entries per call and a Redis time budget.
+local STREAM, MOVED = KEYS[1], KEYS[#KEYS]
+local CURSOR, LAST, MAX_ENTRIES, BUDGET_US = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 --!include moved.lua
-local cursor, last, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local budget = tonumber(ARGV[4] or '0')
+local cursor, last, max = CURSOR, LAST, tonumber(MAX_ENTRIES)
+local budget = tonumber(BUDGET_US or '0')
 local function clock_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local started = budget > 0 and clock_us() or 0
 local from = cursor == '-' and '-' or '(' .. cursor
-local rows = redis.call('XRANGE', KEYS[1], from, last, 'COUNT', max)
+local rows = redis.call('XRANGE', STREAM, from, last, 'COUNT', max)
 local moved = 0
 for i, e in ipairs(rows) do
   if budget > 0 and i > 1 and i % 16 == 0 and clock_us() - started > budget then break end
   local id, f = e[1], e[2]
   local origin = id
-  local args = {KEYS[1], '*'}
+  local args = {STREAM, '*'}
   for j = 1, #f, 2 do
     if f[j] == 'from' then
       -- Ours (below), rewritten on each move.
@@ -55,7 +57,7 @@ for i, e in ipairs(rows) do
   args[#args + 1] = 'from'
   args[#args + 1] = id
   local copy = redis.call('XADD', unpack(args))
-  redis.call('XDEL', KEYS[1], id)
+  redis.call('XDEL', STREAM, id)
   redis.call('HSET', MOVED, origin, copy)
   cursor = id
   moved = moved + 1

@@ -19,7 +19,7 @@
 -- second replica, a retry after a crash, or a replay finds nothing to do.
 -- Why failure-atomic: every append to a target is a pcall and targets are
 -- checked first (type, reserved namespace); an envelope that cannot be
--- delivered is parked (kept on the delayed topic, listed in KEYS[7], recorded
+-- delivered is parked (kept on the delayed topic, listed in PARKED, recorded
 -- in the history) and the rest of the batch fires. Redis does not roll a
 -- script back, so nothing here may raise after the first write.
 -- Bounded: a batch stops before max work or max bytes, or once it has run
@@ -32,18 +32,23 @@
 -- Recurring envelopes fire only when their next due time is known: @every ones
 -- compute it here (common.lua's recurring_step); cron ones read it from their
 -- ids ref, and when it is unknown or has passed too (missed fires) they wait in
--- KEYS[9] for a REFILL and fire once afterwards: never a storm of missed occurrences.
+-- REFILL_SET for a REFILL and fire once afterwards: never a storm of missed occurrences.
 -- Target topics are not in KEYS: fine on a single node; Redis Cluster uses the
 -- two-phase variant of the same steps.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_ARG, MAX_ENVELOPES, MAX_WORK, MAX_BYTES, TRIM_MODE, TRIM_AT, HIST_LEN, BUDGET_US, OWN_PUBSUB =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
 --!include batch.lua
-local now = decision_now(ARGV[2])
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[8]), string.format('%.0f', now)
-local max_env, max_entries, max_bytes = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local trim_mode, trim_at = ARGV[6], ARGV[7]
+local now = decision_now(NOW_ARG)
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
+local max_env, max_entries, max_bytes = tonumber(MAX_ENVELOPES), tonumber(MAX_WORK), tonumber(MAX_BYTES)
+local trim_mode, trim_at = TRIM_MODE, TRIM_AT
 -- MINAGE: streamTTL with the threshold on this decision's time (Redis TIME
 -- unless the clock is authoritative): topic ids come from Redis's clock.
 if trim_mode == 'MINAGE' then trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at)) end
@@ -55,8 +60,8 @@ local reinserts = {}
 -- Several components of one app (same consumerID) share the delayed topic and
 -- fire each other's messages: a topic is trimmed by the settings of the
 -- component it was published through, never by another's maxLenApprox.
-local own_pubsub = ARGV[10] or ''
-batch_start(tonumber(ARGV[9] or '0'))
+local own_pubsub = OWN_PUBSUB or ''
+batch_start(tonumber(BUDGET_US or '0'))
 
 -- Why `topic` cannot take our XADD, or nil (CLAIM leaves the type check to APPEND).
 local function bad_target(topic)
@@ -155,7 +160,7 @@ for i, c in ipairs(due_candidates(now, max_env)) do
   if env == nil then break end
   if env then
     -- The outbox is our own stream; a topic must be a stream (or not exist yet).
-    local target, bad = KEYS[10], nil
+    local target, bad = OUTBOX, nil
     if env.target == '' then
       target = env.topic
       bad = bad_target(target)
@@ -186,11 +191,11 @@ for i, c in ipairs(due_candidates(now, max_env)) do
 end
 batch_finish()
 insert_many(reinserts)
-local pending = tonumber(redis.call('GET', KEYS[5]) or '0')
+local pending = tonumber(redis.call('GET', PENDING) or '0')
 -- Refills nobody completed (occurrences already due whose successor nobody
 -- computed: their replica stopped between its FIRE and its REFILL, or they
 -- waited above), reported so that whichever replica fires next completes them.
-local refill = redis.call('ZCOUNT', KEYS[9], '-inf', now)
+local refill = redis.call('ZCOUNT', REFILL_SET, '-inf', now)
 local out = {fired, head() or '', first and tostring(first) or '', pending, B.parked, refill, appended, B.gone,
   string.format('%.0f', now), #B.expired / 2}
 for _, v in ipairs(B.expired) do out[#out + 1] = v end

@@ -5,8 +5,9 @@
 -- KEYS: 1 history stream
 -- ARGV: 1 history maxlen (> 0), then the record's fields and values (no `prev`)
 -- Returns the record's entry id.
+local HISTORY, HIST_LEN = KEYS[1], ARGV[1]
 --!include history.lua
-HIST_KEY, HIST_MAXLEN = KEYS[1], tonumber(ARGV[1])
+HIST_MAXLEN = tonumber(HIST_LEN)
 local fields, id = {}, ''
 for i = 2, #ARGV, 2 do
   fields[#fields + 1] = ARGV[i]

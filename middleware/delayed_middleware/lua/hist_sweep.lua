@@ -9,6 +9,8 @@
 -- KEYS: 1 history stream, 2 its by-id index hash
 -- ARGV: 1 HSCAN cursor, 2 page size
 -- Returns {next cursor ('0' when the sweep is through), fields dropped}.
+local HISTORY, INDEX = KEYS[1], KEYS[2]
+local CURSOR, PAGE_SIZE = ARGV[1], ARGV[2]
 local function before(a, b)
   local am, as = string.match(a, '^(%d+)%-(%d+)$')
   local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
@@ -18,12 +20,12 @@ local function before(a, b)
   if #as ~= #bs then return #as < #bs end
   return as < bs
 end
-if ARGV[1] == '0' and redis.call('HEXISTS', KEYS[2], '') == 0 then
-  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-  if last then redis.call('HSET', KEYS[2], '', last[1]) end
+if CURSOR == '0' and redis.call('HEXISTS', INDEX, '') == 0 then
+  local last = redis.call('XREVRANGE', HISTORY, '+', '-', 'COUNT', 1)[1]
+  if last then redis.call('HSET', INDEX, '', last[1]) end
 end
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
-local page = redis.call('HSCAN', KEYS[2], ARGV[1], 'COUNT', tonumber(ARGV[2]))
+local first = redis.call('XRANGE', HISTORY, '-', '+', 'COUNT', 1)[1]
+local page = redis.call('HSCAN', INDEX, CURSOR, 'COUNT', tonumber(PAGE_SIZE))
 local gone = {}
 local fields = page[2]
 for i = 1, #fields, 2 do
@@ -31,6 +33,6 @@ for i = 1, #fields, 2 do
   if id ~= '' and (not first or before(at, first[1])) then gone[#gone + 1] = id end
 end
 for i = 1, #gone, 500 do
-  redis.call('HDEL', KEYS[2], unpack(gone, i, math.min(i + 499, #gone)))
+  redis.call('HDEL', INDEX, unpack(gone, i, math.min(i + 499, #gone)))
 end
 return {page[1], #gone}

@@ -12,6 +12,8 @@
 --   the index does not know the id.
 --   marker: the first record indexed ('' = none yet): older records predate
 --   the index. first: the history's first entry id ('' = empty).
+local history, index = KEYS[1], KEYS[2]
+local ID, LINK, LOW, MAX_RECORDS = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local function before(a, b)
   local am, as = string.match(a, '^(%d+)%-(%d+)$')
   local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
@@ -21,12 +23,11 @@ local function before(a, b)
   if #as ~= #bs then return #as < #bs end
   return as < bs
 end
-local history, index = KEYS[1], KEYS[2]
-local id, low, max = ARGV[1], ARGV[3], tonumber(ARGV[4])
+local id, low, max = ID, LOW, tonumber(MAX_RECORDS)
 local marker = redis.call('HGET', index, '') or ''
 local head = redis.call('XRANGE', history, '-', '+', 'COUNT', 1)[1]
 local first = head and head[1] or ''
-local link = ARGV[2]
+local link = LINK
 if link == '' then link = redis.call('HGET', index, id) or '' end
 local out = {'none', '', marker, first}
 if link == '' then return out end

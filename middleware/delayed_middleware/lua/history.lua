@@ -1,6 +1,6 @@
 -- LIBRARY history.lua: appends lifecycle records (format: delayed_middleware/history.py).
--- Expects KEYS[6] = history stream (an including script may set HIST_KEY to
--- another). The including script sets HIST_MAXLEN (0 = history off) and
+-- Expects the including script's local HISTORY (the history stream). The
+-- including script sets HIST_MAXLEN (0 = history off) and
 -- HIST_NOW before calling hist().
 -- Every record has the same fields in the same order, so Redis stores the
 -- field names once per stream node instead of once per record.
@@ -17,7 +17,7 @@
 -- derived, not passed: it shares the history's hash tag, so its slot, and
 -- every script that writes history keeps its KEYS.
 local HIST_MAXLEN, HIST_NOW = 0, '0'
-local HIST_KEY = KEYS[6]
+local HIST_KEY = HISTORY
 local KIND_NAMES = {[0] = 'oneshot', [1] = 'recurring', [2] = 'retry'}
 
 local function hist_indexed(id)

@@ -1,10 +1,11 @@
 -- LIBRARY index.lua: the due index (included by the engine's scripts).
--- Expects the engine's KEYS layout: KEYS[2] index top, KEYS[4] bucket id sequence,
--- KEYS[5] pending count; and ARGV[1] = bucket key prefix.
+-- Expects the including script's locals for the engine's layout: INDEX_TOP (index
+-- top), BUCKET_SEQ (bucket id sequence), PENDING (pending count) and
+-- BUCKET_PREFIX (the bucket key prefix, ARGV[1]).
 --
 -- Two levels, so a pending message costs ~10 bytes of index instead of a
--- skiplist element's ~120: KEYS[2] is a sorted set of bucket ids scored by
--- their lower bound; bucket `ARGV[1]..id` is a small sorted set (member =
+-- skiplist element's ~120: INDEX_TOP is a sorted set of bucket ids scored by
+-- their lower bound; bucket `BUCKET_PREFIX..id` is a small sorted set (member =
 -- envelope stream id, score = due ms) that Redis keeps listpack-encoded.
 -- Buckets partition time: bucket i holds the dues in [start_i, start_i+1).
 --
@@ -15,16 +16,16 @@
 local BUCKET_MAX = 100
 local CHUNK = 500
 
-local function bucket_key(b) return ARGV[1] .. b end
+local function bucket_key(b) return BUCKET_PREFIX .. b end
 
 -- The bucket that holds (or would hold) `due`, or nil when `due` is earlier than all.
 local function locate(due)
-  return redis.call('ZREVRANGEBYSCORE', KEYS[2], due, '-inf', 'LIMIT', 0, 1)[1]
+  return redis.call('ZREVRANGEBYSCORE', INDEX_TOP, due, '-inf', 'LIMIT', 0, 1)[1]
 end
 
 local function new_bucket(start)
-  local b = tostring(redis.call('INCR', KEYS[4]))
-  redis.call('ZADD', KEYS[2], start, b)
+  local b = tostring(redis.call('INCR', BUCKET_SEQ))
+  redis.call('ZADD', INDEX_TOP, start, b)
   return b
 end
 
@@ -56,17 +57,17 @@ local function split(b)
     cut = tonumber(nxt[2])
   end
   local below = redis.call('ZCOUNT', key, '-inf', '(' .. cut)
-  local nb = tostring(redis.call('INCR', KEYS[4]))
+  local nb = tostring(redis.call('INCR', BUCKET_SEQ))
   if below <= n - below then
     -- The part below the cut is the smaller: it moves to a new bucket that
     -- takes over this bucket's start, and this one now starts at the cut.
-    local start = redis.call('ZSCORE', KEYS[2], b)
+    local start = redis.call('ZSCORE', INDEX_TOP, b)
     move(key, bucket_key(nb), '-inf', '(' .. cut)
-    redis.call('ZADD', KEYS[2], start, nb)
-    redis.call('ZADD', KEYS[2], cut, b)
+    redis.call('ZADD', INDEX_TOP, start, nb)
+    redis.call('ZADD', INDEX_TOP, cut, b)
   else
     move(key, bucket_key(nb), cut, '+inf')
-    redis.call('ZADD', KEYS[2], cut, nb)
+    redis.call('ZADD', INDEX_TOP, cut, nb)
   end
 end
 
@@ -74,7 +75,7 @@ local function insert(id, due)
   local b = locate(due) or new_bucket(due)
   local key = bucket_key(b)
   redis.call('ZADD', key, due, id)
-  redis.call('INCR', KEYS[5])
+  redis.call('INCR', PENDING)
   if redis.call('ZCARD', key) > BUCKET_MAX then split(b) end
 end
 
@@ -93,7 +94,7 @@ local function insert_many(items)
     local b = locate(items[i][2]) or new_bucket(items[i][2])
     local key = bucket_key(b)
     -- Buckets partition time: this one ends where the next one starts.
-    local upper = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. redis.call('ZSCORE', KEYS[2], b), '+inf',
+    local upper = redis.call('ZRANGEBYSCORE', INDEX_TOP, '(' .. redis.call('ZSCORE', INDEX_TOP, b), '+inf',
       'WITHSCORES', 'LIMIT', 0, 1)[2]
     upper = upper and tonumber(upper)
     local room = math.max(1, BUCKET_MAX + 1 - redis.call('ZCARD', key))
@@ -104,7 +105,7 @@ local function insert_many(items)
       i = i + 1
     end
     redis.call('ZADD', key, unpack(args))
-    redis.call('INCRBY', KEYS[5], #args / 2)
+    redis.call('INCRBY', PENDING, #args / 2)
     if redis.call('ZCARD', key) > BUCKET_MAX then split(b) end
   end
 end
@@ -116,8 +117,8 @@ local function remove(id, due)
   local key = bucket_key(b)
   local removed = redis.call('ZREM', key, id)
   if removed == 1 then
-    redis.call('DECR', KEYS[5])
-    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+    redis.call('DECR', PENDING)
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', INDEX_TOP, b) end
   end
   return removed
 end
@@ -125,11 +126,11 @@ end
 -- The earliest due time pending, or nil.
 local function head()
   while true do
-    local b = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    local b = redis.call('ZRANGE', INDEX_TOP, 0, 0)[1]
     if not b then return nil end
     local h = redis.call('ZRANGE', bucket_key(b), 0, 0, 'WITHSCORES')[2]
     if h then return h end
-    redis.call('ZREM', KEYS[2], b)
+    redis.call('ZREM', INDEX_TOP, b)
   end
 end
 
@@ -137,7 +138,7 @@ end
 local function due_candidates(now, limit)
   local out, offset = {}, 0
   while #out < limit do
-    local bs = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', offset, 8)
+    local bs = redis.call('ZRANGEBYSCORE', INDEX_TOP, '-inf', now, 'LIMIT', offset, 8)
     if #bs == 0 then break end
     for _, b in ipairs(bs) do
       local got = redis.call('ZRANGEBYSCORE', bucket_key(b), '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit - #out)
@@ -168,9 +169,9 @@ local function remove_candidates(cs)
     for i = 1, #ids, CHUNK do
       removed = removed + redis.call('ZREM', key, unpack(ids, i, math.min(i + CHUNK - 1, #ids)))
     end
-    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', KEYS[2], b) end
+    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', INDEX_TOP, b) end
   end
-  if removed > 0 then redis.call('DECRBY', KEYS[5], removed) end
+  if removed > 0 then redis.call('DECRBY', PENDING, removed) end
 end
 
 -- ids hash values: "<stream id> <due ms> <next ms | - | purge> <next RFC3339 | -> <i | u>"

@@ -1,5 +1,6 @@
 -- LIBRARY moved.lua: where an envelope is stored now (see compact.lua).
--- KEYS: 1 delayed stream; the last key (KEYS[#KEYS]) is the moved hash.
+-- Expects the including script's locals STREAM (the delayed stream) and
+-- MOVED (the moved hash, always the last key).
 --
 -- Compaction re-homes long-waiting envelopes to the delayed topic's tail, so
 -- the stream nodes they pinned are freed. A re-homed envelope keeps its first
@@ -8,8 +9,6 @@
 -- moved hash maps that id to the stream id it is stored at now; an envelope
 -- never moved has no entry there. Every read or delete of an envelope by id
 -- goes through here.
-local MOVED = KEYS[#KEYS]
-
 -- The stream id envelope `id` is stored at now.
 local function stored_at(id)
   return redis.call('HGET', MOVED, id) or id
@@ -40,7 +39,7 @@ local function delete_envelopes(ids)
   end
   local n = 0
   for i = 1, #at, 500 do
-    n = n + redis.call('XDEL', KEYS[1], unpack(at, i, math.min(i + 499, #at)))
+    n = n + redis.call('XDEL', STREAM, unpack(at, i, math.min(i + 499, #at)))
   end
   return n
 end

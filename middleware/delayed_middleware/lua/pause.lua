@@ -26,20 +26,28 @@
 -- resume (the fires it missed are skipped, not caught up).
 -- Atomic against FIRE (one node) and CLAIM (Cluster): the entry is either still in
 -- the index (paused here, never fired) or already taken (fired, or in flight: 'busy').
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+-- In-flight and claims: passed on Redis Cluster only (13 keys); nil otherwise.
+local INFLIGHT, CLAIMS
+if #KEYS >= 13 then INFLIGHT, CLAIMS = KEYS[11], KEYS[12] end
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_MS, HIST_LEN, OP, ID, REASON, WAKE_CHANNEL, READ_REF, AT_MS, NEXT_MS, NEXT_ISO =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
 
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), ARGV[2]
-local op, key, reason = ARGV[4], ARGV[5], ARGV[6]
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), NOW_MS
+local op, key, reason = OP, ID, REASON
 local claims = nil
-if #KEYS >= 13 then claims = KEYS[12] end
+if #KEYS >= 13 then claims = CLAIMS end
 
-local ref = redis.call('HGET', KEYS[3], key)
+local ref = redis.call('HGET', IDS, key)
 if not ref then return {'unknown', ''} end
 local sid, due, _, _, flag = parse_ref(ref)
-if redis.call('HEXISTS', KEYS[7], sid) == 1 then return {'parked', ''} end
+if redis.call('HEXISTS', PARKED, sid) == 1 then return {'parked', ''} end
 if claims and redis.call('HEXISTS', claims, sid) == 1 then return {'busy', ''} end
 local env = read_envelope(sid)
 
@@ -56,21 +64,21 @@ if op == 'pause' then
   if flag == 'p' then return {'already', topic} end
   -- 'u': a cron envelope waiting for REFILL is in the refill set, not in the index.
   if flag ~= 'u' and tonumber(due) then remove(sid, due) end
-  redis.call('ZREM', KEYS[9], key)
-  redis.call('HSET', KEYS[3], key, make_ref(sid, due, '-', HIST_NOW, 'p'))
+  redis.call('ZREM', REFILL_SET, key)
+  redis.call('HSET', IDS, key, make_ref(sid, due, '-', HIST_NOW, 'p'))
   record('paused', due)
   return {'paused', topic}
 end
 
 -- resume
 if flag ~= 'p' then return {'already', topic} end
-if ref ~= ARGV[8] then return {'stale', topic} end
-local at, nxt, iso = ARGV[9], ARGV[10], ARGV[11]
+if ref ~= READ_REF then return {'stale', topic} end
+local at, nxt, iso = AT_MS, NEXT_MS, NEXT_ISO
 local before = head()
 insert(sid, at)
-redis.call('HSET', KEYS[3], key, make_ref(sid, at, nxt, iso, 'i'))
+redis.call('HSET', IDS, key, make_ref(sid, at, nxt, iso, 'i'))
 record('resumed', at)
 if before == nil or tonumber(before) > tonumber(at) then
-  redis.call('PUBLISH', ARGV[7], at)
+  redis.call('PUBLISH', WAKE_CHANNEL, at)
 end
 return {'resumed', topic}

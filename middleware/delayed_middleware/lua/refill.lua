@@ -13,20 +13,25 @@
 -- Returns one result per item: 1 applied, 2 ended, 0 stale (the caller re-reads), -1 the id is gone.
 -- 'end' is a compare-and-set too: a replace that landed after the replica read
 -- the ref is a new ref, so the replacement is never withdrawn by mistake.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, WAKE_CHANNEL, N_ITEMS =
+  ARGV[1], ARGV[2], ARGV[3]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
-local n_items = tonumber(ARGV[3])
+local n_items = tonumber(N_ITEMS)
 HIST_MAXLEN, HIST_NOW = tonumber(ARGV[4 + 4 * n_items] or '0'), ARGV[5 + 4 * n_items] or '0'
 local before = head()
 local earliest = nil
 local out = {}
 for i = 0, n_items - 1 do
   local key, read, nxt, iso = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
-  local ref = redis.call('HGET', KEYS[3], key)
+  local ref = redis.call('HGET', IDS, key)
   if not ref then
-    redis.call('ZREM', KEYS[9], key)
+    redis.call('ZREM', REFILL_SET, key)
     out[#out + 1] = -1
   elseif ref ~= read then
     out[#out + 1] = 0
@@ -34,7 +39,7 @@ for i = 0, n_items - 1 do
     local sid, due = parse_ref(ref)
     local env = read_envelope(sid)
     drop_ref(key, ref)
-    redis.call('HDEL', KEYS[3], key)
+    redis.call('HDEL', IDS, key)
     if env then
       hist('cancelled', key, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1), iso, env.schedule)
     else
@@ -47,12 +52,12 @@ for i = 0, n_items - 1 do
       insert(sid, due)
       if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
     end
-    redis.call('HSET', KEYS[3], key, make_ref(sid, due, nxt, iso, 'i'))
-    redis.call('ZREM', KEYS[9], key)
+    redis.call('HSET', IDS, key, make_ref(sid, due, nxt, iso, 'i'))
+    redis.call('ZREM', REFILL_SET, key)
     out[#out + 1] = 1
   end
 end
 if earliest ~= nil and (before == nil or tonumber(before) > earliest) then
-  redis.call('PUBLISH', ARGV[2], tostring(earliest))
+  redis.call('PUBLISH', WAKE_CHANNEL, tostring(earliest))
 end
 return out

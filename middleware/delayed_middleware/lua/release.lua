@@ -15,42 +15,48 @@
 -- A one-shot envelope leaves the stream and the ids hash; a recurring one goes
 -- back into the index at its next due time (precomputed, recorded at CLAIM);
 -- a cron one waits for REFILL to learn the one after, as FIRE leaves it.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local INFLIGHT, CLAIMS = KEYS[11], KEYS[12]
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_ARG, HIST_LEN, N_OUTCOMES =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
 --!include inflight.lua
-local now = decision_now(ARGV[2])
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[3]), string.format('%.0f', now)
+local now = decision_now(NOW_ARG)
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
 local released, parked, refill, fired = 0, 0, 0, 0
 -- Recurring envelopes re-enter the index together at the end (index.lua insert_many).
 local reinserts = {}
 local pos = 5
-for _ = 1, tonumber(ARGV[4]) do
+for _ = 1, tonumber(N_OUTCOMES) do
   local id, outcome = ARGV[pos], ARGV[pos + 1]
   pos = pos + 2
-  if redis.call('ZREM', KEYS[11], id) == 1 then
-    local rec = redis.call('HGET', KEYS[12], id)
-    redis.call('HDEL', KEYS[12], id)
+  if redis.call('ZREM', INFLIGHT, id) == 1 then
+    local rec = redis.call('HGET', CLAIMS, id)
+    redis.call('HDEL', CLAIMS, id)
     local env, why = read_envelope(id)
     if why == 'gone' then forget_move(id) end
     if rec and env then
       local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
       local attempt = math.max(env.attempt, 1)
       if outcome ~= 'ok' and outcome ~= 'dup' then
-        redis.call('HSET', KEYS[7], id, outcome)
+        redis.call('HSET', PARKED, id, outcome)
         parked = parked + 1
         hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, outcome, env.schedule)
       else
         local ref = nil
-        if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', KEYS[3], key) end
+        if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', IDS, key) end
         local current = ref and parse_ref(ref) == id
         if next_due == '-' or (env.kind == 1 and not current) then
           -- The last occurrence, or a schedule replaced or cancelled in flight.
           delete_envelopes({id})
           if current then
-            redis.call('HDEL', KEYS[3], key)
-            redis.call('ZREM', KEYS[9], key)
+            redis.call('HDEL', IDS, key)
+            redis.call('ZREM', REFILL_SET, key)
           end
         else
           reinserts[#reinserts + 1] = {id, next_due}

@@ -17,39 +17,47 @@
 -- A scheduleId already pending is replaced: its old envelope leaves the index
 -- and the stream in the same step. The wake channel is told when a new
 -- envelope became the earliest, so sleeping replicas shorten their sleep.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+-- In-flight and claims: passed on Redis Cluster only (13 keys); nil otherwise.
+local INFLIGHT, CLAIMS
+if #KEYS >= 13 then INFLIGHT, CLAIMS = KEYS[11], KEYS[12] end
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, WAKE_CHANNEL, NOW_MS, CALL_TOKEN, HIST_LEN, TOKEN_WINDOW_MS, N_ENVELOPES =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 --!include index.lua
 --!include decode.lua
 --!include history.lua
 --!include common.lua
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[5]), ARGV[3]
-local token = ARGV[4]
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), NOW_MS
+local token = CALL_TOKEN
 if token ~= '' then
-  if redis.call('ZSCORE', KEYS[8], token) then return {'dup'} end
+  if redis.call('ZSCORE', CALLS, token) then return {'dup'} end
   -- Tokens age by the Redis clock, the one clock every replica shares: a
   -- replica whose clock runs ahead must not forget the others' tokens.
   local t = redis.call('TIME')
   local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   -- Forget tokens older than the window, a bounded number per call.
-  local old = redis.call('ZCOUNT', KEYS[8], '-inf', server_ms - tonumber(ARGV[6]))
-  if old > 0 then redis.call('ZREMRANGEBYRANK', KEYS[8], 0, math.min(old, 100) - 1) end
-  redis.call('ZADD', KEYS[8], server_ms, token)
+  local old = redis.call('ZCOUNT', CALLS, '-inf', server_ms - tonumber(TOKEN_WINDOW_MS))
+  if old > 0 then redis.call('ZREMRANGEBYRANK', CALLS, 0, math.min(old, 100) - 1) end
+  redis.call('ZADD', CALLS, server_ms, token)
 end
 local before = head()
 local ids, earliest = {}, nil
 local inflight = {}
-for i = 0, tonumber(ARGV[7]) - 1 do
+for i = 0, tonumber(N_ENVELOPES) - 1 do
   local base = 8 + i * 9
   local env, due, sid, kind = ARGV[base], ARGV[base + 1], ARGV[base + 2], tonumber(ARGV[base + 3])
   local topic, size, expr = ARGV[base + 4], ARGV[base + 5], ARGV[base + 6]
   local nxt, iso = ARGV[base + 7], ARGV[base + 8]
   if sid ~= '' then
-    local old = redis.call('HGET', KEYS[3], sid)
+    local old = redis.call('HGET', IDS, sid)
     if old then
-      local claimed = KEYS[12] and redis.call('HGET', KEYS[12], (parse_ref(old)))
+      local claimed = CLAIMS and redis.call('HGET', CLAIMS, (parse_ref(old)))
       if claimed then
         local e = read_envelope((parse_ref(old)))
         if e then
-          local key = KEYS[10]
+          local key = OUTBOX
           if e.target == '' then key = e.topic end
           for _, v in ipairs({(parse_ref(old)), string.match(claimed, '^(%S+)'), key}) do
             inflight[#inflight + 1] = v
@@ -60,18 +68,18 @@ for i = 0, tonumber(ARGV[7]) - 1 do
       hist('replaced', sid, sid, topic, kind, old_due or '', '', '', 1, old_id, expr)
     end
   end
-  local id = redis.call('XADD', KEYS[1], '*', 'data', env, 'metadata', '{}')
+  local id = redis.call('XADD', STREAM, '*', 'data', env, 'metadata', '{}')
   insert(id, due)
   local key = sid
   if key == '' and kind == 1 then key = id end
-  if key ~= '' then redis.call('HSET', KEYS[3], key, make_ref(id, due, nxt, iso, 'i')) end
+  if key ~= '' then redis.call('HSET', IDS, key, make_ref(id, due, nxt, iso, 'i')) end
   if key == '' then key = id end
   hist('scheduled', key, sid, topic, kind, due, '', size, 1, '', expr)
   ids[#ids + 1] = key
   if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
 end
 if earliest ~= nil and (before == nil or tonumber(before) > earliest) then
-  redis.call('PUBLISH', ARGV[2], tostring(earliest))
+  redis.call('PUBLISH', WAKE_CHANNEL, tostring(earliest))
 end
 for _, v in ipairs(inflight) do ids[#ids + 1] = v end
 return ids

@@ -7,9 +7,11 @@
 -- KEYS: 1 history stream
 -- ARGV: 1 the `cancelled` record's entry id, 2 now ms, 3 history maxlen
 -- Returns 1 when rewritten, 0 when the record is gone (trimmed).
+local HISTORY = KEYS[1]
+local RECORD_ID, NOW_MS, HIST_LEN = ARGV[1], ARGV[2], ARGV[3]
 --!include history.lua
-HIST_KEY, HIST_MAXLEN, HIST_NOW = KEYS[1], tonumber(ARGV[3]), ARGV[2]
-local e = redis.call('XRANGE', HIST_KEY, ARGV[1], ARGV[1])[1]
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), NOW_MS
+local e = redis.call('XRANGE', HIST_KEY, RECORD_ID, RECORD_ID)[1]
 if not e then return 0 end
 local f = e[2]
 local due, id, prev = nil, '', ''
@@ -31,10 +33,10 @@ for i = 1, #f, 2 do
     fields[#fields + 1] = v
   end
 end
-redis.call('XDEL', HIST_KEY, ARGV[1])
+redis.call('XDEL', HIST_KEY, RECORD_ID)
 -- The new record takes the old one's place in its id's chain when the old one
 -- was the newest; else it follows the newest, and the chain's link to the
 -- deleted record is found missing by the reader, which scans from there.
-if hist_indexed(id) and redis.call('HGET', HIST_KEY .. '-ids', id) ~= ARGV[1] then prev = nil end
+if hist_indexed(id) and redis.call('HGET', HIST_KEY .. '-ids', id) ~= RECORD_ID then prev = nil end
 hist_fields(id, fields, prev)
 return 1

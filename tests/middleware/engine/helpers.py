@@ -20,6 +20,17 @@ T0 = 1_800_000_000_000
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
 
 
+def engine_libraries(*names: str) -> str:
+    """Library files (index.lua, common.lua, ...) run on their own, as a test's script: preceded
+    by the locals an engine script names at its top (the engine's KEYS, ARGV[1] the bucket prefix)."""
+    prelude = (
+        "local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX ="
+        " KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]\n"
+        "local MOVED = KEYS[#KEYS]\nlocal BUCKET_PREFIX = ARGV[1]\n"
+    )
+    return prelude + "\n".join(scripts.load(n) for n in names)
+
+
 def env(n: int, due: int, topic: str = "orders", sid: str = "", **kw: object) -> Envelope:
     """A one-shot message `{"n": n}` due at `due`, with a scheduleId when `sid` is given."""
     return Envelope(

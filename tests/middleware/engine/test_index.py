@@ -13,7 +13,6 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
@@ -21,6 +20,7 @@ from tests.middleware.engine.helpers import (
     KEYS,
     T0,
     drain,
+    engine_libraries,
     env,
     every_env,
     index_buckets,
@@ -196,14 +196,14 @@ def _lua_insert_many(client: redis.Redis, items: list[tuple[str, int]]) -> None:
         "insert_many(items) return 1"
     )
     flat = [v for it in items for v in it]
-    client.eval(scripts.load("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
+    client.eval(engine_libraries("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
                 KEYS.buckets, *flat)  # fmt: skip
 
 
 def _lua_insert(client: redis.Redis, items: list[tuple[str, int]]) -> None:
     body = "for i = 1, #ARGV - 1, 2 do insert(ARGV[i + 1], ARGV[i + 2]) end return 1"
     flat = [v for it in items for v in it]
-    client.eval(scripts.load("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
+    client.eval(engine_libraries("index.lua") + "\n" + body, len(KEYS.script_keys), *KEYS.script_keys,
                 KEYS.buckets, *flat)  # fmt: skip
 
 

@@ -13,7 +13,6 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
@@ -22,6 +21,7 @@ from tests.middleware.engine.helpers import (
     KEYS,
     T0,
     drain,
+    engine_libraries,
     every,
     every_env,
     history,
@@ -149,7 +149,7 @@ async def test_schedule_source_delivers_the_latest_message_or_nothing(
 
 
 def _lua_iso(client: redis.Redis, values: list[int]) -> list[str]:
-    libs = "\n".join(scripts.load(f) for f in ("index.lua", "decode.lua", "history.lua", "common.lua"))
+    libs = engine_libraries("index.lua", "decode.lua", "history.lua", "common.lua")
     body = "local out = {} for i, v in ipairs(ARGV) do out[i] = iso_ms(tonumber(v)) end return out"
     return [v.decode() for v in client.eval(libs + "\n" + body, 0, *values)]
 
