@@ -9,7 +9,11 @@ ten topics each. Then the real console script runs, as a user would, once with
 `--master local[1]` (one read partition per stream) and once with `local[2]`
 (two): wall time end to end, Spark start-up included, and rows/s.
 
-    .venv/bin/python bench/spark_stats.py [--history 1000000] [--pending 1000000]
+    .venv/bin/python bench/spark_stats.py [--history 1000000] [--pending 1000000] [--standalone]
+
+`--standalone` also runs it with `--master spark://…` against a standalone master and one worker (2 cores)
+started from pyspark's own distribution on loopback (tests/spark_cluster.py), in the same run, and checks
+that its printed figures equal local[2]'s.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ for sub in ("proto", "middleware", "components", "."):
 from delayed_middleware.envelope import Envelope, encode_envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
+from tests.spark_cluster import StandaloneCluster  # noqa: E402
 
 APP = "bench"
 TOPICS = [f"topic-{i}" for i in range(10)]
@@ -122,6 +127,7 @@ def main() -> None:
     )
     parser.add_argument("--history", type=int, default=1_000_000)
     parser.add_argument("--pending", type=int, default=1_000_000)
+    parser.add_argument("--standalone", action="store_true", help="also on a standalone master and worker")
     args = parser.parse_args()
     rows = args.history + args.pending
     print(
@@ -149,13 +155,32 @@ def main() -> None:
                     f"partitions {parts}: {wall:.1f} s end to end, {rows / wall:,.0f} rows/s "
                     f"(load average {os.getloadavg()[0]:.1f})"
                 )
+            if args.standalone:
+                cluster = StandaloneCluster(folder / "spark", cores=2)
+                cluster.start()
+                try:
+                    wall, remote_text = run_stats(server.address, cluster.url, folder / "out-standalone")
+                finally:
+                    cluster.stop()
+                results.append((0, wall))
+                same = _figures(remote_text) == _figures(text)
+                print(
+                    f"standalone master + 1 worker (2 cores): {wall:.1f} s end to end, {rows / wall:,.0f} rows/s; "
+                    f"figures {'equal' if same else 'DIFFER from'} local[2]'s"
+                )
             print("\n--- stats output (2 partitions) ---\n" + text)
             print("| read partitions (`--master`) | wall time, start-up included | rows/s |")
             print("|---|---:|---:|")
             for parts, wall in results:
-                print(f"| {parts} (`local[{parts}]`) | {wall:.1f} s | {rows / wall:,.0f} |")
+                master = f"`local[{parts}]`" if parts else "`spark://…` standalone, 1 worker, 2 cores"
+                print(f"| {parts or 2} ({master}) | {wall:.1f} s | {rows / wall:,.0f} |")
         finally:
             server.stop()
+
+
+def _figures(text: str) -> list[str]:
+    """The printed summary without the lines that name times or places of the run."""
+    return [line for line in text.splitlines() if line.strip() and not any(w in line for w in ("UTC", "/tmp", "s end"))]
 
 
 if __name__ == "__main__":

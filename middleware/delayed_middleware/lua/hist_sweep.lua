@@ -11,15 +11,7 @@
 -- Returns {next cursor ('0' when the sweep is through), fields dropped}.
 local HISTORY, INDEX = KEYS[1], KEYS[2]
 local CURSOR, PAGE_SIZE = ARGV[1], ARGV[2]
-local function before(a, b)
-  local am, as = string.match(a, '^(%d+)%-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
-  if not am or not bm then return false end
-  if #am ~= #bm then return #am < #bm end
-  if am ~= bm then return am < bm end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
-end
+--!include streamid.lua
 if CURSOR == '0' and redis.call('HEXISTS', INDEX, '') == 0 then
   local last = redis.call('XREVRANGE', HISTORY, '+', '-', 'COUNT', 1)[1]
   if last then redis.call('HSET', INDEX, '', last[1]) end
@@ -30,7 +22,7 @@ local gone = {}
 local fields = page[2]
 for i = 1, #fields, 2 do
   local id, at = fields[i], fields[i + 1]
-  if id ~= '' and (not first or before(at, first[1])) then gone[#gone + 1] = id end
+  if id ~= '' and (not first or id_before(at, first[1])) then gone[#gone + 1] = id end
 end
 for i = 1, #gone, 500 do
   redis.call('HDEL', INDEX, unpack(gone, i, math.min(i + 499, #gone)))

@@ -14,15 +14,7 @@
 --   the index. first: the history's first entry id ('' = empty).
 local history, index = KEYS[1], KEYS[2]
 local ID, LINK, LOW, MAX_RECORDS = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local function before(a, b)
-  local am, as = string.match(a, '^(%d+)%-(%d+)$')
-  local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
-  if not am or not bm then return false end
-  if #am ~= #bm then return #am < #bm end
-  if am ~= bm then return am < bm end
-  if #as ~= #bs then return #as < #bs end
-  return as < bs
-end
+--!include streamid.lua
 local id, low, max = ID, LOW, tonumber(MAX_RECORDS)
 local marker = redis.call('HGET', index, '') or ''
 local head = redis.call('XRANGE', history, '-', '+', 'COUNT', 1)[1]
@@ -33,11 +25,11 @@ local out = {'none', '', marker, first}
 if link == '' then return out end
 local n = 0
 while true do
-  if low ~= '' and not before(low, link) then out[1] = 'low'; break end
+  if low ~= '' and not id_before(low, link) then out[1] = 'low'; break end
   if n >= max then out[1] = 'more'; break end
   local e = redis.call('XRANGE', history, link, link)[1]
   if not e then
-    out[1] = (first == '' or before(link, first)) and 'trimmed' or 'gap'
+    out[1] = (first == '' or id_before(link, first)) and 'trimmed' or 'gap'
     break
   end
   out[#out + 1] = e[1]

@@ -30,6 +30,19 @@ local function hist_began(index)
   if redis.call('XLEN', HIST_KEY) == 1 then redis.call('HSETNX', index, '', '0-0') end
 end
 
+-- The record `entry` of `id` just written: the index names it as the id's
+-- newest (and, the id's first, where indexing began if nothing was); an
+-- unindexed one may be the history's first. Returns `entry`.
+local function hist_linked(index, id, indexed, prev, entry)
+  if indexed then
+    redis.call('HSET', index, id, entry)
+    if prev == '' then redis.call('HSETNX', index, '', entry) end
+  else
+    hist_began(index)
+  end
+  return entry
+end
+
 -- XADD of one record given as a flat field/value list without `prev`
 -- (the history's other writers: the subscriber retrier and the forwarder
 -- through hist_append.lua, UNCANCEL), linked into the by-id index after
@@ -42,14 +55,7 @@ local function hist_fields(id, fields, prev)
   for i = 1, #fields do args[#args + 1] = fields[i] end
   args[#args + 1] = 'prev'
   args[#args + 1] = prev
-  local entry = redis.call('XADD', unpack(args))
-  if indexed then
-    redis.call('HSET', index, id, entry)
-    if prev == '' then redis.call('HSETNX', index, '', entry) end
-  else
-    hist_began(index)
-  end
-  return entry
+  return hist_linked(index, id, indexed, prev, redis.call('XADD', unpack(args)))
 end
 
 -- Returns the record's entry id (nil when the history is off). The fire
@@ -64,13 +70,7 @@ local function hist(event, id, sid, topic, kind, due, late, size, attempt, reaso
     'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
     'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
     'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
-  if indexed then
-    redis.call('HSET', index, id, entry)
-    if prev == '' then redis.call('HSETNX', index, '', entry) end
-  else
-    hist_began(index)
-  end
-  return entry
+  return hist_linked(index, id, indexed, prev, entry)
 end
 
 -- A recurring schedule fired its last occurrence (its scheduleEnd or scheduleLimit
