@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from pathlib import Path
+from importlib.resources import files
 from typing import Final
 
-LUA_DIR: Final = Path(__file__).with_name("lua")
+# Read as package resources, not as paths beside this file: on a Spark cluster the
+# package arrives as a zip (spark.submit.pyFiles, stats --master spark://...), where
+# there is no directory to open.
+LUA_DIR: Final = files("delayed_middleware") / "lua"
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
 
