@@ -5,7 +5,6 @@ resumes, and a prefix cancel reaches the messages of every shard."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 from delayed_middleware.keys import shard_index
 from tests.e2e.cluster_stack import SHARDS, admin_client, cluster_stack
 from tests.e2e.harness import Stack, carries, now_ms, unique
-from tests.e2e.user import curl_publish, header, instant_ms, ok_arrivals
+from tests.e2e.user import curl_publish, pause_then_resume
 from tests.redis_server import RedisCluster
 
 pytestmark = pytest.mark.e2e
@@ -45,33 +44,8 @@ def far_id(prefix: str) -> str:
 
 
 def test_a_schedule_on_a_far_shard_pauses_and_resumes_through_curl(stack: Stack) -> None:
-    marker, schedule_id = unique("c-pause"), far_id(unique("c-sched"))
-    code, text = curl_publish(
-        stack, TOPIC, {"schedule": "@every 1s", "scheduleId": schedule_id}, json.dumps({"id": marker})
-    )
-    assert code == 204, text
-    assert len(ok_arrivals(stack, marker, 1, timeout=5)) == 1
-    code, text = curl_publish(stack, TOPIC, {"schedulePause": "true", "scheduleId": schedule_id})
-    paused = now_ms()
-    assert code == 204, text
-    time.sleep(3)
-    # By each fire's own due time (one interval before its scheduleNext), not by when daprd
-    # delivered it: a fire that went out just before the pause may reach the app later.
-    late = [
-        a
-        for a in stack.arrivals()
-        if carries(marker)(a) and instant_ms(header(a, "scheduleNext")) - 1_000 > paused
-    ]
-    assert late == [], f"{len(late)} occurrence(s) due after the pause fired"
-    before = len([a for a in stack.arrivals() if carries(marker)(a)])
-    resumed = now_ms()
-    code, text = curl_publish(stack, TOPIC, {"schedulePause": "false", "scheduleId": schedule_id})
-    assert code == 204, text
-    fires = ok_arrivals(stack, marker, before + 1, timeout=5)
-    assert len(fires) == before + 1
-    assert instant_ms(header(fires[-1], "scheduleNext")) - 1_000 >= resumed - 5
-    code, text = curl_publish(stack, TOPIC, {"scheduleCancel": "true", "scheduleId": schedule_id})
-    assert code == 204, text
+    pause_then_resume(stack, TOPIC, far_id(unique("c-sched")), unique("c-pause"), hold_s=3)
+
 
 
 def test_a_prefix_cancel_through_curl_reaches_every_shard(stack: Stack) -> None:

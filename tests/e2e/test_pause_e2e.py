@@ -4,47 +4,19 @@ Dapr Python SDK's publish_metadata, the way a user drives them (no body needed).
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from tests.e2e.conftest import PUBSUB
 from tests.e2e.harness import LATENESS_TOLERANCE_MS, Stack, carries, dapr_client, now_ms, unique
-from tests.e2e.user import TOPIC, curl_publish, header, instant_ms, ok_arrivals
+from tests.e2e.user import TOPIC, curl_publish, pause_then_resume
 
 pytestmark = pytest.mark.e2e
 
 
 def test_pause_and_resume_a_schedule_through_curl(stack: Stack) -> None:
-    marker, schedule_id = unique("pause"), unique("paused-sched")
-    code, text = curl_publish(
-        stack, TOPIC, {"schedule": "@every 1s", "scheduleId": schedule_id}, json.dumps({"id": marker})
-    )
-    assert code == 204, text
-    assert len(ok_arrivals(stack, marker, 1, timeout=5)) == 1
-    code, text = curl_publish(stack, TOPIC, {"schedulePause": "true", "scheduleId": schedule_id})
-    paused = now_ms()
-    assert code == 204, text
-    time.sleep(3.5)
-    # By each fire's own due time (one interval before its scheduleNext), not by when daprd
-    # delivered it: a fire that went out just before the pause may reach the app later.
-    late = [
-        a
-        for a in stack.arrivals()
-        if carries(marker)(a) and instant_ms(header(a, "scheduleNext")) - 1_000 > paused
-    ]
-    assert late == [], f"{len(late)} occurrence(s) due after the pause fired"
-    before = len([a for a in stack.arrivals() if carries(marker)(a)])
-    resumed = now_ms()
-    code, text = curl_publish(stack, TOPIC, {"schedulePause": "false", "scheduleId": schedule_id})
-    assert code == 204, text
-    fires = ok_arrivals(stack, marker, before + 1, timeout=5)
-    assert len(fires) == before + 1
-    first = fires[-1]
-    # The first fire after the resume is a grid point after it, not a fire missed while paused.
-    assert instant_ms(header(first, "scheduleNext")) - 1_000 >= resumed - 5
-    code, text = curl_publish(stack, TOPIC, {"scheduleCancel": "true", "scheduleId": schedule_id})
-    assert code == 204, text
+    pause_then_resume(stack, TOPIC, unique("paused-sched"), unique("pause"), hold_s=3.5)
+
 
 
 def test_pause_and_resume_a_one_shot_through_the_sdk(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
