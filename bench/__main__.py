@@ -145,6 +145,26 @@ BENCHES: tuple[Bench, ...] = (
         "publish planning and settings start-up, this tree vs a git ref",
         why_opt_in="a before/after against a git ref (--base)",
     ),
+    Bench(
+        "history_index",
+        "what the history's by-id index costs the fire path: 50,000 scheduleIds due at one instant",
+        why_opt_in="a before/after: run it again on the older tree (PYTHONPATH) in the same sitting",
+    ),
+    Bench(
+        "pause",
+        "pending --prefix/--after paging and scheduleIdPrefix cancels over 1M pending",
+        why_opt_in="long: fills 1M pending messages",
+    ),
+    Bench(
+        "dashboard",
+        "the dashboard's CPU and Redis commands per page refresh and per live tick over 1M pending",
+        why_opt_in="long: fills 1M pending messages",
+    ),
+    Bench(
+        "daprd_publish",
+        "unary publishes through daprd: ours (plain, delayed) against the built-in pubsub.redis",
+        why_opt_in="needs daprd and ghz",
+    ),
 )
 
 # Python files of bench/ that are not benchmarks.
