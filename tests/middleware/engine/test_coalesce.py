@@ -17,10 +17,11 @@ import redis.cluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from delayed_middleware.aio import text
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
-from delayed_middleware.envelope import Envelope, decode_envelope
 from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import Envelope, decode_envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
 from tests.chaos.proxy import LosingProxy
 from tests.conftest import script_calls
@@ -77,7 +78,7 @@ async def test_a_call_the_script_refuses_fails_alone_and_the_others_of_its_batch
     # refused one's token is not (it is not taken for done).
     good = sorted(f'{{"n":{m}}}'.encode() for i in range(1, 11) if i != 5 for m in (i, 100 + i))
     assert sorted(stored_messages(redis_client)) == sorted([b'{"n":0}', b'{"n":5}', *good])
-    tokens = {t.decode() for t in redis_client.zrange(KEYS.calls, 0, -1)}
+    tokens = {text(t) for t in redis_client.zrange(KEYS.calls, 0, -1)}
     assert {f"call-{i}" for i in range(10) if i != 4} <= tokens
     assert "call-4" not in tokens
 
@@ -131,7 +132,7 @@ async def test_a_caller_timing_out_while_its_batch_is_on_the_wire_leaves_its_cal
     engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
     await engine.schedule([env(0, T0 + 10)])
     admin = aredis()
-    await admin.execute_command("CLIENT", "PAUSE", "400", "WRITE")  # Redis holds the batch ~0.4 s
+    await admin.client_pause(400, all=False)  # Redis holds the batch ~0.4 s
     patient = [asyncio.create_task(engine.schedule([env(n, T0 + 10)], timeout_s=10)) for n in range(1, 6)]
     hasty = asyncio.create_task(engine.schedule([env(7, T0 + 10), env(8, T0 + 10)], timeout_s=0.1))
     with pytest.raises(TimeoutError):
