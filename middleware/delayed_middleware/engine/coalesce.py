@@ -3,8 +3,11 @@
 Each delayed publish used to make its own SCHEDULE round trip (its own script
 call, its own redis-py command overhead). Calls that reach one engine in the
 same event-loop pass now wait for the end of that pass and go out together,
-as the calls of one SCHEDULE script (lua/schedule.lua), while a call is on the
-wire the next ones gather behind it and go out as soon as it returns.
+as the calls of one SCHEDULE script (lua/schedule.lua); while a call is on the
+wire the next ones gather behind it and go out as soon as it returns. Under
+load (a call within schedule_linger_ms of the previous one) a batch waits that
+long for more before it goes: grpc.aio hands each RPC over in a loop pass of
+its own, so without the wait nearly every unary publish went alone.
 
 Invariants, the same as one call at a time:
 - every call keeps its own token: a retry after a lost reply finds it whatever
@@ -45,8 +48,10 @@ class _Waiting:
 class ScheduleCoalescer:
     """Gathers SCHEDULE calls of one engine (one shard) into as few script calls as the chunk limits allow."""
 
-    def __init__(self, send: Send, *, max_items: int, max_bytes: int) -> None:
+    def __init__(self, send: Send, *, max_items: int, max_bytes: int, linger_s: float = 0.0) -> None:
         self._send = send
+        self._linger_s = linger_s
+        self._last_submit = -1e9
         self._max_items = max(1, max_items)
         self._max_bytes = max_bytes
         self._queue: list[_Waiting] = []
@@ -65,10 +70,17 @@ class ScheduleCoalescer:
         future: asyncio.Future[ScheduleResult] = loop.create_future()
         size = sum(len(i.raw) for i in call.items)
         self._queue.append(_Waiting(call, size, timeout_s, future))
+        now = loop.time()
         if not self._busy:
             self._busy = True
-            # After this pass: every publish handled in it joins the same script call.
-            loop.call_soon(self._start)
+            if now - self._last_submit < 5 * self._linger_s:
+                # Under load (calls coming within a few lingers): wait for the
+                # next ones, which gRPC hands over one loop pass each.
+                loop.call_later(self._linger_s, self._start)
+            else:
+                # After this pass: every publish handled in it joins the same script call.
+                loop.call_soon(self._start)
+        self._last_submit = now
         return await future
 
     def _start(self) -> None:

@@ -74,7 +74,10 @@ class EngineCore:
         self._config = config
         self._scripts = EngineScripts(client, keys, two_phase=config.two_phase)
         self._coalescer = ScheduleCoalescer(
-            self._send_schedule_calls, max_items=config.schedule_chunk, max_bytes=config.schedule_chunk_bytes
+            self._send_schedule_calls,
+            max_items=config.schedule_chunk,
+            max_bytes=config.schedule_chunk_bytes,
+            linger_s=config.schedule_linger_ms / 1000,
         )
         self._budget = Budget(
             config.batch_size, config.batch_entries, config.batch_bytes, config.fire_budget_us

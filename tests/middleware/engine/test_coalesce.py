@@ -132,12 +132,14 @@ async def test_a_caller_timing_out_while_its_batch_is_on_the_wire_leaves_its_cal
     engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
     await engine.schedule([env(0, T0 + 10)])
     admin = aredis()
+    before = script_calls(redis_client)
     await admin.client_pause(400, all=False)  # Redis holds the batch ~0.4 s
     patient = [asyncio.create_task(engine.schedule([env(n, T0 + 10)], timeout_s=10)) for n in range(1, 6)]
     hasty = asyncio.create_task(engine.schedule([env(7, T0 + 10), env(8, T0 + 10)], timeout_s=0.1))
     with pytest.raises(TimeoutError):
         await hasty
     got = await asyncio.gather(*patient)
+    assert script_calls(redis_client) - before == 1
     assert all(len(g) == 1 for g in got)
     messages = stored_messages(redis_client)
     for n in range(6):
