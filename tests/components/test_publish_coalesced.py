@@ -72,6 +72,7 @@ async def test_a_publish_whose_client_deadline_passes_mid_batch_does_not_break_t
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"warm-up", DELAY)
+    before = script_calls(redis_client)
     redis_client.client_pause(600, all=False)  # the batch waits in Redis ~0.6 s
     patient = [c.publish("orders", b"patient-%d" % n, DELAY) for n in range(20)]
     hasty = c.stub.Publish(
@@ -83,6 +84,8 @@ async def test_a_publish_whose_client_deadline_passes_mid_batch_does_not_break_t
     assert isinstance(got[0], grpc.aio.AioRpcError)
     assert got[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert got[1:] == [None] * 20
+    made = script_calls(redis_client) - before
+    assert made <= 10, f"{made} SCHEDULE calls for 21 publishes"
     messages = delayed_messages(redis_client)
     for n in range(20):
         assert messages.count(b"patient-%d" % n) == 1
