@@ -59,7 +59,6 @@ class ScheduleCoalescer:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The flush task is kept referenced until it ends (the loop holds tasks weakly).
         self._flusher: asyncio.Task[None] | None = None
-        self.script_calls = 0
 
     async def schedule(self, call: ScheduleCall, *, timeout_s: float | None = None) -> ScheduleResult:
         """SCHEDULE `call` together with the calls that arrive in the same loop pass."""
@@ -125,7 +124,6 @@ class ScheduleCoalescer:
         # batch (and every later one) for ever.
         limits = [w.timeout_s for w in part]
         timeout = None if any(t is None for t in limits) else max(t for t in limits if t is not None)
-        self.script_calls += 1
         try:
             async with asyncio.timeout(timeout):
                 results: Sequence[ScheduleResult | BaseException] = await self._send([w.call for w in part])
