@@ -112,3 +112,13 @@ def freed_by_deleting(client: redis.Redis, keys: EngineKeys) -> int:
     names = [keys.stream, *client.scan_iter(match="{" + keys.stream + "}*", count=1_000)]
     client.delete(*names)
     return before - int(client.info("memory")["used_memory"])
+
+
+def script_calls(*clients: redis.Redis) -> int:
+    """EVAL and EVALSHA calls these Redis servers have answered so far (INFO commandstats):
+    a test diffs two readings to count the script calls a step made."""
+    total = 0
+    for client in clients:
+        stats: dict[str, Any] = client.info("commandstats")
+        total += sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return total

@@ -435,3 +435,58 @@ def test_bulk_of_plain_cancels_plans_as_the_general_path_does(
         assert isinstance(fast, PublishPlan)
         assert fast.cancels == (Cancel(("0",), "s0"), Cancel(("1",), "s1"))
         assert [f.entry_id for f in fast.failed] == ["2"]
+
+
+_FAST_CASES = [
+    {"scheduledSendDelay": "1h"},
+    {"scheduledSendDelay": "90"},
+    {"scheduledSendDelay": "0"},
+    {"scheduledSendDelay": "1h30m", "traceid": "t", "cloudevent.id": "x"},
+    {"scheduledSendTime": "2045-11-05T08:15:30-05:00"},
+    {"scheduledSendTime": "2001-01-01T00:00:00Z"},  # past: at once
+    {"scheduledSendDelay": "-1s"},
+    {"scheduledSendDelay": ""},
+    {"scheduledSendDelay": "soon"},
+    {"scheduledSendTime": "tomorrow"},
+    {"scheduledSendDelay": "9999999h"},
+    {"scheduledSendDelay": "1h", "scheduledSendTime": "2045-11-05T08:15:30Z"},
+    {"scheduledSendDelay": "1h", "scheduleId": "order-66"},
+    {"scheduledSendDelay": "1h", "ttl": "10m"},
+    {"scheduledSendDelay": "1h", "targetPubsub": "other"},
+    {"scheduledSendDelay": "1h", "schedulePause": "true"},
+    {"deliverAfter": "1h"},
+    {"traceid": "t"},
+    {},
+]
+_FAST_CONTEXTS = [
+    CTX,
+    PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=False),
+    PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=True, max_delay_ms=3_600_000),
+    PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=True, default_target_pubsub="other"),
+]
+
+
+def _outcome(fn: object, *args: object) -> object:
+    try:
+        return fn(*args)  # type: ignore[operator]
+    except InvalidArgumentError as e:
+        return ("refused", str(e))
+
+
+@pytest.mark.parametrize("ctx", _FAST_CONTEXTS)
+@pytest.mark.parametrize("metadata", _FAST_CASES)
+@pytest.mark.parametrize("data", [b'{"n":1}', b"x" * (4 << 20)])
+def test_the_fast_delay_path_plans_exactly_what_the_general_path_plans(
+    metadata: dict[str, str], ctx: PlanContext, data: bytes
+) -> None:
+    fast = _outcome(plan.plan_publish, "orders", data, metadata, "", ctx)
+    general = _outcome(plan._plan_publish, "orders", data, dict(metadata), "", ctx)
+    assert fast == general
+
+
+def test_a_plain_one_shot_delay_takes_the_fast_path() -> None:
+    for metadata in (
+        {"scheduledSendDelay": "1h", "traceid": "t"},
+        {"scheduledSendTime": "2045-11-05T08:15:30Z"},
+    ):
+        assert plan._plain_delay("orders", b"x", metadata, "", CTX) is not None

@@ -26,6 +26,8 @@ Modules, each stating its invariants and crash points:
 - `config.py`: EngineConfig, FireReport, batch constants.
 - `core.py`: one shard's state and the clock/skew helpers.
 - `schedule.py`: SCHEDULE in chunks, call tokens, replaces.
+- `coalesce.py`: concurrent SCHEDULE calls of one shard in one script call,
+  each with its own token and answer.
 - `cancel.py`: CANCEL, in-flight fire markers, UNCANCEL.
 - `fire.py`: the single-node FIRE and `fire_due`.
 - `two_phase.py`: CLAIM / APPEND / RELEASE (Redis Cluster), scheduleSource sampling.

@@ -43,6 +43,12 @@ class EngineConfig:
     # bounded steps (64 MiB in one call held Redis ~200 ms; SLOWLOG).
     schedule_chunk: int = 500
     schedule_chunk_bytes: int = 1 << 20
+    # Coalescing (coalesce.py): under load (a schedule call within 5 lingers of
+    # the previous one) a call waits this long for others to join its script
+    # call; a lone call goes out at the end of its loop pass, with no wait.
+    # grpc.aio hands concurrent publishes over one loop pass each, in bursts
+    # ~1 ms apart on a loaded box: without a wait nearly each went alone. 0 = none.
+    schedule_linger_ms: float = 2.0
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0

@@ -21,10 +21,13 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from redis.exceptions import ResponseError
+
 from delayed_middleware import scripts as lua
 from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
 from delayed_middleware.clock import Clock
+from delayed_middleware.engine.coalesce import ScheduleCoalescer
 from delayed_middleware.engine.config import (
     DEFAULT_CONFIG,
     MARKER_REASON,
@@ -32,7 +35,7 @@ from delayed_middleware.engine.config import (
     FireReport,
     Recurrence,
 )
-from delayed_middleware.engine.scripts import Budget, EngineScripts
+from delayed_middleware.engine.scripts import Budget, EngineScripts, ScheduleCall, ScheduleResult
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.history import IndexSweep
@@ -70,6 +73,12 @@ class EngineCore:
         self._trim = trim or Trim()
         self._config = config
         self._scripts = EngineScripts(client, keys, two_phase=config.two_phase)
+        self._coalescer = ScheduleCoalescer(
+            self._send_schedule_calls,
+            max_items=config.schedule_chunk,
+            max_bytes=config.schedule_chunk_bytes,
+            linger_s=config.schedule_linger_ms / 1000,
+        )
         self._budget = Budget(
             config.batch_size, config.batch_entries, config.batch_bytes, config.fire_budget_us
         )
@@ -111,6 +120,17 @@ class EngineCore:
 
     def _history_len(self) -> int:
         return self._config.history_max_len
+
+    async def _send_schedule_calls(
+        self, calls: Sequence[ScheduleCall]
+    ) -> list[ScheduleResult | ResponseError]:
+        """One SCHEDULE script call for the coalesced calls (engine/coalesce.py)."""
+        return await self._scripts.schedule_calls(
+            calls,
+            now=self._clock.now_ms(),
+            history_len=self._history_len(),
+            token_window_ms=self._config.token_window_ms,
+        )
 
     async def has_key(self, key: str) -> bool:
         """True if `key` is a pending scheduleId (or recurring envelope id) here."""

@@ -9,6 +9,10 @@ token_window_ms on the Redis clock: a client's retry after a lost reply finds
 it and stores nothing twice. A scheduleId already pending is replaced in the
 same step (its old envelope leaves the index and the stream).
 
+Concurrent calls are coalesced (coalesce.py): the chunks of publishes that
+arrive in one event-loop pass go to Redis in one SCHEDULE script call, each
+with its own token and its own answer.
+
 Crash points: before a chunk's script, nothing of it is stored; after it, all
 of it is. A failure after some chunks raises PartiallyStoredError(n): the
 first n envelopes are stored, the caller knows exactly what to retry.
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from delayed_middleware.engine.cancel import Cancelling
-from delayed_middleware.engine.scripts import ScheduleItem
+from delayed_middleware.engine.scripts import ScheduleCall, ScheduleItem
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.errors import PartiallyStoredError
 
@@ -55,7 +59,9 @@ class Scheduling(Cancelling):
             chunk_token = token if token is None or not start else f"{token}/{start}"
             try:
                 async with asyncio.timeout(timeout_s):
-                    ids += await self._schedule_chunk(envelopes[start:end], encoded[start:end], chunk_token)
+                    ids += await self._schedule_chunk(
+                        envelopes[start:end], encoded[start:end], chunk_token, timeout_s
+                    )
             except (RedisError, TimeoutError) as exc:
                 if not start:
                     raise
@@ -85,11 +91,14 @@ class Scheduling(Cancelling):
         return runs
 
     async def _schedule_chunk(
-        self, envelopes: Sequence[Envelope], encoded: Sequence[bytes], token: str | None
+        self,
+        envelopes: Sequence[Envelope],
+        encoded: Sequence[bytes],
+        token: str | None,
+        timeout_s: float | None = None,
     ) -> list[str]:
         if not envelopes:
             return []
-        now = self._clock.now_ms()
         items = []
         for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
@@ -101,12 +110,10 @@ class Scheduling(Cancelling):
                     raw, env.due_ms, env.schedule_id, env.kind, env.topic, env.size, env.schedule, nxt, iso
                 )
             )
-        got = await self._scripts.schedule(
-            items,
-            now=now,
-            token=token or secrets.token_hex(8),
-            history_len=self._history_len(),
-            token_window_ms=self._config.token_window_ms,
+        # Concurrent calls share one script call; this call keeps its own token
+        # (a retry after a lost reply finds it whatever batch it joins).
+        got = await self._coalescer.schedule(
+            ScheduleCall(items, token or secrets.token_hex(8)), timeout_s=timeout_s
         )
         # A dup: stored by an earlier attempt of this very call.
         for old in got.replaced_in_flight:

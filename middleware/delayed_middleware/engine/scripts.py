@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from delayed_middleware import scripts as lua
 from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
@@ -71,6 +73,14 @@ class ScheduleItem:
     schedule: str
     next_due: str  # '-' none, 'purge', or ms
     next_iso: str  # '-' or RFC3339
+
+
+@dataclass(frozen=True)
+class ScheduleCall:
+    """One caller's share of a coalesced SCHEDULE: its items and its own call token."""
+
+    items: Sequence[ScheduleItem]
+    token: str
 
 
 @dataclass(frozen=True)
@@ -232,27 +242,55 @@ class EngineScripts:
     async def schedule(
         self, items: Sequence[ScheduleItem], *, now: int, token: str, history_len: int, token_window_ms: int
     ) -> ScheduleResult:
-        """SCHEDULE: store and index `items`; a token applied before answers dup."""
+        """SCHEDULE one call: store and index `items`; a token applied before answers dup.
+
+        Raises ResponseError when the script refused the call (nothing of it is marked done).
+        """
+        got = await self.schedule_calls(
+            [ScheduleCall(items, token)], now=now, history_len=history_len, token_window_ms=token_window_ms
+        )
+        if isinstance(got[0], Exception):
+            raise got[0]
+        return got[0]
+
+    async def schedule_calls(
+        self, calls: Sequence[ScheduleCall], *, now: int, history_len: int, token_window_ms: int
+    ) -> list[ScheduleResult | ResponseError]:
+        """SCHEDULE several calls in one script call: each its own result, or the ResponseError
+        that refused it alone (the others are stored). Applied in order."""
         k = self._keys
-        args: list[Any] = [k.buckets, k.wake, now, token, history_len, token_window_ms, len(items)]
-        for i in items:
-            args += [
-                i.raw,
-                i.due_ms,
-                i.schedule_id,
-                i.kind,
-                i.topic,
-                i.size,
-                i.schedule,
-                i.next_due,
-                i.next_iso,
-            ]
-        out = [text(v) for v in await self._schedule(keys=self._keys_for_writes, args=args)]
-        if out == ["dup"]:
-            return ScheduleResult([], dup=True)
-        rest = out[len(items) :]
-        replaced = [InFlight(rest[i], rest[i + 1], rest[i + 2]) for i in range(0, len(rest) - 2, 3)]
-        return ScheduleResult(out[: len(items)], replaced_in_flight=replaced)
+        args: list[Any] = [k.buckets, k.wake, now, history_len, token_window_ms, len(calls)]
+        for c in calls:
+            args += [c.token, len(c.items)]
+            for i in c.items:
+                args += [
+                    i.raw,
+                    i.due_ms,
+                    i.schedule_id,
+                    i.kind,
+                    i.topic,
+                    i.size,
+                    i.schedule,
+                    i.next_due,
+                    i.next_iso,
+                ]
+        raw = await self._schedule(keys=self._keys_for_writes, args=args)
+        out: list[ScheduleResult | ResponseError] = []
+        at = 0
+        for c in calls:
+            status, m = text(raw[at]), int(raw[at + 1])
+            values = [text(v) for v in raw[at + 2 : at + 2 + m]]
+            at += 2 + m
+            if status == "dup":
+                out.append(ScheduleResult([], dup=True))
+            elif status == "err":
+                out.append(ResponseError(values[0] if values else "SCHEDULE refused the call"))
+            else:
+                n = len(c.items)
+                rest = values[n:]
+                replaced = [InFlight(rest[i], rest[i + 1], rest[i + 2]) for i in range(0, len(rest) - 2, 3)]
+                out.append(ScheduleResult(values[:n], replaced_in_flight=replaced))
+        return out
 
     async def cancel(self, ids: Sequence[str], *, now: int, history_len: int, reason: str) -> CancelResult:
         """CANCEL: withdraw `ids` (a few hundred at most per call)."""

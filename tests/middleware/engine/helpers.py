@@ -133,7 +133,7 @@ def raw_schedule(client: redis.Redis, e: Envelope, now: int, nxt: int | str) -> 
     """The SCHEDULE script alone, with the next due time a replica computed (or '-')."""
     client.eval(
         scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
-        *(KEYS.buckets, "nowake", now, f"tok-{e.schedule_id}", 100, 120_000, 1),
+        *(KEYS.buckets, "nowake", now, 100, 120_000, 1, f"tok-{e.schedule_id}", 1),
         *(encode_envelope(e), e.due_ms, e.schedule_id, e.kind, e.topic, e.size, e.schedule, nxt, "-"),
     )  # fmt: skip
 

@@ -67,7 +67,7 @@ def store_raw(client: redis.Redis, raw: bytes, due: int, sid: str, now: int) -> 
     """SCHEDULE with envelope bytes as written by hand (someone with access to Redis)."""
     client.eval(
         scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
-        *(KEYS.buckets, "nowake", now, "", 100, 120_000, 1),
+        *(KEYS.buckets, "nowake", now, 100, 120_000, 1, "", 1),
         *(raw, due, sid, 1, "orders", 1, "@every 1s", "-", "-"),
     )  # fmt: skip
 
@@ -114,7 +114,7 @@ async def test_a_topic_that_is_not_utf8_neither_blocks_the_two_phase_fire_nor_br
     poison = _raw_topic(encode_envelope(env(0, T0 + 100)), b"\xff\xfeorders")
     redis_client.eval(
         scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
-        *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+        *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
         *(poison, T0 + 100, "", 0, "orders", 1, "", "-", "-"),
     )  # fmt: skip
     await engine.schedule([env(n, T0 + 100, sid=f"g{n}") for n in range(1, 6)])
@@ -180,10 +180,10 @@ async def test_hostile_envelopes_never_make_cancel_or_fire_raise(
         sid = f"h{i}" if i % 2 else ""
         out = redis_client.eval(
             scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
-            *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+            *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
             *(raw, T0 + 1_000, sid, i % 3 % 2, "orders", 1, "@every 1s", T0 + 2_000, "-"),
         )  # fmt: skip
-        ids.append(out[0].decode())
+        ids.append(out[2].decode())  # (status, count, id)
     await engine.schedule([env(n, T0 + 1_000, sid=f"good{n}") for n in range(50)])
     # Stream ids (cancel_stream_id, the full decoder) and scheduleIds (the lean peek).
     victims = ids[::2] + ids[1::4]
@@ -217,7 +217,7 @@ async def test_a_cron_envelope_whose_expression_is_not_utf8_does_not_stop_the_ba
     bad = encode_envelope(named_recurring("bad", T0 + 1_000, T0, 1_000, 9)) + b"\x62\x02\xff\xfe"
     redis_client.eval(
         scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
-        *(KEYS.buckets, "nowake", T0, "", 100, 120_000, 1),
+        *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
         *(bad, T0 + 1_000, "bad", 1, "orders", 1, "@test 1000", T0 + 2_000, "-"),
     )  # fmt: skip
     clock.set(T0 + 1_000)

@@ -238,7 +238,7 @@ async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
         scripts.SCHEDULE,
         len(KEYS.script_keys),
         *KEYS.script_keys,
-        *(KEYS.buckets, KEYS.wake, T0, "", 0, 1000, 1),
+        *(KEYS.buckets, KEYS.wake, T0, 0, 1000, 1, "", 1),
         *(b"\x0a\xff\xff\xff", T0, "", 0, "orders", 4, "", "-", "-"),
     )
     [(bad_id, _)] = target(redis_client, KEYS.stream)
