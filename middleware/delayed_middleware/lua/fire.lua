@@ -46,6 +46,9 @@ local BUCKET_PREFIX, NOW_ARG, MAX_ENVELOPES, MAX_WORK, MAX_BYTES, TRIM_MODE, TRI
 --!include common.lua
 --!include batch.lua
 local now = decision_now(NOW_ARG)
+-- FIRE adds no moves (it only forgets them): with none at the start, every
+-- envelope is read at its own id, with no HGET each.
+MOVED_NONE = redis.call('EXISTS', MOVED) == 0
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
 local max_env, max_entries, max_bytes = tonumber(MAX_ENVELOPES), tonumber(MAX_WORK), tonumber(MAX_BYTES)
 local trim_mode, trim_at = TRIM_MODE, TRIM_AT
@@ -53,7 +56,9 @@ local trim_mode, trim_at = TRIM_MODE, TRIM_AT
 -- unless the clock is authoritative): topic ids come from Redis's clock.
 if trim_mode == 'MINAGE' then trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at)) end
 local fired, appended, first = 0, 0, nil
-local types = {}
+-- Per topic, bad_target's verdict (false: fine). It cannot change within the
+-- call: FIRE's own XADDs only turn a missing key into a stream.
+local verdicts = {}
 -- Recurring envelopes re-enter the index only after the batch's removals
 -- (batch_finish), else their ids would be removed again with their old bucket's.
 local reinserts = {}
@@ -65,15 +70,16 @@ batch_start(tonumber(BUDGET_US or '0'))
 
 -- Why `topic` cannot take our XADD, or nil (CLAIM leaves the type check to APPEND).
 local function bad_target(topic)
-  local why = reserved(topic)
-  if why then return why end
-  local t = types[topic]
-  if t == nil then
-    t = redis.call('TYPE', topic).ok
-    types[topic] = t
+  local v = verdicts[topic]
+  if v == nil then
+    v = reserved(topic)
+    if not v then
+      local t = redis.call('TYPE', topic).ok
+      if t ~= 'stream' and t ~= 'none' then v = 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
+    end
+    verdicts[topic] = v or false
   end
-  if t ~= 'stream' and t ~= 'none' then return 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
-  return nil
+  return v or nil
 end
 
 -- The message a schedule with scheduleSource produces: the source topic's latest entry.
