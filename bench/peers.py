@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench peers --quick     # <= 10 minutes here
     .venv/bin/python -m bench peers --full      # the sizes of the issue (1M pending)
+    .venv/bin/python -m bench peers --quick --only burst --no-write   # one workload, both systems
 
 Ours: a private redis-server (AOF, appendfsync everysec) and `delayed-pubsub serve`
 (its own process), driven over its unix socket as daprd drives it (delays as
@@ -720,10 +721,11 @@ WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
 ]
 
 
-async def run_all(sizes: Sizes, workdir: Path, nats_exe: str) -> Run:
+async def run_all(sizes: Sizes, workdir: Path, nats_exe: str, only: Sequence[str] = ()) -> Run:
     from tqdm import tqdm
 
     run = Run(sizes)
+    workloads = [(name, w) for name, w in WORKLOADS if not only or name in only]
     generation = 0
 
     def fresh() -> list[System]:
@@ -738,9 +740,9 @@ async def run_all(sizes: Sizes, workdir: Path, nats_exe: str) -> Run:
         return made
 
     systems: list[System] = []
-    with tqdm(total=len(WORKLOADS) * 2, unit="step", ncols=90) as bar:
+    with tqdm(total=len(workloads) * 2, unit="step", ncols=90) as bar:
         try:
-            for name, workload in WORKLOADS:
+            for name, workload in workloads:
                 # Memory is measured on servers that hold nothing else (and
                 # restarted with only those messages pending).
                 if not systems or name in FRESH:
@@ -799,19 +801,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--full", action="store_true", help="the issue's sizes (1M pending)")
     mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=[name for name, _ in WORKLOADS],
+        default=[],
+        help="run only this workload (repeatable); burst alone waits for storing at a default rate",
+    )
     a = ap.parse_args(argv)
     sizes = FULL if a.full else SMOKE if a.smoke else QUICK
     exe = nats_server_path()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
-        run = asyncio.run(run_all(sizes, Path(d), exe))
+        run = asyncio.run(run_all(sizes, Path(d), exe, a.only))
     took = time.time() - started
-    chart(run, CHART if not a.smoke else Path(tempfile.gettempdir()) / CHART.name)
+    if run.lateness:  # no steady workload run (--only): keep the last chart
+        chart(run, CHART if not a.smoke else Path(tempfile.gettempdir()) / CHART.name)
     head = (
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, `{platform.node()}`, {os.cpu_count()} cores shared with other "
         f"agents' work, load {os.getloadavg()[0]:.1f}; {version}; "
-        f"`python -m bench peers {'--full' if a.full else '--quick'}` took {took / 60:.1f} min"
+        f"`python -m bench peers {'--full' if a.full else '--quick'}{''.join(f' --only {w}' for w in a.only)}` took {took / 60:.1f} min"
     )
     lines = table(run) + [f"\n- note: {note}" for note in run.notes]
     print(head)

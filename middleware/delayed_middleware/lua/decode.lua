@@ -51,18 +51,23 @@ local function map_entry(s, from, to)
   return k, v
 end
 
--- One message in s[from..to]: a table of its scalar fields by number (bytes
--- fields as strings, varints as numbers), the map at field 4 and how many
--- map entries it read (what firing the message costs grows with it).
+-- One message in s[from..to]: its bytes fields by number (strings), its varint
+-- fields by number, the map at field 4 and how many map entries it read (what
+-- firing the message costs grows with it). Two tables, not one checked per
+-- field: the fire path decodes every envelope it fires, so this is its hot
+-- loop; a field seen again with the other wire type clears the first (the
+-- last one wins, as protobuf's parser does). Single-byte keys and lengths,
+-- nearly all of them, skip the varint call.
 local function message(s, from, to)
-  local f, md, pos, pairs_read = {}, {}, from, 0
+  local fs, fn, md, pos, pairs_read = {}, {}, {}, from, 0
   while pos <= to do
-    local key
-    key, pos = varint(s, pos)
-    local n, wt = (key - key % 8) / 8, key % 8
+    local key = byte(s, pos)
+    if key < 128 then pos = pos + 1 else key, pos = varint(s, pos) end
+    local wt = key % 8
+    local n = (key - wt) / 8
     if wt == 2 then
-      local len
-      len, pos = varint(s, pos)
+      local len = byte(s, pos)
+      if len < 128 then pos = pos + 1 else len, pos = varint(s, pos) end
       local e = pos + len - 1
       if e > to then error('truncated field') end
       if n == 4 then
@@ -70,37 +75,35 @@ local function message(s, from, to)
         md[k] = v
         pairs_read = pairs_read + 1
       else
-        f[n] = sub(s, pos, e)
+        fs[n], fn[n] = sub(s, pos, e), nil
       end
       pos = e + 1
     elseif wt == 0 then
-      f[n], pos = varint(s, pos)
+      fn[n], pos = varint(s, pos)
+      fs[n] = nil
     else
       pos = skip(wt, s, pos)
     end
   end
-  return f, md, pairs_read
+  return fs, fn, md, pairs_read
 end
-
-local function num(v) if type(v) == 'number' then return v end return 0 end
-local function str(v) if type(v) == 'string' then return v end return '' end
 
 -- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
 -- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
 -- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl,
 -- target, attempt, published (acceptance ms), every (@every interval ms, 0 otherwise).
 local function decode(s)
-  local f, md, np = message(s, 1, #s)
+  local fs, fn, md, np = message(s, 1, #s)
   local env = {
-    topic = str(f[1]), id = str(f[6]), due = num(f[7]), sid = str(f[10]), kind = num(f[11]),
-    schedule = str(f[12]), expires = num(f[13]), source = str(f[14]), sttl = num(f[15]),
-    target = str(f[16]), attempt = num(f[17]), bulk = num(f[5]) ~= 0, entries = {}, size = 0,
-    raw = #s, pairs = np, pubsub = str(f[9]), published = num(f[8]), every = num(f[18]),
+    topic = fs[1] or '', id = fs[6] or '', due = fn[7] or 0, sid = fs[10] or '', kind = fn[11] or 0,
+    schedule = fs[12] or '', expires = fn[13] or 0, source = fs[14] or '', sttl = fn[15] or 0,
+    target = fs[16] or '', attempt = fn[17] or 0, bulk = (fn[5] or 0) ~= 0, entries = {}, size = 0,
+    raw = #s, pairs = np, pubsub = fs[9] or '', published = fn[8] or 0, every = fn[18] or 0,
   }
   if env.topic == '' then error('no topic') end
-  local body = str(f[2])
+  local body = fs[2] or ''
   if not env.bulk then
-    env.entries[1] = {body, md, str(f[3])}
+    env.entries[1] = {body, md, fs[3] or ''}
     env.size = #body
     return env
   end
@@ -115,10 +118,10 @@ local function decode(s)
       local e = pos + len - 1
       if e > n then error('truncated bulk entry') end
       if fno == 1 then
-        local ef, emd, enp = message(body, pos, e)
+        local efs, _, emd, enp = message(body, pos, e)
         env.pairs = env.pairs + enp
-        local event = str(ef[2])
-        env.entries[#env.entries + 1] = {event, emd, str(ef[3])}
+        local event = efs[2] or ''
+        env.entries[#env.entries + 1] = {event, emd, efs[3] or ''}
         env.size = env.size + #event
       end
       pos = e + 1

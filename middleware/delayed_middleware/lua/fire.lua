@@ -46,6 +46,9 @@ local BUCKET_PREFIX, NOW_ARG, MAX_ENVELOPES, MAX_WORK, MAX_BYTES, TRIM_MODE, TRI
 --!include common.lua
 --!include batch.lua
 local now = decision_now(NOW_ARG)
+-- FIRE adds no moves (it only forgets them): with none at the start, every
+-- envelope is read at its own id, with no HGET each.
+MOVED_NONE = redis.call('EXISTS', MOVED) == 0
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
 local max_env, max_entries, max_bytes = tonumber(MAX_ENVELOPES), tonumber(MAX_WORK), tonumber(MAX_BYTES)
 local trim_mode, trim_at = TRIM_MODE, TRIM_AT
@@ -53,7 +56,9 @@ local trim_mode, trim_at = TRIM_MODE, TRIM_AT
 -- unless the clock is authoritative): topic ids come from Redis's clock.
 if trim_mode == 'MINAGE' then trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at)) end
 local fired, appended, first = 0, 0, nil
-local types = {}
+-- Per topic, bad_target's verdict (false: fine). It cannot change within the
+-- call: FIRE's own XADDs only turn a missing key into a stream.
+local verdicts = {}
 -- Recurring envelopes re-enter the index only after the batch's removals
 -- (batch_finish), else their ids would be removed again with their old bucket's.
 local reinserts = {}
@@ -65,15 +70,16 @@ batch_start(tonumber(BUDGET_US or '0'))
 
 -- Why `topic` cannot take our XADD, or nil (CLAIM leaves the type check to APPEND).
 local function bad_target(topic)
-  local why = reserved(topic)
-  if why then return why end
-  local t = types[topic]
-  if t == nil then
-    t = redis.call('TYPE', topic).ok
-    types[topic] = t
+  local v = verdicts[topic]
+  if v == nil then
+    v = reserved(topic)
+    if not v then
+      local t = redis.call('TYPE', topic).ok
+      if t ~= 'stream' and t ~= 'none' then v = 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
+    end
+    verdicts[topic] = v or false
   end
-  if t ~= 'stream' and t ~= 'none' then return 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
-  return nil
+  return v or nil
 end
 
 -- The message a schedule with scheduleSource produces: the source topic's latest entry.
@@ -97,6 +103,40 @@ local function sampled(source)
   return {{data, md, ct}}
 end
 
+-- One entry's XADD arguments in full (trim, content type, expiry, outbox fields).
+local function xadd_args(env, key, target, trimmed, entry, json, expires)
+  local args = {target}
+  if trimmed then
+    args[2], args[3], args[4] = trim_mode, '~', trim_at
+  end
+  args[#args + 1] = '*'
+  args[#args + 1] = 'data'
+  args[#args + 1] = entry[1]
+  args[#args + 1] = 'metadata'
+  args[#args + 1] = json
+  if entry[3] ~= '' then
+    args[#args + 1] = 'contentType'
+    args[#args + 1] = entry[3]
+  end
+  if expires > 0 then
+    args[#args + 1] = 'expiresAt'
+    args[#args + 1] = tostring(expires)
+  end
+  if env.target ~= '' then
+    args[#args + 1] = 'pubsub'
+    args[#args + 1] = env.target
+    args[#args + 1] = 'topic'
+    args[#args + 1] = env.topic
+    args[#args + 1] = 'id'
+    args[#args + 1] = key
+    if env.bulk then
+      args[#args + 1] = 'bulk'
+      args[#args + 1] = key
+    end
+  end
+  return args
+end
+
 -- Appends one envelope's messages to `target`; returns how many, and why it stopped early (or nil).
 local function append(env, key, iso, target)
   local entries = env.entries
@@ -110,43 +150,22 @@ local function append(env, key, iso, target)
   local expires = env.expires
   if env.sttl > 0 then expires = now + env.sttl end
   local done = 0
+  -- Trimmed (the envelope's own topic, under maxLenApprox/streamTTL), or plain.
+  local trimmed = env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub)
   for _, entry in ipairs(entries) do
     local md = entry[2]
     md['scheduler'] = key
     md['scheduleNext'] = iso
-    local args = {target}
-    if env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub) then
-      args[2], args[3], args[4] = trim_mode, '~', trim_at
-    end
-    args[#args + 1] = '*'
-    args[#args + 1] = 'data'
-    args[#args + 1] = entry[1]
     -- Guarded like the XADD: nothing may raise after the first write.
     local encoded, json = pcall(cjson.encode, md)
     if not encoded then return done, 'metadata: ' .. tostring(json) end
-    args[#args + 1] = 'metadata'
-    args[#args + 1] = json
-    if entry[3] ~= '' then
-      args[#args + 1] = 'contentType'
-      args[#args + 1] = entry[3]
+    local ok, err
+    if not trimmed and entry[3] == '' and expires <= 0 and env.target == '' then
+      -- The common entry (data and metadata only): no argument table to build and unpack.
+      ok, err = pcall(redis.call, 'XADD', target, '*', 'data', entry[1], 'metadata', json)
+    else
+      ok, err = pcall(redis.call, 'XADD', unpack(xadd_args(env, key, target, trimmed, entry, json, expires)))
     end
-    if expires > 0 then
-      args[#args + 1] = 'expiresAt'
-      args[#args + 1] = tostring(expires)
-    end
-    if env.target ~= '' then
-      args[#args + 1] = 'pubsub'
-      args[#args + 1] = env.target
-      args[#args + 1] = 'topic'
-      args[#args + 1] = env.topic
-      args[#args + 1] = 'id'
-      args[#args + 1] = key
-      if env.bulk then
-        args[#args + 1] = 'bulk'
-        args[#args + 1] = key
-      end
-    end
-    local ok, err = pcall(redis.call, 'XADD', unpack(args))
     if not ok then return done, tostring(err) end
     done = done + 1
   end

@@ -24,10 +24,22 @@ local function hist_indexed(id)
   return id ~= '' and not string.find(id, '^%d+%-%d+$')
 end
 
+-- Whether the index's '' field exists, as far as this script call knows (nil:
+-- not read yet). Once it does, the HSETNX below cannot change it and the XLEN
+-- is skipped: the fire path writes one record per message. Nothing removes
+-- the field (HIST_SWEEP keeps it).
+local HIST_MARKED = nil
+
 -- After an unindexed record: the history's very first record marks the whole
--- history as indexed (an XLEN, O(1)).
+-- history as indexed (an XLEN, O(1)). Checked once per script call while the
+-- field exists (the common case: the history began with this code).
 local function hist_began(index)
-  if redis.call('XLEN', HIST_KEY) == 1 then redis.call('HSETNX', index, '', '0-0') end
+  if HIST_MARKED == nil then HIST_MARKED = redis.call('HEXISTS', index, '') == 1 end
+  if HIST_MARKED then return end
+  if redis.call('XLEN', HIST_KEY) == 1 then
+    redis.call('HSETNX', index, '', '0-0')
+    HIST_MARKED = true
+  end
 end
 
 -- The record `entry` of `id` just written: the index names it as the id's
@@ -36,7 +48,10 @@ end
 local function hist_linked(index, id, indexed, prev, entry)
   if indexed then
     redis.call('HSET', index, id, entry)
-    if prev == '' then redis.call('HSETNX', index, '', entry) end
+    if prev == '' and not HIST_MARKED then
+      redis.call('HSETNX', index, '', entry)
+      HIST_MARKED = true
+    end
   else
     hist_began(index)
   end

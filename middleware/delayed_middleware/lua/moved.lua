@@ -9,8 +9,14 @@
 -- moved hash maps that id to the stream id it is stored at now; an envelope
 -- never moved has no entry there. Every read or delete of an envelope by id
 -- goes through here.
+-- True when the moved hash was empty as the script began and the script adds
+-- no moves (FIRE sets it): then no envelope is stored elsewhere than at its id,
+-- and reads skip the lookup (an HGET per envelope fired).
+local MOVED_NONE = false
+
 -- The stream id envelope `id` is stored at now.
 local function stored_at(id)
+  if MOVED_NONE then return id end
   return redis.call('HGET', MOVED, id) or id
 end
 
