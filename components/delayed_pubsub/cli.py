@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     work.add_argument("--state", type=Path, required=True, help="the folder serve shares with its workers")
     work.add_argument("--index", type=int, required=True, help="this worker's place in the pool")
+    work.add_argument(
+        "--parent", type=int, default=None, help="the serve process's pid: stop when it is gone"
+    )
     work.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     work.add_argument("--log-format", default="text", choices=["text", "json"])
     operate.register(commands)
@@ -193,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     logs.configure(args.log_level, args.log_format)
     if args.command == "worker":
-        asyncio.run(run_worker(args.state, args.index, SystemClock()))
+        asyncio.run(run_worker(args.state, args.index, SystemClock(), args.parent))
         return 0
     if args.command == "serve":
         count = default_workers() if args.workers is None else args.workers

@@ -328,7 +328,12 @@ class ComponentServer:
             if problems:
                 dead["workers"] = problems
             if problems and problems != self._dead_loops.get("workers"):
-                log.error("workers: %s; health NOT_SERVING", ", ".join(problems))
+                starting = all(p.endswith("(starting)") for p in problems)
+                log.log(
+                    logging.INFO if starting else logging.ERROR,
+                    "workers: %s; health NOT_SERVING",
+                    ", ".join(problems),
+                )
             elif not problems and "workers" in self._dead_loops:
                 log.info("every worker runs again")
             failed = self.workers.failed()

@@ -169,6 +169,8 @@ class WorkerPool:
             str(self.folder),
             "--index",
             str(slot.index),
+            "--parent",
+            str(os.getpid()),
             "--log-level",
             self._log_level,
             "--log-format",
@@ -263,7 +265,8 @@ class WorkerPool:
         out = []
         for slot in self._slots:
             if slot.down_since is not None:
-                out.append(f"worker {slot.index} (down, restarting)")
+                state = "restarting" if slot.restarts else "starting"
+                out.append(f"worker {slot.index} ({state})")
         for status in self.statuses():
             loops = status.get("dead_loops")
             if isinstance(loops, list):
@@ -385,9 +388,10 @@ def merged_registry(local: CollectorRegistry, pool: WorkerPool) -> CollectorRegi
 # --- the worker process ---------------------------------------------------------------------
 
 
-async def run_worker(folder: Path, index: int, clock: Clock) -> None:
+async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None = None) -> None:
     """A worker's life: run the background loops of the instances `folder`'s instances file
-    names until SIGTERM/SIGINT, or until the process that started it is gone."""
+    names until SIGTERM/SIGINT, or until process `parent` (default: the one that started it)
+    is gone; then, as the last of serve's processes, it removes `folder`."""
     # Imported here: instance.py is heavy, and only this side needs it.
     from delayed_pubsub.instance import Instance
 
@@ -396,7 +400,9 @@ async def run_worker(folder: Path, index: int, clock: Clock) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    parent = os.getppid()
+    # Given by serve rather than read here: serve may die before this line runs.
+    parent = os.getppid() if parent is None else parent
+    orphaned = False
     metrics = Metrics()
     running: dict[str, tuple[dict[str, str], Instance]] = {}
     failing: dict[str, tuple[float, Backoff, str]] = {}
@@ -414,6 +420,7 @@ async def run_worker(folder: Path, index: int, clock: Clock) -> None:
         while not stop.is_set():
             if os.getppid() != parent:
                 log.error("worker %d: serve (pid %d) is gone; stopping", index, parent)
+                orphaned = True
                 break
             path = folder / INSTANCES_FILE
             try:
@@ -458,6 +465,9 @@ async def run_worker(folder: Path, index: int, clock: Clock) -> None:
                 log.exception("worker %d: closing instance %r failed", index, name)
         with contextlib.suppress(OSError):
             _report(folder, index, metrics, running, failing)
+        if orphaned:
+            # Nobody else will: the instances file holds Init metadata, secrets among it.
+            shutil.rmtree(folder, ignore_errors=True)
         log.info("worker %d: stopped", index)
 
 
