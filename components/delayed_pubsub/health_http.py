@@ -43,8 +43,9 @@ READINESS_PATH = "/readyz"
 # What readiness requires to be SERVING: "" is the overall status, NOT_SERVING while an
 # instance's Redis does not answer or one of its background loops is down or stalled.
 READINESS_SERVICES = ("", SUBSCRIPTIONS_HEALTH_SERVICE)
-# What liveness requires to be SERVING (it answers at all, and no worker is gone for good).
-LIVENESS_SERVICES = (WORKERS_HEALTH_SERVICE,)
+# What liveness asks: "" is shown as it is; only the workers' status (no worker gone for
+# good, under `serve --workers N`) must be SERVING, and it is named in the body only when not.
+LIVENESS_SERVICES = ("", WORKERS_HEALTH_SERVICE)
 
 
 def check_services(socket_path: Path, services: tuple[str, ...], timeout: float) -> dict[str, str]:
@@ -110,7 +111,12 @@ class HealthHttpServer:
         except grpc.RpcError as e:
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else str(e)
             return 503, {"status": "unavailable", "error": f"the component does not answer ({detail})"}
-        ok = all(s == "SERVING" for s in statuses.values())
+        if path == LIVENESS_PATH:
+            ok = statuses.get(WORKERS_HEALTH_SERVICE) == "SERVING"
+            if ok:
+                statuses.pop(WORKERS_HEALTH_SERVICE, None)
+        else:
+            ok = all(s == "SERVING" for s in statuses.values())
         return (200 if ok else 503), {"status": "ok" if ok else "not ready", "services": statuses}
 
 

@@ -219,6 +219,8 @@ class ComponentServer:
         self._health_interval = health_interval
         self._health_changed = asyncio.Event()
         self.instances.on_change = self._health_changed.set
+        if workers is not None:
+            workers.on_change = self._health_changed.set
         self._health_task: asyncio.Task[None] | None = None
         self._redis_down: frozenset[str] = frozenset()
         self._dead_loops: dict[str, list[str]] = {}
@@ -328,12 +330,7 @@ class ComponentServer:
             if problems:
                 dead["workers"] = problems
             if problems and problems != self._dead_loops.get("workers"):
-                starting = all(p.endswith("(starting)") for p in problems)
-                log.log(
-                    logging.INFO if starting else logging.ERROR,
-                    "workers: %s; health NOT_SERVING",
-                    ", ".join(problems),
-                )
+                log.error("workers: %s; health NOT_SERVING", ", ".join(problems))
             elif not problems and "workers" in self._dead_loops:
                 log.info("every worker runs again")
             failed = self.workers.failed()

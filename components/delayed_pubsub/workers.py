@@ -47,7 +47,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +140,8 @@ class WorkerPool:
         self._stale_s = stale_s
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Called when a worker goes down or comes back (the server re-checks health then).
+        self.on_change: Callable[[], None] | None = None
         self.publish({})
 
     @property
@@ -204,6 +206,7 @@ class WorkerPool:
             if slot.down_since is None:
                 slot.down_since = time.monotonic()
             slot.restarts += 1
+            self._changed()
             if time.monotonic() - slot.started > STEADY_S:
                 backoff.reset()
             delay = backoff.next()
@@ -229,6 +232,7 @@ class WorkerPool:
                     if slot.restarts:
                         log.info("worker %d (pid %d) runs again", slot.index, proc.pid)
                     slot.down_since = None
+                    self._changed()
                 continue
             since_start = time.monotonic() - slot.started
             if since_start > self._stale_s and (beat is None or now - beat > self._stale_s):
@@ -243,6 +247,10 @@ class WorkerPool:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 return
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     async def _sleep_or_stop(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -264,9 +272,10 @@ class WorkerPool:
         restart, and background loops a worker reports down."""
         out = []
         for slot in self._slots:
-            if slot.down_since is not None:
-                state = "restarting" if slot.restarts else "starting"
-                out.append(f"worker {slot.index} ({state})")
+            # A first start is not a fault (as an instance's loops starting after Init are
+            # not); a worker that died and has not come back yet is.
+            if slot.down_since is not None and slot.restarts:
+                out.append(f"worker {slot.index} (restarting)")
         for status in self.statuses():
             loops = status.get("dead_loops")
             if isinstance(loops, list):
@@ -395,7 +404,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     # Imported here: instance.py is heavy, and only this side needs it.
     from delayed_pubsub.instance import Instance
 
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

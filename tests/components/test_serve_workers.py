@@ -22,11 +22,12 @@ import redis
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import decode_entry
+from delayed_middleware.instants import format_instant
 from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.workers import WorkerPool
 from tests.components.conftest import free_port
-from tests.components.driver import delayed_entries, format_instant, now_ms
+from tests.components.driver import delayed_entries, now_ms
 from tests.components.serve import Serve, alive, instance, props_for
 from tests.redis_server import RedisServer, stream_entries
 
