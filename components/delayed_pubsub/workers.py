@@ -31,14 +31,20 @@ The gRPC process and its workers talk through files in a private folder
   the largest of the processes, so the gauges every worker keeps alike are
   not counted twice).
 
-A worker ends when told (SIGTERM) and also when its parent is gone (serve
-killed with -9): no worker outlives the `serve` that started it.
+A worker ends when told (SIGTERM). When `serve` itself is killed (-9, OOM),
+the kernel kills its workers with it (PR_SET_PDEATHSIG), so a crash of serve is
+a crash of the whole component, as it was with one process: no worker fires on
+without the process that answers daprd. (Elsewhere than Linux a worker sees
+its parent gone within POLL_S and stops.) The folder such a crash leaves is
+removed by the next `serve` of the same user.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -65,6 +71,7 @@ from delayed_pubsub.settings import parse_settings
 log = logging.getLogger(__name__)
 
 INSTANCES_FILE = "instances.json"
+FOLDER_PREFIX = "delayed-pubsub-workers-"
 # How often a worker writes its heartbeat and metrics, and looks for a changed instances file.
 HEARTBEAT_S = 1.0
 POLL_S = 0.2
@@ -130,7 +137,8 @@ class WorkerPool:
     ) -> None:
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
-        self.folder = Path(tempfile.mkdtemp(prefix="delayed-pubsub-workers-"))
+        _remove_abandoned_folders()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
         os.chmod(self.folder, 0o700)
         self._slots = [_Slot(i) for i in range(count)]
         self._log_level = log_level
@@ -319,6 +327,30 @@ class WorkerPool:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _remove_abandoned_folders() -> None:
+    """Remove the worker folders of our own serve processes that died without cleaning up
+    (kill -9): they hold Init metadata, secrets among it."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
+        try:
+            pid = int(folder.name[len(FOLDER_PREFIX) :].split("-", 1)[0])
+            if folder.stat().st_uid != os.geteuid():
+                continue
+        except (ValueError, OSError):
+            continue
+        if not Path(f"/proc/{pid}").exists() or pid == os.getpid():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent ends (Linux; elsewhere a no-op)."""
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
@@ -411,6 +443,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
         loop.add_signal_handler(sig, stop.set)
     # Given by serve rather than read here: serve may die before this line runs.
     parent = os.getppid() if parent is None else parent
+    _die_with_parent()
     orphaned = False
     metrics = Metrics()
     running: dict[str, tuple[dict[str, str], Instance]] = {}
