@@ -85,12 +85,23 @@ RESTART_CAP_S = 10.0
 STEADY_S = 30.0
 
 
-def default_workers() -> int:
-    """Cores this process may run on, minus one for the gRPC process; at least one."""
+def default_workers(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """Cores this process may use, minus one for the gRPC process; at least one.
+
+    The cores it may run on (CPU affinity), capped by its cgroup v2 CPU quota (`cpu.max`,
+    what a Kubernetes CPU limit sets), rounded up: a pod limited to 2 CPUs on a 16-core node
+    starts one worker, not fifteen.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota here: the affinity is the limit
     return max(1, cores - 1)
 
 
