@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
@@ -67,6 +68,9 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
+
+if TYPE_CHECKING:
+    from delayed_pubsub.instance import Instance
 
 log = logging.getLogger(__name__)
 
@@ -450,8 +454,10 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # A Ctrl-C reaches the whole process group: serve stops its workers itself, in order (a
+    # worker gone first would be restarted by a serve still draining its streams).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Given by serve rather than read here: serve may die before this line runs.
     parent = os.getppid() if parent is None else parent
     _die_with_parent()
@@ -528,13 +534,17 @@ def _report(
     folder: Path,
     index: int,
     metrics: Metrics,
-    running: Mapping[str, tuple[object, object]],
+    running: Mapping[str, tuple[dict[str, str], Instance]],
     failing: Mapping[str, tuple[float, Backoff, str]],
 ) -> None:
     """Write this worker's metrics, then its heartbeat (the heartbeat last: its mtime says both are fresh)."""
     dead: list[str] = []
     for name, (_, inst) in running.items():
-        dead += [f"instance {name!r}: {loop}" for loop in inst.dead_loops()]  # type: ignore[attr-defined]
+        dead += [f"instance {name!r}: {loop}" for loop in inst.dead_loops()]
+        # What check_health sets in a single process: the fire loops run here.
+        if inst.engine is not None:
+            for n, fire_loop in enumerate(inst.engine.loops):
+                metrics.fire_loop_up.labels(name, str(n)).set(1 if fire_loop.healthy else 0)
     dead += [f"instance {name!r} does not start: {why}" for name, (_, _, why) in failing.items()]
     _write_atomically(folder / f"metrics-{index}.prom", prometheus_client.generate_latest(metrics.registry))
     status = {"index": index, "pid": os.getpid(), "instances": sorted(running), "dead_loops": dead}

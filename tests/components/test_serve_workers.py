@@ -79,6 +79,9 @@ async def test_two_workers_fire_every_message_once_and_metrics_count_them(
                 "the fired counter at 2000 on the metrics endpoint",
                 10,
             )
+            # The fire loops run in the workers, and their liveness gauge says so.
+            text = scrape(port)
+            assert sample(text, "delayed_pubsub_fire_loop_up", 'instance="delayed",shard="0"') == 1.0
     finally:
         serve.stop()
 
