@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -27,9 +28,9 @@ from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.workers import WorkerPool
 from tests.components.conftest import free_port
-from tests.components.driver import delayed_entries, now_ms
+from tests.components.driver import cluster_props, delayed_entries, engine_left, now_ms
 from tests.components.serve import Serve, alive, instance, props_for
-from tests.redis_server import RedisServer, stream_entries
+from tests.redis_server import RedisCluster, RedisServer, stream_entries
 
 pytestmark = pytest.mark.slow
 
@@ -230,3 +231,45 @@ async def test_liveness_fails_when_workers_do_not_come_back(socket_path: Path) -
         http.stop()
         await server.stop(1.0)
     assert not pool.folder.exists()
+
+
+async def test_on_redis_cluster_kill_9_of_a_worker_loses_and_doubles_nothing(
+    folder: Path, cluster: RedisCluster, admin: Any
+) -> None:
+    # Two-phase firing: the killed worker's claims wait for their lease, then another takes them.
+    topics = [f"topic-{i}" for i in range(12)]
+    assert len({cluster.owner(t).port for t in topics}) == 3, "the topics must spread over every master"
+    n = 6000
+    per = n // len(topics)
+    serve = Serve(folder, "a", "--workers", "2")
+    try:
+        await wait_for(lambda: len(serve.children()) == 2, "two workers running", 20)
+        async with instance(serve, cluster_props(cluster)) as c:
+            want: dict[str, list[int]] = {}
+            for k, t in enumerate(topics):
+                entries = delayed_entries(per, now_ms() + 2000, 4000)
+                for i, e in enumerate(entries):
+                    e.event = json.dumps({"n": k * per + i}).encode()
+                reply = await c.bulk_publish(t, entries)
+                assert list(reply.failed_entries) == []
+                want[t] = [k * per + i for i in range(per)]
+
+            def fired() -> int:
+                return sum(int(admin.xlen(t)) for t in topics)
+
+            await wait_for(lambda: fired() >= 1000, "firing under way", 20)
+            os.kill(serve.children()[0], signal.SIGKILL)
+            assert fired() < n, "the kill must land while messages are pending"
+            # Lease 5 s + takeover + the rest of the spread.
+            await wait_for(lambda: fired() >= n, f"all {n} fired", 30)
+            await wait_for(
+                lambda: engine_left(admin) == {"pending": 0, "inflight": 0, "envelopes": 0},
+                "the engine left empty (the dead worker's claims released)",
+                15,
+            )
+            got = {
+                t: sorted(json.loads(decode_entry(f).data)["n"] for _, f in admin.xrange(t)) for t in topics
+            }
+            assert got == want
+    finally:
+        serve.stop()
