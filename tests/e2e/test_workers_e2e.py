@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.components.serve import children_of
 from tests.e2e import harness
 from tests.e2e.harness import ManagedProcess, Stack, carries, now_ms, unique
 from tests.redis_server import RedisServer, free_port
@@ -19,13 +20,6 @@ pytestmark = pytest.mark.e2e
 
 APP_ID = "workers-app"
 PUBSUB = "delayed-w"
-
-
-def children_of(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +61,8 @@ def workers_stack(
 
 def test_delayed_messages_arrive_once_while_a_worker_is_killed(workers_stack: Stack) -> None:
     s = workers_stack
-    assert s.component is not None and s.component.proc is not None
+    assert s.component is not None
+    assert s.component.proc is not None
     serve_pid = s.component.proc.pid
     harness.wait_until(lambda: len(children_of(serve_pid)) == 2, 30, "two workers", s.component)
     marker = unique("workers")
