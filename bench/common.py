@@ -48,8 +48,8 @@ def start_process(args: list[str], socket: Path, log: Path, within_s: float = 30
     return proc
 
 
-def start_serve(socket: Path, log: Path) -> subprocess.Popen[bytes]:
-    """`delayed-pubsub serve` on `socket`, logging warnings to `log`."""
+def start_serve(socket: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`delayed-pubsub serve EXTRA` on `socket`, logging warnings to `log`."""
     return start_process(
         [
             sys.executable,
@@ -60,6 +60,7 @@ def start_serve(socket: Path, log: Path) -> subprocess.Popen[bytes]:
             str(socket),
             "--log-level",
             os.environ.get("DPS_BENCH_LOG", "warning"),
+            *extra,
         ],
         socket,
         log,

@@ -112,6 +112,14 @@ def due_of(data: bytes) -> float:
     return int(data.split(b":", 1)[0]) / 1000
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (serve's workers), from /proc."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -243,8 +251,10 @@ class System:
 class Ours(System):
     name = "ours"
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, workers: int | None = None) -> None:
         self.workdir = workdir
+        # serve --workers (None: serve's default).
+        self.workers = workers
         self.redis = RedisServer(workdir / "redis", appendonly=True)
         self.socket = workdir / "delayed-pubsub.sock"
         self.serve: subprocess.Popen[bytes] | None = None
@@ -254,7 +264,8 @@ class Ours(System):
         self.keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
 
     async def _start_component(self) -> None:
-        self.serve = start_serve(self.socket, self.workdir / "serve.log")
+        extra = () if self.workers is None else ("--workers", str(self.workers))
+        self.serve = start_serve(self.socket, self.workdir / "serve.log", *extra)
         self.channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
         self.stub = pubsub_pb2_grpc.PubSubStub(self.channel)  # type: ignore[no-untyped-call]
         props = {
@@ -284,7 +295,8 @@ class Ours(System):
     def pids(self) -> list[int]:
         assert self.serve is not None
         assert self.redis.proc is not None
-        return [self.serve.pid, self.redis.proc.pid]
+        # serve's worker processes fire: their CPU is the server's too.
+        return [self.serve.pid, *children_of(self.serve.pid), self.redis.proc.pid]
 
     async def schedule(self, i: int, due: float) -> None:
         await self.stub.Publish(
@@ -572,16 +584,18 @@ async def steady(system: System, run: Run) -> None:
     tick = 0.01
     per_tick = max(1, int(s.rate * tick))
     calls: list[Awaitable[Any]] = []
-    for k in range(0, n, per_tick):
-        send_at = start + k / s.rate
-        await asyncio.sleep(max(0.0, send_at - time.time()))
-        batch = range(k, min(n, k + per_tick))
-        calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
-    await asyncio.gather(*calls)
-    expect = n - sum(failed.values())
-    deadline = time.time() + 30
-    while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
-        await asyncio.sleep(0.05)
+    cpu: list[float] = []
+    with cpu_of(system, cpu):
+        for k in range(0, n, per_tick):
+            send_at = start + k / s.rate
+            await asyncio.sleep(max(0.0, send_at - time.time()))
+            batch = range(k, min(n, k + per_tick))
+            calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
+        await asyncio.gather(*calls)
+        expect = n - sum(failed.values())
+        deadline = time.time() + 30
+        while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
+            await asyncio.sleep(0.05)
     await stop_sub()
     late.sort()
     run.lateness[system.name] = late
@@ -596,6 +610,10 @@ async def steady(system: System, run: Run) -> None:
     run.put(f"steady {s.rate}/s, due -> subscriber p50", "ms", system.name, percentile(late, 0.5) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber p99", "ms", system.name, percentile(late, 0.99) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber max", "ms", system.name, late[-1] * 1000 if late else 0)
+    # Publish, fire and deliver, over every server process (serve, its workers, Redis).
+    run.put(
+        f"server CPU per steady message ({s.rate}/s)", "us", system.name, cpu[0] / max(1, len(late)) * 1e6
+    )
 
 
 async def burst(system: System, run: Run) -> None:
@@ -721,7 +739,9 @@ WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
 ]
 
 
-async def run_all(sizes: Sizes, workdir: Path, nats_exe: str, only: Sequence[str] = ()) -> Run:
+async def run_all(
+    sizes: Sizes, workdir: Path, nats_exe: str, only: Sequence[str] = (), workers: int | None = None
+) -> Run:
     from tqdm import tqdm
 
     run = Run(sizes)
@@ -732,7 +752,7 @@ async def run_all(sizes: Sizes, workdir: Path, nats_exe: str, only: Sequence[str
         nonlocal generation
         generation += 1
         made: list[System] = [
-            Ours(workdir / f"ours{generation}"),
+            Ours(workdir / f"ours{generation}", workers),
             Nats(nats_exe, workdir / f"nats{generation}"),
         ]
         for s in made:
@@ -808,20 +828,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[],
         help="run only this workload (repeatable); burst alone waits for storing at a default rate",
     )
+    ap.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="run `serve --workers N` (default: serve's)"
+    )
     a = ap.parse_args(argv)
     sizes = FULL if a.full else SMOKE if a.smoke else QUICK
     exe = nats_server_path()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
-        run = asyncio.run(run_all(sizes, Path(d), exe, a.only))
+        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers))
     took = time.time() - started
     if run.lateness:  # no steady workload run (--only): keep the last chart
         chart(run, CHART if not a.smoke else Path(tempfile.gettempdir()) / CHART.name)
     head = (
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, `{platform.node()}`, {os.cpu_count()} cores shared with other "
         f"agents' work, load {os.getloadavg()[0]:.1f}; {version}; "
-        f"`python -m bench peers {'--full' if a.full else '--quick'}{''.join(f' --only {w}' for w in a.only)}` took {took / 60:.1f} min"
+        f"`python -m bench peers {' '.join(argv if argv is not None else sys.argv[1:]) or '--quick'}` "
+        f"took {took / 60:.1f} min"
     )
     lines = table(run) + [f"\n- note: {note}" for note in run.notes]
     print(head)

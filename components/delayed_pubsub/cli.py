@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
+from delayed_pubsub.workers import WorkerPool, default_workers, merged_registry, run_worker
 
 DISTRIBUTION = "dapr-delayed-pubsub"
 
@@ -41,6 +43,17 @@ def tcp_port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
     return port
+
+
+def worker_count(text: str) -> int:
+    """A number of worker processes, 0 or more (argparse names the flag and the value otherwise)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of workers: {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count} workers: use 0 (no worker processes) or more")
+    return count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,10 +116,75 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve even if the socket folder is owned by another user or writable by others "
         "without the sticky bit (only where every local user is trusted, e.g. a pod's emptyDir)",
     )
+    run.add_argument(
+        "--workers",
+        type=worker_count,
+        default=None,
+        metavar="N",
+        help="fire delayed messages in N worker processes (fire loops, history trimming, forwarder, "
+        "pending gauges), supervised and restarted by serve, while this process serves daprd's calls; "
+        f"0: everything in this one process (default: cores - 1, at least 1; here {default_workers()})",
+    )
+    work = commands.add_parser(
+        "worker", help="one worker process of `serve --workers N` (started by serve, not by hand)"
+    )
+    work.add_argument("--state", type=Path, required=True, help="the folder serve shares with its workers")
+    work.add_argument("--index", type=int, required=True, help="this worker's place in the pool")
+    work.add_argument(
+        "--parent", type=int, default=None, help="the serve process's pid: stop when it is gone"
+    )
+    work.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    work.add_argument("--log-format", default="text", choices=["text", "json"])
     operate.register(commands)
     spark_cli.register(commands)
     dashboard_cli.register(commands)
     return parser
+
+
+def _serve(args: argparse.Namespace, pool: WorkerPool | None) -> int:
+    """`serve`: the component on its socket (with `pool` firing, if given) until SIGTERM."""
+    metrics = Metrics()
+    if args.metrics_port is not None:
+        prometheus_client.start_http_server(
+            args.metrics_port,
+            addr=args.metrics_address,
+            registry=metrics.registry if pool is None else merged_registry(metrics.registry, pool),
+        )
+    socket_path = args.socket or default_socket_path(os.environ)
+    health_http = None
+    if args.health_port is not None:
+        # Started before the socket exists: it answers 503 until the component serves.
+        try:
+            health_http = HealthHttpServer(socket_path, args.health_port, args.health_address)
+        except OSError as e:  # port taken, address not ours: say which, no traceback
+            print(
+                f"delayed-pubsub: error: cannot listen on {args.health_address}:{args.health_port} "
+                f"(--health-port): {e.strerror or e}",
+                file=sys.stderr,
+            )
+            return 2
+        health_http.start()
+    try:
+        group = None if args.socket_group is None else socket_group_id(args.socket_group)
+        asyncio.run(
+            serve(
+                socket_path,
+                SystemClock(),
+                grace=args.grace,
+                metrics=metrics,
+                socket_group=group,
+                allow_insecure_folder=args.allow_insecure_socket_folder,
+                workers=pool,
+            )
+        )
+    except (FileExistsError, PermissionError, LookupError) as e:
+        # A socket path we must not or cannot take: say so, no traceback.
+        print(f"delayed-pubsub: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if health_http is not None:
+            health_http.stop()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,45 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "handler", None) is not None:  # stats (delayed_pubsub.spark.cli), dashboard
         return int(args.handler(args))
     logs.configure(args.log_level, args.log_format)
+    if args.command == "worker":
+        asyncio.run(run_worker(args.state, args.index, SystemClock(), args.parent))
+        return 0
     if args.command == "serve":
-        metrics = Metrics()
-        if args.metrics_port is not None:
-            prometheus_client.start_http_server(
-                args.metrics_port, addr=args.metrics_address, registry=metrics.registry
-            )
-        socket_path = args.socket or default_socket_path(os.environ)
-        health_http = None
-        if args.health_port is not None:
-            # Started before the socket exists: it answers 503 until the component serves.
-            try:
-                health_http = HealthHttpServer(socket_path, args.health_port, args.health_address)
-            except OSError as e:  # port taken, address not ours: say which, no traceback
-                print(
-                    f"delayed-pubsub: error: cannot listen on {args.health_address}:{args.health_port} "
-                    f"(--health-port): {e.strerror or e}",
-                    file=sys.stderr,
-                )
-                return 2
-            health_http.start()
+        count = default_workers() if args.workers is None else args.workers
+        pool = WorkerPool(count, log_level=args.log_level, log_format=args.log_format) if count > 0 else None
         try:
-            group = None if args.socket_group is None else socket_group_id(args.socket_group)
-            asyncio.run(
-                serve(
-                    socket_path,
-                    SystemClock(),
-                    grace=args.grace,
-                    metrics=metrics,
-                    socket_group=group,
-                    allow_insecure_folder=args.allow_insecure_socket_folder,
-                )
-            )
-        except (FileExistsError, PermissionError, LookupError) as e:
-            # A socket path we must not or cannot take: say so, no traceback.
-            print(f"delayed-pubsub: error: {e}", file=sys.stderr)
-            return 2
+            return _serve(args, pool)
         finally:
-            if health_http is not None:
-                health_http.stop()
+            if pool is not None:  # already removed by a clean stop; not by an early refusal
+                shutil.rmtree(pool.folder, ignore_errors=True)
     return 0
 
 

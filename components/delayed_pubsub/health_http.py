@@ -7,9 +7,11 @@ daprd and `grpc_health_probe` get (server.ComponentServer.check_health keeps it 
 the HTTP answer can never disagree with the gRPC one, and a component whose gRPC server no
 longer answers fails its liveness probe.
 
-- `GET /healthz` (liveness): 200 when the gRPC server answers a health check at all, whatever
-  the status; 503 when it does not answer within the timeout. A restart of the container fixes
-  only this: an unreachable Redis or orphaned subscriptions are not reasons to restart it.
+- `GET /healthz` (liveness): 200 when the gRPC server answers a health check and, under
+  `serve --workers N`, no worker process has been down for longer than its restarts take
+  (`delayed-pubsub.workers` SERVING); 503 when it does not answer within the timeout or the
+  firing is not coming back by itself. A restart of the container fixes only these: an
+  unreachable Redis or orphaned subscriptions are not reasons to restart it.
 - `GET /readyz` (readiness): 200 when the overall service `""` (every instance's Redis answers
   and its background loops run) and `delayed-pubsub.subscriptions` (no subscription orphaned by a component restart) are both
   SERVING; 503 otherwise, the JSON body naming each service's status.
@@ -29,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from delayed_pubsub.server import SUBSCRIPTIONS_HEALTH_SERVICE
+from delayed_pubsub.server import SUBSCRIPTIONS_HEALTH_SERVICE, WORKERS_HEALTH_SERVICE
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ READINESS_PATH = "/readyz"
 # What readiness requires to be SERVING: "" is the overall status, NOT_SERVING while an
 # instance's Redis does not answer or one of its background loops is down or stalled.
 READINESS_SERVICES = ("", SUBSCRIPTIONS_HEALTH_SERVICE)
+# What liveness asks: "" is shown as it is; only the workers' status (no worker gone for
+# good, under `serve --workers N`) must be SERVING, and it is named in the body only when not.
+LIVENESS_SERVICES = ("", WORKERS_HEALTH_SERVICE)
 
 
 def check_services(socket_path: Path, services: tuple[str, ...], timeout: float) -> dict[str, str]:
@@ -96,7 +101,7 @@ class HealthHttpServer:
     def answer(self, path: str) -> tuple[int, dict[str, object]]:
         """The HTTP status and JSON body for a GET of `path`."""
         if path == LIVENESS_PATH:
-            services: tuple[str, ...] = ("",)
+            services: tuple[str, ...] = LIVENESS_SERVICES
         elif path == READINESS_PATH:
             services = READINESS_SERVICES
         else:
@@ -106,7 +111,12 @@ class HealthHttpServer:
         except grpc.RpcError as e:
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else str(e)
             return 503, {"status": "unavailable", "error": f"the component does not answer ({detail})"}
-        ok = path == LIVENESS_PATH or all(s == "SERVING" for s in statuses.values())
+        if path == LIVENESS_PATH:
+            ok = statuses.get(WORKERS_HEALTH_SERVICE) == "SERVING"
+            if ok:
+                statuses.pop(WORKERS_HEALTH_SERVICE, None)
+        else:
+            ok = all(s == "SERVING" for s in statuses.values())
         return (200 if ok else 503), {"status": "ok" if ok else "not ready", "services": statuses}
 
 

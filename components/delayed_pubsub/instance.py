@@ -134,8 +134,20 @@ class Instance:
             f.start()
 
     @classmethod
-    async def open(cls, name: str, settings: Settings, clock: Clock, metrics: InstanceMetrics) -> Instance:
-        """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable."""
+    async def open(
+        cls,
+        name: str,
+        settings: Settings,
+        clock: Clock,
+        metrics: InstanceMetrics,
+        *,
+        background: bool = True,
+    ) -> Instance:
+        """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable.
+
+        `background=False` leaves the fire loops, forwarders and gauges unstarted: `serve
+        --workers N` runs them in its worker processes (workers.py), this one serves calls.
+        """
         if settings.enable_delayed_messaging and not settings.consumer_id:
             raise InvalidArgumentError(
                 "consumerID",
@@ -161,8 +173,9 @@ class Instance:
                 log.warning("instance %r: outbox group not created yet (%s); the forwarder retries", name, e)
         if settings.enable_delayed_messaging:
             await instance._warn_if_evicting()
-        instance.start()
-        instance._start_gauges()
+        if background:
+            instance.start()
+            instance._start_gauges()
         return instance
 
     def _start_gauges(self) -> None:
@@ -565,9 +578,15 @@ class Instances:
         metrics: Metrics,
         records: RecordStore | None = None,
         orphan_grace_s: float = 30.0,
+        *,
+        background: bool = True,
     ) -> None:
         self._clock = clock
         self._metrics = metrics
+        # False under `serve --workers N`: the workers run the instances' background loops.
+        self._background = background
+        # Called with live_properties() whenever an instance is opened, replaced or closed.
+        self.on_live_change: Callable[[dict[str, dict[str, str]]], None] | None = None
         self._instances: dict[str, Instance] = {}
         self._lock = asyncio.Lock()
         self._records = records
@@ -656,11 +675,14 @@ class Instances:
             log.warning("instance %r: %s", name, warning)
         settings = parse_settings(props)
         async with self._name_lock(name):
-            instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
+            instance = await Instance.open(
+                name, settings, self._clock, self._metrics.for_instance(name), background=self._background
+            )
             async with self._lock:
                 old = self._instances.get(name)
                 self._instances[name] = instance
             self._props[name] = dict(props)
+            self._live_changed()
             self._restore_failures.pop(name, None)
             cleared = self._suspect.pop(name, set()) | self._orphaned.pop(name, set())
             self._found.pop(name, None)
@@ -745,7 +767,9 @@ class Instances:
             raise NotInitializedError(name)
         try:
             settings = parse_settings(record.properties)
-            instance = await Instance.open(name, settings, self._clock, self._metrics.for_instance(name))
+            instance = await Instance.open(
+                name, settings, self._clock, self._metrics.for_instance(name), background=self._background
+            )
         except BackendUnavailableError as e:
             raise BackendUnavailableError(
                 f"component instance {name!r} restarting from its Init record {record.path}: {e}"
@@ -755,6 +779,7 @@ class Instances:
         async with self._lock:
             self._instances[name] = instance
         self._props[name] = dict(record.properties)
+        self._live_changed()
         log.warning(
             "instance %r: called without an Init in this process (the component restarted under a "
             "running daprd); re-initialized from its Init record %s of %s: redis %s, consumerID %r",
@@ -808,6 +833,14 @@ class Instances:
     def orphaned(self) -> dict[str, frozenset[str]]:
         """instance -> topics whose streams a previous process had open and daprd has not re-opened."""
         return {name: frozenset(t) for name, t in self._orphaned.items() if t}
+
+    def live_properties(self) -> dict[str, dict[str, str]]:
+        """The Init metadata of every live instance, by name."""
+        return {name: dict(self._props[name]) for name in self._instances if name in self._props}
+
+    def _live_changed(self) -> None:
+        if self.on_live_change is not None:
+            self.on_live_change(self.live_properties())
 
     def items(self) -> list[tuple[str, Instance]]:
         """The live instances (a snapshot)."""
@@ -888,6 +921,7 @@ class Instances:
         self._grace_task = self._after_init_task = None
         instances = list(self._instances.values())
         self._instances.clear()
+        self._live_changed()
         await asyncio.gather(*(i.close() for i in instances), return_exceptions=True)
 
 

@@ -26,6 +26,7 @@ from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.records import RecordStore, records_folder
 from delayed_pubsub.servicer import PubSubServicer
+from delayed_pubsub.workers import WorkerPool
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2, pubsub_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ PUBSUB_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
 # are orphaned (only a daprd restart resumes them: for alerts and for whatever
 # supervises daprd; see docs/operations.md, "Restarts and upgrades").
 SUBSCRIPTIONS_HEALTH_SERVICE = "delayed-pubsub.subscriptions"
+# NOT_SERVING while a worker process of `serve --workers N` has been down for longer than its
+# restarts take (workers.DEAD_AFTER_S): the firing is not coming back by itself, so liveness
+# (/healthz) fails and the container is restarted. Always SERVING without workers.
+WORKERS_HEALTH_SERVICE = "delayed-pubsub.workers"
 # How often each instance's Redis is PINGed for the health status, and how long a PING may take.
 HEALTH_INTERVAL_S = 5.0
 HEALTH_PING_TIMEOUT_S = 2.0
@@ -196,17 +201,26 @@ class ComponentServer:
         *,
         socket_group: int | None = None,
         allow_insecure_folder: bool = False,
+        workers: WorkerPool | None = None,
     ) -> None:
         self.socket_path = socket_path
+        # With workers, this process serves calls and the workers fire (workers.py).
+        self.workers = workers
         self._socket_group = socket_group
         self._allow_insecure_folder = allow_insecure_folder
         self.metrics = metrics or Metrics()
         self.records = records or RecordStore(records_folder(socket_path))
-        self.instances = Instances(clock, self.metrics, self.records, orphan_grace_s=orphan_grace)
+        self.instances = Instances(
+            clock, self.metrics, self.records, orphan_grace_s=orphan_grace, background=workers is None
+        )
+        if workers is not None:
+            self.instances.on_live_change = workers.publish
         self._clock = clock
         self._health_interval = health_interval
         self._health_changed = asyncio.Event()
         self.instances.on_change = self._health_changed.set
+        if workers is not None:
+            workers.on_change = self._health_changed.set
         self._health_task: asyncio.Task[None] | None = None
         self._redis_down: frozenset[str] = frozenset()
         self._dead_loops: dict[str, list[str]] = {}
@@ -254,7 +268,11 @@ class ComponentServer:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(PUBSUB_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(WORKERS_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.instances.start()
+        if self.workers is not None:
+            self.workers.start()
+            log.info("firing in %d worker process(es)", self.workers.count)
         self._health_task = asyncio.create_task(self._watch_health(), name="health")
         log.info("serving %s on unix://%s", PUBSUB_SERVICE, self.socket_path)
 
@@ -305,9 +323,21 @@ class ComponentServer:
             if instance.engine is not None:
                 for n, loop in enumerate(instance.engine.loops):
                     self.metrics.fire_loop_up.labels(name, str(n)).set(1 if loop.healthy else 0)
-        self._dead_loops = dead
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.workers is not None:
+            problems = self.workers.problems()
+            if problems:
+                dead["workers"] = problems
+            if problems and problems != self._dead_loops.get("workers"):
+                log.error("workers: %s; health NOT_SERVING", ", ".join(problems))
+            elif not problems and "workers" in self._dead_loops:
+                log.info("every worker runs again")
+            failed = self.workers.failed()
+            if failed:
+                log.error("workers not coming back: %s; liveness fails", ", ".join(failed))
+            await self._health.set(WORKERS_HEALTH_SERVICE, not_serving if failed else serving)
+        self._dead_loops = dead
         await self._health.set("", not_serving if down or dead else serving)
         await self._health.set(PUBSUB_SERVICE, not_serving if down or dead else serving)
         orphaned = self.instances.orphaned()
@@ -333,6 +363,8 @@ class ComponentServer:
         await self.instances.drain(grace / 2)
         await self._server.stop(max(0.1, grace - (loop.time() - started)))
         await self.instances.close()
+        if self.workers is not None:
+            await self.workers.stop(max(1.0, grace / 2))
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         log.info("stopped; removed %s", self.socket_path)
@@ -380,20 +412,29 @@ async def serve(
     *,
     socket_group: int | None = None,
     allow_insecure_folder: bool = False,
+    workers: WorkerPool | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly."""
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down cleanly (with `workers`
+    firing in worker processes, stopped last)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     server = ComponentServer(
-        socket_path, clock, metrics, socket_group=socket_group, allow_insecure_folder=allow_insecure_folder
+        socket_path,
+        clock,
+        metrics,
+        socket_group=socket_group,
+        allow_insecure_folder=allow_insecure_folder,
+        workers=workers,
     )
     try:
         await server.start()
     except BaseException:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if workers is not None:
+            await workers.stop(1.0)
         raise
     try:
         await stop.wait()

@@ -69,15 +69,33 @@ def terminate(proc: subprocess.Popen[bytes]) -> int:
         raise
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes, from /proc (empty once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 class Serve:
     """One `delayed-pubsub serve` process with its log in a file."""
 
-    def __init__(self, folder: Path, name: str) -> None:
+    def __init__(self, folder: Path, name: str, *args: str) -> None:
         self.socket = folder / f"{name}.sock"
         self.log = folder / f"{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(self.socket)],
+                [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(self.socket), *args],
                 env=serve_env(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -97,6 +115,10 @@ class Serve:
             except OSError:
                 return False
         return True
+
+    def children(self) -> list[int]:
+        """The pids of the processes serve started (its workers) that run now."""
+        return children_of(self.proc.pid)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

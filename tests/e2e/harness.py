@@ -190,8 +190,8 @@ def component_metadata(redis_port: int, **extra: str) -> dict[str, str]:
     return meta
 
 
-def start_component(workdir: Path, socket_dir: Path) -> ManagedProcess:
-    """`delayed-pubsub serve --socket <dir>/delayed-pubsub.sock`; returns once the socket exists."""
+def start_component(workdir: Path, socket_dir: Path, *extra: str) -> ManagedProcess:
+    """`delayed-pubsub serve --socket <dir>/delayed-pubsub.sock EXTRA`; returns once the socket exists."""
     socket_dir.mkdir(parents=True, exist_ok=True)
     sock = socket_dir / "delayed-pubsub.sock"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -204,7 +204,10 @@ def start_component(workdir: Path, socket_dir: Path) -> ManagedProcess:
         src = os.pathsep.join(str(REPO / d) for d in ("proto", "middleware", "components"))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH", "")]))
     proc = ManagedProcess(
-        "delayed-pubsub serve", [*args, "serve", "--socket", str(sock)], workdir / "component.log", env=env
+        "delayed-pubsub serve",
+        [*args, "serve", "--socket", str(sock), *extra],
+        workdir / "component.log",
+        env=env,
     ).start()
     # daprd scans the socket folder once at start: the socket must be there before it starts.
     wait_until(sock.is_socket, 30, f"socket {sock}", proc)
