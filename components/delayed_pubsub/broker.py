@@ -51,6 +51,10 @@ BACKOFF_CAP_S = 2.0
 
 # How long the fetch loop waits for more acks when less than half the window is free.
 FETCH_LINGER_S = 0.002
+# Under load, how long a queued XADD waits for others to share its round trip,
+# unless this many are already queued.
+PUBLISH_LINGER_S = 0.001
+PUBLISH_LINGER_BELOW = 32
 # How long acks gather before one XACK sends them all (unless half a window is in).
 ACK_LINGER_S = 0.002
 
@@ -231,8 +235,14 @@ class _PublishBatcher:
             self._busy = False
 
     async def _flush(self) -> None:
-        batch, self._queue = self._queue, []
+        batch: list[tuple[str, dict[str, bytes], dict[str, Any], asyncio.Future[Any]]] = []
         try:
+            # Only under load (calls queued behind a round trip): grpc.aio takes one
+            # call per loop pass, so without a moment's wait most batches held one
+            # or two XADDs (~0.7 socket writes per publish under 64 callers).
+            if len(self._queue) < PUBLISH_LINGER_BELOW:
+                await asyncio.sleep(PUBLISH_LINGER_S)
+            batch, self._queue = self._queue, []
             # A caller that gave up (timeout, cancelled call) is still written:
             # one write beats a guess about whether it was already on the wire.
             pipe = self._client.pipeline(transaction=False)
@@ -240,6 +250,9 @@ class _PublishBatcher:
                 pipe.xadd(topic, fields, **trim)  # type: ignore[arg-type]
             results = await pipe.execute(raise_on_error=False)
         except asyncio.CancelledError:
+            # Cancelled while lingering: the queued calls were never sent.
+            if not batch:
+                batch, self._queue = self._queue, []
             for *_, future in batch:
                 future.cancel()
             raise

@@ -622,3 +622,38 @@ async def test_an_entry_that_expires_in_the_buffer_is_not_handed_out(
         assert expired_count(metrics) == 1
     finally:
         await sub.close()
+
+
+async def test_publishes_arriving_one_per_loop_pass_share_round_trips(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # grpc.aio hands the server one new call per event-loop pass: concurrent
+    # publishes arrive staggered, not all at once as with gather().
+    broker = Broker(aclient, settings(redis_server), SystemClock())
+    round_trips = 0
+    pipeline, xadd = aclient.pipeline, aclient.xadd
+
+    def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
+        nonlocal round_trips
+        round_trips += 1
+        return pipeline(*args, **kwargs)
+
+    async def counted_xadd(*args: Any, **kwargs: Any) -> Any:
+        nonlocal round_trips
+        round_trips += 1
+        return await xadd(*args, **kwargs)
+
+    aclient.pipeline = counted_pipeline  # type: ignore[method-assign]
+    aclient.xadd = counted_xadd  # type: ignore[method-assign]
+
+    async def arrive(i: int) -> str:
+        for _ in range(i):
+            await asyncio.sleep(0)
+        return await broker.publish("orders", StreamEntry(f"m{i}".encode()))
+
+    n = 400
+    ids = await asyncio.gather(*(arrive(i) for i in range(n)))
+    rows: Any = redis_client.xrange("orders")
+    assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode() for i in range(n)]
+    assert [r[0] if isinstance(r[0], str) else r[0].decode() for r in rows] == ids
+    assert round_trips <= n // 10, f"{round_trips} round trips for {n} publishes"
