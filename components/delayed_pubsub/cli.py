@@ -200,7 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         count = default_workers() if args.workers is None else args.workers
-        pool = WorkerPool(count, log_level=args.log_level, log_format=args.log_format) if count > 0 else None
+        beside = args.socket or default_socket_path(os.environ)
+        pool = (
+            WorkerPool(count, log_level=args.log_level, log_format=args.log_format, beside=beside)
+            if count > 0
+            else None
+        )
         try:
             return _serve(args, pool)
         finally:

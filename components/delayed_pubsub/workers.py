@@ -149,11 +149,21 @@ class WorkerPool:
         command: Sequence[str] | None = None,
         dead_after_s: float = DEAD_AFTER_S,
         stale_s: float = STALE_S,
+        beside: Path | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
-        _remove_abandoned_folders()
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+        self._beside = beside
+        if beside is None:
+            _remove_abandoned_folders()
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+        else:
+            # Beside the socket, as the Init records are: the one folder serve may write
+            # where the root file system is read-only (the container image, the pod's
+            # readOnlyRootFilesystem), and one no other serve's clean-up can mistake for
+            # its own (pids repeat across the containers of a pod).
+            beside.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self.folder = Path(tempfile.mkdtemp(dir=beside.parent, prefix=_sibling_prefix(beside)))
         os.chmod(self.folder, 0o700)
         self._slots = [_Slot(i) for i in range(count)]
         self._log_level = log_level
@@ -182,7 +192,9 @@ class WorkerPool:
         _write_atomically(self.folder / INSTANCES_FILE, json.dumps(body, sort_keys=True).encode())
 
     def start(self) -> None:
-        """Start every worker and its supervision."""
+        """Start every worker and its supervision (once serve holds its socket)."""
+        if self._beside is not None:
+            _remove_sibling_folders(self._beside, keep=self.folder)
         for slot in self._slots:
             self._tasks.append(asyncio.create_task(self._supervise(slot), name=f"worker {slot.index}"))
 
@@ -354,6 +366,22 @@ def _remove_abandoned_folders() -> None:
             continue
         if not Path(f"/proc/{pid}").exists() or pid == os.getpid():
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sibling_prefix(socket_path: Path) -> str:
+    return f"{socket_path.stem}.workers-"
+
+
+def _remove_sibling_folders(socket_path: Path, keep: Path) -> None:
+    """Remove the worker folders a serve of this socket left behind (kill -9): called once
+    this serve holds the socket, so no live serve owns them. They hold Init metadata."""
+    for folder in socket_path.parent.glob(f"{_sibling_prefix(socket_path)}*"):
+        try:
+            if folder == keep or not folder.is_dir() or folder.stat().st_uid != os.geteuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

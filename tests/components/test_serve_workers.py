@@ -147,6 +147,37 @@ async def test_kill_9_of_serve_takes_its_workers_with_it(folder: Path, redis_ser
     await wait_for(lambda: not any(alive(p) for p in workers), "no orphaned worker", 5)
 
 
+def worker_folders(folder: Path, name: str) -> list[Path]:
+    return sorted(folder.glob(f"{name}.workers-*"))
+
+
+async def test_the_workers_folder_is_private_beside_the_socket_and_a_dead_serves_is_removed(
+    folder: Path, redis_server: RedisServer
+) -> None:
+    # Beside the socket, because that is the one folder serve may write in a container with a
+    # read-only root file system (the temp dir is not writable there).
+    other = Serve(folder, "b", "--workers", "1")
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        (first,) = worker_folders(folder, "a")
+        assert first.stat().st_mode & 0o777 == 0o700
+        async with instance(serve, props_for(redis_server)):
+            assert (first / "instances.json").stat().st_mode & 0o777 == 0o600
+        serve.kill9()
+        assert first.exists()  # Init metadata (secrets among it) left by a kill -9...
+        serve = Serve(folder, "a", "--workers", "1")
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        # ...is removed by the next serve of that socket; another socket's folder stays.
+        (second,) = worker_folders(folder, "a")
+        assert second != first and not first.exists()
+        assert len(worker_folders(folder, "b")) == 1
+    finally:
+        serve.stop()
+        other.stop()
+    assert worker_folders(folder, "a") == [] and worker_folders(folder, "b") == []
+
+
 async def test_workers_0_fires_in_the_serve_process_alone(
     folder: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
