@@ -53,7 +53,7 @@ from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
 from delayed_middleware.inspector import Progress as ProgressFn
-from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.instants import display_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.pausing import scan_prefix
@@ -215,14 +215,12 @@ def run(args: argparse.Namespace) -> int:
         _check_flags(args)
         settings = load_settings(args, os.environ)
         return asyncio.run(_with_redis(settings, args, out, err))
-    except UsageError as e:
-        err.print(f"delayed-pubsub {args.command}: error: {e}", markup=False)
-        return EXIT_USAGE
     except NotFound as e:
         err.print(f"delayed-pubsub {args.command}: not found: {e}", markup=False)
         return EXIT_NOT_FOUND
-    except InvalidArgumentError as e:
-        # An id that names envelopes on several shards, say: the operator must be precise.
+    except (UsageError, InvalidArgumentError) as e:
+        # InvalidArgumentError: an id that names envelopes on several shards, say; the operator
+        # must be precise, as with a bad flag.
         err.print(f"delayed-pubsub {args.command}: error: {e}", markup=False)
         return EXIT_USAGE
     except DelayedPubSubError as e:
@@ -332,15 +330,6 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
 # --- output helpers ---------------------------------------------------------------
 
 
-def _time(ms: int | None) -> str:
-    if ms is None:
-        return ""
-    try:
-        return format_instant(ms)
-    except ValueError:
-        return str(ms)
-
-
 @contextmanager
 def _progress(err: Console, what: str, total_hint: int) -> Iterator[ProgressFn | None]:
     """A progress bar on stderr for a long scan on a terminal; None otherwise."""
@@ -379,7 +368,7 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
         "id": m.id,
         "scheduleId": m.schedule_id or None,
         "topic": m.topic,
-        "due": _time(m.due_ms),
+        "due": display_instant(m.due_ms),
         # A schedule in a time zone: the zone, and `due` as local time there.
         "timeZone": zone_name or None,
         "dueLocal": local or None,
@@ -390,12 +379,12 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
         "targetPubsub": m.pubsub or None,
         # schedulePause: held until resumed (since `pausedAt`); `due` is then the occurrence it was held at.
         "paused": m.paused,
-        "pausedAt": _time(m.paused_at_ms) or None,
+        "pausedAt": display_instant(m.paused_at_ms) or None,
     }
 
 
 def _since(m: PendingMessage) -> str:
-    return f" since {_time(m.paused_at_ms)}" if m.paused else ""
+    return f" since {display_instant(m.paused_at_ms)}" if m.paused else ""
 
 
 def _kind(m: PendingMessage) -> str:
@@ -435,7 +424,7 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
                 out.file.write(sep + json.dumps({**_as_json(m), "cursor": cursor}, ensure_ascii=False) + "\n")
                 sep = ","
             else:
-                cells = (cursor, m.id, m.topic, _time(m.due_ms), _kind(m))
+                cells = (cursor, m.id, m.topic, display_instant(m.due_ms), _kind(m))
                 widths = (24, 24, 16, 24, 20)
                 line = "  ".join(_printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
                 out.file.write(f"{line}  {m.size}\n")
@@ -480,7 +469,8 @@ async def _pending(
         topic = f"{m.pubsub}/{m.topic}" if m.pubsub else m.topic
         zone_name, local = _in_zone(m.schedule, m.due_ms)
         in_zone = (f"{local} {zone_name}" if zone_name else "",) if zoned else ()
-        table.add_row(m.id, topic, _time(m.due_ms), *in_zone, _kind(m), str(m.size), str(m.attempts))
+        due = display_instant(m.due_ms)
+        table.add_row(m.id, topic, due, *in_zone, _kind(m), str(m.size), str(m.attempts))
     out.print(table)
     counts = Table(box=box.SIMPLE, title="pending per topic")
     counts.add_column("topic")
@@ -517,10 +507,10 @@ async def _inspect(
         ("envelope", f"{inspector.stream_of(m)} {m.stream_id}"),
         ("state", info.state + (f" ({info.parked_reason})" if info.parked_reason else "") + _since(m)),
         ("topic", m.topic),
-        ("due", _time(m.due_ms)),
+        ("due", display_instant(m.due_ms)),
         *_zone_rows(env.schedule, m.due_ms),
         ("kind", m.kind),
-        ("published", _time(m.published_at_ms) if m.published_at_ms else "-"),
+        ("published", display_instant(m.published_at_ms) if m.published_at_ms else "-"),
         ("contentType", env.content_type or "-"),
         ("size", f"{m.size} bytes" + (f" in {len(env.bulk_entries)} bulk entries" if env.is_bulk else "")),
         ("metadata", json.dumps(dict(env.metadata), ensure_ascii=False, sort_keys=True)),
@@ -674,7 +664,7 @@ async def _dead(
             # A hand-off's: the pub/sub and topic it was bound for.
             f"{d.target_pubsub}/{d.source_topic}" if d.target_pubsub else d.source_topic,
             str(d.attempts),
-            _time(d.at_ms),
+            display_instant(d.at_ms),
             str(d.size),
             d.reason,
         )
@@ -737,7 +727,8 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
     for column in ("at", "event", "id", "topic", "kind", "due", "attempt", "reason"):
         table.add_column(column, overflow="fold")
     for r in records:
-        cells = (_time(r.at_ms), r.event, r.id, r.topic, r.kind, _time(r.due_ms), str(r.attempt), r.reason)
+        at, due = display_instant(r.at_ms), display_instant(r.due_ms)
+        cells = (at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason)
         # Text, not markup: a reason such as "[link=…]" is shown as written.
         table.add_row(*(Text(_printable(c)) for c in cells))
     return table
@@ -823,8 +814,8 @@ class _TextRows:
         self._file.write("  ".join(cells).rstrip() + "\n")
 
     def row(self, cursor: str, r: hist.HistoryRecord) -> None:
-        due = _time(r.due_ms)
-        self._line([cursor, _time(r.at_ms), r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason])
+        at, due = display_instant(r.at_ms), display_instant(r.due_ms)
+        self._line([cursor, at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason])
 
     def close(self, shown: int) -> None:
         self._file.write(f"{shown} records\n")
@@ -851,13 +842,13 @@ def history_json(cursor: str, r: hist.HistoryRecord) -> dict[str, Any]:
     """A history record as `history --json` prints it: times as RFC3339, absent numbers as null."""
     return {
         "cursor": cursor,
-        "at": _time(r.at_ms),
+        "at": display_instant(r.at_ms),
         "event": r.event,
         "id": r.id,
         "scheduleId": r.schedule_id or None,
         "topic": r.topic,
         "kind": r.kind,
-        "due": _time(r.due_ms) or None,
+        "due": display_instant(r.due_ms) or None,
         "lateMs": r.lateness_ms,
         "size": r.size_bytes,
         "attempt": r.attempt,

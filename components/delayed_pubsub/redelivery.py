@@ -190,7 +190,7 @@ class Retrier:
             await self._retrying("dead letter XADD", write)
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
         (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
-        await self._append_history(
+        record = self._history_fields(
             history.DEAD_LETTERED,
             entry_id,
             entry,
@@ -198,6 +198,7 @@ class Retrier:
             attempt=decision.attempts,
             reason=decision.reason,
         )
+        await self._append_history(entry_id, record)
         log.warning(
             "%s on %s: gave up after %d deliveries; %s",
             entry_id,
@@ -206,19 +207,9 @@ class Retrier:
             f"dead-lettered to {topic!r}" if topic else "dropped (no deadLetterTopic)",
         )
 
-    async def _append_history(
-        self,
-        event: str,
-        entry_id: str,
-        entry: StreamEntry,
-        *,
-        due_ms: int | None,
-        attempt: int,
-        reason: str,
-    ) -> None:
+    async def _append_history(self, entry_id: str, fields: dict[str, str]) -> None:
         if not self._retention.enabled:
             return
-        fields = self._history_fields(event, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=reason)
         try:
             async with asyncio.timeout(self._timeout):
                 pipe = self._client.pipeline(transaction=False)

@@ -107,6 +107,17 @@ def _fraction_ms_ceil(digits: str) -> int:
     return millis
 
 
+def display_instant(ms: int | None) -> str:
+    """An instant for people to read: ``format_instant(ms)``, ``""`` for none, and the bare
+    number where it falls outside what RFC 3339 can write (a corrupt score must still show)."""
+    if ms is None:
+        return ""
+    try:
+        return format_instant(ms)
+    except ValueError:
+        return str(ms)
+
+
 def format_instant(ms: int) -> str:
     """Format Unix epoch milliseconds as RFC 3339 UTC with milliseconds: ``2026-11-25T10:00:00.123Z``.
 

@@ -32,7 +32,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from delayed_middleware import pausing
-from delayed_middleware.instants import format_instant
+from delayed_middleware.instants import display_instant
 from delayed_pubsub.connection import TRANSIENT_ERRORS
 from delayed_pubsub.dashboard.guard import COOKIE, CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.poller import Poller, Snapshot
@@ -59,15 +59,6 @@ class DashboardConfig:
     allowed_hosts: Sequence[str] = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def _time(ms: int | None) -> str:
-    if ms is None:
-        return ""
-    try:
-        return format_instant(ms)
-    except ValueError:
-        return str(ms)
-
-
 def _minute(ms: int) -> str:
     return time.strftime("%H:%M", time.gmtime(ms / 1000))
 
@@ -85,7 +76,7 @@ def templates() -> Jinja2Templates:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.filters["time"] = _time
+    env.filters["time"] = display_instant
     env.filters["minute"] = _minute
     env.filters["ms"] = _ms
     env.filters["q"] = lambda v: quote(str(v), safe="")

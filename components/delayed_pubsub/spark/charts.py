@@ -7,6 +7,7 @@ file, saying so, so a dashboard that embeds them never shows a broken image.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -33,11 +34,41 @@ _DPI: Final = 100
 def write_charts(stats: StatsTables, out_dir: Path, app_id: str) -> list[Path]:
     """Write the three charts into out_dir; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    no_fires = "no fires in the history"
     return [
-        _lateness(stats, out_dir / LATENESS_PNG, app_id),
-        _pending(stats, out_dir / PENDING_PNG, app_id),
-        _fires(stats, out_dir / FIRES_PNG, app_id),
+        _chart(
+            out_dir / LATENESS_PNG,
+            f"{app_id}: fire lateness (fired at - due)",
+            stats.lateness_histogram.empty,
+            no_fires,
+            lambda fig, ax: _lateness(stats, fig, ax),
+        ),
+        _chart(
+            out_dir / PENDING_PNG,
+            f"{app_id}: pending messages by due time",
+            stats.pending_by_due.empty,
+            "nothing pending",
+            lambda fig, ax: _pending(stats, fig, ax),
+        ),
+        _chart(
+            out_dir / FIRES_PNG,
+            f"{app_id}: fires per minute",
+            stats.throughput.empty,
+            no_fires,
+            lambda fig, ax: _fires(stats, fig, ax),
+        ),
     ]
+
+
+def _chart(path: Path, title: str, empty: bool, empty_text: str, draw: Callable[[Any, Any], None]) -> Path:
+    """One chart file: its frame and title, and either the drawing or, with no data, a note saying so."""
+    fig, ax = plt.subplots(figsize=_SIZE)
+    ax.set_title(title)
+    if empty:
+        _empty(ax, empty_text)
+    else:
+        draw(fig, ax)
+    return _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -53,28 +84,22 @@ def _empty(ax: Any, text: str) -> None:
     ax.set_yticks([])
 
 
-def _lateness(stats: StatsTables, path: Path, app_id: str) -> Path:
-    fig, ax = plt.subplots(figsize=_SIZE)
+def _lateness(stats: StatsTables, fig: Any, ax: Any) -> None:
     hist = stats.lateness_histogram
-    ax.set_title(f"{app_id}: fire lateness (fired at - due)")
-    if hist.empty:
-        _empty(ax, "no fires in the history")
-    else:
-        widths = hist["bin_end_ms"] - hist["bin_start_ms"]
-        ax.bar(hist["bin_start_ms"], hist["count"], width=0.9 * widths, align="edge", color="#4c72b0")
-        fired = stats.fired_by_topic
-        if not fired.empty:
-            for q, style in (("lateness_p50_ms", "--"), ("lateness_p99_ms", ":")):
-                # The all-topics line would need all values; mark the busiest topic's instead.
-                top = fired.sort_values("fired", ascending=False).iloc[0]
-                if top[q] is not None:
-                    ax.axvline(
-                        float(top[q]), color="#c44e52", linestyle=style, label=f"{q[9:12]} ({top['topic']})"
-                    )
-            ax.legend(loc="upper right", fontsize=8)
-        ax.set_xlabel("lateness (ms)")
-        ax.set_ylabel("messages")
-    return _save(fig, path)
+    widths = hist["bin_end_ms"] - hist["bin_start_ms"]
+    ax.bar(hist["bin_start_ms"], hist["count"], width=0.9 * widths, align="edge", color="#4c72b0")
+    fired = stats.fired_by_topic
+    if not fired.empty:
+        for q, style in (("lateness_p50_ms", "--"), ("lateness_p99_ms", ":")):
+            # The all-topics line would need all values; mark the busiest topic's instead.
+            top = fired.sort_values("fired", ascending=False).iloc[0]
+            if top[q] is not None:
+                ax.axvline(
+                    float(top[q]), color="#c44e52", linestyle=style, label=f"{q[9:12]} ({top['topic']})"
+                )
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlabel("lateness (ms)")
+    ax.set_ylabel("messages")
 
 
 def _unit(width_ms: float) -> tuple[str, float]:
@@ -84,50 +109,38 @@ def _unit(width_ms: float) -> tuple[str, float]:
     return "seconds", 1_000
 
 
-def _pending(stats: StatsTables, path: Path, app_id: str) -> Path:
-    fig, ax = plt.subplots(figsize=_SIZE)
+def _pending(stats: StatsTables, fig: Any, ax: Any) -> None:
     table = stats.pending_by_due
-    ax.set_title(f"{app_id}: pending messages by due time")
-    if table.empty:
-        _empty(ax, "nothing pending")
-    else:
-        # Relative to the moment of the stats: "due in N minutes" reads at a glance.
-        start_ms = (table["due_from"].astype("int64") // 1_000_000) - stats.now_ms
-        width_ms = float(((table["due_to"] - table["due_from"]).iloc[0]).total_seconds() * 1000)
-        unit, unit_ms = _unit(width_ms)
-        frame = table.assign(x=start_ms / unit_ms)
-        pivot = frame.pivot_table(index="x", columns="topic", values="count", aggfunc="sum").fillna(0)
-        bottom = None
-        for topic in pivot.columns:
-            ax.bar(
-                pivot.index,
-                pivot[topic],
-                width=width_ms / unit_ms,
-                align="edge",
-                bottom=bottom,
-                label=str(topic),
-            )
-            bottom = pivot[topic] if bottom is None else bottom + pivot[topic]
-        ax.legend(loc="upper right", fontsize=8, title="topic")
-        ax.set_xlabel(f"due in ({unit} from now; overdue counted in the first bar)")
-        ax.set_ylabel("messages")
-    return _save(fig, path)
+    # Relative to the moment of the stats: "due in N minutes" reads at a glance.
+    start_ms = (table["due_from"].astype("int64") // 1_000_000) - stats.now_ms
+    width_ms = float(((table["due_to"] - table["due_from"]).iloc[0]).total_seconds() * 1000)
+    unit, unit_ms = _unit(width_ms)
+    frame = table.assign(x=start_ms / unit_ms)
+    pivot = frame.pivot_table(index="x", columns="topic", values="count", aggfunc="sum").fillna(0)
+    bottom = None
+    for topic in pivot.columns:
+        ax.bar(
+            pivot.index,
+            pivot[topic],
+            width=width_ms / unit_ms,
+            align="edge",
+            bottom=bottom,
+            label=str(topic),
+        )
+        bottom = pivot[topic] if bottom is None else bottom + pivot[topic]
+    ax.legend(loc="upper right", fontsize=8, title="topic")
+    ax.set_xlabel(f"due in ({unit} from now; overdue counted in the first bar)")
+    ax.set_ylabel("messages")
 
 
-def _fires(stats: StatsTables, path: Path, app_id: str) -> Path:
-    fig, ax = plt.subplots(figsize=_SIZE)
+def _fires(stats: StatsTables, fig: Any, ax: Any) -> None:
     tp = stats.throughput
-    ax.set_title(f"{app_id}: fires per minute")
-    if tp.empty:
-        _empty(ax, "no fires in the history")
-    else:
-        ax.plot(tp["minute"], tp["fired"], marker="o", color="#55a868")
-        first, last = tp["minute"].min(), tp["minute"].max()
-        if last - first < pd.Timedelta(minutes=10):
-            # A few minutes of data: matplotlib would stretch one point over years.
-            ax.set_xlim(first - pd.Timedelta(minutes=5), last + pd.Timedelta(minutes=5))
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("minute (UTC)")
-        ax.set_ylabel("fired")
-        fig.autofmt_xdate()
-    return _save(fig, path)
+    ax.plot(tp["minute"], tp["fired"], marker="o", color="#55a868")
+    first, last = tp["minute"].min(), tp["minute"].max()
+    if last - first < pd.Timedelta(minutes=10):
+        # A few minutes of data: matplotlib would stretch one point over years.
+        ax.set_xlim(first - pd.Timedelta(minutes=5), last + pd.Timedelta(minutes=5))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("minute (UTC)")
+    ax.set_ylabel("fired")
+    fig.autofmt_xdate()
