@@ -131,6 +131,11 @@ class PendingReport:
     undecodable: int
 
 
+def _matches(m: PendingMessage, topic: str | None, due_before_ms: int | None) -> bool:
+    # The listings' one filter: on `topic` (None: any) and due before `due_before_ms` (None: any time).
+    return (topic is None or m.topic == topic) and (due_before_ms is None or m.due_ms < due_before_ms)
+
+
 @dataclass(frozen=True)
 class MessageInfo:
     """One envelope decoded, with its state and its history."""
@@ -477,9 +482,7 @@ class Inspector:
                     break
                 scanned += len(rows)
                 for message in await self._decode_page(shard, await walk.named(rows), stats):
-                    if topic is not None and message.topic != topic:
-                        continue
-                    if due_before_ms is not None and message.due_ms >= due_before_ms:
+                    if not _matches(message, topic, due_before_ms):
                         continue
                     yield message
                 if stats is not None:
@@ -532,9 +535,7 @@ class Inspector:
                     own = m.schedule_id or (m.stream_id if m.kind == Kind.RECURRING.label else "")
                     if prefix and not own.startswith(prefix):
                         continue
-                    if topic is not None and m.topic != topic:
-                        continue
-                    if due_before_ms is not None and m.due_ms >= due_before_ms:
+                    if not _matches(m, topic, due_before_ms):
                         continue
                     raw = raw_of.get(m.stream_id, m.stream_id)
                     yield (raw if len(self.shards) == 1 else f"{raw}@{shard}"), m
@@ -724,9 +725,7 @@ class Inspector:
                     message = self._handoff(shard, _s(raw_id), fields, tries, policy, now)
                     if message is None:
                         continue
-                    if topic is not None and message.topic != topic:
-                        continue
-                    if due_before_ms is not None and message.due_ms >= due_before_ms:
+                    if not _matches(message, topic, due_before_ms):
                         continue
                     yield message
                 if len(rows) < self._page:

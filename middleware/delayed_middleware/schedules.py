@@ -285,27 +285,24 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
     return schedule
 
 
-def _parse_at(expr: str, rest: str) -> Schedule:
+def _argument(expr: str, rest: str, word: str, parse: Callable[[str], int], needs: str) -> int:
+    # The value after `@at` / `@every`: missing, or refused by its parser, names the whole expression.
     if not rest:
-        raise InvalidArgumentError(
-            SCHEDULE_KEY, expr, "@at needs an RFC 3339 instant, e.g. @at 2045-11-05T08:15:30Z"
-        )
+        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{word} needs {needs}")
     try:
-        at_ms = parse_instant(rest)
+        return parse(rest)
     except ValueError as exc:
-        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"@at: {exc}") from None
+        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{word}: {exc}") from None
+
+
+def _parse_at(expr: str, rest: str) -> Schedule:
+    at_ms = _argument(expr, rest, "@at", parse_instant, "an RFC 3339 instant, e.g. @at 2045-11-05T08:15:30Z")
     return Schedule(kind="at", expr=f"@at {format_instant(at_ms)}", at_ms=at_ms)
 
 
 def _parse_every(expr: str, rest: str) -> Schedule:
-    if not rest:
-        raise InvalidArgumentError(
-            SCHEDULE_KEY, expr, "@every needs a Go duration, e.g. @every 30s or @every 1h30m"
-        )
-    try:
-        interval_ms = parse_go_duration(rest)
-    except ValueError as exc:
-        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"@every: {exc}") from None
+    needs = "a Go duration, e.g. @every 30s or @every 1h30m"
+    interval_ms = _argument(expr, rest, "@every", parse_go_duration, needs)
     if interval_ms < MIN_EVERY_MS:
         raise InvalidArgumentError(
             SCHEDULE_KEY,
