@@ -36,11 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
-from bench.common import MD, PAYLOAD, start_serve, stop  # noqa: E402
+from bench.common import MD, PAYLOAD, bench_engine, start_serve, stop  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
-from delayed_middleware.keys import EngineKeys, fire_marker_prefix, shard_topics  # noqa: E402
+from delayed_middleware.keys import fire_marker_prefix  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc  # noqa: E402
 from tests.redis_server import RedisCluster, RedisServer  # noqa: E402
 
@@ -67,13 +66,11 @@ class Replica:
         self.socket.unlink(missing_ok=True)
 
 
-async def schedule_burst(client: Any, shards: list[str], topics: list[str], n: int, due: int) -> None:
-    """n envelopes over `topics`, due at `due`, stored straight through the engine (no fire loop runs)."""
+async def schedule_burst(client: Any, props: dict[str, str], topics: list[str], n: int, due: int) -> None:
+    """n envelopes over `topics`, due at `due`, stored straight through the engine the replicas
+    build from `props` (no fire loop runs)."""
     # History off, as in the replicas' props: memory is the envelope, its index entry, nothing else.
-    config = EngineConfig(history_max_len=0)
-    engines = ShardedEngine(
-        [DelayEngine(client, EngineKeys.for_topic(s), SystemClock(), config=config) for s in shards]
-    )
+    engines = bench_engine(client, SystemClock(), {**props, "historyMaxLen": "0"})
     envs = [
         Envelope(id="", topic=topics[i % len(topics)], due_ms=due, published_at_ms=due, message=PAYLOAD)
         for i in range(n)
@@ -102,8 +99,7 @@ async def drain(
     folder: Path, props: dict[str, str], client: Any, admin: Any, topics: list[str], n: int, replicas: int
 ) -> tuple[float, float]:
     """(start-up s: Init to the first landing, drain s: first to last landing) of n overdue messages."""
-    shards = shard_topics(props["consumerID"], int(props["delayShards"]))
-    await schedule_burst(client, shards, topics, n, now_ms())
+    await schedule_burst(client, props, topics, n, now_ms())
     rs = [Replica(folder, f"r{i}") for i in range(replicas)]
     try:
         t0 = now_ms()
@@ -121,12 +117,9 @@ async def redis_us_per_message(single: RedisServer, topics: list[str], n: int, t
         admin.flushall()
         client = aioredis.Redis(port=single.port)
         try:
-            engine = DelayEngine(
-                client,
-                EngineKeys.for_topic("bench-delayed"),
-                SystemClock(),
-                config=EngineConfig(two_phase=two_phase, history_max_len=0),
-            )
+            # Fire path forced either way on one node: the two-phase path's own Redis cost.
+            props = {"consumerID": "bench", "historyMaxLen": "0"}
+            engine = bench_engine(client, SystemClock(), props, config={"two_phase": two_phase})
             now = now_ms()
             await engine.schedule(
                 [
@@ -215,7 +208,7 @@ async def main() -> None:
             cluster.flushall()
             before = used_memory(cluster.nodes)
             await schedule_burst(
-                client, shard_topics("bench", 6), topics, args.pending, now_ms() + 86_400_000
+                client, {**base, "delayShards": "6"}, topics, args.pending, now_ms() + 86_400_000
             )
             per = (used_memory(cluster.nodes) - before) / args.pending
             print(

@@ -10,7 +10,12 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from delayed_middleware.engine import ShardedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_PATH = os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components"))
@@ -86,3 +91,27 @@ def timed_cli(argv: list[str]) -> str:
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0, out.stderr.decode()
     return f"{took:.2f} s wall, {cpu:.2f} s CPU"
+
+
+def bench_engine(
+    client: Any,
+    clock: Any,
+    props: Mapping[str, str],
+    *,
+    config: Mapping[str, Any] | None = None,
+    **build: Any,
+) -> ShardedEngine:
+    """The engine the component would build for these Init properties (the YAML's
+    spec.metadata): Settings parsed as Init parses them, then build_engine.
+
+    `redisHost` may be left out (the client is already connected). `config` overrides
+    EngineConfig fields beyond what the settings decide (a bench's own knobs, such as
+    compaction off); `build` goes to build_engine (on_batch, …).
+    """
+    # Imported here: most benches never build an engine and need not load it.
+    from delayed_pubsub.engines import build_engine, engine_config
+    from delayed_pubsub.settings import parse_settings
+
+    settings = parse_settings({"redisHost": "127.0.0.1", **props})
+    cfg = engine_config(settings, **(config or {}))
+    return build_engine(settings, client, clock, config=cfg, **build)

@@ -42,10 +42,9 @@ for sub in ("proto", "middleware", "components"):
         sys.path.append(str(ROOT / sub))
 sys.path.insert(0, str(ROOT))
 
+from bench.common import bench_engine  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
-from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 APP = "bench"
@@ -55,7 +54,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 async def schedule(port: int, n: int) -> None:
     client = aioredis.Redis(port=port)
-    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic(APP)), SystemClock())
+    engine = bench_engine(client, SystemClock(), {"consumerID": APP})
     now = int(time.time() * 1000)
     batch = 1000
     for start in range(0, n, batch):

@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
+from bench.common import bench_engine  # noqa: E402
 from delayed_middleware.clock import ManualClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine, FireReport  # noqa: E402
+from delayed_middleware.engine import FireReport  # noqa: E402
 from delayed_middleware.envelope import BulkEntry, Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -54,7 +55,7 @@ CASES: dict[str, list[Envelope]] = {
 async def measure(client: aioredis.Redis, envs: list[Envelope]) -> tuple[float, int]:
     await client.flushall()
     reports: list[FireReport] = []
-    engine = DelayEngine(client, KEYS, ManualClock(T0), on_batch=reports.append)
+    engine = bench_engine(client, ManualClock(T0), {"consumerID": "bench"}, on_batch=lambda _: reports.append)
     await engine.schedule(envs)
     await client.slowlog_reset()
     while (await engine.fire_due())[0]:

@@ -24,10 +24,9 @@ import redis.asyncio as aioredis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
+from bench.common import bench_engine  # noqa: E402
 from delayed_middleware.clock import ManualClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
-from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 T0 = 1_800_000_000_000
@@ -41,7 +40,7 @@ async def redis_cpu(client: aioredis.Redis) -> float:
 async def run(port: int, n: int, ids: bool) -> tuple[float, float]:
     client = aioredis.Redis(port=port)
     clock = ManualClock(T0)
-    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic("bench")), clock)
+    engine = bench_engine(client, clock, {"consumerID": "bench"})
     for start in range(0, n, 1000):
         await engine.schedule(
             [

@@ -46,10 +46,9 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from bench.common import MD, start_serve, stop  # noqa: E402
+from bench.common import MD, bench_engine, start_serve, stop  # noqa: E402
 from delayed_middleware import scripts  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine, EngineConfig  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
@@ -126,8 +125,10 @@ async def mix_run(
     redis_server.start()
     keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
     client = aioredis.Redis(port=redis_server.port)
-    config = EngineConfig(history_max_len=0, compact_check_every=1_000 if compact else 0)
-    engine = DelayEngine(client, keys, SystemClock(), config=config)
+    props = {"consumerID": CONSUMER_ID, "historyMaxLen": "0"}
+    engine = bench_engine(
+        client, SystemClock(), props, config={"compact_check_every": 1_000 if compact else 0}
+    )
     probe = aioredis.Redis(port=redis_server.port)
     try:
         # Not per message, so kept out of the figure: the scripts (cached once by Redis,

@@ -32,9 +32,8 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from bench.common import PAYLOAD, timed_cli  # noqa: E402
+from bench.common import PAYLOAD, bench_engine, timed_cli  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.entry import StreamEntry  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.history import FIELDS, Retention  # noqa: E402
@@ -53,7 +52,7 @@ EXE = Path(sys.executable).with_name("delayed-pubsub")
 
 async def populate(port: int, n: int, topics: int) -> None:
     client = aioredis.Redis(port=port)
-    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic("bench")), SystemClock())
+    engine = bench_engine(client, SystemClock(), {"consumerID": "bench"})
     now = int(time.time() * 1000)
     batch: list[Envelope] = []
     for i in range(n):

@@ -26,21 +26,18 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio.cluster as acluster  # noqa: E402
 
-from bench.common import PAYLOAD, timed_cli  # noqa: E402
+from bench.common import PAYLOAD, bench_engine, timed_cli  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine, ShardedEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.inspector import Inspector  # noqa: E402
-from delayed_middleware.keys import EngineKeys, shard_topics  # noqa: E402
 from tests.redis_server import RedisCluster  # noqa: E402
 
 EXE = Path(sys.executable).with_name("delayed-pubsub")
 
 
 async def populate(client: acluster.RedisCluster, app: str, shards: int, n: int, topics: int) -> None:
-    engine = ShardedEngine(
-        [DelayEngine(client, EngineKeys.for_topic(t), SystemClock()) for t in shard_topics(app, shards)]
-    )
+    props = {"consumerID": app, "redisType": "cluster", "delayShards": str(shards)}
+    engine = bench_engine(client, SystemClock(), props)
     now = int(time.time() * 1000)
     for start in range(0, n, 1000):
         await engine.schedule(

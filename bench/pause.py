@@ -33,8 +33,8 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
+from bench.common import bench_engine  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -57,7 +57,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 async def populate(port: int, n: int, start: int = 0) -> None:
     client = aioredis.Redis(port=port)
-    engine = DelayEngine(client, KEYS, SystemClock())
+    engine = bench_engine(client, SystemClock(), {"consumerID": "bench"})
     now = int(time.time() * 1000)
     batch: list[Envelope] = []
     for i in range(start, start + n):
@@ -130,7 +130,7 @@ def listings(port: int, n: int) -> None:
 async def cancels(port: int, m: int) -> None:
     client = aioredis.Redis(port=port)
     await client.flushall()
-    engine = DelayEngine(client, KEYS, SystemClock())
+    engine = bench_engine(client, SystemClock(), {"consumerID": "bench"})
     results = {}
     for mode in ("by name (cancel_many)", "by prefix"):
         await client.flushall()

@@ -31,9 +31,9 @@ for sub in ("proto", "middleware", "components"):
         sys.path.append(str(ROOT / sub))  # after PYTHONPATH: another checkout given there wins
 sys.path.insert(0, str(ROOT))
 
+from bench.common import bench_engine  # noqa: E402
 from delayed_middleware import scripts  # noqa: E402
 from delayed_middleware.clock import ManualClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_pubsub.spark.datasource import PendingDataSource  # noqa: E402
@@ -45,7 +45,7 @@ DUE = 1_800_000_000_000
 
 async def schedule(port: int, n: int) -> None:
     client = aioredis.Redis(port=port)
-    engine = DelayEngine(client, EngineKeys.for_topic(delayed_topic(APP)), ManualClock(DUE - 3_600_000))
+    engine = bench_engine(client, ManualClock(DUE - 3_600_000), {"consumerID": APP})
     env = Envelope(id="", topic="later", due_ms=DUE, published_at_ms=DUE - 3_600_000, message=b"x" * 200)
     for _ in range(n // 1000):
         await engine.schedule([env] * 1000)
@@ -63,7 +63,9 @@ def read_all(options: dict[str, str]) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--envelopes", type=int, default=50_000)
     parser.add_argument("--partitions", type=int, default=4)
     args = parser.parse_args()
