@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,16 @@ def timed_cli(argv: list[str]) -> str:
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0, out.stderr.decode()
     return f"{took:.2f} s wall, {cpu:.2f} s CPU"
+
+
+def daprd_heading(daprd_path: str, run: str) -> str:
+    """The first line of a bench through daprd: when, which machine and load, which daprd, then `run`
+    (what the figures below it are). Said once so every such bench describes its run alike."""
+    return (
+        f"# {datetime.now(UTC):%Y-%m-%d %H:%M UTC} on {platform.node()}, {os.cpu_count()} cores "
+        f"(shared), Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}; "
+        f"daprd {Path(daprd_path).name}; {run}"
+    )
 
 
 def bench_engine(

@@ -17,14 +17,11 @@ Needs redis-server, daprd (scripts/daprd.sh finds or builds it) and ghz.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.common import start_process, start_serve, stop  # noqa: E402
+from bench.common import daprd_heading, start_process, start_serve, stop  # noqa: E402
 from bench.deliver import cpu_seconds  # noqa: E402
 from bench.fastpath import ghz_publish, write_protoset  # noqa: E402
 from bench.grpc_ceiling import ghz_path  # noqa: E402
@@ -56,11 +53,7 @@ def main() -> None:
     n, c = a.messages, a.concurrency
     exe = ghz_path()
     daprd_path = harness.find_daprd()
-    print(
-        f"# {datetime.now(UTC):%Y-%m-%d %H:%M UTC} on {platform.node()}, {os.cpu_count()} cores "
-        f"(shared), Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}; "
-        f"daprd {Path(daprd_path).name}; ghz, {n} publishes x {a.rounds} rounds, {c} concurrent"
-    )
+    print(daprd_heading(daprd_path, f"ghz, {n} publishes x {a.rounds} rounds, {c} concurrent"))
     with tempfile.TemporaryDirectory(prefix="dpsd-") as d:
         work = Path(d)
         server = RedisServer(work / "redis", appendonly=False)

@@ -26,8 +26,6 @@ import asyncio
 import base64
 import json
 import math
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -42,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.common import PAYLOAD, start_serve, stop  # noqa: E402
+from bench.common import PAYLOAD, daprd_heading, start_serve, stop  # noqa: E402
 from bench.grpc_ceiling import ghz_path  # noqa: E402
 from tests.e2e import harness  # noqa: E402
 from tests.redis_server import RedisServer, free_port  # noqa: E402
@@ -229,12 +227,7 @@ def main() -> None:
     n = a.messages
     exe = ghz_path()
     daprd_path = harness.find_daprd()
-    print(
-        f"# {datetime.now(UTC):%Y-%m-%d %H:%M UTC} on {platform.node()}, {os.cpu_count()} cores "
-        f"(shared with other agents' work), Python {platform.python_version()}, load "
-        f"{os.getloadavg()[0]:.1f}; daprd {Path(daprd_path).name}; {n} messages per figure; "
-        f"ghz, {a.concurrency} concurrent"
-    )
+    print(daprd_heading(daprd_path, f"{n} messages per figure; ghz, {a.concurrency} concurrent"))
     with tempfile.TemporaryDirectory(prefix="dpsf-") as d:
         work = Path(d)
         server = RedisServer(work / "redis", appendonly=False)

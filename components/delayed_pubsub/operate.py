@@ -162,16 +162,17 @@ def register(subparsers: Any) -> None:
         p.add_argument("ids", metavar="ID", nargs="+", help="scheduleIds (or a recurring envelope's id)")
         p.set_defaults(operate=_pause if name == "pause" else _resume)
 
-    p = subparsers.add_parser("dead", parents=[common], help="list this app's dead letters")
-    p.add_argument("--topic", help="only dead letters that came from this topic")
+    # `dead` lists what `retry-dead` moves: one filter, so the two always select the same letters.
+    dead_filter = argparse.ArgumentParser(add_help=False)
+    dead_filter.add_argument("--topic", help="only dead letters that came from this topic")
+    p = subparsers.add_parser("dead", parents=[common, dead_filter], help="list this app's dead letters")
     p.set_defaults(operate=_dead)
 
     p = subparsers.add_parser(
         "retry-dead",
-        parents=[common],
+        parents=[common, dead_filter],
         help="move dead letters back to their topic (every consumer group of that topic gets them)",
     )
-    p.add_argument("--topic", help="only dead letters that came from this topic")
     p.set_defaults(operate=_retry_dead)
 
     p = subparsers.add_parser(

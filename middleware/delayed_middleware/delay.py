@@ -78,14 +78,9 @@ TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, 
 # The Pulsar aliases: an empty value means "no delay" there, so it does here.
 PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
 
-# Keys this one-shot parser does not handle (plan.read_request does).
-_NOT_ONE_SHOT: Final[tuple[str, ...]] = (
-    SCHEDULE,
-    SCHEDULE_CANCEL,
-    SCHEDULE_SOURCE,
-    SCHEDULE_TTL,
-    *SCHEDULE_OPTION_KEYS,
-)
+# Keys this one-shot parser does not handle (plan.read_request does): every delay key
+# but the time keys and scheduleId, so a delay key added later is never read as a one-shot's.
+_NOT_ONE_SHOT: Final[tuple[str, ...]] = tuple(k for k in DELAY_KEYS if k not in (*TIME_KEYS, SCHEDULE_ID))
 
 MAX_SCHEDULE_ID_LENGTH: Final = 256
 

@@ -13,8 +13,8 @@ import pytest
 
 from tests.e2e import harness
 from tests.e2e.conftest import APP_ID, PUBSUB
-from tests.e2e.harness import ManagedProcess, Stack
-from tests.redis_server import RedisCluster, free_port
+from tests.e2e.harness import Stack
+from tests.redis_server import RedisCluster
 
 SHARDS = 6
 SUBSCRIPTIONS = (
@@ -31,7 +31,6 @@ def cluster_stack(
 ) -> Iterator[Stack]:
     """Start the stack, yield it, stop what was started (a fixture's body)."""
     workdir = Path(tmp_path_factory.mktemp("e2e-cluster-stack"))
-    socket_dir = workdir / "sockets"
     resources = workdir / "resources"
     resources.mkdir()
     metadata = harness.component_metadata(
@@ -39,26 +38,15 @@ def cluster_stack(
     )
     metadata["redisHost"] = ",".join(cluster.addresses)
     (resources / f"{PUBSUB}.yaml").write_text(harness.component_yaml(PUBSUB, metadata))
-    started: list[ManagedProcess] = []
-    try:
-        component = harness.start_component(workdir, socket_dir)
-        started.append(component)
-        app_port = free_port()
-        subscriber = harness.start_subscriber(workdir, app_port, SUBSCRIPTIONS)
-        started.append(subscriber)
-        ports = harness.DaprdPorts.free()
-        daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
-        started.append(daprd)
-        s = Stack(
-            workdir=workdir,
-            redis_port=cluster.nodes[0].port,
-            app_port=app_port,
-            ports=ports,
-            pubsubs=(PUBSUB,),
-            daprd=daprd,
-            component=component,
-            subscriber=subscriber,
-        )
+    with harness.started_stack(
+        daprd_path,
+        workdir,
+        resources,
+        redis_port=cluster.nodes[0].port,
+        pubsubs=(PUBSUB,),
+        subscriptions=SUBSCRIPTIONS,
+        app_id=APP_ID,
+    ) as s:
 
         def loaded() -> bool:
             meta = s.client.get(f"{s.dapr_url}/v1.0/metadata").json()
@@ -67,12 +55,6 @@ def cluster_stack(
 
         harness.wait_until(loaded, 30, "daprd to load the cluster component's subscriptions", s.daprd)
         yield s
-        s.client.close()
-    except harness.HarnessError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    finally:
-        for proc in reversed(started):
-            proc.stop()
 
 
 def admin_client(cluster: RedisCluster) -> Iterator[Any]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import harness
-from tests.e2e.harness import ManagedProcess, Stack
-from tests.redis_server import RedisServer, free_port
+from tests.e2e.harness import Stack
+from tests.redis_server import RedisServer
 
 APP_ID = "e2e-app"
 PUBSUB = "delayed"
@@ -68,7 +68,6 @@ def stack(
     daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     workdir = Path(tmp_path_factory.mktemp("e2e-stack"))
-    socket_dir = workdir / "sockets"
     resources = workdir / "resources"
     resources.mkdir()
     (resources / f"{PUBSUB}.yaml").write_text(
@@ -83,37 +82,18 @@ def stack(
         )
     )
 
-    started: list[ManagedProcess] = []
-    try:
-        component = None
-        if not harness.BUILTIN:
-            component = harness.start_component(workdir, socket_dir)
-            started.append(component)
-        app_port = free_port()
-        subscriber = harness.start_subscriber(workdir, app_port, SUBSCRIPTIONS)
-        started.append(subscriber)
-        ports = harness.DaprdPorts.free()
-        daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
-        started.append(daprd)
-        s = Stack(
-            workdir=workdir,
-            redis_port=e2e_redis.port,
-            app_port=app_port,
-            ports=ports,
-            pubsubs=(PUBSUB, PUBSUB_B, PUBSUB_DL),
-            daprd=daprd,
-            component=component,
-            subscriber=subscriber,
-        )
+    with harness.started_stack(
+        daprd_path,
+        workdir,
+        resources,
+        redis_port=e2e_redis.port,
+        pubsubs=(PUBSUB, PUBSUB_B, PUBSUB_DL),
+        subscriptions=SUBSCRIPTIONS,
+        app_id=APP_ID,
+        component=not harness.BUILTIN,
+    ) as s:
         wait_for_subscriptions(s)
         yield s
-        s.client.close()
-    except harness.HarnessError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    finally:
-        # daprd first (it holds the streams), then the component, then the app.
-        for proc in reversed(started):
-            proc.stop()
 
 
 def wait_for_subscriptions(s: Stack) -> None:

@@ -377,6 +377,53 @@ class Stack:
 
 
 @contextmanager
+def started_stack(
+    daprd_path: str,
+    workdir: Path,
+    resources: Path,
+    *,
+    redis_port: int,
+    pubsubs: tuple[str, ...],
+    subscriptions: Sequence[str],
+    app_id: str,
+    component: bool = True,
+) -> Iterator[Stack]:
+    """The component (unless `component` is False: daprd's built-in then serves the YAMLs), the
+    subscriber app and daprd over `resources`; stopped in reverse order, daprd first (it holds the
+    streams), then the component, then the app. A HarnessError fails the test with its message."""
+    socket_dir = workdir / "sockets"
+    started: list[ManagedProcess] = []
+    try:
+        proc = None
+        if component:
+            proc = start_component(workdir, socket_dir)
+            started.append(proc)
+        app_port = free_port()
+        subscriber = start_subscriber(workdir, app_port, subscriptions)
+        started.append(subscriber)
+        ports = DaprdPorts.free()
+        daprd = start_daprd(daprd_path, workdir, socket_dir, app_id, app_port, resources, ports)
+        started.append(daprd)
+        s = Stack(
+            workdir=workdir,
+            redis_port=redis_port,
+            app_port=app_port,
+            ports=ports,
+            pubsubs=pubsubs,
+            daprd=daprd,
+            component=proc,
+            subscriber=subscriber,
+        )
+        yield s
+        s.client.close()
+    except HarnessError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+@contextmanager
 def dapr_client(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The Dapr Python SDK's DaprClient on the stack's daprd (its health probe uses the HTTP port)."""
     from dapr.clients import DaprClient
