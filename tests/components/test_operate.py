@@ -122,10 +122,16 @@ async def test_cancel_by_schedule_id_and_envelope_id_is_never_delivered(
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     stream = await c.subscribe("orders")
-    # Due in 8 s: time for two CLI runs even on a loaded machine.
-    await c.publish("orders", b"cancel me by id", {"scheduledSendDelay": "8s", "scheduleId": "x1"})
-    await c.publish("orders", b"cancel me by envelope", {"scheduledSendDelay": "8s"})
-    await c.publish("orders", b"keep me", {"scheduledSendDelay": "8s", "scheduleId": "keep"})
+    # The three CLI runs below must all end before the messages are due, however
+    # loaded the machine: one run timed now sets the delay (8 s at least).
+    started = time.monotonic()
+    assert (await cli("pending", *conn, "--json")).json() == []
+    delay_s = max(8, round(6 * (time.monotonic() - started)))
+    delay = {"scheduledSendDelay": f"{delay_s}s"}
+    published = time.monotonic()
+    await c.publish("orders", b"cancel me by id", {**delay, "scheduleId": "x1"})
+    await c.publish("orders", b"cancel me by envelope", delay)
+    await c.publish("orders", b"keep me", {**delay, "scheduleId": "keep"})
     [by_envelope] = [
         r["id"] for r in (await cli("pending", *conn, "--json")).json() if r["scheduleId"] is None
     ]
@@ -134,8 +140,9 @@ async def test_cancel_by_schedule_id_and_envelope_id_is_never_delivered(
     assert result.out.split("\n")[:2] == ["cancelled x1", f"cancelled {by_envelope}"]
     assert "ghost, also-ghost" in result.err
     assert [r["id"] for r in (await cli("pending", *conn, "--json")).json()] == ["keep"]
+    assert time.monotonic() - published < delay_s, "the CLI runs outlasted the delay: raise its factor"
 
-    msg = await stream.next(within=15)
+    msg = await stream.next(within=delay_s + 10)
     assert msg.data == b"keep me"
     assert await stream.nothing_for(1.5)
     # Cancelling again finds nothing: exit 1, naming it.
