@@ -207,8 +207,13 @@ class Supervised:
 
     @property
     def down(self) -> bool:
-        """Started, not being stopped, and ended (waiting for its restart) or stalled."""
-        return self._task is not None and not self.stopping and not self.healthy
+        """Started, not being stopped, and ended (waiting for its restart) or stalled.
+
+        A loop whose first run has not begun yet (start() only schedules it) is
+        neither: a health report made in the same loop pass as start() must not
+        call a loop that is about to run "ended"."""
+        begun = self.up or self.restarts > 0
+        return self._task is not None and begun and not self.stopping and not self.healthy
 
     @property
     def stopping(self) -> bool:

@@ -48,6 +48,24 @@ async def test_a_loop_that_raises_is_logged_at_error_counted_and_restarted(
     assert not loop.up
 
 
+async def test_a_loop_started_but_not_yet_run_is_not_down_and_one_that_ended_is() -> None:
+    ended = asyncio.Event()
+
+    async def body(stop: asyncio.Event) -> None:
+        ended.set()  # returns without a stop: it ended, and waits for its restart
+
+    loop = Supervised("fresh", body, backoff=Backoff(base_s=30.0, cap_s=30.0))
+    loop.start()
+    try:
+        # start() only schedules the first run: a health report made now (as a worker's
+        # first heartbeat is) must not see an "ended" loop.
+        assert not loop.down
+        await until("the first run ended", ended.is_set)
+        await until("down, waiting for its restart", lambda: loop.down)
+    finally:
+        await loop.stop()
+
+
 async def test_a_loop_that_returns_without_a_stop_is_restarted() -> None:
     runs = 0
 
