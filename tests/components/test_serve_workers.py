@@ -170,12 +170,14 @@ async def test_the_workers_folder_is_private_beside_the_socket_and_a_dead_serves
         await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
         # ...is removed by the next serve of that socket; another socket's folder stays.
         (second,) = worker_folders(folder, "a")
-        assert second != first and not first.exists()
+        assert second != first
+        assert not first.exists()
         assert len(worker_folders(folder, "b")) == 1
     finally:
         serve.stop()
         other.stop()
-    assert worker_folders(folder, "a") == [] and worker_folders(folder, "b") == []
+    assert worker_folders(folder, "a") == []
+    assert worker_folders(folder, "b") == []
 
 
 async def test_workers_0_fires_in_the_serve_process_alone(
