@@ -387,16 +387,18 @@ def started_stack(
     subscriptions: Sequence[str],
     app_id: str,
     component: bool = True,
+    component_args: Sequence[str] = (),
 ) -> Iterator[Stack]:
-    """The component (unless `component` is False: daprd's built-in then serves the YAMLs), the
-    subscriber app and daprd over `resources`; stopped in reverse order, daprd first (it holds the
-    streams), then the component, then the app. A HarnessError fails the test with its message."""
+    """The component (unless `component` is False: daprd's built-in then serves the YAMLs; started
+    with `component_args` added to `serve`), the subscriber app and daprd over `resources`; stopped
+    in reverse order, daprd first (it holds the streams), then the component, then the app. A
+    HarnessError fails the test with its message."""
     socket_dir = workdir / "sockets"
     started: list[ManagedProcess] = []
     try:
         proc = None
         if component:
-            proc = start_component(workdir, socket_dir)
+            proc = start_component(workdir, socket_dir, *component_args)
             started.append(proc)
         app_port = free_port()
         subscriber = start_subscriber(workdir, app_port, subscriptions)

@@ -13,8 +13,8 @@ import pytest
 
 from tests.components.serve import children_of
 from tests.e2e import harness
-from tests.e2e.harness import ManagedProcess, Stack, carries, now_ms, unique
-from tests.redis_server import RedisServer, free_port
+from tests.e2e.harness import Stack, carries, now_ms, unique
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 
@@ -27,36 +27,21 @@ def workers_stack(
     daprd_path: str, e2e_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     workdir = Path(tmp_path_factory.mktemp("e2e-workers"))
-    socket_dir = workdir / "sockets"
     resources = workdir / "resources"
     resources.mkdir()
     meta = harness.component_metadata(e2e_redis.port, redisDB="3", consumerID=APP_ID)
     (resources / f"{PUBSUB}.yaml").write_text(harness.component_yaml(PUBSUB, meta))
-    started: list[ManagedProcess] = []
-    try:
-        component = harness.start_component(workdir, socket_dir, "--workers", "2")
-        started.append(component)
-        app_port = free_port()
-        subscriber = harness.start_subscriber(workdir, app_port, (f"{PUBSUB}=orders",))
-        started.append(subscriber)
-        ports = harness.DaprdPorts.free()
-        daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
-        started.append(daprd)
-        yield Stack(
-            workdir=workdir,
-            redis_port=e2e_redis.port,
-            app_port=app_port,
-            ports=ports,
-            pubsubs=(PUBSUB,),
-            daprd=daprd,
-            component=component,
-            subscriber=subscriber,
-        )
-    except harness.HarnessError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    finally:
-        for proc in reversed(started):
-            proc.stop()
+    with harness.started_stack(
+        daprd_path,
+        workdir,
+        resources,
+        redis_port=e2e_redis.port,
+        pubsubs=(PUBSUB,),
+        subscriptions=(f"{PUBSUB}=orders",),
+        app_id=APP_ID,
+        component_args=("--workers", "2"),
+    ) as stack:
+        yield stack
 
 
 def test_delayed_messages_arrive_once_while_a_worker_is_killed(workers_stack: Stack) -> None:
