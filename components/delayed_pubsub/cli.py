@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = default_workers() if args.workers is None else args.workers
         beside = args.socket or default_socket_path(os.environ)
         pool = (
-            WorkerPool(count, log_level=args.log_level, log_format=args.log_format, beside=beside)
+            WorkerPool(count, beside, log_level=args.log_level, log_format=args.log_format)
             if count > 0
             else None
         )

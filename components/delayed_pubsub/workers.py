@@ -16,8 +16,8 @@ worker is a fresh interpreter (grpc's and redis-py's state never crosses a
 fork), its pid and command line read plainly in `ps`, and nothing else (no
 resource tracker, no pipes) lives beside it to be left behind.
 
-The gRPC process and its workers talk through files in a private folder
-(0700, removed at the end):
+The gRPC process and its workers talk through files in a private folder beside
+serve's socket (`<socket stem>.workers-*`, 0700, removed at the end):
 
 - `instances.json` (0600: Init metadata holds secrets), written by the gRPC
   process whenever an instance is Init'ed, re-Init'ed, restored or closed; the
@@ -36,7 +36,7 @@ the kernel kills its workers with it (PR_SET_PDEATHSIG), so a crash of serve is
 a crash of the whole component, as it was with one process: no worker fires on
 without the process that answers daprd. (Elsewhere than Linux a worker sees
 its parent gone within POLL_S and stops.) The folder such a crash leaves is
-removed by the next `serve` of the same user.
+removed by the next `serve` of the same socket, once it holds the socket.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INSTANCES_FILE = "instances.json"
-FOLDER_PREFIX = "delayed-pubsub-workers-"
 # How often a worker writes its heartbeat and metrics, and looks for a changed instances file.
 HEARTBEAT_S = 1.0
 POLL_S = 0.2
@@ -143,27 +142,23 @@ class WorkerPool:
     def __init__(
         self,
         count: int,
+        beside: Path,
         *,
         log_level: str = "info",
         log_format: str = "text",
         command: Sequence[str] | None = None,
         dead_after_s: float = DEAD_AFTER_S,
         stale_s: float = STALE_S,
-        beside: Path | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("a worker pool needs at least one worker")
+        # Beside `beside` (serve's socket), as the Init records are: the one folder serve may
+        # write where the root file system is read-only (the container image, the pod's
+        # readOnlyRootFilesystem), and one no other serve's clean-up can mistake for its own
+        # (pids repeat across the containers of a pod).
         self._beside = beside
-        if beside is None:
-            _remove_abandoned_folders()
-            self.folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
-        else:
-            # Beside the socket, as the Init records are: the one folder serve may write
-            # where the root file system is read-only (the container image, the pod's
-            # readOnlyRootFilesystem), and one no other serve's clean-up can mistake for
-            # its own (pids repeat across the containers of a pod).
-            beside.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            self.folder = Path(tempfile.mkdtemp(dir=beside.parent, prefix=_sibling_prefix(beside)))
+        beside.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(dir=beside.parent, prefix=_sibling_prefix(beside)))
         os.chmod(self.folder, 0o700)
         self._slots = [_Slot(i) for i in range(count)]
         self._log_level = log_level
@@ -193,8 +188,7 @@ class WorkerPool:
 
     def start(self) -> None:
         """Start every worker and its supervision (once serve holds its socket)."""
-        if self._beside is not None:
-            _remove_sibling_folders(self._beside, keep=self.folder)
+        _remove_sibling_folders(self._beside, keep=self.folder)
         for slot in self._slots:
             self._tasks.append(asyncio.create_task(self._supervise(slot), name=f"worker {slot.index}"))
 
@@ -352,20 +346,6 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _remove_abandoned_folders() -> None:
-    """Remove the worker folders of our own serve processes that died without cleaning up
-    (kill -9): they hold Init metadata, secrets among it."""
-    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
-        try:
-            pid = int(folder.name[len(FOLDER_PREFIX) :].split("-", 1)[0])
-            if folder.stat().st_uid != os.geteuid():
-                continue
-        except (ValueError, OSError):
-            continue
-        if not Path(f"/proc/{pid}").exists() or pid == os.getpid():
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sibling_prefix(socket_path: Path) -> str:

@@ -234,7 +234,9 @@ async def test_re_init_with_new_metadata_reaches_the_workers(
 
 async def test_liveness_fails_when_workers_do_not_come_back(socket_path: Path) -> None:
     # Workers that die at once, every time: the supervisor restarts them in vain.
-    pool = WorkerPool(1, command=[sys.executable, "-c", "import sys; sys.exit(3)"], dead_after_s=1.0)
+    pool = WorkerPool(
+        1, socket_path, command=[sys.executable, "-c", "import sys; sys.exit(3)"], dead_after_s=1.0
+    )
     server = ComponentServer(socket_path, SystemClock(), health_interval=0.2, workers=pool)
     await server.start()
     http = HealthHttpServer(socket_path, 0, "127.0.0.1")
