@@ -29,7 +29,8 @@ serve's socket (`<socket stem>.workers-*`, 0700, removed at the end):
 - `metrics-<n>.prom`, each worker's metrics in the text format; the metrics
   endpoint merges them with its own (counters and histograms summed, gauges
   the largest of the processes, so the gauges every worker keeps alike are
-  not counted twice).
+  not counted twice). A restarted worker's counters go on from where the
+  dead one's stopped, so a counter of the endpoint never falls.
 
 A worker ends when told (SIGTERM). When `serve` itself is killed (-9, OOM),
 the kernel kills its workers with it (PR_SET_PDEATHSIG), so a crash of serve is
@@ -386,6 +387,38 @@ def _mtime(path: Path) -> float | None:
 _SUMMED = ("counter", "histogram", "summary", "gaugehistogram")
 
 
+_Child = tuple[str, tuple[tuple[str, str], ...]]  # a family's name and a child's labels
+_Key = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and all its labels
+
+
+def _labels(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A child's labels, without the bucket or quantile that tell its samples apart."""
+    return tuple(sorted((k, v) for k, v in labels.items() if k not in ("le", "quantile")))
+
+
+class _Life:
+    """One child of a worker's summed metric, over the worker's restarts."""
+
+    def __init__(self) -> None:
+        self.created: float | None = None
+        self.last: dict[_Key, float] = {}
+        self.before: dict[_Key, float] = {}
+
+    def carried(self, created: float | None, values: Mapping[_Key, float]) -> dict[_Key, float]:
+        """`values` plus what the child's earlier lives counted.
+
+        A new life is a new `_created`, or, where `_created` is not written
+        (PROMETHEUS_DISABLE_CREATED_SERIES), any sample that fell.
+        """
+        reborn = self.created is not None and created is not None and created != self.created
+        if reborn or any(v < self.last.get(k, 0.0) for k, v in values.items()):
+            for key, last in self.last.items():
+                self.before[key] = self.before.get(key, 0.0) + last
+        self.created = created
+        self.last = dict(values)
+        return {key: value + self.before.get(key, 0.0) for key, value in values.items()}
+
+
 class MergedMetrics:
     """A prometheus_client collector: this process's registry and every worker's last metrics, merged.
 
@@ -399,6 +432,45 @@ class MergedMetrics:
     def __init__(self, local: CollectorRegistry, files: Iterable[Path] | None = None) -> None:
         self._local = local
         self.files: list[Path] = list(files or [])
+        # Per worker file, per child (family, labels): the child's `_created`,
+        # its samples' last values and what earlier lives of it had counted.
+        self._lives: dict[Path, dict[_Child, _Life]] = {}
+
+    def _continued(self, path: Path, families: Iterable[Metric]) -> Iterator[Metric]:
+        """`path`'s families, its counters and histograms carried on across the worker's restarts.
+
+        A restarted worker counts from 0 again. Summed as they are, the merged
+        counter would fall, and Prometheus reads any fall as a reset: rate()
+        would then count the whole remaining sum once more as new work. So
+        what a child counted before its process restarted (its `_created`
+        changed, or a sample fell) is added to what it counts now.
+        """
+        lives = self._lives.setdefault(path, {})
+        families = list(families)
+        # The text format writes a child's `_created` as a gauge family of its own, after it.
+        born: dict[_Child, float] = {
+            (fam.name[: -len("_created")], _labels(s.labels)): s.value
+            for fam in families
+            if fam.type == "gauge" and fam.name.endswith("_created")
+            for s in fam.samples
+        }
+        for fam in families:
+            if fam.type in _SUMMED:
+                counted: dict[_Child, dict[_Key, float]] = {}
+                for s in fam.samples:
+                    child = (fam.name, _labels(s.labels))
+                    if s.name.endswith("_created") and s.name != fam.name:
+                        born[child] = s.value  # OpenMetrics: inside the family
+                    else:
+                        counted.setdefault(child, {})[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                totals: dict[_Key, float] = {}
+                for child, values in counted.items():
+                    totals.update(lives.setdefault(child, _Life()).carried(born.get(child), values))
+                fam.samples = [
+                    s._replace(value=totals.get((s.name, tuple(sorted(s.labels.items()))), s.value))
+                    for s in fam.samples
+                ]
+            yield fam
 
     def collect(self) -> Iterator[Metric]:
         """The merged metric families."""
@@ -433,7 +505,7 @@ class MergedMetrics:
             except OSError:
                 continue  # not written yet, or a worker being restarted
             try:
-                add(text_string_to_metric_families(text))
+                add(self._continued(path, text_string_to_metric_families(text)))
             except ValueError:
                 log.warning("unreadable worker metrics in %s; skipped this scrape", path)
         for name, fam in merged.items():

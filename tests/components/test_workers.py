@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
@@ -82,3 +83,47 @@ def test_merged_metrics_sum_counters_and_histograms_but_never_double_count_gauge
     # One family per name: a scraper refuses a second TYPE line.
     types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
     assert len(types) == len(set(types))
+
+
+def write_worker_metrics(path: Path, m: Metrics) -> None:
+    path.write_bytes(prometheus_client.generate_latest(m.registry))
+
+
+@pytest.mark.parametrize("created_series", [True, False])
+def test_a_restarted_workers_counters_go_on_from_where_the_dead_one_stopped(
+    tmp_path: Path, request: pytest.FixtureRequest, created_series: bool
+) -> None:
+    # Prometheus reads any fall of a counter as a reset and counts the whole
+    # value again as new work: the endpoint's counters must never fall.
+    if not created_series:
+        # As PROMETHEUS_DISABLE_CREATED_SERIES does: then only a fall tells a restart.
+        disable: Callable[[], None] = prometheus_client.disable_created_metrics  # untyped upstream
+        enable: Callable[[], None] = prometheus_client.enable_created_metrics
+        disable()
+        request.addfinalizer(enable)
+    path = tmp_path / "metrics-0.prom"
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(MergedMetrics(Metrics().registry, [path]))
+    inst = {"instance": "delayed"}
+
+    first = Metrics()
+    first.fired.labels("delayed").inc(500)
+    first.fire_lateness.labels("delayed").observe(0.002)
+    write_worker_metrics(path, first)
+    assert value(merged, "delayed_pubsub_fired_messages_total", inst) == 500
+
+    # The worker dies. By the next scrape its successor has fired more than the
+    # dead one had (nothing fell, only _created moved), or less (the counter fell).
+    second = Metrics()
+    second.fired.labels("delayed").inc(800 if created_series else 3)
+    second.fire_lateness.labels("delayed").observe(0.004)
+    write_worker_metrics(path, second)
+    assert value(merged, "delayed_pubsub_fired_messages_total", inst) == (1300 if created_series else 503)
+    assert value(merged, "delayed_pubsub_fire_lateness_seconds_count", inst) == 2
+    assert value(merged, "delayed_pubsub_fire_lateness_seconds_sum", inst) == pytest.approx(0.006)
+    le = {**inst, "le": "0.005"}
+    assert value(merged, "delayed_pubsub_fire_lateness_seconds_bucket", le) == 2
+
+    second.fired.labels("delayed").inc(7)
+    write_worker_metrics(path, second)
+    assert value(merged, "delayed_pubsub_fired_messages_total", inst) == (1307 if created_series else 510)
