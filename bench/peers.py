@@ -820,7 +820,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--quick", action="store_true", help="smaller sizes, <= 10 minutes (default)")
     mode.add_argument("--full", action="store_true", help="the issue's sizes (1M pending)")
     mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md; the lateness chart goes to the temp dir")
     ap.add_argument(
         "--only",
         action="append",
@@ -839,8 +839,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
         run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers))
     took = time.time() - started
+    # --no-write leaves the tree as it was: its chart goes to the temp dir.
+    drawn = CHART if not (a.no_write or a.smoke) else Path(tempfile.gettempdir()) / CHART.name
     if run.lateness:  # no steady workload run (--only): keep the last chart
-        chart(run, CHART if not a.smoke else Path(tempfile.gettempdir()) / CHART.name)
+        chart(run, drawn)
     head = (
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, `{platform.node()}`, {os.cpu_count()} cores shared with other "
         f"agents' work, load {os.getloadavg()[0]:.1f}; {version}; "
@@ -850,7 +852,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     lines = table(run) + [f"\n- note: {note}" for note in run.notes]
     print(head)
     print("\n".join(lines))
-    print(f"lateness CDF: {CHART.relative_to(ROOT)}")
+    if run.lateness:
+        print(f"lateness CDF: {drawn}")
     if not (a.no_write or a.smoke):
         with RESULTS.open("a") as out:
             out.write(
