@@ -58,13 +58,13 @@ TTL: Final = "ttl"
 # The component setting that must be "true" before any of DELAY_KEYS is accepted.
 ENABLE_DELAYED_MESSAGING: Final = "enableDelayedMessaging"
 
+# The keys that say when a one-shot is due: a message gives at most one of them.
+TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
+
 # Keys that need enableDelayedMessaging. The TTL keys are absent on purpose:
 # per-message TTL is ordinary pub/sub behaviour and works without delays.
 DELAY_KEYS: Final[tuple[str, ...]] = (
-    SCHEDULED_SEND_TIME,
-    SCHEDULED_SEND_DELAY,
-    DELIVER_AT,
-    DELIVER_AFTER,
+    *TIME_KEYS,
     SCHEDULE,
     SCHEDULE_ID,
     SCHEDULE_CANCEL,
@@ -72,9 +72,6 @@ DELAY_KEYS: Final[tuple[str, ...]] = (
     SCHEDULE_TTL,
     *SCHEDULE_OPTION_KEYS,
 )
-
-# The keys that say when a one-shot is due: a message gives at most one of them.
-TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
 # The Pulsar aliases: an empty value means "no delay" there, so it does here.
 PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
 

@@ -68,6 +68,18 @@ local function forget(id, env, key)
   end
 end
 
+-- An occurrence's metadata as it goes out, JSON-encoded: the entry's own, with
+-- `scheduler` (the schedule's id) and `scheduleNext` (its next time, or '-').
+-- nil and why when cjson cannot encode it (1e400 decoded as inf): the caller
+-- parks the envelope, before it has written anything for it.
+local function stamped(md, key, iso)
+  md['scheduler'] = key
+  md['scheduleNext'] = iso
+  local ok, json = pcall(cjson.encode, md)
+  if not ok then return nil, 'metadata: ' .. tostring(json) end
+  return json
+end
+
 -- Takes the due candidate c = {stream id, due, bucket} into the batch and decides it:
 --   nil                                    the batch is full (work or bytes): c is not taken;
 --   false                                  taken and settled here (gone, undecodable: parked,

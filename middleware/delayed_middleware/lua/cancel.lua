@@ -35,119 +35,39 @@ local BUCKET_PREFIX, NOW_MS, HIST_LEN, REASON, N_IDS =
 --!include history.lua
 --!include common.lua
 
+-- The length of the `event` (field 2) of the DelayedBulkEntry in s[from..to].
+local function event_length(s, from, to)
+  local event = 0
+  each_field(s, from, to, function(fno, b, e)
+    if fno == 2 then event = b and e - b + 1 or 0 end
+  end)
+  return event
+end
+
 -- peek(s) returns what a cancel needs of an envelope (its history record and,
 -- on Cluster, where APPEND would write it): topic, scheduleId, kind, schedule,
 -- size and targetPubsub, as decode() reads them, without copying its body or
 -- decoding its metadata (decode() costs ~7 us for a small envelope, this ~2).
 -- Raises where decode() would on its top level and on a bulk body's framing,
--- not inside the metadata maps it skips.
-local find = string.find
-
--- A varint at pos: a one-byte one read in place (tags and most lengths).
-local function uvarint(s, pos)
-  local b = byte(s, pos)
-  if b and b < 128 then return b, pos + 1 end
-  return varint(s, pos)
-end
-
--- Skips a varint at pos (bytes with the high bit set, then one without).
-local function skip_varint(s, pos)
-  local e = find(s, '[%z\1-\127]', pos)
-  if not e then error('truncated varint') end
-  return e + 1
-end
-
--- Length-delimited field at pos: its first and last byte; errors past `last`.
-local function span(s, pos, last)
-  local len
-  len, pos = uvarint(s, pos)
-  local e = pos + len - 1
-  if e > last then error('truncated field') end
-  return pos, e
-end
-
--- The length of the `event` (field 2) of the DelayedBulkEntry in s[from..to].
-local function event_length(s, from, to)
-  local event, pos = 0, from
-  while pos <= to do
-    local key
-    key, pos = uvarint(s, pos)
-    local fno, wt = (key - key % 8) / 8, key % 8
-    if wt == 2 then
-      local b, e = span(s, pos, to)
-      if fno == 2 then event = e - b + 1 end
-      pos = e + 1
-    elseif wt == 0 then
-      pos = skip_varint(s, pos)
-      if fno == 2 then event = 0 end
-    else
-      pos = skip(wt, s, pos)
-    end
-  end
-  return event
-end
-
+-- not inside the metadata maps it skips. It shares decode()'s walk (message(),
+-- in spans mode), so the two cannot read an envelope differently.
 local function peek(s)
-  local pos, n = 1, #s
-  local topic, sid, schedule, bulk, kind, target = '', '', '', 0, 0, ''
-  local body_from, body_to = nil, nil
-  while pos <= n do
-    -- uvarint and span inlined: this loop is most of a cancel's Lua time.
-    local key = byte(s, pos)
-    if key < 128 then pos = pos + 1 else key, pos = varint(s, pos) end
-    local wt = key % 8
-    local fno = (key - wt) / 8
-    if wt == 2 then
-      local len = byte(s, pos)
-      if len and len < 128 then pos = pos + 1 else len, pos = varint(s, pos) end
-      local e = pos + len - 1
-      if e > n then error('truncated field') end
-      -- As decode(): the last occurrence of a field wins, and a field of
-      -- the wrong wire type reads as empty (or 0).
-      if fno == 2 then body_from, body_to = pos, e
-      elseif fno == 1 then topic = sub(s, pos, e)
-      elseif fno == 10 then sid = sub(s, pos, e)
-      elseif fno == 12 then schedule = sub(s, pos, e)
-      elseif fno == 16 then target = sub(s, pos, e)
-      elseif fno == 5 then bulk = 0
-      elseif fno == 11 then kind = 0
-      end
-      pos = e + 1
-    elseif wt == 0 then
-      if fno == 5 then bulk, pos = varint(s, pos)
-      elseif fno == 11 then kind, pos = varint(s, pos)
-      else
-        pos = skip_varint(s, pos)
-        if fno == 2 then body_from = nil
-        elseif fno == 1 then topic = ''
-        elseif fno == 10 then sid = ''
-        elseif fno == 12 then schedule = ''
-        elseif fno == 16 then target = ''
-        end
-      end
-    else
-      pos = skip(wt, s, pos)
-    end
-  end
+  -- As decode(): the last occurrence of a field wins, and a field of the
+  -- wrong wire type reads as empty (or 0).
+  local at, num, _, _, last = message(s, 1, #s, true)
+  local function bytes(n) return at[n] and sub(s, at[n], last[n]) or '' end
+  local topic, sid, schedule, target = bytes(1), bytes(10), bytes(12), bytes(16)
+  local bulk, kind = num[5] or 0, num[11] or 0
+  local body_from, body_to = at[2], last[2]
   if topic == '' then error('no topic') end
   local size = 0
   if body_from and bulk == 0 then
     size = body_to - body_from + 1
   elseif body_from then
     -- A DelayedBulk: the sum of its entries' event lengths.
-    pos = body_from
-    while pos <= body_to do
-      local key
-      key, pos = uvarint(s, pos)
-      local fno, wt = (key - key % 8) / 8, key % 8
-      if wt == 2 then
-        local b, e = span(s, pos, body_to)
-        if fno == 1 then size = size + event_length(s, b, e) end
-        pos = e + 1
-      else
-        pos = skip(wt, s, pos)
-      end
-    end
+    each_field(s, body_from, body_to, function(fno, b, e)
+      if fno == 1 and b then size = size + event_length(s, b, e) end
+    end)
   end
   return topic, sid, kind, schedule, size, target
 end

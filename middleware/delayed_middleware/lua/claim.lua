@@ -66,11 +66,8 @@ local function record(id, due, env, key, iso)
   local trim = (env.target == '' and (own_pubsub == '' or env.pubsub == own_pubsub)) and 1 or 0
   local rec = {id, due, key, iso, target, env.target, env.topic, env.bulk and 1 or 0, expires, env.source, trim, #entries}
   for _, e in ipairs(entries) do
-    local md = e[2]
-    md['scheduler'] = key
-    md['scheduleNext'] = iso
-    local ok, json = pcall(cjson.encode, md)
-    if not ok then return nil, 'metadata: ' .. tostring(json) end
+    local json, why = stamped(e[2], key, iso)
+    if not json then return nil, why end
     rec[#rec + 1] = e[1]
     rec[#rec + 1] = json
     rec[#rec + 1] = e[3]

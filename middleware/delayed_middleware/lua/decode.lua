@@ -30,24 +30,39 @@ local function skip(wt, s, pos)
   error('unsupported wire type')
 end
 
--- A map<string,string> entry in s[from..to]: returns key, value.
-local function map_entry(s, from, to)
-  local k, v, pos = '', '', from
+-- Walks the fields of the message in s[from..to]: on(field number, first, last)
+-- for a length-delimited field, on(field number) for a varint; skips the rest.
+-- The one walker of the nested messages (map entries, bulk entries); the top
+-- level's hot loop (message() below) is written out.
+local function each_field(s, from, to, on)
+  local pos = from
   while pos <= to do
     local key
     key, pos = varint(s, pos)
-    local f, wt = (key - key % 8) / 8, key % 8
+    local fno, wt = (key - key % 8) / 8, key % 8
     if wt == 2 then
       local len
       len, pos = varint(s, pos)
       local e = pos + len - 1
-      if e > to then error('truncated map entry') end
-      if f == 1 then k = sub(s, pos, e) elseif f == 2 then v = sub(s, pos, e) end
+      if e > to then error('truncated field') end
+      on(fno, pos, e)
       pos = e + 1
+    elseif wt == 0 then
+      pos = skip(wt, s, pos)
+      on(fno)
     else
       pos = skip(wt, s, pos)
     end
   end
+end
+
+-- A map<string,string> entry in s[from..to]: returns key, value.
+local function map_entry(s, from, to)
+  local k, v = '', ''
+  each_field(s, from, to, function(f, b, e)
+    if not b then return end
+    if f == 1 then k = sub(s, b, e) elseif f == 2 then v = sub(s, b, e) end
+  end)
   return k, v
 end
 
@@ -57,9 +72,11 @@ end
 -- field: the fire path decodes every envelope it fires, so this is its hot
 -- loop; a field seen again with the other wire type clears the first (the
 -- last one wins, as protobuf's parser does). Single-byte keys and lengths,
--- nearly all of them, skip the varint call.
-local function message(s, from, to)
-  local fs, fn, md, pos, pairs_read = {}, {}, {}, from, 0
+-- nearly all of them, skip the varint call. With `spans`, nothing is copied or
+-- decoded: fs[n] is where bytes field n starts and the fifth table where it
+-- ends, and the map is skipped (cancel.lua's peek).
+local function message(s, from, to, spans)
+  local fs, fn, md, pos, pairs_read, fe = {}, {}, {}, from, 0, {}
   while pos <= to do
     local key = byte(s, pos)
     if key < 128 then pos = pos + 1 else key, pos = varint(s, pos) end
@@ -70,7 +87,9 @@ local function message(s, from, to)
       if len < 128 then pos = pos + 1 else len, pos = varint(s, pos) end
       local e = pos + len - 1
       if e > to then error('truncated field') end
-      if n == 4 then
+      if spans then
+        fs[n], fe[n], fn[n] = pos, e, nil
+      elseif n == 4 then
         local k, v = map_entry(s, pos, e)
         md[k] = v
         pairs_read = pairs_read + 1
@@ -85,7 +104,7 @@ local function message(s, from, to)
       pos = skip(wt, s, pos)
     end
   end
-  return fs, fn, md, pairs_read
+  return fs, fn, md, pairs_read, fe
 end
 
 -- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
@@ -107,27 +126,13 @@ local function decode(s)
     env.size = #body
     return env
   end
-  local pos, n = 1, #body
-  while pos <= n do
-    local key
-    key, pos = varint(body, pos)
-    local fno, wt = (key - key % 8) / 8, key % 8
-    if wt == 2 then
-      local len
-      len, pos = varint(body, pos)
-      local e = pos + len - 1
-      if e > n then error('truncated bulk entry') end
-      if fno == 1 then
-        local efs, _, emd, enp = message(body, pos, e)
-        env.pairs = env.pairs + enp
-        local event = efs[2] or ''
-        env.entries[#env.entries + 1] = {event, emd, efs[3] or ''}
-        env.size = env.size + #event
-      end
-      pos = e + 1
-    else
-      pos = skip(wt, body, pos)
-    end
-  end
+  each_field(body, 1, #body, function(fno, b, e)
+    if fno ~= 1 or not b then return end
+    local efs, _, emd, enp = message(body, b, e)
+    env.pairs = env.pairs + enp
+    local event = efs[2] or ''
+    env.entries[#env.entries + 1] = {event, emd, efs[3] or ''}
+    env.size = env.size + #event
+  end)
   return env
 end

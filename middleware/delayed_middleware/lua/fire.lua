@@ -153,12 +153,9 @@ local function append(env, key, iso, target)
   -- Trimmed (the envelope's own topic, under maxLenApprox/streamTTL), or plain.
   local trimmed = env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub)
   for _, entry in ipairs(entries) do
-    local md = entry[2]
-    md['scheduler'] = key
-    md['scheduleNext'] = iso
     -- Guarded like the XADD: nothing may raise after the first write.
-    local encoded, json = pcall(cjson.encode, md)
-    if not encoded then return done, 'metadata: ' .. tostring(json) end
+    local json, why = stamped(entry[2], key, iso)
+    if not json then return done, why end
     local ok, err
     if not trimmed and entry[3] == '' and expires <= 0 and env.target == '' then
       -- The common entry (data and metadata only): no argument table to build and unpack.
