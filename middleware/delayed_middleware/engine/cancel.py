@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from delayed_middleware.engine.config import CANCEL_BATCH
 from delayed_middleware.engine.core import EngineCore
-from delayed_middleware.engine.scripts import InFlight
+from delayed_middleware.engine.replies import InFlight
 from delayed_middleware.keys import fire_marker_prefix
 from delayed_middleware.kinds import Kind
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from delayed_middleware.engine.scripts import ScheduleCall, ScheduleResult
+from delayed_middleware.engine.replies import ScheduleCall, ScheduleResult
 
 Send = Callable[[Sequence[ScheduleCall]], Awaitable[Sequence[ScheduleResult | ResponseError]]]
 

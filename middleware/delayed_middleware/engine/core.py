@@ -35,7 +35,8 @@ from delayed_middleware.engine.config import (
     FireReport,
     Recurrence,
 )
-from delayed_middleware.engine.scripts import Budget, EngineScripts, ScheduleCall, ScheduleResult
+from delayed_middleware.engine.replies import Budget, ScheduleCall, ScheduleResult
+from delayed_middleware.engine.scripts import EngineScripts
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.history import IndexSweep
@@ -224,7 +225,7 @@ class EngineCore:
         loses no data, so it is not worth holding the script across slots.
         """
         ttl = self._config.marker_ttl_ms
-        cancelled = [(sid, topic) for sid, topic in cancelled if topic]  # '': not text (scripts.topic)
+        cancelled = [(sid, topic) for sid, topic in cancelled if topic]  # '': not text (replies.topic)
         if not ttl or not cancelled:
             return
         expires = str(self._clock.now_ms() + ttl)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from delayed_middleware.engine.compaction import Compacting
 from delayed_middleware.engine.config import REFILL_BATCH
 from delayed_middleware.engine.refill import Refilling
-from delayed_middleware.engine.scripts import Refill
+from delayed_middleware.engine.replies import Refill
 from delayed_middleware.engine.two_phase import TwoPhaseFiring
 
 

@@ -28,7 +28,7 @@ from delayed_middleware import pausing
 from delayed_middleware.aio import text
 from delayed_middleware.engine.config import REFILL_BATCH
 from delayed_middleware.engine.core import EngineCore
-from delayed_middleware.engine.scripts import Refill, RefillItem
+from delayed_middleware.engine.replies import Refill, RefillItem
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.kinds import Kind
 

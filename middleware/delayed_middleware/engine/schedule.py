@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from delayed_middleware.engine.cancel import Cancelling
-from delayed_middleware.engine.scripts import ScheduleCall, ScheduleItem
+from delayed_middleware.engine.replies import ScheduleCall, ScheduleItem
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.errors import PartiallyStoredError
 

@@ -245,5 +245,3 @@ class ShardedEngine:
         """Re-check every shard's index now."""
         for e in self.engines:
             e.wake()
-
-

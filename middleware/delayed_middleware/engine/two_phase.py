@@ -48,7 +48,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from delayed_middleware.engine.core import EngineCore
-from delayed_middleware.engine.scripts import AppendItem, Claim, Refill
+from delayed_middleware.engine.replies import AppendItem, Claim, Refill
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
 
 
