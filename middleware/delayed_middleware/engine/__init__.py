@@ -24,7 +24,7 @@ Modules, each stating its invariants and crash points:
 - `scripts.py`: the typed layer over the Lua scripts (one method per
   script); nothing else packs KEYS/ARGV.
 - `replies.py`: what the scripts take and answer (one result dataclass per
-  script, each reading itself from the raw reply); nothing else reads a reply.
+  script, and the readers of their raw replies); nothing else reads a reply.
 - `config.py`: EngineConfig, FireReport, batch constants.
 - `core.py`: one shard's state and the clock/skew helpers.
 - `schedule.py`: SCHEDULE in chunks, call tokens, replaces.

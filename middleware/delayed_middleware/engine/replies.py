@@ -1,7 +1,7 @@
 """What the engine's scripts take and answer: the typed arguments and results of engine/scripts.py.
 
-Each result dataclass reads itself from its script's raw reply (`read`), slot
-by slot as the script's header (lua/*.lua) lists them.
+The `read_*` functions read a script's raw reply into its result, slot by
+slot as the script's header (lua/*.lua) lists them.
 
 A reply whose text fields are not UTF-8 (a hand-written envelope's topic)
 must not raise here, after the script's writes: `topic()` turns those into ''
@@ -120,13 +120,6 @@ class FireResult:
     expired: list[tuple[str, str]]  # (envelope id, topic)
     refills: list[Refill]
 
-    @classmethod
-    def read(cls, raw: Sequence[Any]) -> FireResult:
-        """FIRE's reply: its fixed head, the expired pairs, then the refill quads."""
-        head, rest = _header(raw, _FIRE_REPLY)
-        expired, rest = _expired(rest)
-        return cls(**head, expired=expired, refills=_refills(rest))
-
 
 @dataclass(frozen=True)
 class Claim:
@@ -179,13 +172,6 @@ class ClaimResult:
     expired: list[tuple[str, str]]
     claims: list[Claim]
 
-    @classmethod
-    def read(cls, raw: Sequence[Any]) -> ClaimResult:
-        """CLAIM's reply: its fixed head, the expired pairs, then one record per claim."""
-        head, rest = _header(raw, _CLAIM_REPLY)
-        expired, rest = _expired(rest)
-        return cls(**head, expired=expired, claims=_claims(rest))
-
 
 @dataclass(frozen=True)
 class AppendItem:
@@ -206,12 +192,6 @@ class ReleaseResult:
     fired: int
     head: str
     refills: list[Refill]
-
-    @classmethod
-    def read(cls, raw: Sequence[Any]) -> ReleaseResult:
-        """RELEASE's reply: its fixed head, then the refill quads."""
-        head, rest = _header(raw, _RELEASE_REPLY)
-        return cls(**head, refills=_refills(rest))
 
 
 @dataclass(frozen=True)
@@ -309,3 +289,23 @@ def _claims(raw: Sequence[Any]) -> list[Claim]:
             c.entries.append(c.fields(data, md, ct))
         out.append(c)
     return out
+
+
+def read_fire(raw: Sequence[Any]) -> FireResult:
+    """FIRE's reply: its fixed head, the expired pairs, then the refill quads."""
+    head, rest = _header(raw, _FIRE_REPLY)
+    expired, rest = _expired(rest)
+    return FireResult(**head, expired=expired, refills=_refills(rest))
+
+
+def read_claim(raw: Sequence[Any]) -> ClaimResult:
+    """CLAIM's reply: its fixed head, the expired pairs, then one record per claim."""
+    head, rest = _header(raw, _CLAIM_REPLY)
+    expired, rest = _expired(rest)
+    return ClaimResult(**head, expired=expired, claims=_claims(rest))
+
+
+def read_release(raw: Sequence[Any]) -> ReleaseResult:
+    """RELEASE's reply: its fixed head, then the refill quads."""
+    head, rest = _header(raw, _RELEASE_REPLY)
+    return ReleaseResult(**head, refills=_refills(rest))

@@ -31,6 +31,9 @@ from delayed_middleware.engine.replies import (
     ScheduleCall,
     ScheduleItem,
     ScheduleResult,
+    read_claim,
+    read_fire,
+    read_release,
     topic,
 )
 from delayed_middleware.keys import EngineKeys
@@ -147,7 +150,7 @@ class EngineScripts:
         """FIRE (single node): deliver one bounded batch of what is due."""
         args = [*self._batch_args(now, budget), *trim, history_len, budget.fire_budget_us, pubsub_name]
         raw = await self._fire(keys=self._keys.script_keys, args=args)
-        return FireResult.read(raw)
+        return read_fire(raw)
 
     async def claim(
         self, *, now: int | str, budget: Budget, history_len: int, lease_ms: int, pubsub_name: str
@@ -155,7 +158,7 @@ class EngineScripts:
         """CLAIM (two-phase, the shard's slot): move a bounded due batch in flight."""
         args = [*self._batch_args(now, budget), history_len, budget.fire_budget_us, lease_ms, pubsub_name]
         raw = await self._claim(keys=self._keys.two_phase_keys, args=args)
-        return ClaimResult.read(raw)
+        return read_claim(raw)
 
     async def append(
         self, target: str, items: Sequence[AppendItem], *, marker_ttl_ms: int, trim: tuple[str, str]
@@ -178,7 +181,7 @@ class EngineScripts:
         for id, outcome in outcomes:
             args += [id, outcome]
         raw = await self._release(keys=self._keys.two_phase_keys, args=args)
-        return ReleaseResult.read(raw)
+        return read_release(raw)
 
     async def refill(
         self, items: Sequence[RefillItem], *, history: tuple[int, int] | None = None
