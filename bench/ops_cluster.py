@@ -57,7 +57,7 @@ async def populate(client: acluster.RedisCluster, app: str, shards: int, n: int,
 
 
 async def scans(client: acluster.RedisCluster, app: str, shards: int, n: int) -> dict[str, float]:
-    inspector = Inspector(client, app, shards=shards)  # type: ignore[arg-type]
+    inspector = Inspector(client, app, shards=shards)
     t, w = time.process_time(), time.perf_counter()
     report = await inspector.pending(limit=100)
     pending_cpu, pending_wall = time.process_time() - t, time.perf_counter() - w

@@ -56,7 +56,6 @@ from typing import Any, Final
 
 import grpc
 import grpc.aio
-import redis.asyncio as aioredis
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
 from redis.exceptions import RedisError, ResponseError
 
@@ -73,6 +72,7 @@ from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, dela
 from delayed_middleware.liveness import StateHook, Supervised
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
 from delayed_middleware.target import forwarded_metadata
+from delayed_pubsub.connection import RedisClient
 from delayed_pubsub.metrics import ForwarderMetrics
 from delayed_pubsub.settings import Settings
 
@@ -155,14 +155,14 @@ class Forwarder:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         keys: EngineKeys,
         clock: Clock,
         config: ForwarderConfig,
         metrics: ForwarderMetrics | None = None,
         *,
         name: str = "",
-        read_client: aioredis.Redis | None = None,
+        read_client: RedisClient | None = None,
         on_state: StateHook | None = None,
     ) -> None:
         self._redis = client

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import redis.asyncio as aioredis
-
 from delayed_middleware.clock import Clock
 from delayed_middleware.inspector import Inspector
-from delayed_pubsub.connection import REDIS_ERRORS
+from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
 from delayed_pubsub.metrics import OTHER_TOPICS, InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -35,7 +33,7 @@ class PendingByTopic:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         consumer_id: str,
         metrics: InstanceMetrics,
         clock: Clock,

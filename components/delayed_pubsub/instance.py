@@ -102,13 +102,13 @@ class Instance:
             # is the forwarder above, the others get one each, same settings.
             self._shard_forwarders = [
                 Forwarder(
-                    connection.client,  # type: ignore[arg-type]
+                    connection.client,
                     EngineKeys.for_topic(topic),
                     clock,
                     self.forwarder.config,
                     metrics.forwarder,
                     name=f"{name}~{n}",
-                    read_client=connection.blocking_client,  # type: ignore[arg-type]
+                    read_client=connection.blocking_client,
                     on_state=metrics.loop_state("forwarder"),
                 )
                 for n, topic in enumerate(shard_topics(settings.consumer_id, settings.shards))
@@ -183,7 +183,7 @@ class Instance:
         if self.engine is None:
             return
         gauge = PendingByTopic(
-            self._connection.client,  # type: ignore[arg-type]
+            self._connection.client,
             self.settings.consumer_id,
             self.metrics,
             self._clock,

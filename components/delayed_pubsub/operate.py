@@ -354,7 +354,7 @@ def _progress(err: Console, what: str, total_hint: int) -> Iterator[ProgressFn |
 
 
 def _inspector(connection: Connection, settings: Settings) -> Inspector:
-    return Inspector(connection.client, settings.consumer_id, shards=settings.shards)  # type: ignore[arg-type]
+    return Inspector(connection.client, settings.consumer_id, shards=settings.shards)
 
 
 def _title(inspector: Inspector) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from delayed_middleware.aio import text
@@ -66,6 +67,8 @@ from delayed_middleware.scripts import HIST_WALK
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 PAGE_SIZE = 500
+# A node's client or a Cluster's: the inspector reads every shard through either.
+AnyRedis = aioredis.Redis | RedisCluster
 # The kind of a fired message waiting in the outbox for its hand-off to a targetPubsub.
 HANDOFF = "handoff"
 # inspect shows at most this many of a message's newest records.
@@ -224,7 +227,7 @@ local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 return {rows, top}
 """
 
-    def __init__(self, redis: aioredis.Redis, keys: EngineKeys, count: int, after: str | None = None) -> None:
+    def __init__(self, redis: AnyRedis, keys: EngineKeys, count: int, after: str | None = None) -> None:
         self._redis = redis
         self._script = redis.register_script(self._PAGE)
         self._stream = keys.stream
@@ -438,7 +441,7 @@ class Inspector:
     """Reads one app's (consumerID's) delayed topic (every shard of it), history and dead letters."""
 
     def __init__(
-        self, client: aioredis.Redis, consumer_id: str, page_size: int = PAGE_SIZE, *, shards: int = 1
+        self, client: AnyRedis, consumer_id: str, page_size: int = PAGE_SIZE, *, shards: int = 1
     ) -> None:
         self._redis = client
         self.consumer_id = consumer_id

@@ -1074,7 +1074,7 @@ async def test_on_redis_cluster_a_refused_hand_off_is_dead_lettered_listed_and_h
     client = acluster.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
     policy = HandOffPolicy(max_attempts=2, base_s=0.1, cap_s=0.2, dead_letter_topic=dlq)
     fwd = Forwarder(
-        client,  # type: ignore[arg-type]
+        client,
         shard,
         SystemClock(),
         ForwarderConfig(address=sidecar.grpc_address, policy=policy, block_ms=200),
