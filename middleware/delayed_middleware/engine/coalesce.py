@@ -41,7 +41,8 @@ Send = Callable[[Sequence[ScheduleCall]], Awaitable[Sequence[ScheduleResult | Re
 class _Waiting:
     call: ScheduleCall
     size: int
-    timeout_s: float | None
+    # loop.time() by which the caller gives up (TimeoutError); None: never.
+    deadline: float | None
     future: asyncio.Future[ScheduleResult]
 
 
@@ -55,21 +56,29 @@ class ScheduleCoalescer:
         self._max_items = max(1, max_items)
         self._max_bytes = max_bytes
         self._queue: list[_Waiting] = []
+        # The part on the wire (its callers' deadlines are watched with the queue's).
+        self._sending: list[_Waiting] = []
+        self._watch: asyncio.TimerHandle | None = None
         self._busy = False
         self._loop: asyncio.AbstractEventLoop | None = None
         # The flush task is kept referenced until it ends (the loop holds tasks weakly).
         self._flusher: asyncio.Task[None] | None = None
 
     async def schedule(self, call: ScheduleCall, *, timeout_s: float | None = None) -> ScheduleResult:
-        """SCHEDULE `call` together with the calls that arrive in the same loop pass."""
+        """SCHEDULE `call` together with the calls that arrive in the same loop pass.
+
+        TimeoutError after `timeout_s`: nothing stored if its batch was not sent yet, else
+        the call stored whole or not at all. The deadline is kept by the batch's timers,
+        not by a timeout per caller (a timer and a cancellation scope per publish).
+        """
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # An engine reused on a new loop (tests): what the old loop left is moot.
-            self._loop, self._queue, self._busy = loop, [], False
+            self._loop, self._queue, self._sending, self._busy = loop, [], [], False
         future: asyncio.Future[ScheduleResult] = loop.create_future()
         size = sum(len(i.raw) for i in call.items)
-        self._queue.append(_Waiting(call, size, timeout_s, future))
         now = loop.time()
+        self._queue.append(_Waiting(call, size, None if timeout_s is None else now + timeout_s, future))
         if not self._busy:
             self._busy = True
             if now - self._last_submit < 5 * self._linger_s:
@@ -117,15 +126,21 @@ class ScheduleCoalescer:
         return parts
 
     async def _send_part(self, part: list[_Waiting]) -> None:
-        part = [w for w in part if not w.future.done()]
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # A caller whose deadline passed before its batch went out is not stored.
+        part = [w for w in part if not _expired(w, now)]
         if not part:
             return
         # Bounded by the most patient caller: a frozen Redis must not hold the
-        # batch (and every later one) for ever.
-        limits = [w.timeout_s for w in part]
-        timeout = None if any(t is None for t in limits) else max(t for t in limits if t is not None)
+        # batch (and every later one) for ever. A less patient caller is answered
+        # TimeoutError at its own deadline (_watch_deadlines), its call stored whole or not at all.
+        deadlines = [w.deadline for w in part]
+        last = None if None in deadlines else max(d for d in deadlines if d is not None)
+        self._sending = part
+        self._watch = self._watch_deadlines(loop)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(last):
                 results: Sequence[ScheduleResult | BaseException] = await self._send([w.call for w in part])
         except asyncio.CancelledError:
             for w in part:
@@ -133,6 +148,11 @@ class ScheduleCoalescer:
             raise
         except Exception as e:
             results = [e] * len(part)
+        finally:
+            self._sending = []
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
         for w, result in zip(part, results, strict=True):
             if w.future.done():
                 continue
@@ -140,3 +160,31 @@ class ScheduleCoalescer:
                 w.future.set_exception(result)
             else:
                 w.future.set_result(result)
+
+    def _watch_deadlines(self, loop: asyncio.AbstractEventLoop) -> asyncio.TimerHandle | None:
+        """One timer, at the earliest deadline of the callers on the wire or waiting
+        behind them: it answers those past theirs TimeoutError and sets itself again."""
+        now = loop.time()
+        first: float | None = None
+        for w in (*self._sending, *self._queue):
+            if _expired(w, now) or w.deadline is None:
+                continue
+            if first is None or w.deadline < first:
+                first = w.deadline
+        if first is None:
+            return None
+        return loop.call_at(first, self._rewatch, loop)
+
+    def _rewatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._sending:
+            self._watch = self._watch_deadlines(loop)
+
+
+def _expired(w: _Waiting, now: float) -> bool:
+    """Whether `w` is answered already, or (then answered TimeoutError) past its deadline."""
+    if w.future.done():
+        return True
+    if w.deadline is not None and w.deadline <= now:
+        w.future.set_exception(TimeoutError())
+        return True
+    return False
