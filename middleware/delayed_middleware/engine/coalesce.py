@@ -78,7 +78,13 @@ class ScheduleCoalescer:
         future: asyncio.Future[ScheduleResult] = loop.create_future()
         size = sum(len(i.raw) for i in call.items)
         now = loop.time()
-        self._queue.append(_Waiting(call, size, None if timeout_s is None else now + timeout_s, future))
+        deadline = None if timeout_s is None else now + timeout_s
+        self._queue.append(_Waiting(call, size, deadline, future))
+        if self._sending and deadline is not None and (self._watch is None or deadline < self._watch.when()):
+            # Queued behind a batch on the wire, and less patient than any caller watched so far.
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = loop.call_at(deadline, self._rewatch, loop)
         if not self._busy:
             self._busy = True
             if now - self._last_submit < 5 * self._linger_s:

@@ -148,6 +148,26 @@ async def test_a_caller_timing_out_while_its_batch_is_on_the_wire_leaves_its_cal
     assert {b'{"n":7}', b'{"n":8}'} & set(messages) in (set(), {b'{"n":7}', b'{"n":8}'})
 
 
+async def test_a_caller_queued_behind_a_stalled_batch_times_out_at_its_own_deadline_and_stores_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(0, T0 + 10)])
+    admin = aredis()
+    await admin.client_pause(3_000, all=False)  # Redis holds the batch on the wire ~3 s
+    patient = [asyncio.create_task(engine.schedule([env(n, T0 + 10)], timeout_s=10)) for n in range(1, 4)]
+    await asyncio.sleep(0.2)  # the patient batch is on the wire; the next caller queues behind it
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await engine.schedule([env(7, T0 + 10)], timeout_s=0.2)
+    # Answered at its own deadline, not when the batch ahead of it comes back.
+    assert asyncio.get_running_loop().time() - started < 2.0
+    got = await asyncio.gather(*patient)
+    assert all(len(g) == 1 for g in got)
+    messages = stored_messages(redis_client)
+    assert sorted(messages) == sorted(f'{{"n":{n}}}'.encode() for n in range(4))
+
+
 async def test_retries_after_a_lost_batch_reply_join_other_batches_and_each_call_is_stored_once(
     redis_client: redis.Redis,
 ) -> None:
