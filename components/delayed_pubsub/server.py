@@ -291,7 +291,7 @@ class ComponentServer:
         # No interceptors: each costs every call a coroutine chain in grpc.aio. Admission is
         # checked by the servicer, and the handlers are wrapped once as they are registered.
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        admission = AdmissionControl(HeldCalls(socket_path))
+        self.admission = admission = AdmissionControl(HeldCalls(socket_path))
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
             PubSubServicer(self.instances, admission), _Registrar(self._server, admission, counted=False)
         )
