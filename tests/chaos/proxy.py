@@ -168,3 +168,32 @@ class VersionProxy(_Proxy):
                 pending = pending[len(pending) - keep :]
 
         return upstream, downstream
+
+
+class SlowProxy(_Proxy):
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`, each reply held `delay_s` first:
+    a Redis across a slow network (every round trip at least `delay_s`)."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        super().__init__(upstream_port)
+        self.delay_s = delay_s
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                await asyncio.sleep(self.delay_s)
+                client_w.write(data)
+                await client_w.drain()
+
+        return upstream, downstream

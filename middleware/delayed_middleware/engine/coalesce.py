@@ -4,10 +4,12 @@ Each delayed publish used to make its own SCHEDULE round trip (its own script
 call, its own redis-py command overhead). Calls that reach one engine in the
 same event-loop pass now wait for the end of that pass and go out together,
 as the calls of one SCHEDULE script (lua/schedule.lua); while a call is on the
-wire the next ones gather behind it and go out as soon as it returns. Under
-load (a call within schedule_linger_ms of the previous one) a batch waits that
-long for more before it goes: grpc.aio hands each RPC over in a loop pass of
-its own, so without the wait nearly every unary publish went alone.
+wire the next ones gather behind it. Under load (a call within
+schedule_linger_ms of the previous one) a batch waits that long for more
+before it goes, and so do the calls that gathered behind a batch on the wire
+once it returns: grpc.aio hands each RPC over in a loop pass of its own, so
+without the wait nearly every unary publish went alone, and a round trip
+gathers only one or two.
 
 Invariants, the same as one call at a time:
 - every call keeps its own token: a retry after a lost reply finds it whatever
@@ -110,6 +112,10 @@ class ScheduleCoalescer:
                     return
                 for part in self._split(batch):
                     await self._send_part(part)
+                if self._queue and self._linger_s:
+                    # Calls keep coming while a batch is on the wire (a round trip gathers
+                    # one or two): wait a linger for more, as the first batch did.
+                    await asyncio.sleep(self._linger_s)
         finally:
             self._busy = False
             self._flusher = None
