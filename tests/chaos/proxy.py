@@ -151,11 +151,6 @@ class VersionProxy(_Proxy):
         redis_r: asyncio.StreamReader,
         redis_w: asyncio.StreamWriter,
     ) -> tuple[Pump, Pump]:
-        async def upstream() -> None:
-            while data := await client_r.read(65536):
-                redis_w.write(data)
-                await redis_w.drain()
-
         async def downstream() -> None:
             pending = b""
             while data := await redis_r.read(65536):
@@ -167,7 +162,7 @@ class VersionProxy(_Proxy):
                 await client_w.drain()
                 pending = pending[len(pending) - keep :]
 
-        return upstream, downstream
+        return _forward(client_r, redis_w), downstream
 
 
 class SlowProxy(_Proxy):
@@ -185,15 +180,17 @@ class SlowProxy(_Proxy):
         redis_r: asyncio.StreamReader,
         redis_w: asyncio.StreamWriter,
     ) -> tuple[Pump, Pump]:
-        async def upstream() -> None:
-            while data := await client_r.read(65536):
-                redis_w.write(data)
-                await redis_w.drain()
+        return _forward(client_r, redis_w), _forward(redis_r, client_w, self.delay_s)
 
-        async def downstream() -> None:
-            while data := await redis_r.read(65536):
-                await asyncio.sleep(self.delay_s)
-                client_w.write(data)
-                await client_w.drain()
 
-        return upstream, downstream
+def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0) -> Pump:
+    """A pump that copies `reader` to `writer` unchanged, each chunk `delay_s` late."""
+
+    async def pump() -> None:
+        while data := await reader.read(65536):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            writer.write(data)
+            await writer.drain()
+
+    return pump
