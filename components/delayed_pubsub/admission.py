@@ -16,8 +16,8 @@ nearly all of them publishes under overload, since only publishes come in
 numbers. Past the bound a publish is refused with a probability that grows
 with the excess (random early detection), so that some work is still admitted
 while callers that do not back off keep the queue full. A publish is also
-refused when its own instance already runs `limit` publishes (counted where
-the call starts, in a server interceptor that runs in the call's own task).
+refused when its own instance already runs `limit` publishes (counted by the
+servicer as the call starts, in the call's own task).
 Only Publish and BulkPublish are refused; Init, Features, Ping, the health
 service and the PullMessages streams never are, so probes keep their answers
 and delivery keeps draining.
@@ -25,33 +25,21 @@ and delivery keeps draining.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import grpc
 from grpc._cython import cygrpc  # type: ignore[attr-defined]  # channelz: no public Python API
 from prometheus_client import Counter
-
-from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-
-if TYPE_CHECKING:
-    from delayed_pubsub.instance import Instances
 
 log = logging.getLogger(__name__)
 
 # The metadata key that sets the bound (metadata.yaml).
 SETTING = "maxInflightPublishes"
 
-_SERVICE = pubsub_pb2.DESCRIPTOR.services_by_name["PubSub"].full_name
-BOUNDED_METHODS = frozenset(f"/{_SERVICE}/{m}" for m in ("Publish", "BulkPublish"))
-# The call metadata naming the component instance (servicer.INSTANCE_METADATA_KEY).
-_INSTANCE_KEY = "x-component-instance"
 # How old the count of calls held by gRPC may be: reading it costs ~0.35 ms
 # (gRPC renders channelz as JSON), so at most 20 reads a second, under 1 % of a core.
 QUEUE_SAMPLE_S = 0.05
@@ -184,75 +172,32 @@ class HeldCalls:
                 raise LookupError(f"no gRPC server listening on /{self._path} in channelz")
 
 
-if TYPE_CHECKING:
-    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
-else:  # generic in the stubs only
-    _ServerInterceptor = grpc.aio.ServerInterceptor
-
-
-class AdmissionInterceptor(_ServerInterceptor):
-    """Refuses Publish/BulkPublish with RESOURCE_EXHAUSTED while their instance is at its bound.
-
-    A call for an instance this process does not have (not Init'ed, or to be
-    restored from its record) goes through uncounted: the servicer answers it.
+class AdmissionControl:
+    """Admission for one server: the calls gRPC holds for it, less its open streams, against
+    each instance's bound. Checked by the servicer in the publish's own task: no interceptor
+    runs for every call of every method.
     """
 
-    def __init__(self, instances: Instances, held: HeldCalls) -> None:
-        self._instances = instances
+    __slots__ = ("_held", "streams")
+
+    def __init__(self, held: HeldCalls | None = None) -> None:
         self._held = held
-        # Streams running (PullMessages, health Watch): held by gRPC, but no queue.
-        self._streams = 0
+        # Streams running (PullMessages, health Watch, reflection): held by gRPC, but no queue.
+        self.streams = 0
 
-    def _stream_ended(self, _: object) -> None:
-        self._streams -= 1
+    def admit(self, admission: Admission) -> bool:
+        """Take a slot of `admission` for one publish (True; give it back with admission.leave()),
+        or count a refusal (False: answer it with admission.refusal())."""
+        if self._held is None:
+            return admission.try_enter(0)
+        streams = self.streams
+        held = self._held.count(time.monotonic(), admission.limit // 2 + streams) - streams
+        return admission.try_enter(held)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        if handler_call_details.method not in BOUNDED_METHODS:
-            handler = await continuation(handler_call_details)
-            task = asyncio.current_task()
-            if (
-                handler is not None
-                and task is not None
-                and (handler.request_streaming or handler.response_streaming)
-            ):
-                self._streams += 1
-                task.add_done_callback(self._stream_ended)
-            return handler
-        name = ""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == _INSTANCE_KEY:
-                name = value if isinstance(value, str) else value.decode()
-                break
-        instance = self._instances.find(name)
-        if instance is None:
-            return await continuation(handler_call_details)
-        admission = instance.admission
-        held = self._held.count(time.monotonic(), admission.limit // 2 + self._streams) - self._streams
-        if not admission.try_enter(held):
-            return _refuse(admission.refusal())
-        # This runs in the call's own task: its end, however it ends (answered,
-        # failed, cancelled by the client, before or after our handler ran),
-        # gives the slot back.
-        task = asyncio.current_task()
-        if task is None:  # not under grpc.aio's server: nothing would give the slot back
-            admission.leave()
-            return await continuation(handler_call_details)
-        task.add_done_callback(admission.leave)
-        try:
-            return await continuation(handler_call_details)
-        except BaseException:
-            task.remove_done_callback(admission.leave)
-            admission.leave()
-            raise
+    def stream_started(self) -> None:
+        """One more stream runs."""
+        self.streams += 1
 
-
-def _refuse(message: str) -> grpc.RpcMethodHandler[Any, Any]:
-    async def refuse(request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-
-    # The request is not decoded: a refusal costs as little as it can.
-    return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=lambda _: None)
+    def stream_ended(self, _: object = None) -> None:
+        """A stream ended (also a done callback of its task)."""
+        self.streams -= 1

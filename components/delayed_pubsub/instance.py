@@ -77,7 +77,7 @@ class Instance:
         )
         self._subscriptions: set[Subscription] = set()
         self._paused = False
-        # Publish/BulkPublish calls in flight, bounded by maxInflightPublishes (AdmissionInterceptor).
+        # Publish/BulkPublish calls in flight, bounded by maxInflightPublishes (checked by the servicer).
         self.admission = Admission(settings.max_inflight_publishes, name, metrics.refused)
         # Consumer names must be unique per stream: a consumer shared by two
         # streams would let one stream's XREADGROUP swallow the other's entries.

@@ -5,23 +5,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import inspect
 import logging
 import os
 import signal
 import socket
 import stat
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
-from delayed_pubsub.admission import AdmissionInterceptor, HeldCalls
+from delayed_pubsub.admission import AdmissionControl, HeldCalls
 from delayed_pubsub.instance import Instances
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.records import RecordStore, records_folder
@@ -128,34 +129,96 @@ class _Malformed:
 
 
 if TYPE_CHECKING:
-    _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+    _GenericRpcHandler = grpc.GenericRpcHandler[Any, Any]
 else:  # generic in the stubs only
-    _ServerInterceptor = grpc.aio.ServerInterceptor
+    _GenericRpcHandler = grpc.GenericRpcHandler
 
 
-class MalformedRequestInterceptor(_ServerInterceptor):
-    """Answers a unary request that is not valid protobuf with INVALID_ARGUMENT.
+class _WrappedHandlers(_GenericRpcHandler):
+    """A generic handler whose method handlers are wrapped, each once (not per call)."""
 
-    gRPC would fail it with UNKNOWN and log an ERROR traceback: the request
-    itself is bad, and the caller should be told so, plainly.
-    """
-
-    def __init__(self) -> None:
-        # The wrapped handler of each method's handler: made once, not per call.
+    def __init__(
+        self,
+        inner: _GenericRpcHandler,
+        wrap: Callable[[grpc.RpcMethodHandler[Any, Any]], grpc.RpcMethodHandler[Any, Any]],
+    ) -> None:
+        self._inner = inner
+        self._wrap = wrap
         self._wrapped: dict[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
-            return handler
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
         wrapped = self._wrapped.get(handler)
         if wrapped is None:
-            wrapped = self._wrapped[handler] = _answer_malformed(handler)
+            wrapped = self._wrapped[handler] = self._wrap(handler)
         return wrapped
+
+
+class _Registrar:
+    """Stands in for the grpc.aio server where services are added: every method handler is
+    wrapped once as it is registered, so that no interceptor runs on every call.
+
+    Unary methods answer a malformed request INVALID_ARGUMENT; streaming methods other than
+    the servicer's own (PullMessages counts itself) count as open streams for admission control.
+    """
+
+    def __init__(self, server: grpc.aio.Server, admission: AdmissionControl, counted: bool) -> None:
+        self._server = server
+        self._admission = admission
+        self._counted = counted
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[_GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers([_WrappedHandlers(h, self._wrap) for h in handlers])
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self._server.add_registered_method_handlers(  # type: ignore[attr-defined]  # not in the stubs
+            service_name, {name: self._wrap(h) for name, h in method_handlers.items()}
+        )
+
+    def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        if handler.unary_unary is not None and handler.request_deserializer is not None:
+            return _answer_malformed(handler)
+        if self._counted and (handler.request_streaming or handler.response_streaming):
+            return _counted_stream(handler, self._admission)
+        return handler
+
+
+def _counted_stream(
+    handler: grpc.RpcMethodHandler[Any, Any], admission: AdmissionControl
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` (streaming) counted among the open streams until its call's task ends."""
+
+    def count() -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            admission.stream_started()
+            task.add_done_callback(admission.stream_ended)
+
+    for kind in ("unary_stream", "stream_stream", "stream_unary"):
+        behaviour = getattr(handler, kind)
+        if behaviour is None:
+            continue
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def generator(request: Any, context: Any, behaviour: Any = behaviour) -> Any:
+                count()
+                async for response in behaviour(request, context):
+                    yield response
+
+            return handler._replace(**{kind: generator})  # type: ignore[attr-defined,no-any-return]
+
+        async def coroutine(request: Any, context: Any, behaviour: Any = behaviour) -> Any:
+            count()
+            return await behaviour(request, context)
+
+        return handler._replace(**{kind: coroutine})  # type: ignore[attr-defined,no-any-return]
+    return handler
 
 
 def _answer_malformed(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
@@ -225,20 +288,22 @@ class ComponentServer:
         self._redis_down: frozenset[str] = frozenset()
         self._dead_loops: dict[str, list[str]] = {}
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        # Admission first: a refused publish costs no more than its refusal.
-        self._server = grpc.aio.server(
-            options=GRPC_OPTIONS,
-            interceptors=[
-                AdmissionInterceptor(self.instances, HeldCalls(socket_path)),
-                MalformedRequestInterceptor(),
-            ],
-        )
+        # No interceptors: each costs every call a coroutine chain in grpc.aio. Admission is
+        # checked by the servicer, and the handlers are wrapped once as they are registered.
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.admission = admission = AdmissionControl(HeldCalls(socket_path))
         pubsub_pb2_grpc.add_PubSubServicer_to_server(  # type: ignore[no-untyped-call]
-            PubSubServicer(self.instances), self._server
+            PubSubServicer(self.instances, admission), _Registrar(self._server, admission, counted=False)
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (PUBSUB_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        others = _Registrar(self._server, admission, counted=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, others)
+        # What reflection.enable_server_reflection does for a grpc.aio server.
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            # reflection.aio: in the module's __all__, not in its stubs.
+            reflection.aio.ReflectionServicer(  # type: ignore[attr-defined]
+                (PUBSUB_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
+            others,
         )
 
     async def start(self) -> None:

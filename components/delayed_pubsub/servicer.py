@@ -23,6 +23,7 @@ from delayed_middleware.errors import (
     InvalidArgumentError,
     NotInitializedError,
 )
+from delayed_pubsub.admission import AdmissionControl
 from delayed_pubsub.broker import DELIVERY_ATTEMPT, BulkEntry, Subscription
 from delayed_pubsub.instance import Instance, Instances
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
@@ -91,8 +92,23 @@ def instance_name(context: Context) -> str:
 class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     """The PubSub service daprd drives."""
 
-    def __init__(self, instances: Instances) -> None:
+    def __init__(self, instances: Instances, admission: AdmissionControl | None = None) -> None:
         self._instances = instances
+        # Publishes past an instance's bound are refused here, in the call's own task
+        # (admission.py), not by an interceptor every call of every method would pay for.
+        self._admission = admission if admission is not None else AdmissionControl()
+
+    async def _admitted(self, context: Context) -> Instance:
+        """The call's instance, a slot taken in its admission (the caller gives it back with
+        admission.leave()); RESOURCE_EXHAUSTED, naming the bound, past it."""
+        try:
+            instance = await self._instance(context)
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+        admission = instance.admission
+        if not self._admission.admit(admission):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.refusal())
+        return instance
 
     async def _instance(self, context: Context) -> Instance:
         # Restored from its Init record when this process has not seen daprd's
@@ -120,29 +136,34 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     async def Publish(
         self, request: pubsub_pb2.PublishRequest, context: Context
     ) -> pubsub_pb2.PublishResponse:
+        instance = await self._admitted(context)
         try:
-            await (await self._instance(context)).publish(
-                request.topic, request.data, request.metadata, request.content_type
-            )
+            await instance.publish(request.topic, request.data, request.metadata, request.content_type)
         except DelayedPubSubError as e:
             await _abort(context, e)
+        finally:
+            # However the call ends (answered, failed, cancelled by the client).
+            instance.admission.leave()
         return pubsub_pb2.PublishResponse()
 
     async def BulkPublish(
         self, request: pubsub_pb2.BulkPublishRequest, context: Context
     ) -> pubsub_pb2.BulkPublishResponse:
-        # {k: md[k] for k in md}, not dict(md): dict() reads a protobuf map
-        # through the pure-Python KeysView (~40% more per entry of a bulk).
-        entries = [
-            BulkEntry(e.entry_id, StreamEntry(e.event, {k: md[k] for k in md}, e.content_type))
-            for e in request.entries
-            for md in (e.metadata,)
-        ]
+        # Admitted before the entries are read: a refusal costs as little as it can.
+        instance = await self._admitted(context)
         try:
-            instance = await self._instance(context)
+            # {k: md[k] for k in md}, not dict(md): dict() reads a protobuf map
+            # through the pure-Python KeysView (~40% more per entry of a bulk).
+            entries = [
+                BulkEntry(e.entry_id, StreamEntry(e.event, {k: md[k] for k in md}, e.content_type))
+                for e in request.entries
+                for md in (e.metadata,)
+            ]
             failed = await instance.bulk_publish(request.topic, entries, request.metadata)
         except DelayedPubSubError as e:
             await _abort(context, e)
+        finally:
+            instance.admission.leave()
         return pubsub_pb2.BulkPublishResponse(
             failed_entries=[
                 pubsub_pb2.BulkPublishResponseFailedEntry(entry_id=f.entry_id, error=f.error) for f in failed
@@ -154,6 +175,12 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         request_iterator: AsyncIterator[pubsub_pb2.PullMessagesRequest],
         context: Context,
     ) -> AsyncIterator[pubsub_pb2.PullMessagesResponse]:
+        # A stream is held by gRPC but is no queue: admission control leaves it out
+        # until the call's task ends, however it ends.
+        task = asyncio.current_task()
+        if task is not None:
+            self._admission.stream_started()
+            task.add_done_callback(self._admission.stream_ended)
         try:
             name = instance_name(context)
             instance = await self._instance(context)

@@ -151,11 +151,6 @@ class VersionProxy(_Proxy):
         redis_r: asyncio.StreamReader,
         redis_w: asyncio.StreamWriter,
     ) -> tuple[Pump, Pump]:
-        async def upstream() -> None:
-            while data := await client_r.read(65536):
-                redis_w.write(data)
-                await redis_w.drain()
-
         async def downstream() -> None:
             pending = b""
             while data := await redis_r.read(65536):
@@ -167,4 +162,35 @@ class VersionProxy(_Proxy):
                 await client_w.drain()
                 pending = pending[len(pending) - keep :]
 
-        return upstream, downstream
+        return _forward(client_r, redis_w), downstream
+
+
+class SlowProxy(_Proxy):
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`, each reply held `delay_s` first:
+    a Redis across a slow network (every round trip at least `delay_s`)."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        super().__init__(upstream_port)
+        self.delay_s = delay_s
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        return _forward(client_r, redis_w), _forward(redis_r, client_w, self.delay_s)
+
+
+def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0) -> Pump:
+    """A pump that copies `reader` to `writer` unchanged, each chunk `delay_s` late."""
+
+    async def pump() -> None:
+        while data := await reader.read(65536):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            writer.write(data)
+            await writer.drain()
+
+    return pump

@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from delayed_middleware.entry import decode_entry
 from delayed_pubsub.admission import QUEUE_SAMPLE_S, Admission
@@ -130,6 +132,43 @@ async def test_a_publish_past_the_bound_is_refused_at_once_naming_the_setting_an
     assert codes[-1] == grpc.StatusCode.OK, codes
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert redis_client.xlen("orders") == 3
+
+
+async def test_open_streams_do_not_count_as_queued_publishes_and_publishes_are_admitted_beside_them(
+    server: ComponentServer,
+    component: Callable[[str], Component],
+    channel: grpc.aio.Channel,
+    props: dict[str, str],
+    redis_client: redis.Redis,
+) -> None:
+    c = component("streams")
+    await c.init({**props, "maxInflightPublishes": "2"})
+    # Nine streams held open by gRPC, past twice the bound: three of each kind the server runs.
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
+    for watch in watches:
+        await watch.read()
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reflections = [reflection.ServerReflectionInfo() for _ in range(3)]
+    for r in reflections:
+        await r.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        await r.read()
+    subscriptions = [await c.subscribe(f"topic{i}") for i in range(3)]
+    await wait_until(lambda: server.admission.streams == 9, "nine streams counted", within_s=5)
+
+    # Sequential publishes for several of gRPC's readings of the calls it holds: none is refused.
+    for i in range(40):
+        await c.publish("orders", f"beside streams {i}".encode())
+        await asyncio.sleep(QUEUE_SAMPLE_S / 2)
+    assert redis_client.xlen("orders") == 40
+
+    for watch in watches:
+        watch.cancel()
+    for r in reflections:
+        r.cancel()
+    for sub in subscriptions:
+        await sub.cancel()
+    await wait_until(lambda: server.admission.streams == 0, "every stream uncounted", within_s=5)
 
 
 async def test_150_delayed_publishes_held_by_a_stalled_redis_fail_none_for_want_of_a_connection_and_ping_answers(

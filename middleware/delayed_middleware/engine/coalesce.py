@@ -4,10 +4,12 @@ Each delayed publish used to make its own SCHEDULE round trip (its own script
 call, its own redis-py command overhead). Calls that reach one engine in the
 same event-loop pass now wait for the end of that pass and go out together,
 as the calls of one SCHEDULE script (lua/schedule.lua); while a call is on the
-wire the next ones gather behind it and go out as soon as it returns. Under
-load (a call within schedule_linger_ms of the previous one) a batch waits that
-long for more before it goes: grpc.aio hands each RPC over in a loop pass of
-its own, so without the wait nearly every unary publish went alone.
+wire the next ones gather behind it. Under load (a call within
+schedule_linger_ms of the previous one) a batch waits that long for more
+before it goes, and so do the calls that gathered behind a batch on the wire
+once it returns: grpc.aio hands each RPC over in a loop pass of its own, so
+without the wait nearly every unary publish went alone, and a round trip
+gathers only one or two.
 
 Invariants, the same as one call at a time:
 - every call keeps its own token: a retry after a lost reply finds it whatever
@@ -41,7 +43,8 @@ Send = Callable[[Sequence[ScheduleCall]], Awaitable[Sequence[ScheduleResult | Re
 class _Waiting:
     call: ScheduleCall
     size: int
-    timeout_s: float | None
+    # loop.time() by which the caller gives up (TimeoutError); None: never.
+    deadline: float | None
     future: asyncio.Future[ScheduleResult]
 
 
@@ -55,21 +58,35 @@ class ScheduleCoalescer:
         self._max_items = max(1, max_items)
         self._max_bytes = max_bytes
         self._queue: list[_Waiting] = []
+        # The part on the wire (its callers' deadlines are watched with the queue's).
+        self._sending: list[_Waiting] = []
+        self._watch: asyncio.TimerHandle | None = None
         self._busy = False
         self._loop: asyncio.AbstractEventLoop | None = None
         # The flush task is kept referenced until it ends (the loop holds tasks weakly).
         self._flusher: asyncio.Task[None] | None = None
 
     async def schedule(self, call: ScheduleCall, *, timeout_s: float | None = None) -> ScheduleResult:
-        """SCHEDULE `call` together with the calls that arrive in the same loop pass."""
+        """SCHEDULE `call` together with the calls that arrive in the same loop pass.
+
+        TimeoutError after `timeout_s`: nothing stored if its batch was not sent yet, else
+        the call stored whole or not at all. The deadline is kept by the batch's timers,
+        not by a timeout per caller (a timer and a cancellation scope per publish).
+        """
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             # An engine reused on a new loop (tests): what the old loop left is moot.
-            self._loop, self._queue, self._busy = loop, [], False
+            self._loop, self._queue, self._sending, self._busy = loop, [], [], False
         future: asyncio.Future[ScheduleResult] = loop.create_future()
         size = sum(len(i.raw) for i in call.items)
-        self._queue.append(_Waiting(call, size, timeout_s, future))
         now = loop.time()
+        deadline = None if timeout_s is None else now + timeout_s
+        self._queue.append(_Waiting(call, size, deadline, future))
+        if self._sending and deadline is not None and (self._watch is None or deadline < self._watch.when()):
+            # Queued behind a batch on the wire, and less patient than any caller watched so far.
+            if self._watch is not None:
+                self._watch.cancel()
+            self._watch = loop.call_at(deadline, self._rewatch, loop)
         if not self._busy:
             self._busy = True
             if now - self._last_submit < 5 * self._linger_s:
@@ -95,6 +112,10 @@ class ScheduleCoalescer:
                     return
                 for part in self._split(batch):
                     await self._send_part(part)
+                if self._queue and self._linger_s:
+                    # Calls keep coming while a batch is on the wire (a round trip gathers
+                    # one or two): wait a linger for more, as the first batch did.
+                    await asyncio.sleep(self._linger_s)
         finally:
             self._busy = False
             self._flusher = None
@@ -117,15 +138,21 @@ class ScheduleCoalescer:
         return parts
 
     async def _send_part(self, part: list[_Waiting]) -> None:
-        part = [w for w in part if not w.future.done()]
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        # A caller whose deadline passed before its batch went out is not stored.
+        part = [w for w in part if not _expired(w, now)]
         if not part:
             return
         # Bounded by the most patient caller: a frozen Redis must not hold the
-        # batch (and every later one) for ever.
-        limits = [w.timeout_s for w in part]
-        timeout = None if any(t is None for t in limits) else max(t for t in limits if t is not None)
+        # batch (and every later one) for ever. A less patient caller is answered
+        # TimeoutError at its own deadline (_watch_deadlines), its call stored whole or not at all.
+        deadlines = [w.deadline for w in part]
+        last = None if None in deadlines else max(d for d in deadlines if d is not None)
+        self._sending = part
+        self._watch = self._watch_deadlines(loop)
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(last):
                 results: Sequence[ScheduleResult | BaseException] = await self._send([w.call for w in part])
         except asyncio.CancelledError:
             for w in part:
@@ -133,6 +160,11 @@ class ScheduleCoalescer:
             raise
         except Exception as e:
             results = [e] * len(part)
+        finally:
+            self._sending = []
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
         for w, result in zip(part, results, strict=True):
             if w.future.done():
                 continue
@@ -140,3 +172,31 @@ class ScheduleCoalescer:
                 w.future.set_exception(result)
             else:
                 w.future.set_result(result)
+
+    def _watch_deadlines(self, loop: asyncio.AbstractEventLoop) -> asyncio.TimerHandle | None:
+        """One timer, at the earliest deadline of the callers on the wire or waiting
+        behind them: it answers those past theirs TimeoutError and sets itself again."""
+        now = loop.time()
+        first: float | None = None
+        for w in (*self._sending, *self._queue):
+            if _expired(w, now) or w.deadline is None:
+                continue
+            if first is None or w.deadline < first:
+                first = w.deadline
+        if first is None:
+            return None
+        return loop.call_at(first, self._rewatch, loop)
+
+    def _rewatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._sending:
+            self._watch = self._watch_deadlines(loop)
+
+
+def _expired(w: _Waiting, now: float) -> bool:
+    """Whether `w` is answered already, or (then answered TimeoutError) past its deadline."""
+    if w.future.done():
+        return True
+    if w.deadline is not None and w.deadline <= now:
+        w.future.set_exception(TimeoutError())
+        return True
+    return False

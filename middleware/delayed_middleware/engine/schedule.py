@@ -58,10 +58,10 @@ class Scheduling(Cancelling):
             # A caller's token names each chunk (a retry of the call repeats them all).
             chunk_token = token if token is None or not start else f"{token}/{start}"
             try:
-                async with asyncio.timeout(timeout_s):
-                    ids += await self._schedule_chunk(
-                        envelopes[start:end], encoded[start:end], chunk_token, timeout_s
-                    )
+                # Bounded by `timeout_s` in the coalescer (one timer per batch, not per call).
+                ids += await self._schedule_chunk(
+                    envelopes[start:end], encoded[start:end], chunk_token, timeout_s
+                )
             except (RedisError, TimeoutError) as exc:
                 if not start:
                     raise
@@ -116,6 +116,8 @@ class Scheduling(Cancelling):
             ScheduleCall(items, token or secrets.token_hex(8)), timeout_s=timeout_s
         )
         # A dup: stored by an earlier attempt of this very call.
-        for old in got.replaced_in_flight:
-            await self._stop_replaced_in_flight(old)
+        if got.replaced_in_flight:
+            async with asyncio.timeout(timeout_s):
+                for old in got.replaced_in_flight:
+                    await self._stop_replaced_in_flight(old)
         return got.ids

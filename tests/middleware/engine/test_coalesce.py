@@ -23,10 +23,10 @@ from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import Envelope, decode_envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
-from tests.chaos.proxy import LosingProxy
+from tests.chaos.proxy import LosingProxy, SlowProxy
 from tests.conftest import script_calls
 from tests.middleware.engine.helpers import KEYS, T0, env, history, payloads, target
-from tests.redis_server import RedisCluster
+from tests.redis_server import RedisCluster, RedisServer
 
 MARKER = b"lost-reply-marker"
 
@@ -146,6 +146,52 @@ async def test_a_caller_timing_out_while_its_batch_is_on_the_wire_leaves_its_cal
         assert messages.count(f'{{"n":{n}}}'.encode()) == 1
     # The hasty caller's call is stored whole or not at all, never half.
     assert {b'{"n":7}', b'{"n":8}'} & set(messages) in (set(), {b'{"n":7}', b'{"n":8}'})
+
+
+async def test_a_caller_queued_behind_a_stalled_batch_times_out_at_its_own_deadline_and_stores_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    await engine.schedule([env(0, T0 + 10)])
+    admin = aredis()
+    await admin.client_pause(3_000, all=False)  # Redis holds the batch on the wire ~3 s
+    patient = [asyncio.create_task(engine.schedule([env(n, T0 + 10)], timeout_s=10)) for n in range(1, 4)]
+    await asyncio.sleep(0.2)  # the patient batch is on the wire; the next caller queues behind it
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await engine.schedule([env(7, T0 + 10)], timeout_s=0.2)
+    # Answered at its own deadline, not when the batch ahead of it comes back.
+    assert asyncio.get_running_loop().time() - started < 2.0
+    got = await asyncio.gather(*patient)
+    assert all(len(g) == 1 for g in got)
+    messages = stored_messages(redis_client)
+    assert sorted(messages) == sorted(f'{{"n":{n}}}'.encode() for n in range(4))
+
+
+async def test_calls_that_keep_coming_while_batches_are_on_the_wire_go_out_a_linger_apart_not_each_round_trip(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, redis_server: RedisServer
+) -> None:
+    proxy = SlowProxy(redis_server.port, delay_s=0.02)  # every round trip takes 20 ms
+    await proxy.start()
+    client = aioredis.Redis(port=proxy.port)
+    try:
+        engine = DelayEngine(client, KEYS, ManualClock(T0), config=EngineConfig(schedule_linger_ms=50))
+        await engine.schedule([env(0, T0 + 10)])
+        before = script_calls(redis_client)
+        # A caller every 5 ms for ~0.5 s (daprd's concurrent publishes): a round trip gathers ~4.
+        tasks = []
+        for n in range(1, 101):
+            tasks.append(asyncio.create_task(engine.schedule([env(n, T0 + 10)], timeout_s=10)))
+            await asyncio.sleep(0.005)
+        got = await asyncio.gather(*tasks)
+        calls = script_calls(redis_client) - before
+    finally:
+        await client.aclose()
+        await proxy.stop()
+    assert all(len(g) == 1 for g in got)
+    # One script call per linger and round trip (0.07 s), ~8; not one per round trip (~25).
+    assert calls <= 15
+    assert sorted(stored_messages(redis_client)) == sorted(f'{{"n":{n}}}'.encode() for n in range(101))
 
 
 async def test_retries_after_a_lost_batch_reply_join_other_batches_and_each_call_is_stored_once(
