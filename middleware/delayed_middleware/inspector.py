@@ -505,7 +505,8 @@ class Inspector:
 
     async def _walk_pages(self, walk: _Walk, budget: int | None) -> AsyncIterator[Any]:
         """`walk`'s pages of raw rows, to the stream's end or until `budget` rows are read
-        (None: no bound); `walk.done` stays False when the budget stopped it."""
+        (None: no bound). Afterwards `walk.done` says whether the end was seen: a budget
+        that ran out exactly at the end leaves it False."""
         read = 0
         while budget is None or read < budget:
             rows: Any = await walk.page(self._page if budget is None else min(self._page, budget - read))
