@@ -58,16 +58,13 @@ TTL: Final = "ttl"
 # The component setting that must be "true" before any of DELAY_KEYS is accepted.
 ENABLE_DELAYED_MESSAGING: Final = "enableDelayedMessaging"
 
-# The Pulsar aliases: an empty value means "no delay" there, so it does here.
-PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
-# The keys that say when a one-shot is due: a message gives at most one of them.
-TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, *PULSAR_KEYS)
-
-# Keys that need enableDelayedMessaging: the time keys first, so one added there is
-# gated too. The TTL keys are absent on purpose: per-message TTL is ordinary pub/sub
-# behaviour and works without delays.
+# Keys that need enableDelayedMessaging. The TTL keys are absent on purpose:
+# per-message TTL is ordinary pub/sub behaviour and works without delays.
 DELAY_KEYS: Final[tuple[str, ...]] = (
-    *TIME_KEYS,
+    SCHEDULED_SEND_TIME,
+    SCHEDULED_SEND_DELAY,
+    DELIVER_AT,
+    DELIVER_AFTER,
     SCHEDULE,
     SCHEDULE_ID,
     SCHEDULE_CANCEL,
@@ -75,6 +72,11 @@ DELAY_KEYS: Final[tuple[str, ...]] = (
     SCHEDULE_TTL,
     *SCHEDULE_OPTION_KEYS,
 )
+
+# The keys that say when a one-shot is due: a message gives at most one of them.
+TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
+# The Pulsar aliases: an empty value means "no delay" there, so it does here.
+PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
 
 # Keys this one-shot parser does not handle (plan.read_request does): every delay key
 # but the time keys and scheduleId, so a delay key added later is never read as a one-shot's.

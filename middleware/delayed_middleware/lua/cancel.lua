@@ -66,41 +66,22 @@ local function span(s, pos, last)
   return pos, e
 end
 
--- The fields of the message in s[from..to], for a generic `for`: each one's
--- number and wire type, and a length-delimited one's first and last byte.
--- Other fields are passed over by pass(wt, s, pos), which returns the position
--- after them (skip(), or a more lenient skipper).
-local function fields(s, from, to, pass)
-  local pos = from
-  return function()
-    if pos > to then return nil end
+-- The length of the `event` (field 2) of the DelayedBulkEntry in s[from..to].
+local function event_length(s, from, to)
+  local event, pos = 0, from
+  while pos <= to do
     local key
     key, pos = uvarint(s, pos)
     local fno, wt = (key - key % 8) / 8, key % 8
-    if wt ~= 2 then
-      pos = pass(wt, s, pos)
-      return fno, wt
-    end
-    local b, e = span(s, pos, to)
-    pos = e + 1
-    return fno, wt, b, e
-  end
-end
-
--- skip(), but a varint of any length: an entry's fields are not checked.
-local function pass_loosely(wt, s, pos)
-  if wt == 0 then return skip_varint(s, pos) end
-  return skip(wt, s, pos)
-end
-
--- The length of the `event` (field 2) of the DelayedBulkEntry in s[from..to].
-local function event_length(s, from, to)
-  local event = 0
-  for fno, wt, b, e in fields(s, from, to, pass_loosely) do
-    if fno == 2 and wt == 2 then
-      event = e - b + 1
-    elseif fno == 2 and wt == 0 then
-      event = 0
+    if wt == 2 then
+      local b, e = span(s, pos, to)
+      if fno == 2 then event = e - b + 1 end
+      pos = e + 1
+    elseif wt == 0 then
+      pos = skip_varint(s, pos)
+      if fno == 2 then event = 0 end
+    else
+      pos = skip(wt, s, pos)
     end
   end
   return event
@@ -154,8 +135,18 @@ local function peek(s)
     size = body_to - body_from + 1
   elseif body_from then
     -- A DelayedBulk: the sum of its entries' event lengths.
-    for fno, wt, b, e in fields(s, body_from, body_to, skip) do
-      if fno == 1 and wt == 2 then size = size + event_length(s, b, e) end
+    pos = body_from
+    while pos <= body_to do
+      local key
+      key, pos = uvarint(s, pos)
+      local fno, wt = (key - key % 8) / 8, key % 8
+      if wt == 2 then
+        local b, e = span(s, pos, body_to)
+        if fno == 1 then size = size + event_length(s, b, e) end
+        pos = e + 1
+      else
+        pos = skip(wt, s, pos)
+      end
     end
   end
   return topic, sid, kind, schedule, size, target
