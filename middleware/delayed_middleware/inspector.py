@@ -306,6 +306,27 @@ async def _each(iterators: tuple[AsyncIterator[PendingMessage], ...]) -> AsyncIt
             yield m
 
 
+def _left(budget: int | None, used: int) -> int | None:
+    # What is left of a row budget (None: no bound).
+    return None if budget is None else budget - used
+
+
+def _retry_message(topic: str, entry_id: str, due: float, entry: StreamEntry, pel: Any) -> PendingMessage:
+    """A failed message waiting for its next delivery, kind "retry", as _read_retry read it:
+    its id the entry's id on `topic`, `due` the earliest redelivery, `attempts` the
+    deliveries so far (the consumer group's PEL count)."""
+    return PendingMessage(
+        stream_id=entry_id,
+        schedule_id="",
+        topic=topic,
+        due_ms=int(due),
+        kind=Kind.RETRY.label,
+        size=len(entry.data),
+        attempts=int(pel[0]["times_delivered"]) if pel else 0,
+        published_at_ms=int(entry_id.split("-")[0]) if is_stream_id(entry_id) else 0,
+    )
+
+
 def _raw_size(msg: Any) -> int:
     """Payload bytes of a raw DelayedMessage (all entries of a bulk one)."""
     if not msg.bulkPublish:
@@ -466,34 +487,50 @@ class Inspector:
     async def scan(
         self,
         *,
-        topic: str | None = None,
-        due_before_ms: int | None = None,
         max_entries: int | None = None,
         progress: Progress | None = None,
         stats: Counter[str] | None = None,
     ) -> AsyncIterator[PendingMessage]:
-        """Every pending message (shard by shard, in stream order), filtered; parked and undecodable
+        """Every pending message (shard by shard, in stream order); parked and undecodable
         ones skipped (counted in `stats` under "parked" / "undecodable" / "scanned")."""
         total = await self.stream_length() if progress is not None else 0
         scanned = 0
         for shard, keys in enumerate(self.shards):
             walk = _Walk(self._redis, keys, self._page)
-            while max_entries is None or scanned < max_entries:
-                count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-                rows: Any = await walk.page(count)
-                if not rows:
-                    break
+            async for rows in self._walk_pages(walk, _left(max_entries, scanned)):
                 scanned += len(rows)
                 for message in await self._decode_page(shard, await walk.named(rows), stats):
-                    if not _matches(message, topic, due_before_ms):
-                        continue
                     yield message
                 if stats is not None:
                     stats["scanned"] += len(rows)
                 if progress is not None:
                     progress(scanned, max(total, scanned))
-                if walk.done:
-                    break
+
+    async def _walk_pages(self, walk: _Walk, budget: int | None) -> AsyncIterator[Any]:
+        """`walk`'s pages of raw rows, to the stream's end or until `budget` rows are read
+        (None: no bound). Afterwards `walk.done` says whether the end was seen: a budget
+        that ran out exactly at the end leaves it False."""
+        read = 0
+        while budget is None or read < budget:
+            rows: Any = await walk.page(self._page if budget is None else min(self._page, budget - read))
+            if not rows:
+                return
+            read += len(rows)
+            yield rows
+            if walk.done:
+                return
+
+    async def _pages(self, stream: str) -> AsyncIterator[Any]:
+        """`stream`'s entries, oldest first, a page (at most PAGE_SIZE rows) at a time."""
+        start = "-"
+        while True:
+            rows: Any = await self._redis.xrange(stream, start, "+", count=self._page)
+            if not rows:
+                return
+            yield rows
+            if len(rows) < self._page:
+                return
+            start = "(" + _s(rows[-1][0])
 
     async def listing(
         self,
@@ -623,11 +660,15 @@ class Inspector:
         heap: list[tuple[int, int, PendingMessage]] = []
         kept: list[PendingMessage] = []
         waiting = (
-            self.scan(topic=topic, due_before_ms=due_before_ms, progress=progress, stats=stats),
+            self.scan(progress=progress, stats=stats),
+            # Bounded where it is read (a retry schedule is a sorted set by due time, one per
+            # topic); the filter below is the one rule for all three.
             self.retries(topic=topic, due_before_ms=due_before_ms),
-            self.handoffs(topic=topic, due_before_ms=due_before_ms),
+            self.handoffs(),
         )
         async for m in _each(waiting):
+            if not _matches(m, topic, due_before_ms):
+                continue
             counts[m.topic] += 1
             if limit is None:
                 kept.append(m)
@@ -673,36 +714,18 @@ class Inspector:
                 offset += len(page)
                 pipe = self._redis.pipeline(transaction=False)
                 for member, _ in page:
-                    entry_id = _s(member)
-                    pipe.xrange(name, entry_id, entry_id)
-                    pipe.xpending_range(name, self.consumer_id, min=entry_id, max=entry_id, count=1)
+                    self._read_retry(pipe, name, _s(member))
                 replies = await pipe.execute(raise_on_error=False)
                 for i, (member, score) in enumerate(page):
                     rows, pel = replies[2 * i], replies[2 * i + 1]
                     if isinstance(rows, Exception) or isinstance(pel, Exception) or not rows:
                         continue  # gone (acked, trimmed): the poller drops its record
-                    entry = decode_entry(rows[0][1])
-                    entry_id = _s(member)
-                    yield PendingMessage(
-                        stream_id=entry_id,
-                        schedule_id="",
-                        topic=name,
-                        due_ms=int(score),
-                        kind=Kind.RETRY.label,
-                        size=len(entry.data),
-                        attempts=int(pel[0]["times_delivered"]) if pel else 0,
-                        published_at_ms=int(entry_id.split("-")[0]) if is_stream_id(entry_id) else 0,
-                    )
+                    yield _retry_message(name, _s(member), score, decode_entry(rows[0][1]), pel)
                 if len(page) < self._page:
                     break
 
     async def handoffs(
-        self,
-        *,
-        topic: str | None = None,
-        due_before_ms: int | None = None,
-        policy: HandOffPolicy | None = None,
-        now_ms: int | None = None,
+        self, *, policy: HandOffPolicy | None = None, now_ms: int | None = None
     ) -> AsyncIterator[PendingMessage]:
         """Fired messages bound for a targetPubsub still waiting in an outbox (every shard's), kind "handoff".
 
@@ -717,22 +740,12 @@ class Inspector:
         policy = policy or HandOffPolicy()
         now = int(time.time() * 1000) if now_ms is None else now_ms
         for shard, keys in enumerate(self.shards):
-            start = "-"
-            while True:
-                rows: Any = await self._redis.xrange(keys.outbox, start, "+", count=self._page)
-                if not rows:
-                    break
-                start = "(" + _s(rows[-1][0])
+            async for rows in self._pages(keys.outbox):
                 tries = await self._outbox_tries(keys, _s(rows[0][0]), _s(rows[-1][0]), len(rows))
                 for raw_id, fields in rows:
                     message = self._handoff(shard, _s(raw_id), fields, tries, policy, now)
-                    if message is None:
-                        continue
-                    if not _matches(message, topic, due_before_ms):
-                        continue
-                    yield message
-                if len(rows) < self._page:
-                    break
+                    if message is not None:
+                        yield message
 
     async def _outbox_tries(
         self, keys: EngineKeys, first: str, last: str, count: int
@@ -822,13 +835,9 @@ class Inspector:
                 names: Any = await self._redis.hkeys(keys.parked)
                 parked = set(names)
             walk = _Walk(self._redis, keys, self._page)
-            while max_entries is None or scanned < max_entries:
-                count = self._page if max_entries is None else min(self._page, max_entries - scanned)
-                rows: Any = await walk.page(count)
-                if not rows:
-                    break
-                scanned += len(rows)
-                rows = await walk.named(rows)
+            async for page in self._walk_pages(walk, _left(max_entries, scanned)):
+                scanned += len(page)
+                rows = await walk.named(page)
                 skip: set[bytes] | list[Any] = parked if parked is not None else []
                 if parked is None and rows:
                     flags = await self._redis.hmget(keys.parked, [r[0] for r in rows])
@@ -842,12 +851,9 @@ class Inspector:
                         continue
                     if topic:
                         counts[topic] += 1
-                if walk.done:
-                    break
-            else:
-                # The budget ran out on this shard: complete only if nothing was left on it.
-                if await walk.page(1):
-                    return dict(counts), False
+            # The budget ran out on this shard: complete only if nothing was left on it.
+            if not walk.done and await walk.page(1):
+                return dict(counts), False
         return dict(counts), True
 
     async def get(self, id: str, progress: Progress | None = None) -> MessageInfo | None:
@@ -932,6 +938,12 @@ class Inspector:
                 return await self._load(shard, _ref(ref)[0])
         return None
 
+    def _read_retry(self, pipe: Any, topic: str, entry_id: str) -> None:
+        """Queues on `pipe` what _retry_message reads of a retry: its entry on `topic`, then its
+        record in this app's pending entries list (the deliveries so far)."""
+        pipe.xrange(topic, entry_id, entry_id)
+        pipe.xpending_range(topic, self.consumer_id, min=entry_id, max=entry_id, count=1)
+
     async def _retry_info(self, entry_id: str) -> MessageInfo | None:
         """A failed message waiting for redelivery, by its entry id on its topic."""
         topics: Any = await self._redis.smembers(retry_topics_key(self.consumer_id))
@@ -940,28 +952,17 @@ class Inspector:
             if score is None:
                 continue
             pipe = self._redis.pipeline(transaction=False)
-            pipe.xrange(name, entry_id, entry_id)
-            pipe.xpending_range(name, self.consumer_id, min=entry_id, max=entry_id, count=1)
+            self._read_retry(pipe, name, entry_id)
             rows, pel = await pipe.execute()
             if not rows:
                 return None
             entry = decode_entry(rows[0][1])
-            published = int(entry_id.split("-")[0])
-            message = PendingMessage(
-                stream_id=entry_id,
-                schedule_id="",
-                topic=name,
-                due_ms=int(score),
-                kind=Kind.RETRY.label,
-                size=len(entry.data),
-                attempts=int(pel[0]["times_delivered"]) if pel else 0,
-                published_at_ms=published,
-            )
+            message = _retry_message(name, entry_id, score, entry, pel)
             env = Envelope(
                 id=entry_id,
                 topic=name,
-                due_ms=int(score),
-                published_at_ms=published,
+                due_ms=message.due_ms,
+                published_at_ms=message.published_at_ms,
                 message=entry.data,
                 content_type=entry.content_type,
                 metadata=dict(entry.metadata),
@@ -997,12 +998,7 @@ class Inspector:
         total = await self.stream_length() if progress is not None else 0
         scanned = 0
         for shard, keys in enumerate(self.shards):
-            start = "-"
-            while True:
-                rows: Any = await self._redis.xrange(keys.stream, start, "+", count=self._page)
-                if not rows:
-                    break
-                start = "(" + _s(rows[-1][0])
+            async for rows in self._pages(keys.stream):
                 scanned += len(rows)
                 for raw_id, fields in rows:
                     raw_id = _public_id(raw_id, fields)
@@ -1014,8 +1010,6 @@ class Inspector:
                         return await self._info(shard, _s(raw_id), fields)
                 if progress is not None:
                     progress(scanned, max(total, scanned))
-                if len(rows) < self._page:
-                    break
         return None
 
     async def history(
@@ -1225,12 +1219,7 @@ class Inspector:
         topic (a hand-off's target topic)."""
         out: list[DeadLetterInfo] = []
         for dlt in await self.dead_letter_topics():
-            start = "-"
-            while True:
-                rows: Any = await self._redis.xrange(dlt, start, "+", count=self._page)
-                if not rows:
-                    break
-                start = "(" + _s(rows[-1][0])
+            async for rows in self._pages(dlt):
                 for raw_id, fields in rows:
                     entry = decode_entry(fields)
                     md = entry.metadata
@@ -1254,6 +1243,4 @@ class Inspector:
                     )
                 if progress is not None:
                     progress(len(out), len(out))
-                if len(rows) < self._page:
-                    break
         return out

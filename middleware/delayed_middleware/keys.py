@@ -69,6 +69,13 @@ class EngineKeys:
     moved:   hash, envelope id -> the stream id it is stored at now, for the
              envelopes compaction re-homed to the stream's tail (see lua/compact.lua);
              always the last key a script gets.
+    inflight: Redis Cluster's two-phase fire: sorted set of claimed envelope ids by
+             lease end (ms).
+    claims:  hash, claimed envelope id -> "<due ms> <next due | -> <scheduleNext> <scheduler>".
+    retrying: set of the topics that have (or had) a subscriber retry schedule
+             (delayed_pubsub.redelivery; see retry()): found without KEYS.
+    dead_letters: set of the dead-letter topics the retry policy and the
+             hand-offs have written to.
     """
 
     stream: str
@@ -84,6 +91,10 @@ class EngineKeys:
     refill: str
     outbox: str
     moved: str
+    inflight: str
+    claims: str
+    retrying: str
+    dead_letters: str
 
     @classmethod
     def for_topic(cls, topic: str) -> EngineKeys:
@@ -102,6 +113,10 @@ class EngineKeys:
             refill=f"{tag}:refill",
             outbox=f"{tag}:outbox",
             moved=f"{tag}:moved",
+            inflight=f"{tag}:inflight",
+            claims=f"{tag}:claims",
+            retrying=f"{tag}:retrying",
+            dead_letters=f"{tag}:deadletters",
         )
 
     # Subscriber retries (delayed_pubsub.redelivery): not touched by the engine's scripts.
@@ -110,31 +125,11 @@ class EngineKeys:
         return "{" + self.stream + "}:retry:" + topic
 
     @property
-    def retrying(self) -> str:
-        """Set of the topics that have (or had) a retry schedule: found without KEYS."""
-        return "{" + self.stream + "}:retrying"
-
-    @property
-    def dead_letters(self) -> str:
-        """Set of the dead-letter topics the retry policy has written to."""
-        return "{" + self.stream + "}:deadletters"
-
-    @property
     def history_index(self) -> str:
         """Hash, id (not a stream id) -> its newest history record's entry id: the history's by-id
         index (see delayed_middleware.history). Derived from the history's name, never passed as
         a key: lua/history.lua appends `-ids`, in the history's slot."""
         return self.history + "-ids"
-
-    @property
-    def inflight(self) -> str:
-        """Redis Cluster's two-phase fire: sorted set of claimed envelope ids by lease end (ms)."""
-        return "{" + self.stream + "}:inflight"
-
-    @property
-    def claims(self) -> str:
-        """Hash, claimed envelope id -> "<due ms> <next due | -> <scheduleNext> <scheduler>"."""
-        return "{" + self.stream + "}:claims"
 
     @property
     def two_phase_keys(self) -> list[str]:

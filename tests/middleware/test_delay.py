@@ -14,6 +14,7 @@ from delayed_middleware.delay import (
     DELAY_KEYS,
     DELIVER_AFTER,
     DELIVER_AT,
+    PULSAR_KEYS,
     SCHEDULE,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
@@ -72,6 +73,10 @@ def test_contract_key_names() -> None:
         "scheduleLimit",
         "scheduleJitter",
     }
+    # The keys that time a one-shot, the Pulsar aliases among them: all gated by enableDelayedMessaging.
+    assert TIME_KEYS == ("scheduledSendTime", "scheduledSendDelay", "deliverAt", "deliverAfter")
+    assert PULSAR_KEYS == ("deliverAt", "deliverAfter")
+    assert set(PULSAR_KEYS) <= set(TIME_KEYS) <= set(DELAY_KEYS)
 
 
 @pytest.mark.parametrize(

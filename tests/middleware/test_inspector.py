@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,8 @@ from delayed_middleware.envelope import BulkEntry, Envelope, encode_envelope
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.inspector import Inspector, payload_preview
 from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
+from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_middleware.retry import retry_key, retry_topics_key
 
 T0 = 1_800_000_000_000
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
@@ -75,6 +78,47 @@ async def test_pending_pages_through_the_stream_with_exact_counts(
     assert sum(counts.values()) == 10
     assert not complete
     assert await inspector.counts_by_topic() == ({"orders": 23, "billing": 14}, True)
+
+
+async def test_the_filters_and_the_paging_hold_alike_for_delayed_retry_and_hand_off_messages(
+    client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis
+) -> None:
+    """One topic and due-time filter for all three kinds a listing merges, and every read
+    goes on past its first page (page size 2): the outbox, the dead letters, and the scan
+    that finds an envelope by the id it carries."""
+    await engine.schedule([env(i, T0 + 1_000 * i, "orders" if i % 2 else "billing") for i in range(6)])
+    # Retries: entries the subscriber took (in the group's PEL) and waits to deliver again.
+    for topic in ("orders", "billing"):
+        redis_client.xgroup_create(topic, "app", id="0", mkstream=True)
+        for i in range(3):
+            entry_id: Any = redis_client.xadd(topic, encode_entry(StreamEntry(b"r")))  # type: ignore[arg-type]
+            redis_client.zadd(retry_key("app", topic), {entry_id: T0 + 500 + 1_000 * i})
+        redis_client.sadd(retry_topics_key("app"), topic)
+        redis_client.xreadgroup("app", "c1", {topic: ">"})
+    # Hand-offs never tried: due when they were fired, their outbox id's time.
+    for i in range(5):
+        handoff = OutboxEntry("kafka", "orders" if i % 2 else "billing", b"h", id=f"h{i}")
+        redis_client.xadd(KEYS.outbox, encode_outbox_entry(handoff), id=f"{T0 + 250 + 1_000 * i}-0")  # type: ignore[arg-type]
+    inspector = Inspector(client, "app", page_size=2)
+
+    everything = await inspector.pending()
+    assert Counter(m.kind for m in everything.messages) == {"oneshot": 6, "retry": 6, "handoff": 5}
+    cut = T0 + 2_600
+    only = await inspector.pending(topic="orders", due_before_ms=cut)
+    # Orders due before the cut: one-shot 1 (T0+1000), retries at +500, +1500, +2500, hand-off h1 (+1250).
+    assert Counter(m.kind for m in only.messages) == {"oneshot": 1, "retry": 3, "handoff": 1}
+    assert (only.counts, only.matched) == ({"orders": 5}, 5)
+    assert sorted(m.id for m in only.messages) == sorted(
+        m.id for m in everything.messages if m.topic == "orders" and m.due_ms < cut
+    )
+    assert [m.id for m in only.messages if m.kind == "handoff"] == ["h1"]
+
+    # An envelope known only by the id it carries, on the stream's fourth page.
+    redis_client.xadd(KEYS.stream, {"data": encode_envelope(env(9, T0 + 9_000, sid="legacy-9"))})
+    redis_client.hdel(KEYS.ids, "legacy-9")
+    found = await inspector.get("legacy-9")
+    assert found is not None
+    assert (found.envelope.id, found.message.due_ms) == ("legacy-9", T0 + 9_000)
 
 
 async def test_get_by_schedule_id_and_by_envelope_id(client: aioredis.Redis, engine: DelayEngine) -> None:
@@ -196,6 +240,11 @@ async def test_dead_letters_of_this_app_only(client: aioredis.Redis, redis_clien
         ("billing", "boom", 3),
     ]
     assert len(await inspector.dead_letters(source_topic="billing")) == 1
+    # Read page by page: a page of 2 ends between this app's letters and another's.
+    for _ in range(3):
+        redis_client.xadd("dlq", dead("app", "billing"))  # type: ignore[arg-type]
+    paged = await Inspector(client, "app", page_size=2).dead_letters()
+    assert [d.source_topic for d in paged] == ["orders", "billing", "billing", "billing", "billing"]
 
 
 def test_payload_preview_cuts_and_hexes() -> None:

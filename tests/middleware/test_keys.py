@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delayed_middleware.keys import is_stream_id, shard_id, split_shard_id
+from delayed_middleware.keys import EngineKeys, is_stream_id, key_slot, shard_id, split_shard_id
 
 U64_MAX = 2**64 - 1
 
@@ -100,3 +102,37 @@ def test_whatever_split_shard_id_accepts_is_written_back_the_same(text: str, sha
     named = split_shard_id(text, shards)
     if named is not None:
         assert shard_id(named[1], named[0]) == text
+
+
+def test_engine_keys_keep_the_names_a_deployment_has_stored() -> None:
+    # The names are data already in Redis: a renamed key would orphan what waits under the old one.
+    keys = EngineKeys.for_topic("app-delayed")
+    assert {f.name: getattr(keys, f.name) for f in dataclasses.fields(keys)} == {
+        "stream": "app-delayed",
+        "due": "{app-delayed}:due",
+        "buckets": "{app-delayed}:due:",
+        "seq": "{app-delayed}:due-seq",
+        "count": "{app-delayed}:pending",
+        "ids": "{app-delayed}:ids",
+        "wake": "{app-delayed}:wake",
+        "history": "{app-delayed}:history",
+        "parked": "{app-delayed}:parked",
+        "calls": "{app-delayed}:calls",
+        "refill": "{app-delayed}:refill",
+        "outbox": "{app-delayed}:outbox",
+        "moved": "{app-delayed}:moved",
+        "inflight": "{app-delayed}:inflight",
+        "claims": "{app-delayed}:claims",
+        "retrying": "{app-delayed}:retrying",
+        "dead_letters": "{app-delayed}:deadletters",
+    }
+    assert keys.retry("orders") == "{app-delayed}:retry:orders"
+    assert keys.history_index == "{app-delayed}:history-ids"
+    # One slot: a script may touch any of them together on Redis Cluster.
+    names = [*dataclasses.astuple(keys), keys.retry("orders"), keys.history_index]
+    assert {key_slot(k) for k in names} == {key_slot("app-delayed")}
+    assert keys.script_keys == [
+        *(getattr(keys, n) for n in ("stream", "due", "ids", "seq", "count", "history", "parked")),
+        *(getattr(keys, n) for n in ("calls", "refill", "outbox", "moved")),
+    ]
+    assert keys.two_phase_keys == [*keys.script_keys[:-1], keys.inflight, keys.claims, keys.moved]

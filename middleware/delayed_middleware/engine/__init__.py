@@ -17,7 +17,8 @@ Where to look:
   on Cluster (`_stop_in_flight`: the fire marker).
 - a shard id: `keys.shard_index` (a scheduleId's home shard) and
   `sharded.py` `ShardedEngine.schedule` (`<stream id>@<shard>` for envelopes
-  without one); `ShardedEngine._locate` reads it back.
+  without one, written by `keys.shard_id`); `ShardedEngine._locate` reads it
+  back with `keys.split_shard_id`.
 
 Modules, each stating its invariants and crash points:
 

@@ -4,22 +4,13 @@ stubs do not know, read back from the unknown fields."""
 from __future__ import annotations
 
 from delayed_middleware.envelope import Envelope, encode_envelope
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+from tests.wire import bytes_field, varint_field
 
 
 def _field(number: int, value: str | int) -> bytes:
     if isinstance(value, int):
-        return _varint(number << 3) + _varint(value)
-    data = value.encode()
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
+        return varint_field(number, value)
+    return bytes_field(number, value.encode())
 
 
 def v2_envelope(**fields: str | int) -> bytes:

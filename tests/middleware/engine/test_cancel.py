@@ -14,10 +14,12 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from delayed_middleware import scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, RETRY, BulkEntry, Envelope
+from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 from tests.middleware.engine.helpers import (
     KEYS,
     T0,
@@ -30,6 +32,7 @@ from tests.middleware.engine.helpers import (
     target,
 )
 from tests.redis_server import stream_entries
+from tests.wire import bytes_field, varint, varint_field
 
 
 def engine_keys_left(client: redis.Redis) -> list[str]:
@@ -101,6 +104,72 @@ async def test_the_cancelled_record_describes_the_message_as_its_scheduled_recor
         e.size,
     )
     assert (cancelled.schedule, cancelled.due_ms, cancelled.reason) == (e.schedule, T0 + 1_000, "Remove")
+    assert engine_keys_left(redis_client) == []
+
+
+def _entry(*fields: bytes) -> bytes:
+    """A DelayedBulk's `entries` field holding a DelayedBulkEntry of these fields."""
+    return bytes_field(1, b"".join(fields))
+
+
+_LONG_VARINT = b"\xff" * 10 + b"\x01"  # 11 bytes: past protobuf's 10
+
+
+@pytest.mark.parametrize(
+    ("body", "size"),
+    [
+        (_entry(bytes_field(2, b"abc")) + _entry(bytes_field(1, b"e2"), bytes_field(2, b"defgh")), 8),
+        # An entry's event given twice: the last one counts.
+        (_entry(bytes_field(2, b"abcd"), bytes_field(2, b"ef")), 2),
+        # ...and an event given as a varint reads as empty.
+        (_entry(bytes_field(2, b"abcd"), varint_field(2, 7)) + _entry(bytes_field(2, b"xyz")), 3),
+        # A fixed32 event is passed over.
+        (_entry(bytes_field(2, b"abcd"), varint(2 << 3 | 5) + b"\x00" * 4), 4),
+        # Fields of the DelayedBulk other than its entries (and entries that are not bytes) are skipped.
+        (
+            _entry(bytes_field(2, b"abc"))
+            + varint_field(2, 5)
+            + varint_field(1, 9)
+            + _entry(bytes_field(2, b"de")),
+            5,
+        ),
+        (bytes_field(9, b"junk") + _entry(bytes_field(2, b"abc")), 3),
+        # The DelayedBulk's own framing is checked as the full decoder does: unreadable, no size.
+        (_entry(bytes_field(2, b"abc")) + varint(2 << 3) + _LONG_VARINT, 0),
+        (_entry(bytes_field(2, b"abc"))[:-1], 0),
+        (_entry(bytes_field(2, b"abc")) + varint(2 << 3 | 3), 0),
+    ],
+    ids=[
+        "two-entries",
+        "event-twice",
+        "varint-event",
+        "fixed32-event",
+        "bulk-level-varints",
+        "bulk-level-other-field",
+        "bulk-level-long-varint",
+        "bulk-truncated",
+        "bulk-group-wire-type",
+    ],
+)
+async def test_the_cancelled_record_sizes_a_hand_written_bulk_body_by_its_entries_events(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, body: bytes, size: int
+) -> None:
+    """A bulk body written by hand on the delayed topic (repeated, mistyped, over-long and
+    truncated fields): CANCEL's lean reader counts the events as the table says, or, where the
+    body's own framing is broken, cancels the message with a record that names nothing of it."""
+    raw = delayed_pb2.DelayedMessage(
+        topic="orders", bulkPublish=True, message=body, scheduleId="b1"
+    ).SerializeToString()
+    redis_client.eval(
+        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
+        *(raw, T0 + 1_000, "b1", 0, "orders", 1, "", "-", "-"),
+    )  # fmt: skip
+    engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
+    readable = size > 0
+    assert await engine.cancel_many(["b1"]) == [(True, "orders" if readable else "")]
+    [cancelled] = history(redis_client, "cancelled")
+    assert (cancelled.topic, cancelled.size_bytes) == ("orders" if readable else "", size)
     assert engine_keys_left(redis_client) == []
 
 
