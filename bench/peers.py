@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import platform
 import shutil
@@ -744,6 +745,11 @@ async def run_all(
 ) -> Run:
     from tqdm import tqdm
 
+    # The client's start-up heap out of its full collections, which otherwise
+    # paused its loop for 50-190 ms: a message that arrives during a pause is
+    # stamped late, whichever system sent it.
+    gc.collect()
+    gc.freeze()
     run = Run(sizes)
     workloads = [(name, w) for name, w in WORKLOADS if not only or name in only]
     generation = 0

@@ -17,6 +17,7 @@ from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
 from delayed_pubsub.dashboard import cli as dashboard_cli
 from delayed_pubsub.health_http import HealthHttpServer
+from delayed_pubsub.heap import freeze_startup_heap
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
@@ -166,6 +167,8 @@ def _serve(args: argparse.Namespace, pool: WorkerPool | None) -> int:
         health_http.start()
     try:
         group = None if args.socket_group is None else socket_group_id(args.socket_group)
+        # Everything imported so far lives as long as serve: out of the GC's full collections.
+        freeze_startup_heap()
         asyncio.run(
             serve(
                 socket_path,

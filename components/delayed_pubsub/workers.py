@@ -66,6 +66,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.heap import freeze_startup_heap
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 
@@ -459,6 +460,8 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     # Imported here: instance.py is heavy, and only this side needs it.
     from delayed_pubsub.instance import Instance
 
+    # Its modules live as long as the worker: out of the GC's full collections.
+    freeze_startup_heap()
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
