@@ -67,6 +67,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.heap import freeze_startup_heap
+from delayed_pubsub.loopwatch import LoopWatch
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 
@@ -474,6 +475,8 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     _die_with_parent()
     orphaned = False
     metrics = Metrics()
+    watch = LoopWatch(metrics.registry, f"worker-{index}")
+    watch.start()
     running: dict[str, tuple[dict[str, str], Instance]] = {}
     failing: dict[str, tuple[float, Backoff, str]] = {}
     seen: tuple[float, int] | None = None
@@ -538,6 +541,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
         if orphaned:
             # Nobody else will: the instances file holds Init metadata, secrets among it.
             shutil.rmtree(folder, ignore_errors=True)
+        await watch.stop()
         log.info("worker %d: stopped", index)
 
 
