@@ -17,6 +17,8 @@ from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
 from delayed_pubsub.dashboard import cli as dashboard_cli
 from delayed_pubsub.health_http import HealthHttpServer
+from delayed_pubsub.heap import freeze_startup_heap
+from delayed_pubsub.loopwatch import watched
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
@@ -166,15 +168,21 @@ def _serve(args: argparse.Namespace, pool: WorkerPool | None) -> int:
         health_http.start()
     try:
         group = None if args.socket_group is None else socket_group_id(args.socket_group)
+        # Everything imported so far lives as long as serve: out of the GC's full collections.
+        freeze_startup_heap()
         asyncio.run(
-            serve(
-                socket_path,
-                SystemClock(),
-                grace=args.grace,
-                metrics=metrics,
-                socket_group=group,
-                allow_insecure_folder=args.allow_insecure_socket_folder,
-                workers=pool,
+            watched(
+                serve(
+                    socket_path,
+                    SystemClock(),
+                    grace=args.grace,
+                    metrics=metrics,
+                    socket_group=group,
+                    allow_insecure_folder=args.allow_insecure_socket_folder,
+                    workers=pool,
+                ),
+                metrics.registry,
+                "serve",
             )
         )
     except (FileExistsError, PermissionError, LookupError) as e:

@@ -67,6 +67,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
+from delayed_pubsub.heap import freeze_startup_heap
+from delayed_pubsub.loopwatch import LoopWatch
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.settings import parse_settings
 
@@ -531,6 +533,8 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     # Imported here: instance.py is heavy, and only this side needs it.
     from delayed_pubsub.instance import Instance
 
+    # Its modules live as long as the worker: out of the GC's full collections.
+    freeze_startup_heap()
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -543,6 +547,8 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     _die_with_parent()
     orphaned = False
     metrics = Metrics()
+    watch = LoopWatch(metrics.registry, f"worker-{index}")
+    watch.start()
     running: dict[str, tuple[dict[str, str], Instance]] = {}
     failing: dict[str, tuple[float, Backoff, str]] = {}
     seen: tuple[float, int] | None = None
@@ -607,6 +613,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
         if orphaned:
             # Nobody else will: the instances file holds Init metadata, secrets among it.
             shutil.rmtree(folder, ignore_errors=True)
+        await watch.stop()
         log.info("worker %d: stopped", index)
 
 
