@@ -200,9 +200,17 @@ class DelayingProxy(_Proxy):
                 redis_w.write(data)
                 await redis_w.drain()
 
-        async def downstream() -> None:
-            while data := await redis_r.read(65536):
-                client_w.write(data)
-                await client_w.drain()
+        return upstream, _forward(redis_r, client_w)
 
-        return upstream, downstream
+
+def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0) -> Pump:
+    """A pump that copies `reader` to `writer` unchanged, each chunk `delay_s` late."""
+
+    async def pump() -> None:
+        while data := await reader.read(65536):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            writer.write(data)
+            await writer.drain()
+
+    return pump
