@@ -6,7 +6,7 @@ Layout, as pubsub.redis has it (so existing deployments read as they are):
     start of the stream (MKSTREAM), each stream reading as its own consumer;
   - an entry stays in the group's PEL from delivery to XACK, so whatever dies —
     the stream, the process, Redis's connection — it is never lost: a live
-    subscription XAUTOCLAIMs it after processingTimeout.
+    subscription reclaims it after processingTimeout.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Retrier, delivery_counts
+from delayed_pubsub.redelivery import Retrier, claim_unchanged, delivery_counts
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class _PublishBatcher:
 class Subscription:
     """One PullMessages stream's view of a topic.
 
-    Three loops share the state below: a fetch loop (XAUTOCLAIM of abandoned
+    Three loops share the state below: a fetch loop (XPENDING and XCLAIM of abandoned
     entries every redeliverInterval, else XREADGROUP BLOCK for new ones) fills
     `_ready`; `deliveries()` hands entries out while fewer than `concurrency` are
     unacked; an ack loop XACKs, in one command per round trip, every ack that
@@ -312,7 +312,7 @@ class Subscription:
         # it was sent as: each holds a slot, and only these may be acked.
         self._unacked: dict[str, int] = {}
         # Every id this stream is responsible for (ready, unacked, waiting to be
-        # redelivered, or acked and not yet XACKed): XAUTOCLAIM must not hand
+        # redelivered, or acked and not yet XACKed): a reclaim pass must not hand
         # these out a second time.
         self._owned: set[str] = set()
         # Acked (or expired) ids not yet sent to Redis, and the future the ack
@@ -329,7 +329,7 @@ class Subscription:
         self._fetcher: Supervised | None = None
         self._acker: Supervised | None = None
         self._timers: set[asyncio.Task[None]] = set()
-        self._reclaim_cursor = "0-0"
+        self._reclaim_cursor = "-"
         # The retry policy's executor (redelivery.py), when one is configured; set before start().
         self.retry: Retrier | None = None
         # Short blocks keep a dead connection from going unnoticed for long.
@@ -505,17 +505,17 @@ class Subscription:
         one, the Retrier records when it may come back (or dead-letters it).
         """
         if self.retry is not None:
-            work: Coroutine[Any, Any, None] = self._retry_nack(entry_id, error)
+            work: Coroutine[Any, Any, None] = self._retry_nack(entry_id, error, attempt)
         else:
             work = self._redeliver(entry_id, self._settings.redeliver_interval_ms / 1000)
         timer = asyncio.create_task(work, name=f"redeliver {entry_id}")
         self._timers.add(timer)
         timer.add_done_callback(self._timers.discard)
 
-    async def _retry_nack(self, entry_id: str, error: str) -> None:
+    async def _retry_nack(self, entry_id: str, error: str, attempt: int) -> None:
         assert self.retry is not None
         try:
-            await self.retry.on_nack(entry_id, error)
+            await self.retry.on_nack(entry_id, error, attempt)
         except Exception:
             # Still in the PEL: reclaimed after processingTimeout like any abandoned entry.
             log.exception("retry of %s on %s failed", entry_id, self.topic)
@@ -644,48 +644,60 @@ class Subscription:
                 self._push(text(raw_id), fields, attempt=1)
 
     async def _reclaim(self, count: int) -> int:
-        """Take over up to `count` entries idle past processingTimeout; returns how many were taken."""
-        ids = await self._retrying("XAUTOCLAIM", lambda: self._autoclaim(count))
+        """Take over up to `count` entries idle past processingTimeout; returns how many were taken.
+
+        Listed first, claimed after, each only if its delivery count is still the
+        listed one (claim_unchanged): a retry poller that took an entry's record
+        after it was listed has claimed it, or will, under that same count, and
+        exactly one of the two delivers it. Listing takes nothing, so a failure
+        anywhere here strands nothing: the next pass lists the same entries.
+        """
+        counts = await self._retrying("XPENDING", lambda: self._idle_entries(count))
+        ids = list(counts)
         if ids and self.retry is not None:
             # Entries waiting out a retry backoff are not abandoned: not yet.
             ids = await self.retry.hold_back(ids)
         if not ids:
             return 0
-        # They are ours from here, their idle time reset: a failure below must
-        # retry only the step that failed, as XAUTOCLAIM would now pass them over
-        # and strand them for another processingTimeout.
-        claimed = await self._retrying("XCLAIM", lambda: self._claim(ids))
-        if not claimed:
-            return 0
-        attempts = await self._retrying("XPENDING", lambda: self._attempts([i for i, _ in claimed]))
-        for entry_id, fields in claimed:
-            self._push(entry_id, fields, attempts.get(entry_id, 2))
-        log.info(
-            "reclaimed %d entries of %s idle > %dms",
-            len(claimed),
-            self.topic,
-            self._settings.processing_timeout_ms,
+        listed = {i: counts[i] for i in ids}
+        # A repeat after a lost reply claims nothing twice: the first try bumped the counts.
+        claimed = await self._retrying(
+            "XCLAIM",
+            lambda: claim_unchanged(
+                self._client,
+                self.topic,
+                self._group,
+                self.consumer,
+                listed,
+                self._settings.processing_timeout_ms,
+            ),
         )
+        for entry_id, fields, attempt in claimed:
+            self._push(entry_id, fields, attempt)
+        if claimed:
+            log.info(
+                "reclaimed %d entries of %s idle > %dms",
+                len(claimed),
+                self.topic,
+                self._settings.processing_timeout_ms,
+            )
         return len(claimed)
 
-    async def _autoclaim(self, count: int) -> list[str]:
-        """XAUTOCLAIM JUSTID one batch; returns the ids we did not already hold."""
-        reply: Any = await self._client.eval(
-            scripts.AUTOCLAIM_JUSTID,
-            1,
+    async def _idle_entries(self, count: int) -> dict[str, int]:
+        """One batch of the group's entries idle past processingTimeout that we do not hold,
+        with their delivery counts; the batches go round the PEL, pass after pass."""
+        rows: Any = await self._client.xpending_range(
             self.topic,
             self._group,
-            self.consumer,
-            self._settings.processing_timeout_ms,
-            self._reclaim_cursor,
-            count,
+            min=self._reclaim_cursor,
+            max="+",
+            count=count,
+            idle=self._settings.processing_timeout_ms,
         )
-        self._reclaim_cursor = text(reply[0])
-        deleted = reply[2] if len(reply) > 2 else []
-        if deleted:
-            # Redis 7 drops deleted/trimmed ids from the PEL itself; nothing to deliver.
-            log.info("%d pending entries of %s were deleted before delivery", len(deleted), self.topic)
-        return [text(i) for i in reply[1] if text(i) not in self._owned]
+        # The next pass goes on after the last one listed; a short batch ends the round.
+        self._reclaim_cursor = f"({text(rows[-1]['message_id'])}" if len(rows) == count else "-"
+        found = ((text(r["message_id"]), int(r["times_delivered"])) for r in rows)
+        return {i: n for i, n in found if i not in self._owned}
 
     async def _claim(self, ids: Sequence[str]) -> list[tuple[str, Any]]:
         """XCLAIM entries of ours again, which bumps their delivery count; returns

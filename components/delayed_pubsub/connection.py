@@ -215,7 +215,7 @@ class Connection:
                 shutil.rmtree(self._tempdir, ignore_errors=True)
 
 
-# XAUTOCLAIM (reclaiming abandoned messages) and XADD/XTRIM MINID (streamTTL) arrived in Redis 6.2.
+# XPENDING IDLE (reclaiming abandoned messages) and XADD/XTRIM MINID (streamTTL) arrived in Redis 6.2.
 MIN_REDIS_VERSION: Final = (6, 2)
 
 
@@ -235,7 +235,7 @@ def check_redis_version(version: str, address: str) -> None:
         need = ".".join(map(str, MIN_REDIS_VERSION))
         raise UnsupportedRedisError(
             f"redis at {address} is version {version.strip()}; this component needs Redis {need} or "
-            f"later (it uses XAUTOCLAIM and MINID trimming, added in {need})"
+            f"later (it uses XPENDING IDLE and MINID trimming, added in {need})"
         )
 
 

@@ -6,11 +6,22 @@ subscription itself. A subscription with `retry = Retrier(...)` calls:
 - `retry.start(push)` once it is fetching: the poller that redelivers due
   entries; `push(entry_id, fields, attempt)` must queue a delivery even if the
   subscription already saw that id (it is a redelivery);
-- `await retry.on_nack(entry_id, error)` instead of its own redelivery timer,
-  then forgets the id (it is no longer this stream's: the record is);
-- `await retry.hold_back(ids)` on ids XAUTOCLAIM took over, and delivers only
-  those returned: an entry with a future retry record must wait for it;
+- `await retry.on_nack(entry_id, error, attempt)` instead of its own
+  redelivery timer, then forgets the id (it is no longer this stream's: the
+  record is);
+- `await retry.hold_back(ids)` on the idle ids its reclaim pass found, and
+  claims only those returned (with `claim_unchanged`): an entry with a future
+  retry record must wait for it;
 - `await retry.close()` when it closes.
+
+Who delivers a due retry: every delivery is a claim that bumps the entry's
+delivery count in the PEL, and every claim here is conditional on the count
+the claimer read before (`claim_unchanged`). The poller reads the counts,
+then takes the records (ZREM returning 1 is the token among pollers), then
+claims; a reclaim pass of another stream that finds no record (the poller
+took it a moment ago) claims under the count it listed. Both name the same
+count, so one of them wins; the record and the stream may sit on different
+Cluster masters, and no step needs both.
 """
 
 from __future__ import annotations
@@ -19,10 +30,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from delayed_middleware import history
+from delayed_middleware import history, scripts
 from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
@@ -105,11 +116,26 @@ class Retrier:
         if self._poller is not None:
             await self._poller.stop()
 
-    async def on_nack(self, entry_id: str, error: str) -> None:
-        """Record when `entry_id` may come back, or dead-letter it after its last attempt."""
-        attempt, fields = await self._retrying("read nacked entry", lambda: self._read(entry_id))
+    async def on_nack(self, entry_id: str, error: str, attempt: int = 0) -> None:
+        """Record when `entry_id` may come back, or dead-letter it after its last attempt.
+
+        `attempt` is the delivery the subscriber failed (0: unknown). If another
+        stream of the group has delivered the entry again since (the app took
+        longer than processingTimeout), that delivery is the retry and this
+        nack changes nothing.
+        """
+        sent = attempt
+        attempt, fields = await self._retrying("hold nacked entry", lambda: self._hold(entry_id, sent))
         if fields is None:
-            return  # acked elsewhere, deleted or trimmed: nothing left to retry
+            if sent and attempt > sent:
+                log.info(
+                    "%s on %s: nack of delivery %d ignored, delivered again (%d) meanwhile",
+                    entry_id,
+                    self._topic,
+                    sent,
+                    attempt,
+                )
+            return  # acked elsewhere, deleted or trimmed, or redelivered: nothing to retry here
         entry = decode_entry(fields)
         decision = self.policy.on_nack(attempt, error)
         if isinstance(decision, DeadLetter):
@@ -149,26 +175,27 @@ class Retrier:
 
     # --- Redis ----------------------------------------------------------------
 
-    async def _read(self, entry_id: str) -> tuple[int, Any]:
-        pipe = self._client.pipeline(transaction=False)
-        pipe.xpending_range(self._topic, self._group, min=entry_id, max=entry_id, count=1)
-        pipe.xrange(self._topic, entry_id, entry_id)
-        pending, rows = await pipe.execute()
-        if not pending or not rows:
-            return 0, None
-        return int(pending[0]["times_delivered"]), rows[0][1]
+    async def _hold(self, entry_id: str, sent: int) -> tuple[int, Any]:
+        """(delivery count, fields) of a nacked entry, its idle time reset; fields None when it
+        is no longer pending, is gone from the stream, or was delivered again (NACK_HOLD)."""
+        reply: Any = await self._client.eval(
+            scripts.NACK_HOLD, 1, self._topic, self._group, self._consumer, entry_id, sent
+        )
+        count, fields = int(reply[0]), reply[1]
+        if not fields:
+            return count, None
+        # A script hands the fields back flat, as Redis does.
+        return count, dict(zip(fields[::2], fields[1::2], strict=True))
 
     async def _record(self, entry_id: str, due_ms: int, record: dict[str, str]) -> None:
-        """The retry record, the idle reset and the history entry, in one round trip."""
+        """The retry record and the history entry, in one round trip (NACK_HOLD reset the idle time)."""
         pipe = self._client.pipeline(transaction=False)
         pipe.zadd(self._key, {entry_id: due_ms})
-        # Keep it ours meanwhile (idle reset; JUSTID leaves the count alone).
-        pipe.xclaim(self._topic, self._group, self._consumer, 0, [entry_id], justid=True)
         # So operators find the waiting retries knowing only the app id.
         pipe.sadd(retry_topics_key(self._group), self._topic)
         self._retention.append(pipe, self._history, record, self._clock.now_ms())
-        zadd, xclaim, sadd, *hist = await pipe.execute(raise_on_error=False)
-        for result in (zadd, xclaim, sadd):
+        zadd, sadd, *hist = await pipe.execute(raise_on_error=False)
+        for result in (zadd, sadd):
             if isinstance(result, Exception):
                 raise result  # retried whole: both steps are idempotent
         failed = next((r for r in hist if isinstance(r, Exception)), None)
@@ -275,7 +302,12 @@ class Retrier:
                         await self._wake.wait()
 
     async def _redeliver_due(self, push: Push) -> int | None:
-        """Redeliver what is due, in four round trips per batch; returns the next record's time (ms) or None."""
+        """Redeliver what is due, in four round trips per batch; returns the next record's time (ms) or None.
+
+        A record taken whose claim then fails (Redis gone, this process killed)
+        leaves its entry pending with no record: any stream's reclaim pass
+        delivers it after processingTimeout.
+        """
         now = self._clock.now_ms()
         pipe = self._client.pipeline(transaction=False)
         pipe.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
@@ -285,20 +317,23 @@ class Retrier:
         if due:
             ids = [text(raw) for raw in due]
             async with asyncio.timeout(self._timeout):
-                # ZREM returning 1 is the token: of racing streams, one redelivers.
+                # Read before the token is taken: a reclaim pass that finds no record from
+                # here on can only have listed the entry under this same count.
+                counts = await self._attempts(ids)
+                # ZREM returning 1 is the token: of racing pollers, one redelivers. An id
+                # no longer pending (acked, deleted) loses its record and nothing else.
                 pipe = self._client.pipeline(transaction=False)
                 for entry_id in ids:
                     pipe.zrem(self._key, entry_id)
-                mine: list[Any] = [i for i, removed in zip(ids, await pipe.execute(), strict=True) if removed]
-                claimed: Any = []
-                if mine:
-                    # Bumps each PEL delivery count: that is the attempt number.
-                    claimed = await self._client.xclaim(self._topic, self._group, self._consumer, 0, mine)
-                # Deleted or trimmed while they waited: nothing to redeliver.
-                live = [(text(i), f) for i, f in claimed if f is not None]
-                attempts = await self._attempts([i for i, _ in live])
-            for entry_id, fields in live:
-                push(entry_id, fields, attempts.get(entry_id, 2))
+                taken = await pipe.execute()
+            mine = {i: counts[i] for i, removed in zip(ids, taken, strict=True) if removed and i in counts}
+            # Retried until it lands: a repeat after a lost reply claims nothing twice.
+            live = await self._retrying(
+                "XCLAIM",
+                lambda: claim_unchanged(self._client, self._topic, self._group, self._consumer, mine),
+            )
+            for entry_id, fields, attempt in live:
+                push(entry_id, fields, attempt)
             if len(due) == POLL_BATCH:
                 return now
         return int(later[0][1]) if later else None
@@ -322,6 +357,29 @@ class Retrier:
             backoff=Backoff(base_s=0.05, cap_s=2.0),
             call_timeout=self._timeout,
         )
+
+
+async def claim_unchanged(
+    client: Any,
+    topic: str,
+    group: str,
+    consumer: str,
+    counts: Mapping[str, int],
+    min_idle_ms: int = 0,
+) -> list[tuple[str, Any, int]]:
+    """Claim for `consumer` each entry whose delivery count is still the one in `counts`
+    (and idle `min_idle_ms` or more), in one atomic script on the topic key; returns
+    (id, fields, attempt) of those claimed, the attempt being their new delivery count.
+
+    An entry another stream delivered since its count was read is left to that stream:
+    claiming it as well would deliver it twice.
+    """
+    if not counts:
+        return []
+    args = [a for entry_id, n in counts.items() for a in (entry_id, n)]
+    reply: Any = await client.eval(scripts.CLAIM_UNCHANGED, 1, topic, group, consumer, min_idle_ms, *args)
+    # A script hands the fields back flat, as Redis does: paired as redis-py's XCLAIM pairs them.
+    return [(text(i), dict(zip(f[::2], f[1::2], strict=True)), int(n)) for i, f, n in reply]
 
 
 async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str]) -> dict[str, int]:

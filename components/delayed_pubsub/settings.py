@@ -35,7 +35,7 @@ KNOWN_KEYS: Final = SPEC.names
 # Upper bounds, checked at Init so a value that parses but that Redis (or the
 # data path) would refuse later fails now, naming its key. See RELIABILITY.md.
 # Go's time.Duration is int64 nanoseconds: daprd and go-redis cannot express
-# more, and Redis takes every millisecond count up to it (XAUTOCLAIM min-idle).
+# more, and Redis takes every millisecond count up to it (XPENDING IDLE, XCLAIM min-idle).
 MAX_DURATION_MS = (2**63 - 1) // 1_000_000
 # The trim MINID is now - streamTTL: it must stay a valid (positive) stream id.
 MAX_STREAM_TTL_MS = 10 * 365 * 86_400_000

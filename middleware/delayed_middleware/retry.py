@@ -32,11 +32,15 @@ retry schedule is a durable record beside it, a sorted set per (group, topic)
 epoch ms from which it may be redelivered). Then:
 
 - a restart honours the backoff: the record is in Redis, not in a timer;
-- another stream of the group that XAUTOCLAIMs the entry after
+- another stream of the group whose reclaim pass finds the entry idle past
   processingTimeout finds the record and does not deliver it early;
 - redelivery is an XCLAIM by whichever stream of the group first removes the
   record (ZREM returning 1 is the token), which bumps the PEL delivery count,
   so `deliveryAttempt` = the PEL's times-delivered, crashes included;
+- every such claim (and a reclaim pass's) is made only if the delivery count
+  is still the one the claimer read before, in one script on the topic key:
+  a reclaim pass that finds no record because a poller has just taken it
+  cannot deliver the entry a second time, on Redis Cluster too;
 - the key sits in the reserved `-delayed}` namespace: no topic can collide with it
   (once publish/subscribe refuse engine keys, see keys.is_engine_key);
 - the topics having such a schedule are listed in the set `{<consumerID>-delayed}:retrying`,

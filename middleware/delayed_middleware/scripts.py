@@ -63,7 +63,9 @@ PAUSE: Final = load("pause.lua")
 COMPACT: Final = load("compact.lua")
 # The broker's own atomic steps.
 DELETE_IDLE_CONSUMER: Final = load("delete_idle_consumer.lua")
-AUTOCLAIM_JUSTID: Final = load("autoclaim_justid.lua")
+# Conditional redelivery (reclaim pass, retry poller) and a nack's hold, each on the topic key alone.
+CLAIM_UNCHANGED: Final = load("claim_unchanged.lua")
+NACK_HOLD: Final = load("nack_hold.lua")
 
 # The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
 # as FIRE, split where the target topics leave the shard's slot.

@@ -183,6 +183,39 @@ class SlowProxy(_Proxy):
         return _forward(client_r, redis_w), _forward(redis_r, client_w, self.delay_s)
 
 
+class DelayingProxy(_Proxy):
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`, slowly for some commands.
+
+    While `armed`, each client->Redis chunk that contains `marker` reaches Redis
+    `delay_s` late, and what that connection sends after it waits behind it, as
+    on a slow link or in front of a busy Redis. Everything else passes at once.
+    """
+
+    def __init__(self, upstream_port: int, marker: bytes, delay_s: float) -> None:
+        super().__init__(upstream_port)
+        self.marker = marker
+        self.delay_s = delay_s
+        self.armed = False
+        self.delayed = 0
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                if self.armed and self.marker in data:
+                    self.delayed += 1
+                    await asyncio.sleep(self.delay_s)
+                redis_w.write(data)
+                await redis_w.drain()
+
+        return upstream, _forward(redis_r, client_w)
+
+
 def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0) -> Pump:
     """A pump that copies `reader` to `writer` unchanged, each chunk `delay_s` late."""
 

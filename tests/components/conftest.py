@@ -25,6 +25,7 @@ from playwright.async_api import Browser, async_playwright
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
+from tests.chaos.proxy import DelayingProxy
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
 
@@ -56,6 +57,16 @@ def folder() -> Iterator[Path]:
 def props(redis_server: RedisServer, redis_client: object) -> dict[str, str]:
     """Init metadata for the test Redis (flushed: redis_client is requested for that)."""
     return {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1", **FAST}
+
+
+@pytest.fixture
+async def slow_claims(redis_server: RedisServer) -> AsyncIterator[DelayingProxy]:
+    """A proxy in front of the test Redis that, once armed, holds every command naming XCLAIM
+    (XCLAIM itself, or a script that claims) `delay_s` on the wire (the test sets it)."""
+    proxy = DelayingProxy(redis_server.port, b"XCLAIM", delay_s=0.0)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
 
 
 @pytest.fixture

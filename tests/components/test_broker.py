@@ -275,14 +275,16 @@ async def test_a_fetch_loop_cancelled_without_a_stop_is_restarted_and_delivers(
         await sub.close()
 
 
-async def test_a_reclaimed_batch_is_not_stranded_when_reading_its_delivery_counts_fails(
-    redis_server: RedisServer, redis_client: redis.Redis
+@pytest.mark.parametrize("denied", ["xpending", "xclaim"])
+async def test_a_reclaim_pass_failing_for_a_while_takes_nothing_and_delivers_once_it_works(
+    redis_server: RedisServer, redis_client: redis.Redis, denied: str
 ) -> None:
-    # A real failure of XPENDING alone, after XAUTOCLAIM took the entry (and reset
-    # its idle time): an ACL user that may not run XPENDING, for a while.
-    user = "no-xpending"
+    # A real failure of one step of the pass (listing the idle entries, or claiming
+    # them): an ACL user that may not run that command, for a while.
+    user = "denied"
     acl: Any = redis_client.execute_command  # untyped in redis-py
-    acl("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all", "-xpending")
+    acl("ACL", "SETUSER", user, "reset", "on", ">pw", "~*", "&*", "+@all", f"-{denied}")
+    redis_client.acl_log_reset()
     client = aioredis.Redis(port=redis_server.port, username=user, password="pw")
     redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
     redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
@@ -291,9 +293,13 @@ async def test_a_reclaimed_batch_is_not_stranded_when_reading_its_delivery_count
     entry_id = read[0][1][0][0]
     redis_client.xclaim("orders", "app1", "dead", 0, [entry_id], idle=60_000, justid=True)
 
-    def owner() -> str:
+    def refused() -> int:
+        log: Any = redis_client.acl_log()
+        return sum(int(row["count"]) for row in log if _s(row["username"]) == user)
+
+    def pending() -> tuple[str, int]:
         rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 1)
-        return _s(rows[0]["consumer"])
+        return _s(rows[0]["consumer"]), rows[0]["times_delivered"]
 
     sub = Broker(client, settings(redis_server, processingTimeout="2s"), SystemClock()).subscription(
         "orders", "c1"
@@ -301,14 +307,17 @@ async def test_a_reclaimed_batch_is_not_stranded_when_reading_its_delivery_count
     try:
         await sub.start()
         delivered = asyncio.ensure_future(next_delivery(sub.deliveries(), within=10))
-        await wait_until(lambda: owner() == sub.consumer)
-        claimed_at = time.monotonic()
-        await asyncio.sleep(0.2)  # XPENDING fails, and is retried, meanwhile
-        acl("ACL", "SETUSER", user, "+xpending")
+        await wait_until(lambda: refused() >= 2)  # the pass failed, and was retried
+        # Nothing was taken meanwhile: the dead consumer still holds it, delivered once.
+        assert pending() == ("dead", 1)
+        assert not delivered.done()
+        acl("ACL", "SETUSER", user, f"+{denied}")
+        allowed_at = time.monotonic()
         d = await delivered
-        # Not after another processingTimeout (2 s) in our PEL.
-        assert time.monotonic() - claimed_at < 1.2
+        # As soon as the step works again, not after another processingTimeout (2 s).
+        assert time.monotonic() - allowed_at < 1.2
         assert (d.entry.data, d.attempt) == (b"m0", 2)
+        assert pending() == (sub.consumer, 2)
     finally:
         await sub.close()
         await client.aclose()

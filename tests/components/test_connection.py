@@ -300,7 +300,7 @@ async def test_pool_size_holds_under_tls_with_client_certificates_and_sentinel(
     admin.close()
 
 
-# --- the oldest Redis: 6.2 (XAUTOCLAIM, MINID) ----------------------------------------------
+# --- the oldest Redis: 6.2 (XPENDING IDLE, MINID) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -317,7 +317,7 @@ def test_redis_older_than_6_2_is_refused_saying_what_it_is_and_needs(version: st
     message = str(caught.value)
     assert f"redis at redis:6379 is version {version}" in message
     assert "needs Redis 6.2 or later" in message
-    assert "XAUTOCLAIM" in message
+    assert "XPENDING IDLE" in message
 
 
 @pytest.mark.parametrize("version", ["", "unknown", "v7", "7"])
@@ -353,7 +353,7 @@ async def test_init_against_redis_6_0_fails_with_failed_precondition_and_stores_
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert caught.value.details() == (
             f"redis at 127.0.0.1:{proxy.port} is version {shown}; this component needs Redis 6.2 or "
-            "later (it uses XAUTOCLAIM and MINID trimming, added in 6.2)"
+            "later (it uses XPENDING IDLE and MINID trimming, added in 6.2)"
         )
         assert proxy.rewritten >= 1
         # Not initialized: a publish is refused as before any Init, and Redis holds nothing.

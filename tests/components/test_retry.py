@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.retry import retry_key
 from delayed_pubsub.server import ComponentServer
+from tests.chaos.proxy import DelayingProxy
 from tests.components.driver import Component, Stream
 from tests.conftest import small_stream_nodes
 from tests.redis_server import free_port
@@ -456,3 +458,140 @@ async def test_a_small_history_max_len_bounds_the_retry_records(
     rows: Any = redis_client.xrange("{app1-delayed}:history")
     assert 20 <= len(rows) <= 30, len(rows)
     assert rows[-1][1][b"attempt"] == b"100"
+
+
+async def test_a_due_retry_whose_claim_is_slow_on_the_wire_is_delivered_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, slow_claims: DelayingProxy
+) -> None:
+    """A retry poller takes a due record, and its claim is held up on the way to Redis; meanwhile
+    the entry passes processingTimeout and the other streams' reclaim passes find it idle and
+    without a record. Each message still comes back once, as delivery 2, to an app that takes
+    a moment over it."""
+    c = component("delayed")
+    # Due 950 ms after the nack, idle enough for a reclaim pass 50-250 ms later: while the
+    # poller's claim (600 ms on the wire) is still on its way.
+    await c.init(
+        {
+            **props,
+            "redisHost": f"127.0.0.1:{slow_claims.port}",
+            "processingTimeout": "1s",
+            "retryInitialInterval": "950ms",
+        }
+    )
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    n = 12
+    failed: set[bytes] = set()
+
+    async def fail_first_deliveries() -> None:
+        while len(failed) < n:
+            for s in streams:
+                while not s.received.empty():
+                    msg = s.received.get_nowait()
+                    assert msg.metadata["deliveryAttempt"] == "1"
+                    failed.add(msg.data)
+                    await s.nack(msg.id, "later")
+            await asyncio.sleep(0.005)
+
+    failing = asyncio.create_task(fail_first_deliveries())
+    # Spread over a reclaim period, so the messages meet the passes at different moments.
+    for i in range(n):
+        await c.publish("orders", str(i).encode())
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(failing, 5)
+    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == n)
+    slow_claims.delay_s = 0.6
+    slow_claims.armed = True
+
+    again: list[tuple[bytes, str]] = []
+    work: set[asyncio.Task[None]] = set()
+
+    # One write at a time on a gRPC stream, as daprd writes its acks.
+    writing = {id(s): asyncio.Lock() for s in streams}
+
+    async def handle(s: Stream, msg_id: str) -> None:
+        await asyncio.sleep(0.35)  # the app's work: well within processingTimeout
+        async with writing[id(s)]:
+            await s.ack(msg_id)
+
+    last = time.monotonic()
+    deadline = last + 20
+    # Until every message came back and then nothing for longer than a second claim would
+    # take to show (the wire's delay + processingTimeout + a pass).
+    while len(again) < n or time.monotonic() - last < 2.5:
+        assert time.monotonic() < deadline, again
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                again.append((msg.data, msg.metadata["deliveryAttempt"]))
+                task = asyncio.create_task(handle(s, msg.id))
+                work.add(task)
+                task.add_done_callback(work.discard)
+                last = time.monotonic()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*work)
+    assert slow_claims.delayed > 0, "no claim went through the slow path"
+    assert sorted(again) == sorted((data, "2") for data in failed)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_a_nack_of_a_delivery_another_stream_has_taken_over_schedules_no_second_retry(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """The app holds a message past processingTimeout, another stream takes it over (delivery 2),
+    and only then does the first delivery fail. The takeover is the retry: the message is not
+    delivered a third time while delivery 2 is still being handled."""
+    c = component("delayed")
+    await c.init({**props, "processingTimeout": "1500ms", "retryInitialInterval": "300ms"})
+    first = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    held = await first.next()
+    assert held.metadata["deliveryAttempt"] == "1"
+    other = await c.subscribe("orders")
+    taken = await other.next(within=5)
+    assert (taken.id, taken.metadata["deliveryAttempt"]) == (held.id, "2")
+    await first.nack(held.id, "too late")
+    # Well past the backoff, well within delivery 2's processingTimeout.
+    assert await other.nothing_for(0.8)
+    assert first.received.empty()
+    await other.ack(taken.id)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert await other.nothing_for(1.0)
+    assert first.received.empty()
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_streams_of_one_group_redeliver_each_retry_once_when_the_backoff_outlasts_processing_timeout(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """150 nacked messages over 3 streams, a 1 s backoff against a 500 ms processingTimeout: the
+    entries are idle long before they are due, so every reclaim pass meets them while the
+    pollers redeliver. No delivery attempt of any message is delivered twice."""
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "1s"})
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    n = 150
+    for i in range(n):
+        await c.publish("orders", str(i).encode())
+    seen: Counter[tuple[bytes, str]] = Counter()
+    last = time.monotonic()
+    deadline = last + 30
+    # Until every message came back and then nothing for longer than a reclaim would take.
+    while len(seen) < 2 * n or time.monotonic() - last < 2.0:
+        assert time.monotonic() < deadline, len(seen)
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                attempt = msg.metadata["deliveryAttempt"]
+                seen[msg.data, attempt] += 1
+                last = time.monotonic()
+                if attempt == "1":
+                    await s.nack(msg.id, "later")
+                else:
+                    await s.ack(msg.id)
+        await asyncio.sleep(0.01)
+    twice = {k: v for k, v in seen.items() if v > 1}
+    assert not twice
+    assert sorted(seen) == sorted((str(i).encode(), a) for i in range(n) for a in ("1", "2"))
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
