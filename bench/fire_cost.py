@@ -27,16 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))
 
 from bench.common import bench_engine  # noqa: E402
+from bench.history_index import T0, fire_all, redis_cpu, schedule_due  # noqa: E402
 from delayed_middleware.clock import ManualClock  # noqa: E402
-from delayed_middleware.envelope import Envelope  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-
-T0 = 1_800_000_000_000
-
-
-async def redis_cpu(client: aioredis.Redis) -> float:
-    info = await client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 async def commands(client: aioredis.Redis) -> int:
@@ -48,29 +41,13 @@ async def run(port: int, n: int) -> tuple[float, float, float]:
     client = aioredis.Redis(port=port)
     clock = ManualClock(T0)
     engine = bench_engine(client, clock, {"consumerID": "bench"})
-    for start in range(0, n, 1000):
-        await engine.schedule(
-            [
-                Envelope(
-                    id="",
-                    topic="orders",
-                    due_ms=T0 + 1_000,
-                    published_at_ms=T0,
-                    message=b"x" * 100,
-                    metadata={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
-                )
-                for _ in range(start, min(n, start + 1000))
-            ]
-        )
+    await schedule_due(
+        engine, n, False, {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    )
     clock.advance(1_000)
     await client.config_resetstat()
     cpu, wall = await redis_cpu(client), time.perf_counter()
-    fired = 0
-    while True:
-        count, _ = await engine.fire_due()
-        if not count:
-            break
-        fired += count
+    fired = await fire_all(engine)
     wall, cpu = time.perf_counter() - wall, await redis_cpu(client) - cpu
     calls = await commands(client)
     assert fired == n, fired
