@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -37,10 +38,18 @@ async def redis_cpu(client: aioredis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-async def run(port: int, n: int, ids: bool) -> tuple[float, float]:
-    client = aioredis.Redis(port=port)
-    clock = ManualClock(T0)
-    engine = bench_engine(client, clock, {"consumerID": "bench"})
+async def fire_all(engine: Any) -> int:
+    """Runs fire_due until a call fires nothing; returns how many fired."""
+    fired = 0
+    while True:
+        count, _ = await engine.fire_due()
+        if not count:
+            return fired
+        fired += count
+
+
+async def schedule_due(engine: Any, n: int, ids: bool, metadata: dict[str, str]) -> None:
+    """Schedules n one-shots (100 B payload, this metadata; a scheduleId each if `ids`) due at T0 + 1 s."""
     for start in range(0, n, 1000):
         await engine.schedule(
             [
@@ -50,19 +59,22 @@ async def run(port: int, n: int, ids: bool) -> tuple[float, float]:
                     due_ms=T0 + 1_000,
                     published_at_ms=T0,
                     message=b"x" * 100,
+                    metadata=metadata,
                     schedule_id=f"sched-{i}" if ids else "",
                 )
                 for i in range(start, min(n, start + 1000))
             ]
         )
+
+
+async def run(port: int, n: int, ids: bool) -> tuple[float, float]:
+    client = aioredis.Redis(port=port)
+    clock = ManualClock(T0)
+    engine = bench_engine(client, clock, {"consumerID": "bench"})
+    await schedule_due(engine, n, ids, {})
     clock.advance(1_000)
     cpu, wall = await redis_cpu(client), time.perf_counter()
-    fired = 0
-    while True:
-        count, _ = await engine.fire_due()
-        if not count:
-            break
-        fired += count
+    fired = await fire_all(engine)
     wall, cpu = time.perf_counter() - wall, await redis_cpu(client) - cpu
     assert fired == n, fired
     await client.aclose()
@@ -82,7 +94,9 @@ def main() -> None:
         finally:
             server.stop()
     what = "without scheduleIds" if args.without_ids else "with scheduleIds"
-    print(f"fired {args.messages} {what}: {wall:.2f} s wall, {cpu:.2f} s Redis CPU, {args.messages / wall:,.0f}/s")
+    print(
+        f"fired {args.messages} {what}: {wall:.2f} s wall, {cpu:.2f} s Redis CPU, {args.messages / wall:,.0f}/s"
+    )
 
 
 if __name__ == "__main__":

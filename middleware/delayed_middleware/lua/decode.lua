@@ -7,20 +7,42 @@ local byte, sub = string.byte, string.sub
 -- Reads a varint at pos; returns value, next pos. A truncated one errors, and so does
 -- one longer than protobuf's 10 bytes: its value would overflow to inf, or NaN (0 * inf),
 -- and a NaN due time makes the index's commands raise after a script's first write.
+-- Unrolled over one string.byte call for all ten bytes: the fire path decodes two
+-- 6-byte varints (due and publish times) per envelope, and a call per byte was a
+-- third of its decode time. The sum is built in the same order, with the same
+-- powers of two, as a byte-at-a-time loop: the same doubles.
 local function varint(s, pos)
-  local b = byte(s, pos)
-  if b < 128 then return b, pos + 1 end
-  local result, mul = b - 128, 128
-  local last = pos + 9
-  pos = pos + 1
-  while true do
-    if pos > last then error('varint longer than 10 bytes') end
-    b = byte(s, pos)
-    pos = pos + 1
-    if b < 128 then return result + b * mul, pos end
-    result = result + (b - 128) * mul
-    mul = mul * 128
-  end
+  local b1, b2, b3, b4, b5, b6, b7, b8, b9, b10 = byte(s, pos, pos + 9)
+  if not b1 then error('truncated varint') end
+  if b1 < 128 then return b1, pos + 1 end
+  local r = b1 - 128
+  if not b2 then error('truncated varint') end
+  if b2 < 128 then return r + b2 * 128, pos + 2 end
+  r = r + (b2 - 128) * 128
+  if not b3 then error('truncated varint') end
+  if b3 < 128 then return r + b3 * 16384, pos + 3 end
+  r = r + (b3 - 128) * 16384
+  if not b4 then error('truncated varint') end
+  if b4 < 128 then return r + b4 * 2097152, pos + 4 end
+  r = r + (b4 - 128) * 2097152
+  if not b5 then error('truncated varint') end
+  if b5 < 128 then return r + b5 * 268435456, pos + 5 end
+  r = r + (b5 - 128) * 268435456
+  if not b6 then error('truncated varint') end
+  if b6 < 128 then return r + b6 * 34359738368, pos + 6 end
+  r = r + (b6 - 128) * 34359738368
+  if not b7 then error('truncated varint') end
+  if b7 < 128 then return r + b7 * 4398046511104, pos + 7 end
+  r = r + (b7 - 128) * 4398046511104
+  if not b8 then error('truncated varint') end
+  if b8 < 128 then return r + b8 * 562949953421312, pos + 8 end
+  r = r + (b8 - 128) * 562949953421312
+  if not b9 then error('truncated varint') end
+  if b9 < 128 then return r + b9 * 72057594037927936, pos + 9 end
+  r = r + (b9 - 128) * 72057594037927936
+  if not b10 then error('truncated varint') end
+  if b10 < 128 then return r + b10 * 9223372036854775808, pos + 10 end
+  error('varint longer than 10 bytes')
 end
 
 local function skip(wt, s, pos)
