@@ -151,6 +151,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a before/after: run it again on the older tree (PYTHONPATH) in the same sitting",
     ),
     Bench(
+        "fire_cost",
+        "Redis CPU and commands per fired message: 50,000 one-shots due at one instant, AOF off or everysec",
+        why_opt_in="a before/after: run it again on the older tree (PYTHONPATH) in the same sitting",
+    ),
+    Bench(
         "pause",
         "pending --prefix/--after paging and scheduleIdPrefix cancels over 1M pending",
         why_opt_in="long: fills 1M pending messages",
