@@ -63,6 +63,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
@@ -393,6 +394,11 @@ _Child = tuple[str, tuple[tuple[str, str], ...]]  # a family's name and a child'
 _Key = tuple[str, tuple[tuple[str, str], ...]]  # a sample's name and all its labels
 
 
+def _key(sample: Sample) -> _Key:
+    """What tells a sample apart within its family: its name and all its labels."""
+    return sample.name, tuple(sorted(sample.labels.items()))
+
+
 def _labels(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """A child's labels, without the bucket or quantile that tell its samples apart."""
     return tuple(sorted((k, v) for k, v in labels.items() if k not in ("le", "quantile")))
@@ -464,12 +470,12 @@ class MergedMetrics:
                     if s.name.endswith("_created") and s.name != fam.name:
                         born[child] = s.value  # OpenMetrics: inside the family
                     else:
-                        counted.setdefault(child, {})[(s.name, tuple(sorted(s.labels.items())))] = s.value
+                        counted.setdefault(child, {})[_key(s)] = s.value
                 totals: dict[_Key, float] = {}
                 for child, values in counted.items():
                     totals.update(lives.setdefault(child, _Life()).carried(born.get(child), values))
                 fam.samples = [
-                    s._replace(value=totals.get((s.name, tuple(sorted(s.labels.items()))), s.value))
+                    s._replace(value=totals.get(_key(s), s.value))
                     for s in fam.samples
                 ]
             yield fam
@@ -477,7 +483,7 @@ class MergedMetrics:
     def collect(self) -> Iterator[Metric]:
         """The merged metric families."""
         merged: dict[str, Metric] = {}
-        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        values: dict[str, dict[_Key, float]] = {}
 
         def add(families: Iterable[Metric]) -> None:
             for fam in families:
@@ -491,7 +497,7 @@ class MergedMetrics:
                 for s in fam.samples:
                     if s.name.endswith("_created") and s.name != fam.name:
                         continue
-                    key = (s.name, tuple(sorted(s.labels.items())))
+                    key = _key(s)
                     old = seen.get(key)
                     if old is None:
                         seen[key] = s.value
