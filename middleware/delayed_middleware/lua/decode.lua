@@ -69,11 +69,9 @@ local function each_field(s, from, to, on)
       if e > to then error('truncated field') end
       on(fno, pos, e)
       pos = e + 1
-    elseif wt == 0 then
-      pos = skip(wt, s, pos)
-      on(fno)
     else
       pos = skip(wt, s, pos)
+      if wt == 0 then on(fno) end
     end
   end
 end
@@ -95,10 +93,12 @@ end
 -- loop; a field seen again with the other wire type clears the first (the
 -- last one wins, as protobuf's parser does). Single-byte keys and lengths,
 -- nearly all of them, skip the varint call. With `spans`, nothing is copied or
--- decoded: fs[n] is where bytes field n starts and the fifth table where it
--- ends, and the map is skipped (cancel.lua's peek).
+-- decoded: fs[n] is where bytes field n starts and the fifth result (a table
+-- only then) where it ends, and the map is skipped (cancel.lua's peek).
 local function message(s, from, to, spans)
-  local fs, fn, md, pos, pairs_read, fe = {}, {}, {}, from, 0, {}
+  local fs, fn, md, pos, pairs_read = {}, {}, {}, from, 0
+  -- Only spans need their ends: the fire path decodes without this table.
+  local fe = spans and {} or nil
   while pos <= to do
     local key = byte(s, pos)
     if key < 128 then pos = pos + 1 else key, pos = varint(s, pos) end
