@@ -83,7 +83,9 @@ def _wait(what: str, proc: subprocess.Popen[bytes], check: object, log: Path) ->
         try:
             if check():  # type: ignore[operator]
                 return
-        except OSError:
+        except (OSError, ValueError):
+            # Not listening yet, or (ValueError) its web UI answering before its JSON page
+            # is served: a CI run failed on `Expecting value` the second the master came up.
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{what} not up within {START_TIMEOUT_S}s: {log.read_text()[-3000:]}")
