@@ -151,6 +151,13 @@ class Connection:
         try:
             async with asyncio.timeout(self.ping_timeout):
                 await self.client.ping()
+                if self.blocking_client is not self.client:
+                    # A cluster client discovers the nodes on its first command.
+                    # The blocking pool's first commands come all at once (every
+                    # subscription opens right after Init), and redis-py's cluster
+                    # client fails some of those that race its discovery with
+                    # "Connection closed by server": discover before that.
+                    await self.blocking_client.ping()
         except (redis.exceptions.AuthenticationError, redis.exceptions.NoPermissionError) as e:
             # AuthenticationError is a ConnectionError to redis-py, but no retry
             # or TLS setting will fix a wrong password: say what Redis said.
