@@ -25,7 +25,7 @@ from playwright.async_api import Browser, async_playwright
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
-from tests.chaos.proxy import DelayingProxy
+from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
 
@@ -64,6 +64,26 @@ async def slow_claims(redis_server: RedisServer) -> AsyncIterator[DelayingProxy]
     """A proxy in front of the test Redis that, once armed, holds every command naming XCLAIM
     (XCLAIM itself, or a script that claims) `delay_s` on the wire (the test sets it)."""
     proxy = DelayingProxy(redis_server.port, b"XCLAIM", delay_s=0.0)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+@pytest.fixture
+async def slow_retry_records(redis_server: RedisServer) -> AsyncIterator[DelayingProxy]:
+    """A proxy in front of the test Redis that, once armed, holds a nack's retry record (the
+    round trip that writes its `retried` history entry) `delay_s` on the wire (the test sets it)."""
+    proxy = DelayingProxy(redis_server.port, b"retried", delay_s=0.0)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+@pytest.fixture
+async def lost_claim_reply(redis_server: RedisServer) -> AsyncIterator[LosingProxy]:
+    """A proxy in front of the test Redis that, once armed, lets the next conditional claim
+    (lua/claim_unchanged.lua) run and cuts the connection before its reply gets back."""
+    proxy = LosingProxy(redis_server.port, b"CLAIM_UNCHANGED (broker")
     await proxy.start()
     yield proxy
     await proxy.stop()

@@ -666,3 +666,112 @@ async def test_publishes_arriving_one_per_loop_pass_share_round_trips(
     assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode() for i in range(n)]
     assert [r[0] if isinstance(r[0], str) else r[0].decode() for r in rows] == ids
     assert round_trips <= n // 10, f"{round_trips} round trips for {n} publishes"
+
+
+async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a_backlog_lasts(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """300 entries of a dead consumer wait, and this stream takes one per pass (concurrency 1),
+    so its reclaim round lasts ~30 s. An entry at the head of the PEL, held by a live consumer
+    while the cursor went past it, goes idle: it is reclaimed within about two processingTimeouts."""
+    timeout_s = 0.5
+    s = settings(redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency="1")
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    behind = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"behind"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "busy", {"orders": ">"}, count=1)
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(300):
+        pipe.xadd("orders", encode_entry(StreamEntry(f"backlog {i}".encode())))  # type: ignore[arg-type]
+    pipe.execute()
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+
+    async def keep_busy(until: float) -> None:
+        # The live consumer working on it: its idle time keeps being reset.
+        while time.monotonic() < until:
+            await aclient.xclaim("orders", "app1", "busy", 0, [behind], justid=True)
+            await asyncio.sleep(0.05)
+
+    busy_until = time.monotonic() + 1.5
+    busy = asyncio.create_task(keep_busy(busy_until))
+    await asyncio.sleep(timeout_s + 0.1)  # the backlog is idle past processingTimeout
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        backlog = 0
+        while True:
+            assert time.monotonic() < busy_until + 10, "not reclaimed while the backlog lasts"
+            d = await next_delivery(it)
+            await sub.ack(d.id)
+            if d.id == behind:
+                break
+            backlog += 1
+        waited = time.monotonic() - busy_until
+        await busy
+        assert d.entry.data == b"behind"
+        assert backlog < 100, "the backlog ran out: nothing shows the cursor went back"
+        assert waited < 2 * timeout_s + 0.5, waited
+    finally:
+        busy.cancel()
+        await sub.close()
+
+
+async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    s = settings(redis_server)
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"trimmed")))  # type: ignore[arg-type]
+    kept = redis_client.xadd("orders", encode_entry(StreamEntry(b"kept")))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+    # streamTTL / maxLenApprox trimming: the entry goes while it is pending.
+    redis_client.xtrim("orders", minid=kept, approximate=False)
+    assert redis_client.xpending("orders", "app1")["pending"] == 2
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        d = await next_delivery(it)
+        assert (d.id, d.entry.data, d.attempt) == (_s(kept), b"kept", 2)
+        await sub.ack(d.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        with pytest.raises(TimeoutError):
+            await next_delivery(it, within=1.0)
+    finally:
+        await sub.close()
+
+
+async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_delivered_again(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """No retry policy, and a redeliverInterval (2.5 s) longer than processingTimeout (2 s): while
+    the nacked entry waits, another stream reclaims it (delivery 2). When the wait ends, the
+    stream that got the nack does not deliver it a third time while delivery 2 is handled."""
+    a = Broker(
+        aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="2500ms"), SystemClock()
+    )
+    b = Broker(aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="50ms"), SystemClock())
+    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
+    await sub_a.start()
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+    again: asyncio.Future[Delivery] | None = None
+    try:
+        it_a = sub_a.deliveries()
+        d = await next_delivery(it_a)
+        await sub_b.start()
+        it_b = sub_b.deliveries()
+        sub_a.nack(d.id)
+        taken = await next_delivery(it_b)
+        assert (taken.id, taken.attempt) == (d.id, 2)
+        again = asyncio.ensure_future(anext(it_a))
+        await asyncio.sleep(1.0)  # the app's work on delivery 2; a's wait ends meanwhile
+        assert not again.done(), "delivered twice"
+        await sub_b.ack(taken.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        await asyncio.sleep(0.3)
+        assert not again.done()
+    finally:
+        if again is not None:
+            again.cancel()
+        await sub_a.close()
+        await sub_b.close()

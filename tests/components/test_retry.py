@@ -19,7 +19,7 @@ from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.retry import retry_key
 from delayed_pubsub.server import ComponentServer
-from tests.chaos.proxy import DelayingProxy
+from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
 from tests.conftest import small_stream_nodes
 from tests.redis_server import free_port
@@ -595,3 +595,95 @@ async def test_streams_of_one_group_redeliver_each_retry_once_when_the_backoff_o
     assert sorted(seen) == sorted((str(i).encode(), a) for i in range(n) for a in ("1", "2"))
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_a_retry_record_held_up_past_processing_timeout_does_not_deliver_a_second_time(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, slow_retry_records: DelayingProxy
+) -> None:
+    """A nack's retry record reaches Redis 1.5 s late, past processingTimeout (1 s): meanwhile a
+    reclaim pass finds the entry idle and without a record, and delivers it again (delivery 2).
+    The record lands already due, and is stale: the message is not delivered a third time
+    while delivery 2 is still being handled."""
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            "redisHost": f"127.0.0.1:{slow_retry_records.port}",
+            "processingTimeout": "1s",
+            "retryInitialInterval": "1200ms",
+        }
+    )
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    await c.publish("orders", b"x")
+    slow_retry_records.delay_s = 1.5
+    slow_retry_records.armed = True
+    attempts: list[str] = []
+    work: set[asyncio.Task[None]] = set()
+    writing = {id(s): asyncio.Lock() for s in streams}
+
+    async def handle(s: Stream, msg_id: str) -> None:
+        await asyncio.sleep(0.7)  # the app's work: within processingTimeout
+        async with writing[id(s)]:
+            await s.ack(msg_id)
+
+    last = time.monotonic()
+    deadline = last + 15
+    # Until the retry came and then nothing for longer than the stale record would take.
+    while len(attempts) < 2 or time.monotonic() - last < 2.5:
+        assert time.monotonic() < deadline, attempts
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                attempts.append(msg.metadata["deliveryAttempt"])
+                last = time.monotonic()
+                if msg.metadata["deliveryAttempt"] == "1":
+                    async with writing[id(s)]:
+                        await s.nack(msg.id, "later")
+                else:
+                    task = asyncio.create_task(handle(s, msg.id))
+                    work.add(task)
+                    task.add_done_callback(work.discard)
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*work)
+    assert slow_retry_records.delayed == 1
+    assert attempts == ["1", "2"]
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+    assert redis_client.hlen("{app1-delayed}:retry-n:orders") == 0  # the counts beside the records
+
+
+async def test_a_retry_whose_claim_reply_is_lost_is_delivered_as_the_next_attempt_at_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, lost_claim_reply: LosingProxy
+) -> None:
+    """The poller's claim lands, and its reply is lost on the way back. The claim is sent again
+    and hands back what the first one claimed: the message comes back as delivery 2 after its
+    backoff, not as delivery 3 after processingTimeout (which would dead-letter it one real
+    delivery early)."""
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            **POLICY,
+            "redisHost": f"127.0.0.1:{lost_claim_reply.port}",
+            "processingTimeout": "3s",
+            "retryInitialInterval": "200ms",
+        }
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    first = await stream.next()
+    lost_claim_reply.armed = True
+    nacked = time.monotonic()
+    await stream.nack(first.id, "once")
+    again = await stream.next(within=10)
+    waited = time.monotonic() - nacked
+    assert lost_claim_reply.cuts == 1
+    assert (again.id, again.metadata["deliveryAttempt"]) == (first.id, "2")
+    assert waited < 3.0, waited  # before processingTimeout: the claim that landed delivered it
+    await stream.nack(again.id, "twice")
+    third = await stream.next(within=5)
+    assert third.metadata["deliveryAttempt"] == "3"
+    await stream.nack(third.id, "thrice")
+    await wait_for(lambda: len(dead_letters(redis_client)) == 1)
+    assert dead_letters(redis_client)[0].metadata["deadLetterAttempts"] == "3"
+    assert await stream.nothing_for(0.5)
