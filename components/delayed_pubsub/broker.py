@@ -379,6 +379,8 @@ class Subscription:
         for loop in (self._fetcher, self._acker):
             if loop is not None:
                 loop.stop_flag.set()
+        if self.retry is not None:
+            self.retry.stop()
         self._can_send.set()
         self._can_fetch.set()
         self._ack_wake.set()

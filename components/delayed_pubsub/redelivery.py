@@ -123,9 +123,15 @@ class Retrier:
         """The supervised poller, once started."""
         return self._poller
 
+    def stop(self) -> None:
+        """Claim nothing more for this stream (it is closing: what it claimed now would be dropped
+        with its buffer and wait out processingTimeout); close() finishes the job."""
+        self._closed = True
+        self._wake.set()
+
     async def close(self) -> None:
         """Stop the poller; records stay in Redis for the next stream of the group."""
-        self._closed = True
+        self.stop()
         if self._poller is not None:
             await self._poller.stop()
 

@@ -17,8 +17,10 @@ import delayed_pubsub.broker
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
+from delayed_middleware.retry import RetryPolicy, retry_key
 from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
 from tests.redis_server import RedisServer, free_port
 
@@ -750,7 +752,9 @@ async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_de
     a = Broker(
         aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="2500ms"), SystemClock()
     )
-    b = Broker(aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="50ms"), SystemClock())
+    b = Broker(
+        aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="50ms"), SystemClock()
+    )
     sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
     await sub_a.start()
     redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
@@ -775,3 +779,37 @@ async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_de
             again.cancel()
         await sub_a.close()
         await sub_b.close()
+
+
+async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Between stop() and the end of close() the stream's retry poller claims nothing: an entry it
+    claimed would be dropped with the stream's buffer, and come back only after processingTimeout,
+    one delivery attempt higher. The due record stays for the other streams of the group."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    entry = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"x"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "other", {"orders": ">"})  # delivery 1, failed by another stream
+    sub = Broker(aclient, settings(redis_server, processingTimeout="60s"), SystemClock()).subscription(
+        "orders", "closing"
+    )
+    sub.retry = Retrier(
+        aclient,
+        RetryPolicy(active=True),
+        topic="orders",
+        group="app1",
+        consumer=sub.consumer,
+        clock=SystemClock(),
+        metrics=Metrics().for_instance(""),
+        call_timeout=5.0,
+    )
+    await sub.start()
+    try:
+        sub.stop()
+        redis_client.zadd(retry_key("app1", "orders"), {entry: 0})  # due now
+        await asyncio.sleep(1.5)  # past the poller's longest sleep
+        rows: Any = redis_client.xpending_range("orders", "app1", min=entry, max=entry, count=1)
+        assert [(r["consumer"], r["times_delivered"]) for r in rows] == [(b"other", 1)]
+        assert redis_client.zcard(retry_key("app1", "orders")) == 1
+    finally:
+        await sub.close()

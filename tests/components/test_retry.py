@@ -15,9 +15,10 @@ import prometheus_client
 import pytest
 import redis
 
+from delayed_middleware import scripts
 from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import decode_entry
-from delayed_middleware.retry import retry_key
+from delayed_middleware.retry import retry_counts_key, retry_key
 from delayed_pubsub.server import ComponentServer
 from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
@@ -649,7 +650,7 @@ async def test_a_retry_record_held_up_past_processing_timeout_does_not_deliver_a
     assert attempts == ["1", "2"]
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
-    assert redis_client.hlen("{app1-delayed}:retry-n:orders") == 0  # the counts beside the records
+    assert redis_client.hlen(retry_counts_key("app1", "orders")) == 0
 
 
 async def test_a_retry_whose_claim_reply_is_lost_is_delivered_as_the_next_attempt_at_once(
@@ -687,3 +688,38 @@ async def test_a_retry_whose_claim_reply_is_lost_is_delivered_as_the_next_attemp
     await wait_for(lambda: len(dead_letters(redis_client)) == 1)
     assert dead_letters(redis_client)[0].metadata["deadLetterAttempts"] == "3"
     assert await stream.nothing_for(0.5)
+
+
+async def test_a_retry_record_written_without_a_delivery_count_still_fires(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """Records stored by the previous version hold no delivery count beside them: they fire as before."""
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "1s"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    msg = await stream.next()
+    await stream.nack(msg.id, "e")
+    counts = retry_counts_key("app1", "orders")
+    await wait_for(lambda: redis_client.hlen(counts) == 1)
+    redis_client.hdel(counts, msg.id)  # the record alone, as the previous version wrote it
+    again = await stream.next(within=5)
+    assert (again.id, again.metadata["deliveryAttempt"]) == (msg.id, "2")
+    await stream.ack(again.id)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+def test_a_slow_taker_does_not_remove_a_retry_record_written_since_it_looked(
+    redis_client: redis.Redis,
+) -> None:
+    """A poller (or reclaim pass) read a due record; before its take lands, the entry was delivered,
+    failed again and got a newer record, due later. The take removes nothing: the newer record
+    stays, with its own delivery count, until its time."""
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 1_000, 1)  # what the taker read
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 5_000, 2)  # written since
+    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
+    assert (redis_client.zscore(key, "1-0"), redis_client.hget(counts, "1-0")) == (5_000, b"2")
+    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 5_000, "1-0", "2-0") == [2, -1]
+    assert not redis_client.exists(key, counts)
