@@ -54,6 +54,46 @@ def dead_letters(redis_client: redis.Redis, topic: str = "orders-dead") -> list[
     return [decode_entry(f) for _, f in rows]
 
 
+async def work_until_quiet(
+    streams: list[Stream], *, expect: int, quiet_s: float, work_s: float, fail_first: bool, within: float = 20.0
+) -> list[tuple[bytes, str]]:
+    """Act as the app on `streams` until `expect` deliveries came and then none for `quiet_s`.
+
+    A first delivery is failed at once when `fail_first`; every other one is acked after `work_s`
+    of work. One write at a time on each gRPC stream, as daprd writes its acks. Returns
+    (data, deliveryAttempt) of every delivery, in arrival order.
+    """
+    seen: list[tuple[bytes, str]] = []
+    work: set[asyncio.Task[None]] = set()
+    writing = {id(s): asyncio.Lock() for s in streams}
+
+    async def handle(s: Stream, msg_id: str) -> None:
+        await asyncio.sleep(work_s)
+        async with writing[id(s)]:
+            await s.ack(msg_id)
+
+    last = time.monotonic()
+    deadline = last + within
+    while len(seen) < expect or time.monotonic() - last < quiet_s:
+        assert time.monotonic() < deadline, seen
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                attempt = msg.metadata["deliveryAttempt"]
+                seen.append((msg.data, attempt))
+                last = time.monotonic()
+                if fail_first and attempt == "1":
+                    async with writing[id(s)]:
+                        await s.nack(msg.id, "later")
+                    continue
+                task = asyncio.create_task(handle(s, msg.id))
+                work.add(task)
+                task.add_done_callback(work.discard)
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*work)
+    return seen
+
+
 async def test_three_nacks_follow_the_backoff_then_dead_letter_with_the_error(
     component: Factory, props: dict[str, str], redis_client: redis.Redis
 ) -> None:
@@ -503,33 +543,10 @@ async def test_a_due_retry_whose_claim_is_slow_on_the_wire_is_delivered_once(
     slow_claims.delay_s = 0.6
     slow_claims.armed = True
 
-    again: list[tuple[bytes, str]] = []
-    work: set[asyncio.Task[None]] = set()
-
-    # One write at a time on a gRPC stream, as daprd writes its acks.
-    writing = {id(s): asyncio.Lock() for s in streams}
-
-    async def handle(s: Stream, msg_id: str) -> None:
-        await asyncio.sleep(0.35)  # the app's work: well within processingTimeout
-        async with writing[id(s)]:
-            await s.ack(msg_id)
-
-    last = time.monotonic()
-    deadline = last + 20
     # Until every message came back and then nothing for longer than a second claim would
-    # take to show (the wire's delay + processingTimeout + a pass).
-    while len(again) < n or time.monotonic() - last < 2.5:
-        assert time.monotonic() < deadline, again
-        for s in streams:
-            while not s.received.empty():
-                msg = s.received.get_nowait()
-                again.append((msg.data, msg.metadata["deliveryAttempt"]))
-                task = asyncio.create_task(handle(s, msg.id))
-                work.add(task)
-                task.add_done_callback(work.discard)
-                last = time.monotonic()
-        await asyncio.sleep(0.01)
-    await asyncio.gather(*work)
+    # take to show (the wire's delay + processingTimeout + a pass); the app's work (0.35 s)
+    # is well within processingTimeout.
+    again = await work_until_quiet(streams, expect=n, quiet_s=2.5, work_s=0.35, fail_first=False)
     assert slow_claims.delayed > 0, "no claim went through the slow path"
     assert sorted(again) == sorted((data, "2") for data in failed)
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
@@ -618,36 +635,11 @@ async def test_a_retry_record_held_up_past_processing_timeout_does_not_deliver_a
     await c.publish("orders", b"x")
     slow_retry_records.delay_s = 1.5
     slow_retry_records.armed = True
-    attempts: list[str] = []
-    work: set[asyncio.Task[None]] = set()
-    writing = {id(s): asyncio.Lock() for s in streams}
-
-    async def handle(s: Stream, msg_id: str) -> None:
-        await asyncio.sleep(0.7)  # the app's work: within processingTimeout
-        async with writing[id(s)]:
-            await s.ack(msg_id)
-
-    last = time.monotonic()
-    deadline = last + 15
-    # Until the retry came and then nothing for longer than the stale record would take.
-    while len(attempts) < 2 or time.monotonic() - last < 2.5:
-        assert time.monotonic() < deadline, attempts
-        for s in streams:
-            while not s.received.empty():
-                msg = s.received.get_nowait()
-                attempts.append(msg.metadata["deliveryAttempt"])
-                last = time.monotonic()
-                if msg.metadata["deliveryAttempt"] == "1":
-                    async with writing[id(s)]:
-                        await s.nack(msg.id, "later")
-                else:
-                    task = asyncio.create_task(handle(s, msg.id))
-                    work.add(task)
-                    task.add_done_callback(work.discard)
-        await asyncio.sleep(0.01)
-    await asyncio.gather(*work)
+    # Until the retry came and then nothing for longer than the stale record would take to
+    # show; the app's work (0.7 s) is within processingTimeout.
+    seen = await work_until_quiet(streams, expect=2, quiet_s=2.5, work_s=0.7, fail_first=True)
     assert slow_retry_records.delayed == 1
-    assert attempts == ["1", "2"]
+    assert [attempt for _, attempt in seen] == ["1", "2"]
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
     assert redis_client.hlen(retry_counts_key("app1", "orders")) == 0
