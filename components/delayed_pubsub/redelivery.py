@@ -127,6 +127,9 @@ class Retrier:
         """Claim nothing more for this stream (it is closing: what it claimed now would be dropped
         with its buffer and wait out processingTimeout); close() finishes the job."""
         self._closed = True
+        if self._poller is not None:
+            # Our stop flag (delayed_middleware.liveness): the poller ending now is no failure.
+            self._poller.stop_flag.set()
         self._wake.set()
 
     async def close(self) -> None:

@@ -782,7 +782,10 @@ async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_de
 
 
 async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
-    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Between stop() and the end of close() the stream's retry poller claims nothing: an entry it
     claimed would be dropped with the stream's buffer, and come back only after processingTimeout,
@@ -811,5 +814,7 @@ async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
         rows: Any = redis_client.xpending_range("orders", "app1", min=entry, max=entry, count=1)
         assert [(r["consumer"], r["times_delivered"]) for r in rows] == [(b"other", 1)]
         assert redis_client.zcard(retry_key("app1", "orders")) == 1
+        # Stopped by our own flag: no loop of it was taken for failed and restarted.
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:
         await sub.close()
