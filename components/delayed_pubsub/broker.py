@@ -278,8 +278,9 @@ class Subscription:
     `_ready`; `deliveries()` hands entries out while fewer than `concurrency` are
     unacked; an ack loop XACKs, in one command per round trip, every ack that
     came in while the previous XACK was on the wire. Nacks wait
-    redeliverInterval and XCLAIM the entry back, which bumps its delivery count;
-    with a retry policy (`retry`) the Retrier decides instead.
+    redeliverInterval and XCLAIM the entry back, which bumps its delivery count,
+    unless another stream delivered it meanwhile (the claim names the nacked
+    count); with a retry policy (`retry`) the Retrier decides instead.
     Entries past their `expiresAt` are acked away, never delivered. Every Redis
     call is retried until it works or the subscription closes: daprd never
     re-opens a stream that ended.

@@ -12,16 +12,22 @@ subscription itself. A subscription with `retry = Retrier(...)` calls:
 - `await retry.hold_back(ids)` on the idle ids its reclaim pass found, and
   claims only those returned (with `claim_unchanged`): an entry with a future
   retry record must wait for it;
-- `await retry.close()` when it closes.
+- `retry.stop()` when it starts closing (nothing more is claimed for it), and
+  `await retry.close()` when it closes.
 
 Who delivers a due retry: every delivery is a claim that bumps the entry's
-delivery count in the PEL, and every claim here is conditional on the count
-the claimer read before (`claim_unchanged`). The poller reads the counts,
-then takes the records (ZREM returning 1 is the token among pollers), then
-claims; a reclaim pass of another stream that finds no record (the poller
-took it a moment ago) claims under the count it listed. Both name the same
-count, so one of them wins; the record and the stream may sit on different
-Cluster masters, and no step needs both.
+delivery count in the PEL, and every claim here is conditional on a count
+(`claim_unchanged`). A record keeps the count its nack was about
+(RETRY_RECORD); the poller takes due records (RETRY_TAKE: removing the record
+is the token among pollers, and a record rewritten to a later time since it
+was read is left alone), then claims under that count. A reclaim pass of
+another stream that finds no record (the poller took it a moment ago) claims
+under the count it listed, the same one, so one of them wins; and if a
+reclaim pass delivered the entry before a late record landed, the record's
+count no longer matches and the stale record is dropped. The record and the
+stream may sit on different Cluster masters, and no step needs both.
+Records of an older version carry no count: the poller claims those under
+the count it read just before taking them, as it used to.
 """
 
 from __future__ import annotations
