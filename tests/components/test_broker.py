@@ -818,3 +818,40 @@ async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
         assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:
         await sub.close()
+
+
+async def test_a_nack_of_a_delivery_another_stream_has_taken_over_redelivers_nothing(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """No retry policy. The app holds a message past processingTimeout, another stream takes it
+    over (delivery 2), and only then does the first delivery fail: that takeover is the
+    redelivery, and the stream that got the nack does not deliver it a third time."""
+    a = Broker(
+        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="200ms"), SystemClock()
+    )
+    b = Broker(
+        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="50ms"), SystemClock()
+    )
+    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
+    await sub_a.start()
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+    again: asyncio.Future[Delivery] | None = None
+    try:
+        it_a = sub_a.deliveries()
+        held = await next_delivery(it_a)
+        await sub_b.start()
+        taken = await next_delivery(sub_b.deliveries())
+        assert (taken.id, taken.attempt) == (held.id, 2)
+        sub_a.nack(held.id)
+        again = asyncio.ensure_future(anext(it_a))
+        await asyncio.sleep(0.6)  # past a's redeliverInterval, within delivery 2's processingTimeout
+        assert not again.done(), "delivered twice"
+        await sub_b.ack(taken.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        await asyncio.sleep(0.3)
+        assert not again.done()
+    finally:
+        if again is not None:
+            again.cancel()
+        await sub_a.close()
+        await sub_b.close()
