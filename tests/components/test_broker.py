@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -46,6 +47,35 @@ def settings(redis_server: RedisServer, **extra: str) -> Settings:
 
 async def next_delivery(it: AsyncIterator[Delivery], within: float = 5.0) -> Delivery:
     return await asyncio.wait_for(anext(it), within)
+
+
+Later = Callable[[AsyncIterator[Delivery]], "asyncio.Future[Delivery]"]
+
+
+@contextlib.asynccontextmanager
+async def two_streams(
+    aclient: aioredis.Redis, redis_server: RedisServer, a: dict[str, str], b: dict[str, str]
+) -> AsyncIterator[tuple[Subscription, Subscription, Later]]:
+    """Streams "a" and "b" of group app1 on `orders`, each from its own Broker with its own
+    settings (`a`, `b` over settings()): `a` started, `b` left for the test to start; and
+    `later(it)`, the next delivery of `it` as a future, for one that must not come. Both
+    streams are closed after, and the futures still waiting cancelled."""
+    sub_a = Broker(aclient, settings(redis_server, **a), SystemClock()).subscription("orders", "a")
+    sub_b = Broker(aclient, settings(redis_server, **b), SystemClock()).subscription("orders", "b")
+    waiting: list[asyncio.Future[Delivery]] = []
+
+    def later(it: AsyncIterator[Delivery]) -> asyncio.Future[Delivery]:
+        waiting.append(asyncio.ensure_future(anext(it)))
+        return waiting[-1]
+
+    await sub_a.start()
+    try:
+        yield sub_a, sub_b, later
+    finally:
+        for future in waiting:
+            future.cancel()
+        await sub_a.close()
+        await sub_b.close()
 
 
 async def wait_until(check: Callable[[], bool], within: float = 5.0) -> None:
@@ -331,32 +361,20 @@ async def test_a_nacked_entry_is_not_reclaimed_by_another_replica_while_it_waits
 ) -> None:
     # Handling (600 ms) + redeliverInterval (600 ms) > processingTimeout (1 s),
     # each alone less; the other replica looks every 50 ms.
-    a = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="600ms"), SystemClock()
-    )
-    b = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="50ms"), SystemClock()
-    )
-    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
-    await sub_a.start()
-    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
-    stolen: asyncio.Future[Delivery] | None = None
-    try:
+    a = {"processingTimeout": "1s", "redeliverInterval": "600ms"}
+    b = {"processingTimeout": "1s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
         it = sub_a.deliveries()
         d = await next_delivery(it)
         await sub_b.start()
-        stolen = asyncio.ensure_future(anext(sub_b.deliveries()))
+        stolen = later(sub_b.deliveries())
         await asyncio.sleep(0.6)
         sub_a.nack(d.id)
         again = await next_delivery(it)
         await sub_a.ack(again.id)
         assert (again.id, again.attempt) == (d.id, 2)
         assert not stolen.done()
-    finally:
-        if stolen is not None:
-            stolen.cancel()
-        await sub_a.close()
-        await sub_b.close()
 
 
 async def test_delivery_attempts_count_nacks_not_reclaim_passes(
@@ -749,36 +767,23 @@ async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_de
     """No retry policy, and a redeliverInterval (2.5 s) longer than processingTimeout (2 s): while
     the nacked entry waits, another stream reclaims it (delivery 2). When the wait ends, the
     stream that got the nack does not deliver it a third time while delivery 2 is handled."""
-    a = Broker(
-        aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="2500ms"), SystemClock()
-    )
-    b = Broker(
-        aclient, settings(redis_server, processingTimeout="2s", redeliverInterval="50ms"), SystemClock()
-    )
-    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
-    await sub_a.start()
-    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
-    again: asyncio.Future[Delivery] | None = None
-    try:
+    a = {"processingTimeout": "2s", "redeliverInterval": "2500ms"}
+    b = {"processingTimeout": "2s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
         it_a = sub_a.deliveries()
         d = await next_delivery(it_a)
         await sub_b.start()
-        it_b = sub_b.deliveries()
         sub_a.nack(d.id)
-        taken = await next_delivery(it_b)
+        taken = await next_delivery(sub_b.deliveries())
         assert (taken.id, taken.attempt) == (d.id, 2)
-        again = asyncio.ensure_future(anext(it_a))
+        again = later(it_a)
         await asyncio.sleep(1.0)  # the app's work on delivery 2; a's wait ends meanwhile
         assert not again.done(), "delivered twice"
         await sub_b.ack(taken.id)
         await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
         await asyncio.sleep(0.3)
         assert not again.done()
-    finally:
-        if again is not None:
-            again.cancel()
-        await sub_a.close()
-        await sub_b.close()
 
 
 async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
@@ -826,32 +831,20 @@ async def test_a_nack_of_a_delivery_another_stream_has_taken_over_redelivers_not
     """No retry policy. The app holds a message past processingTimeout, another stream takes it
     over (delivery 2), and only then does the first delivery fail: that takeover is the
     redelivery, and the stream that got the nack does not deliver it a third time."""
-    a = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="200ms"), SystemClock()
-    )
-    b = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="50ms"), SystemClock()
-    )
-    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
-    await sub_a.start()
-    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
-    again: asyncio.Future[Delivery] | None = None
-    try:
+    a = {"processingTimeout": "1s", "redeliverInterval": "200ms"}
+    b = {"processingTimeout": "1s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
         it_a = sub_a.deliveries()
         held = await next_delivery(it_a)
         await sub_b.start()
         taken = await next_delivery(sub_b.deliveries())
         assert (taken.id, taken.attempt) == (held.id, 2)
         sub_a.nack(held.id)
-        again = asyncio.ensure_future(anext(it_a))
+        again = later(it_a)
         await asyncio.sleep(0.6)  # past a's redeliverInterval, within delivery 2's processingTimeout
         assert not again.done(), "delivered twice"
         await sub_b.ack(taken.id)
         await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
         await asyncio.sleep(0.3)
         assert not again.done()
-    finally:
-        if again is not None:
-            again.cancel()
-        await sub_a.close()
-        await sub_b.close()
