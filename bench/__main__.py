@@ -77,6 +77,11 @@ BENCHES: tuple[Bench, ...] = (
         ("--pending", "10000", "--nacks", "500", "--handoffs", "1000"),
     ),
     Bench(
+        "retry_idle",
+        "the retry pollers' CPU in the gRPC process at idle, with vs without a retry policy",
+        why_opt_in="a minute of idle time, measured, per run",
+    ),
+    Bench(
         "history",
         "`delayed-pubsub history` and `inspect` as processes: wall, CPU, peak RSS",
         ("--records", "10000"),

@@ -33,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Retrier, claim_unchanged, delivery_counts
+from delayed_pubsub.redelivery import Retrier, claim_unchanged
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -278,8 +278,9 @@ class Subscription:
     `_ready`; `deliveries()` hands entries out while fewer than `concurrency` are
     unacked; an ack loop XACKs, in one command per round trip, every ack that
     came in while the previous XACK was on the wire. Nacks wait
-    redeliverInterval and XCLAIM the entry back, which bumps its delivery count;
-    with a retry policy (`retry`) the Retrier decides instead.
+    redeliverInterval and XCLAIM the entry back, which bumps its delivery count,
+    unless another stream delivered it meanwhile (the claim names the nacked
+    count); with a retry policy (`retry`) the Retrier decides instead.
     Entries past their `expiresAt` are acked away, never delivered. Every Redis
     call is retried until it works or the subscription closes: daprd never
     re-opens a stream that ended.
@@ -330,6 +331,7 @@ class Subscription:
         self._acker: Supervised | None = None
         self._timers: set[asyncio.Task[None]] = set()
         self._reclaim_cursor = "-"
+        self._reclaim_round_at = time.monotonic()
         # The retry policy's executor (redelivery.py), when one is configured; set before start().
         self.retry: Retrier | None = None
         # Short blocks keep a dead connection from going unnoticed for long.
@@ -378,6 +380,8 @@ class Subscription:
         for loop in (self._fetcher, self._acker):
             if loop is not None:
                 loop.stop_flag.set()
+        if self.retry is not None:
+            self.retry.stop()
         self._can_send.set()
         self._can_fetch.set()
         self._ack_wake.set()
@@ -507,7 +511,7 @@ class Subscription:
         if self.retry is not None:
             work: Coroutine[Any, Any, None] = self._retry_nack(entry_id, error, attempt)
         else:
-            work = self._redeliver(entry_id, self._settings.redeliver_interval_ms / 1000)
+            work = self._redeliver(entry_id, attempt, self._settings.redeliver_interval_ms / 1000)
         timer = asyncio.create_task(work, name=f"redeliver {entry_id}")
         self._timers.add(timer)
         timer.add_done_callback(self._timers.discard)
@@ -660,7 +664,9 @@ class Subscription:
         if not ids:
             return 0
         listed = {i: counts[i] for i in ids}
-        # A repeat after a lost reply claims nothing twice: the first try bumped the counts.
+        # A repeat after a lost reply claims nothing twice (the first try bumped the
+        # counts) and hands back what the first try claimed (the nonce's memo).
+        nonce = uuid.uuid4().hex
         claimed = await self._retrying(
             "XCLAIM",
             lambda: claim_unchanged(
@@ -670,6 +676,7 @@ class Subscription:
                 self.consumer,
                 listed,
                 self._settings.processing_timeout_ms,
+                nonce=nonce,
             ),
         )
         for entry_id, fields, attempt in claimed:
@@ -684,47 +691,74 @@ class Subscription:
         return len(claimed)
 
     async def _idle_entries(self, count: int) -> dict[str, int]:
-        """One batch of the group's entries idle past processingTimeout that we do not hold,
-        with their delivery counts; the batches go round the PEL, pass after pass."""
+        """One batch of up to `count` of the group's entries idle past processingTimeout that
+        we do not hold, with their delivery counts; the batches go round the PEL, pass after pass.
+
+        A round starts again from the PEL's head at least once per processingTimeout, so an
+        entry that went idle behind the cursor waits at most about two of them, however
+        long a backlog ahead of the cursor lasts. Entries this stream holds are listed too
+        (XPENDING cannot leave them out), so the page is that much longer: they never fill
+        the batch and stall the round.
+        """
+        now = time.monotonic()
+        if now - self._reclaim_round_at >= self._settings.processing_timeout_ms / 1000:
+            self._reclaim_cursor, self._reclaim_round_at = "-", now
+        page = count + len(self._owned)
         rows: Any = await self._client.xpending_range(
             self.topic,
             self._group,
             min=self._reclaim_cursor,
             max="+",
-            count=count,
+            count=page,
             idle=self._settings.processing_timeout_ms,
         )
-        # The next pass goes on after the last one listed; a short batch ends the round.
-        self._reclaim_cursor = f"({text(rows[-1]['message_id'])}" if len(rows) == count else "-"
-        found = ((text(r["message_id"]), int(r["times_delivered"])) for r in rows)
-        return {i: n for i, n in found if i not in self._owned}
+        found: dict[str, int] = {}
+        last = ""
+        for row in rows:
+            last = text(row["message_id"])
+            if last not in self._owned:
+                found[last] = int(row["times_delivered"])
+                if len(found) == count:
+                    break
+        # The next pass goes on after the last one looked at; a short page ends the round.
+        if len(rows) == page:
+            self._reclaim_cursor = f"({last}"
+        else:
+            self._reclaim_cursor, self._reclaim_round_at = "-", now
+        return found
 
-    async def _claim(self, ids: Sequence[str]) -> list[tuple[str, Any]]:
-        """XCLAIM entries of ours again, which bumps their delivery count; returns
-        those that still exist, with their fields."""
-        reply: Any = await self._client.xclaim(self.topic, self._group, self.consumer, 0, list(ids))
-        return [(text(i), f) for i, f in reply if f is not None]
+    async def _redeliver(self, entry_id: str, attempt: int, delay_s: float) -> None:
+        """Deliver `entry_id`, nacked on its `attempt`-th delivery, again after `delay_s`.
 
-    async def _redeliver(self, entry_id: str, delay_s: float) -> None:
-        # Reset its idle time now, or another consumer could reclaim it while it
-        # waits here; JUSTID leaves the delivery count alone.
-        await self._retrying(
+        Its idle time is reset now (NACK_HOLD), or another stream could reclaim it while
+        it waits here; and the claim after the wait is made only under the delivery count
+        of the nack: when redeliverInterval outlasts processingTimeout, another stream may
+        still have delivered it meanwhile, and that delivery is the redelivery.
+        """
+        held: Any = await self._retrying(
             "XCLAIM",
-            lambda: self._client.xclaim(self.topic, self._group, self.consumer, 0, [entry_id], justid=True),
+            lambda: self._client.eval(
+                scripts.NACK_HOLD, 1, self.topic, self._group, self.consumer, entry_id, attempt
+            ),
         )
-        await self._clock.sleep(delay_s)
-        claimed = await self._retrying("XCLAIM", lambda: self._claim([entry_id]))
+        claimed: list[tuple[str, Any, int]] = []
+        if held[1]:
+            await self._clock.sleep(delay_s)
+            nonce = uuid.uuid4().hex
+            claimed = await self._retrying(
+                "XCLAIM",
+                lambda: claim_unchanged(
+                    self._client, self.topic, self._group, self.consumer, {entry_id: attempt}, nonce=nonce
+                ),
+            )
         if not claimed:
-            # Deleted or trimmed while it waited, or acked elsewhere: nothing to redeliver.
+            # Deleted or trimmed while it waited, acked elsewhere, or delivered again by
+            # another stream: nothing to redeliver here.
             self._owned.discard(entry_id)
             self._slot_freed()
             return
-        attempts = await self._retrying("XPENDING", lambda: self._attempts([entry_id]))
-        self._push(entry_id, claimed[0][1], attempts.get(entry_id, 2), requeue=True)
-
-    async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
-        """Delivery counts from the PEL, in one round trip."""
-        return await delivery_counts(self._client, self.topic, self._group, ids)
+        _, fields, now_attempt = claimed[0]
+        self._push(entry_id, fields, now_attempt, requeue=True)
 
     def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         if self._closed:

@@ -12,16 +12,22 @@ subscription itself. A subscription with `retry = Retrier(...)` calls:
 - `await retry.hold_back(ids)` on the idle ids its reclaim pass found, and
   claims only those returned (with `claim_unchanged`): an entry with a future
   retry record must wait for it;
-- `await retry.close()` when it closes.
+- `retry.stop()` when it starts closing (nothing more is claimed for it), and
+  `await retry.close()` when it closes.
 
 Who delivers a due retry: every delivery is a claim that bumps the entry's
-delivery count in the PEL, and every claim here is conditional on the count
-the claimer read before (`claim_unchanged`). The poller reads the counts,
-then takes the records (ZREM returning 1 is the token among pollers), then
-claims; a reclaim pass of another stream that finds no record (the poller
-took it a moment ago) claims under the count it listed. Both name the same
-count, so one of them wins; the record and the stream may sit on different
-Cluster masters, and no step needs both.
+delivery count in the PEL, and every claim here is conditional on a count
+(`claim_unchanged`). A record keeps the count its nack was about
+(RETRY_RECORD); the poller takes due records (RETRY_TAKE: removing the record
+is the token among pollers, and a record rewritten to a later time since it
+was read is left alone), then claims under that count. A reclaim pass of
+another stream that finds no record (the poller took it a moment ago) claims
+under the count it listed, the same one, so one of them wins; and if a
+reclaim pass delivered the entry before a late record landed, the record's
+count no longer matches and the stale record is dropped. The record and the
+stream may sit on different Cluster masters, and no step needs both.
+Records of an older version carry no count: the poller claims those under
+the count it read just before taking them, as it used to.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -40,10 +47,16 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.history import Retention
-from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
+from delayed_middleware.keys import EngineKeys, claim_memo_key, delayed_topic, is_stream_id
 from delayed_middleware.kinds import Kind
 from delayed_middleware.liveness import Supervised
-from delayed_middleware.retry import DeadLetter, RetryPolicy, retry_key, retry_topics_key
+from delayed_middleware.retry import (
+    DeadLetter,
+    RetryPolicy,
+    retry_counts_key,
+    retry_key,
+    retry_topics_key,
+)
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
 from delayed_pubsub.metrics import InstanceMetrics
 
@@ -55,6 +68,11 @@ T = TypeVar("T")
 # another replica (or before a restart) is noticed.
 POLL_CAP_S = 1.0
 POLL_BATCH = 100
+# How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
+# call after a lost reply comes within the call timeout and a few backoff steps.
+CLAIM_MEMO_MS = 60_000
+# RETRY_TAKE's answer for an id whose record it did not take.
+_NOT_TAKEN = -1
 
 Push = Callable[[str, Any, int], None]
 
@@ -86,6 +104,7 @@ class Retrier:
         self._metrics = metrics
         self._timeout = call_timeout
         self._key = retry_key(group, topic)
+        self._counts = retry_counts_key(group, topic)
         self._history = EngineKeys.for_topic(delayed_topic(group)).history
         # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
         self._retention = history if history is not None else Retention()
@@ -110,9 +129,18 @@ class Retrier:
         """The supervised poller, once started."""
         return self._poller
 
+    def stop(self) -> None:
+        """Claim nothing more for this stream (it is closing: what it claimed now would be dropped
+        with its buffer and wait out processingTimeout); close() finishes the job."""
+        self._closed = True
+        if self._poller is not None:
+            # Our stop flag (delayed_middleware.liveness): the poller ending now is no failure.
+            self._poller.stop_flag.set()
+        self._wake.set()
+
     async def close(self) -> None:
         """Stop the poller; records stay in Redis for the next stream of the group."""
-        self._closed = True
+        self.stop()
         if self._poller is not None:
             await self._poller.stop()
 
@@ -146,7 +174,7 @@ class Retrier:
         record = self._history_fields(
             history.RETRIED, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=error, at_ms=now
         )
-        await self._retrying("record retry", lambda: self._record(entry_id, due_ms, record))
+        await self._retrying("record retry", lambda: self._record(entry_id, due_ms, attempt, record))
         self._metrics.retried.inc()
         log.info(
             "%s on %s: delivery %d failed; next in %.3fs",
@@ -167,11 +195,13 @@ class Retrier:
             return []
         scores = await self._retrying("ZMSCORE", lambda: self._client.zmscore(self._key, list(ids)))
         now = self._clock.now_ms()
-        free: list[str] = []
-        for entry_id, score in zip(ids, scores, strict=True):
-            if score is None or (score <= now and await self._take(entry_id)):
-                free.append(entry_id)
-        return free
+        due = [i for i, score in zip(ids, scores, strict=True) if score is not None and score <= now]
+        taken = await self._retrying("take retry records", lambda: self._take(due, now)) if due else {}
+        return [
+            i
+            for i, score in zip(ids, scores, strict=True)
+            if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN
+        ]
 
     # --- Redis ----------------------------------------------------------------
 
@@ -187,10 +217,11 @@ class Retrier:
         # A script hands the fields back flat, as Redis does.
         return count, dict(zip(fields[::2], fields[1::2], strict=True))
 
-    async def _record(self, entry_id: str, due_ms: int, record: dict[str, str]) -> None:
-        """The retry record and the history entry, in one round trip (NACK_HOLD reset the idle time)."""
+    async def _record(self, entry_id: str, due_ms: int, attempt: int, record: dict[str, str]) -> None:
+        """The retry record (due time and the delivery count `attempt` it is about) and the
+        history entry, in one round trip (NACK_HOLD reset the idle time)."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.zadd(self._key, {entry_id: due_ms})
+        pipe.eval(scripts.RETRY_RECORD, 2, self._key, self._counts, entry_id, due_ms, attempt)
         # So operators find the waiting retries knowing only the app id.
         pipe.sadd(retry_topics_key(self._group), self._topic)
         self._retention.append(pipe, self._history, record, self._clock.now_ms())
@@ -204,9 +235,11 @@ class Retrier:
             self._metrics.redis_errors.inc()
             log.warning("history of %s not written: %s", entry_id, failed)
 
-    async def _take(self, entry_id: str) -> bool:
-        removed = await self._retrying("ZREM", lambda: self._client.zrem(self._key, entry_id))
-        return bool(removed)
+    async def _take(self, ids: Sequence[str], now_ms: int) -> dict[str, int]:
+        """Take the records of `ids` still due at `now_ms` (RETRY_TAKE): id -> the delivery
+        count its record is about (0: unknown, an older version's record), or _NOT_TAKEN."""
+        reply: Any = await self._client.eval(scripts.RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
+        return {i: int(n) for i, n in zip(ids, reply, strict=True)}
 
     async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
         topic = decision.topic
@@ -314,23 +347,31 @@ class Retrier:
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
         async with asyncio.timeout(self._timeout):
             due, later = await pipe.execute()
+        if due and self._closed:
+            # Claimed now, they would be dropped with the stream's buffer and wait out
+            # processingTimeout; their records stay for the other streams of the group.
+            return None
         if due:
             ids = [text(raw) for raw in due]
             async with asyncio.timeout(self._timeout):
-                # Read before the token is taken: a reclaim pass that finds no record from
-                # here on can only have listed the entry under this same count.
+                # Read before the token is taken: for a record of an older version (no
+                # count in it), a reclaim pass that finds no record from here on can only
+                # have listed the entry under this same count.
                 counts = await self._attempts(ids)
-                # ZREM returning 1 is the token: of racing pollers, one redelivers. An id
+                # Taking the record is the token: of racing pollers, one redelivers. An id
                 # no longer pending (acked, deleted) loses its record and nothing else.
-                pipe = self._client.pipeline(transaction=False)
-                for entry_id in ids:
-                    pipe.zrem(self._key, entry_id)
-                taken = await pipe.execute()
-            mine = {i: counts[i] for i, removed in zip(ids, taken, strict=True) if removed and i in counts}
-            # Retried until it lands: a repeat after a lost reply claims nothing twice.
+                taken = await self._take(ids, now)
+            # Claimed under the count the nack was about: if it was delivered again since,
+            # that delivery was the retry, and the record (already taken) is dropped.
+            mine = {i: n or counts[i] for i, n in taken.items() if n > 0 or (n == 0 and i in counts)}
+            # Retried until it lands; a repeat after a lost reply hands back what the
+            # first run claimed (the memo), and claims nothing twice.
+            nonce = uuid.uuid4().hex
             live = await self._retrying(
                 "XCLAIM",
-                lambda: claim_unchanged(self._client, self._topic, self._group, self._consumer, mine),
+                lambda: claim_unchanged(
+                    self._client, self._topic, self._group, self._consumer, mine, nonce=nonce
+                ),
             )
             for entry_id, fields, attempt in live:
                 push(entry_id, fields, attempt)
@@ -366,18 +407,25 @@ async def claim_unchanged(
     consumer: str,
     counts: Mapping[str, int],
     min_idle_ms: int = 0,
+    *,
+    nonce: str,
 ) -> list[tuple[str, Any, int]]:
     """Claim for `consumer` each entry whose delivery count is still the one in `counts`
     (and idle `min_idle_ms` or more), in one atomic script on the topic key; returns
     (id, fields, attempt) of those claimed, the attempt being their new delivery count.
 
     An entry another stream delivered since its count was read is left to that stream:
-    claiming it as well would deliver it twice.
+    claiming it as well would deliver it twice. `nonce` names this claim: a repeat of
+    the call with the same nonce (its reply was lost) returns what the first run
+    claimed, so each caller makes one per claim and keeps it across its retries.
     """
     if not counts:
         return []
     args = [a for entry_id, n in counts.items() for a in (entry_id, n)]
-    reply: Any = await client.eval(scripts.CLAIM_UNCHANGED, 1, topic, group, consumer, min_idle_ms, *args)
+    memo = claim_memo_key(topic, group, nonce)
+    reply: Any = await client.eval(
+        scripts.CLAIM_UNCHANGED, 2, topic, memo, group, consumer, min_idle_ms, CLAIM_MEMO_MS, *args
+    )
     # A script hands the fields back flat, as Redis does: paired as redis-py's XCLAIM pairs them.
     return [(text(i), dict(zip(f[::2], f[1::2], strict=True)), int(n)) for i, f, n in reply]
 

@@ -124,6 +124,11 @@ class EngineKeys:
         """Sorted set: entry ids of `topic` waiting out a retry backoff, scored by their next delivery (ms)."""
         return "{" + self.stream + "}:retry:" + topic
 
+    def retry_counts(self, topic: str) -> str:
+        """Hash beside `retry(topic)`, entry id -> the delivery count its retry record is about
+        (lua/retry_record.lua): a record whose entry was delivered again since is stale."""
+        return "{" + self.stream + "}:retry-n:" + topic
+
     @property
     def history_index(self) -> str:
         """Hash, id (not a stream id) -> its newest history record's entry id: the history's by-id
@@ -298,6 +303,13 @@ def target_tag(topic: str) -> str:
     if "}" not in topic:
         return topic
     return slot_tag(key_slot(topic))
+
+
+def claim_memo_key(topic: str, group: str, nonce: str) -> str:
+    """The memo of one conditional claim on `topic` (lua/claim_unchanged.lua): in the topic's
+    slot, so the claim script writes it beside the stream, and inside the engine's reserved
+    namespace (it contains `-delayed}`)."""
+    return "{" + target_tag(topic) + "}:" + group + DELAYED_SUFFIX + "}claim:" + nonce
 
 
 def fire_marker_prefix(topic: str, shard_stream: str) -> str:

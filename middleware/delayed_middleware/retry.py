@@ -37,6 +37,11 @@ epoch ms from which it may be redelivered). Then:
 - redelivery is an XCLAIM by whichever stream of the group first removes the
   record (ZREM returning 1 is the token), which bumps the PEL delivery count,
   so `deliveryAttempt` = the PEL's times-delivered, crashes included;
+- the record keeps the delivery count the nack was about, in a hash beside it
+  (`{<consumerID>-delayed}:retry-n:<topic>`), and the poller claims under that
+  count: if the entry was delivered again since (a reclaim pass got there while
+  the record was held up on its way), that delivery was the retry, and the
+  stale record is dropped instead of delivering the entry a second time;
 - every such claim (and a reclaim pass's) is made only if the delivery count
   is still the one the claimer read before, in one script on the topic key:
   a reclaim pass that finds no record because a poller has just taken it
@@ -112,6 +117,11 @@ DEFAULT_MULTIPLIER: Final = 2.0
 def retry_key(consumer_id: str, topic: str) -> str:
     """The durable retry schedule of one consumer group on one topic (EngineKeys.retry)."""
     return EngineKeys.for_topic(delayed_topic(consumer_id)).retry(topic)
+
+
+def retry_counts_key(consumer_id: str, topic: str) -> str:
+    """The delivery count each retry record of `retry_key` is about (EngineKeys.retry_counts)."""
+    return EngineKeys.for_topic(delayed_topic(consumer_id)).retry_counts(topic)
 
 
 def retry_topics_key(consumer_id: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx
@@ -25,9 +26,11 @@ from playwright.async_api import Browser, async_playwright
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
-from tests.chaos.proxy import DelayingProxy
+from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
+
+P = TypeVar("P", DelayingProxy, LosingProxy)
 
 # Small timeouts keep redelivery tests fast; values a user could set.
 FAST = {"processingTimeout": "500ms", "redeliverInterval": "200ms"}
@@ -59,14 +62,38 @@ def props(redis_server: RedisServer, redis_client: object) -> dict[str, str]:
     return {"redisHost": f"127.0.0.1:{redis_server.port}", "consumerID": "app1", **FAST}
 
 
+@contextlib.asynccontextmanager
+async def running(proxy: P) -> AsyncIterator[P]:
+    """`proxy` listening for the length of the block."""
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
 @pytest.fixture
 async def slow_claims(redis_server: RedisServer) -> AsyncIterator[DelayingProxy]:
     """A proxy in front of the test Redis that, once armed, holds every command naming XCLAIM
     (XCLAIM itself, or a script that claims) `delay_s` on the wire (the test sets it)."""
-    proxy = DelayingProxy(redis_server.port, b"XCLAIM", delay_s=0.0)
-    await proxy.start()
-    yield proxy
-    await proxy.stop()
+    async with running(DelayingProxy(redis_server.port, b"XCLAIM", delay_s=0.0)) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+async def slow_retry_records(redis_server: RedisServer) -> AsyncIterator[DelayingProxy]:
+    """A proxy in front of the test Redis that, once armed, holds a nack's retry record (the
+    round trip that writes its `retried` history entry) `delay_s` on the wire (the test sets it)."""
+    async with running(DelayingProxy(redis_server.port, b"retried", delay_s=0.0)) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+async def lost_claim_reply(redis_server: RedisServer) -> AsyncIterator[LosingProxy]:
+    """A proxy in front of the test Redis that, once armed, lets the next conditional claim
+    (lua/claim_unchanged.lua) run and cuts the connection before its reply gets back."""
+    async with running(LosingProxy(redis_server.port, b"CLAIM_UNCHANGED (broker")) as proxy:
+        yield proxy
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -17,8 +18,10 @@ import delayed_pubsub.broker
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
+from delayed_middleware.retry import RetryPolicy, retry_key
 from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
 from tests.redis_server import RedisServer, free_port
 
@@ -44,6 +47,35 @@ def settings(redis_server: RedisServer, **extra: str) -> Settings:
 
 async def next_delivery(it: AsyncIterator[Delivery], within: float = 5.0) -> Delivery:
     return await asyncio.wait_for(anext(it), within)
+
+
+Later = Callable[[AsyncIterator[Delivery]], "asyncio.Future[Delivery]"]
+
+
+@contextlib.asynccontextmanager
+async def two_streams(
+    aclient: aioredis.Redis, redis_server: RedisServer, a: dict[str, str], b: dict[str, str]
+) -> AsyncIterator[tuple[Subscription, Subscription, Later]]:
+    """Streams "a" and "b" of group app1 on `orders`, each from its own Broker with its own
+    settings (`a`, `b` over settings()): `a` started, `b` left for the test to start; and
+    `later(it)`, the next delivery of `it` as a future, for one that must not come. Both
+    streams are closed after, and the futures still waiting cancelled."""
+    sub_a = Broker(aclient, settings(redis_server, **a), SystemClock()).subscription("orders", "a")
+    sub_b = Broker(aclient, settings(redis_server, **b), SystemClock()).subscription("orders", "b")
+    waiting: list[asyncio.Future[Delivery]] = []
+
+    def later(it: AsyncIterator[Delivery]) -> asyncio.Future[Delivery]:
+        waiting.append(asyncio.ensure_future(anext(it)))
+        return waiting[-1]
+
+    await sub_a.start()
+    try:
+        yield sub_a, sub_b, later
+    finally:
+        for future in waiting:
+            future.cancel()
+        await sub_a.close()
+        await sub_b.close()
 
 
 async def wait_until(check: Callable[[], bool], within: float = 5.0) -> None:
@@ -329,32 +361,20 @@ async def test_a_nacked_entry_is_not_reclaimed_by_another_replica_while_it_waits
 ) -> None:
     # Handling (600 ms) + redeliverInterval (600 ms) > processingTimeout (1 s),
     # each alone less; the other replica looks every 50 ms.
-    a = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="600ms"), SystemClock()
-    )
-    b = Broker(
-        aclient, settings(redis_server, processingTimeout="1s", redeliverInterval="50ms"), SystemClock()
-    )
-    sub_a, sub_b = a.subscription("orders", "a"), b.subscription("orders", "b")
-    await sub_a.start()
-    redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
-    stolen: asyncio.Future[Delivery] | None = None
-    try:
+    a = {"processingTimeout": "1s", "redeliverInterval": "600ms"}
+    b = {"processingTimeout": "1s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
         it = sub_a.deliveries()
         d = await next_delivery(it)
         await sub_b.start()
-        stolen = asyncio.ensure_future(anext(sub_b.deliveries()))
+        stolen = later(sub_b.deliveries())
         await asyncio.sleep(0.6)
         sub_a.nack(d.id)
         again = await next_delivery(it)
         await sub_a.ack(again.id)
         assert (again.id, again.attempt) == (d.id, 2)
         assert not stolen.done()
-    finally:
-        if stolen is not None:
-            stolen.cancel()
-        await sub_a.close()
-        await sub_b.close()
 
 
 async def test_delivery_attempts_count_nacks_not_reclaim_passes(
@@ -666,3 +686,165 @@ async def test_publishes_arriving_one_per_loop_pass_share_round_trips(
     assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode() for i in range(n)]
     assert [r[0] if isinstance(r[0], str) else r[0].decode() for r in rows] == ids
     assert round_trips <= n // 10, f"{round_trips} round trips for {n} publishes"
+
+
+async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a_backlog_lasts(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """300 entries of a dead consumer wait, and this stream takes one per pass (concurrency 1),
+    so its reclaim round lasts ~30 s. An entry at the head of the PEL, held by a live consumer
+    while the cursor went past it, goes idle: it is reclaimed within about two processingTimeouts."""
+    timeout_s = 0.5
+    s = settings(redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency="1")
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    behind = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"behind"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "busy", {"orders": ">"}, count=1)
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(300):
+        pipe.xadd("orders", encode_entry(StreamEntry(f"backlog {i}".encode())))  # type: ignore[arg-type]
+    pipe.execute()
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+
+    async def keep_busy(until: float) -> None:
+        # The live consumer working on it: its idle time keeps being reset.
+        while time.monotonic() < until:
+            await aclient.xclaim("orders", "app1", "busy", 0, [behind], justid=True)
+            await asyncio.sleep(0.05)
+
+    busy_until = time.monotonic() + 1.5
+    busy = asyncio.create_task(keep_busy(busy_until))
+    await asyncio.sleep(timeout_s + 0.1)  # the backlog is idle past processingTimeout
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        backlog = 0
+        while True:
+            assert time.monotonic() < busy_until + 10, "not reclaimed while the backlog lasts"
+            d = await next_delivery(it)
+            await sub.ack(d.id)
+            if d.id == behind:
+                break
+            backlog += 1
+        waited = time.monotonic() - busy_until
+        await busy
+        assert d.entry.data == b"behind"
+        assert backlog < 100, "the backlog ran out: nothing shows the cursor went back"
+        assert waited < 2 * timeout_s + 0.5, waited
+    finally:
+        busy.cancel()
+        await sub.close()
+
+
+async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    s = settings(redis_server)
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    redis_client.xadd("orders", encode_entry(StreamEntry(b"trimmed")))  # type: ignore[arg-type]
+    kept = redis_client.xadd("orders", encode_entry(StreamEntry(b"kept")))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+    # streamTTL / maxLenApprox trimming: the entry goes while it is pending.
+    redis_client.xtrim("orders", minid=kept, approximate=False)
+    assert redis_client.xpending("orders", "app1")["pending"] == 2
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        d = await next_delivery(it)
+        assert (d.id, d.entry.data, d.attempt) == (_s(kept), b"kept", 2)
+        await sub.ack(d.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        with pytest.raises(TimeoutError):
+            await next_delivery(it, within=1.0)
+    finally:
+        await sub.close()
+
+
+async def test_a_nacked_entry_another_stream_delivered_while_it_waited_is_not_delivered_again(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """No retry policy, and a redeliverInterval (2.5 s) longer than processingTimeout (2 s): while
+    the nacked entry waits, another stream reclaims it (delivery 2). When the wait ends, the
+    stream that got the nack does not deliver it a third time while delivery 2 is handled."""
+    a = {"processingTimeout": "2s", "redeliverInterval": "2500ms"}
+    b = {"processingTimeout": "2s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+        it_a = sub_a.deliveries()
+        d = await next_delivery(it_a)
+        await sub_b.start()
+        sub_a.nack(d.id)
+        taken = await next_delivery(sub_b.deliveries())
+        assert (taken.id, taken.attempt) == (d.id, 2)
+        again = later(it_a)
+        await asyncio.sleep(1.0)  # the app's work on delivery 2; a's wait ends meanwhile
+        assert not again.done(), "delivered twice"
+        await sub_b.ack(taken.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        await asyncio.sleep(0.3)
+        assert not again.done()
+
+
+async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Between stop() and the end of close() the stream's retry poller claims nothing: an entry it
+    claimed would be dropped with the stream's buffer, and come back only after processingTimeout,
+    one delivery attempt higher. The due record stays for the other streams of the group."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    entry = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"x"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "other", {"orders": ">"})  # delivery 1, failed by another stream
+    sub = Broker(aclient, settings(redis_server, processingTimeout="60s"), SystemClock()).subscription(
+        "orders", "closing"
+    )
+    sub.retry = Retrier(
+        aclient,
+        RetryPolicy(active=True),
+        topic="orders",
+        group="app1",
+        consumer=sub.consumer,
+        clock=SystemClock(),
+        metrics=Metrics().for_instance(""),
+        call_timeout=5.0,
+    )
+    await sub.start()
+    try:
+        sub.stop()
+        redis_client.zadd(retry_key("app1", "orders"), {entry: 0})  # due now
+        await asyncio.sleep(1.5)  # past the poller's longest sleep
+        rows: Any = redis_client.xpending_range("orders", "app1", min=entry, max=entry, count=1)
+        assert [(r["consumer"], r["times_delivered"]) for r in rows] == [(b"other", 1)]
+        assert redis_client.zcard(retry_key("app1", "orders")) == 1
+        # Stopped by our own flag: no loop of it was taken for failed and restarted.
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    finally:
+        await sub.close()
+
+
+async def test_a_nack_of_a_delivery_another_stream_has_taken_over_redelivers_nothing(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """No retry policy. The app holds a message past processingTimeout, another stream takes it
+    over (delivery 2), and only then does the first delivery fail: that takeover is the
+    redelivery, and the stream that got the nack does not deliver it a third time."""
+    a = {"processingTimeout": "1s", "redeliverInterval": "200ms"}
+    b = {"processingTimeout": "1s", "redeliverInterval": "50ms"}
+    async with two_streams(aclient, redis_server, a, b) as (sub_a, sub_b, later):
+        redis_client.xadd("orders", encode_entry(StreamEntry(b"m0")))  # type: ignore[arg-type]
+        it_a = sub_a.deliveries()
+        held = await next_delivery(it_a)
+        await sub_b.start()
+        taken = await next_delivery(sub_b.deliveries())
+        assert (taken.id, taken.attempt) == (held.id, 2)
+        sub_a.nack(held.id)
+        again = later(it_a)
+        await asyncio.sleep(0.6)  # past a's redeliverInterval, within delivery 2's processingTimeout
+        assert not again.done(), "delivered twice"
+        await sub_b.ack(taken.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+        await asyncio.sleep(0.3)
+        assert not again.done()

@@ -15,11 +15,12 @@ import prometheus_client
 import pytest
 import redis
 
+from delayed_middleware import scripts
 from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import decode_entry
-from delayed_middleware.retry import retry_key
+from delayed_middleware.retry import retry_counts_key, retry_key
 from delayed_pubsub.server import ComponentServer
-from tests.chaos.proxy import DelayingProxy
+from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
 from tests.conftest import small_stream_nodes
 from tests.redis_server import free_port
@@ -51,6 +52,46 @@ async def wait_for(check: Callable[[], bool], within: float = 5.0) -> None:
 def dead_letters(redis_client: redis.Redis, topic: str = "orders-dead") -> list[Any]:
     rows: Any = redis_client.xrange(topic)
     return [decode_entry(f) for _, f in rows]
+
+
+async def work_until_quiet(
+    streams: list[Stream], *, expect: int, quiet_s: float, work_s: float, fail_first: bool, within: float = 20.0
+) -> list[tuple[bytes, str]]:
+    """Act as the app on `streams` until `expect` deliveries came and then none for `quiet_s`.
+
+    A first delivery is failed at once when `fail_first`; every other one is acked after `work_s`
+    of work. One write at a time on each gRPC stream, as daprd writes its acks. Returns
+    (data, deliveryAttempt) of every delivery, in arrival order.
+    """
+    seen: list[tuple[bytes, str]] = []
+    work: set[asyncio.Task[None]] = set()
+    writing = {id(s): asyncio.Lock() for s in streams}
+
+    async def handle(s: Stream, msg_id: str) -> None:
+        await asyncio.sleep(work_s)
+        async with writing[id(s)]:
+            await s.ack(msg_id)
+
+    last = time.monotonic()
+    deadline = last + within
+    while len(seen) < expect or time.monotonic() - last < quiet_s:
+        assert time.monotonic() < deadline, seen
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                attempt = msg.metadata["deliveryAttempt"]
+                seen.append((msg.data, attempt))
+                last = time.monotonic()
+                if fail_first and attempt == "1":
+                    async with writing[id(s)]:
+                        await s.nack(msg.id, "later")
+                    continue
+                task = asyncio.create_task(handle(s, msg.id))
+                work.add(task)
+                task.add_done_callback(work.discard)
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*work)
+    return seen
 
 
 async def test_three_nacks_follow_the_backoff_then_dead_letter_with_the_error(
@@ -502,33 +543,10 @@ async def test_a_due_retry_whose_claim_is_slow_on_the_wire_is_delivered_once(
     slow_claims.delay_s = 0.6
     slow_claims.armed = True
 
-    again: list[tuple[bytes, str]] = []
-    work: set[asyncio.Task[None]] = set()
-
-    # One write at a time on a gRPC stream, as daprd writes its acks.
-    writing = {id(s): asyncio.Lock() for s in streams}
-
-    async def handle(s: Stream, msg_id: str) -> None:
-        await asyncio.sleep(0.35)  # the app's work: well within processingTimeout
-        async with writing[id(s)]:
-            await s.ack(msg_id)
-
-    last = time.monotonic()
-    deadline = last + 20
     # Until every message came back and then nothing for longer than a second claim would
-    # take to show (the wire's delay + processingTimeout + a pass).
-    while len(again) < n or time.monotonic() - last < 2.5:
-        assert time.monotonic() < deadline, again
-        for s in streams:
-            while not s.received.empty():
-                msg = s.received.get_nowait()
-                again.append((msg.data, msg.metadata["deliveryAttempt"]))
-                task = asyncio.create_task(handle(s, msg.id))
-                work.add(task)
-                task.add_done_callback(work.discard)
-                last = time.monotonic()
-        await asyncio.sleep(0.01)
-    await asyncio.gather(*work)
+    # take to show (the wire's delay + processingTimeout + a pass); the app's work (0.35 s)
+    # is well within processingTimeout.
+    again = await work_until_quiet(streams, expect=n, quiet_s=2.5, work_s=0.35, fail_first=False)
     assert slow_claims.delayed > 0, "no claim went through the slow path"
     assert sorted(again) == sorted((data, "2") for data in failed)
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
@@ -595,3 +613,105 @@ async def test_streams_of_one_group_redeliver_each_retry_once_when_the_backoff_o
     assert sorted(seen) == sorted((str(i).encode(), a) for i in range(n) for a in ("1", "2"))
     await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+async def test_a_retry_record_held_up_past_processing_timeout_does_not_deliver_a_second_time(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, slow_retry_records: DelayingProxy
+) -> None:
+    """A nack's retry record reaches Redis 1.5 s late, past processingTimeout (1 s): meanwhile a
+    reclaim pass finds the entry idle and without a record, and delivers it again (delivery 2).
+    The record lands already due, and is stale: the message is not delivered a third time
+    while delivery 2 is still being handled."""
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            "redisHost": f"127.0.0.1:{slow_retry_records.port}",
+            "processingTimeout": "1s",
+            "retryInitialInterval": "1200ms",
+        }
+    )
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    await c.publish("orders", b"x")
+    slow_retry_records.delay_s = 1.5
+    slow_retry_records.armed = True
+    # Until the retry came and then nothing for longer than the stale record would take to
+    # show; the app's work (0.7 s) is within processingTimeout.
+    seen = await work_until_quiet(streams, expect=2, quiet_s=2.5, work_s=0.7, fail_first=True)
+    assert slow_retry_records.delayed == 1
+    assert [attempt for _, attempt in seen] == ["1", "2"]
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+    assert redis_client.hlen(retry_counts_key("app1", "orders")) == 0
+
+
+async def test_a_retry_whose_claim_reply_is_lost_is_delivered_as_the_next_attempt_at_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis, lost_claim_reply: LosingProxy
+) -> None:
+    """The poller's claim lands, and its reply is lost on the way back. The claim is sent again
+    and hands back what the first one claimed: the message comes back as delivery 2 after its
+    backoff, not as delivery 3 after processingTimeout (which would dead-letter it one real
+    delivery early)."""
+    c = component("delayed")
+    await c.init(
+        {
+            **props,
+            **POLICY,
+            "redisHost": f"127.0.0.1:{lost_claim_reply.port}",
+            "processingTimeout": "3s",
+            "retryInitialInterval": "200ms",
+        }
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    first = await stream.next()
+    lost_claim_reply.armed = True
+    nacked = time.monotonic()
+    await stream.nack(first.id, "once")
+    again = await stream.next(within=10)
+    waited = time.monotonic() - nacked
+    assert lost_claim_reply.cuts == 1
+    assert (again.id, again.metadata["deliveryAttempt"]) == (first.id, "2")
+    assert waited < 3.0, waited  # before processingTimeout: the claim that landed delivered it
+    await stream.nack(again.id, "twice")
+    third = await stream.next(within=5)
+    assert third.metadata["deliveryAttempt"] == "3"
+    await stream.nack(third.id, "thrice")
+    await wait_for(lambda: len(dead_letters(redis_client)) == 1)
+    assert dead_letters(redis_client)[0].metadata["deadLetterAttempts"] == "3"
+    assert await stream.nothing_for(0.5)
+
+
+async def test_a_retry_record_written_without_a_delivery_count_still_fires(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """Records stored by the previous version hold no delivery count beside them: they fire as before."""
+    c = component("delayed")
+    await c.init({**props, "retryInitialInterval": "1s"})
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"x")
+    msg = await stream.next()
+    await stream.nack(msg.id, "e")
+    counts = retry_counts_key("app1", "orders")
+    await wait_for(lambda: redis_client.hlen(counts) == 1)
+    redis_client.hdel(counts, msg.id)  # the record alone, as the previous version wrote it
+    again = await stream.next(within=5)
+    assert (again.id, again.metadata["deliveryAttempt"]) == (msg.id, "2")
+    await stream.ack(again.id)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    assert redis_client.zcard(retry_key("app1", "orders")) == 0
+
+
+def test_a_slow_taker_does_not_remove_a_retry_record_written_since_it_looked(
+    redis_client: redis.Redis,
+) -> None:
+    """A poller (or reclaim pass) read a due record; before its take lands, the entry was delivered,
+    failed again and got a newer record, due later. The take removes nothing: the newer record
+    stays, with its own delivery count, until its time."""
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 1_000, 1)  # what the taker read
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 5_000, 2)  # written since
+    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
+    assert (redis_client.zscore(key, "1-0"), redis_client.hget(counts, "1-0")) == (5_000, b"2")
+    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 5_000, "1-0", "2-0") == [2, -1]
+    assert not redis_client.exists(key, counts)

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delayed_middleware.keys import EngineKeys, is_stream_id, key_slot, shard_id, split_shard_id
+from delayed_middleware.keys import (
+    EngineKeys,
+    claim_memo_key,
+    is_engine_key,
+    is_stream_id,
+    key_slot,
+    shard_id,
+    split_shard_id,
+)
 
 U64_MAX = 2**64 - 1
 
@@ -127,12 +135,26 @@ def test_engine_keys_keep_the_names_a_deployment_has_stored() -> None:
         "dead_letters": "{app-delayed}:deadletters",
     }
     assert keys.retry("orders") == "{app-delayed}:retry:orders"
+    assert keys.retry_counts("orders") == "{app-delayed}:retry-n:orders"
     assert keys.history_index == "{app-delayed}:history-ids"
     # One slot: a script may touch any of them together on Redis Cluster.
-    names = [*dataclasses.astuple(keys), keys.retry("orders"), keys.history_index]
+    names = [
+        *dataclasses.astuple(keys),
+        keys.retry("orders"),
+        keys.retry_counts("orders"),
+        keys.history_index,
+    ]
     assert {key_slot(k) for k in names} == {key_slot("app-delayed")}
     assert keys.script_keys == [
         *(getattr(keys, n) for n in ("stream", "due", "ids", "seq", "count", "history", "parked")),
         *(getattr(keys, n) for n in ("calls", "refill", "outbox", "moved")),
     ]
     assert keys.two_phase_keys == [*keys.script_keys[:-1], keys.inflight, keys.claims, keys.moved]
+
+
+@pytest.mark.parametrize("topic", ["orders", "{tenant}orders", "a}b", "{}z", "a{b", "}{", "x{y}z{w}"])
+def test_a_claim_memo_sits_in_its_topics_slot_among_the_engine_keys(topic: str) -> None:
+    # The claim script writes the memo beside the stream: on Redis Cluster, in the same slot.
+    memo = claim_memo_key(topic, "app", "0f" * 16)
+    assert key_slot(memo) == key_slot(topic)
+    assert is_engine_key(memo), "a user could publish to it, or subscribe"

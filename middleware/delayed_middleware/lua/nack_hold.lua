@@ -15,6 +15,11 @@ if not row then return {0, false} end
 local count = tonumber(row[4])
 if SENT > 0 and count ~= SENT then return {count, false} end
 local entry = redis.call('XRANGE', STREAM, ID, ID)[1]
-if not entry then return {count, false} end
+if not entry then
+  -- Deleted or trimmed while pending: nothing to retry, and on Redis 6.2 nothing else
+  -- would ever take it out of the PEL.
+  redis.call('XACK', STREAM, GROUP, ID)
+  return {0, false}
+end
 redis.call('XCLAIM', STREAM, GROUP, CONSUMER, 0, ID, 'JUSTID')
 return {count, entry[2]}
