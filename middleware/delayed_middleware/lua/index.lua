@@ -142,7 +142,9 @@ local DUE_CHUNK, DUE_CHUNK_MAX = 32, 128
 -- (DUE_CHUNK, doubling up to DUE_CHUNK_MAX), so a batch that stops early (its time or work
 -- budget) has not read, nor built a table for, the candidates it never
 -- reaches: FIRE stopped at its time budget after ~325 of the 500 it read.
-local function due_iter(now, limit)
+-- `on_chunk` (optional) is handed each chunk before its first candidate is
+-- returned (FIRE reads the chunk's envelopes ahead: common.lua's read_ahead).
+local function due_iter(now, limit, on_chunk)
   local buf, at, seen = {}, 1, 0
   local top_offset, bs, bi = 0, {}, 1
   -- The bucket being read (nil: take the next), and how many of its due members were read.
@@ -169,6 +171,7 @@ local function due_iter(now, limit)
       -- Fewer than asked: this bucket has no more members due.
       if #got / 2 < want then bucket = nil end
     end
+    if on_chunk and #buf > 0 then on_chunk(buf) end
   end
   return function()
     if at > #buf then fill() end
