@@ -14,12 +14,59 @@ local function decision_now(arg)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Envelopes read ahead by read_ahead (stream id -> the entry's fields), or nil
+-- when read-ahead is off (the default; FIRE turns it on); what it read and
+-- how many of those were used, so it turns itself off where it does not pay.
+local AHEAD, AHEAD_READ, AHEAD_USED = nil, 0, 0
+
+-- Reads the envelopes of these candidates ({stream id, ...}) with one XRANGE
+-- over their span, instead of one XRANGE each (~1 us an entry against ~3):
+-- envelopes due together were mostly stored together (a bulk publish, a
+-- steady stream), but the index hands them out in string order ("-10" before
+-- "-9"), so the span is read in stream order and whatever else it holds is
+-- kept for the candidates that follow. Only while no envelope is moved (ids
+-- are where they are stored), and off for the rest of the call once it has
+-- read more than twice what was used (envelopes due together but stored far
+-- apart): then each envelope is read alone, as before.
+local function read_ahead(cs)
+  if not AHEAD or not MOVED_NONE then return end
+  if AHEAD_READ > 2 * AHEAD_USED + 256 then
+    AHEAD = nil
+    return
+  end
+  local lo, hi, lo_ms, lo_seq, hi_ms, hi_seq, n = nil, nil, 0, 0, 0, 0, 0
+  for _, c in ipairs(cs) do
+    local id = c[1]
+    if AHEAD[id] == nil then
+      local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
+      ms, seq = tonumber(ms), tonumber(seq)
+      if ms then
+        n = n + 1
+        if not lo or ms < lo_ms or (ms == lo_ms and seq < lo_seq) then lo, lo_ms, lo_seq = id, ms, seq end
+        if not hi or ms > hi_ms or (ms == hi_ms and seq > hi_seq) then hi, hi_ms, hi_seq = id, ms, seq end
+      end
+    end
+  end
+  if n < 2 then return end
+  local got = redis.call('XRANGE', STREAM, lo, hi, 'COUNT', math.min(2 * n, 256))
+  AHEAD_READ = AHEAD_READ + #got
+  for _, e in ipairs(got) do
+    if AHEAD[e[1]] == nil then AHEAD[e[1]] = e[2] end
+  end
+end
+
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
 local function read_envelope(id)
-  local at = stored_at(id)
-  local e = redis.call('XRANGE', STREAM, at, at)[1]
-  if not e then return nil, 'gone' end
-  local f = e[2]
+  local f = AHEAD and AHEAD[id]
+  if f then
+    AHEAD[id] = false
+    AHEAD_USED = AHEAD_USED + 1
+  else
+    local at = stored_at(id)
+    local e = redis.call('XRANGE', STREAM, at, at)[1]
+    if not e then return nil, 'gone' end
+    f = e[2]
+  end
   for j = 1, #f, 2 do
     if f[j] == 'data' then
       local ok, env = pcall(decode, f[j + 1])

@@ -77,7 +77,20 @@ local function each_field(s, from, to, on)
 end
 
 -- A map<string,string> entry in s[from..to]: returns key, value.
+-- The form every encoder writes for short strings (key field 1 then value
+-- field 2, one-byte lengths, nothing else) is read with one string.byte call
+-- and no closure: the fire path decodes each fired envelope's metadata, and
+-- the general walk was most of its decode time. Anything else (fields in
+-- another order, repeated or unknown fields, long strings) takes the walk.
 local function map_entry(s, from, to)
+  local t1, kl = byte(s, from, from + 1)
+  if t1 == 10 and kl and kl < 128 then
+    local vat = from + 2 + kl
+    local t2, vl = byte(s, vat, vat + 1)
+    if t2 == 18 and vl and vl < 128 and vat + 1 + vl == to then
+      return sub(s, from + 2, vat - 1), sub(s, vat + 2, to)
+    end
+  end
   local k, v = '', ''
   each_field(s, from, to, function(f, b, e)
     if not b then return end

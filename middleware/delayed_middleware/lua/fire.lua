@@ -169,7 +169,12 @@ local function append(env, key, iso, target)
   return done, nil
 end
 
-for i, c in ipairs(due_candidates(now, max_env)) do
+-- Candidates are read as the batch reaches them (due_iter), not all up front,
+-- and their envelopes a span at a time (common.lua's read_ahead).
+AHEAD = {}
+local i = 0
+for c in due_iter(now, max_env, read_ahead) do
+  i = i + 1
   if out_of_time(i) then break end
   local id, due = c[1], c[2]
   local env, key, attempt, iso, next_due = decide(c, now, max_entries, max_bytes, #B.taken > 0)
