@@ -161,6 +161,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a before/after: run it again on the older tree (PYTHONPATH) in the same sitting",
     ),
     Bench(
+        "burst_profile",
+        "where the wall time of a 50k burst goes: per-process CPU and run-queue wait over T -> all fired",
+        why_opt_in="a diagnosis, not a figure to track: long (the burst waits for its due time)",
+    ),
+    Bench(
         "pause",
         "pending --prefix/--after paging and scheduleIdPrefix cancels over 1M pending",
         why_opt_in="long: fills 1M pending messages",
