@@ -9,7 +9,7 @@ from delayed_middleware.envelope import BulkEntry, Envelope, decode_envelope, en
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 # Protobuf strings are UTF-8: text without surrogates.
-_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
+_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=12)
 _int64 = st.integers(min_value=0, max_value=2**63 - 1)
 _int32 = st.integers(min_value=0, max_value=2**31 - 1)
 _metadata = st.dictionaries(_text, _text, max_size=4)
