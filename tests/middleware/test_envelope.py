@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,29 +18,33 @@ _metadata = st.dictionaries(_text, _text, max_size=4)
 _bulk_entry = st.builds(BulkEntry, _text, st.binary(max_size=40), _text, _metadata)
 
 
+# Envelope fields by the kind of value they hold (the rest are drawn on their own below).
+_TEXT_FIELDS = (
+    "id",
+    "content_type",
+    "pubsub_name",
+    "schedule_id",
+    "schedule",
+    "schedule_source",
+    "target_pubsub",
+)
+_INT64_FIELDS = ("due_ms", "published_at_ms", "expires_at_ms", "schedule_ttl_ms", "every_ms")
+_INT32_FIELDS = ("kind", "delivery_attempt")
+
+
 @st.composite
 def envelopes(draw: st.DrawFn) -> Envelope:
     """Any envelope, each field at its default or not: single (message) or bulk (entries, no message)."""
     bulk = draw(st.lists(_bulk_entry, max_size=3))
+    fields: dict[str, Any] = {name: draw(_text) for name in _TEXT_FIELDS}
+    fields |= {name: draw(_int64) for name in _INT64_FIELDS}
+    fields |= {name: draw(_int32) for name in _INT32_FIELDS}
     return Envelope(
-        id=draw(_text),
         topic=draw(_text.filter(bool)),
-        due_ms=draw(_int64),
-        published_at_ms=draw(_int64),
         message=b"" if bulk else draw(st.binary(max_size=60)),
-        content_type=draw(_text),
         metadata=draw(_metadata),
-        pubsub_name=draw(_text),
-        schedule_id=draw(_text),
         bulk_entries=tuple(bulk),
-        kind=draw(_int32),
-        schedule=draw(_text),
-        expires_at_ms=draw(_int64),
-        schedule_source=draw(_text),
-        schedule_ttl_ms=draw(_int64),
-        target_pubsub=draw(_text),
-        delivery_attempt=draw(_int32),
-        every_ms=draw(_int64),
+        **fields,
     )
 
 
