@@ -12,10 +12,15 @@ A Go client (ghz, as daprd is a Go client) drives, in interleaved rounds:
     (run_coroutine_threadsafe), as a sync server inside the component would.
   - with --uvloop: the bare server and ours again, each on uvloop's event loop,
   - with --base DIR: `serve` from another source tree (before/after in one run).
+  - with --in-process N: also our servicer's delayed Publish without gRPC (N calls in
+    one process, 64 in flight, handed over one per loop pass as grpc.aio does; with
+    --base, that tree's too, the two alternated): the CPU our own code and redis-py
+    take per delayed publish, without grpc.aio's share or its noise.
 Each figure comes with the server process's CPU per call (utime+stime from /proc),
 and its ratio to the bare grpc.aio server's.
 
-    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2] [--no-sync] [--uvloop] [--base DIR]
+    .venv/bin/python bench/unary.py [--requests 10000] [--concurrency 64] [--rounds 2] [--no-sync] [--uvloop]
+                                    [--base DIR] [--in-process N]
 """
 
 from __future__ import annotations
@@ -115,6 +120,82 @@ from delayed_pubsub.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
+# Our servicer's delayed Publish in one process, no gRPC (argv: source tree, calls, Redis port).
+# Prints the process CPU per call and the SCHEDULE script calls per publish.
+IN_PROCESS = """
+import asyncio, sys, time
+tree, calls, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sys.path[:0] = [tree + "/proto", tree + "/middleware", tree + "/components"]
+import redis
+from delayed_middleware.clock import SystemClock
+from delayed_pubsub.instance import Instances
+from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.servicer import PubSubServicer
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
+
+class Context:
+    def invocation_metadata(self):
+        return (("x-component-instance", "bench"),)
+    async def abort(self, code, details):
+        raise RuntimeError(code, details)
+
+async def main():
+    servicer = PubSubServicer(Instances(SystemClock(), Metrics(), background=False))
+    props = {"redisHost": f"127.0.0.1:{port}", "consumerID": "bench", "enableDelayedMessaging": "true"}
+    await servicer.Init(pubsub_pb2.PubSubInitRequest(metadata={"properties": props}), Context())
+    request = pubsub_pb2.PublishRequest(
+        topic="orders", pubsub_name="bench", data=b'{"orderId":66}', metadata={"scheduledSendDelay": "1h"}
+    )
+    context = Context()
+
+    async def run(n):
+        slots = asyncio.Semaphore(64)
+        tasks = set()
+        for _ in range(n):
+            await slots.acquire()
+            task = asyncio.ensure_future(servicer.Publish(request, context))
+            task.add_done_callback(lambda _: slots.release())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(0)  # one call handed over per loop pass, as grpc.aio does
+        await asyncio.gather(*tasks)
+
+    def scripts():
+        return redis.Redis(port=port).info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+    await run(2000)
+    before, cpu = scripts(), time.process_time()
+    await run(calls)
+    cpu = time.process_time() - cpu
+    print(cpu / calls * 1e6, (scripts() - before) / calls)
+
+asyncio.run(main())
+"""
+
+
+def in_process(trees: dict[str, Path], calls: int, rounds: int, port: int) -> None:
+    """IN_PROCESS for each tree, alternated `rounds` times; prints the medians."""
+    cpu: dict[str, list[float]] = {k: [] for k in trees}
+    scripts: dict[str, list[float]] = {k: [] for k in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            out = subprocess.run(
+                [sys.executable, "-c", IN_PROCESS, str(tree), str(calls), str(port)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            cpu[name].append(float(out[0]))
+            scripts[name].append(float(out[1]))
+    print(
+        f"{'in-process delayed Publish (no gRPC)':48s} {'CPU/call (median)':>18s} {'script calls/publish':>21s}"
+    )
+    for name in trees:
+        print(
+            f"{name:48s} {statistics.median(cpu[name]):15.1f} us {statistics.median(scripts[name]):21.3f}"
+            f"   {[round(c, 1) for c in cpu[name]]}"
+        )
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,6 +207,12 @@ def main() -> None:
     ap.add_argument("--uvloop", action="store_true", help="also the bare server and ours on uvloop")
     ap.add_argument(
         "--base", type=Path, help="also `serve` from this source tree (an export of another commit)"
+    )
+    ap.add_argument(
+        "--in-process",
+        type=int,
+        metavar="N",
+        help="also our delayed Publish without gRPC, N calls per round (and --base's)",
     )
     a = ap.parse_args()
     exe = ghz_path()
@@ -226,6 +313,9 @@ def main() -> None:
                     before = cpu_seconds(pid)
                     rps[name].append(ghz(exe, socks[server], call, data, n, c)["rps"])
                     cpu[name].append((cpu_seconds(pid) - before) / n * 1e6)
+            if a.in_process:
+                trees = {"ours": ROOT} | ({"base": a.base.resolve()} if a.base else {})
+                in_process(trees, a.in_process, a.rounds, redis_server.port)
         finally:
             for p in procs.values():
                 stop(p)

@@ -75,6 +75,8 @@ class Instance:
         self.broker = Broker(
             connection.client, settings, clock, metrics, blocking_client=connection.blocking_client
         )
+        # What one Redis call may take (settings are fixed for the instance's life).
+        self._call_timeout = call_timeout(settings)
         self._subscriptions: set[Subscription] = set()
         self._paused = False
         # Publish/BulkPublish calls in flight, bounded by maxInflightPublishes (checked by the servicer).
@@ -229,11 +231,15 @@ class Instance:
             default_target_pubsub=self.settings.default_target_pubsub,
         )
 
+    def _stream_checked(self, topic: str) -> bool:
+        """Whether `topic` was seen to be a stream (or absent) lately: no TYPE call needed."""
+        return self._clock.now_ms() - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS
+
     async def _check_stream(self, topic: str) -> None:
         """FailedPreconditionError unless `topic`'s key is a stream or absent."""
-        now = self._clock.now_ms()
-        if now - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS:
+        if self._stream_checked(topic):
             return
+        now = self._clock.now_ms()
         try:
             async with asyncio.timeout(call_timeout(self.settings)):
                 kind = await self._connection.client.type(topic)
@@ -252,13 +258,18 @@ class Instance:
         if self.engine is None:
             # parse_delay refuses delay keys while delayed messaging is off.
             raise DelayedPubSubError("delayed messaging is not enabled on this instance")
-        for topic in {e.topic for e in envelopes}:
-            await self._check_stream(topic)
+        if len(envelopes) == 1:
+            if not self._stream_checked(envelopes[0].topic):
+                await self._check_stream(envelopes[0].topic)
+        else:
+            for topic in {e.topic for e in envelopes}:
+                await self._check_stream(topic)
         # One token for the call and its retries: a reply lost after the write
         # landed makes the retry a no-op in Redis, so the publish is answered
         # OK and stored once (the client library itself never resends).
         token = secrets.token_hex(8)
-        backoff = Backoff(base_s=0.02, cap_s=0.5)
+        # Made at the first dropped connection: nearly every call needs none.
+        backoff: Backoff | None = None
         try:
             # Bounded like every other Redis call: the client has no socket
             # timeout, and a stalled Redis must not hang the publisher (per
@@ -267,10 +278,12 @@ class Instance:
             # token; a timeout is not (a frozen Redis must fail fast).
             while True:
                 try:
-                    await self.engine.schedule(envelopes, token=token, timeout_s=call_timeout(self.settings))
+                    await self.engine.schedule(envelopes, token=token, timeout_s=self._call_timeout)
                     break
                 except (PartiallyStoredError, OSError, RedisConnectionError) as e:
                     cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
+                    if backoff is None:
+                        backoff = Backoff(base_s=0.02, cap_s=0.5)
                     if not isinstance(cause, _DROPPED) or backoff.failures >= max(
                         1, self.settings.max_retries
                     ):

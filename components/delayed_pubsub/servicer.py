@@ -101,10 +101,12 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     async def _admitted(self, context: Context) -> Instance:
         """The call's instance, a slot taken in its admission (the caller gives it back with
         admission.leave()); RESOURCE_EXHAUSTED, naming the bound, past it."""
-        try:
-            instance = await self._instance(context)
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        instance = self._instances.find(instance_name(context))
+        if instance is None:
+            try:
+                instance = await self._instance(context)
+            except DelayedPubSubError as e:
+                await _abort(context, e)
         admission = instance.admission
         if not self._admission.admit(admission):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.refusal())
@@ -127,10 +129,12 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     async def Features(
         self, request: common_pb2.FeaturesRequest, context: Context
     ) -> common_pb2.FeaturesResponse:
-        try:
-            await self._instance(context)
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        # The instance this process has (no coroutine for it), else restored from its record.
+        if self._instances.find(instance_name(context)) is None:
+            try:
+                await self._instance(context)
+            except DelayedPubSubError as e:
+                await _abort(context, e)
         return common_pb2.FeaturesResponse(features=FEATURES)
 
     async def Publish(

@@ -89,26 +89,41 @@ class Envelope:
 
 def encode_envelope(env: Envelope) -> bytes:
     """Serialize to DelayedMessage wire bytes."""
+    metadata = env.metadata
     msg = delayed_pb2.DelayedMessage(
         topic=env.topic,
-        contentType=env.content_type,
-        metadata=dict(env.metadata),
-        bulkPublish=env.is_bulk,
-        id=env.id,
+        metadata=metadata if type(metadata) is dict else dict(metadata),
         dueTimeMs=env.due_ms,
         publishedAtMs=env.published_at_ms,
         pubsubName=env.pubsub_name,
-        scheduleId=env.schedule_id,
-        kind=env.kind,
-        schedule=env.schedule,
-        expiresAtMs=env.expires_at_ms,
-        scheduleSource=env.schedule_source,
-        scheduleTtlMs=env.schedule_ttl_ms,
-        targetPubsub=env.target_pubsub,
-        deliveryAttempt=env.delivery_attempt,
-        everyMs=env.every_ms,
     )
+    # Every field is proto3 without presence: a default value is never on the wire, so
+    # the ones most envelopes leave at their default are set only when they are not
+    # (the bytes are the same; one is encoded per delayed publish).
+    if env.content_type:
+        msg.contentType = env.content_type
+    if env.id:
+        msg.id = env.id
+    if env.schedule_id:
+        msg.scheduleId = env.schedule_id
+    if env.kind:
+        msg.kind = env.kind
+    if env.schedule:
+        msg.schedule = env.schedule
+    if env.expires_at_ms:
+        msg.expiresAtMs = env.expires_at_ms
+    if env.schedule_source:
+        msg.scheduleSource = env.schedule_source
+    if env.schedule_ttl_ms:
+        msg.scheduleTtlMs = env.schedule_ttl_ms
+    if env.target_pubsub:
+        msg.targetPubsub = env.target_pubsub
+    if env.delivery_attempt:
+        msg.deliveryAttempt = env.delivery_attempt
+    if env.every_ms:
+        msg.everyMs = env.every_ms
     if env.is_bulk:
+        msg.bulkPublish = True
         bulk = delayed_pb2.DelayedBulk(
             entries=[
                 delayed_pb2.DelayedBulkEntry(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from delayed_middleware.aio import text
 
@@ -51,9 +51,12 @@ class Refill:
     published: object
 
 
-@dataclass(frozen=True)
-class ScheduleItem:
-    """One envelope for SCHEDULE (its ARGV group of 9)."""
+class ScheduleItem(NamedTuple):
+    """One envelope for SCHEDULE: its ARGV group of 9, in the script's order.
+
+    A tuple, not a dataclass: one is made for every delayed publish, and the
+    script call appends it to its arguments as it is (no field read one by one).
+    """
 
     raw: bytes
     due_ms: int

@@ -54,6 +54,9 @@ class Scheduling(Cancelling):
         """
         ids: list[str] = []
         encoded = [encode_envelope(env) for env in envelopes]
+        if len(encoded) == 1:
+            # A unary publish: one chunk, nothing to split or slice.
+            return await self._schedule_chunk(envelopes, encoded, token, timeout_s)
         for start, end in self._chunks(encoded):
             # A caller's token names each chunk (a retry of the call repeats them all).
             chunk_token = token if token is None or not start else f"{token}/{start}"

@@ -87,32 +87,27 @@ class EngineScripts:
         k = self._keys
         args: list[Any] = [k.buckets, k.wake, now, history_len, token_window_ms, len(calls)]
         for c in calls:
-            args += [c.token, len(c.items)]
+            args += (c.token, len(c.items))
             for i in c.items:
-                args += [
-                    i.raw,
-                    i.due_ms,
-                    i.schedule_id,
-                    i.kind,
-                    i.topic,
-                    i.size,
-                    i.schedule,
-                    i.next_due,
-                    i.next_iso,
-                ]
+                # A ScheduleItem is its ARGV group, in order.
+                args += i
         raw = await self._schedule(keys=self._keys_for_writes, args=args)
         out: list[ScheduleResult | ResponseError] = []
         at = 0
         for c in calls:
-            status, m = text(raw[at]), int(raw[at + 1])
+            status, m = raw[at], int(raw[at + 1])
             values = [text(v) for v in raw[at + 2 : at + 2 + m]]
             at += 2 + m
-            if status == "dup":
+            if status == b"dup" or status == "dup":
                 out.append(ScheduleResult([], dup=True))
-            elif status == "err":
+            elif status == b"err" or status == "err":
                 out.append(ResponseError(values[0] if values else "SCHEDULE refused the call"))
             else:
                 n = len(c.items)
+                if m == n:
+                    # Nothing replaced while in flight (nearly always).
+                    out.append(ScheduleResult(values))
+                    continue
                 rest = values[n:]
                 replaced = [InFlight(rest[i], rest[i + 1], rest[i + 2]) for i in range(0, len(rest) - 2, 3)]
                 out.append(ScheduleResult(values[:n], replaced_in_flight=replaced))
