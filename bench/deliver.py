@@ -269,6 +269,14 @@ def main() -> None:
             if pending == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        # Round trips the delivery made (the preload's XADDs left out): each costs serve
+        # a socket write and a reply to parse, so this is what batching saves.
+        stats: Any = client.info("commandstats")
+        calls = {
+            name.removeprefix("cmdstat_").upper(): int(stats[name]["calls"])
+            for name in stats
+            if name in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
+        }
         client.close()
     finally:
         if spy is not None and spy.poll() is None:
@@ -294,6 +302,8 @@ def main() -> None:
     print(f"received {len(ids)} unique {unique} duplicates {len(ids) - unique} left pending {pending}")
     print(f"first -> last message: {elapsed:.2f} s ({len(ids) / max(elapsed, 1e-9):,.0f} msg/s)")
     print(f"component CPU: {cpu:.2f} s = {cpu / max(1, len(ids)) * 1e6:.1f} us per delivered message")
+    per = ", ".join(f"{name} {n / max(1, len(ids)):.3f}" for name, n in sorted(calls.items()))
+    print(f"Redis calls per delivered message: {per}")
     if a.ceiling:
         bare_sock = work / "bare.sock"
         bare = start_process(

@@ -452,12 +452,9 @@ class Subscription:
                 if _expired(delivery.entry, self._clock):
                     # Its TTL ended while it waited in our buffer: never delivered.
                     self._expire(delivery.id)
-                    if not ready:
-                        self._can_fetch.set()
+                    self._slot_freed()
                     continue
                 unacked[delivery.id] = delivery.attempt
-                if not ready:
-                    self._can_fetch.set()  # the fetch loop waits for an empty buffer
                 delivered.inc()
                 yield delivery
                 continue
@@ -593,14 +590,16 @@ class Subscription:
         lingered = False
         while not self._closed and not stop.is_set():
             try:
-                # Fetch only when everything fetched so far has been sent and a slot
-                # is free, and no more than the free slots: entries read into a
-                # buffer sit in our PEL, and could time out there and be claimed twice.
+                # Fetch no more than the free slots (the buffer holds some): entries
+                # read into a buffer sit in our PEL, and could time out there and be
+                # claimed twice. Not waiting for the buffer to empty: PullMessages
+                # writes one message at a time, and a fire that lands meanwhile is
+                # read at once instead of after the last write of the one before.
                 free = self._settings.concurrency - len(self._unacked) - len(self._ready)
-                if self._paused or self._ready or free <= 0:
+                if self._paused or free <= 0:
                     await self._wait_fetch()
                     continue
-                if free < self._low_water and self._unacked and not lingered:
+                if free < self._low_water and (self._unacked or self._ready) and not lingered:
                     # Under load acks come in a stream: a moment's wait lets one
                     # read fill half the window. A slow subscriber costs 2 ms.
                     lingered = True

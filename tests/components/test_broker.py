@@ -666,3 +666,32 @@ async def test_publishes_arriving_one_per_loop_pass_share_round_trips(
     assert [decode_entry(f).data for _, f in rows] == [f"m{i}".encode() for i in range(n)]
     assert [r[0] if isinstance(r[0], str) else r[0].decode() for r in rows] == ids
     assert round_trips <= n // 10, f"{round_trips} round trips for {n} publishes"
+
+
+async def test_an_entry_landing_while_the_buffer_is_handed_out_is_read_at_once(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # A fire lands every few ms while PullMessages writes the previous one's messages, one
+    # write at a time: the window (concurrency 100) has room, so the new entry must be read
+    # then, not after the last of the earlier ones is written.
+    for i in range(10):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    sub = Broker(aclient, settings(redis_server, concurrency="100"), SystemClock()).subscription(
+        "orders", "c1"
+    )
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        got = [await next_delivery(it)]  # one written, nine still in the buffer
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 10)
+        late = redis_client.xadd("orders", encode_entry(StreamEntry(b"late")))  # type: ignore[arg-type]
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 11, within=2.0)
+        while len(got) < 11:
+            got.append(await next_delivery(it))
+        assert [d.entry.data for d in got] == [*(f"m{i}".encode() for i in range(10)), b"late"]
+        assert got[-1].id == late.decode()
+        for d in got:
+            sub.ack_nowait(d.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    finally:
+        await sub.close()
