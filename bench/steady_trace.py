@@ -207,7 +207,6 @@ async def run(
 
             return stop_it
 
-    workdir.mkdir(parents=True, exist_ok=True)
     system = Traced(workdir, workers)
     sizes = peers.Sizes(rate=rate, steady_s=seconds, burst=0, unary=0, pipelined=0, pending=0)
     result = peers.Run(sizes)
@@ -224,7 +223,7 @@ async def run(
         print("note:", note[:160])
     traced = json.loads(trace.read_text())
     stamps = traced["stamps"]
-    rows = []
+    rows: list[tuple[float, ...]] = []
     for idx, (entry_id, received, due) in system.received.items():
         if idx == peers.WARM_UP or entry_id not in stamps:
             continue
