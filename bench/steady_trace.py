@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -75,7 +75,9 @@ def hooked_serve(argv: list[str]) -> int:
     broker.Subscription.deliveries = stamped_deliveries  # type: ignore[method-assign]
 
     def dump() -> None:
-        Path(os.environ[TRACE_ENV]).write_text(json.dumps({"stamps": stamps, "lags": lags, "windows": windows}))
+        Path(os.environ[TRACE_ENV]).write_text(
+            json.dumps({"stamps": stamps, "lags": lags, "windows": windows})
+        )
 
     atexit.register(dump)
     return main(argv)
@@ -107,12 +109,16 @@ def stage_split(rows: list[tuple[float, ...]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {s: [] for s in ("total", *STAGES)}
     for due, fired, read, handed, written, received in rows:
         out["total"].append((received - due) * 1000)
-        for name, a, b in zip(STAGES, (due, fired, read, handed, written), (fired, read, handed, written, received), strict=True):
+        for name, a, b in zip(
+            STAGES, (due, fired, read, handed, written), (fired, read, handed, written, received), strict=True
+        ):
             out[name].append((b - a) * 1000)
     return out
 
 
-def report(rows: list[tuple[float, ...]], load: tuple[float, float], lags: dict[str, list[float]]) -> list[str]:
+def report(
+    rows: list[tuple[float, ...]], load: tuple[float, float], lags: dict[str, list[float]]
+) -> list[str]:
     rows = sorted(rows, key=lambda r: r[5] - r[0])
     n = len(rows)
     split = stage_split(rows)
@@ -142,70 +148,33 @@ async def run(
 ) -> tuple[list[tuple[float, ...]], dict[str, list[float]]]:
     from bench import peers
     from bench.common import PACKAGE_PATH, start_process
-    from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 
     trace = workdir / "trace.json"
 
     class Traced(peers.Ours):
+        """Ours, with serve started through hooked_serve and each message's stream id kept."""
+
         received: dict[bytes, tuple[str, float, float]] = {}
 
-        async def _start_component(self) -> None:
+        def _start_serve(self) -> subprocess.Popen[bytes]:
             extra = () if self.workers is None else ("--workers", str(self.workers))
             os.environ[TRACE_ENV] = str(trace)
             os.environ["PYTHONPATH"] = PACKAGE_PATH
-            argv = [sys.executable, __file__, HOOKED, "serve", "--socket", str(self.socket), "--log-level", "warning", *extra]
-            self.serve = start_process(argv, self.socket, self.workdir / "serve.log")
-            await self._connect_and_init()
+            argv = [
+                sys.executable,
+                __file__,
+                HOOKED,
+                "serve",
+                "--socket",
+                str(self.socket),
+                "--log-level",
+                "warning",
+            ]
+            return start_process([*argv, *extra], self.socket, self.workdir / "serve.log")
 
-        async def _connect_and_init(self) -> None:
-            # peers.Ours._start_component without its start_serve.
-            import grpc
-
-            from bench.common import MD
-            from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2_grpc
-
-            self.channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
-            self.stub = pubsub_pb2_grpc.PubSubStub(self.channel)  # type: ignore[no-untyped-call]
-            props = {
-                "redisHost": self.redis.address,
-                "consumerID": peers.CONSUMER_ID,
-                "enableDelayedMessaging": "true",
-                "concurrency": "100",
-            }
-            await self.stub.Init(
-                pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
-            )
-
-        async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
-            import grpc
-
-            from bench.common import MD
-
-            call = self.stub.PullMessages(metadata=MD)
-            await call.write(pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=peers.TOPIC)))
-            received = self.received
-
-            async def read() -> None:
-                while True:
-                    msg = await call.read()
-                    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
-                        return
-                    at = time.time()
-                    received[msg.data.split(b":", 2)[1]] = (msg.id, at, peers.due_of(msg.data))
-                    on_message(msg.data, at)
-                    await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
-
-            reader = asyncio.create_task(read())
-
-            async def stop_it() -> None:
-                with contextlib.suppress(Exception):
-                    await call.done_writing()
-                    await asyncio.wait_for(reader, 10)
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
-
-            return stop_it
+        def _received(self, msg: Any, at: float, on_message: Callable[[bytes, float], None]) -> None:
+            self.received[msg.data.split(b":", 2)[1]] = (msg.id, at, peers.due_of(msg.data))
+            on_message(msg.data, at)
 
     system = Traced(workdir, workers)
     sizes = peers.Sizes(rate=rate, steady_s=seconds, burst=0, unary=0, pipelined=0, pending=0)
