@@ -118,6 +118,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="long; nats-server (go install)",
     ),
     Bench(
+        "steady_trace",
+        "the steady workload's lateness split by stage: fire, read, queue, write, client",
+        why_opt_in="a diagnosis, not a figure: ~30 s per run at 1,000/s",
+    ),
+    Bench(
         "grpc_ceiling",
         "unary Publish driven by a Go client vs a bare grpc.aio server",
         why_opt_in="needs ghz (go install)",

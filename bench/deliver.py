@@ -139,9 +139,12 @@ class StreamResult:
     last_s: float
 
 
-async def drain(socket_path: str, expect: int, idle_s: float, start_at: float) -> StreamResult:
-    """One daprd-like stream: read, ack at once, until `expect` arrive or
-    nothing comes for idle_s (several streams share the messages)."""
+async def drain(
+    socket_path: str, expect: int, idle_s: float, start_at: float, app_s: float = 0.0
+) -> StreamResult:
+    """One daprd-like stream: read, ack at once (or after `app_s`, as daprd acks after the
+    app's answer), until `expect` arrive or nothing comes for idle_s (several streams share
+    the messages)."""
     ids: list[str] = []
     async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
         stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
@@ -171,6 +174,8 @@ async def drain(socket_path: str, expect: int, idle_s: float, start_at: float) -
             if not ids:
                 first = last
             ids.append(msg.id)
+            if app_s:
+                await asyncio.sleep(app_s)
             await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
         await call.done_writing()
         # daprd's orderly end: the component ends the stream once it has read
@@ -180,22 +185,24 @@ async def drain(socket_path: str, expect: int, idle_s: float, start_at: float) -
     return StreamResult(ids, first, last)
 
 
-def _drain_process(socket_path: str, expect: int, idle_s: float, start_at: float, out: Path) -> None:
-    result = asyncio.run(drain(socket_path, expect, idle_s, start_at))
+def _drain_process(
+    socket_path: str, expect: int, idle_s: float, start_at: float, out: Path, app_s: float
+) -> None:
+    result = asyncio.run(drain(socket_path, expect, idle_s, start_at, app_s))
     out.write_text(f"{result.first_s} {result.last_s}\n" + "\n".join(result.ids))
 
 
 def run_streams(
-    socket_path: Path, streams: int, expect: int, idle_s: float, work: Path
+    socket_path: Path, streams: int, expect: int, idle_s: float, work: Path, app_s: float = 0.0
 ) -> list[StreamResult]:
     start_at = time.time() + 0.5
     if streams == 1:
-        return [asyncio.run(drain(str(socket_path), expect, idle_s, start_at))]
+        return [asyncio.run(drain(str(socket_path), expect, idle_s, start_at, app_s))]
     ctx = multiprocessing.get_context("spawn")
     start_at += 2  # spawned interpreters take a moment
     outs = [work / f"stream{i}.txt" for i in range(streams)]
     procs = [
-        ctx.Process(target=_drain_process, args=(str(socket_path), expect, idle_s, start_at, out))
+        ctx.Process(target=_drain_process, args=(str(socket_path), expect, idle_s, start_at, out, app_s))
         for out in outs
     ]
     for p in procs:
@@ -219,6 +226,12 @@ def main() -> None:
         "--concurrency", type=int, default=10, help="component `concurrency` (default as shipped)"
     )
     ap.add_argument("--queue-depth", type=int, default=100)
+    ap.add_argument(
+        "--app-ms",
+        type=float,
+        default=0.0,
+        help="the subscriber acks each message this long after it arrives (daprd waits for the app)",
+    )
     ap.add_argument("--profile", type=Path, help="write a py-spy flame graph (SVG) of the serve process here")
     ap.add_argument(
         "--ceiling",
@@ -257,7 +270,7 @@ def main() -> None:
             time.sleep(1)
         cpu0 = cpu_seconds(serve.pid)
         t0 = time.time()
-        results = run_streams(socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work)
+        results = run_streams(socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000)
         cpu1 = cpu_seconds(serve.pid)
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes the SVG and exits
@@ -269,6 +282,14 @@ def main() -> None:
             if pending == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        # Round trips the delivery made (the preload's XADDs left out): each costs serve
+        # a socket write and a reply to parse, so this is what batching saves.
+        stats: Any = client.info("commandstats")
+        calls = {
+            name.removeprefix("cmdstat_").upper(): int(stats[name]["calls"])
+            for name in stats
+            if name in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
+        }
         client.close()
     finally:
         if spy is not None and spy.poll() is None:
@@ -294,6 +315,8 @@ def main() -> None:
     print(f"received {len(ids)} unique {unique} duplicates {len(ids) - unique} left pending {pending}")
     print(f"first -> last message: {elapsed:.2f} s ({len(ids) / max(elapsed, 1e-9):,.0f} msg/s)")
     print(f"component CPU: {cpu:.2f} s = {cpu / max(1, len(ids)) * 1e6:.1f} us per delivered message")
+    per = ", ".join(f"{name} {n / max(1, len(ids)):.3f}" for name, n in sorted(calls.items()))
+    print(f"Redis calls per delivered message: {per}")
     if a.ceiling:
         bare_sock = work / "bare.sock"
         bare = start_process(
@@ -311,7 +334,9 @@ def main() -> None:
         )
         try:
             b0 = cpu_seconds(bare.pid)
-            bare_results = run_streams(bare_sock, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work)
+            bare_results = run_streams(
+                bare_sock, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000
+            )
             b1 = cpu_seconds(bare.pid)
         finally:
             stop(bare)

@@ -266,9 +266,12 @@ class Ours(System):
         self.client: redis.Redis | None = None
         self.keys = EngineKeys.for_topic(delayed_topic(CONSUMER_ID))
 
-    async def _start_component(self) -> None:
+    def _start_serve(self) -> subprocess.Popen[bytes]:
         extra = () if self.workers is None else ("--workers", str(self.workers))
-        self.serve = start_serve(self.socket, self.workdir / "serve.log", *extra)
+        return start_serve(self.socket, self.workdir / "serve.log", *extra)
+
+    async def _start_component(self) -> None:
+        self.serve = self._start_serve()
         self.channel = grpc.aio.insecure_channel(f"unix://{self.socket}")
         self.stub = pubsub_pb2_grpc.PubSubStub(self.channel)  # type: ignore[no-untyped-call]
         props = {
@@ -336,7 +339,7 @@ class Ours(System):
                 msg = await call.read()
                 if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
                     return
-                on_message(msg.data, time.time())
+                self._received(msg, time.time(), on_message)
                 await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
 
         reader = asyncio.create_task(read())
@@ -350,6 +353,9 @@ class Ours(System):
                 await reader
 
         return stop_it
+
+    def _received(self, msg: Any, at: float, on_message: Callable[[bytes, float], None]) -> None:
+        on_message(msg.data, at)
 
     async def fired(self) -> int:
         assert self.client is not None

@@ -57,6 +57,10 @@ PUBLISH_LINGER_S = 0.001
 PUBLISH_LINGER_BELOW = 32
 # How long acks gather before one XACK sends them all (unless half a window is in).
 ACK_LINGER_S = 0.002
+# How long they may wait instead when the fetch loop waits for the slots they free:
+# the read that fills those slots carries them, one round trip for both, unless the
+# subscriber is slower than this (daprd calls the app for each message in turn).
+ACK_LINGER_MAX_S = 0.01
 
 
 def trim_policy(settings: Settings) -> Trim:
@@ -320,7 +324,14 @@ class Subscription:
         # loop resolves once the XACK holding them has landed.
         self._acks: list[str] = []
         self._acks_landed: asyncio.Future[None] | None = None
-        self._acking: list[str] = []  # the batch on the wire
+        # When the first of the queued acks came (loop time): the ack loop sends them
+        # ACK_LINGER_S after it, unless a read has carried them by then.
+        self._acks_since = 0.0
+        # True while the fetch loop waits for free slots or an empty buffer: its
+        # next read will carry the queued acks (_read_new_acking).
+        self._reading_soon = False
+        # The batches on the wire (the ack loop's, a read's), each with its future.
+        self._acking: list[tuple[list[str], asyncio.Future[None] | None]] = []
         self._ack_wake = asyncio.Event()
         self._can_send = asyncio.Event()
         self._can_fetch = asyncio.Event()
@@ -405,7 +416,7 @@ class Subscription:
             await self.retry.close()
         # The batch that was on the wire when the ack loop was cancelled may or
         # may not have landed: XACK is idempotent, send it again with the rest.
-        last = [*self._acking, *self._acks]
+        last = [*(i for batch, _ in self._acking for i in batch), *self._acks]
         try:
             if last:
                 await asyncio.wait_for(self._client.xack(self.topic, self._group, *last), timeout=2)
@@ -419,9 +430,10 @@ class Subscription:
             # that did not land means one redelivery after processingTimeout.
             log.info("closing consumer %s of %s: %s", self.consumer, self.topic, e)
         finally:
+            for landed in (self._acks_landed, *(f for _, f in self._acking)):
+                if landed is not None and not landed.done():
+                    landed.set_result(None)
             self._acks, self._acking = [], []
-            if self._acks_landed is not None and not self._acks_landed.done():
-                self._acks_landed.set_result(None)
 
     @property
     def closed(self) -> bool:
@@ -461,7 +473,7 @@ class Subscription:
                     continue
                 unacked[delivery.id] = delivery.attempt
                 if not ready:
-                    self._can_fetch.set()  # the fetch loop waits for an empty buffer
+                    self._can_fetch.set()  # the fetch loop may wait for an empty buffer
                 delivered.inc()
                 yield delivery
                 continue
@@ -545,6 +557,8 @@ class Subscription:
         self._queue_ack(entry_id)
 
     def _queue_ack(self, entry_id: str) -> None:
+        if not self._acks:
+            self._acks_since = asyncio.get_running_loop().time()
         self._acks.append(entry_id)
         self._ack_wake.set()
 
@@ -559,24 +573,43 @@ class Subscription:
                 self._ack_wake.clear()
                 await self._ack_wake.wait()
                 continue
-            if len(self._acks) < self._low_water:
+            if len(self._acks) < self._low_water or self._reading_soon:
                 # Under load acks arrive one per message: gathering them for a
                 # moment makes one XACK of many (each Redis call costs ~50 us of
                 # CPU in redis-py). Slots are freed already; only Redis waits.
-                await asyncio.sleep(ACK_LINGER_S)
-            batch, landed = self._acks, self._acks_landed
-            self._acks, self._acks_landed, self._acking = [], None, batch
+                # Counted from the first queued ack: a read that carried the
+                # earlier ones (_read_new_acking) started the count again.
+                linger = ACK_LINGER_MAX_S if self._reading_soon else ACK_LINGER_S
+                wait_s = self._acks_since + linger - asyncio.get_running_loop().time()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                    continue
+            batch, landed = self._take_acks()
             try:
                 await self._retrying("XACK", functools.partial(self._xack, batch))
             except redis.exceptions.ResponseError as e:
                 # Ids come from Redis, so only a key turned into something else
                 # gets here; never let it end the stream.
-                log.warning("cannot ack %d entries on %s: %s", len(batch), self.topic, e)
-            self._acking = []
-            self._owned.difference_update(batch)
-            self._metrics.acked.inc(len(batch))
-            if landed is not None and not landed.done():
-                landed.set_result(None)
+                self._ack_refused(batch, e)
+            self._acks_landed_now(batch, landed)
+
+    def _take_acks(self) -> tuple[list[str], asyncio.Future[None] | None]:
+        """The acks queued so far, and their future, now on the wire (close() sends them again
+        if the call carrying them does not come back)."""
+        batch, landed = self._acks, self._acks_landed
+        self._acks, self._acks_landed = [], None
+        self._acking.append((batch, landed))
+        return batch, landed
+
+    def _acks_landed_now(self, batch: list[str], landed: asyncio.Future[None] | None) -> None:
+        self._acking = [b for b in self._acking if b[0] is not batch]
+        self._owned.difference_update(batch)
+        self._metrics.acked.inc(len(batch))
+        if landed is not None and not landed.done():
+            landed.set_result(None)
+
+    def _ack_refused(self, batch: list[str], e: BaseException) -> None:
+        log.warning("cannot ack %d entries on %s: %s", len(batch), self.topic, e)
 
     async def _xack(self, ids: Sequence[str]) -> Any:
         return await self._client.xack(self.topic, self._group, *ids)
@@ -595,22 +628,33 @@ class Subscription:
         reclaim_every = self._settings.redeliver_interval_ms / 1000
         backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         lingered = False
+        # Whether this read fills slots that acks freed: then it carries those acks.
+        waited = False
         while not self._closed and not stop.is_set():
             try:
-                # Fetch only when everything fetched so far has been sent and a slot
-                # is free, and no more than the free slots: entries read into a
-                # buffer sit in our PEL, and could time out there and be claimed twice.
+                # Fetch no more than the free slots (the buffer holds some): entries
+                # read into a buffer sit in our PEL, and could time out there and be
+                # claimed twice. With half the window free, and more free slots than
+                # entries buffered, fetch even while the buffer is being handed out:
+                # PullMessages writes one message at a time, and a fire that lands
+                # meanwhile is read at once, not after the last write of the one
+                # before. Otherwise wait for the buffer to empty: the read then fills
+                # more slots at once, and carries the acks that came meanwhile.
                 free = self._settings.concurrency - len(self._unacked) - len(self._ready)
-                if self._paused or self._ready or free <= 0:
+                ready = len(self._ready)
+                if self._paused or free <= 0 or (ready and (free < self._low_water or free <= ready)):
+                    self._reading_soon = waited = not self._paused
                     await self._wait_fetch()
                     continue
                 if free < self._low_water and self._unacked and not lingered:
                     # Under load acks come in a stream: a moment's wait lets one
                     # read fill half the window. A slow subscriber costs 2 ms.
-                    lingered = True
+                    lingered = waited = self._reading_soon = True
                     await self._wait_fetch(FETCH_LINGER_S)
                     continue
                 lingered = False
+                carry, waited = waited and bool(self._acks), False
+                self._reading_soon = False
                 count = min(self._settings.queue_depth, free)
                 now = time.monotonic()
                 # redeliverInterval 0 turns reclaiming off, as in pubsub.redis.
@@ -618,6 +662,9 @@ class Subscription:
                     next_reclaim = now + reclaim_every
                     if await self._reclaim(count):
                         continue
+                if carry:
+                    await self._read_new_acking(count)
+                    continue
                 block = self._block_ms
                 if reclaim_every > 0:
                     block = max(1, min(block, int((next_reclaim - time.monotonic()) * 1000)))
@@ -639,10 +686,38 @@ class Subscription:
             async with asyncio.timeout(linger_s):
                 await self._can_fetch.wait()
 
+    async def _read_new_acking(self, count: int) -> None:
+        """XACK the queued acks and read up to `count` new entries, in one round trip.
+
+        Under a backlog every read follows acks that freed its slots: sending
+        both together halves the Redis calls per message. The read does not
+        block (the XACK's reply would wait with it); if it finds nothing, the
+        next pass blocks as usual.
+        """
+        batch, landed = self._take_acks()
+
+        async def call() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.xack(self.topic, self._group, *batch)
+            pipe.xreadgroup(self._group, self.consumer, {self.topic: ">"}, count=count)
+            acked, read = await pipe.execute(raise_on_error=False)
+            if isinstance(read, Exception):
+                raise read  # retried as a plain read's error is (XACK is idempotent)
+            if isinstance(acked, redis.exceptions.ResponseError):
+                self._ack_refused(batch, acked)
+            return read
+
+        reply = await self._retrying("XREADGROUP", call)
+        self._acks_landed_now(batch, landed)
+        self._push_read(reply)
+
     async def _read_new(self, count: int, block_ms: int) -> None:
         reply: Any = await self._blocking_client.xreadgroup(
             self._group, self.consumer, {self.topic: ">"}, count=count, block=block_ms
         )
+        self._push_read(reply)
+
+    def _push_read(self, reply: Any) -> None:
         for _stream, items in reply or ():
             for raw_id, fields in items:
                 self._push(text(raw_id), fields, attempt=1)
