@@ -394,6 +394,7 @@ class Nats(System):
         self.server = NatsServer(exe, workdir)
         self.nc: Any = None
         self.js: Any = None
+        self.read_errors: Counter[str] = Counter()
 
     async def _connect(self) -> None:
         import nats
@@ -485,6 +486,12 @@ class Nats(System):
                 try:
                     msgs = await psub.fetch(100, timeout=0.5)
                 except nats.errors.TimeoutError:
+                    continue
+                except Exception as e:
+                    # A reader that ended on an error received nothing more, silently:
+                    # count it (the run's notes say it) and read on.
+                    self.read_errors[describe(e)] += 1
+                    await asyncio.sleep(0.1)
                     continue
                 for m in msgs:
                     on_message(m.data, time.time())
@@ -667,13 +674,20 @@ async def burst(system: System, run: Run) -> None:
         await asyncio.sleep(max(0.0, due - time.time()))
         fired_at = None
         deadline = time.time() + 300
+        seen, moved_at = 0, time.time()
         while received < n and time.time() < deadline:
             if fired_at is None and await system.fired() >= n:
                 fired_at = time.time()
+            if received != seen:
+                seen, moved_at = received, time.time()
+            elif fired_at is not None and time.time() - moved_at > 30:
+                break  # all fired, and the subscriber has stopped receiving: waiting on is no measurement
             await asyncio.sleep(0.05)
     await stop_sub()
     if received < n:
         run.notes.append(f"{system.name}, burst: only {received} of {n} received")
+    for error, times in getattr(system, "read_errors", Counter()).items():
+        run.notes.append(f"{system.name}: its subscriber's reads failed {times}x: {error}")
     # `fired` counts what landed on the target topic (acked or not), polled every 50 ms.
     run.put(f"{n // 1000}k due at one instant: T -> all fired", "s", system.name, (fired_at or last) - due)
     run.put(f"{n // 1000}k due at one instant: T -> last delivered", "s", system.name, last - due)
