@@ -1,13 +1,14 @@
 """Redis's cost per fired message: 50,000 one-shots due at one instant, fired by the engine.
 
-    .venv/bin/python bench/fire_cost.py [--messages 50000] [--aof] [--runs 3]
+    .venv/bin/python bench/fire_cost.py [--messages 50000] [--aof] [--runs 3] [--history-off]
 
 A private redis-server (AOF off, or everysec with --aof). The messages (100 B
 payload, one metadata key, no scheduleId) are scheduled through the engine,
 all due at one instant; then fire_due runs until all are fired. Prints, for
 the fire phase: wall seconds, Redis CPU (used_cpu_user + used_cpu_sys) per
 fired message, and Redis commands per fired message (INFO commandstats, the
-FIRE script's own EVALSHA included). Run it on another checkout with
+FIRE script's own EVALSHA included). --history-off: `historyMaxLen: 0`, what
+the lifecycle history costs the fire path. Run it on another checkout with
 PYTHONPATH set to its proto, middleware and components for a before/after pair.
 """
 
@@ -37,10 +38,11 @@ async def commands(client: aioredis.Redis) -> int:
     return sum(int(v["calls"]) for v in stats.values())
 
 
-async def run(port: int, n: int) -> tuple[float, float, float]:
+async def run(port: int, n: int, history: bool = True) -> tuple[float, float, float]:
     client = aioredis.Redis(port=port)
     clock = ManualClock(T0)
-    engine = bench_engine(client, clock, {"consumerID": "bench"})
+    props = {"consumerID": "bench"} | ({} if history else {"historyMaxLen": "0"})
+    engine = bench_engine(client, clock, props)
     await schedule_due(
         engine, n, False, {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     )
@@ -62,16 +64,17 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=50_000)
     parser.add_argument("--aof", action="store_true", help="appendonly yes, appendfsync everysec")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--history-off", action="store_true", help="historyMaxLen 0: no lifecycle records")
     args = parser.parse_args()
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="bench-firecost-") as d:
             server = RedisServer(Path(d) / "redis", appendonly=args.aof)
             server.start()
             try:
-                wall, us, per = asyncio.run(run(server.port, args.messages))
+                wall, us, per = asyncio.run(run(server.port, args.messages, not args.history_off))
             finally:
                 server.stop()
-        aof = "AOF everysec" if args.aof else "AOF off"
+        aof = ("AOF everysec" if args.aof else "AOF off") + (", history off" if args.history_off else "")
         print(
             f"fired {args.messages} ({aof}): {wall:.2f} s wall, {us:.1f} us Redis CPU/msg, "
             f"{per:.2f} Redis commands/msg"
