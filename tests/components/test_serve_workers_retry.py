@@ -1,0 +1,161 @@
+"""`serve --workers N` and the retry policy: a worker scans the retry schedules, serve's pollers
+wait for its notices.
+
+Real serve subprocesses driven over their unix socket as daprd drives them, one real Redis. A
+record "from another replica" is written the way a replica's nack writes it (RETRY_RECORD on an
+entry that replica holds pending), after serve's poller has read the schedule: only a notice (or
+the long cap) brings it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from delayed_middleware import scripts
+from delayed_middleware.retry import retry_counts_key, retry_key, retry_topics_key
+from tests.components.driver import Component, Stream, now_ms
+from tests.components.serve import Serve, instance, props_for
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+POLICY = {"retryInitialInterval": "500ms", "retryMultiplier": "1"}
+
+
+async def wait_for(check: Callable[[], bool], what: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within_s}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def polls_of_retry_schedules(client: redis.Redis) -> int:
+    """ZRANGEBYSCORE calls Redis served since the last CONFIG RESETSTAT: a retry poller's look."""
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))
+
+
+async def held_by_another_replica(c: Component, client: redis.Redis, topic: str) -> str:
+    """An entry of `topic` that a replica now gone read (delivery count 1) and still holds."""
+    client.xgroup_create(topic, "app1", id="$", mkstream=True)
+    await c.publish(topic, b"retried")
+    rows: Any = client.xreadgroup("app1", "app1:gone:1:1", {topic: ">"}, count=1)
+    entry_id: str = rows[0][1][0][0].decode()
+    return entry_id
+
+
+def record_retry(client: redis.Redis, topic: str, entry_id: str, due_ms: int) -> None:
+    """What that replica's nack left: a retry record of delivery 1, due at `due_ms`."""
+    client.eval(
+        scripts.RETRY_RECORD, 2, retry_key("app1", topic), retry_counts_key("app1", topic), entry_id, due_ms, 1
+    )
+    client.sadd(retry_topics_key("app1"), topic)
+
+
+async def no_more(stream: Stream, seconds: float) -> None:
+    assert await stream.nothing_for(seconds), f"delivered twice: {stream.received.get_nowait()}"
+
+
+async def test_with_workers_idle_retry_streams_leave_redis_alone(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            streams = [await c.subscribe(f"idle-{i}") for i in range(5)]
+            await asyncio.sleep(1.5)  # past the streams' start-up (each poller looks once)
+            redis_client.config_resetstat()
+            await asyncio.sleep(3.0)
+            # Without workers each poller looks every second (15 looks here); with them the
+            # worker's scan looks, and serve's pollers wait for its notice.
+            assert polls_of_retry_schedules(redis_client) == 0
+            for s in streams:
+                await s.cancel()
+    finally:
+        serve.stop()
+
+
+async def test_with_workers_a_nacked_message_comes_back_at_its_backoff(
+    folder: Path, redis_server: RedisServer
+) -> None:
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            stream = await c.subscribe("orders")
+            await asyncio.sleep(1.5)  # the poller past its first look, waiting
+            await c.publish("orders", b"x")
+            first = await stream.next(5)
+            nacked = time.monotonic()
+            await stream.nack(first.id)
+            again = await stream.next(5)
+            after_ms = (time.monotonic() - nacked) * 1000
+            assert again.data == b"x"
+            assert again.metadata["deliveryAttempt"] == "2"
+            assert 450 <= after_ms <= 500 + 300, f"redelivered {after_ms:.0f} ms after the nack"
+            await stream.ack(again.id)
+            await no_more(stream, 1.5)
+    finally:
+        serve.stop()
+
+
+async def test_with_workers_a_retry_recorded_by_another_replica_is_announced_and_delivered_once(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            entry_id = await held_by_another_replica(c, redis_client, "orders")
+            stream = await c.subscribe("orders")
+            await asyncio.sleep(1.5)  # serve's poller has looked, found nothing, and waits
+            due = now_ms() + 300
+            record_retry(redis_client, "orders", entry_id, due)
+            # The worker's scan looks at least once a second: well before the 30 s cap.
+            msg = await stream.next(5)
+            late_ms = now_ms() - due
+            assert (msg.id, msg.data, msg.metadata["deliveryAttempt"]) == (entry_id, b"retried", "2")
+            assert 0 <= late_ms <= 1500, f"delivered {late_ms} ms after its due time"
+            await stream.ack(msg.id)
+            await no_more(stream, 2.0)
+    finally:
+        serve.stop()
+
+
+async def test_with_workers_a_retry_due_while_the_worker_is_killed_is_delivered_once(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            entry_id = await held_by_another_replica(c, redis_client, "orders")
+            stream = await c.subscribe("orders")
+            await asyncio.sleep(1.5)
+            (victim,) = serve.children()
+            os.kill(victim, signal.SIGKILL)
+            record_retry(redis_client, "orders", entry_id, now_ms() + 100)
+            killed = time.monotonic()
+            # Due while no worker runs: the restarted worker's first scan announces it (the
+            # pollers' 30 s cap would bring it too, later).
+            msg = await stream.next(20)
+            assert victim not in serve.children()
+            assert len(serve.children()) == 1, "the worker was restarted"
+            assert time.monotonic() - killed < 15, "delivered by the restarted worker's notice, not the cap"
+            assert (msg.id, msg.metadata["deliveryAttempt"]) == (entry_id, "2")
+            await stream.ack(msg.id)
+            await no_more(stream, 2.0)
+            assert redis_client.zcard(retry_key("app1", "orders")) == 0
+            assert redis_client.xpending("orders", "app1")["pending"] == 0
+    finally:
+        serve.stop()
