@@ -509,7 +509,12 @@ class DueScan:
     """
 
     def __init__(
-        self, client: RedisClient, consumer_id: str, clock: Clock, metrics: InstanceMetrics, call_timeout: float | None
+        self,
+        client: RedisClient,
+        consumer_id: str,
+        clock: Clock,
+        metrics: InstanceMetrics,
+        call_timeout: float | None,
     ) -> None:
         self._client = client
         self._group = consumer_id

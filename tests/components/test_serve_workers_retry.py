@@ -56,7 +56,13 @@ async def held_by_another_replica(c: Component, client: redis.Redis, topic: str)
 def record_retry(client: redis.Redis, topic: str, entry_id: str, due_ms: int) -> None:
     """What that replica's nack left: a retry record of delivery 1, due at `due_ms`."""
     client.eval(
-        scripts.RETRY_RECORD, 2, retry_key("app1", topic), retry_counts_key("app1", topic), entry_id, due_ms, 1
+        scripts.RETRY_RECORD,
+        2,
+        retry_key("app1", topic),
+        retry_counts_key("app1", topic),
+        entry_id,
+        due_ms,
+        1,
     )
     client.sadd(retry_topics_key("app1"), topic)
 
