@@ -1,5 +1,5 @@
 """The retry pollers' cost in the gRPC process at idle: S open subscriptions with a retry policy
-against the same S without one, and the same S with a policy under `serve --workers 1`, same run.
+against the same S without one, and the same two under `serve --workers 1`, same run.
 
     .venv/bin/python bench/retry_idle.py [--subscriptions 20] [--seconds 10] [--rounds 2]
 
@@ -94,6 +94,9 @@ async def main() -> None:
             for n in range(args.rounds):
                 plain, _ = await idle_cpu(Path(d), redis_server.port, args.subscriptions, args.seconds, False)
                 polled, _ = await idle_cpu(Path(d), redis_server.port, args.subscriptions, args.seconds, True)
+                plain_w, plain_worker = await idle_cpu(
+                    Path(d), redis_server.port, args.subscriptions, args.seconds, False, workers=1
+                )
                 noticed, worker = await idle_cpu(
                     Path(d), redis_server.port, args.subscriptions, args.seconds, True, workers=1
                 )
@@ -101,9 +104,10 @@ async def main() -> None:
                     f"round {n}, {args.subscriptions} idle subscriptions: no policy {plain:.2f} ms CPU/s, "
                     f"retry policy {polled:.2f} ms CPU/s (ratio {polled / plain:.2f}; "
                     f"{(polled - plain) / args.subscriptions * 1000:.0f} µs CPU/s per poller); "
-                    f"retry policy with --workers 1: gRPC process {noticed:.2f} ms CPU/s "
-                    f"(ratio to no policy {noticed / plain:.2f}, to workers 0 {noticed / polled:.2f}), "
-                    f"its worker {worker:.2f} ms CPU/s",
+                    f"--workers 1: gRPC process no policy {plain_w:.2f}, retry policy {noticed:.2f} ms CPU/s "
+                    f"(ratio {noticed / plain_w:.2f}; {(noticed - plain_w) / args.subscriptions * 1000:.0f} µs "
+                    f"CPU/s per poller; policy gRPC process workers 1 / workers 0 {noticed / polled:.2f}), "
+                    f"its worker {plain_worker:.2f} / {worker:.2f} ms CPU/s",
                     flush=True,
                 )
         finally:

@@ -22,6 +22,7 @@ import redis
 
 from delayed_middleware import scripts
 from delayed_middleware.retry import retry_counts_key, retry_key, retry_topics_key
+from delayed_pubsub.redelivery import retry_due_channel
 from tests.components.driver import Component, Stream, now_ms
 from tests.components.serve import Serve, instance, props_for
 from tests.redis_server import RedisServer
@@ -163,5 +164,31 @@ async def test_with_workers_a_retry_due_while_the_worker_is_killed_is_delivered_
             await no_more(stream, 2.0)
             assert redis_client.zcard(retry_key("app1", "orders")) == 0
             assert redis_client.xpending("orders", "app1")["pending"] == 0
+    finally:
+        serve.stop()
+
+
+async def test_with_workers_a_flood_of_notices_delivers_a_due_retry_once_to_one_of_two_streams(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            entry_id = await held_by_another_replica(c, redis_client, "orders")
+            streams = [await c.subscribe("orders"), await c.subscribe("orders")]
+            await asyncio.sleep(1.5)
+            due = now_ms() + 300
+            record_retry(redis_client, "orders", entry_id, due)
+            # Anyone who can PUBLISH may repeat the worker's notice: every poller of the topic
+            # wakes on each, and the take still lets one of them deliver.
+            channel = retry_due_channel("app1")
+            while now_ms() < due + 500:
+                redis_client.publish(channel, "orders")
+                await asyncio.sleep(0.005)
+            await wait_for(lambda: any(not s.received.empty() for s in streams), "the retry delivered", 5)
+            await asyncio.sleep(1.0)  # a second delivery would land now, if ever
+            got = [s.received.get_nowait() for s in streams for _ in range(s.received.qsize())]
+            assert [(m.id, m.metadata["deliveryAttempt"]) for m in got] == [(entry_id, "2")]
     finally:
         serve.stop()
