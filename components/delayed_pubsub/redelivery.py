@@ -329,6 +329,9 @@ class Retrier:
     async def _poll(self, push: Push, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.05, cap_s=2.0)
         while not self._closed and not stop.is_set():
+            # Cleared before looking, not before sleeping: a nack (or a notice) that lands
+            # while this pass is under way was not seen by it, and must cut the sleep short.
+            self._wake.clear()
             try:
                 next_ms = await self._redeliver_due(push)
                 backoff.reset()
@@ -348,7 +351,6 @@ class Retrier:
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
             if wait > 0:
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._wake.wait()

@@ -173,3 +173,31 @@ async def test_with_workers_a_flood_of_notices_delivers_a_due_retry_once_to_one_
         await asyncio.sleep(1.0)  # a second delivery would land now, if ever
         got = [s.received.get_nowait() for s in streams for _ in range(s.received.qsize())]
         assert [(m.id, m.metadata["deliveryAttempt"]) for m in got] == [(entry_id, "2")]
+
+
+async def test_with_the_worker_stopped_nacks_landing_while_the_poller_looks_come_back_at_once(
+    folder: Path, redis_server: RedisServer
+) -> None:
+    n = 200
+    async with one_worker(folder, redis_server) as (serve, c):
+        # No notices while the worker is stopped (the supervisor kills a hung one only after
+        # 15 s): a nack's own wake-up is all that brings its retry back before the 30 s cap.
+        (worker,) = serve.children()
+        stream = await c.subscribe("orders", {"retryInitialInterval": "0"})
+        await asyncio.sleep(1.5)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            for i in range(n):
+                await c.publish("orders", str(i).encode())
+            attempts: dict[bytes, list[str]] = {}
+            deadline = time.monotonic() + 8
+            while sum(len(a) for a in attempts.values()) < 2 * n:
+                msg = await stream.next(max(0.1, deadline - time.monotonic()))
+                attempts.setdefault(msg.data, []).append(msg.metadata["deliveryAttempt"])
+                if msg.metadata["deliveryAttempt"] == "1":
+                    await stream.nack(msg.id)
+                else:
+                    await stream.ack(msg.id)
+            assert attempts == {str(i).encode(): ["1", "2"] for i in range(n)}
+        finally:
+            os.kill(worker, signal.SIGCONT)
