@@ -28,6 +28,13 @@ count no longer matches and the stale record is dropped. The record and the
 stream may sit on different Cluster masters, and no step needs both.
 Records of an older version carry no count: the poller claims those under
 the count it read just before taking them, as it used to.
+
+When the poller looks: at the due times it has read, on its own nacks, and
+at least every POLL_CAP_S. Under `serve --workers N` a worker's DueScan looks
+at every retry schedule of the app instead and names the topics with due
+records on Redis pub/sub; the RetryNotices listener of the gRPC process wakes
+their pollers (`notify`), which then look on their own only every
+NOTICED_POLL_CAP_S.
 """
 
 from __future__ import annotations
