@@ -10,6 +10,9 @@ A private redis-server (AOF off). Measures:
 - the nack path in-process (Broker + Subscription, no gRPC): M messages each failed once
   then acked, with no policy (the redeliverInterval timer) vs a retry policy with a zero
   initial interval (durable record + poller), same run: the ratio is the record's cost;
+  and the retry policy as `serve --workers N` runs it (the poller waits for the due scan's
+  notices, 30 s cap), with the due scan run in this same process (in serve it runs in a
+  worker: this variant is the pessimistic one); `--nacks-only` measures only this part;
 - hand-offs waiting in the outbox (`--handoffs H`, fired messages the sidecar has not
   accepted): Inspector.handoffs in µs per entry (its peer: Inspector.pending per
   envelope above), and `pending --json` again with them waiting beside the N envelopes;
@@ -43,7 +46,7 @@ from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: 
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.connection import connect  # noqa: E402
 from delayed_pubsub.metrics import Metrics  # noqa: E402
-from delayed_pubsub.redelivery import Retrier  # noqa: E402
+from delayed_pubsub.redelivery import DueScan, Retrier, RetryNotices  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -136,10 +139,10 @@ def cli(port: int, *args: str) -> str:
     return timed_cli([str(EXE), *args, "--redis-host", f"127.0.0.1:{port}", "--app-id", "bench"])
 
 
-async def nack_path(port: int, m: int, policy: bool) -> float:
+async def nack_path(port: int, m: int, policy: bool, noticed: bool = False) -> float:
     props = {
         "redisHost": f"127.0.0.1:{port}",
-        "consumerID": f"nack-{policy}",
+        "consumerID": f"nack-{policy}-{noticed}",
         "redeliverInterval": "1",  # ms: the legacy timer's wait; equal work for both variants otherwise
         "processingTimeout": "60s",
     }
@@ -149,8 +152,14 @@ async def nack_path(port: int, m: int, policy: bool) -> float:
     connection = connect(settings)
     metrics = Metrics().for_instance("bench")
     broker = Broker(connection.client, settings, SystemClock(), metrics)
-    topic = f"nack-{policy}"
+    topic = f"nack-{policy}-{noticed}"
     sub = broker.subscription(topic, "c")
+    notices = RetryNotices(connection.client, settings.consumer_id, metrics) if noticed else None
+    scan: asyncio.Task[None] | None = None
+    stop_scan = asyncio.Event()
+    if noticed:
+        due = DueScan(connection.client, settings.consumer_id, SystemClock(), metrics, call_timeout=5.0)
+        scan = asyncio.create_task(due.run(stop_scan))
     if policy:
         sub.retry = Retrier(
             connection.client,
@@ -161,6 +170,7 @@ async def nack_path(port: int, m: int, policy: bool) -> float:
             clock=SystemClock(),
             metrics=metrics,
             call_timeout=5.0,
+            notices=notices,
         )
     await sub.start()
     for i in range(0, m, 500):
@@ -181,6 +191,10 @@ async def nack_path(port: int, m: int, policy: bool) -> float:
                 break
     took = time.perf_counter() - t
     await sub.close()
+    if notices is not None and scan is not None:
+        stop_scan.set()
+        await scan
+        await notices.close()
     await connection.aclose()
     return took
 
@@ -191,11 +205,25 @@ async def main() -> None:
     parser.add_argument("--topics", type=int, default=30)
     parser.add_argument("--nacks", type=int, default=2000)
     parser.add_argument("--handoffs", type=int, default=10_000)
+    parser.add_argument("--nacks-only", action="store_true", help="measure the nack path alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as d:
         server = RedisServer(Path(d) / "redis", appendonly=False)
         server.start()
         try:
+            if args.nacks_only:
+                for n in range(2):
+                    legacy = await nack_path(server.port, args.nacks, policy=False)
+                    durable = await nack_path(server.port, args.nacks, policy=True)
+                    noticed = await nack_path(server.port, args.nacks, policy=True, noticed=True)
+                    print(
+                        f"round {n}, nack once then ack, {args.nacks} messages: redeliverInterval timer "
+                        f"{args.nacks / legacy:.0f} msg/s, retry policy {args.nacks / durable:.0f} msg/s, "
+                        f"retry policy as under --workers (notices, scan in-process) {args.nacks / noticed:.0f} "
+                        f"msg/s (ratio to workers 0 {durable / noticed:.2f})",
+                        flush=True,
+                    )
+                return
             await populate(server.port, args.pending, args.topics)
             s = await scans(server.port, args.pending)
             print(

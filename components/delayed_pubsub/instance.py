@@ -51,7 +51,7 @@ from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
-from delayed_pubsub.redelivery import Retrier
+from delayed_pubsub.redelivery import DueScan, Retrier, RetryNotices
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,10 @@ class Instance:
         self._host = socket.gethostname()
         self.engine: ShardedEngine | None = None
         self._gauge: Supervised | None = None
+        # `serve --workers N`: the retry due scan in worker 0 (DueScan), and the gRPC
+        # process's ear for it that wakes the retry pollers (RetryNotices).
+        self._due_scan: Supervised | None = None
+        self.retry_notices: RetryNotices | None = None
         # Hands fired messages bound for another Dapr pub/sub (targetPubsub) to the sidecar.
         self.forwarder: Forwarder | None = None
         self._shard_forwarders: list[Forwarder] = []
@@ -144,11 +148,14 @@ class Instance:
         metrics: InstanceMetrics,
         *,
         background: bool = True,
+        retry_scan: bool = False,
     ) -> Instance:
         """Connect and PING; BackendUnavailableError (naming host:port) if Redis is unreachable.
 
         `background=False` leaves the fire loops, forwarders and gauges unstarted: `serve
-        --workers N` runs them in its worker processes (workers.py), this one serves calls.
+        --workers N` runs them in its worker processes (workers.py), this one serves calls,
+        and its retry pollers wait for the notices of a worker's due scan. `retry_scan` runs
+        that scan here (in one worker of `serve --workers N`).
         """
         if settings.enable_delayed_messaging and not settings.consumer_id:
             raise InvalidArgumentError(
@@ -178,7 +185,27 @@ class Instance:
         if background:
             instance.start()
             instance._start_gauges()
+            if retry_scan:
+                instance._start_due_scan()
+        elif settings.consumer_id:
+            instance.retry_notices = RetryNotices(connection.blocking_client, settings.consumer_id, metrics)
         return instance
+
+    def _start_due_scan(self) -> None:
+        """The retry due scan (redelivery.DueScan) of this app, announcing due retry records."""
+        if not self.settings.consumer_id:
+            return
+        scan = DueScan(
+            self._connection.client,
+            self.settings.consumer_id,
+            self._clock,
+            self.metrics,
+            call_timeout=call_timeout(self.settings),
+        )
+        self._due_scan = Supervised(
+            f"retry due scan of {self.name!r}", scan.run, on_state=self.metrics.loop_state("retry")
+        )
+        self._due_scan.start()
 
     def _start_gauges(self) -> None:
         """The pending-per-topic gauge (gauges.py), for apps with delayed messaging on."""
@@ -448,6 +475,7 @@ class Instance:
                 metrics=self.metrics,
                 call_timeout=call_timeout(self.settings),
                 history=Retention(self.settings.history_max_len, self.settings.history_max_age_ms),
+                notices=self.retry_notices,
             )
         self._subscriptions.add(sub)
         self.metrics.subscriptions.set(len(self._subscriptions))
@@ -491,6 +519,9 @@ class Instance:
             loops += [e.listener for e in self.engine.engines]
         loops += [f.loop for f in ([self.forwarder, *self._shard_forwarders] if self.forwarder else [])]
         loops.append(self._gauge)
+        loops.append(self._due_scan)
+        if self.retry_notices is not None:
+            loops.append(self.retry_notices.loop)
         for sub in self._subscriptions:
             loops += sub.loops()
         return [
@@ -511,6 +542,8 @@ class Instance:
                 self.metrics.drop_fire_loop(n)
         if self._gauge is not None:
             await self._gauge.stop()
+        if self._due_scan is not None:
+            await self._due_scan.stop()
         for f in [self.forwarder, *self._shard_forwarders] if self.forwarder is not None else []:
             try:
                 await f.close()
@@ -520,6 +553,8 @@ class Instance:
         self._subscriptions.clear()
         self.metrics.subscriptions.set(0)
         await asyncio.gather(*(s.close() for s in subs), return_exceptions=True)
+        if self.retry_notices is not None:
+            await self.retry_notices.close()
         await self._connection.aclose()
 
 

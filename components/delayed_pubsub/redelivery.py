@@ -28,6 +28,13 @@ count no longer matches and the stale record is dropped. The record and the
 stream may sit on different Cluster masters, and no step needs both.
 Records of an older version carry no count: the poller claims those under
 the count it read just before taking them, as it used to.
+
+When the poller looks: at the due times it has read, on its own nacks, and
+at least every POLL_CAP_S. Under `serve --workers N` a worker's DueScan looks
+at every retry schedule of the app instead and names the topics with due
+records on Redis pub/sub; the RetryNotices listener of the gRPC process wakes
+their pollers (`notify`), which then look on their own only every
+NOTICED_POLL_CAP_S.
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ T = TypeVar("T")
 # Longest the poller sleeps without looking: bounds how late a record written by
 # another replica (or before a restart) is noticed.
 POLL_CAP_S = 1.0
+# The same under `serve --workers N`, where a worker's due scan (DueScan) tells the pollers
+# when records are due: only a dead worker or a lost notice waits this long, never forever.
+NOTICED_POLL_CAP_S = 30.0
+# Longest the worker's due scan sleeps without looking at the retry schedules: bounds how
+# late a record written by another process or replica is announced.
+SCAN_CAP_S = 1.0
 POLL_BATCH = 100
 # How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
 # call after a lost reply comes within the call timeout and a few backoff steps.
@@ -94,6 +107,7 @@ class Retrier:
         metrics: InstanceMetrics,
         call_timeout: float | None,
         history: Retention | None = None,
+        notices: RetryNotices | None = None,
     ) -> None:
         self.policy = policy
         self._client = client
@@ -111,6 +125,10 @@ class Retrier:
         self._wake = asyncio.Event()
         self._poller: Supervised | None = None
         self._closed = False
+        # Under `serve --workers N` a worker's due scan wakes the poller (notify): it then
+        # looks on its own only at the due times it read and at the long cap.
+        self._notices = notices
+        self._cap_s = NOTICED_POLL_CAP_S if notices is not None else POLL_CAP_S
 
     # --- the hook -------------------------------------------------------------
 
@@ -123,6 +141,12 @@ class Retrier:
                 on_state=self._metrics.loop_state("retry"),
             )
             self._poller.start()
+            if self._notices is not None:
+                self._notices.add(self._topic, self)
+
+    def notify(self) -> None:
+        """Look at the retry schedule now: a worker's due scan found records due on this topic."""
+        self._wake.set()
 
     @property
     def loop(self) -> Supervised | None:
@@ -133,6 +157,8 @@ class Retrier:
         """Claim nothing more for this stream (it is closing: what it claimed now would be dropped
         with its buffer and wait out processingTimeout); close() finishes the job."""
         self._closed = True
+        if self._notices is not None:
+            self._notices.discard(self._topic, self)
         if self._poller is not None:
             # Our stop flag (delayed_middleware.liveness): the poller ending now is no failure.
             self._poller.stop_flag.set()
@@ -310,6 +336,9 @@ class Retrier:
     async def _poll(self, push: Push, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.05, cap_s=2.0)
         while not self._closed and not stop.is_set():
+            # Cleared before looking, not before sleeping: a nack (or a notice) that lands
+            # while this pass is under way was not seen by it, and must cut the sleep short.
+            self._wake.clear()
             try:
                 next_ms = await self._redeliver_due(push)
                 backoff.reset()
@@ -325,11 +354,10 @@ class Retrier:
                 continue
             if stop.is_set():
                 return
-            wait = POLL_CAP_S
+            wait = self._cap_s
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
             if wait > 0:
-                self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._wake.wait()
@@ -398,6 +426,158 @@ class Retrier:
             backoff=Backoff(base_s=0.05, cap_s=2.0),
             call_timeout=self._timeout,
         )
+
+
+def retry_due_channel(consumer_id: str) -> str:
+    """The pub/sub channel on which a worker's due scan names the topics with due retry records."""
+    return f"{retry_topics_key(consumer_id)}:due"
+
+
+class RetryNotices:
+    """The gRPC process's ear for a worker's due scan (`serve --workers N`): one listener per
+    instance that wakes the pollers of each topic named on `retry_due_channel`.
+
+    Redis pub/sub rather than serve's files to its workers: a worker restarted (or the scan
+    of another replica's worker) reaches it with nothing to re-open, and a notice lost on a
+    reconnect costs at most the pollers' long cap. A notice is only a wake-up: the take is
+    the token and the claim is conditional, so a repeated one delivers nothing twice.
+    """
+
+    def __init__(self, client: RedisClient, consumer_id: str, metrics: InstanceMetrics) -> None:
+        self._client = client
+        self._channel = retry_due_channel(consumer_id)
+        self._metrics = metrics
+        self._retriers: dict[str, set[Retrier]] = {}
+        self.loop: Supervised | None = None
+
+    def add(self, topic: str, retrier: Retrier) -> None:
+        """Wake `retrier` on notices for `topic` (the listener starts with the first one)."""
+        self._retriers.setdefault(topic, set()).add(retrier)
+        if self.loop is None:
+            self.loop = Supervised(
+                f"retry notice listener on {self._channel}",
+                self._listen,
+                on_state=self._metrics.loop_state("retry"),
+            )
+            self.loop.start()
+
+    def discard(self, topic: str, retrier: Retrier) -> None:
+        """Stop waking `retrier`."""
+        retriers = self._retriers.get(topic)
+        if retriers is not None:
+            retriers.discard(retrier)
+            if not retriers:
+                del self._retriers[topic]
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self.loop is not None:
+            await self.loop.stop()
+
+    def _wake(self, topic: str | None) -> None:
+        groups = self._retriers.values() if topic is None else [self._retriers.get(topic, set())]
+        for retriers in groups:
+            for retrier in retriers:
+                retrier.notify()
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        while not stop.is_set():
+            pubsub: Any = self._client.pubsub(ignore_subscribe_messages=True)
+            try:
+                # A Redis Cluster client maps the slots on its first command.
+                await self._client.ping()
+                await pubsub.subscribe(self._channel)
+                # A notice may have been missed while (re)subscribing.
+                self._wake(None)
+                backoff.reset()
+                while not stop.is_set():
+                    # get_message with a timeout, not listen(): an idle channel must not
+                    # look like a dead socket to the read timeout.
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if msg is not None:
+                        self._wake(text(msg["data"]))
+            except _RETRIED as e:
+                self._metrics.redis_errors.inc()
+                log.warning("retry notice listener on %s: %s", self._channel, e)
+                await _sleep_or_stop(stop, backoff.next())
+            finally:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await pubsub.aclose()
+
+
+class DueScan:
+    """A worker's watch over every retry schedule of one app (`serve --workers N`): it sleeps
+    until the earliest record is due (at most SCAN_CAP_S) and names the topics with due
+    records on `retry_due_channel`, so the gRPC process's pollers need not look every second.
+
+    It takes nothing: the pollers that hear it take, claim and deliver, as without workers.
+    A topic still due at the next look is named again (a notice lost, or no stream of it
+    open anywhere yet).
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        consumer_id: str,
+        clock: Clock,
+        metrics: InstanceMetrics,
+        call_timeout: float | None,
+    ) -> None:
+        self._client = client
+        self._group = consumer_id
+        self._channel = retry_due_channel(consumer_id)
+        self._clock = clock
+        self._metrics = metrics
+        self._timeout = call_timeout
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The scan loop (a Supervised body)."""
+        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        while not stop.is_set():
+            try:
+                async with asyncio.timeout(self._timeout):
+                    next_ms = await self.scan()
+                backoff.reset()
+            except _RETRIED as e:
+                self._metrics.redis_errors.inc()
+                log.warning("retry due scan of %s: %s", self._group, e)
+                await _sleep_or_stop(stop, backoff.next())
+                continue
+            wait = SCAN_CAP_S
+            if next_ms is not None:
+                wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
+            await _sleep_or_stop(stop, wait)
+
+    async def scan(self) -> int | None:
+        """Announce the topics with due records; returns the next record's time (ms) or None."""
+        topics = sorted(text(t) for t in await self._client.smembers(retry_topics_key(self._group)))
+        if not topics:
+            return None
+        pipe = self._client.pipeline(transaction=False)
+        for topic in topics:
+            pipe.zrange(retry_key(self._group, topic), 0, 0, withscores=True)
+        heads = await pipe.execute()
+        now = self._clock.now_ms()
+        next_ms: int | None = None
+        for topic, head in zip(topics, heads, strict=True):
+            if not head:
+                continue
+            due_ms = int(head[0][1])
+            if due_ms <= now:
+                await self._client.publish(self._channel, topic)
+            elif next_ms is None or due_ms < next_ms:
+                next_ms = due_ms
+        return next_ms
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    if seconds <= 0:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
 
 
 async def claim_unchanged(

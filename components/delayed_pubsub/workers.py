@@ -593,7 +593,11 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
                     continue
                 try:
                     settings = parse_settings(props)
-                    inst = await Instance.open(name, settings, clock, metrics.for_instance(name))
+                    # One worker scans the retry schedules: the notice is one per due topic,
+                    # not one per worker (a dead worker 0 only delays retries to the cap).
+                    inst = await Instance.open(
+                        name, settings, clock, metrics.for_instance(name), retry_scan=index == 0
+                    )
                 except (DelayedPubSubError, OSError) as e:
                     backoff = failing[name][1] if name in failing else Backoff(base_s=0.5, cap_s=10.0)
                     failing[name] = (now + backoff.next(), backoff, str(e))

@@ -1,0 +1,203 @@
+"""`serve --workers N` and the retry policy: a worker scans the retry schedules, serve's pollers
+wait for its notices.
+
+Real serve subprocesses driven over their unix socket as daprd drives them, one real Redis. A
+record "from another replica" is written the way a replica's nack writes it (RETRY_RECORD on an
+entry that replica holds pending), after serve's poller has read the schedule: only a notice (or
+the long cap) brings it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from delayed_middleware import scripts
+from delayed_middleware.retry import retry_counts_key, retry_key, retry_topics_key
+from delayed_pubsub.redelivery import retry_due_channel
+from tests.components.driver import Component, Stream, now_ms
+from tests.components.serve import Serve, instance, props_for
+from tests.components.test_serve_workers import wait_for
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+POLICY = {"retryInitialInterval": "500ms", "retryMultiplier": "1"}
+
+
+@asynccontextmanager
+async def one_worker(folder: Path, redis_server: RedisServer) -> AsyncIterator[tuple[Serve, Component]]:
+    """`serve --workers 1` with its worker running, and app1's instance on it with POLICY."""
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
+            yield serve, c
+    finally:
+        serve.stop()
+
+
+def polls_of_retry_schedules(client: redis.Redis) -> int:
+    """ZRANGEBYSCORE calls Redis served since the last CONFIG RESETSTAT: a retry poller's look."""
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))
+
+
+async def held_by_another_replica(
+    c: Component, client: redis.Redis, topic: str, streams: int = 1
+) -> tuple[str, list[Stream]]:
+    """An entry of `topic` that a replica now gone read (delivery count 1) and still holds, and
+    `streams` streams of serve on `topic` whose pollers have looked once and now wait."""
+    client.xgroup_create(topic, "app1", id="$", mkstream=True)
+    await c.publish(topic, b"retried")
+    rows: Any = client.xreadgroup("app1", "app1:gone:1:1", {topic: ">"}, count=1)
+    entry_id: str = rows[0][1][0][0].decode()
+    opened = [await c.subscribe(topic) for _ in range(streams)]
+    await asyncio.sleep(1.5)
+    return entry_id, opened
+
+
+def record_retry(client: redis.Redis, topic: str, entry_id: str, due_ms: int) -> None:
+    """What that replica's nack left: a retry record of delivery 1, due at `due_ms`."""
+    client.eval(
+        scripts.RETRY_RECORD,
+        2,
+        retry_key("app1", topic),
+        retry_counts_key("app1", topic),
+        entry_id,
+        due_ms,
+        1,
+    )
+    client.sadd(retry_topics_key("app1"), topic)
+
+
+async def no_more(stream: Stream, seconds: float) -> None:
+    assert await stream.nothing_for(seconds), f"delivered twice: {stream.received.get_nowait()}"
+
+
+async def test_with_workers_idle_retry_streams_leave_redis_alone(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async with one_worker(folder, redis_server) as (_, c):
+        streams = [await c.subscribe(f"idle-{i}") for i in range(5)]
+        await asyncio.sleep(1.5)  # past the streams' start-up (each poller looks once)
+        redis_client.config_resetstat()
+        await asyncio.sleep(3.0)
+        # Without workers each poller looks every second (15 looks here); with them the
+        # worker's scan looks, and serve's pollers wait for its notice.
+        assert polls_of_retry_schedules(redis_client) == 0
+        for s in streams:
+            await s.cancel()
+
+
+async def test_with_workers_a_nacked_message_comes_back_at_its_backoff(
+    folder: Path, redis_server: RedisServer
+) -> None:
+    async with one_worker(folder, redis_server) as (_, c):
+        stream = await c.subscribe("orders")
+        await asyncio.sleep(1.5)  # the poller past its first look, waiting
+        await c.publish("orders", b"x")
+        first = await stream.next(5)
+        nacked = time.monotonic()
+        await stream.nack(first.id)
+        again = await stream.next(5)
+        after_ms = (time.monotonic() - nacked) * 1000
+        assert again.data == b"x"
+        assert again.metadata["deliveryAttempt"] == "2"
+        assert 450 <= after_ms <= 500 + 300, f"redelivered {after_ms:.0f} ms after the nack"
+        await stream.ack(again.id)
+        await no_more(stream, 1.5)
+
+
+async def test_with_workers_a_retry_recorded_by_another_replica_is_announced_and_delivered_once(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async with one_worker(folder, redis_server) as (_, c):
+        entry_id, (stream,) = await held_by_another_replica(c, redis_client, "orders")
+        due = now_ms() + 300
+        record_retry(redis_client, "orders", entry_id, due)
+        # The worker's scan looks at least once a second: well before the pollers' 30 s cap.
+        msg = await stream.next(5)
+        late_ms = now_ms() - due
+        assert (msg.id, msg.data, msg.metadata["deliveryAttempt"]) == (entry_id, b"retried", "2")
+        assert 0 <= late_ms <= 1500, f"delivered {late_ms} ms after its due time"
+        await stream.ack(msg.id)
+        await no_more(stream, 2.0)
+
+
+async def test_with_workers_a_retry_due_while_the_worker_is_killed_is_delivered_once(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async with one_worker(folder, redis_server) as (serve, c):
+        entry_id, (stream,) = await held_by_another_replica(c, redis_client, "orders")
+        (victim,) = serve.children()
+        os.kill(victim, signal.SIGKILL)
+        record_retry(redis_client, "orders", entry_id, now_ms() + 100)
+        killed = time.monotonic()
+        # Due while no worker runs: the restarted worker's first scan announces it (the
+        # pollers' 30 s cap would bring it too, later).
+        msg = await stream.next(20)
+        assert victim not in serve.children()
+        assert len(serve.children()) == 1, "the worker was restarted"
+        assert time.monotonic() - killed < 15, "delivered by the restarted worker's notice, not the cap"
+        assert (msg.id, msg.metadata["deliveryAttempt"]) == (entry_id, "2")
+        await stream.ack(msg.id)
+        await no_more(stream, 2.0)
+        assert redis_client.zcard(retry_key("app1", "orders")) == 0
+        assert redis_client.xpending("orders", "app1")["pending"] == 0
+
+
+async def test_with_workers_a_flood_of_notices_delivers_a_due_retry_once_to_one_of_two_streams(
+    folder: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async with one_worker(folder, redis_server) as (_, c):
+        entry_id, streams = await held_by_another_replica(c, redis_client, "orders", streams=2)
+        due = now_ms() + 300
+        record_retry(redis_client, "orders", entry_id, due)
+        # Anyone who can PUBLISH may repeat the worker's notice: every poller of the topic
+        # wakes on each, and the take still lets one of them deliver.
+        channel = retry_due_channel("app1")
+        while now_ms() < due + 500:
+            redis_client.publish(channel, "orders")
+            await asyncio.sleep(0.005)
+        await wait_for(lambda: any(not s.received.empty() for s in streams), "the retry delivered", 5)
+        await asyncio.sleep(1.0)  # a second delivery would land now, if ever
+        got = [s.received.get_nowait() for s in streams for _ in range(s.received.qsize())]
+        assert [(m.id, m.metadata["deliveryAttempt"]) for m in got] == [(entry_id, "2")]
+
+
+async def test_with_the_worker_stopped_nacks_landing_while_the_poller_looks_come_back_at_once(
+    folder: Path, redis_server: RedisServer
+) -> None:
+    n = 200
+    async with one_worker(folder, redis_server) as (serve, c):
+        # No notices while the worker is stopped (the supervisor kills a hung one only after
+        # 15 s): a nack's own wake-up is all that brings its retry back before the 30 s cap.
+        (worker,) = serve.children()
+        stream = await c.subscribe("orders", {"retryInitialInterval": "0"})
+        await asyncio.sleep(1.5)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            for i in range(n):
+                await c.publish("orders", str(i).encode())
+            attempts: dict[bytes, list[str]] = {}
+            deadline = time.monotonic() + 8
+            while sum(len(a) for a in attempts.values()) < 2 * n:
+                msg = await stream.next(max(0.1, deadline - time.monotonic()))
+                attempts.setdefault(msg.data, []).append(msg.metadata["deliveryAttempt"])
+                if msg.metadata["deliveryAttempt"] == "1":
+                    await stream.nack(msg.id)
+                else:
+                    await stream.ack(msg.id)
+            assert attempts == {str(i).encode(): ["1", "2"] for i in range(n)}
+        finally:
+            os.kill(worker, signal.SIGCONT)
