@@ -24,10 +24,10 @@ import redis
 from delayed_middleware import scripts
 from delayed_middleware.retry import retry_counts_key, retry_key, retry_topics_key
 from delayed_pubsub.redelivery import retry_due_channel
-from tests.components.driver import Component, Stream, now_ms
+from tests.components.driver import Component, Stream, cluster_props, now_ms
 from tests.components.serve import Serve, instance, props_for
 from tests.components.test_serve_workers import wait_for
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def polls_of_retry_schedules(client: redis.Redis) -> int:
 
 
 async def held_by_another_replica(
-    c: Component, client: redis.Redis, topic: str, streams: int = 1
+    c: Component, client: Any, topic: str, streams: int = 1
 ) -> tuple[str, list[Stream]]:
     """An entry of `topic` that a replica now gone read (delivery count 1) and still holds, and
     `streams` streams of serve on `topic` whose pollers have looked once and now wait."""
@@ -66,7 +66,7 @@ async def held_by_another_replica(
     return entry_id, opened
 
 
-def record_retry(client: redis.Redis, topic: str, entry_id: str, due_ms: int) -> None:
+def record_retry(client: Any, topic: str, entry_id: str, due_ms: int) -> None:
     """What that replica's nack left: a retry record of delivery 1, due at `due_ms`."""
     client.eval(
         scripts.RETRY_RECORD,
@@ -201,3 +201,27 @@ async def test_with_the_worker_stopped_nacks_landing_while_the_poller_looks_come
             assert attempts == {str(i).encode(): ["1", "2"] for i in range(n)}
         finally:
             os.kill(worker, signal.SIGCONT)
+
+
+async def test_on_redis_cluster_a_retry_recorded_by_another_replica_is_announced_and_delivered_once(
+    folder: Path, cluster: RedisCluster, admin: Any
+) -> None:
+    # The notice travels on Redis pub/sub, which a Cluster broadcasts to every node: the
+    # worker publishes through one node, serve listens through another (or the same).
+    serve = Serve(folder, "a", "--workers", "1")
+    try:
+        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        async with instance(serve, {**cluster_props(cluster), **POLICY}) as c:
+            for topic in ("orders", "payments", "a{b}c"):
+                entry_id, (stream,) = await held_by_another_replica(c, admin, topic)
+                due = now_ms() + 300
+                record_retry(admin, topic, entry_id, due)
+                msg = await stream.next(5)
+                late_ms = now_ms() - due
+                assert (msg.id, msg.data, msg.metadata["deliveryAttempt"]) == (entry_id, b"retried", "2")
+                # Without the notice it would wait for the pollers' 30 s cap.
+                assert 0 <= late_ms <= 1500, f"{topic}: delivered {late_ms} ms after its due time"
+                await stream.ack(msg.id)
+                await no_more(stream, 1.0)
+    finally:
+        serve.stop()
