@@ -441,6 +441,11 @@ class Subscription:
         return self._closed
 
     @property
+    def buffered(self) -> int:
+        """Entries read from Redis (pending for this stream) and not yet handed to the subscriber."""
+        return len(self._ready)
+
+    @property
     def in_flight(self) -> int:
         """Messages sent to the subscriber and not yet acked or nacked (a graceful stop waits for them)."""
         return len(self._unacked)
@@ -591,6 +596,9 @@ class Subscription:
                 # Ids come from Redis, so only a key turned into something else
                 # gets here; never let it end the stream.
                 self._ack_refused(batch, e)
+            except BaseException:
+                self._acks_back(batch, landed)
+                raise
             self._acks_landed_now(batch, landed)
 
     def _take_acks(self) -> tuple[list[str], asyncio.Future[None] | None]:
@@ -600,6 +608,26 @@ class Subscription:
         self._acks, self._acks_landed = [], None
         self._acking.append((batch, landed))
         return batch, landed
+
+    def _acks_back(self, batch: list[str], landed: asyncio.Future[None] | None) -> None:
+        """A batch whose call failed past its retries: back at the head of the queue, its
+        future resolved with the batch that carries it next (or by close()). Left on the
+        wire list, nothing would send it before close(), and its entries would time out
+        in our PEL and be delivered again by another stream."""
+        self._acking = [b for b in self._acking if b[0] is not batch]
+        if not batch:
+            return
+        if not self._acks:
+            self._acks_since = asyncio.get_running_loop().time()
+        self._acks[:0] = batch
+        if landed is not None and not landed.done():
+
+            def carried(_: asyncio.Future[None]) -> None:
+                if not landed.done():
+                    landed.set_result(None)
+
+            self._ack_landed().add_done_callback(carried)
+        self._ack_wake.set()
 
     def _acks_landed_now(self, batch: list[str], landed: asyncio.Future[None] | None) -> None:
         self._acking = [b for b in self._acking if b[0] is not batch]
@@ -653,16 +681,23 @@ class Subscription:
                     await self._wait_fetch(FETCH_LINGER_S)
                     continue
                 lingered = False
+                # Read ahead no further than one queueDepth: what waits in the buffer
+                # ages in our PEL at the pace of the writes, not of the window, and
+                # past processingTimeout another stream would deliver it too.
+                count = min(self._settings.queue_depth - ready, free)
+                if count <= 0:
+                    self._reading_soon = waited = True
+                    await self._wait_fetch()
+                    continue
                 carry, waited = waited and bool(self._acks), False
                 self._reading_soon = False
-                count = min(self._settings.queue_depth, free)
                 now = time.monotonic()
                 # redeliverInterval 0 turns reclaiming off, as in pubsub.redis.
                 if reclaim_every > 0 and now >= next_reclaim:
                     next_reclaim = now + reclaim_every
                     if await self._reclaim(count):
                         continue
-                if carry:
+                if carry and self._acks:  # the ack loop may have sent them during the reclaim
                     await self._read_new_acking(count)
                     continue
                 block = self._block_ms
@@ -707,7 +742,11 @@ class Subscription:
                 self._ack_refused(batch, acked)
             return read
 
-        reply = await self._retrying("XREADGROUP", call)
+        try:
+            reply = await self._retrying("XREADGROUP", call)
+        except BaseException:
+            self._acks_back(batch, landed)
+            raise
         self._acks_landed_now(batch, landed)
         self._push_read(reply)
 

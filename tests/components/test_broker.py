@@ -923,3 +923,92 @@ async def test_under_a_backlog_acks_ride_on_the_reads_that_refill_their_slots(
     # A read of half the window (0.2 per message) and an XACK every 2 ms of its own were
     # 0.45 round trips per message; carried acks make it one round trip per read.
     assert sum(round_trips.values()) <= 0.3 * n, dict(round_trips)
+
+
+async def test_a_wide_window_buffers_no_more_than_one_queue_depth_so_nothing_ages_into_a_second_delivery(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # A stream with concurrency 2000 and an app taking 2 ms a message, another with 10.
+    # Entries read ahead wait in the first stream's buffer, claimed in Redis: a buffer of
+    # half the window (~1,000) outlasts a 1 s processingTimeout, the other stream's
+    # reclaim pass delivers them as well, and the app sees them twice (465 of 2,500 before).
+    n = 2500
+    backlog(redis_client, n)
+    wide = Broker(aclient, settings(redis_server, concurrency="2000", processingTimeout="1s"), SystemClock())
+    narrow = Broker(aclient, settings(redis_server, concurrency="10", processingTimeout="1s"), SystemClock())
+    a, b = wide.subscription("orders", "a"), narrow.subscription("orders", "b")
+    seen: dict[str, list[tuple[str, int]]] = {}
+    most_buffered = 0
+
+    async def app(sub: Subscription, who: str) -> None:
+        nonlocal most_buffered
+        async for d in sub.deliveries():
+            seen.setdefault(d.id, []).append((who, d.attempt))
+            most_buffered = max(most_buffered, sub.buffered)
+            await asyncio.sleep(0.002)  # daprd hands the app one message at a time
+            sub.ack_nowait(d.id)
+
+    await a.start()
+    await asyncio.sleep(0.3)
+    await b.start()
+    apps = [asyncio.create_task(app(a, "a")), asyncio.create_task(app(b, "b"))]
+    try:
+        await wait_until(
+            lambda: len(seen) == n and redis_client.xpending("orders", "app1")["pending"] == 0, within=60
+        )
+        await asyncio.sleep(1.5)  # past processingTimeout: a late second delivery would show
+    finally:
+        for task in apps:
+            task.cancel()
+        await asyncio.gather(*apps, return_exceptions=True)
+        await a.close()
+        await b.close()
+    twice = {i: who for i, who in seen.items() if len(who) > 1}
+    assert twice == {}, f"{len(twice)} delivered twice, e.g. {list(twice.items())[:3]}"
+    assert most_buffered <= settings(redis_server).queue_depth
+
+
+async def test_acks_whose_call_failed_are_sent_again_at_once_and_their_futures_resolve(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # A reply redis-py cannot parse is not retried: the batch of acks that call carried
+    # must go back to the queue, not wait on the wire list until close() while its
+    # entries time out in our PEL (another stream would then deliver them again).
+    n = 200
+    backlog(redis_client, n)
+    props = settings(redis_server, processingTimeout="1s", redeliverInterval="200ms")
+    sub = Broker(aclient, props, SystemClock()).subscription("orders", "c1")
+    real_pipeline = aclient.pipeline
+    broken: list[int] = []
+
+    class Garbled:
+        def __init__(self, pipe: Any) -> None:
+            self.pipe = pipe
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.pipe, name)
+
+        async def execute(self, **kwargs: Any) -> Any:
+            raise redis.exceptions.InvalidResponse("Protocol Error: injected")
+
+    def pipeline(**kwargs: Any) -> Any:
+        pipe = real_pipeline(**kwargs)
+        if acks_given and not broken:
+            broken.append(1)
+            return Garbled(pipe)
+        return pipe
+
+    acks_given: list[asyncio.Future[None]] = []
+    aclient.pipeline = pipeline  # type: ignore[method-assign,assignment]
+    await sub.start()
+    try:
+        it = sub.deliveries()
+        for _ in range(n):
+            d = await next_delivery(it)
+            await asyncio.sleep(0.0005)  # daprd's pace: acks ride on the reads of a backlog
+            acks_given.append(asyncio.ensure_future(sub.ack(d.id)))
+        await wait_until(lambda: all(f.done() for f in acks_given), within=3.0)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=3.0)
+    finally:
+        await sub.close()
+    assert broken, "the garbled reply was never injected"
