@@ -9,7 +9,8 @@ process, and splits each message's due -> received time into:
   read     fired -> read        the subscription has it from XREADGROUP (serve)
   queue    read -> handed       handed to grpc.aio by the PullMessages handler (serve)
   write    handed -> written    grpc.aio asks for the next one: this one is written (serve)
-  client   written -> received  the subscriber's read returned it (the bench client)
+  client   written -> received  the subscriber's read returned it (the bench's subscriber
+                                process, apart from the one that publishes)
 
 It prints the stages' medians over all messages, and their means over the median's
 neighbourhood (p45-p55) and over the slowest 1 %, with the load average: a structural
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -47,6 +48,7 @@ STAGES = ("fire", "read", "queue", "write", "client")
 def hooked_serve(argv: list[str]) -> int:
     """`delayed-pubsub serve` with stamps on each message's read and write; they are
     written to $DPS_STEADY_TRACE as JSON when the process exits."""
+    from bench.common import probe_lag
     from delayed_pubsub import broker
     from delayed_pubsub.cli import main
 
@@ -81,16 +83,6 @@ def hooked_serve(argv: list[str]) -> int:
 
     atexit.register(dump)
     return main(argv)
-
-
-async def probe_lag(into: list[float], every_s: float = 0.005) -> None:
-    """How late the running loop runs a timer due every `every_s`, into `into` (ms)."""
-    loop = asyncio.get_running_loop()
-    into.append(0.0)
-    while True:
-        due = loop.time() + every_s
-        await asyncio.sleep(every_s)
-        into.append((loop.time() - due) * 1000)
 
 
 def lag_line(name: str, lags: list[float]) -> str:
@@ -147,14 +139,12 @@ async def run(
     rate: int, seconds: int, workers: int | None, workdir: Path
 ) -> tuple[list[tuple[float, ...]], dict[str, list[float]]]:
     from bench import peers
-    from bench.common import PACKAGE_PATH, start_process
+    from bench.common import PACKAGE_PATH, probe_lag, start_process
 
     trace = workdir / "trace.json"
 
     class Traced(peers.Ours):
-        """Ours, with serve started through hooked_serve and each message's stream id kept."""
-
-        received: dict[bytes, tuple[str, float, float]] = {}
+        """Ours, with serve started through hooked_serve."""
 
         def _start_serve(self) -> subprocess.Popen[bytes]:
             extra = () if self.workers is None else ("--workers", str(self.workers))
@@ -172,16 +162,12 @@ async def run(
             ]
             return start_process([*argv, *extra], self.socket, self.workdir / "serve.log")
 
-        def _received(self, msg: Any, at: float, on_message: Callable[[bytes, float], None]) -> None:
-            self.received[msg.data.split(b":", 2)[1]] = (msg.id, at, peers.due_of(msg.data))
-            on_message(msg.data, at)
-
     system = Traced(workdir, workers)
     sizes = peers.Sizes(rate=rate, steady_s=seconds, burst=0, unary=0, pipelined=0, pending=0)
     result = peers.Run(sizes)
     await system.setup()
-    client_lags: list[float] = []
-    prober = asyncio.create_task(probe_lag(client_lags))
+    publisher_lags: list[float] = []
+    prober = asyncio.create_task(probe_lag(publisher_lags))
     try:
         await peers.steady(system, result)
     finally:
@@ -193,21 +179,26 @@ async def run(
     traced = json.loads(trace.read_text())
     stamps = traced["stamps"]
     rows: list[tuple[float, ...]] = []
-    for idx, (entry_id, received, due) in system.received.items():
-        if idx == peers.WARM_UP or entry_id not in stamps:
-            continue
-        mark = stamps[entry_id]
+    first: dict[bytes, peers.Arrival] = {}
+    for a in result.arrivals.get(system.name, []):
+        first.setdefault(a.head, a)  # a redelivery is not the message's first arrival
+    for a in first.values():
+        mark = stamps.get(a.id, [])
         if len(mark) < 3:
             continue
-        fired = int(entry_id.split("-")[0]) / 1000
-        rows.append((due, fired, mark[0], mark[1], mark[2], received))
+        fired = int(a.id.split("-")[0]) / 1000
+        rows.append((peers.due_of(a.head), fired, mark[0], mark[1], mark[2], a.at))
     windows = sorted(traced["windows"])
     if windows:
         print(
             f"unacked when read: p50 {windows[len(windows) // 2]}, p99 {windows[int(len(windows) * 0.99)]}, "
             f"max {windows[-1]} (window 100)"
         )
-    return rows, {"serve": traced["lags"], "client": client_lags}
+    return rows, {
+        "serve": traced["lags"],
+        "subscriber": result.subscriber_lags.get(system.name, []),
+        "publisher": publisher_lags,
+    }
 
 
 def main() -> None:
