@@ -43,6 +43,7 @@ import gc
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -139,10 +140,13 @@ def dir_bytes(path: Path) -> int:
 
 
 def describe(error: Exception) -> str:
-    """A short, countable description of a failed call."""
+    """A short, countable description of a failed call (numbers in it, such as the calls in
+    flight that an overload refusal names, read N: one line per kind of failure)."""
     if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {(error.details() or '')[:60]}"
-    return f"{type(error).__name__}: {str(error)[:60]}"
+        text = f"{error.code().name}: {(error.details() or '')[:60]}"
+    else:
+        text = f"{type(error).__name__}: {str(error)[:60]}"
+    return re.sub(r"\d+", "N", text)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
