@@ -653,6 +653,10 @@ def subscriber_main(system: str, address: str, conn: Connection) -> None:
     asyncio.run(_subscribe_and_report(system, address, conn))
 
 
+class SubscriberGone(RuntimeError):
+    """The subscriber process ended before handing back what it received."""
+
+
 class SubscriberProcess:
     """A subscriber in a process of its own, as daprd and the app are in a deployment: the
     bench process only publishes, so a stall of its loop under the publish load does not
@@ -673,20 +677,37 @@ class SubscriberProcess:
 
     async def start(self, within_s: float = 60) -> None:
         self.proc.start()
-        kind, self.pid = await _connection_recv(self.conn, within_s)
-        assert kind == "subscribed", kind
+        self.pid = await self._expect("subscribed", within_s)
         await self.system.schedule(int(WARM_UP), time.time() + 0.05)
-        kind, _ = await _connection_recv(self.conn, within_s)
-        assert kind == "warm", kind
+        await self._expect("warm", within_s)
 
     async def finish(self, expect: int, within_s: float) -> Received:
         """Stop once `expect` distinct messages arrived or `within_s` passed; what it received."""
-        self.conn.send((expect, within_s))
-        kind, received = await _connection_recv(self.conn, within_s + 60)
-        assert kind == "received", kind
-        return received  # type: ignore[no-any-return]
+        try:
+            self.conn.send((expect, within_s))
+        except OSError as e:
+            raise self._gone() from e
+        received: Received = await self._expect("received", within_s + 60)
+        return received
+
+    async def _expect(self, kind: str, within_s: float) -> Any:
+        try:
+            got, value = await _connection_recv(self.conn, within_s)
+        except (EOFError, OSError) as e:
+            raise self._gone() from e
+        assert got == kind, (got, kind)
+        return value
+
+    def _gone(self) -> SubscriberGone:
+        self.proc.join(5)
+        return SubscriberGone(
+            f"the {self.system.name} subscriber process (pid {self.proc.pid}) ended, exit code {self.proc.exitcode}"
+        )
 
     def close(self) -> None:
+        if self.proc.pid is None:  # never started
+            self.conn.close()
+            return
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()

@@ -6,7 +6,9 @@ with `serve` started through a wrapper that stamps each message in the serve
 process, and splits each message's due -> received time into:
 
   fire     due -> fired         the stream entry id's time (Redis's clock when FIRE appended it)
-  read     fired -> read        the subscription has it from XREADGROUP (serve)
+  idle     fired -> asked       no read was on the wire when it fired: until the XREADGROUP that
+                                returned it was sent (serve's fetch loop held back, or busy)
+  read     -> read              that XREADGROUP's reply reached the subscription (serve)
   queue    read -> handed       handed to grpc.aio by the PullMessages handler (serve)
   write    handed -> written    grpc.aio asks for the next one: this one is written (serve)
   client   written -> received  the subscriber's read returned it (the bench's subscriber
@@ -42,7 +44,7 @@ for sub in ("proto", "middleware", "components", "."):
 
 HOOKED = "--hooked-serve"
 TRACE_ENV = "DPS_STEADY_TRACE"
-STAGES = ("fire", "read", "queue", "write", "client")
+STAGES = ("fire", "idle", "read", "queue", "write", "client")
 
 
 def hooked_serve(argv: list[str]) -> int:
@@ -57,28 +59,48 @@ def hooked_serve(argv: list[str]) -> int:
     windows: list[int] = []
     push = broker.Subscription._push
     deliveries = broker.Subscription.deliveries
+    read_new = broker.Subscription._read_new
+    read_new_acking = broker.Subscription._read_new_acking
+    asked = {"at": 0.0}  # when the XREADGROUP now on the wire was sent (one fetch loop)
+    ack_nowait = broker.Subscription.ack_nowait
+    acked: dict[str, float] = {}
+
+    def stamped_ack_nowait(self: Any, entry_id: str) -> bool:
+        acked.setdefault(entry_id, time.time())
+        return ack_nowait(self, entry_id)
+
+    async def stamped_read_new(self: Any, count: int, block_ms: int) -> None:
+        asked["at"] = time.time()
+        await read_new(self, count, block_ms)
+
+    async def stamped_read_new_acking(self: Any, count: int) -> None:
+        asked["at"] = time.time()
+        await read_new_acking(self, count)
 
     def stamped_push(self: Any, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         # The window as the read found it: a read held back by a full window shows here.
         windows.append(len(self._unacked))
-        stamps.setdefault(entry_id, [time.time()])
+        stamps.setdefault(entry_id, [asked["at"], time.time()])
         push(self, entry_id, fields, attempt, requeue)
 
     async def stamped_deliveries(self: Any) -> AsyncIterator[Any]:
         if not lags:
             asyncio.get_running_loop().create_task(probe_lag(lags))
         async for d in deliveries(self):
-            mark = stamps.setdefault(d.id, [0.0])
+            mark = stamps.setdefault(d.id, [0.0, 0.0])
             mark.append(time.time())
             yield d
             mark.append(time.time())
 
     broker.Subscription._push = stamped_push  # type: ignore[method-assign]
+    broker.Subscription._read_new = stamped_read_new  # type: ignore[method-assign]
+    broker.Subscription._read_new_acking = stamped_read_new_acking  # type: ignore[method-assign]
+    broker.Subscription.ack_nowait = stamped_ack_nowait  # type: ignore[method-assign]
     broker.Subscription.deliveries = stamped_deliveries  # type: ignore[method-assign]
 
     def dump() -> None:
         Path(os.environ[TRACE_ENV]).write_text(
-            json.dumps({"stamps": stamps, "lags": lags, "windows": windows})
+            json.dumps({"stamps": stamps, "lags": lags, "windows": windows, "acked": acked})
         )
 
     atexit.register(dump)
@@ -97,12 +119,17 @@ def lag_line(name: str, lags: list[float]) -> str:
 
 
 def stage_split(rows: list[tuple[float, ...]]) -> dict[str, list[float]]:
-    """rows: (due, fired, read, handed, written, received), seconds; ms per stage per row."""
+    """rows: (due, fired, asked, read, handed, written, received), seconds; ms per stage per row."""
     out: dict[str, list[float]] = {s: [] for s in ("total", *STAGES)}
-    for due, fired, read, handed, written, received in rows:
+    for due, fired, asked, read, handed, written, received in rows:
         out["total"].append((received - due) * 1000)
+        # A read sent before the fire waited for it in Redis: no idle time, all read.
+        asked = max(asked, fired)
         for name, a, b in zip(
-            STAGES, (due, fired, read, handed, written), (fired, read, handed, written, received), strict=True
+            STAGES,
+            (due, fired, asked, read, handed, written),
+            (fired, asked, read, handed, written, received),
+            strict=True,
         ):
             out[name].append((b - a) * 1000)
     return out
@@ -111,7 +138,7 @@ def stage_split(rows: list[tuple[float, ...]]) -> dict[str, list[float]]:
 def report(
     rows: list[tuple[float, ...]], load: tuple[float, float], lags: dict[str, list[float]]
 ) -> list[str]:
-    rows = sorted(rows, key=lambda r: r[5] - r[0])
+    rows = sorted(rows, key=lambda r: r[-1] - r[0])
     n = len(rows)
     split = stage_split(rows)
 
@@ -184,10 +211,17 @@ async def run(
         first.setdefault(a.head, a)  # a redelivery is not the message's first arrival
     for a in first.values():
         mark = stamps.get(a.id, [])
-        if len(mark) < 3:
+        if len(mark) < 4:
             continue
         fired = int(a.id.split("-")[0]) / 1000
-        rows.append((peers.due_of(a.head), fired, mark[0], mark[1], mark[2], a.at))
+        rows.append((peers.due_of(a.head), fired, *mark[:4], a.at))
+    # Outside the total: the ack's way back, which holds the message's slot in the window.
+    back = sorted((traced["acked"][a.id] - a.at) * 1000 for a in first.values() if a.id in traced["acked"])
+    if back:
+        print(
+            f"ack back (received -> ack taken by serve): p50 {back[len(back) // 2]:.1f} ms, "
+            f"p99 {back[int(len(back) * 0.99)]:.1f} ms, max {back[-1]:.1f} ms"
+        )
     windows = sorted(traced["windows"])
     if windows:
         print(
