@@ -119,7 +119,7 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench(
         "steady_trace",
-        "the steady workload's lateness split by stage: fire, read, queue, write, client",
+        "the steady workload's lateness split by stage: fire, idle, read, queue, write, client",
         why_opt_in="a diagnosis, not a figure: ~30 s per run at 1,000/s",
     ),
     Bench(

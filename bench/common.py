@@ -4,6 +4,7 @@ does not share a GIL with the benchmark's client)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -81,6 +82,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+async def probe_lag(into: list[float], every_s: float = 0.005) -> None:
+    """How late the running loop runs a timer due every `every_s`, appended to `into` (ms),
+    until cancelled: a stalled loop stamps whatever arrives during the stall late."""
+    loop = asyncio.get_running_loop()
+    into.append(0.0)
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        into.append((loop.time() - due) * 1000)
 
 
 def timed_cli(argv: list[str]) -> str:

@@ -15,8 +15,10 @@ with `go install github.com/nats-io/nats-server/v2@v2.14.9` into
 (batches of 100, each message acked), driven with nats-py.
 
 Workloads (each run on ours, then on theirs, before the next):
-  steady     `rate`/s delayed messages for `steady_s`, each due 1 s after publish:
-             lateness (received - due) percentiles, and a CDF chart of both;
+  steady     `rate`/s delayed messages for `steady_s`, each due 1 s after publish,
+             received by a subscriber in a process of its own (as daprd and the app
+             are not the publisher's process; this one only publishes): lateness
+             (received - due) percentiles, and a CDF chart of both;
   burst      N messages due at one instant T: T -> last one on the target
              topic (fired), T -> last one received by one subscriber;
   unary      N delayed publishes from 64 concurrent callers, one call each;
@@ -38,8 +40,10 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +54,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
-from bench.common import MD, start_serve, stop  # noqa: E402
+from bench.common import MD, probe_lag, start_serve, stop  # noqa: E402
 from bench.deliver import cpu_seconds  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
@@ -135,10 +140,13 @@ def dir_bytes(path: Path) -> int:
 
 
 def describe(error: Exception) -> str:
-    """A short, countable description of a failed call."""
+    """A short, countable description of a failed call (numbers in it, such as the calls in
+    flight that an overload refusal names, read N: one line per kind of failure)."""
     if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {(error.details() or '')[:60]}"
-    return f"{type(error).__name__}: {str(error)[:60]}"
+        text = f"{error.code().name}: {(error.details() or '')[:60]}"
+    else:
+        text = f"{type(error).__name__}: {str(error)[:60]}"
+    return re.sub(r"\d+", "N", text)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -231,6 +239,10 @@ class System:
 
     async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
         """Start receiving (acking each message); returns a coroutine function that stops it."""
+        raise NotImplementedError
+
+    def subscriber_address(self) -> str:
+        """Where a subscriber in another process connects (see `SubscriberProcess`)."""
         raise NotImplementedError
 
     async def fired(self) -> int:
@@ -331,31 +343,10 @@ class Ours(System):
             raise RuntimeError(f"{len(reply.failed_entries)} entries failed: {reply.failed_entries[0].error}")
 
     async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
-        call = self.stub.PullMessages(metadata=MD)
-        await call.write(pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=TOPIC)))
+        return await pull_ours(self.stub, lambda msg_id, data, at: on_message(data, at))
 
-        async def read() -> None:
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
-                    return
-                self._received(msg, time.time(), on_message)
-                await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
-
-        reader = asyncio.create_task(read())
-
-        async def stop_it() -> None:
-            with contextlib.suppress(Exception):
-                await call.done_writing()
-                await asyncio.wait_for(reader, 10)
-            reader.cancel()
-            with contextlib.suppress(BaseException):
-                await reader
-
-        return stop_it
-
-    def _received(self, msg: Any, at: float, on_message: Callable[[bytes, float], None]) -> None:
-        on_message(msg.data, at)
+    def subscriber_address(self) -> str:
+        return str(self.socket)
 
     async def fired(self) -> int:
         assert self.client is not None
@@ -469,45 +460,10 @@ class Nats(System):
         await asyncio.gather(*futures)
 
     async def subscribe(self, on_message: Callable[[bytes, float], None]) -> Callable[[], Awaitable[None]]:
-        import nats.errors
-        from nats.js.api import ConsumerConfig, DeliverPolicy
+        return await pull_nats(self.js, lambda msg_id, data, at: on_message(data, at), self.read_errors)
 
-        # Only what fires from now on, as a new consumer group of ours sees it.
-        psub = await self.js.pull_subscribe(
-            TOPIC,
-            durable=f"bench{time.monotonic_ns()}",
-            stream="BENCH",
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
-        )
-        running = True
-
-        async def read() -> None:
-            while running:
-                try:
-                    msgs = await psub.fetch(100, timeout=0.5)
-                except nats.errors.TimeoutError:
-                    continue
-                except Exception as e:
-                    # A reader that ended on an error received nothing more, silently:
-                    # count it (the run's notes say it) and read on.
-                    self.read_errors[describe(e)] += 1
-                    await asyncio.sleep(0.1)
-                    continue
-                for m in msgs:
-                    on_message(m.data, time.time())
-                    await m.ack()
-
-        reader = asyncio.create_task(read())
-
-        async def stop_it() -> None:
-            nonlocal running
-            running = False
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(reader, 5)
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
-
-        return stop_it
+    def subscriber_address(self) -> str:
+        return f"nats://127.0.0.1:{self.server.port}"
 
     async def fired(self) -> int:
         info = await self.js.stream_info("BENCH", subjects_filter=TOPIC)
@@ -533,6 +489,232 @@ class Nats(System):
         await self._connect()
 
 
+# --- the subscriber, in this process or in one of its own -----------------------
+
+# on_message(message id, data, time.time() at arrival); the id is the stream entry's for ours, "" for NATS.
+OnMessage = Callable[[str, bytes, float], None]
+
+
+async def pull_ours(stub: Any, on_message: OnMessage) -> Callable[[], Awaitable[None]]:
+    """A PullMessages stream on TOPIC, as daprd opens one: each message acked as it arrives."""
+    call = stub.PullMessages(metadata=MD)
+    await call.write(pubsub_pb2.PullMessagesRequest(topic=pubsub_pb2.Topic(name=TOPIC)))
+
+    async def read() -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+                return
+            on_message(msg.id, msg.data, time.time())
+            await call.write(pubsub_pb2.PullMessagesRequest(ack_message_id=msg.id))
+
+    reader = asyncio.create_task(read())
+
+    async def stop_it() -> None:
+        with contextlib.suppress(Exception):
+            await call.done_writing()
+            await asyncio.wait_for(reader, 10)
+        reader.cancel()
+        with contextlib.suppress(BaseException):
+            await reader
+
+    return stop_it
+
+
+async def pull_nats(js: Any, on_message: OnMessage, read_errors: Counter[str]) -> Callable[[], Awaitable[None]]:
+    """A new durable pull consumer on TOPIC (batches of 100, each message acked); a failed
+    read is counted in `read_errors` and read on."""
+    import nats.errors
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    # Only what fires from now on, as a new consumer group of ours sees it.
+    psub = await js.pull_subscribe(
+        TOPIC,
+        durable=f"bench{time.monotonic_ns()}",
+        stream="BENCH",
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
+    )
+    running = True
+
+    async def read() -> None:
+        while running:
+            try:
+                msgs = await psub.fetch(100, timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            except Exception as e:
+                # A reader that ended on an error received nothing more, silently:
+                # count it (the run's notes say it) and read on.
+                read_errors[describe(e)] += 1
+                await asyncio.sleep(0.1)
+                continue
+            for m in msgs:
+                on_message("", m.data, time.time())
+                await m.ack()
+
+    reader = asyncio.create_task(read())
+
+    async def stop_it() -> None:
+        nonlocal running
+        running = False
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(reader, 5)
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+
+    return stop_it
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One message as a subscriber received it."""
+
+    id: str  # ours: the stream entry id; NATS: ""
+    head: bytes  # the payload's b"<due ms>:<index>:"
+    at: float  # time.time() when the subscriber's read returned it
+
+
+@dataclass
+class Received:
+    """What a subscriber process hands back when it stops."""
+
+    pid: int
+    arrivals: list[Arrival]
+    read_errors: dict[str, int]
+    lags_ms: list[float]  # its own loop's lag (5 ms probe)
+
+
+async def _connection_recv(conn: Connection, within_s: float) -> Any:
+    """The next object on a pipe, without blocking the loop (EOFError if the other end died)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(conn.fileno(), ready)
+    try:
+        await asyncio.wait_for(readable, within_s)
+    finally:
+        loop.remove_reader(conn.fileno())
+    return conn.recv()
+
+
+async def _subscribe_and_report(system: str, address: str, conn: Connection) -> None:
+    arrivals: list[Arrival] = []
+    seen: set[bytes] = set()
+    warm = asyncio.Event()
+    read_errors: Counter[str] = Counter()
+
+    def got(msg_id: str, data: bytes, at: float) -> None:
+        due_ms, index, _ = data.split(b":", 2)
+        if index == WARM_UP:
+            warm.set()
+            return
+        seen.add(index)
+        arrivals.append(Arrival(msg_id, due_ms + b":" + index + b":", at))
+
+    lags: list[float] = []
+    prober = asyncio.create_task(probe_lag(lags))
+    if system == "ours":
+        channel = grpc.aio.insecure_channel(f"unix://{address}")
+        stop_sub = await pull_ours(pubsub_pb2_grpc.PubSubStub(channel), got)  # type: ignore[no-untyped-call]
+
+        async def close() -> None:
+            await channel.close(None)
+    else:
+        import nats
+
+        nc = await nats.connect(address, max_reconnect_attempts=0, error_cb=_quiet)
+        stop_sub = await pull_nats(nc.jetstream(timeout=30), got, read_errors)
+
+        async def close() -> None:
+            await nc.close()
+
+    conn.send(("subscribed", os.getpid()))
+    await asyncio.wait_for(warm.wait(), 60)
+    conn.send(("warm", None))
+    expect, within_s = await _connection_recv(conn, 3600)
+    deadline = time.time() + within_s
+    while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of a plain counter)
+        await asyncio.sleep(0.05)
+    await stop_sub()
+    await close()
+    prober.cancel()
+    conn.send(("received", Received(os.getpid(), arrivals, dict(read_errors), lags)))
+
+
+def subscriber_main(system: str, address: str, conn: Connection) -> None:
+    """The body of a subscriber process (see `SubscriberProcess`)."""
+    # Its start-up heap out of the full collections that would pause its loop.
+    gc.collect()
+    gc.freeze()
+    asyncio.run(_subscribe_and_report(system, address, conn))
+
+
+class SubscriberGone(RuntimeError):
+    """The subscriber process ended before handing back what it received."""
+
+
+class SubscriberProcess:
+    """A subscriber in a process of its own, as daprd and the app are in a deployment: the
+    bench process only publishes, so a stall of its loop under the publish load does not
+    stamp arrivals late. It subscribes, waits for a warm-up message (a delayed message due
+    at once, fired and received: the steady state is measured, not a fresh server's start),
+    then receives until `finish` says how many to wait for, stamping each arrival with
+    time.time() in its own process. (Without the warm-up, our worker process still importing
+    and opening the instance held the first due messages back by up to 0.3 s on a busy machine.)"""
+
+    def __init__(self, system: System) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds grpc and loops
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=subscriber_main, args=(system.name, system.subscriber_address(), child), daemon=True
+        )
+        self.system = system
+        self.pid = 0
+
+    async def start(self, within_s: float = 60) -> None:
+        self.proc.start()
+        self.pid = await self._expect("subscribed", within_s)
+        await self.system.schedule(int(WARM_UP), time.time() + 0.05)
+        await self._expect("warm", within_s)
+
+    async def finish(self, expect: int, within_s: float) -> Received:
+        """Stop once `expect` distinct messages arrived or `within_s` passed; what it received."""
+        try:
+            self.conn.send((expect, within_s))
+        except OSError as e:
+            raise self._gone() from e
+        received: Received = await self._expect("received", within_s + 60)
+        return received
+
+    async def _expect(self, kind: str, within_s: float) -> Any:
+        try:
+            got, value = await _connection_recv(self.conn, within_s)
+        except (EOFError, OSError) as e:
+            raise self._gone() from e
+        assert got == kind, (got, kind)
+        return value
+
+    def _gone(self) -> SubscriberGone:
+        self.proc.join(5)
+        return SubscriberGone(
+            f"the {self.system.name} subscriber process (pid {self.proc.pid}) ended, exit code {self.proc.exitcode}"
+        )
+
+    def close(self) -> None:
+        if self.proc.pid is None:  # never started
+            self.conn.close()
+            return
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
 # --- workloads ------------------------------------------------------------------
 
 
@@ -554,6 +736,9 @@ class Run:
     notes: list[str] = field(default_factory=list)
     # Pipelined store rate per system (msg/s), to give a burst time to be stored.
     store_rate: dict[str, float] = field(default_factory=dict)
+    # The steady workload's arrivals and its subscriber process's loop lag (ms), per system.
+    arrivals: dict[str, list[Arrival]] = field(default_factory=dict)
+    subscriber_lags: dict[str, list[float]] = field(default_factory=dict)
 
     def put(self, workload: str, unit: str, system: str, value: float, better: str = "lower") -> None:
         row = next((r for r in self.rows if r.workload == workload), None)
@@ -574,35 +759,11 @@ def cpu_of(system: System, into: list[float]) -> Iterator[None]:
     into.append(sum(cpu_seconds(p) for p in pids) - before)
 
 
-async def warmed_up(system: System, within_s: float = 60) -> None:
-    """Until a delayed message due at once has been fired and received: the steady
-    state is measured, not a fresh server's start (our worker process still
-    importing and opening the instance held the first due messages back by up
-    to 0.3 s on a busy machine)."""
-    arrived = asyncio.Event()
-
-    def got(data: bytes, at: float) -> None:
-        if data.split(b":", 2)[1] == WARM_UP:
-            arrived.set()
-
-    stop_sub = await system.subscribe(got)
-    await system.schedule(int(WARM_UP), time.time() + 0.05)
-    await asyncio.wait_for(arrived.wait(), within_s)
-    await stop_sub()
-
-
 async def steady(system: System, run: Run) -> None:
+    """`rate`/s delayed unary publishes from this process, each due 1 s later, received by a
+    subscriber in a process of its own (`SubscriberProcess`)."""
     s = run.sizes
     n = s.rate * s.steady_s
-    late: list[float] = []
-    seen = set()
-
-    def got(data: bytes, at: float) -> None:
-        i = data.split(b":", 2)[1]
-        if i not in seen:
-            seen.add(i)
-            late.append(at - due_of(data))
-
     failed: Counter[str] = Counter()
 
     async def publish(i: int, due: float) -> None:
@@ -612,27 +773,44 @@ async def steady(system: System, run: Run) -> None:
         except Exception as e:
             failed[describe(e)] += 1
 
-    await warmed_up(system)
-    stop_sub = await system.subscribe(got)
-    start = time.time() + 0.2
-    tick = 0.01
-    per_tick = max(1, int(s.rate * tick))
-    calls: list[Awaitable[Any]] = []
-    cpu: list[float] = []
-    with cpu_of(system, cpu):
-        for k in range(0, n, per_tick):
-            send_at = start + k / s.rate
-            await asyncio.sleep(max(0.0, send_at - time.time()))
-            batch = range(k, min(n, k + per_tick))
-            calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
-        await asyncio.gather(*calls)
-        expect = n - sum(failed.values())
-        deadline = time.time() + 30
-        while len(seen) < expect and time.time() < deadline:  # noqa: ASYNC110 (a bounded poll of plain counters)
-            await asyncio.sleep(0.05)
-    await stop_sub()
+    subscriber = SubscriberProcess(system)
+    try:
+        await subscriber.start()
+        start = time.time() + 0.2
+        tick = 0.01
+        per_tick = max(1, int(s.rate * tick))
+        calls: list[Awaitable[Any]] = []
+        cpu: list[float] = []
+        with cpu_of(system, cpu):
+            for k in range(0, n, per_tick):
+                send_at = start + k / s.rate
+                await asyncio.sleep(max(0.0, send_at - time.time()))
+                batch = range(k, min(n, k + per_tick))
+                calls.append(asyncio.gather(*(publish(i, send_at + 1.0) for i in batch)))
+            await asyncio.gather(*calls)
+            expect = n - sum(failed.values())
+            received = await subscriber.finish(expect, 30)
+    finally:
+        subscriber.close()
+    late: list[float] = []
+    seen = set()
+    for a in received.arrivals:
+        i = a.head.split(b":", 2)[1]
+        if i not in seen:
+            seen.add(i)
+            late.append(a.at - due_of(a.head))
     late.sort()
     run.lateness[system.name] = late
+    run.arrivals[system.name] = received.arrivals
+    run.subscriber_lags[system.name] = received.lags_ms
+    lags = sorted(received.lags_ms)
+    run.notes.append(
+        f"{system.name}, steady: received in a subscriber process of its own (pid {received.pid}, loop lag "
+        f"p99 {percentile(lags, 0.99):.1f} ms, max {lags[-1] if lags else 0:.1f} ms); "
+        "the bench process only publishes"
+    )
+    for error, times in received.read_errors.items():
+        run.notes.append(f"{system.name}, steady: its subscriber's reads failed {times}x: {error}")
     if failed:
         run.notes.append(
             f"{system.name}, steady: {sum(failed.values())} of {n} publishes failed: {dict(failed)}"
@@ -644,7 +822,8 @@ async def steady(system: System, run: Run) -> None:
     run.put(f"steady {s.rate}/s, due -> subscriber p50", "ms", system.name, percentile(late, 0.5) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber p99", "ms", system.name, percentile(late, 0.99) * 1000)
     run.put(f"steady {s.rate}/s, due -> subscriber max", "ms", system.name, late[-1] * 1000 if late else 0)
-    # Publish, fire and deliver, over every server process (serve, its workers, Redis).
+    # Publish, fire and deliver, over every server process (serve, its workers, Redis;
+    # nats-server), not the bench's publisher or subscriber.
     run.put(
         f"server CPU per steady message ({s.rate}/s)", "us", system.name, cpu[0] / max(1, len(late)) * 1e6
     )

@@ -6,10 +6,13 @@ with `serve` started through a wrapper that stamps each message in the serve
 process, and splits each message's due -> received time into:
 
   fire     due -> fired         the stream entry id's time (Redis's clock when FIRE appended it)
-  read     fired -> read        the subscription has it from XREADGROUP (serve)
+  idle     fired -> asked       no read was on the wire when it fired: until the XREADGROUP that
+                                returned it was sent (serve's fetch loop held back, or busy)
+  read     -> read              that XREADGROUP's reply reached the subscription (serve)
   queue    read -> handed       handed to grpc.aio by the PullMessages handler (serve)
   write    handed -> written    grpc.aio asks for the next one: this one is written (serve)
-  client   written -> received  the subscriber's read returned it (the bench client)
+  client   written -> received  the subscriber's read returned it (the bench's subscriber
+                                process, apart from the one that publishes)
 
 It prints the stages' medians over all messages, and their means over the median's
 neighbourhood (p45-p55) and over the slowest 1 %, with the load average: a structural
@@ -30,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -41,12 +44,13 @@ for sub in ("proto", "middleware", "components", "."):
 
 HOOKED = "--hooked-serve"
 TRACE_ENV = "DPS_STEADY_TRACE"
-STAGES = ("fire", "read", "queue", "write", "client")
+STAGES = ("fire", "idle", "read", "queue", "write", "client")
 
 
 def hooked_serve(argv: list[str]) -> int:
     """`delayed-pubsub serve` with stamps on each message's read and write; they are
     written to $DPS_STEADY_TRACE as JSON when the process exits."""
+    from bench.common import probe_lag
     from delayed_pubsub import broker
     from delayed_pubsub.cli import main
 
@@ -55,42 +59,52 @@ def hooked_serve(argv: list[str]) -> int:
     windows: list[int] = []
     push = broker.Subscription._push
     deliveries = broker.Subscription.deliveries
+    read_new = broker.Subscription._read_new
+    read_new_acking = broker.Subscription._read_new_acking
+    asked = {"at": 0.0}  # when the XREADGROUP now on the wire was sent (one fetch loop)
+    ack_nowait = broker.Subscription.ack_nowait
+    acked: dict[str, float] = {}
+
+    def stamped_ack_nowait(self: Any, entry_id: str) -> bool:
+        acked.setdefault(entry_id, time.time())
+        return ack_nowait(self, entry_id)
+
+    async def stamped_read_new(self: Any, count: int, block_ms: int) -> None:
+        asked["at"] = time.time()
+        await read_new(self, count, block_ms)
+
+    async def stamped_read_new_acking(self: Any, count: int) -> None:
+        asked["at"] = time.time()
+        await read_new_acking(self, count)
 
     def stamped_push(self: Any, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         # The window as the read found it: a read held back by a full window shows here.
         windows.append(len(self._unacked))
-        stamps.setdefault(entry_id, [time.time()])
+        stamps.setdefault(entry_id, [asked["at"], time.time()])
         push(self, entry_id, fields, attempt, requeue)
 
     async def stamped_deliveries(self: Any) -> AsyncIterator[Any]:
         if not lags:
             asyncio.get_running_loop().create_task(probe_lag(lags))
         async for d in deliveries(self):
-            mark = stamps.setdefault(d.id, [0.0])
+            mark = stamps.setdefault(d.id, [0.0, 0.0])
             mark.append(time.time())
             yield d
             mark.append(time.time())
 
     broker.Subscription._push = stamped_push  # type: ignore[method-assign]
+    broker.Subscription._read_new = stamped_read_new  # type: ignore[method-assign]
+    broker.Subscription._read_new_acking = stamped_read_new_acking  # type: ignore[method-assign]
+    broker.Subscription.ack_nowait = stamped_ack_nowait  # type: ignore[method-assign]
     broker.Subscription.deliveries = stamped_deliveries  # type: ignore[method-assign]
 
     def dump() -> None:
         Path(os.environ[TRACE_ENV]).write_text(
-            json.dumps({"stamps": stamps, "lags": lags, "windows": windows})
+            json.dumps({"stamps": stamps, "lags": lags, "windows": windows, "acked": acked})
         )
 
     atexit.register(dump)
     return main(argv)
-
-
-async def probe_lag(into: list[float], every_s: float = 0.005) -> None:
-    """How late the running loop runs a timer due every `every_s`, into `into` (ms)."""
-    loop = asyncio.get_running_loop()
-    into.append(0.0)
-    while True:
-        due = loop.time() + every_s
-        await asyncio.sleep(every_s)
-        into.append((loop.time() - due) * 1000)
 
 
 def lag_line(name: str, lags: list[float]) -> str:
@@ -105,12 +119,17 @@ def lag_line(name: str, lags: list[float]) -> str:
 
 
 def stage_split(rows: list[tuple[float, ...]]) -> dict[str, list[float]]:
-    """rows: (due, fired, read, handed, written, received), seconds; ms per stage per row."""
+    """rows: (due, fired, asked, read, handed, written, received), seconds; ms per stage per row."""
     out: dict[str, list[float]] = {s: [] for s in ("total", *STAGES)}
-    for due, fired, read, handed, written, received in rows:
+    for due, fired, asked, read, handed, written, received in rows:
         out["total"].append((received - due) * 1000)
+        # A read sent before the fire waited for it in Redis: no idle time, all read.
+        asked = max(asked, fired)
         for name, a, b in zip(
-            STAGES, (due, fired, read, handed, written), (fired, read, handed, written, received), strict=True
+            STAGES,
+            (due, fired, asked, read, handed, written),
+            (fired, asked, read, handed, written, received),
+            strict=True,
         ):
             out[name].append((b - a) * 1000)
     return out
@@ -119,7 +138,7 @@ def stage_split(rows: list[tuple[float, ...]]) -> dict[str, list[float]]:
 def report(
     rows: list[tuple[float, ...]], load: tuple[float, float], lags: dict[str, list[float]]
 ) -> list[str]:
-    rows = sorted(rows, key=lambda r: r[5] - r[0])
+    rows = sorted(rows, key=lambda r: r[-1] - r[0])
     n = len(rows)
     split = stage_split(rows)
 
@@ -147,14 +166,12 @@ async def run(
     rate: int, seconds: int, workers: int | None, workdir: Path
 ) -> tuple[list[tuple[float, ...]], dict[str, list[float]]]:
     from bench import peers
-    from bench.common import PACKAGE_PATH, start_process
+    from bench.common import PACKAGE_PATH, probe_lag, start_process
 
     trace = workdir / "trace.json"
 
     class Traced(peers.Ours):
-        """Ours, with serve started through hooked_serve and each message's stream id kept."""
-
-        received: dict[bytes, tuple[str, float, float]] = {}
+        """Ours, with serve started through hooked_serve."""
 
         def _start_serve(self) -> subprocess.Popen[bytes]:
             extra = () if self.workers is None else ("--workers", str(self.workers))
@@ -172,16 +189,12 @@ async def run(
             ]
             return start_process([*argv, *extra], self.socket, self.workdir / "serve.log")
 
-        def _received(self, msg: Any, at: float, on_message: Callable[[bytes, float], None]) -> None:
-            self.received[msg.data.split(b":", 2)[1]] = (msg.id, at, peers.due_of(msg.data))
-            on_message(msg.data, at)
-
     system = Traced(workdir, workers)
     sizes = peers.Sizes(rate=rate, steady_s=seconds, burst=0, unary=0, pipelined=0, pending=0)
     result = peers.Run(sizes)
     await system.setup()
-    client_lags: list[float] = []
-    prober = asyncio.create_task(probe_lag(client_lags))
+    publisher_lags: list[float] = []
+    prober = asyncio.create_task(probe_lag(publisher_lags))
     try:
         await peers.steady(system, result)
     finally:
@@ -193,21 +206,33 @@ async def run(
     traced = json.loads(trace.read_text())
     stamps = traced["stamps"]
     rows: list[tuple[float, ...]] = []
-    for idx, (entry_id, received, due) in system.received.items():
-        if idx == peers.WARM_UP or entry_id not in stamps:
+    first: dict[bytes, peers.Arrival] = {}
+    for a in result.arrivals.get(system.name, []):
+        first.setdefault(a.head, a)  # a redelivery is not the message's first arrival
+    for a in first.values():
+        mark = stamps.get(a.id, [])
+        if len(mark) < 4:
             continue
-        mark = stamps[entry_id]
-        if len(mark) < 3:
-            continue
-        fired = int(entry_id.split("-")[0]) / 1000
-        rows.append((due, fired, mark[0], mark[1], mark[2], received))
+        fired = int(a.id.split("-")[0]) / 1000
+        rows.append((peers.due_of(a.head), fired, *mark[:4], a.at))
+    # Outside the total: the ack's way back, which holds the message's slot in the window.
+    back = sorted((traced["acked"][a.id] - a.at) * 1000 for a in first.values() if a.id in traced["acked"])
+    if back:
+        print(
+            f"ack back (received -> ack taken by serve): p50 {back[len(back) // 2]:.1f} ms, "
+            f"p99 {back[int(len(back) * 0.99)]:.1f} ms, max {back[-1]:.1f} ms"
+        )
     windows = sorted(traced["windows"])
     if windows:
         print(
             f"unacked when read: p50 {windows[len(windows) // 2]}, p99 {windows[int(len(windows) * 0.99)]}, "
             f"max {windows[-1]} (window 100)"
         )
-    return rows, {"serve": traced["lags"], "client": client_lags}
+    return rows, {
+        "serve": traced["lags"],
+        "subscriber": result.subscriber_lags.get(system.name, []),
+        "publisher": publisher_lags,
+    }
 
 
 def main() -> None:
