@@ -61,6 +61,11 @@ ACK_LINGER_S = 0.002
 # the read that fills those slots carries them, one round trip for both, unless the
 # subscriber is slower than this (daprd calls the app for each message in turn).
 ACK_LINGER_MAX_S = 0.01
+# A reclaim pass reads at most this many XPENDING pages to find its count of abandoned
+# entries among those it holds or that wait out a retry backoff; the next pass goes on.
+RECLAIM_PAGES = 4
+# How many rows a page adds for entries this stream holds (XPENDING lists them too).
+RECLAIM_OWNED_SLACK = 256
 
 
 def trim_policy(settings: Settings) -> Trim:
@@ -731,14 +736,9 @@ class Subscription:
         exactly one of the two delivers it. Listing takes nothing, so a failure
         anywhere here strands nothing: the next pass lists the same entries.
         """
-        counts = await self._retrying("XPENDING", lambda: self._idle_entries(count))
-        ids = list(counts)
-        if ids and self.retry is not None:
-            # Entries waiting out a retry backoff are not abandoned: not yet.
-            ids = await self.retry.hold_back(ids)
-        if not ids:
+        listed = await self._idle_entries(count)
+        if not listed:
             return 0
-        listed = {i: counts[i] for i in ids}
         # A repeat after a lost reply claims nothing twice (the first try bumped the
         # counts) and hands back what the first try claimed (the nonce's memo).
         nonce = uuid.uuid4().hex
@@ -766,40 +766,68 @@ class Subscription:
         return len(claimed)
 
     async def _idle_entries(self, count: int) -> dict[str, int]:
-        """One batch of up to `count` of the group's entries idle past processingTimeout that
-        we do not hold, with their delivery counts; the batches go round the PEL, pass after pass.
+        """Up to `count` of the group's entries idle past processingTimeout that we do not hold
+        and that wait for no retry, with their delivery counts; the passes go round the PEL.
 
-        A round starts again from the PEL's head at least once per processingTimeout, so an
-        entry that went idle behind the cursor waits at most about two of them, however
-        long a backlog ahead of the cursor lasts. Entries this stream holds are listed too
-        (XPENDING cannot leave them out), so the page is that much longer: they never fill
-        the batch and stall the round.
+        Each pass goes on from where the last one stopped (the cursor), and once per
+        processingTimeout a pass looks at the PEL's head instead, leaving the cursor where
+        it was: an entry that went idle behind the cursor waits at most about two
+        processingTimeouts however long a backlog lasts, and the cursor still gets round
+        a head that never empties. Entries this stream holds, and entries waiting out a
+        retry backoff, do not use up `count`: a pass reads up to RECLAIM_PAGES pages to
+        fill it, so a long run of them at the head cannot hide an abandoned entry.
         """
         now = time.monotonic()
+        head = False
         if now - self._reclaim_round_at >= self._settings.processing_timeout_ms / 1000:
-            self._reclaim_cursor, self._reclaim_round_at = "-", now
-        page = count + len(self._owned)
-        rows: Any = await self._client.xpending_range(
-            self.topic,
-            self._group,
-            min=self._reclaim_cursor,
-            max="+",
-            count=page,
-            idle=self._settings.processing_timeout_ms,
-        )
+            head, self._reclaim_round_at = self._reclaim_cursor != "-", now
+        cursor = "-" if head else self._reclaim_cursor
+        # XPENDING cannot leave out what we hold: the page is that much longer, up to a bound
+        # (a page that yields too little is followed by the next one, not stalled on).
+        page = count + min(len(self._owned), RECLAIM_OWNED_SLACK)
         found: dict[str, int] = {}
-        last = ""
-        for row in rows:
-            last = text(row["message_id"])
-            if last not in self._owned:
-                found[last] = int(row["times_delivered"])
-                if len(found) == count:
-                    break
-        # The next pass goes on after the last one looked at; a short page ends the round.
-        if len(rows) == page:
-            self._reclaim_cursor = f"({last}"
-        else:
-            self._reclaim_cursor, self._reclaim_round_at = "-", now
+        for _ in range(RECLAIM_PAGES):
+            rows: Any = await self._retrying(
+                "XPENDING",
+                functools.partial(
+                    self._client.xpending_range,
+                    self.topic,
+                    self._group,
+                    min=cursor,
+                    max="+",
+                    count=page,
+                    idle=self._settings.processing_timeout_ms,
+                ),
+            )
+            ids = [text(row["message_id"]) for row in rows]
+            listed = {
+                i: int(row["times_delivered"])
+                for i, row in zip(ids, rows, strict=True)
+                if i not in self._owned
+            }
+            wanted = count - len(found)
+            if self.retry is not None and listed:
+                # Entries waiting out a retry backoff are not abandoned: not yet.
+                free, seen = await self.retry.hold_back(list(listed), wanted)
+            else:
+                free, seen = list(listed)[:wanted], len(listed)
+            found.update((i, listed[i]) for i in free)
+            short = len(rows) < page
+            if len(found) >= count and seen < len(listed):
+                # Stopped inside the page: the next pass goes on after the last id used.
+                cursor = f"({list(listed)[seen - 1]}"
+                short = False
+            elif ids:
+                cursor = f"({ids[-1]}"
+            if short:
+                cursor = "-"
+            if short or len(found) >= count:
+                break
+        if not head or cursor == "-":
+            # A head pass leaves the cursor for the next pass, unless it went round the PEL.
+            self._reclaim_cursor = cursor
+            if cursor == "-":
+                self._reclaim_round_at = now
         return found
 
     async def _redeliver(self, entry_id: str, attempt: int, delay_s: float) -> None:

@@ -9,7 +9,7 @@ subscription itself. A subscription with `retry = Retrier(...)` calls:
 - `await retry.on_nack(entry_id, error, attempt)` instead of its own
   redelivery timer, then forgets the id (it is no longer this stream's: the
   record is);
-- `await retry.hold_back(ids)` on the idle ids its reclaim pass found, and
+- `await retry.hold_back(ids, limit)` on the idle ids its reclaim pass found, and
   claims only those returned (with `claim_unchanged`): an entry with a future
   retry record must wait for it;
 - `retry.stop()` when it starts closing (nothing more is claimed for it), and
@@ -185,23 +185,32 @@ class Retrier:
         )
         self._wake.set()
 
-    async def hold_back(self, ids: Sequence[str]) -> list[str]:
-        """The ids that may be delivered now: those without a retry record still in the future.
+    async def hold_back(self, ids: Sequence[str], limit: int) -> tuple[list[str], int]:
+        """Of `ids` (in PEL order), up to `limit` that may be delivered now: those without a
+        retry record still in the future; and how many of `ids` were looked at to find them.
 
-        A record whose time has come is consumed here (ZREM as the token), so
-        exactly one stream delivers it.
+        Entries waiting out a backoff are skipped without counting against `limit`, so a
+        reclaim pass is not used up by them. A record whose time has come is consumed
+        here (ZREM as the token), so exactly one stream delivers it; only as many are
+        taken as `limit` allows (a taken record is a promise to claim).
         """
-        if not ids:
-            return []
+        if not ids or limit <= 0:
+            return [], 0
         scores = await self._retrying("ZMSCORE", lambda: self._client.zmscore(self._key, list(ids)))
         now = self._clock.now_ms()
-        due = [i for i, score in zip(ids, scores, strict=True) if score is not None and score <= now]
+        chosen: list[tuple[str, float | None]] = []
+        seen = len(ids)
+        for n, (i, score) in enumerate(zip(ids, scores, strict=True)):
+            if score is not None and score > now:
+                continue  # waits out its backoff
+            chosen.append((i, score))
+            if len(chosen) == limit:
+                seen = n + 1
+                break
+        due = [i for i, score in chosen if score is not None]
         taken = await self._retrying("take retry records", lambda: self._take(due, now)) if due else {}
-        return [
-            i
-            for i, score in zip(ids, scores, strict=True)
-            if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN
-        ]
+        allowed = [i for i, score in chosen if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN]
+        return allowed, seen
 
     # --- Redis ----------------------------------------------------------------
 

@@ -751,6 +751,51 @@ async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a
         await sub.close()
 
 
+def with_retries(
+    sub: Subscription, aclient: aioredis.Redis, policy: RetryPolicy | None = None
+) -> Subscription:
+    """`sub` with a retry policy (hourly backoff unless `policy` says otherwise), as daprd sets one."""
+    sub.retry = Retrier(
+        aclient,
+        policy or RetryPolicy(active=True, initial_ms=3_600_000, max_ms=3_600_000),
+        topic=sub.topic,
+        group="app1",
+        consumer=sub.consumer,
+        clock=SystemClock(),
+        metrics=Metrics().for_instance(""),
+        call_timeout=5.0,
+    )
+    return sub
+
+
+async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_reclaimed(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Ten entries at the PEL's head wait an hour for their retries; behind them an entry's
+    consumer died. With two slots and four reclaim passes per processingTimeout, the entries
+    that wait must not use up the passes: the abandoned one is delivered."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    held = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(b"held")))) for _ in range(10)]  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "other", {"orders": ">"})
+    later = int(time.time() * 1000) + 3_600_000
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(held, later))
+    dead = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"abandoned"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+    await asyncio.sleep(1.1)  # all idle past processingTimeout
+    s = settings(redis_server, processingTimeout="1s", redeliverInterval="250ms", concurrency="2")
+    sub = with_retries(Broker(aclient, s, SystemClock()).subscription("orders", "alive"), aclient)
+    await sub.start()
+    try:
+        d = await next_delivery(sub.deliveries(), within=8.0)
+        assert (d.id, d.entry.data, d.attempt) == (dead, b"abandoned", 2)
+        # The entries waiting for their retries stay with their records.
+        assert redis_client.zcard(retry_key("app1", "orders")) == 10
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 20)
+        assert {_s(r["message_id"]) for r in rows if r["consumer"] == b"other"} == set(held)
+    finally:
+        await sub.close()
+
+
 async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
