@@ -26,8 +26,11 @@ under the count it listed, the same one, so one of them wins; and if a
 reclaim pass delivered the entry before a late record landed, the record's
 count no longer matches and the stale record is dropped. The record and the
 stream may sit on different Cluster masters, and no step needs both.
-Records of an older version carry no count: the poller claims those under
-the count it read just before taking them, as it used to.
+A late record never replaces one about a later delivery (RETRY_RECORD).
+Records of an older version carry no count, and its replicas take records
+without removing their counts: a count is kept with its record's due time and
+trusted only beside that record; the poller claims the others under the count
+it read just before taking them, and sweeps away counts left without a record.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ T = TypeVar("T")
 # another replica (or before a restart) is noticed.
 POLL_CAP_S = 1.0
 POLL_BATCH = 100
+# Fields of the counts hash one poll looks at for counts left without a record (RETRY_SWEEP).
+SWEEP_STEP = 100
 # How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
 # call after a lost reply comes within the call timeout and a few backoff steps.
 CLAIM_MEMO_MS = 60_000
@@ -109,6 +114,8 @@ class Retrier:
         # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
         self._retention = history if history is not None else Retention()
         self._wake = asyncio.Event()
+        # Where the poller's sweep of orphaned counts (RETRY_SWEEP) goes on from.
+        self._sweep_cursor = "0"
         self._poller: Supervised | None = None
         self._closed = False
 
@@ -354,8 +361,10 @@ class Retrier:
         pipe = self._client.pipeline(transaction=False)
         pipe.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
+        pipe.eval(scripts.RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
         async with asyncio.timeout(self._timeout):
-            due, later = await pipe.execute()
+            due, later, swept = await pipe.execute()
+        self._sweep_cursor = text(swept)
         if due and self._closed:
             # Claimed now, they would be dropped with the stream's buffer and wait out
             # processingTimeout; their records stay for the other streams of the group.

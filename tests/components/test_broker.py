@@ -23,14 +23,8 @@ from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
+from tests.conftest import retrier
 from tests.redis_server import RedisServer, free_port
-
-
-@pytest.fixture
-async def aclient(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=redis_server.port)
-    yield client
-    await client.aclose()
 
 
 def settings(redis_server: RedisServer, **extra: str) -> Settings:
@@ -751,23 +745,6 @@ async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a
         await sub.close()
 
 
-def with_retries(
-    sub: Subscription, aclient: aioredis.Redis, policy: RetryPolicy | None = None
-) -> Subscription:
-    """`sub` with a retry policy (hourly backoff unless `policy` says otherwise), as daprd sets one."""
-    sub.retry = Retrier(
-        aclient,
-        policy or RetryPolicy(active=True, initial_ms=3_600_000, max_ms=3_600_000),
-        topic=sub.topic,
-        group="app1",
-        consumer=sub.consumer,
-        clock=SystemClock(),
-        metrics=Metrics().for_instance(""),
-        call_timeout=5.0,
-    )
-    return sub
-
-
 async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_reclaimed(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
@@ -783,7 +760,8 @@ async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_r
     redis_client.xreadgroup("app1", "dead", {"orders": ">"})
     await asyncio.sleep(1.1)  # all idle past processingTimeout
     s = settings(redis_server, processingTimeout="1s", redeliverInterval="250ms", concurrency="2")
-    sub = with_retries(Broker(aclient, s, SystemClock()).subscription("orders", "alive"), aclient)
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    sub.retry = retrier(aclient, sub.consumer)
     await sub.start()
     try:
         d = await next_delivery(sub.deliveries(), within=8.0)
