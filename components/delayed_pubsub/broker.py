@@ -380,6 +380,7 @@ class Subscription:
         self._fetcher.start()
         self._acker.start()
         if self.retry is not None:
+            self.retry.room = self._room
             self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
 
     def loops(self) -> list[Supervised]:
@@ -546,9 +547,15 @@ class Subscription:
             self._owned.discard(entry_id)
             self._can_fetch.set()
 
+    def _room(self) -> int:
+        """Deliveries the window takes now: neither sent and unacked nor waiting in the buffer."""
+        return self._settings.concurrency - len(self._unacked) - len(self._ready)
+
     def _slot_freed(self) -> None:
         if self._ready:
             self._can_send.set()
+        if self.retry is not None:
+            self.retry.room_freed()
         # Wake the fetch loop once half the window is free, or at the first free
         # slot (it then lingers a moment for more acks), or when nothing is in flight.
         free = self._settings.concurrency - len(self._unacked) - len(self._ready)

@@ -116,6 +116,11 @@ class Retrier:
         self._wake = asyncio.Event()
         # Where the poller's sweep of orphaned counts (RETRY_SWEEP) goes on from.
         self._sweep_cursor = "0"
+        # How many more deliveries the stream's window takes now (None: no bound); set by
+        # the subscription. Due retries beyond it are left for later polls or other streams.
+        self.room: Callable[[], int] | None = None
+        # The poller left due records for want of room: room_freed() wakes it.
+        self._starved = False
         self._poller: Supervised | None = None
         self._closed = False
 
@@ -218,6 +223,13 @@ class Retrier:
         taken = await self._retrying("take retry records", lambda: self._take(due, now)) if due else {}
         allowed = [i for i, score in chosen if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN]
         return allowed, seen
+
+    def room_freed(self) -> None:
+        """The stream's window has room again: a poller that left due retries for want of it
+        looks again now, instead of after its longest sleep."""
+        if self._starved:
+            self._starved = False
+            self._wake.set()
 
     # --- Redis ----------------------------------------------------------------
 
@@ -357,9 +369,17 @@ class Retrier:
         leaves its entry pending with no record: any stream's reclaim pass
         delivers it after processingTimeout.
         """
+        # Claimed only as many as the window takes: a claimed entry waiting in the buffer
+        # sits in our PEL going idle, and past processingTimeout another stream's reclaim
+        # pass would deliver it while our copy is still handed out. The rest wait in
+        # Redis, for a later poll or another stream of the group.
+        limit = POLL_BATCH if self.room is None else min(POLL_BATCH, self.room())
+        if limit <= 0:
+            self._starved = True
+            return None
         now = self._clock.now_ms()
         pipe = self._client.pipeline(transaction=False)
-        pipe.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
+        pipe.zrangebyscore(self._key, "-inf", now, start=0, num=limit)
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
         pipe.eval(scripts.RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
         async with asyncio.timeout(self._timeout):
@@ -393,8 +413,8 @@ class Retrier:
             )
             for entry_id, fields, attempt in live:
                 push(entry_id, fields, attempt)
-            if len(due) == POLL_BATCH:
-                return now
+            if len(due) == limit:
+                return now  # maybe more: the next poll at once (it finds the room left)
         return int(later[0][1]) if later else None
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:

@@ -774,6 +774,92 @@ async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_r
         await sub.close()
 
 
+async def test_due_retries_beyond_a_streams_window_are_left_to_other_streams_and_delivered_once(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Five retries are due and stream A, started first, has one slot. A claims one at a time;
+    the others stay in Redis, and B (ten slots) delivers them: none waits in A's buffer going
+    idle until B's reclaim pass delivers it a second time while A still hands out its copy."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    ids = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))) for i in range(5)]  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+
+    def stream(name: str, concurrency: str) -> Subscription:
+        s = settings(
+            redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency
+        )
+        sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
+        sub.retry = retrier(aclient, sub.consumer)
+        return sub
+
+    a, b = stream("A", "1"), stream("B", "10")
+    seen: Counter[str] = Counter()
+    copies: Counter[str] = Counter()
+    twice: list[str] = []
+
+    async def handle(sub: Subscription, d: Delivery) -> None:
+        seen[d.id] += 1
+        copies[d.id] += 1
+        if copies[d.id] > 1:
+            twice.append(d.id)
+        await asyncio.sleep(0.3)  # the app's work, within processingTimeout
+        copies[d.id] -= 1
+        await sub.ack(d.id)
+
+    async def work(sub: Subscription) -> None:
+        # As daprd does: each message handled as it comes, up to the window.
+        handling: set[asyncio.Task[None]] = set()
+        async for d in sub.deliveries():
+            task = asyncio.create_task(handle(sub, d))
+            handling.add(task)
+            task.add_done_callback(handling.discard)
+
+    await a.start()
+    tasks = [asyncio.create_task(work(a))]
+    await asyncio.sleep(0.1)
+    await b.start()
+    tasks.append(asyncio.create_task(work(b)))
+    try:
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=10)
+        await asyncio.sleep(1.0)  # past processingTimeout: nothing comes again
+        assert twice == []
+        assert seen == dict.fromkeys(ids, 1)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await a.close()
+        await b.close()
+
+
+async def test_a_streams_retry_poller_claims_no_more_due_retries_than_its_window_takes(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """2,000 retries fall due at once for a stream with one slot whose app is busy: the poller
+    claims one into the stream's buffer, not all of them (bounded memory); the rest wait in Redis."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    pipe = redis_client.pipeline(transaction=False)
+    for _ in range(2000):
+        pipe.xadd("orders", encode_entry(StreamEntry(b"x")))  # type: ignore[arg-type]
+    ids = [_s(i) for i in pipe.execute()]
+    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+    s = settings(redis_server, processingTimeout="60s", concurrency="1", queueDepth="1")
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "A")
+    sub.retry = retrier(aclient, sub.consumer)
+    await sub.start()
+    try:
+        await wait_until(lambda: redis_client.zcard(retry_key("app1", "orders")) < 2000)
+        await asyncio.sleep(1.5)  # past the poller's longest sleep: it had every chance to claim more
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 3000)
+        assert Counter(r["consumer"] for r in rows) == {sub.consumer.encode(): 1, b"gone": 1999}
+        assert redis_client.zcard(retry_key("app1", "orders")) == 1999
+        d = await next_delivery(sub.deliveries())
+        assert (d.id, d.attempt) == (ids[0], 2)
+    finally:
+        await sub.close()
+
+
 async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
