@@ -817,7 +817,8 @@ class Subscription:
                 # Entries waiting out a retry backoff are not abandoned: not yet.
                 free, seen = await self.retry.hold_back(list(listed), wanted)
             else:
-                free, seen = list(listed)[:wanted], len(listed)
+                free = list(listed)[:wanted]
+                seen = len(free)
             found.update((i, listed[i]) for i in free)
             short = len(rows) < page
             if len(found) >= count and seen < len(listed):
