@@ -66,6 +66,8 @@ ACK_LINGER_MAX_S = 0.01
 RECLAIM_PAGES = 4
 # How many rows a page adds for entries this stream holds (XPENDING lists them too).
 RECLAIM_OWNED_SLACK = 256
+# The fewest rows a reclaim pass asks XPENDING for at a time.
+RECLAIM_PAGE_MIN = 100
 
 
 def trim_policy(settings: Settings) -> Trim:
@@ -791,7 +793,9 @@ class Subscription:
         cursor = "-" if head else self._reclaim_cursor
         # XPENDING cannot leave out what we hold: the page is that much longer, up to a bound
         # (a page that yields too little is followed by the next one, not stalled on).
-        page = count + min(len(self._owned), RECLAIM_OWNED_SLACK)
+        # At least RECLAIM_PAGE_MIN rows: a long run of entries waiting out retry backoffs is
+        # crossed in a few calls, and a pass that fills its count early stops inside the page.
+        page = max(RECLAIM_PAGE_MIN, count + min(len(self._owned), RECLAIM_OWNED_SLACK))
         found: dict[str, int] = {}
         for _ in range(RECLAIM_PAGES):
             rows: Any = await self._retrying(

@@ -745,14 +745,19 @@ async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a
         await sub.close()
 
 
+@pytest.mark.parametrize("waiting", [10, 2000])
 async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_reclaimed(
-    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis, waiting: int
 ) -> None:
-    """Ten entries at the PEL's head wait an hour for their retries; behind them an entry's
+    """Entries at the PEL's head wait an hour for their retries; behind them an entry's
     consumer died. With two slots and four reclaim passes per processingTimeout, the entries
-    that wait must not use up the passes: the abandoned one is delivered."""
+    that wait must not use up the passes: the abandoned one is delivered within about two
+    processingTimeouts."""
     redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
-    held = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(b"held")))) for _ in range(10)]  # type: ignore[arg-type]
+    pipe = redis_client.pipeline(transaction=False)
+    for _ in range(waiting):
+        pipe.xadd("orders", encode_entry(StreamEntry(b"held")))  # type: ignore[arg-type]
+    held = [_s(i) for i in pipe.execute()]
     redis_client.xreadgroup("app1", "other", {"orders": ">"})
     later = int(time.time() * 1000) + 3_600_000
     redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(held, later))
@@ -762,13 +767,16 @@ async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_r
     s = settings(redis_server, processingTimeout="1s", redeliverInterval="250ms", concurrency="2")
     sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
     sub.retry = retrier(aclient, sub.consumer)
+    started = time.monotonic()
     await sub.start()
     try:
         d = await next_delivery(sub.deliveries(), within=8.0)
+        waited = time.monotonic() - started
         assert (d.id, d.entry.data, d.attempt) == (dead, b"abandoned", 2)
+        assert waited < 2.5, waited
         # The entries waiting for their retries stay with their records.
-        assert redis_client.zcard(retry_key("app1", "orders")) == 10
-        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 20)
+        assert redis_client.zcard(retry_key("app1", "orders")) == waiting
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", waiting + 10)
         assert {_s(r["message_id"]) for r in rows if r["consumer"] == b"other"} == set(held)
     finally:
         await sub.close()
