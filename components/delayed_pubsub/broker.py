@@ -320,6 +320,9 @@ class Subscription:
         self._closed = False
         self._shut = False
         self._ready: deque[Delivery] = deque()
+        # When each buffered delivery was claimed or read (loop time): one that waited long
+        # is checked before it is handed out (_still_ours).
+        self._ready_at: dict[str, float] = {}
         # Sent to the subscriber and not yet acked or nacked, with the attempt
         # it was sent as: each holds a slot, and only these may be acked.
         self._unacked: dict[str, int] = {}
@@ -473,6 +476,9 @@ class Subscription:
         while not self._closed:
             if ready and not self._paused and len(unacked) < limit:
                 delivery = ready.popleft()
+                if not await self._still_ours(delivery):
+                    self._slot_freed()
+                    continue
                 if _expired(delivery.entry, self._clock):
                     # Its TTL ended while it waited in our buffer: never delivered.
                     self._expire(delivery.id)
@@ -487,6 +493,48 @@ class Subscription:
                 continue
             self._can_send.clear()
             await self._can_send.wait()
+
+    async def _still_ours(self, delivery: Delivery) -> bool:
+        """Whether a buffered delivery may be handed out: yes at once if it waited less than
+        half processingTimeout; else only if nobody has taken it over meanwhile.
+
+        An entry waiting in the buffer sits in our PEL going idle; past processingTimeout
+        another stream's reclaim pass may deliver it, and handing out our copy as well
+        would deliver it twice at once. NACK_HOLD under the count it came with tells
+        (every delivery bumps the count) and resets its idle time, so no reclaim pass takes
+        it while the subscriber works on it.
+        """
+        timeout_ms = self._settings.processing_timeout_ms
+        waited = asyncio.get_running_loop().time() - self._ready_at.pop(delivery.id, 0.0)
+        if timeout_ms <= 0 or waited * 1000 < timeout_ms / 2:
+            return True
+        try:
+            held: Any = await self._retrying(
+                "XCLAIM",
+                lambda: self._client.eval(
+                    scripts.NACK_HOLD,
+                    1,
+                    self.topic,
+                    self._group,
+                    self.consumer,
+                    delivery.id,
+                    delivery.attempt,
+                ),
+            )
+        except asyncio.CancelledError:
+            if self._closed:
+                return False  # closing: it stays pending and comes back after processingTimeout
+            raise
+        if held[1]:
+            return True
+        log.info(
+            "%s on %s: taken over while it waited in the buffer (delivery %d); not handed out",
+            delivery.id,
+            self.topic,
+            delivery.attempt,
+        )
+        self._owned.discard(delivery.id)
+        return False
 
     def ack_nowait(self, entry_id: str) -> bool:
         """The subscriber processed `entry_id`: free its slot and queue its XACK.
@@ -889,6 +937,7 @@ class Subscription:
             self._expire(entry_id)
             return
         self._ready.append(Delivery(entry_id, self.topic, entry, attempt))
+        self._ready_at[entry_id] = asyncio.get_running_loop().time()
         self._can_send.set()
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:

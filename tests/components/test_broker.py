@@ -868,6 +868,55 @@ async def test_a_streams_retry_poller_claims_no_more_due_retries_than_its_window
         await sub.close()
 
 
+async def test_a_buffered_entry_taken_over_while_it_waited_is_not_handed_out_as_well(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Five retries are due; A (one slot) and B (ten slots) share them, and each app works on one
+    message at a time for 0.3 s, so B's claimed entries wait in its buffer past processingTimeout
+    (0.5 s) and A's reclaim pass takes them over. B hands out none of those: no message is ever
+    worked on by two streams at once, and every one is acked."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    ids = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))) for i in range(5)]  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+
+    def stream(name: str, concurrency: str) -> Subscription:
+        s = settings(
+            redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency
+        )
+        sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
+        sub.retry = retrier(aclient, sub.consumer)
+        return sub
+
+    working: Counter[str] = Counter()
+    twice: list[str] = []
+
+    async def work(sub: Subscription) -> None:
+        async for d in sub.deliveries():  # one at a time
+            working[d.id] += 1
+            if working[d.id] > 1:
+                twice.append(d.id)
+            await asyncio.sleep(0.3)
+            working[d.id] -= 1
+            await sub.ack(d.id)
+
+    a, b = stream("A", "1"), stream("B", "10")
+    await a.start()
+    tasks = [asyncio.create_task(work(a))]
+    await asyncio.sleep(0.1)
+    await b.start()
+    tasks.append(asyncio.create_task(work(b)))
+    try:
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=15)
+        await asyncio.sleep(1.0)  # past processingTimeout: nothing is still being worked on twice
+        assert twice == []
+    finally:
+        for t in tasks:
+            t.cancel()
+        await a.close()
+        await b.close()
+
+
 async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
