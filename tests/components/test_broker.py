@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -782,26 +782,57 @@ async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_r
         await sub.close()
 
 
+def due_retries(redis_client: redis.Redis, n: int) -> list[str]:
+    """n entries m0..m{n-1} on `orders`, delivered once to a consumer that is gone, their retries due now."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    ids = [_s(i) for i in pipe.execute()]
+    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+    return ids
+
+
+def retrying_stream(
+    aclient: aioredis.Redis, redis_server: RedisServer, name: str, concurrency: str
+) -> Subscription:
+    """A stream of group app1 on `orders` with a retry policy, processingTimeout 500ms."""
+    s = settings(redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency)
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
+    sub.retry = retrier(aclient, sub.consumer)
+    return sub
+
+
+async def until_all_acked(
+    redis_client: redis.Redis,
+    streams: list[Subscription],
+    work: Callable[[Subscription], Coroutine[Any, Any, None]],
+) -> None:
+    """Start `streams` 0.1 s apart, in order, each consumed by `work`, until nothing is pending
+    and then 1 s more (past processingTimeout: whatever would come again has come); close them."""
+    tasks = []
+    try:
+        for sub in streams:
+            await sub.start()
+            tasks.append(asyncio.create_task(work(sub)))
+            await asyncio.sleep(0.1)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=15)
+        await asyncio.sleep(1.0)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for sub in streams:
+            await sub.close()
+
+
 async def test_due_retries_beyond_a_streams_window_are_left_to_other_streams_and_delivered_once(
     aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     """Five retries are due and stream A, started first, has one slot. A claims one at a time;
     the others stay in Redis, and B (ten slots) delivers them: none waits in A's buffer going
     idle until B's reclaim pass delivers it a second time while A still hands out its copy."""
-    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
-    ids = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))) for i in range(5)]  # type: ignore[arg-type]
-    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
-    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
-
-    def stream(name: str, concurrency: str) -> Subscription:
-        s = settings(
-            redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency
-        )
-        sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
-        sub.retry = retrier(aclient, sub.consumer)
-        return sub
-
-    a, b = stream("A", "1"), stream("B", "10")
+    ids = due_retries(redis_client, 5)
     seen: Counter[str] = Counter()
     copies: Counter[str] = Counter()
     twice: list[str] = []
@@ -823,21 +854,13 @@ async def test_due_retries_beyond_a_streams_window_are_left_to_other_streams_and
             handling.add(task)
             task.add_done_callback(handling.discard)
 
-    await a.start()
-    tasks = [asyncio.create_task(work(a))]
-    await asyncio.sleep(0.1)
-    await b.start()
-    tasks.append(asyncio.create_task(work(b)))
-    try:
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=10)
-        await asyncio.sleep(1.0)  # past processingTimeout: nothing comes again
-        assert twice == []
-        assert seen == dict.fromkeys(ids, 1)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await a.close()
-        await b.close()
+    streams = [
+        retrying_stream(aclient, redis_server, "A", "1"),
+        retrying_stream(aclient, redis_server, "B", "10"),
+    ]
+    await until_all_acked(redis_client, streams, work)
+    assert twice == []
+    assert seen == dict.fromkeys(ids, 1)
 
 
 async def test_a_streams_retry_poller_claims_no_more_due_retries_than_its_window_takes(
@@ -845,13 +868,7 @@ async def test_a_streams_retry_poller_claims_no_more_due_retries_than_its_window
 ) -> None:
     """2,000 retries fall due at once for a stream with one slot whose app is busy: the poller
     claims one into the stream's buffer, not all of them (bounded memory); the rest wait in Redis."""
-    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
-    pipe = redis_client.pipeline(transaction=False)
-    for _ in range(2000):
-        pipe.xadd("orders", encode_entry(StreamEntry(b"x")))  # type: ignore[arg-type]
-    ids = [_s(i) for i in pipe.execute()]
-    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
-    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+    ids = due_retries(redis_client, 2000)
     s = settings(redis_server, processingTimeout="60s", concurrency="1", queueDepth="1")
     sub = Broker(aclient, s, SystemClock()).subscription("orders", "A")
     sub.retry = retrier(aclient, sub.consumer)
@@ -875,19 +892,7 @@ async def test_a_buffered_entry_taken_over_while_it_waited_is_not_handed_out_as_
     message at a time for 0.3 s, so B's claimed entries wait in its buffer past processingTimeout
     (0.5 s) and A's reclaim pass takes them over. B hands out none of those: no message is ever
     worked on by two streams at once, and every one is acked."""
-    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
-    ids = [_s(redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))) for i in range(5)]  # type: ignore[arg-type]
-    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
-    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
-
-    def stream(name: str, concurrency: str) -> Subscription:
-        s = settings(
-            redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency
-        )
-        sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
-        sub.retry = retrier(aclient, sub.consumer)
-        return sub
-
+    due_retries(redis_client, 5)
     working: Counter[str] = Counter()
     twice: list[str] = []
 
@@ -900,21 +905,12 @@ async def test_a_buffered_entry_taken_over_while_it_waited_is_not_handed_out_as_
             working[d.id] -= 1
             await sub.ack(d.id)
 
-    a, b = stream("A", "1"), stream("B", "10")
-    await a.start()
-    tasks = [asyncio.create_task(work(a))]
-    await asyncio.sleep(0.1)
-    await b.start()
-    tasks.append(asyncio.create_task(work(b)))
-    try:
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=15)
-        await asyncio.sleep(1.0)  # past processingTimeout: nothing is still being worked on twice
-        assert twice == []
-    finally:
-        for t in tasks:
-            t.cancel()
-        await a.close()
-        await b.close()
+    streams = [
+        retrying_stream(aclient, redis_server, "A", "1"),
+        retrying_stream(aclient, redis_server, "B", "10"),
+    ]
+    await until_all_acked(redis_client, streams, work)
+    assert twice == []
 
 
 async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(
