@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 import redis.cluster
 from hypothesis import settings as hypothesis_settings
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.keys import EngineKeys
+from delayed_middleware.retry import RetryPolicy
+from delayed_pubsub.metrics import Metrics
+from delayed_pubsub.redelivery import Retrier
 from tests.redis_server import RedisCluster, RedisServer
 
 
@@ -47,6 +51,29 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+async def aclient(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client on the same flushed database as `redis_client`."""
+    client = aioredis.Redis(port=redis_server.port)
+    yield client
+    await client.aclose()
+
+
+def retrier(client: Any, consumer: str, policy: RetryPolicy | None = None, topic: str = "orders") -> Retrier:
+    """The retry executor of group app1 on `topic` for `consumer`: an hourly backoff unless
+    `policy` says otherwise."""
+    return Retrier(
+        client,
+        policy or RetryPolicy(active=True, initial_ms=3_600_000, max_ms=3_600_000),
+        topic=topic,
+        group="app1",
+        consumer=consumer,
+        clock=SystemClock(),
+        metrics=Metrics().for_instance(""),
+        call_timeout=5.0,
+    )
 
 
 @pytest.fixture(scope="module")

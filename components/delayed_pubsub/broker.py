@@ -61,6 +61,13 @@ ACK_LINGER_S = 0.002
 # the read that fills those slots carries them, one round trip for both, unless the
 # subscriber is slower than this (daprd calls the app for each message in turn).
 ACK_LINGER_MAX_S = 0.01
+# A reclaim pass reads at most this many XPENDING pages to find its count of abandoned
+# entries among those it holds or that wait out a retry backoff; the next pass goes on.
+RECLAIM_PAGES = 4
+# How many rows a page adds for entries this stream holds (XPENDING lists them too).
+RECLAIM_OWNED_SLACK = 256
+# The fewest rows a reclaim pass asks XPENDING for at a time.
+RECLAIM_PAGE_MIN = 100
 
 
 def trim_policy(settings: Settings) -> Trim:
@@ -313,6 +320,9 @@ class Subscription:
         self._closed = False
         self._shut = False
         self._ready: deque[Delivery] = deque()
+        # When each buffered delivery was claimed or read (loop time): one that waited long
+        # is checked before it is handed out (_still_ours).
+        self._ready_at: dict[str, float] = {}
         # Sent to the subscriber and not yet acked or nacked, with the attempt
         # it was sent as: each holds a slot, and only these may be acked.
         self._unacked: dict[str, int] = {}
@@ -375,6 +385,7 @@ class Subscription:
         self._fetcher.start()
         self._acker.start()
         if self.retry is not None:
+            self.retry.room = self._room
             self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
 
     def loops(self) -> list[Supervised]:
@@ -470,6 +481,9 @@ class Subscription:
         while not self._closed:
             if ready and not self._paused and len(unacked) < limit:
                 delivery = ready.popleft()
+                if not await self._still_ours(delivery):
+                    self._slot_freed()
+                    continue
                 if _expired(delivery.entry, self._clock):
                     # Its TTL ended while it waited in our buffer: never delivered.
                     self._expire(delivery.id)
@@ -484,6 +498,48 @@ class Subscription:
                 continue
             self._can_send.clear()
             await self._can_send.wait()
+
+    async def _still_ours(self, delivery: Delivery) -> bool:
+        """Whether a buffered delivery may be handed out: yes at once if it waited less than
+        half processingTimeout; else only if nobody has taken it over meanwhile.
+
+        An entry waiting in the buffer sits in our PEL going idle; past processingTimeout
+        another stream's reclaim pass may deliver it, and handing out our copy as well
+        would deliver it twice at once. NACK_HOLD under the count it came with tells
+        (every delivery bumps the count) and resets its idle time, so no reclaim pass takes
+        it while the subscriber works on it.
+        """
+        timeout_ms = self._settings.processing_timeout_ms
+        waited = asyncio.get_running_loop().time() - self._ready_at.pop(delivery.id, 0.0)
+        if timeout_ms <= 0 or waited * 1000 < timeout_ms / 2:
+            return True
+        try:
+            held: Any = await self._retrying(
+                "XCLAIM",
+                lambda: self._client.eval(
+                    scripts.NACK_HOLD,
+                    1,
+                    self.topic,
+                    self._group,
+                    self.consumer,
+                    delivery.id,
+                    delivery.attempt,
+                ),
+            )
+        except asyncio.CancelledError:
+            if self._closed:
+                return False  # closing: it stays pending and comes back after processingTimeout
+            raise
+        if held[1]:
+            return True
+        log.info(
+            "%s on %s: taken over while it waited in the buffer (delivery %d); not handed out",
+            delivery.id,
+            self.topic,
+            delivery.attempt,
+        )
+        self._owned.discard(delivery.id)
+        return False
 
     def ack_nowait(self, entry_id: str) -> bool:
         """The subscriber processed `entry_id`: free its slot and queue its XACK.
@@ -546,9 +602,15 @@ class Subscription:
             self._owned.discard(entry_id)
             self._can_fetch.set()
 
+    def _room(self) -> int:
+        """Deliveries the window takes now: neither sent and unacked nor waiting in the buffer."""
+        return self._settings.concurrency - len(self._unacked) - len(self._ready)
+
     def _slot_freed(self) -> None:
         if self._ready:
             self._can_send.set()
+        if self.retry is not None:
+            self.retry.room_freed()
         # Wake the fetch loop once half the window is free, or at the first free
         # slot (it then lingers a moment for more acks), or when nothing is in flight.
         free = self._settings.concurrency - len(self._unacked) - len(self._ready)
@@ -770,14 +832,9 @@ class Subscription:
         exactly one of the two delivers it. Listing takes nothing, so a failure
         anywhere here strands nothing: the next pass lists the same entries.
         """
-        counts = await self._retrying("XPENDING", lambda: self._idle_entries(count))
-        ids = list(counts)
-        if ids and self.retry is not None:
-            # Entries waiting out a retry backoff are not abandoned: not yet.
-            ids = await self.retry.hold_back(ids)
-        if not ids:
+        listed = await self._idle_entries(count)
+        if not listed:
             return 0
-        listed = {i: counts[i] for i in ids}
         # A repeat after a lost reply claims nothing twice (the first try bumped the
         # counts) and hands back what the first try claimed (the nonce's memo).
         nonce = uuid.uuid4().hex
@@ -805,40 +862,71 @@ class Subscription:
         return len(claimed)
 
     async def _idle_entries(self, count: int) -> dict[str, int]:
-        """One batch of up to `count` of the group's entries idle past processingTimeout that
-        we do not hold, with their delivery counts; the batches go round the PEL, pass after pass.
+        """Up to `count` of the group's entries idle past processingTimeout that we do not hold
+        and that wait for no retry, with their delivery counts; the passes go round the PEL.
 
-        A round starts again from the PEL's head at least once per processingTimeout, so an
-        entry that went idle behind the cursor waits at most about two of them, however
-        long a backlog ahead of the cursor lasts. Entries this stream holds are listed too
-        (XPENDING cannot leave them out), so the page is that much longer: they never fill
-        the batch and stall the round.
+        Each pass goes on from where the last one stopped (the cursor), and once per
+        processingTimeout a pass looks at the PEL's head instead, leaving the cursor where
+        it was: an entry that went idle behind the cursor waits at most about two
+        processingTimeouts however long a backlog lasts, and the cursor still gets round
+        a head that never empties. Entries this stream holds, and entries waiting out a
+        retry backoff, do not use up `count`: a pass reads up to RECLAIM_PAGES pages to
+        fill it, so a long run of them at the head cannot hide an abandoned entry.
         """
         now = time.monotonic()
+        head = False
         if now - self._reclaim_round_at >= self._settings.processing_timeout_ms / 1000:
-            self._reclaim_cursor, self._reclaim_round_at = "-", now
-        page = count + len(self._owned)
-        rows: Any = await self._client.xpending_range(
-            self.topic,
-            self._group,
-            min=self._reclaim_cursor,
-            max="+",
-            count=page,
-            idle=self._settings.processing_timeout_ms,
-        )
+            head, self._reclaim_round_at = self._reclaim_cursor != "-", now
+        cursor = "-" if head else self._reclaim_cursor
+        # XPENDING cannot leave out what we hold: the page is that much longer, up to a bound
+        # (a page that yields too little is followed by the next one, not stalled on).
+        # At least RECLAIM_PAGE_MIN rows: a long run of entries waiting out retry backoffs is
+        # crossed in a few calls, and a pass that fills its count early stops inside the page.
+        page = max(RECLAIM_PAGE_MIN, count + min(len(self._owned), RECLAIM_OWNED_SLACK))
         found: dict[str, int] = {}
-        last = ""
-        for row in rows:
-            last = text(row["message_id"])
-            if last not in self._owned:
-                found[last] = int(row["times_delivered"])
-                if len(found) == count:
-                    break
-        # The next pass goes on after the last one looked at; a short page ends the round.
-        if len(rows) == page:
-            self._reclaim_cursor = f"({last}"
-        else:
-            self._reclaim_cursor, self._reclaim_round_at = "-", now
+        for _ in range(RECLAIM_PAGES):
+            rows: Any = await self._retrying(
+                "XPENDING",
+                functools.partial(
+                    self._client.xpending_range,
+                    self.topic,
+                    self._group,
+                    min=cursor,
+                    max="+",
+                    count=page,
+                    idle=self._settings.processing_timeout_ms,
+                ),
+            )
+            ids = [text(row["message_id"]) for row in rows]
+            listed = {
+                i: int(row["times_delivered"])
+                for i, row in zip(ids, rows, strict=True)
+                if i not in self._owned
+            }
+            wanted = count - len(found)
+            if self.retry is not None and listed:
+                # Entries waiting out a retry backoff are not abandoned: not yet.
+                free, seen = await self.retry.hold_back(list(listed), wanted)
+            else:
+                free = list(listed)[:wanted]
+                seen = len(free)
+            found.update((i, listed[i]) for i in free)
+            short = len(rows) < page
+            if len(found) >= count and seen < len(listed):
+                # Stopped inside the page: the next pass goes on after the last id used.
+                cursor = f"({list(listed)[seen - 1]}"
+                short = False
+            elif ids:
+                cursor = f"({ids[-1]}"
+            if short:
+                cursor = "-"
+            if short or len(found) >= count:
+                break
+        if not head or cursor == "-":
+            # A head pass leaves the cursor for the next pass, unless it went round the PEL.
+            self._reclaim_cursor = cursor
+            if cursor == "-":
+                self._reclaim_round_at = now
         return found
 
     async def _redeliver(self, entry_id: str, attempt: int, delay_s: float) -> None:
@@ -888,6 +976,7 @@ class Subscription:
             self._expire(entry_id)
             return
         self._ready.append(Delivery(entry_id, self.topic, entry, attempt))
+        self._ready_at[entry_id] = asyncio.get_running_loop().time()
         self._can_send.set()
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:

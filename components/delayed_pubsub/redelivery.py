@@ -9,7 +9,7 @@ subscription itself. A subscription with `retry = Retrier(...)` calls:
 - `await retry.on_nack(entry_id, error, attempt)` instead of its own
   redelivery timer, then forgets the id (it is no longer this stream's: the
   record is);
-- `await retry.hold_back(ids)` on the idle ids its reclaim pass found, and
+- `await retry.hold_back(ids, limit)` on the idle ids its reclaim pass found, and
   claims only those returned (with `claim_unchanged`): an entry with a future
   retry record must wait for it;
 - `retry.stop()` when it starts closing (nothing more is claimed for it), and
@@ -26,8 +26,11 @@ under the count it listed, the same one, so one of them wins; and if a
 reclaim pass delivered the entry before a late record landed, the record's
 count no longer matches and the stale record is dropped. The record and the
 stream may sit on different Cluster masters, and no step needs both.
-Records of an older version carry no count: the poller claims those under
-the count it read just before taking them, as it used to.
+A late record never replaces one about a later delivery (RETRY_RECORD).
+Records of an older version carry no count, and its replicas take records
+without removing their counts: a count is kept with its record's due time and
+trusted only beside that record; the poller claims the others under the count
+it read just before taking them, and sweeps away counts left without a record.
 
 When the poller looks: at the due times it has read, on its own nacks, and
 at least every POLL_CAP_S. Under `serve --workers N` a worker's DueScan looks
@@ -81,6 +84,8 @@ NOTICED_POLL_CAP_S = 30.0
 # late a record written by another process or replica is announced.
 SCAN_CAP_S = 1.0
 POLL_BATCH = 100
+# Fields of the counts hash one poll looks at for counts left without a record (RETRY_SWEEP).
+SWEEP_STEP = 100
 # How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
 # call after a lost reply comes within the call timeout and a few backoff steps.
 CLAIM_MEMO_MS = 60_000
@@ -123,6 +128,13 @@ class Retrier:
         # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
         self._retention = history if history is not None else Retention()
         self._wake = asyncio.Event()
+        # Where the poller's sweep of orphaned counts (RETRY_SWEEP) goes on from.
+        self._sweep_cursor = "0"
+        # How many more deliveries the stream's window takes now (None: no bound); set by
+        # the subscription. Due retries beyond it are left for later polls or other streams.
+        self.room: Callable[[], int] | None = None
+        # The poller left due records for want of room: room_freed() wakes it.
+        self._starved = False
         self._poller: Supervised | None = None
         self._closed = False
         # Under `serve --workers N` a worker's due scan wakes the poller (notify): it then
@@ -211,23 +223,39 @@ class Retrier:
         )
         self._wake.set()
 
-    async def hold_back(self, ids: Sequence[str]) -> list[str]:
-        """The ids that may be delivered now: those without a retry record still in the future.
+    async def hold_back(self, ids: Sequence[str], limit: int) -> tuple[list[str], int]:
+        """Of `ids` (in PEL order), up to `limit` that may be delivered now: those without a
+        retry record still in the future; and how many of `ids` were looked at to find them.
 
-        A record whose time has come is consumed here (ZREM as the token), so
-        exactly one stream delivers it.
+        Entries waiting out a backoff are skipped without counting against `limit`, so a
+        reclaim pass is not used up by them. A record whose time has come is consumed
+        here (ZREM as the token), so exactly one stream delivers it; only as many are
+        taken as `limit` allows (a taken record is a promise to claim).
         """
-        if not ids:
-            return []
+        if not ids or limit <= 0:
+            return [], 0
         scores = await self._retrying("ZMSCORE", lambda: self._client.zmscore(self._key, list(ids)))
         now = self._clock.now_ms()
-        due = [i for i, score in zip(ids, scores, strict=True) if score is not None and score <= now]
+        chosen: list[tuple[str, float | None]] = []
+        seen = len(ids)
+        for n, (i, score) in enumerate(zip(ids, scores, strict=True)):
+            if score is not None and score > now:
+                continue  # waits out its backoff
+            chosen.append((i, score))
+            if len(chosen) == limit:
+                seen = n + 1
+                break
+        due = [i for i, score in chosen if score is not None]
         taken = await self._retrying("take retry records", lambda: self._take(due, now)) if due else {}
-        return [
-            i
-            for i, score in zip(ids, scores, strict=True)
-            if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN
-        ]
+        allowed = [i for i, score in chosen if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN]
+        return allowed, seen
+
+    def room_freed(self) -> None:
+        """The stream's window has room again: a poller that left due retries for want of it
+        looks again now, instead of after its longest sleep."""
+        if self._starved:
+            self._starved = False
+            self._wake.set()
 
     # --- Redis ----------------------------------------------------------------
 
@@ -369,12 +397,22 @@ class Retrier:
         leaves its entry pending with no record: any stream's reclaim pass
         delivers it after processingTimeout.
         """
+        # Claimed only as many as the window takes: a claimed entry waiting in the buffer
+        # sits in our PEL going idle, and past processingTimeout another stream's reclaim
+        # pass would deliver it while our copy is still handed out. The rest wait in
+        # Redis, for a later poll or another stream of the group.
+        limit = POLL_BATCH if self.room is None else min(POLL_BATCH, self.room())
+        if limit <= 0:
+            self._starved = True
+            return None
         now = self._clock.now_ms()
         pipe = self._client.pipeline(transaction=False)
-        pipe.zrangebyscore(self._key, "-inf", now, start=0, num=POLL_BATCH)
+        pipe.zrangebyscore(self._key, "-inf", now, start=0, num=limit)
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
+        pipe.eval(scripts.RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
         async with asyncio.timeout(self._timeout):
-            due, later = await pipe.execute()
+            due, later, swept = await pipe.execute()
+        self._sweep_cursor = text(swept)
         if due and self._closed:
             # Claimed now, they would be dropped with the stream's buffer and wait out
             # processingTimeout; their records stay for the other streams of the group.
@@ -403,8 +441,8 @@ class Retrier:
             )
             for entry_id, fields, attempt in live:
                 push(entry_id, fields, attempt)
-            if len(due) == POLL_BATCH:
-                return now
+            if len(due) == limit:
+                return now  # maybe more: the next poll at once (it finds the room left)
         return int(later[0][1]) if later else None
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:

@@ -474,10 +474,7 @@ class MergedMetrics:
                 totals: dict[_Key, float] = {}
                 for child, values in counted.items():
                     totals.update(lives.setdefault(child, _Life()).carried(born.get(child), values))
-                fam.samples = [
-                    s._replace(value=totals.get(_key(s), s.value))
-                    for s in fam.samples
-                ]
+                fam.samples = [s._replace(value=totals.get(_key(s), s.value)) for s in fam.samples]
             yield fam
 
     def collect(self) -> Iterator[Metric]:

@@ -38,7 +38,8 @@ epoch ms from which it may be redelivered). Then:
   record (ZREM returning 1 is the token), which bumps the PEL delivery count,
   so `deliveryAttempt` = the PEL's times-delivered, crashes included;
 - the record keeps the delivery count the nack was about, in a hash beside it
-  (`{<consumerID>-delayed}:retry-n:<topic>`), and the poller claims under that
+  (`{<consumerID>-delayed}:retry-n:<topic>`, "count:due ms": trusted only beside
+  the record of that due time), and the poller claims under that
   count: if the entry was delivered again since (a reclaim pass got there while
   the record was held up on its way), that delivery was the retry, and the
   stale record is dropped instead of delivering the entry a second time;

@@ -69,6 +69,8 @@ NACK_HOLD: Final = load("nack_hold.lua")
 # A retry record with the delivery count it is about, and the taking of due records.
 RETRY_RECORD: Final = load("retry_record.lua")
 RETRY_TAKE: Final = load("retry_take.lua")
+# Counts an older version's taker left without their records, removed a few at a time.
+RETRY_SWEEP: Final = load("retry_sweep.lua")
 
 # The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
 # as FIRE, split where the target topics leave the shard's slot.

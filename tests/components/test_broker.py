@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -23,14 +23,8 @@ from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
+from tests.conftest import retrier
 from tests.redis_server import RedisServer, free_port
-
-
-@pytest.fixture
-async def aclient(redis_server: RedisServer, redis_client: redis.Redis) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis(port=redis_server.port)
-    yield client
-    await client.aclose()
 
 
 def settings(redis_server: RedisServer, **extra: str) -> Settings:
@@ -749,6 +743,174 @@ async def test_an_entry_gone_idle_behind_the_reclaim_cursor_is_reclaimed_while_a
     finally:
         busy.cancel()
         await sub.close()
+
+
+@pytest.mark.parametrize("waiting", [10, 2000])
+async def test_an_abandoned_entry_behind_entries_waiting_out_retry_backoffs_is_reclaimed(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis, waiting: int
+) -> None:
+    """Entries at the PEL's head wait an hour for their retries; behind them an entry's
+    consumer died. With two slots and four reclaim passes per processingTimeout, the entries
+    that wait must not use up the passes: the abandoned one is delivered within about two
+    processingTimeouts."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    pipe = redis_client.pipeline(transaction=False)
+    for _ in range(waiting):
+        pipe.xadd("orders", encode_entry(StreamEntry(b"held")))  # type: ignore[arg-type]
+    held = [_s(i) for i in pipe.execute()]
+    redis_client.xreadgroup("app1", "other", {"orders": ">"})
+    later = int(time.time() * 1000) + 3_600_000
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(held, later))
+    dead = _s(redis_client.xadd("orders", encode_entry(StreamEntry(b"abandoned"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "dead", {"orders": ">"})
+    await asyncio.sleep(1.1)  # all idle past processingTimeout
+    s = settings(redis_server, processingTimeout="1s", redeliverInterval="250ms", concurrency="2")
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "alive")
+    sub.retry = retrier(aclient, sub.consumer)
+    started = time.monotonic()
+    await sub.start()
+    try:
+        d = await next_delivery(sub.deliveries(), within=8.0)
+        waited = time.monotonic() - started
+        assert (d.id, d.entry.data, d.attempt) == (dead, b"abandoned", 2)
+        assert waited < 2.5, waited
+        # The entries waiting for their retries stay with their records.
+        assert redis_client.zcard(retry_key("app1", "orders")) == waiting
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", waiting + 10)
+        assert {_s(r["message_id"]) for r in rows if r["consumer"] == b"other"} == set(held)
+    finally:
+        await sub.close()
+
+
+def due_retries(redis_client: redis.Redis, n: int) -> list[str]:
+    """n entries m0..m{n-1} on `orders`, delivered once to a consumer that is gone, their retries due now."""
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    ids = [_s(i) for i in pipe.execute()]
+    redis_client.xreadgroup("app1", "gone", {"orders": ">"})
+    redis_client.zadd(retry_key("app1", "orders"), dict.fromkeys(ids, int(time.time() * 1000) - 1))
+    return ids
+
+
+def retrying_stream(
+    aclient: aioredis.Redis, redis_server: RedisServer, name: str, concurrency: str
+) -> Subscription:
+    """A stream of group app1 on `orders` with a retry policy, processingTimeout 500ms."""
+    s = settings(redis_server, processingTimeout="500ms", redeliverInterval="100ms", concurrency=concurrency)
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
+    sub.retry = retrier(aclient, sub.consumer)
+    return sub
+
+
+async def until_all_acked(
+    redis_client: redis.Redis,
+    streams: list[Subscription],
+    work: Callable[[Subscription], Coroutine[Any, Any, None]],
+) -> None:
+    """Start `streams` 0.1 s apart, in order, each consumed by `work`, until nothing is pending
+    and then 1 s more (past processingTimeout: whatever would come again has come); close them."""
+    tasks = []
+    try:
+        for sub in streams:
+            await sub.start()
+            tasks.append(asyncio.create_task(work(sub)))
+            await asyncio.sleep(0.1)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=15)
+        await asyncio.sleep(1.0)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for sub in streams:
+            await sub.close()
+
+
+async def test_due_retries_beyond_a_streams_window_are_left_to_other_streams_and_delivered_once(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Five retries are due and stream A, started first, has one slot. A claims one at a time;
+    the others stay in Redis, and B (ten slots) delivers them: none waits in A's buffer going
+    idle until B's reclaim pass delivers it a second time while A still hands out its copy."""
+    ids = due_retries(redis_client, 5)
+    seen: Counter[str] = Counter()
+    copies: Counter[str] = Counter()
+    twice: list[str] = []
+
+    async def handle(sub: Subscription, d: Delivery) -> None:
+        seen[d.id] += 1
+        copies[d.id] += 1
+        if copies[d.id] > 1:
+            twice.append(d.id)
+        await asyncio.sleep(0.3)  # the app's work, within processingTimeout
+        copies[d.id] -= 1
+        await sub.ack(d.id)
+
+    async def work(sub: Subscription) -> None:
+        # As daprd does: each message handled as it comes, up to the window.
+        handling: set[asyncio.Task[None]] = set()
+        async for d in sub.deliveries():
+            task = asyncio.create_task(handle(sub, d))
+            handling.add(task)
+            task.add_done_callback(handling.discard)
+
+    streams = [
+        retrying_stream(aclient, redis_server, "A", "1"),
+        retrying_stream(aclient, redis_server, "B", "10"),
+    ]
+    await until_all_acked(redis_client, streams, work)
+    assert twice == []
+    assert seen == dict.fromkeys(ids, 1)
+
+
+async def test_a_streams_retry_poller_claims_no_more_due_retries_than_its_window_takes(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """2,000 retries fall due at once for a stream with one slot whose app is busy: the poller
+    claims one into the stream's buffer, not all of them (bounded memory); the rest wait in Redis."""
+    ids = due_retries(redis_client, 2000)
+    s = settings(redis_server, processingTimeout="60s", concurrency="1", queueDepth="1")
+    sub = Broker(aclient, s, SystemClock()).subscription("orders", "A")
+    sub.retry = retrier(aclient, sub.consumer)
+    await sub.start()
+    try:
+        await wait_until(lambda: redis_client.zcard(retry_key("app1", "orders")) < 2000)
+        await asyncio.sleep(1.5)  # past the poller's longest sleep: it had every chance to claim more
+        rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 3000)
+        assert Counter(r["consumer"] for r in rows) == {sub.consumer.encode(): 1, b"gone": 1999}
+        assert redis_client.zcard(retry_key("app1", "orders")) == 1999
+        d = await next_delivery(sub.deliveries())
+        assert (d.id, d.attempt) == (ids[0], 2)
+    finally:
+        await sub.close()
+
+
+async def test_a_buffered_entry_taken_over_while_it_waited_is_not_handed_out_as_well(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Five retries are due; A (one slot) and B (ten slots) share them, and each app works on one
+    message at a time for 0.3 s, so B's claimed entries wait in its buffer past processingTimeout
+    (0.5 s) and A's reclaim pass takes them over. B hands out none of those: no message is ever
+    worked on by two streams at once, and every one is acked."""
+    due_retries(redis_client, 5)
+    working: Counter[str] = Counter()
+    twice: list[str] = []
+
+    async def work(sub: Subscription) -> None:
+        async for d in sub.deliveries():  # one at a time
+            working[d.id] += 1
+            if working[d.id] > 1:
+                twice.append(d.id)
+            await asyncio.sleep(0.3)
+            working[d.id] -= 1
+            await sub.ack(d.id)
+
+    streams = [
+        retrying_stream(aclient, redis_server, "A", "1"),
+        retrying_stream(aclient, redis_server, "B", "10"),
+    ]
+    await until_all_acked(redis_client, streams, work)
+    assert twice == []
 
 
 async def test_a_pending_entry_trimmed_away_leaves_the_pending_list_and_is_not_delivered(

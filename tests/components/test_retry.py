@@ -14,15 +14,17 @@ import grpc
 import prometheus_client
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from delayed_middleware import scripts
 from delayed_middleware.deadletters import dead_letter_topics_key
-from delayed_middleware.entry import decode_entry
+from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.retry import retry_counts_key, retry_key
+from delayed_pubsub.redelivery import claim_unchanged
 from delayed_pubsub.server import ComponentServer
 from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
-from tests.conftest import small_stream_nodes
+from tests.conftest import retrier, small_stream_nodes
 from tests.redis_server import free_port
 
 Factory = Callable[[str], Component]
@@ -55,7 +57,13 @@ def dead_letters(redis_client: redis.Redis, topic: str = "orders-dead") -> list[
 
 
 async def work_until_quiet(
-    streams: list[Stream], *, expect: int, quiet_s: float, work_s: float, fail_first: bool, within: float = 20.0
+    streams: list[Stream],
+    *,
+    expect: int,
+    quiet_s: float,
+    work_s: float,
+    fail_first: bool,
+    within: float = 20.0,
 ) -> list[tuple[bytes, str]]:
     """Act as the app on `streams` until `expect` deliveries came and then none for `quiet_s`.
 
@@ -712,6 +720,89 @@ def test_a_slow_taker_does_not_remove_a_retry_record_written_since_it_looked(
     redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 1_000, 1)  # what the taker read
     redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 5_000, 2)  # written since
     assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
-    assert (redis_client.zscore(key, "1-0"), redis_client.hget(counts, "1-0")) == (5_000, b"2")
+    assert (redis_client.zscore(key, "1-0"), redis_client.hget(counts, "1-0")) == (5_000, b"2:5000")
     assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 5_000, "1-0", "2-0") == [2, -1]
     assert not redis_client.exists(key, counts)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pel(redis_client: redis.Redis) -> list[tuple[str, str, int]]:
+    rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 100)
+    return [(r["message_id"].decode(), r["consumer"].decode(), r["times_delivered"]) for r in rows]
+
+
+async def test_a_late_retry_record_leaves_the_newer_one_of_a_later_delivery_in_place(
+    aclient: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    """Stream A nacks delivery 1, and its record is held up on the wire past processingTimeout.
+    Meanwhile B reclaims the entry (delivery 2), fails it, and records a retry an hour away.
+    A's record then lands, due at once: the hour's wait for delivery 2's failure stays, and
+    no poller delivers the entry before it."""
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    e = _str(redis_client.xadd("orders", encode_entry(StreamEntry(b"m"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "A", {"orders": ">"})  # delivery 1
+    assert redis_client.eval(scripts.NACK_HOLD, 1, "orders", "app1", "A", e, 1)[0] == 1
+    got = await claim_unchanged(aclient, "orders", "app1", "B", {e: 1}, 0, nonce="n1")  # delivery 2
+    assert [(i, n) for i, _, n in got] == [(e, 2)]
+    now = int(time.time() * 1000)
+    assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now + 3_600_000, 2) == 1
+    assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now - 1, 1) == 0  # A's, late
+    assert redis_client.zscore(key, e) == now + 3_600_000
+    pushed: list[tuple[str, int]] = []
+    await retrier(aclient, "C")._redeliver_due(lambda i, f, n: pushed.append((i, n)))
+    assert pushed == []
+    assert _pel(redis_client) == [(e, "B", 2)]
+    assert redis_client.zscore(key, e) == now + 3_600_000
+
+
+async def test_a_retry_record_rewritten_by_an_older_replica_is_delivered_as_the_next_attempt(
+    aclient: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    """A rolling upgrade: a new replica nacks delivery 1 (record and count 1). An older replica
+    takes the record (leaving the count), delivers it (2), its app fails, and it writes a record
+    of its own, without a count. The new poller delivers that retry as delivery 3: the count
+    left over from delivery 1 is not trusted, and the retry is not dropped as stale."""
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
+    e = _str(redis_client.xadd("orders", encode_entry(StreamEntry(b"m"))))  # type: ignore[arg-type]
+    redis_client.xreadgroup("app1", "new1", {"orders": ">"})
+    now = int(time.time() * 1000)
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now - 10, 1)
+    # The older replica: ZREM as its token (no HDEL), XCLAIM (delivery 2), then its nack: ZADD alone.
+    redis_client.zrem(key, e)
+    redis_client.xclaim("orders", "app1", "old1", 0, [e])
+    redis_client.zadd(key, {e: now - 5})
+    pushed: list[tuple[str, int]] = []
+    await retrier(aclient, "new2")._redeliver_due(lambda i, f, n: pushed.append((i, n)))
+    assert pushed == [(e, 3)]
+    assert _pel(redis_client) == [(e, "new2", 3)]
+    assert not redis_client.exists(key, counts)
+
+
+async def test_counts_an_older_replica_left_without_their_records_are_swept_away(
+    aclient: aioredis.Redis, redis_client: redis.Redis
+) -> None:
+    """An older replica takes records without removing their counts: 250 are left behind. The new
+    poller removes them a few at a time, and keeps the count of the one record still waiting."""
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.hset(counts, mapping={f"{i}-0": f"1:{i}" for i in range(1, 251)})
+    later = int(time.time() * 1000) + 3_600_000
+    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "999-0", later, 1)
+    poller = retrier(aclient, "new")
+    for _ in range(10):
+        await poller._redeliver_due(lambda i, f, n: None)
+        if redis_client.hlen(counts) == 1:
+            break
+    assert redis_client.hgetall(counts) == {b"999-0": f"1:{later}".encode()}
+    assert redis_client.zscore(key, "999-0") == later
+
+
+def test_taking_a_record_that_is_gone_removes_a_count_left_behind(redis_client: redis.Redis) -> None:
+    key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
+    redis_client.hset(counts, "1-0", "1:1000")  # its record was taken by an older version
+    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
+    assert not redis_client.exists(counts)

@@ -404,7 +404,9 @@ class Source:
         the outcome (pausing.PAUSED, RESUMED, ALREADY, ENDED, UNKNOWN, PARKED)."""
         engine = operate.operator_engine(self.connection, self.settings)
         reason = operate.PAUSE_REASON if pause else operate.RESUME_REASON
-        result = await engine.set_paused(id, pause=pause, reason=reason.replace("delayed-pubsub", "dashboard"))
+        result = await engine.set_paused(
+            id, pause=pause, reason=reason.replace("delayed-pubsub", "dashboard")
+        )
         return result.status
 
     async def _dead_letter(self, topic: str, stream_id: str) -> DeadLetterInfo | None:

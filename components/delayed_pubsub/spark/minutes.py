@@ -27,9 +27,7 @@ def minute_aggregates(history: Any) -> Any:
     events that carry one (a malformed record is a row with null minute and event)."""
     from pyspark.sql import functions as F
 
-    return history.groupBy(
-        F.date_trunc("minute", F.col("at")).alias("minute"), "topic", "event"
-    ).agg(
+    return history.groupBy(F.date_trunc("minute", F.col("at")).alias("minute"), "topic", "event").agg(
         F.count(F.lit(1)).alias("events"),
         F.sum("lateness_ms").alias("lateness_sum_ms"),
         F.count("lateness_ms").alias("lateness_count"),

@@ -3,8 +3,10 @@
 -- ARGV: 1 now ms, then entry ids
 -- Returns one number per id: -1 not taken (no record, or one not yet due: a newer
 -- record written since the caller read the schedule), else the delivery count the
--- record was written for (0: a record of an older version, written without one).
+-- record was written for (0: unknown, a record of an older version, written without
+-- one; see RETRY_RECORD for why a count is trusted only beside its own due time).
 -- Removing the record is the token: of the streams racing for it, one takes it.
+-- A count found with no record at all was left by an older version's taker: it goes.
 local SCHEDULE, COUNTS = KEYS[1], KEYS[2]
 local NOW = tonumber(ARGV[1])
 local out = {}
@@ -13,9 +15,17 @@ for i = 2, #ARGV do
   local due = redis.call('ZSCORE', SCHEDULE, id)
   if due and tonumber(due) <= NOW then
     redis.call('ZREM', SCHEDULE, id)
-    out[#out + 1] = tonumber(redis.call('HGET', COUNTS, id)) or 0
+    local count, at = string.match(redis.call('HGET', COUNTS, id) or '', '^(%d+):(%d+)$')
+    if count and tonumber(at) == tonumber(due) then
+      out[#out + 1] = tonumber(count)
+    else
+      out[#out + 1] = 0
+    end
     redis.call('HDEL', COUNTS, id)
   else
+    if not due then
+      redis.call('HDEL', COUNTS, id)
+    end
     out[#out + 1] = -1
   end
 end
