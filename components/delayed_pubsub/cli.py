@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="fire delayed messages in N worker processes (fire loops, history trimming, forwarder, "
-        "pending gauges), supervised and restarted by serve, while this process serves daprd's calls; "
+        "pending gauges, the scan for due retries), supervised and restarted by serve, while this "
+        "process serves daprd's calls; "
         f"0: everything in this one process (default: cores - 1, at least 1; here {default_workers()})",
     )
     work = commands.add_parser(
