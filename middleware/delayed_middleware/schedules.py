@@ -229,7 +229,10 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
     text = expr.strip()
     tz = ""
     if text.startswith(CRON_TZ_PREFIX):
-        name, *rest_words = text[len(CRON_TZ_PREFIX) :].split(maxsplit=1)
+        words = text[len(CRON_TZ_PREFIX) :].split(maxsplit=1)
+        if not words:
+            raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX} names no time zone")
+        name, *rest_words = words
         try:
             tz = parse_time_zone(name, key=SCHEDULE_KEY).key
         except InvalidArgumentError as err:

@@ -205,6 +205,15 @@ def test_recurring_schedule_that_only_fires_after_year_9999_is_refused() -> None
     assert parse_schedule("@at 2020-01-01T00:00:00Z", now_ms=late).at_ms == ms("2020-01-01T00:00:00Z")
 
 
+@pytest.mark.parametrize("text", ["CRON_TZ=", "CRON_TZ= ", " CRON_TZ=\t"])
+def test_a_cron_tz_prefix_naming_no_zone_is_an_invalid_argument_saying_so(text: str) -> None:
+    # Found by the property below: it escaped as a ValueError (INTERNAL at the gRPC edge).
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_schedule(text, now_ms=NOW)
+    assert (refused.value.key, refused.value.value) == ("schedule", text)
+    assert "CRON_TZ= names no time zone" in str(refused.value)
+
+
 @given(st.text(max_size=80))
 def test_any_text_is_a_schedule_or_an_invalid_argument(text: str) -> None:
     # Nothing a publisher sends may escape as another exception (INTERNAL at the gRPC edge).
