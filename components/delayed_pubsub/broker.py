@@ -33,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Retrier, claim_unchanged
+from delayed_pubsub.redelivery import Retrier, claim_unchanged, nack_hold
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -514,23 +514,12 @@ class Subscription:
         if timeout_ms <= 0 or waited * 1000 < timeout_ms / 2:
             return True
         try:
-            held: Any = await self._retrying(
-                "XCLAIM",
-                lambda: self._client.eval(
-                    scripts.NACK_HOLD,
-                    1,
-                    self.topic,
-                    self._group,
-                    self.consumer,
-                    delivery.id,
-                    delivery.attempt,
-                ),
-            )
+            _, fields = await self._retrying("XCLAIM", lambda: self._nack_hold(delivery.id, delivery.attempt))
         except asyncio.CancelledError:
             if self._closed:
                 return False  # closing: it stays pending and comes back after processingTimeout
             raise
-        if held[1]:
+        if fields is not None:
             return True
         log.info(
             "%s on %s: taken over while it waited in the buffer (delivery %d); not handed out",
@@ -602,6 +591,9 @@ class Subscription:
             self._owned.discard(entry_id)
             self._can_fetch.set()
 
+    async def _nack_hold(self, entry_id: str, attempt: int) -> tuple[int, Any]:
+        return await nack_hold(self._client, self.topic, self._group, self.consumer, entry_id, attempt)
+
     def _room(self) -> int:
         """Deliveries the window takes now: neither sent and unacked nor waiting in the buffer."""
         return self._settings.concurrency - len(self._unacked) - len(self._ready)
@@ -613,7 +605,7 @@ class Subscription:
             self.retry.room_freed()
         # Wake the fetch loop once half the window is free, or at the first free
         # slot (it then lingers a moment for more acks), or when nothing is in flight.
-        free = self._settings.concurrency - len(self._unacked) - len(self._ready)
+        free = self._room()
         if free >= self._low_water or free == 1 or not self._unacked:
             self._can_fetch.set()
 
@@ -730,7 +722,7 @@ class Subscription:
                 # meanwhile is read at once, not after the last write of the one
                 # before. Otherwise wait for the buffer to empty: the read then fills
                 # more slots at once, and carries the acks that came meanwhile.
-                free = self._settings.concurrency - len(self._unacked) - len(self._ready)
+                free = self._room()
                 ready = len(self._ready)
                 if self._paused or free <= 0 or (ready and (free < self._low_water or free <= ready)):
                     self._reading_soon = waited = not self._paused
@@ -937,14 +929,9 @@ class Subscription:
         of the nack: when redeliverInterval outlasts processingTimeout, another stream may
         still have delivered it meanwhile, and that delivery is the redelivery.
         """
-        held: Any = await self._retrying(
-            "XCLAIM",
-            lambda: self._client.eval(
-                scripts.NACK_HOLD, 1, self.topic, self._group, self.consumer, entry_id, attempt
-            ),
-        )
+        _, fields = await self._retrying("XCLAIM", lambda: self._nack_hold(entry_id, attempt))
         claimed: list[tuple[str, Any, int]] = []
-        if held[1]:
+        if fields is not None:
             await self._clock.sleep(delay_s)
             nonce = uuid.uuid4().hex
             claimed = await self._retrying(

@@ -260,16 +260,7 @@ class Retrier:
     # --- Redis ----------------------------------------------------------------
 
     async def _hold(self, entry_id: str, sent: int) -> tuple[int, Any]:
-        """(delivery count, fields) of a nacked entry, its idle time reset; fields None when it
-        is no longer pending, is gone from the stream, or was delivered again (NACK_HOLD)."""
-        reply: Any = await self._client.eval(
-            scripts.NACK_HOLD, 1, self._topic, self._group, self._consumer, entry_id, sent
-        )
-        count, fields = int(reply[0]), reply[1]
-        if not fields:
-            return count, None
-        # A script hands the fields back flat, as Redis does.
-        return count, dict(zip(fields[::2], fields[1::2], strict=True))
+        return await nack_hold(self._client, self._topic, self._group, self._consumer, entry_id, sent)
 
     async def _record(self, entry_id: str, due_ms: int, attempt: int, record: dict[str, str]) -> None:
         """The retry record (due time and the delivery count `attempt` it is about) and the
@@ -616,6 +607,21 @@ async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await stop.wait()
+
+
+async def nack_hold(
+    client: Any, topic: str, group: str, consumer: str, entry_id: str, sent: int
+) -> tuple[int, dict[Any, Any] | None]:
+    """Hold a nacked (or long-buffered) entry for `consumer`, its idle time reset so that no
+    reclaim pass takes it meanwhile, only if its delivery count is still `sent` (NACK_HOLD;
+    0: any count). Returns (delivery count, fields); fields None when it is no longer
+    pending, is gone from the stream, or was delivered again since."""
+    reply: Any = await client.eval(scripts.NACK_HOLD, 1, topic, group, consumer, entry_id, sent)
+    count, fields = int(reply[0]), reply[1]
+    if not fields:
+        return count, None
+    # A script hands the fields back flat, as Redis does.
+    return count, dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 async def claim_unchanged(
