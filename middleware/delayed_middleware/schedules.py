@@ -67,6 +67,7 @@ from delayed_middleware.zones import (
     cron_instants,
     cron_next_in_zone,
     parse_time_zone,
+    stored_zone,
     zone,
 )
 
@@ -202,7 +203,7 @@ class Schedule:
         )
 
 
-def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> Schedule:
+def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None, stored: bool = False) -> Schedule:
     """Parse a ``schedule`` metadata value.
 
     Args:
@@ -215,6 +216,10 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
         time_zone: the ``scheduleTimeZone`` value, if given: the IANA zone of
             a cron's wall-clock times. With a ``CRON_TZ=`` prefix too, the two
             must name the same zone.
+        stored: the expression is read back from an envelope: a ``CRON_TZ=``
+            zone an earlier version accepted that is no tzdata name
+            (``localtime``) is read from the host rather than refused, so
+            that schedule keeps firing (zones.stored_zone).
 
     Raises:
         InvalidArgumentError: key ``schedule``, naming the value and what is
@@ -236,7 +241,11 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
         try:
             tz = parse_time_zone(name, key=SCHEDULE_KEY).key
         except InvalidArgumentError as err:
-            raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX}{name}: {err.reason}") from None
+            if not stored or stored_zone(name) is None:
+                raise InvalidArgumentError(
+                    SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX}{name}: {err.reason}"
+                ) from None
+            tz = name
         text = rest_words[0].strip() if rest_words else ""
         if time_zone is not None and time_zone != tz:
             raise InvalidArgumentError(
@@ -818,7 +827,7 @@ def parse_stored_schedule(stored: str, *, now_ms: int) -> Schedule:
         InvalidArgumentError: when the expression or an option does not parse.
     """
     base, *options = stored.split(";")
-    schedule = parse_schedule(base, now_ms=now_ms)
+    schedule = parse_schedule(base, now_ms=now_ms, stored=True)
     if not options:
         return schedule
     fields: dict[str, str] = {}
