@@ -735,7 +735,9 @@ def with_bounds(
         else:
             for _ in range(count - 1):
                 last = _nominal_after(bounded, now_ms, last, _cron_any) if last is not None else None
-        bounded = replace(bounded, last_ms=last if last is not None else MAX_INSTANT_MS)
+        # A limit that outlasts year 9999 ends there, as every schedule does: the
+        # last occurrence is then the last one before that.
+        bounded = replace(bounded, last_ms=min(last, MAX_INSTANT_MS) if last is not None else MAX_INSTANT_MS)
     return replace(bounded, expr=_stored_expr(bounded))
 
 

@@ -171,11 +171,12 @@ def cron_next_in_zone(cron: str, tz: ZoneInfo, after_ms: int) -> int | None:
     after_s = max(after_ms, MIN_INSTANT_MS) // 1000
     if after_s * 1000 >= MAX_INSTANT_MS:
         return None
-    # The wall-clock time of the last instant already passed. In a repeated
-    # hour's second pass this walks that hour's matches again, each mapping to
-    # its (earlier) first occurrence and so skipped: the repeat never fires.
-    start = _wall_of(after_s * 1000, tz)
     try:
+        # The wall-clock time of the last instant already passed. In a repeated
+        # hour's second pass this walks that hour's matches again, each mapping to
+        # its (earlier) first occurrence and so skipped: the repeat never fires.
+        # (East of UTC, the last seconds of year 9999 have no wall-clock time: OverflowError.)
+        start = _wall_of(after_s * 1000, tz)
         walk = _walker(cron, start)
         for _ in range(_MAX_STEPS):
             wall = walk.get_next(datetime)
@@ -205,9 +206,9 @@ def _walker(cron: str, start: datetime) -> croniter:
 def cron_instants(cron: str, tz: ZoneInfo | None, after_ms: int, count: int) -> list[int]:
     """Up to ``count`` successive fires strictly after ``after_ms`` (UTC when ``tz`` is None), in one walk."""
     after_s = max(after_ms, MIN_INSTANT_MS) // 1000
-    start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
     out: list[int] = []
     try:
+        start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
         walk = _walker(cron, start)
         for _ in range(count * 4 + _MAX_STEPS):
             if len(out) >= count:

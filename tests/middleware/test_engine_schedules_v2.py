@@ -259,3 +259,50 @@ async def test_a_jittered_zoned_cron_keeps_firing_in_order_across_a_spring_forwa
     for dues in per_id.values():
         assert len(dues) >= 4
         assert dues == sorted(set(dues))
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+@pytest.mark.parametrize(
+    ("metadata", "published", "late", "fires"),
+    [
+        # The grid runs into year 10000 after ten fires (the limit would allow a million).
+        (
+            {"schedule": "@every 1s", "scheduleStart": "9999-12-31T23:59:50Z", "scheduleLimit": "1000000"},
+            "9999-12-31T23:59:40Z",
+            None,
+            10,
+        ),
+        # Kathmandu's wall clock reaches year 10000 at 18:15 UTC. Fired late (the component down from
+        # 16:00 to 18:30), the next fire is asked for from a UTC instant with no wall-clock time there.
+        (
+            {"schedule": "0 0 * * * *", "scheduleTimeZone": "Asia/Kathmandu"},
+            "9999-12-31T16:00:00Z",
+            "9999-12-31T18:30:00Z",
+            1,
+        ),
+        # Jittered: the 29th (due after the publish), the 30th and the 31st, then nothing in year 10000.
+        ({"schedule": "@daily", "scheduleJitter": "23h"}, "9999-12-29T00:00:00Z", None, 3),
+    ],
+)
+async def test_a_schedule_whose_next_fire_passes_year_9999_ends_with_a_completed_record(
+    aredis: Callable[[], aioredis.Redis],
+    redis_client: redis.Redis,
+    two_phase: bool,
+    metadata: dict[str, str],
+    published: str,
+    late: str | None,
+    fires: int,
+) -> None:
+    engine, clock = engine_at(aredis, published, two_phase)
+    await publish(engine, clock, {**metadata, "scheduleId": "far"})
+    if late is not None:
+        clock.set(parse_instant(late))
+    await run_until(engine, clock, "9999-12-31T23:59:59.999Z")
+    records = [(r.event, r.reason) for r in events(redis_client)]
+    assert records[-1] == ("completed", "NoNextFire"), records
+    assert not [r for r in records if r[0] == "cancelled"]
+    assert len(fired_dues(redis_client)) == fires
+    assert fired_dues(redis_client) == sorted(set(fired_dues(redis_client)))
+    assert delivered(redis_client)[-1]["scheduleNext"] == "purge"
+    assert await engine.pending() == 0
+    assert not redis_client.hexists(KEYS.ids, "far")
