@@ -399,8 +399,9 @@ def _in_zone(schedule: str, due_ms: int) -> tuple[str, str]:
         return "", ""
     try:
         return name, local_time(due_ms, zone(name))
-    except (ValueError, OSError, KeyError):
-        # A zone this host's tzdata does not know (written by a newer one): show the name alone.
+    except (ValueError, OSError, KeyError, OverflowError):
+        # A zone this host's tzdata does not know (written by a newer one), or a jittered due past
+        # year 9999 in local time (east of UTC): show the name alone.
         return name, ""
 
 
