@@ -52,9 +52,10 @@ def delayed_topic(consumer_id: str) -> str:
 # shard counts. Every other character is safe (`:`, `*`, `?`, `[`, a `-delayed`
 # ending, one id a prefix of another): no key is read through a pattern built
 # from a consumerID, and tests/middleware/test_keys.py enumerates the keys.
-# Dapr app-ids (DNS labels: letters, digits, `-`; `.` in some modes) and the
-# values daprd's `{appID}`/`{namespace}`/`{podName}`/`{uuid}` templates resolve
-# to never hold one of them.
+# A Dapr app-id on Kubernetes is a DNS label (lowercase letters, digits, `-`)
+# and never holds one of them, nor do the values daprd's `{namespace}` and
+# `{podName}` templates resolve to; self-hosted daprd refuses only dots in an
+# app-id, so such an app sets the component's consumerID to another id.
 RESERVED_ID_CHARS = "~{}"
 
 
@@ -67,7 +68,8 @@ def consumer_id_problem(consumer_id: str) -> str | None:
     return (
         f"contains {shown}: with ~, {{ or }} a consumerID could name keys of another app on the same "
         "Redis (shard n of app X is the stream X~n-delayed) or split its own over Redis Cluster slots "
-        "({...} is the engine's hash tag); give a consumerID without them (a Dapr app-id never has them)"
+        "({...} is the engine's hash tag); set the component's consumerID to an id without them "
+        "(daprd uses the app id when consumerID is left out)"
     )
 
 

@@ -26,6 +26,7 @@ from delayed_middleware.keys import (
     shard_topics,
     split_shard_id,
 )
+from delayed_middleware.plan import check_topic
 from delayed_pubsub.redelivery import retry_due_channel
 
 U64_MAX = 2**64 - 1
@@ -304,3 +305,20 @@ def test_every_key_of_an_accepted_id_hashes_with_its_shard_on_redis_cluster(cons
         assert {key_slot(k) for k in names} == {key_slot(stream)}
         # The tag is the stream's whole name: what Redis hashes is what a reader derives.
         assert {hash_tag(k) for k in names[1:]} == {stream}
+
+
+@pytest.mark.parametrize("consumer_id", ["other", "a-delayed", "a:x"])
+def test_no_key_of_an_app_can_be_published_to_and_only_its_streams_subscribed_to(consumer_id: str) -> None:
+    # Another app (any consumerID) names these keys as topics: a publish could trim or overwrite them,
+    # a subscription would create a consumer group on a hash or a sorted set.
+    streams = set(shard_topics(consumer_id, MAX_SHARDS))
+    for family, keys in app_keys(consumer_id, MAX_SHARDS).items():
+        for key in keys:
+            with pytest.raises(InvalidArgumentError):
+                check_topic(key)
+            if key in streams:
+                check_topic(key, subscribe=True)  # operators and the Spark job read what waits
+            else:
+                with pytest.raises(InvalidArgumentError, match="reserved"):
+                    check_topic(key, subscribe=True)
+                assert is_engine_key(key), family
