@@ -15,7 +15,7 @@ from typing import Final, Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.keys import check_consumer_id, is_delayed_topic, is_engine_key
 from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 from delayed_middleware.target import check_target_name
 from delayed_pubsub.settings_spec import load_spec, unknown_key_warnings
@@ -152,6 +152,11 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
             shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
             raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
 
+    consumer_id = props.get("consumerID", "").strip()
+    # Every key of the app derives from it: an id that could name another app's keys is refused
+    # even without delayed messaging (the retry records and dead-letter sets derive from it too).
+    check_consumer_id(consumer_id)
+
     read_timeout = _timeout(props, "readTimeout", 3_000)
     max_retries = _int(props, "redisMaxRetries", 3, minimum=-1, maximum=MAX_RETRIES)
     default_target, dapr_address, dead_letter = _forwarding(props)
@@ -168,7 +173,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         insecure_skip_tls_verify=_bool(props, "insecureSkipTLSVerify", False),
         client_cert=client_cert,
         client_key=client_key,
-        consumer_id=props.get("consumerID", "").strip(),
+        consumer_id=consumer_id,
         processing_timeout_ms=_legacy_ms(props, "processingTimeout", 60_000),
         redeliver_interval_ms=_legacy_ms(props, "redeliverInterval", 15_000),
         queue_depth=_int(props, "queueDepth", 100, minimum=1, maximum=MAX_IN_FLIGHT),

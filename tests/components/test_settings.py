@@ -54,6 +54,9 @@ def test_defaults_are_pubsub_redis_defaults() -> None:
         ({"insecureSkipTLSVerify": "yes"}, "insecure_skip_tls_verify", True),
         ({"clientCert": PEM_CERT, "clientKey": PEM_KEY}, "client_key", PEM_KEY),
         ({"consumerID": " myapp "}, "consumer_id", "myapp"),
+        # A prefix of another app's id, a -delayed ending, `:` and glob characters keep their own keys.
+        ({"consumerID": "a-delayed"}, "consumer_id", "a-delayed"),
+        ({"consumerID": "team:orders*"}, "consumer_id", "team:orders*"),
         ({"processingTimeout": "30s"}, "processing_timeout_ms", 30_000),
         ({"processingTimeout": "1m30s"}, "processing_timeout_ms", 90_000),
         # A bare integer is milliseconds, as pubsub.redis has always read it.
@@ -131,6 +134,10 @@ def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
         ({"enableDelayedMessaging": "sure"}, "enableDelayedMessaging", "sure"),
         ({"maxDelay": "forever"}, "maxDelay", "forever"),
         ({"maxDelay": "-1h"}, "maxDelay", "-1h"),
+        # Shard 1 of app `tenant`, and the keys' hash tag: refused with or without delayed messaging.
+        ({"consumerID": "tenant~1"}, "consumerID", "tenant~1"),
+        ({"consumerID": "{a}", "enableDelayedMessaging": "true"}, "consumerID", "{a}"),
+        ({"consumerID": " a} "}, "consumerID", "a}"),
     ],
 )
 def test_refuses_naming_key_and_value(props: dict[str, str], key: str, value: str) -> None:
