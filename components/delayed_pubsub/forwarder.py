@@ -72,7 +72,7 @@ from typing import Any, Final
 import grpc
 import grpc.aio
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from delayed_middleware import history, scripts
 from delayed_middleware.aio import text
@@ -99,8 +99,6 @@ RAW_PAYLOAD: Final = "rawPayload"
 CLOUDEVENT_CONTENT_TYPE: Final = "application/cloudevents+json"
 __all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", "resolve_dapr_address"]
 
-# A failed gauge refresh while the sidecar is away must not end the hand-off loop.
-_REDIS_FAILURES: Final = (RedisError, TimeoutError, OSError)
 # Entries per OUTBOX_HOLD call: a script must not block Redis for long.
 _HOLD_CHUNK: Final = 100
 # While daprd stays away, one warning per this many seconds (each hand-off retries on its own).
