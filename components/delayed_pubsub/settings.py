@@ -48,6 +48,8 @@ MAX_IN_FLIGHT = 100_000
 # Redis's default maxclients.
 MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
+# One hand-off call (handoffTimeout): a day is past any broker's accept time.
+MAX_HANDOFF_TIMEOUT_MS = 86_400_000
 # Calls held by the process (queued in gRPC or running) before publishes are refused
 # with RESOURCE_EXHAUSTED (admission.py): about 0.25 s of delayed publishes for one
 # process on a small machine, so a caller past it hears at once instead of queueing.
@@ -97,6 +99,8 @@ class Settings:
     default_target_pubsub: str = ""
     # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
     dapr_grpc_address: str = ""
+    # One hand-off call to the sidecar; past it the call is a failed attempt.
+    handoff_timeout_ms: int = 10_000
     # Where a hand-off that failed its last attempt goes ('' = keep retrying).
     dead_letter_topic: str = ""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -196,6 +200,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         delete_marker_ttl_ms=_duration(props, "deleteMarkerTTL", 0),
         default_target_pubsub=default_target,
         dapr_grpc_address=dapr_address,
+        handoff_timeout_ms=_handoff_timeout(props),
         dead_letter_topic=dead_letter,
         retry=parse_retry_policy(props),
         delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
@@ -221,6 +226,13 @@ def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:
             "deadLetterTopic", dead_letter, "reserved: names ending in -delayed belong to the delay engine"
         )
     return default_target, address, dead_letter
+
+
+def _handoff_timeout(props: Mapping[str, str]) -> int:
+    ms = _duration(props, "handoffTimeout", 10_000, maximum=MAX_HANDOFF_TIMEOUT_MS)
+    if ms <= 0:
+        raise InvalidArgumentError("handoffTimeout", props["handoffTimeout"], "must be more than 0")
+    return ms
 
 
 # --- field parsers ------------------------------------------------------------

@@ -72,6 +72,9 @@ RETRY_TAKE: Final = load("retry_take.lua")
 # Counts an older version's taker left without their records, removed a few at a time.
 RETRY_SWEEP: Final = load("retry_sweep.lua")
 
+# The forwarder's hold on the outbox entries it hands off: kept alive, or found lost.
+OUTBOX_HOLD: Final = load("outbox_hold.lua")
+
 # The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
 # as FIRE, split where the target topics leave the shard's slot.
 CLAIM: Final = load("claim.lua")

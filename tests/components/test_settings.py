@@ -79,6 +79,8 @@ def test_defaults_are_pubsub_redis_defaults() -> None:
         ({"poolSize": "20"}, "pool_size", 20),
         ({"enableDelayedMessaging": "true"}, "enable_delayed_messaging", True),
         ({"maxDelay": "720h"}, "max_delay_ms", 720 * 3_600_000),
+        ({}, "handoff_timeout_ms", 10_000),
+        ({"handoffTimeout": "30s"}, "handoff_timeout_ms", 30_000),
     ],
 )
 def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
@@ -352,9 +354,14 @@ def test_forwarding_keys_are_read() -> None:
         ("daprGrpcAddress", "127.0.0.1 :50001"),
         ("deadLetterTopic", "app1-delayed"),
         ("deadLetterTopic", "{app1-delayed}:ids"),
+        ("handoffTimeout", "0s"),
+        ("handoffTimeout", "-1s"),
+        ("handoffTimeout", "soon"),
+        ("handoffTimeout", "48h"),
     ],
 )
 def test_bad_forwarding_values_are_refused_naming_the_key(key: str, value: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         parse_settings({**BASE, key: value})
     assert err.value.key == key
+    assert err.value.value == value
