@@ -215,7 +215,7 @@ def test_missing_extra_is_one_clear_message() -> None:
     proc = subprocess.run(["python3.11", "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "ImportError: the Spark subscriber needs pyspark" in proc.stderr
-    assert "pip install 'dapr-delayed-pubsub[spark]'" in proc.stderr
+    assert "pip install '.[spark]' in a checkout of dapr-delayed-pubsub" in proc.stderr
 
 
 def test_stats_reads_redis_settings_from_the_component_yaml(
