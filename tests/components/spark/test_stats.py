@@ -287,6 +287,8 @@ async def test_stats_and_pending_resolve_the_same_secret_key_ref_from_the_enviro
         redis_client.config_set("requirepass", "")
 
 
+# Run alone, the Spark session starts inside this test: slow on a loaded 2-core machine.
+@pytest.mark.timeout(STARTUP_S + 60)
 def test_stats_takes_the_redis_password_from_the_flag_or_the_environment_as_pending_does(
     spark: Any,
     redis_client: redis.Redis,
