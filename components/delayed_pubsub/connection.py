@@ -19,7 +19,12 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
-from delayed_middleware.errors import BackendAuthError, BackendUnavailableError, UnsupportedRedisError
+from delayed_middleware.errors import (
+    BackendAuthError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    UnsupportedRedisError,
+)
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -283,13 +288,13 @@ def connect(settings: Settings) -> Connection:
     hint = "if the server speaks TLS only, set enableTLS"
     if settings.enable_tls:
         hint = ""
-        if settings.client_cert is None:
+        if settings.client_cert is None and settings.client_cert_file is None:
             hint = "if the server requires client certificates (tls-auth-clients yes), set clientCert and clientKey"
         else:
             # TLS 1.3 checks the client certificate after the handshake: a
             # refused one shows up as a reset on the first read.
             hint = (
-                "if the server refused our client certificate: clientCert must be signed by a CA "
+                "if the server refused our client certificate: it must be signed by a CA "
                 "the server trusts (its tls-ca-cert-file) and be valid now"
             )
     return Connection(
@@ -418,6 +423,11 @@ def _tls_kwargs(settings: Settings, kwargs: dict[str, Any]) -> list[int]:
     if settings.insecure_skip_tls_verify:
         kwargs["ssl_cert_reqs"] = ssl.CERT_NONE
         kwargs["ssl_check_hostname"] = False
+    if settings.client_cert_file is not None and settings.client_key_file is not None:
+        _check_key_files(settings.client_cert_file, settings.client_key_file)
+        kwargs["ssl_certfile"] = settings.client_cert_file
+        kwargs["ssl_keyfile"] = settings.client_key_file
+        return []
     if settings.client_cert is None or settings.client_key is None:
         return []
     # The metadata carries PEM contents (as pubsub.redis takes them) but ssl
@@ -439,6 +449,25 @@ def _tls_kwargs(settings: Settings, kwargs: dict[str, Any]) -> list[int]:
         _close_all(fds)
         raise
     return fds
+
+
+def _check_key_files(cert_file: str, key_file: str) -> None:
+    """INVALID_ARGUMENT naming the setting when the files cannot be read or do not
+    make a certificate and its key: at Init, not at the first dial."""
+    for key, path in (("clientCertFile", cert_file), ("clientKeyFile", key_file)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise InvalidArgumentError(key, path, f"cannot be read: {e.strerror}") from None
+    try:
+        ssl.create_default_context().load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        raise InvalidArgumentError(
+            "clientCertFile",
+            cert_file,
+            f"with clientKeyFile {key_file}: not a PEM certificate and its key ({e.reason})",
+        ) from None
 
 
 def _close_all(fds: list[int]) -> None:

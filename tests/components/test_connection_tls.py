@@ -133,6 +133,50 @@ async def test_a_client_certificate_of_another_ca_is_refused_saying_so(
     assert "client certificate" in details, details
 
 
+@pytest.mark.usefixtures("trust_private_ca")
+async def test_client_certificate_files_read_only_work_in_place_of_pem_values(
+    component: Factory, mtls_redis: TlsRedisServer, tls: TlsFiles, tmp_path: Path
+) -> None:
+    # As a Secret mounted read-only: the files, in a folder nobody may write.
+    mounted = tmp_path / "redis-client-tls"
+    mounted.mkdir()
+    (mounted / "tls.crt").write_bytes(tls.client_cert.read_bytes())
+    (mounted / "tls.key").write_bytes(tls.client_key.read_bytes())
+    for f in (*mounted.iterdir(), mounted):
+        f.chmod(0o500 if f.is_dir() else 0o400)
+    props = {k: v for k, v in _props(mtls_redis, "", "").items() if k not in ("clientCert", "clientKey")}
+    props |= {"clientCertFile": str(mounted / "tls.crt"), "clientKeyFile": str(mounted / "tls.key")}
+    c = component("mtls-files")
+    await c.init(props)
+    stream = await c.subscribe("orders-files")
+    await c.publish("orders-files", b"from-files", {"scheduledSendDelay": "200ms"})
+    msg = await stream.next(within=10)
+    await stream.ack(msg.id)
+    assert msg.data == b"from-files"
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "named", "says"),
+    [
+        ("missing.crt", "client.key", "clientCertFile", "cannot be read"),
+        ("client.crt", "missing.key", "clientKeyFile", "cannot be read"),
+        ("client.crt", "server.key", "clientCertFile", "not a PEM certificate and its key"),
+    ],
+)
+async def test_unusable_client_certificate_files_are_refused_at_init_naming_the_setting(
+    component: Factory, mtls_redis: TlsRedisServer, tls: TlsFiles, cert: str, key: str, named: str, says: str
+) -> None:
+    folder = tls.ca_cert.parent
+    props = {k: v for k, v in _props(mtls_redis, "", "").items() if k not in ("clientCert", "clientKey")}
+    props |= {"clientCertFile": str(folder / cert), "clientKeyFile": str(folder / key)}
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await component("bad-files").init(props)
+    details = err.value.details() or ""
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert named in details, details
+    assert says in details, details
+
+
 async def test_the_client_key_is_in_no_file_and_closing_frees_it(tls: TlsFiles) -> None:
     settings = parse_settings(
         {

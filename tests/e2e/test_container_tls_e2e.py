@@ -31,6 +31,8 @@ image = test_container_e2e.image
 
 PASSWORD = "pod-tls-pw-41d"
 CA_MOUNT = "/etc/redis-ca"
+# The client certificate as files too, as a Secret mounted read-only (clientCertFile / clientKeyFile).
+CLIENT_MOUNT = "/etc/redis-client-tls"
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,14 @@ def tls_container(image: str, tls: TlsFiles, tmp_path_factory: pytest.TempPathFa
         shutil.copy(tls.ca_cert, ca / "ca.crt")
         ca.chmod(0o755)
         (ca / "ca.crt").chmod(0o644)
+        client = Path(d) / "client"
+        client.mkdir()
+        shutil.copy(tls.client_cert, client / "tls.crt")
+        shutil.copy(tls.client_key, client / "tls.key")
+        client.chmod(0o755)
+        # The image's user must read them; a Secret volume's default mode is 0644 too.
+        for f in client.iterdir():
+            f.chmod(0o644)
         name = unique("dps-tls")
         args = [
             *(["--runtime", "/usr/sbin/runc"] if Path("/usr/sbin/runc").exists() else []),
@@ -72,6 +82,7 @@ def tls_container(image: str, tls: TlsFiles, tmp_path_factory: pytest.TempPathFa
             "--network", "host",
             "-v", f"{sockets}:{SOCKETS_FOLDER}",
             "-v", f"{ca}:{CA_MOUNT}:ro",
+            "-v", f"{client}:{CLIENT_MOUNT}:ro",
             "-e", f"SSL_CERT_FILE={CA_MOUNT}/ca.crt",
             image,
             *manifest_args(free_port(), free_port()),
@@ -138,3 +149,18 @@ async def test_a_foreign_client_certificate_is_refused_from_the_container_saying
     details = err.value.details() or ""
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, details
     assert "client certificate" in details, details
+
+
+async def test_mtls_from_certificate_files_mounted_read_only_in_the_container(
+    tls_container: Path, mtls_redis: TlsRedisServer
+) -> None:
+    props = {k: v for k, v in _props(mtls_redis, "", "").items() if k not in ("clientCert", "clientKey")}
+    props |= {"clientCertFile": f"{CLIENT_MOUNT}/tls.crt", "clientKeyFile": f"{CLIENT_MOUNT}/tls.key"}
+    async with grpc.aio.insecure_channel(f"unix://{tls_container / 'delayed-pubsub.sock'}") as channel:
+        c = Component(channel, "from-files")
+        await c.init(props)
+        stream = await c.subscribe("orders-files")
+        await c.publish("orders-files", b"over-mtls-files", {"scheduledSendDelay": "1s"})
+        msg = await stream.next(within=15)
+        await stream.ack(msg.id)
+    assert msg.data == b"over-mtls-files"
