@@ -74,6 +74,9 @@ class Settings:
     insecure_skip_tls_verify: bool = False
     client_cert: str | None = None
     client_key: str | None = None
+    # The same as files (a Secret mounted read-only), read at each dial.
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
     consumer_id: str = ""
     processing_timeout_ms: int = 60_000
     redeliver_interval_ms: int = 15_000
@@ -143,6 +146,25 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     if failover and redis_type == "cluster":
         raise InvalidArgumentError("failover", props["failover"], "sentinel failover needs redisType node")
 
+    client_cert_file = props.get("clientCertFile", "").strip() or None
+    client_key_file = props.get("clientKeyFile", "").strip() or None
+    if client_cert_file and not client_key_file:
+        raise InvalidArgumentError("clientKeyFile", "", "required when clientCertFile is set")
+    if client_key_file and not client_cert_file:
+        raise InvalidArgumentError("clientCertFile", "", "required when clientKeyFile is set")
+    if client_cert_file and props.get("clientCert"):
+        raise InvalidArgumentError(
+            "clientCertFile", client_cert_file, "give clientCert or clientCertFile, not both"
+        )
+    for key, path in (("clientCertFile", client_cert_file), ("clientKeyFile", client_key_file)):
+        # Whether the file is there is checked at Init (connection.py), where a pod's
+        # volume is mounted; here only that it is a path.
+        if path is not None and ("-----BEGIN" in path or not path.startswith("/")):
+            shown = path if "-----BEGIN" not in path else f"<{len(path)} characters, redacted>"
+            raise InvalidArgumentError(
+                key, shown, "must be an absolute file path (PEM contents go in " + key[:-4] + ")"
+            )
+
     client_cert = props.get("clientCert") or None
     client_key = props.get("clientKey") or None
     if client_cert and not client_key:
@@ -174,6 +196,8 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         failover=failover,
         sentinel_master_name=master,
         enable_tls=_bool(props, "enableTLS", False),
+        client_cert_file=client_cert_file,
+        client_key_file=client_key_file,
         insecure_skip_tls_verify=_bool(props, "insecureSkipTLSVerify", False),
         client_cert=client_cert,
         client_key=client_key,
