@@ -43,7 +43,7 @@ from tests.redis_server import RedisServer  # noqa: E402
 PAYLOAD = b'{"specversion":"1.0","type":"com.example.order","data":{"n":1}}'
 
 
-class AcceptAtOnce(dapr_pb2_grpc.DaprServicer):  # type: ignore[misc]
+class AcceptAtOnce(dapr_pb2_grpc.DaprServicer):
     """daprd's runtime API as far as a hand-off uses it: every PublishEvent accepted at once."""
 
     def __init__(self, expected: int) -> None:
@@ -69,7 +69,7 @@ async def one_run(port: int, folder: Path, n: int, run: int) -> dict[str, float]
         pipe.execute()
     sidecar = AcceptAtOnce(n)
     server = grpc.aio.server()
-    dapr_pb2_grpc.add_DaprServicer_to_server(sidecar, server)
+    dapr_pb2_grpc.add_DaprServicer_to_server(sidecar, server)  # type: ignore[no-untyped-call]
     socket = folder / f"dapr-{run}.sock"
     server.add_insecure_port(f"unix://{socket}")
     await server.start()
