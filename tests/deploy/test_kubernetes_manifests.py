@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,9 +28,6 @@ from delayed_pubsub.server import DEFAULT_SOCKETS_FOLDER, SOCKET_NAME, SOCKETS_F
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
 
-# The daprd image runs as 65532:65532 (distroless nonroot, dapr/dapr docker/Dockerfile) unless the
-# injector is told otherwise (the injector's patch sets no user by default).
-DAPRD_GID = 65532
 # daprd's profiling port, off unless dapr.io/enable-profiling (so not in the injector's patch).
 DAPRD_PROFILING_PORT = 7777
 
@@ -69,6 +67,20 @@ def injected() -> dict[str, Any]:
     assert result.returncode == 0, result.stderr[-4000:]
     pod_: dict[str, Any] = yaml.safe_load(result.stdout)
     return pod_
+
+
+@pytest.fixture(scope="module")
+def daprd_gid() -> int:
+    """The group of Dapr's own daprd image (its USER, dapr/dapr docker/Dockerfile of the version
+    we build): daprd runs in it, as the injector's patch sets no user by default."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    module = subprocess.run(
+        [go, "list", "-mod=readonly", "-m", "-f", "{{.Dir}}", "github.com/dapr/dapr"],
+        cwd=REPO / "tools" / "injectpatch", capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.strip()  # fmt: skip
+    m = re.search(r"^USER (\d+):(\d+)$", (Path(module) / "docker" / "Dockerfile").read_text(), re.M)
+    assert m, "no USER uid:gid in dapr/dapr's docker/Dockerfile"
+    return int(m.group(2))
 
 
 def injected_socket_mounts(injected: dict[str, Any]) -> tuple[str, dict[str, str]]:
@@ -161,10 +173,12 @@ def test_component_and_daprd_see_the_same_socket_folder(
         assert mounts[name] not in {m["mountPath"] for m in c.get("volumeMounts", [])}, c["name"]
 
 
-def test_component_runs_as_the_images_non_root_user_in_daprds_group(app: dict[str, Any]) -> None:
+def test_component_runs_as_the_images_non_root_user_in_daprds_group(
+    app: dict[str, Any], daprd_gid: int
+) -> None:
     uid, gid = int(dockerfile_arg("UID")), int(dockerfile_arg("GID"))
     assert uid != 0
-    assert gid == DAPRD_GID  # the socket is 0660 in this group: daprd can connect, nobody else
+    assert gid == daprd_gid  # the socket is 0660 in this group: daprd can connect, nobody else
     sc = component_container(app)["securityContext"]
     assert sc["runAsNonRoot"] is True
     assert (sc["runAsUser"], sc["runAsGroup"]) == (uid, gid)
