@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import signal
 import sys
 import threading
 import time
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     state = State(subscriptions=args.sub, arrivals_file=args.arrivals, echo=args.echo)
     server = serve(args.port, state)
     print(f"subscriber listening on 127.0.0.1:{args.port}", file=sys.stderr, flush=True)
+    # SIGTERM (a pod's stop; as PID 1 of a container it would otherwise be ignored until the
+    # SIGKILL that follows the grace period) stops it as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

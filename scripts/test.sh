@@ -20,9 +20,12 @@ else
 fi
 ((${#missing[@]} == 0)) || die "cannot run the tests, missing: ${missing[*]}"
 
-# The container test's image, built (or found in podman's cache) before the clock of any test
-# starts: a first build on a fresh machine takes minutes.
-"$root/scripts/image.sh" >/dev/null || die "scripts/image.sh could not build the container image"
+# The container tests' images (the component's, and the injected pod's daprd, app and Redis) and
+# the injector's patcher, built (or found in podman's and Go's caches) before the clock of any
+# test starts: a first build on a fresh machine takes minutes.
+"$root/scripts/pod-images.sh" >/dev/null || die "scripts/pod-images.sh could not build the container images"
+"$root/scripts/injectpatch.sh" deploy/kubernetes/app.yaml orders-app localhost/daprd >/dev/null ||
+    die "scripts/injectpatch.sh could not build tools/injectpatch"
 
 lint_status=0
 "$root/scripts/lint.sh" || lint_status=$?

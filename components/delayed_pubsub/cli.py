@@ -22,7 +22,13 @@ from delayed_pubsub.loopwatch import watched
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.server import SOCKETS_FOLDER_ENV, default_socket_path, serve, socket_group_id
 from delayed_pubsub.spark import cli as spark_cli
-from delayed_pubsub.workers import WorkerPool, default_workers, merged_registry, run_worker
+from delayed_pubsub.workers import (
+    WorkerPool,
+    default_workers,
+    explain_default_workers,
+    merged_registry,
+    run_worker,
+)
 
 DISTRIBUTION = "dapr-delayed-pubsub"
 
@@ -126,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fire delayed messages in N worker processes (fire loops, history trimming, forwarder, "
         "pending gauges, the scan for due retries), supervised and restarted by serve, while this "
         "process serves daprd's calls; "
-        f"0: everything in this one process (default: cores - 1, at least 1; here {default_workers()})",
+        "0: everything in this one process. Default: the cores this process may run on (its CPU "
+        "affinity), capped by its cgroup CPU quota rounded up (cgroup v2 cpu.max, or v1 "
+        "cpu.cfs_quota_us / cpu.cfs_period_us: what a Kubernetes CPU limit or `podman run --cpus` "
+        f"sets), minus one for this process, at least 1 (here {explain_default_workers()})",
     )
     work = commands.add_parser(
         "worker", help="one worker process of `serve --workers N` (started by serve, not by hand)"

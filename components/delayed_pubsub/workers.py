@@ -48,6 +48,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -92,24 +93,66 @@ RESTART_CAP_S = 10.0
 STEADY_S = 30.0
 
 
-def default_workers(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """Cores this process may use, minus one for the gRPC process; at least one.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-    The cores it may run on (CPU affinity), capped by its cgroup v2 CPU quota (`cpu.max`,
-    what a Kubernetes CPU limit sets), rounded up: a pod limited to 2 CPUs on a 16-core node
-    starts one worker, not fifteen.
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """The CPU quota of this process's cgroup, in CPUs (1.5 for a 1500m limit); None if none.
+
+    What a Kubernetes CPU limit (or `podman run --cpus`) sets, as the container sees its own
+    cgroup at `root`: cgroup v2's `cpu.max` ("QUOTA PERIOD", "max PERIOD" when unlimited), else
+    cgroup v1's `cpu.cfs_quota_us` (-1 when unlimited) over `cpu.cfs_period_us`, in the `cpu`
+    hierarchy (mounted as `cpu` or `cpu,cpuacct`).
     """
     try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else _cpus(quota, period)
     except (OSError, ValueError):
-        pass  # no cgroup v2 quota here: the affinity is the limit
+        pass  # no cgroup v2 CPU controller here: look for v1
+    for hierarchy in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        try:
+            quota = (root / hierarchy / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / hierarchy / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            continue
+        try:
+            return None if int(quota) < 0 else _cpus(quota, period)
+        except ValueError:
+            return None
+    return None
+
+
+def _cpus(quota: str, period: str) -> float | None:
+    q, p = int(quota), int(period)
+    return q / p if q > 0 and p > 0 else None
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_workers(root: Path = CGROUP_ROOT) -> int:
+    """Cores this process may use, minus one for the gRPC process; at least one.
+
+    The cores it may run on (CPU affinity), capped by its cgroup CPU quota rounded up
+    (cgroup_cpu_quota): a pod limited to 2 CPUs on a 16-core node starts one worker, not fifteen.
+    """
+    cores = cpu_cores()
+    quota = cgroup_cpu_quota(root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
     return max(1, cores - 1)
+
+
+def explain_default_workers(root: Path = CGROUP_ROOT) -> str:
+    """default_workers() with where it comes from, for `serve --help`."""
+    quota = cgroup_cpu_quota(root)
+    limit = "no cgroup CPU quota" if quota is None else f"cgroup CPU quota {quota:g}"
+    return f"{default_workers(root)}: {cpu_cores()} cores, {limit}"
 
 
 def worker_command() -> list[str]:

@@ -12,28 +12,86 @@ from prometheus_client import CollectorRegistry
 
 from delayed_pubsub.cli import build_parser
 from delayed_pubsub.metrics import Metrics
-from delayed_pubsub.workers import MergedMetrics, default_workers
+from delayed_pubsub.workers import MergedMetrics, cgroup_cpu_quota, default_workers, explain_default_workers
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def cgroup_v2(root: Path, cpu_max: str) -> Path:
+    """A cgroup v2 mount as a container sees it: cpu.max at its root."""
+    (root / "cpu.max").write_text(cpu_max)
+    return root
+
+
+def cgroup_v1(root: Path, quota: str, period: str = "100000\n", hierarchy: str = "cpu") -> Path:
+    """A cgroup v1 mount as a container sees it: the cpu controller in its own folder."""
+    (root / hierarchy).mkdir()
+    (root / hierarchy / "cpu.cfs_quota_us").write_text(quota)
+    (root / hierarchy / "cpu.cfs_period_us").write_text(period)
+    return root
 
 
 @pytest.mark.parametrize(
-    ("cpu_max", "expected"),
+    ("cpu_max", "quota"),
     [
-        ("max 100000\n", len(os.sched_getaffinity(0)) - 1 or 1),  # no quota: the cores minus one
-        ("200000 100000\n", 1),  # a 2-CPU limit: one worker beside the gRPC process
-        ("150000 100000\n", 1),  # 1.5 CPUs rounds up to 2
-        ("50000 100000\n", 1),  # below one CPU: still one
+        ("max 100000\n", None),  # no quota
+        ("200000 100000\n", 2.0),  # a 2-CPU limit
+        ("150000 100000\n", 1.5),  # 1500m
+        ("50000 100000\n", 0.5),  # below one CPU
+        ("garbage\n", None),  # unreadable: no quota rather than a crash
+    ],
+)
+def test_cgroup_v2_quota_is_read_from_cpu_max(tmp_path: Path, cpu_max: str, quota: float | None) -> None:
+    assert cgroup_cpu_quota(cgroup_v2(tmp_path, cpu_max)) == quota
+
+
+@pytest.mark.parametrize(
+    ("quota_us", "period_us", "hierarchy", "quota"),
+    [
+        ("-1\n", "100000\n", "cpu", None),  # no quota
+        ("200000\n", "100000\n", "cpu", 2.0),
+        ("150000\n", "100000\n", "cpu,cpuacct", 1.5),  # the usual combined mount
+        ("25000\n", "50000\n", "cpu", 0.5),  # another period
+        ("x\n", "100000\n", "cpu", None),
+    ],
+)
+def test_cgroup_v1_quota_is_read_from_cfs_quota_and_period(
+    tmp_path: Path, quota_us: str, period_us: str, hierarchy: str, quota: float | None
+) -> None:
+    assert cgroup_cpu_quota(cgroup_v1(tmp_path, quota_us, period_us, hierarchy)) == quota
+
+
+def test_cgroup_v2_quota_wins_over_a_v1_hierarchy(tmp_path: Path) -> None:
+    cgroup_v1(tmp_path, "300000\n")
+    assert cgroup_cpu_quota(cgroup_v2(tmp_path, "100000 100000\n")) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda root: cgroup_v2(root, "max 100000\n"), max(1, CORES - 1)),
+        (lambda root: cgroup_v1(root, "-1\n"), max(1, CORES - 1)),
+        # A 2-CPU limit: one worker beside the gRPC process (fewer when fewer cores).
+        (lambda root: cgroup_v2(root, "200000 100000\n"), 1),
+        (lambda root: cgroup_v1(root, "200000\n"), 1),
+        (lambda root: cgroup_v1(root, "50000\n"), 1),  # below one CPU: still one
+        (lambda root: root, max(1, CORES - 1)),  # no cgroup files: the cores minus one
     ],
 )
 def test_default_workers_follows_cores_and_the_cgroup_quota(
-    tmp_path: Path, cpu_max: str, expected: int
+    tmp_path: Path, make: Callable[[Path], Path], expected: int
 ) -> None:
-    path = tmp_path / "cpu.max"
-    path.write_text(cpu_max)
-    assert default_workers(path) == min(expected, max(1, len(os.sched_getaffinity(0)) - 1))
+    assert default_workers(make(tmp_path)) == expected
 
 
-def test_default_workers_without_a_cgroup_file_is_cores_minus_one(tmp_path: Path) -> None:
-    assert default_workers(tmp_path / "absent") == max(1, len(os.sched_getaffinity(0)) - 1)
+def test_default_workers_rounds_a_fractional_quota_up_and_caps_it_by_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 16-core node: the quota, not the node, decides.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert default_workers(cgroup_v1(tmp_path, "250000\n")) == 2  # 2.5 CPUs -> 3 cores -> 2 workers
+    assert default_workers(tmp_path / "absent") == 15
+    assert explain_default_workers(tmp_path) == "2: 16 cores, cgroup CPU quota 2.5"
 
 
 @pytest.mark.parametrize("bad", ["-1", "two", ""])

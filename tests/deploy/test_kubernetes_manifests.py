@@ -1,13 +1,16 @@
 """deploy/kubernetes holds together: what a cluster would only tell at `kubectl apply` time, or
 worse, when the pod runs. No cluster here: the manifests are read and held to the Dockerfile, to
-`delayed-pubsub serve`'s own parser and health endpoints, and to what the Dapr injector does
-(pkg/injector in dapr/dapr: the socket emptyDir it mounts, the sidecar's user)."""
+`delayed-pubsub serve`'s own parser and health endpoints, and to what the Dapr injector does:
+its own patch (scripts/injectpatch.sh runs dapr/dapr's pkg/injector/patcher on app.yaml) says
+which socket volume it adds, where it mounts it, and which ports daprd takes.
+tests/e2e/test_pod_e2e.py runs that pod."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,15 +28,8 @@ from delayed_pubsub.server import DEFAULT_SOCKETS_FOLDER, SOCKET_NAME, SOCKETS_F
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "kubernetes"
 
-# From dapr/dapr pkg/injector/consts: the volume it adds for component sockets, and the folder it
-# mounts it at in daprd and in every container named by dapr.io/pluggable-components.
-INJECTOR_SOCKET_VOLUME = "dapr-components-unix-domain-socket"
-INJECTOR_SOCKETS_FOLDER = "/tmp/dapr-components-sockets"
-# The daprd image runs as 65532:65532 (distroless nonroot) unless the injector is told otherwise.
-DAPRD_GID = 65532
-# daprd's default ports in the pod's shared network namespace (HTTP API, health, gRPC API,
-# internal gRPC, metrics, profiling).
-DAPRD_PORTS = {3500, 3501, 50001, 50002, 9090, 7777}
+# daprd's profiling port, off unless dapr.io/enable-profiling (so not in the injector's patch).
+DAPRD_PROFILING_PORT = 7777
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -59,6 +55,54 @@ def dockerfile_arg(name: str) -> str:
 @pytest.fixture(scope="module")
 def app() -> dict[str, Any]:
     return one(resources(), "Deployment", "orders-app")
+
+
+@pytest.fixture(scope="module")
+def injected() -> dict[str, Any]:
+    """The Pod the Dapr injector makes of app.yaml (its own patcher, the daprd version we build)."""
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "injectpatch.sh"), str(DEPLOY / "app.yaml"), "orders-app", "daprd"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    pod_: dict[str, Any] = yaml.safe_load(result.stdout)
+    return pod_
+
+
+@pytest.fixture(scope="module")
+def daprd_gid() -> int:
+    """The group of Dapr's own daprd image (its USER, dapr/dapr docker/Dockerfile of the version
+    we build): daprd runs in it, as the injector's patch sets no user by default."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    module = subprocess.run(
+        [go, "list", "-mod=readonly", "-m", "-f", "{{.Dir}}", "github.com/dapr/dapr"],
+        cwd=REPO / "tools" / "injectpatch", capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.strip()  # fmt: skip
+    m = re.search(r"^USER (\d+):(\d+)$", (Path(module) / "docker" / "Dockerfile").read_text(), re.M)
+    assert m, "no USER uid:gid in dapr/dapr's docker/Dockerfile"
+    return int(m.group(2))
+
+
+def injected_socket_mounts(injected: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The socket volume the injector adds (its emptyDir) and where it mounts it, by container."""
+    volumes = [v["name"] for v in injected["spec"]["volumes"] if "emptyDir" in v]
+    assert len(volumes) == 1, injected["spec"]["volumes"]
+    mounts = {
+        c["name"]: m["mountPath"]
+        for c in injected["spec"]["containers"]
+        for m in c.get("volumeMounts", [])
+        if m["name"] == volumes[0]
+    }
+    return volumes[0], mounts
+
+
+def daprd_ports(injected: dict[str, Any]) -> set[int]:
+    """daprd's ports in the pod's shared network namespace, as the injector gives them."""
+    daprd = next(c for c in injected["spec"]["containers"] if c["name"] == "daprd")
+    ports = {int(p["containerPort"]) for p in daprd["ports"]}
+    args = daprd["args"]
+    ports.add(int(args[args.index("--dapr-public-port") + 1]))  # the health port, not declared
+    return ports | {DAPRD_PROFILING_PORT}
 
 
 def pod(app: dict[str, Any]) -> dict[str, Any]:
@@ -105,10 +149,14 @@ def test_component_container_is_the_one_named_in_the_dapr_annotation_and_runs_th
     assert component["spec"]["type"] == "pubsub." + Path(SOCKET_NAME).stem
 
 
-def test_component_and_daprd_see_the_same_socket_folder(app: dict[str, Any]) -> None:
-    injector_folder = pod_annotations(app).get(
-        "dapr.io/pluggable-components-sockets-folder", INJECTOR_SOCKETS_FOLDER
-    )
+def test_component_and_daprd_see_the_same_socket_folder(
+    app: dict[str, Any], injected: dict[str, Any]
+) -> None:
+    volume, mounts = injected_socket_mounts(injected)
+    name = pod_annotations(app)["dapr.io/pluggable-components"]
+    # The injector mounts its socket volume in daprd and in the component container, at one path.
+    assert set(mounts) == {"daprd", name}, mounts
+    assert mounts["daprd"] == mounts[name]
     container = component_container(app)
     env = {e["name"]: e.get("value") for e in container.get("env", [])}
     image_env = re.search(rf"{SOCKETS_FOLDER_ENV}=\$\{{SOCKETS_FOLDER\}}", (REPO / "Dockerfile").read_text())
@@ -116,19 +164,21 @@ def test_component_and_daprd_see_the_same_socket_folder(app: dict[str, Any]) -> 
     folder = env.get(SOCKETS_FOLDER_ENV) or dockerfile_arg("SOCKETS_FOLDER")
     socket = serve_args(container).socket
     assert socket is None or str(socket.parent) == folder
-    # daprd reads DAPR_COMPONENTS_SOCKETS_FOLDER too (not the injector's DAPR_COMPONENT_SOCKETS_FOLDER),
+    # daprd reads DAPR_COMPONENTS_SOCKETS_FOLDER (not the injector's DAPR_COMPONENT_SOCKETS_FOLDER),
     # default the same folder: any other place must be set on both sides, so keep the default.
-    assert folder == injector_folder == DEFAULT_SOCKETS_FOLDER
+    assert folder == mounts[name] == DEFAULT_SOCKETS_FOLDER
     # The injector adds the volume and the mounts; a second one of that name or path breaks the pod.
-    assert INJECTOR_SOCKET_VOLUME not in {v["name"] for v in pod(app).get("volumes", [])}
+    assert volume not in {v["name"] for v in pod(app).get("volumes", [])}
     for c in pod(app)["containers"]:
-        assert injector_folder not in {m["mountPath"] for m in c.get("volumeMounts", [])}, c["name"]
+        assert mounts[name] not in {m["mountPath"] for m in c.get("volumeMounts", [])}, c["name"]
 
 
-def test_component_runs_as_the_images_non_root_user_in_daprds_group(app: dict[str, Any]) -> None:
+def test_component_runs_as_the_images_non_root_user_in_daprds_group(
+    app: dict[str, Any], daprd_gid: int
+) -> None:
     uid, gid = int(dockerfile_arg("UID")), int(dockerfile_arg("GID"))
     assert uid != 0
-    assert gid == DAPRD_GID  # the socket is 0660 in this group: daprd can connect, nobody else
+    assert gid == daprd_gid  # the socket is 0660 in this group: daprd can connect, nobody else
     sc = component_container(app)["securityContext"]
     assert sc["runAsNonRoot"] is True
     assert (sc["runAsUser"], sc["runAsGroup"]) == (uid, gid)
@@ -147,7 +197,7 @@ def test_component_runs_as_the_images_non_root_user_in_daprds_group(app: dict[st
         assert c["securityContext"]["runAsUser"] != 0, c["name"]
 
 
-def test_probes_reach_the_health_endpoints_serve_opens(app: dict[str, Any]) -> None:
+def test_probes_reach_the_health_endpoints_serve_opens(app: dict[str, Any], injected: dict[str, Any]) -> None:
     container = component_container(app)
     args = serve_args(container)
     assert args.health_port is not None, "no --health-port: the probes would find nothing"
@@ -160,7 +210,7 @@ def test_probes_reach_the_health_endpoints_serve_opens(app: dict[str, Any]) -> N
         assert port == args.health_port, probe
         # The endpoint answers 503 within its own check timeout: the probe must wait longer.
         assert container[probe]["timeoutSeconds"] > CHECK_TIMEOUT_S, probe
-    taken = DAPRD_PORTS | {int(pod_annotations(app)["dapr.io/app-port"])}
+    taken = daprd_ports(injected) | {int(pod_annotations(app)["dapr.io/app-port"])}
     assert not taken & {args.health_port, args.metrics_port}, "a port daprd or the app already uses"
 
 

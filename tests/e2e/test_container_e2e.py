@@ -9,6 +9,7 @@ shared with daprd. A missing podman is a failure, never a skip.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -284,3 +285,58 @@ def test_container_killed_and_restarted_replaces_its_stale_socket_and_serves_pub
         time.sleep(0.2)
     assert ready.json()["services"]["delayed-pubsub.subscriptions"] == "NOT_SERVING"
     assert httpx.get(f"http://127.0.0.1:{container.health_port}/healthz", timeout=5).status_code == 200
+
+
+def limits_as_podman_flags() -> list[str]:
+    """app.yaml's CPU and memory limits of the component container, as `podman run` flags."""
+    limits = manifest_container()["resources"]["limits"]
+    cpu = str(limits["cpu"])
+    cpus = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    memory = str(limits["memory"])
+    assert memory.endswith("Mi"), memory
+    return ["--cpus", f"{cpus:g}", "--memory", f"{int(memory[:-2])}m"]
+
+
+@pytest.mark.parametrize("cpus", ["0.5", "1.5", None])
+def test_serve_reads_the_containers_cpu_quota_for_its_default_workers(image: str, cpus: str | None) -> None:
+    # `serve --help` says what the default is here and why: the quota `podman run --cpus` (a
+    # Kubernetes CPU limit) sets in the container's cgroup, v1 or v2 as the host has it.
+    limit = ["--cpus", cpus] if cpus else []
+    out = podman(
+        "run", "--rm", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024", *limit, image, "--help",
+    )  # fmt: skip
+    text = " ".join(out.stdout.split())
+    cores = len(os.sched_getaffinity(0))
+    quota = f"cgroup CPU quota {cpus}" if cpus else "no cgroup CPU quota"
+    workers = max(1, min(cores, math.ceil(float(cpus)) if cpus else cores) - 1)
+    assert f"(here {workers}: {cores} cores, {quota})" in text, text
+
+
+def test_under_the_manifests_cpu_and_memory_limits_serve_starts_its_workers_and_serves(
+    image: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "sockets"
+    folder.mkdir()
+    folder.chmod(0o777)
+    name = unique("dps-limits")
+    podman(
+        "run", "-d", "--name", name, "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+        *limits_as_podman_flags(), "--read-only", "--read-only-tmpfs=false", "--network", "none",
+        "-v", f"{folder}:{SOCKETS_FOLDER}", image, "--allow-insecure-socket-folder", "--log-format=json",
+    )  # fmt: skip
+    try:
+        harness.wait_until((folder / "delayed-pubsub.sock").is_socket, 60, "the container's socket")
+
+        def worker_runs() -> bool:
+            return '"worker 0: pid' in podman("logs", name).stderr
+
+        harness.wait_until(worker_runs, 60, "the worker process to start")
+        logs = podman("logs", name).stderr
+        assert f"firing in {max(1, len(os.sched_getaffinity(0)) - 1)} worker process(es)" in logs, logs
+        state = json.loads(podman("inspect", "--format", "{{json .State}}", name).stdout)
+        assert state["Running"] is True
+        assert state["OOMKilled"] is False
+    except harness.HarnessError as exc:
+        pytest.fail(f"{exc}\n{podman('logs', name, check=False).stderr[-3000:]}", pytrace=False)
+    finally:
+        podman("rm", "--force", "--time", "0", name, check=False)
