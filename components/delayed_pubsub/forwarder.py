@@ -531,11 +531,13 @@ class Forwarder:
         )
         try:
             while not self._stopping:
-                if await self._drop_expired(job):
-                    return
                 async with self._calls:
-                    # Checked once a call slot is ours: the wait for it can be long.
+                    # Checked once a call slot is ours: the wait for it can be long (a
+                    # message may expire meanwhile, or be taken over). Ownership first:
+                    # what another replica holds now is not ours to settle as expired.
                     if not await self._still_ours(job):
+                        return
+                    if await self._drop_expired(job):
                         return
                     try:
                         await self._publish(job)
