@@ -513,7 +513,7 @@ class Forwarder:
         returns how many were started."""
         if not rows:
             return 0
-        jobs, _ = await self._jobs(rows)
+        jobs = await self._jobs(rows)
         for job in jobs:
             job.confirmed = asked
             for i in job.ids:
@@ -618,24 +618,21 @@ class Forwarder:
             self._down_since = None
             self._down_logged = 0.0
 
-    async def _jobs(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> tuple[list[_Job], int]:
+    async def _jobs(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> list[_Job]:
         """Decode rows into publish jobs (a bulk's consecutive entries together); malformed
         or deleted entries are settled at once (no retry can deliver them)."""
         jobs: list[_Job] = []
-        settled = 0
         for (raw_id, fields), attempt in rows:
             entry_id = text(raw_id)
             if not fields:
                 # Deleted while pending (an operator's XDEL): nothing left to send.
                 await self._settle([entry_id], None)
-                settled += 1
                 continue
             try:
                 entry = decode_outbox_entry(fields)
             except MalformedEntryError as e:
                 log.error("forwarder %s: outbox entry %s: %s", self._name, entry_id, e)
                 await self._dead_letter_raw(entry_id, fields, str(e))
-                settled += 1
                 continue
             last = jobs[-1] if jobs else None
             if last is not None and entry.bulk and last.head.bulk == entry.bulk and last.attempt == attempt:
@@ -643,7 +640,7 @@ class Forwarder:
                 last.entries.append(entry)
             else:
                 jobs.append(_Job([entry_id], [entry], attempt))
-        return jobs, settled
+        return jobs
 
     async def _drop_expired(self, job: _Job) -> bool:
         now = self._clock.now_ms()
@@ -743,17 +740,15 @@ class Forwarder:
         channel = self._channel
         return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
-    async def _after_publish(self, job: _Job) -> int:
+    async def _after_publish(self, job: _Job) -> None:
         failed = dict(job.failed)
         ok = [i for i in job.ids if i not in failed]
-        settled = 0
         if ok:
             await self._settle(ok, self._record(history.HANDED_OFF, job, ok))
-            settled += len(ok)
             if self._metrics is not None:
                 self._metrics.handed_off.labels(self._name).inc(len(ok))
         if not failed:
-            return settled
+            return
         why = next(iter(failed.values()))
         reason = _failure_reason(why)
         if self._metrics is not None:
@@ -763,8 +758,7 @@ class Forwarder:
             for i, e in zip(job.ids, job.entries, strict=True):
                 if i in failed:
                     await self._dead_letter(i, e, job, failed[i])
-                    settled += 1
-            return settled
+            return
         log.warning(
             "forwarder %s: %s/%s did not take %d message(s) (attempt %d of %d%s): %s",
             self._name,
@@ -780,7 +774,6 @@ class Forwarder:
         # from when the entry was read; only where it is still ours (a plain XCLAIM
         # would take back an entry another replica has taken over meanwhile).
         await self._hold([(i, job.attempt) for i in failed])
-        return settled
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: _Job, why: str) -> None:
         topic = self._config.policy.dead_letter_topic
