@@ -103,6 +103,10 @@ __all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", 
 _HOLD_CHUNK: Final = 100
 # While daprd stays away, one warning per this many seconds (each hand-off retries on its own).
 _DOWN_LOG_EVERY_S: Final = 10.0
+# How long close() lets the calls already on their way finish (at most handoffTimeout): a call
+# cut off may still be carried out by daprd while its entry stays pending, and whoever takes
+# it over after the takeover time publishes it a second time.
+_CLOSE_GRACE_S: Final = 2.5
 
 
 def resolve_dapr_address(configured: str, env: Mapping[str, str]) -> str:
@@ -229,6 +233,8 @@ class Forwarder:
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._calls = asyncio.Semaphore(config.concurrency)
+        # The hand-offs whose call is on its way (or being settled): close() lets them end.
+        self._calling: set[asyncio.Task[Any]] = set()
         # When the sidecar stopped answering (loop time), for one warning per while.
         self._down_since: float | None = None
         self._down_logged = 0.0
@@ -283,8 +289,17 @@ class Forwarder:
             self._loop.start()
 
     async def close(self) -> None:
-        """Stop; whatever is not yet acknowledged stays pending in Redis for the next start."""
+        """Stop; whatever is not yet acknowledged stays pending in Redis for the next start.
+
+        A publish call already on its way is given up to _CLOSE_GRACE_S (at most the call
+        timeout) to be answered and settled: cut off, daprd could still carry it out while
+        the entry stays pending, and the replica that takes it over would publish it again.
+        """
         self._stopping = True
+        if self._calling:
+            # Nothing new starts now (each hand-off checks _stopping before its call); the
+            # loop and the keeper go on meanwhile, so what these calls publish is settled.
+            await asyncio.wait(set(self._calling), timeout=self._close_grace_s())
         if self._loop is not None:
             loop, self._loop = self._loop, None
             # Bounded: a stop must never hang the instance's close behind a
@@ -295,10 +310,13 @@ class Forwarder:
             self._channel = None
             self._stub = None
 
+    def _close_grace_s(self) -> float:
+        return min(self._config.call_timeout_s, _CLOSE_GRACE_S)
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """The forwarding loop; survives Redis and sidecar outages, ends only when stopped
-        (close(), or `stop` set) or cancelled. Hand-offs in flight end with it: their
-        entries stay pending in Redis."""
+        (close(), or `stop` set) or cancelled. Hand-offs in flight end with it (a call on its
+        way first gets close()'s grace): their entries stay pending in Redis."""
         redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
         group_ready = False
         keeper = asyncio.create_task(self._keep_held())
@@ -322,12 +340,18 @@ class Forwarder:
                     )
                     await self._clock.sleep(delay)
         finally:
-            keeper.cancel()
-            tasks = [keeper, *self._tasks]
-            for t in tasks:
-                t.cancel()
-            # Each ends at its next await; none may hold up the stop.
-            await asyncio.wait(tasks, timeout=5)
+            try:
+                if self._calling:
+                    # Stopped by close(): the calls on their way are let finish and settled
+                    # (close() waits for them too), the keeper holding their entries meanwhile.
+                    await asyncio.wait(set(self._calling), timeout=self._close_grace_s())
+            finally:
+                keeper.cancel()
+                tasks = [keeper, *self._tasks]
+                for t in tasks:
+                    t.cancel()
+                # Each ends at its next await; none may hold up the stop.
+                await asyncio.wait(tasks, timeout=5)
 
     async def step(self) -> int:
         """One round: start what is due for a retry, then new entries, each as its own
@@ -529,16 +553,19 @@ class Forwarder:
         sidecar = Backoff(
             base_s=self._config.sidecar_backoff_base_s, cap_s=self._config.sidecar_backoff_cap_s
         )
+        task = asyncio.current_task()
         try:
             while not self._stopping:
                 async with self._calls:
                     # Checked once a call slot is ours: the wait for it can be long (a
-                    # message may expire meanwhile, or be taken over). Ownership first:
-                    # what another replica holds now is not ours to settle as expired.
-                    if not await self._still_ours(job):
+                    # message may expire meanwhile, or be taken over, or we stop). Ownership
+                    # first: what another replica holds now is not ours to settle as expired.
+                    if self._stopping or not await self._still_ours(job):
                         return
                     if await self._drop_expired(job):
                         return
+                    if task is not None:
+                        self._calling.add(task)
                     try:
                         await self._publish(job)
                     except SidecarUnavailableError as e:
@@ -551,6 +578,7 @@ class Forwarder:
                     return
                 # Uncounted and held (the keeper keeps it ours): daprd restarting is
                 # no fault of this message, and nobody else should take it meanwhile.
+                self._calling.discard(task)
                 self._sidecar_unreachable(len(job.ids), failed)
                 await self._clock.sleep(sidecar.next())
         except asyncio.CancelledError:
@@ -561,6 +589,7 @@ class Forwarder:
                 "forwarder %s: hand-off of %s interrupted: %s", self._name, job.ids[0] if job.ids else "?", e
             )
         finally:
+            self._calling.discard(task)
             self._release(job)
 
     def _release(self, job: _Job) -> None:

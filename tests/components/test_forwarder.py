@@ -717,6 +717,39 @@ async def test_a_message_that_expires_while_waiting_for_a_call_slot_is_dropped_n
     assert [r.event for r in history(redis_client) if r.id == "short-1"] == ["expired"]
 
 
+async def test_a_forwarder_closed_during_a_call_lets_it_finish_and_settles_what_daprd_took(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """close() while a publish call is on its way (the sidecar answers it 1 s later) waits for
+    the answer and settles the entry: the forwarder that starts next publishes nothing again
+    (before: the call was cut off, the entry left pending, and the next forwarder published it
+    a second time once the takeover time had passed)."""
+    marker = f"inflight-{uuid.uuid4().hex[:8]}"
+    clients = [aioredis.Redis(port=redis_server.port) for _ in range(2)]
+    config = ForwarderConfig(
+        address=f"unix://{socket_path}", block_ms=200, claim_idle_ms=1500, call_timeout_s=5
+    )
+    first, second = (Forwarder(c, KEYS, SystemClock(), config, name="delayed") for c in clients)
+    async with late_sidecar_at(socket_path, marker, late_s=1.0) as sidecar:
+        try:
+            add(redis_client, OutboxEntry("target", "orders", cloudevent(marker), id="inflight-1"))
+            first.start()
+            await wait_for(lambda: asyncio.sleep(0, bool(sidecar.called(marker))), 10, "the call")
+            await first.close()
+            left = outbox_left(redis_client)
+            second.start()
+            # Past the takeover time (1.5 s idle): a pending entry would be taken over and sent now.
+            await asyncio.sleep(3.0)
+        finally:
+            for f in (first, second):
+                await f.close()
+            for c in clients:
+                await c.aclose()
+    assert left == (0, 0), "left pending by close()"
+    assert len(sidecar.called(marker)) == 1, "published again after close()"
+    assert [(r.id, r.event) for r in history(redis_client)] == [("inflight-1", "handedoff")]
+
+
 @pytest.fixture(scope="module")
 def token_daprd(sidecar: Sidecar) -> Iterator[DaprdPorts]:
     """A second daprd that demands an API token, with only an in-memory pub/sub (`mem`)."""
