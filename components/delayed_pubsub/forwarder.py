@@ -103,6 +103,10 @@ __all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", 
 _HOLD_CHUNK: Final = 100
 # While daprd stays away, one warning per this many seconds (each hand-off retries on its own).
 _DOWN_LOG_EVERY_S: Final = 10.0
+# How long close() lets the calls already on their way finish (at most handoffTimeout): a call
+# cut off may still be carried out by daprd while its entry stays pending, and whoever takes
+# it over after the takeover time publishes it a second time.
+_CLOSE_GRACE_S: Final = 2.5
 
 
 def resolve_dapr_address(configured: str, env: Mapping[str, str]) -> str:
@@ -229,6 +233,8 @@ class Forwarder:
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._calls = asyncio.Semaphore(config.concurrency)
+        # The hand-offs whose call is on its way (or being settled): close() lets them end.
+        self._calling: set[asyncio.Task[Any]] = set()
         # When the sidecar stopped answering (loop time), for one warning per while.
         self._down_since: float | None = None
         self._down_logged = 0.0
@@ -283,8 +289,17 @@ class Forwarder:
             self._loop.start()
 
     async def close(self) -> None:
-        """Stop; whatever is not yet acknowledged stays pending in Redis for the next start."""
+        """Stop; whatever is not yet acknowledged stays pending in Redis for the next start.
+
+        A publish call already on its way is given up to _CLOSE_GRACE_S (at most the call
+        timeout) to be answered and settled: cut off, daprd could still carry it out while
+        the entry stays pending, and the replica that takes it over would publish it again.
+        """
         self._stopping = True
+        if self._calling:
+            # Nothing new starts now (each hand-off checks _stopping before its call); the
+            # loop and the keeper go on meanwhile, so what these calls publish is settled.
+            await asyncio.wait(set(self._calling), timeout=self._close_grace_s())
         if self._loop is not None:
             loop, self._loop = self._loop, None
             # Bounded: a stop must never hang the instance's close behind a
@@ -295,10 +310,13 @@ class Forwarder:
             self._channel = None
             self._stub = None
 
+    def _close_grace_s(self) -> float:
+        return min(self._config.call_timeout_s, _CLOSE_GRACE_S)
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """The forwarding loop; survives Redis and sidecar outages, ends only when stopped
-        (close(), or `stop` set) or cancelled. Hand-offs in flight end with it: their
-        entries stay pending in Redis."""
+        (close(), or `stop` set) or cancelled. Hand-offs in flight end with it (a call on its
+        way first gets close()'s grace): their entries stay pending in Redis."""
         redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
         group_ready = False
         keeper = asyncio.create_task(self._keep_held())
@@ -322,12 +340,18 @@ class Forwarder:
                     )
                     await self._clock.sleep(delay)
         finally:
-            keeper.cancel()
-            tasks = [keeper, *self._tasks]
-            for t in tasks:
-                t.cancel()
-            # Each ends at its next await; none may hold up the stop.
-            await asyncio.wait(tasks, timeout=5)
+            try:
+                if self._calling:
+                    # Stopped by close(): the calls on their way are let finish and settled
+                    # (close() waits for them too), the keeper holding their entries meanwhile.
+                    await asyncio.wait(set(self._calling), timeout=self._close_grace_s())
+            finally:
+                keeper.cancel()
+                tasks = [keeper, *self._tasks]
+                for t in tasks:
+                    t.cancel()
+                # Each ends at its next await; none may hold up the stop.
+                await asyncio.wait(tasks, timeout=5)
 
     async def step(self) -> int:
         """One round: start what is due for a retry, then new entries, each as its own
@@ -513,7 +537,7 @@ class Forwarder:
         returns how many were started."""
         if not rows:
             return 0
-        jobs, _ = await self._jobs(rows)
+        jobs = await self._jobs(rows)
         for job in jobs:
             job.confirmed = asked
             for i in job.ids:
@@ -529,14 +553,19 @@ class Forwarder:
         sidecar = Backoff(
             base_s=self._config.sidecar_backoff_base_s, cap_s=self._config.sidecar_backoff_cap_s
         )
+        task = asyncio.current_task()
         try:
             while not self._stopping:
-                if await self._drop_expired(job):
-                    return
                 async with self._calls:
-                    # Checked once a call slot is ours: the wait for it can be long.
-                    if not await self._still_ours(job):
+                    # Checked once a call slot is ours: the wait for it can be long (a
+                    # message may expire meanwhile, or be taken over, or we stop). Ownership
+                    # first: what another replica holds now is not ours to settle as expired.
+                    if self._stopping or not await self._still_ours(job):
                         return
+                    if await self._drop_expired(job):
+                        return
+                    if task is not None:
+                        self._calling.add(task)
                     try:
                         await self._publish(job)
                     except SidecarUnavailableError as e:
@@ -549,6 +578,7 @@ class Forwarder:
                     return
                 # Uncounted and held (the keeper keeps it ours): daprd restarting is
                 # no fault of this message, and nobody else should take it meanwhile.
+                self._calling.discard(task)
                 self._sidecar_unreachable(len(job.ids), failed)
                 await self._clock.sleep(sidecar.next())
         except asyncio.CancelledError:
@@ -559,6 +589,7 @@ class Forwarder:
                 "forwarder %s: hand-off of %s interrupted: %s", self._name, job.ids[0] if job.ids else "?", e
             )
         finally:
+            self._calling.discard(task)
             self._release(job)
 
     def _release(self, job: _Job) -> None:
@@ -616,24 +647,21 @@ class Forwarder:
             self._down_since = None
             self._down_logged = 0.0
 
-    async def _jobs(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> tuple[list[_Job], int]:
+    async def _jobs(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> list[_Job]:
         """Decode rows into publish jobs (a bulk's consecutive entries together); malformed
         or deleted entries are settled at once (no retry can deliver them)."""
         jobs: list[_Job] = []
-        settled = 0
         for (raw_id, fields), attempt in rows:
             entry_id = text(raw_id)
             if not fields:
                 # Deleted while pending (an operator's XDEL): nothing left to send.
                 await self._settle([entry_id], None)
-                settled += 1
                 continue
             try:
                 entry = decode_outbox_entry(fields)
             except MalformedEntryError as e:
                 log.error("forwarder %s: outbox entry %s: %s", self._name, entry_id, e)
                 await self._dead_letter_raw(entry_id, fields, str(e))
-                settled += 1
                 continue
             last = jobs[-1] if jobs else None
             if last is not None and entry.bulk and last.head.bulk == entry.bulk and last.attempt == attempt:
@@ -641,7 +669,7 @@ class Forwarder:
                 last.entries.append(entry)
             else:
                 jobs.append(_Job([entry_id], [entry], attempt))
-        return jobs, settled
+        return jobs
 
     async def _drop_expired(self, job: _Job) -> bool:
         now = self._clock.now_ms()
@@ -741,17 +769,15 @@ class Forwarder:
         channel = self._channel
         return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
-    async def _after_publish(self, job: _Job) -> int:
+    async def _after_publish(self, job: _Job) -> None:
         failed = dict(job.failed)
         ok = [i for i in job.ids if i not in failed]
-        settled = 0
         if ok:
             await self._settle(ok, self._record(history.HANDED_OFF, job, ok))
-            settled += len(ok)
             if self._metrics is not None:
                 self._metrics.handed_off.labels(self._name).inc(len(ok))
         if not failed:
-            return settled
+            return
         why = next(iter(failed.values()))
         reason = _failure_reason(why)
         if self._metrics is not None:
@@ -761,8 +787,7 @@ class Forwarder:
             for i, e in zip(job.ids, job.entries, strict=True):
                 if i in failed:
                     await self._dead_letter(i, e, job, failed[i])
-                    settled += 1
-            return settled
+            return
         log.warning(
             "forwarder %s: %s/%s did not take %d message(s) (attempt %d of %d%s): %s",
             self._name,
@@ -778,7 +803,6 @@ class Forwarder:
         # from when the entry was read; only where it is still ours (a plain XCLAIM
         # would take back an entry another replica has taken over meanwhile).
         await self._hold([(i, job.attempt) for i in failed])
-        return settled
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: _Job, why: str) -> None:
         topic = self._config.policy.dead_letter_topic

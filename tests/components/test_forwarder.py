@@ -677,6 +677,79 @@ async def test_a_holder_stalled_past_the_takeover_time_does_not_publish_what_ano
     assert [(r.event, r.attempt) for r in history(redis_client)] == [("handedoff", 2)]
 
 
+async def test_a_message_that_expires_while_waiting_for_a_call_slot_is_dropped_not_published(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """With every call slot taken by a call the sidecar answers late, a message whose
+    expiresAt passes while it waits for a slot is dropped as expired when its turn comes:
+    never handed to the target after its expiry (with a made-up ttlInSeconds of 1)."""
+    slow, short = f"slow-{uuid.uuid4().hex[:8]}", f"short-{uuid.uuid4().hex[:8]}"
+    timeout_s = 2.0
+    client = aioredis.Redis(port=redis_server.port)
+    config = ForwarderConfig(
+        address=f"unix://{socket_path}",
+        policy=HandOffPolicy(max_attempts=3, base_s=5, cap_s=5),
+        block_ms=200,
+        concurrency=1,
+        call_timeout_s=timeout_s,
+    )
+    fwd = Forwarder(client, KEYS, SystemClock(), config, name="delayed")
+    async with late_sidecar_at(socket_path, slow, late_s=2 * timeout_s) as sidecar:
+        try:
+            add(redis_client, OutboxEntry("target", "orders", cloudevent(slow), id="slow-1"))
+            fwd.start()
+            await wait_for(lambda: asyncio.sleep(0, bool(sidecar.called(slow))), 10, "the late call")
+            # Read while the only slot is taken; it expires long before the slot is free.
+            expires = int(time.time() * 1000) + 500
+            add(
+                redis_client,
+                OutboxEntry("target", "orders", cloudevent(short), id="short-1", expires_at_ms=expires),
+            )
+
+            async def short_settled() -> bool:
+                return any(r.id == "short-1" for r in history(redis_client))
+
+            await wait_for(short_settled, 10, "the expiring message's end")
+        finally:
+            await fwd.close()
+            await client.aclose()
+    assert sidecar.called(short) == [], "published after its expiry"
+    assert [r.event for r in history(redis_client) if r.id == "short-1"] == ["expired"]
+
+
+async def test_a_forwarder_closed_during_a_call_lets_it_finish_and_settles_what_daprd_took(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """close() while a publish call is on its way (the sidecar answers it 1 s later) waits for
+    the answer and settles the entry: the forwarder that starts next publishes nothing again
+    (before: the call was cut off, the entry left pending, and the next forwarder published it
+    a second time once the takeover time had passed)."""
+    marker = f"inflight-{uuid.uuid4().hex[:8]}"
+    clients = [aioredis.Redis(port=redis_server.port) for _ in range(2)]
+    config = ForwarderConfig(
+        address=f"unix://{socket_path}", block_ms=200, claim_idle_ms=1500, call_timeout_s=5
+    )
+    first, second = (Forwarder(c, KEYS, SystemClock(), config, name="delayed") for c in clients)
+    async with late_sidecar_at(socket_path, marker, late_s=1.0) as sidecar:
+        try:
+            add(redis_client, OutboxEntry("target", "orders", cloudevent(marker), id="inflight-1"))
+            first.start()
+            await wait_for(lambda: asyncio.sleep(0, bool(sidecar.called(marker))), 10, "the call")
+            await first.close()
+            left = outbox_left(redis_client)
+            second.start()
+            # Past the takeover time (1.5 s idle): a pending entry would be taken over and sent now.
+            await asyncio.sleep(3.0)
+        finally:
+            for f in (first, second):
+                await f.close()
+            for c in clients:
+                await c.aclose()
+    assert left == (0, 0), "left pending by close()"
+    assert len(sidecar.called(marker)) == 1, "published again after close()"
+    assert [(r.id, r.event) for r in history(redis_client)] == [("inflight-1", "handedoff")]
+
+
 @pytest.fixture(scope="module")
 def token_daprd(sidecar: Sidecar) -> Iterator[DaprdPorts]:
     """A second daprd that demands an API token, with only an in-memory pub/sub (`mem`)."""

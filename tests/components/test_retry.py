@@ -994,3 +994,29 @@ async def test_a_dead_letter_that_cannot_be_written_for_a_while_is_written_once_
     await asyncio.sleep(3.0)
     assert [d.data for d in dead_letters(redis_client, "dlq")] == [b"poison"]
     assert all(s.received.empty() for s in streams)
+
+
+async def test_without_a_dead_letter_topic_a_used_up_message_is_dropped_once_by_three_streams(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """maxDeliveryAttempts 1, no deadLetterTopic, three streams, an app that never answers:
+    each message is delivered once; the takeover past the maximum drops it (acked away,
+    whichever of the three streams raced for it) and nothing is delivered again."""
+    c = component("delayed")
+    policy = {k: v for k, v in POISON.items() if k != "deadLetterTopic"}
+    await c.init({**props, **policy, "maxDeliveryAttempts": "1", "concurrency": "30"})
+    streams = [await c.subscribe("orders") for _ in range(3)]
+    n = 10
+    for i in range(n):
+        await c.publish("orders", str(i).encode())
+
+    def dropped() -> bool:
+        return (
+            int(redis_client.xpending("orders", "app1")["pending"]) == 0
+            and int(redis_client.xlen("orders")) == n
+        )
+
+    seen = await act_as_app(streams, nack_after_s=None, done=dropped, quiet_s=3.0, within=30.0)
+    assert sorted(d for d, _, _ in seen) == sorted(str(i).encode() for i in range(n)), seen
+    assert {a for _, a, _ in seen} == {"1"}
+    assert not redis_client.exists("orders-dead")

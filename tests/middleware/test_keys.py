@@ -229,6 +229,12 @@ ALLOWED_PAIRS = [
     ("app.default", "app"),
     ("orders", "orders@1"),
     ("x", "x-delayed:retry:y"),
+    # Look-alikes of the reserved characters are other characters (keys are compared as bytes).
+    ("tenant", "tenant\uff5e1"),
+    ("tenant", "tenant\u223c1"),
+    ("a", "\uff5ba\uff5d"),
+    ("a", "a b"),
+    ("a", "a\u200b"),
 ]
 # Each refused id next to the allowed id whose keys it would reach (or whose slot it would split).
 REFUSED_PAIRS = [("tenant", "tenant~1"), ("a", "a~1~2"), ("a", "{a}"), ("a", "a}"), ("a", "{a-delayed}:x")]

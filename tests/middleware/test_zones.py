@@ -119,3 +119,37 @@ def test_a_schedule_stored_with_a_host_zone_keeps_firing_and_warns_once(
     # A stored name no zone data has is no zone: the schedule does not parse (the engine ends it).
     with pytest.raises(InvalidArgumentError):
         parse_stored_schedule("CRON_TZ=posix/Nowhere 0 0 9 * * *", now_ms=NOW)
+
+
+PATH_LIKE = [
+    "..",
+    "../../etc/passwd",
+    "Europe/../UTC",
+    "/etc/localtime",
+    "/UTC",
+    "Europe//Berlin",
+    "Europe/Berlin/",
+    "UTC\x00",
+    "Europe/Berlin\x00/../../etc/passwd",
+    "utc",
+    "Europe/berlin",
+    "tzdata.zi",
+    "Europe/__init__",
+    "A" * 10_000,
+]
+
+
+@pytest.mark.parametrize("name", PATH_LIKE, ids=lambda n: repr(n[:24]))
+def test_paths_other_cases_and_control_characters_are_no_zone_here_or_read_back(name: str) -> None:
+    """Every replica reads a name the same way: no path is walked, no host's case-folding
+    file system decides, and a stored schedule with such a name is not read from the host."""
+    with pytest.raises(InvalidArgumentError) as keyed:
+        parse_schedule("@daily", now_ms=NOW, time_zone=name)
+    assert (keyed.value.key, keyed.value.value) == ("scheduleTimeZone", name)
+    expr = f"CRON_TZ={name} 0 0 9 * * *"
+    with pytest.raises(InvalidArgumentError) as prefixed:
+        parse_schedule(expr, now_ms=NOW)
+    assert prefixed.value.key == "schedule"
+    assert zones.stored_zone(name) is None
+    with pytest.raises(InvalidArgumentError):
+        parse_stored_schedule(expr, now_ms=NOW)
