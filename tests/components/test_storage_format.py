@@ -23,8 +23,12 @@ from tests.redis_server import RedisCluster
 FORMAT = "{app1-delayed}:format"
 HISTORY = "{app1-delayed}:history"
 MOVED = "{app1-delayed}:moved"
-# What the previous release (0.1.0) leaves: engine data and no format key.
-PREVIOUS_RELEASE_DATA = {"event": "scheduled", "id": "old-1"}
+
+
+def previous_release_data(client: redis.Redis | redis.cluster.RedisCluster, history: str) -> None:
+    """What the previous release (0.1.0) leaves: engine data (a history record) and no format key."""
+    client.xadd(history, {"event": "scheduled", "id": "old-1"})
+
 
 NEW_FORMAT_PUBLISHES = [
     {"schedule": "0 0 5 * * *", "scheduleTimeZone": "Europe/Berlin"},
@@ -46,7 +50,7 @@ def snapshot(client: redis.Redis) -> dict[str, object]:
     equal snapshots mean nothing was stored, changed or deleted. (The history's by-id index is
     left out: a background sweep builds it on its own schedule.)"""
     keys = [FORMAT, "app1-delayed", "{app1-delayed}:ids", "{app1-delayed}:pending", HISTORY, MOVED]
-    keys += [k.decode() for k in client.keys("{app1-delayed}:due*")]
+    keys += [k.decode() for k in client.keys("{app1-delayed}:due*")]  # type: ignore[union-attr]
     return {k: client.dump(k) for k in sorted(keys)}
 
 
@@ -70,7 +74,7 @@ async def test_a_fresh_app_starts_at_the_newest_format_and_takes_every_option(
 async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_cannot_hold(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    redis_client.xadd(HISTORY, PREVIOUS_RELEASE_DATA)
+    previous_release_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     assert redis_client.get(FORMAT) == b"1"
@@ -101,14 +105,14 @@ async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_
         ],
     )
     assert [(f.entry_id, "storageFormat" in f.error) for f in reply.failed_entries] == [("b", True)]
-    ids = {k.decode() for k in redis_client.hkeys("{app1-delayed}:ids")}
+    ids = {k.decode() for k in redis_client.hkeys("{app1-delayed}:ids")}  # type: ignore[union-attr]
     assert ids == {"plain", "once", "ba"}
 
 
 async def test_raising_the_setting_is_one_change_and_lowering_it_is_refused(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    redis_client.xadd(HISTORY, PREVIOUS_RELEASE_DATA)
+    previous_release_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     assert redis_client.get(FORMAT) == b"1"
@@ -154,7 +158,7 @@ async def test_no_compaction_moves_envelopes_in_the_rollback_window(
     does not know a moved envelope and would report it lost)."""
 
     async def compacted(app: str, **settings: str) -> bool:
-        redis_client.xadd("{" + app + "-delayed}:history", PREVIOUS_RELEASE_DATA)
+        previous_release_data(redis_client, "{" + app + "-delayed}:history")
         c = component(app)
         sink = f"sink-{app}"
         with small_stream_nodes(redis_client, 10):
@@ -193,7 +197,7 @@ async def test_on_redis_cluster_every_shard_records_its_format_and_any_one_unkno
     props = {**cluster_props(cluster), "delayShards": "6"}
     shards = shard_topics("app1", 6)
     # Shard 3 alone has data of the previous release: the app is in its format.
-    admin.xadd("{" + shards[3] + "}:history", PREVIOUS_RELEASE_DATA)
+    previous_release_data(admin, "{" + shards[3] + "}:history")
     await component("delayed").init(props)
     assert [admin.get("{" + s + "}:format") for s in shards] == [b"1"] * 6
     admin.set("{" + shards[5] + "}:format", "99")
