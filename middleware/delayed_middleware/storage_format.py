@@ -70,6 +70,14 @@ async def read_formats(
     return [await _call(client, k, 0, timeout_s) for k in keys]
 
 
+async def stored_format(client: RedisClient, keys: Sequence[EngineKeys]) -> int | None:
+    """The format an app's data is in (None: no data and no format key yet), changing nothing;
+    FailedPreconditionError for a format this version cannot read (operator commands that write)."""
+    return max(
+        (f for f in (_known(s) for s in await read_formats(client, keys)) if f is not None), default=None
+    )
+
+
 async def settle_format(
     client: RedisClient, keys: Sequence[EngineKeys], requested: int | None, *, timeout_s: float | None
 ) -> int:

@@ -16,9 +16,9 @@ import redis.cluster
 
 from delayed_middleware.keys import shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.driver import Component, cluster_props
+from tests.components.driver import Component, cli, cluster_props
 from tests.conftest import small_stream_nodes, wait_until
-from tests.redis_server import RedisCluster
+from tests.redis_server import RedisCluster, RedisServer
 
 FORMAT = "{app1-delayed}:format"
 HISTORY = "{app1-delayed}:history"
@@ -205,3 +205,25 @@ async def test_on_redis_cluster_every_shard_records_its_format_and_any_one_unkno
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert shards[5] in (err.details() or ""), err.details()
     assert [admin.get("{" + s + "}:format") for s in shards] == [b"1"] * 5 + [b"99"]
+
+
+async def test_the_operator_cli_pauses_nothing_in_the_rollback_window(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+) -> None:
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("ticks", b"t", {"schedule": "@every 1h", "scheduleId": "tick"})
+    conn = ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
+    before = snapshot(redis_client)
+    paused = await cli("pause", *conn, "tick")
+    assert paused.code == 3, paused.out
+    assert "storageFormat" in paused.err, paused.err
+    assert snapshot(redis_client) == before
+    # Once raised, it pauses.
+    await c.init({**delayed_props, "storageFormat": "2"})
+    paused = await cli("pause", *conn, "tick")
+    assert (paused.code, paused.out.strip()) == (0, "paused tick"), paused.err
