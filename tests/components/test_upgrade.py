@@ -23,13 +23,15 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
+import redis.cluster
 
 from delayed_middleware.instants import parse_instant
+from delayed_middleware.keys import shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.driver import Component, Stream
+from tests.components.driver import Component, Stream, cluster_props
 from tests.components.serve import ROOT, Serve, props_for
 from tests.conftest import small_stream_nodes, wait_until
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 PREVIOUS_RELEASE = ROOT / "scripts" / "previous-release"
 FORMAT = "{app1-delayed}:format"
@@ -252,6 +254,69 @@ async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing
     assert "doomed" not in counts
     assert redis_client.xlen("dlq") == 1
     # Recurring schedules: each occurrence once, all on the grid of their first.
+    for k in range(3):
+        dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
+        assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
+        assert all((d - dues[0]) % EVERY_MS == 0 for d in dues), f"every-{k} left its grid: {dues}"
+
+
+async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
+    previous_tree: Path, folder: Path, cluster: RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    """The same on Redis Cluster with four delay shards, each in its own slot with its own format
+    key: one-shots due across the four runs, each fired by whichever release runs at its due time."""
+    admin.flushall()
+    props = {
+        **cluster_props(cluster),
+        "delayShards": "4",
+        "processingTimeout": "1s",
+        "redeliverInterval": "300ms",
+    }
+    formats = ["{" + s + "}:format" for s in shard_topics("app1", 4)]
+    app = App()
+    t0 = int(time.time() * 1000)
+    one_shots = [_entry(f"once-{i}", t0 + 1_500 + i * 150) for i in range(100)]
+
+    def acked() -> int:
+        return len(app.count("once-"))
+
+    async with running(folder, "old1", props, app, root=previous_tree) as c:
+        assert not (await c.bulk_publish("work", one_shots)).failed_entries
+        for n in range(3):
+            await c.publish(
+                "work",
+                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
+                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
+            )
+        await wait_until(lambda: acked() >= 10, "one-shots fired by the previous release")
+    assert [admin.get(k) for k in formats] == [None] * 4
+    async with running(folder, "new1", props, app) as c:
+        assert [admin.get(k) for k in formats] == [b"1"] * 4
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.publish("work", b"{}", {"schedule": "0 0 5 * * *", "scheduleTimeZone": "Europe/Berlin"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await wait_until(lambda: acked() >= 40, "one-shots fired after the upgrade")
+    async with running(folder, "old2", props, app, root=previous_tree):
+        await wait_until(lambda: acked() >= 70, "one-shots fired after the rollback")
+    async with running(folder, "new2", {**props, "storageFormat": "2"}, app) as c:
+        assert [admin.get(k) for k in formats] == [b"2"] * 4
+        await c.publish(
+            "work",
+            json.dumps({"id": "limited", "due": 0}).encode(),
+            {"schedule": "@every 1s", "scheduleLimit": "2", "scheduleId": "limited"},
+        )
+        await wait_until(lambda: acked() == len(one_shots), "every one-shot", 20)
+        await wait_until(lambda: app.count("limited")["limited"] == 2, "the limited schedule's two fires")
+        last_run_start = int(time.time() * 1000)
+        await wait_until(
+            lambda: all(
+                any(at > last_run_start for n, _, at in app.acked if n == f"every-{k}") for k in range(3)
+            ),
+            "every schedule firing after the last upgrade",
+        )
+    assert not app.early, app.early
+    counts = Counter(n for n, _, _ in app.acked)
+    assert not {n: k for n, k in counts.items() if k > 1 and n.startswith("once-")}
     for k in range(3):
         dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
         assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
