@@ -604,7 +604,11 @@ async def _settle_format(connection: Connection, settings: Settings) -> int:
     keys = [EngineKeys.for_topic(t) for t in shard_topics(settings.consumer_id, settings.shards)]
     try:
         fmt = await storage_format.settle_format(
-            connection.client, keys, settings.storage_format, timeout_s=call_timeout(settings)
+            connection.client,
+            keys,
+            settings.storage_format,
+            consumer_id=settings.consumer_id,
+            timeout_s=call_timeout(settings),
         )
     except (RedisError, TimeoutError) as e:
         raise BackendUnavailableError(

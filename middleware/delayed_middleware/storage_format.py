@@ -29,9 +29,13 @@ start, and changes nothing.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ResponseError
 
 from delayed_middleware.client import RedisClient
 from delayed_middleware.errors import FailedPreconditionError
@@ -46,6 +50,55 @@ CURRENT: Final = 2
 OLDEST: Final = 1
 # The release that first wrote each format (CHANGELOG.md).
 RELEASES: Final[dict[int, str]] = {1: "0.1.0", 2: "0.2.0"}
+# The name of every Redis connection of this release (CLIENT SETNAME), `<CLIENT_NAME>:<consumerID>`:
+# it says which formats the process reads, so a replica about to raise the format finds the
+# replicas that could not read it. Release 0.1.0 named its connections `delayed-pubsub:<consumerID>`.
+CLIENT_NAME: Final = f"delayed-pubsub-f{CURRENT}"
+_RELEASE_1_NAME: Final = "delayed-pubsub"
+# A blocking connection's name carries this suffix (delayed_pubsub.connection).
+_BLOCKING: Final = ":blocking"
+
+log = logging.getLogger(__name__)
+
+
+def client_name(consumer_id: str) -> str:
+    """The CLIENT SETNAME of this release's connections for app `consumer_id`."""
+    return f"{CLIENT_NAME}:{consumer_id}" if consumer_id else CLIENT_NAME
+
+
+def reads_up_to(name: str, consumer_id: str) -> int | None:
+    """The newest format a connection named `name` reads, if it is one of app `consumer_id`'s
+    component connections (release 0.1.0's included), else None."""
+    head, sep, rest = name.partition(":")
+    if not sep or rest not in (consumer_id, consumer_id + _BLOCKING):
+        return None
+    if head == _RELEASE_1_NAME:
+        return OLDEST
+    digits = head.removeprefix(_RELEASE_1_NAME + "-f")
+    if digits != head and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
+
+
+async def older_clients(client: RedisClient, consumer_id: str, fmt: int) -> list[tuple[str, int]] | None:
+    """(address and name, newest format it reads) of each open connection of app `consumer_id`
+    that cannot read `fmt`, on every node; None when Redis refuses CLIENT LIST (an ACL without it)."""
+    redis: Any = client
+    try:
+        if isinstance(redis, RedisCluster):
+            listing: Any = await redis.client_list(target_nodes=RedisCluster.ALL_NODES)
+        else:
+            listing = await redis.client_list()
+    except ResponseError:
+        return None
+    rows = [r for rows in listing.values() for r in rows] if isinstance(listing, dict) else listing
+    older = []
+    for row in rows:
+        name = row.get("name", "")
+        reads = reads_up_to(name, consumer_id)
+        if reads is not None and reads < fmt:
+            older.append((f"{row.get('addr', '?')} ({name})", reads))
+    return older
 
 
 def describe(fmt: int) -> str:
@@ -79,14 +132,22 @@ async def stored_format(client: RedisClient, keys: Sequence[EngineKeys]) -> int 
 
 
 async def settle_format(
-    client: RedisClient, keys: Sequence[EngineKeys], requested: int | None, *, timeout_s: float | None
+    client: RedisClient,
+    keys: Sequence[EngineKeys],
+    requested: int | None,
+    *,
+    consumer_id: str,
+    timeout_s: float | None,
 ) -> int:
     """Decide the format an app's data is written in, record it on every shard, and return it.
 
     `requested` is the storageFormat setting (None: keep the stored format; a
-    fresh app starts at CURRENT). Raises FailedPreconditionError, having written
-    nothing, when a shard holds a format this version cannot read, or when
-    `requested` is below the stored format. `timeout_s` bounds each shard's call.
+    fresh app starts at CURRENT, or at the format of the oldest release of the
+    app still connected). Raises FailedPreconditionError, having written
+    nothing, when a shard holds a format this version cannot read, when
+    `requested` is below the stored format, or when it raises the format while
+    a connection of app `consumer_id` from a release that cannot read it is
+    open. `timeout_s` bounds each call.
     """
     shards = await read_formats(client, keys, timeout_s=timeout_s)
     found: list[int] = []
@@ -106,6 +167,26 @@ async def settle_format(
         )
     else:
         target = requested
+    if target > (stored or 0):
+        async with asyncio.timeout(timeout_s):
+            older = await older_clients(client, consumer_id, target)
+        if older is None:
+            log.warning(
+                "%r: Redis refused CLIENT LIST, so no check that every replica reads %s; make sure none "
+                "runs an older release (docs/operations.md, Upgrading and rolling back)",
+                keys[0].stream,
+                describe(target),
+            )
+        elif older and requested is None and stored is None:
+            # A new app while an older release of it runs (a mixed deploy): start in its format.
+            target = min(reads for _, reads in older)
+        elif older:
+            shown = ", ".join(who for who, _ in older[:5]) + (" …" if len(older) > 5 else "")
+            raise FailedPreconditionError(
+                f"{SETTING} {target}: {len(older)} connection(s) of app {consumer_id!r} come from a release "
+                f"that cannot read {describe(target)}: {shown}. Raise it once every replica (and operator "
+                f"CLI) of the app runs a release that reads it. Nothing was changed"
+            )
     settled = [await _call(client, k, target, timeout_s) for k in keys]
     # Another replica may have raised it meanwhile (the script never lowers it): adopt the highest,
     # unless the setting asked for less (then this replica must not run on data it was told not to write).

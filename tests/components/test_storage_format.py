@@ -227,3 +227,42 @@ async def test_the_operator_cli_pauses_nothing_in_the_rollback_window(
     await c.init({**delayed_props, "storageFormat": "2"})
     paused = await cli("pause", *conn, "tick")
     assert (paused.code, paused.out.strip()) == (0, "paused tick"), paused.err
+
+
+async def test_raising_is_refused_while_a_replica_of_an_older_release_is_connected(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+) -> None:
+    """A replica of release 0.1.0 names its connections `delayed-pubsub:<consumerID>` and cannot
+    read format 2: while one is open, raising the format is refused and changes nothing; a new
+    app whose 0.1.0 replica is already connected starts in format 1."""
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app1")
+    old.ping()
+    # Another app's old replica is no reason to refuse.
+    other = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app2")
+    other.ping()
+    try:
+        before = snapshot(redis_client)
+        err = await refused(c.init({**delayed_props, "storageFormat": "2"}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.details() or ""
+        assert "delayed-pubsub:app1" in details, details
+        assert "delayed-pubsub:app2" not in details, details
+        assert snapshot(redis_client) == before
+        redis_client.delete(FORMAT, HISTORY)
+        await component("fresh").init(delayed_props)
+        assert redis_client.get(FORMAT) == b"1"
+    finally:
+        old.close()
+    await wait_until(
+        lambda: all(cl["name"] != "delayed-pubsub:app1" for cl in redis_client.client_list()),
+        "the old replica's connection closed",
+    )
+    await c.init({**delayed_props, "storageFormat": "2"})
+    assert redis_client.get(FORMAT) == b"2"
+    other.close()

@@ -159,6 +159,20 @@ async def running(
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
 
 
+async def refused_to_raise(folder: Path, props: dict[str, str]) -> None:
+    """A replica of this release started with storageFormat 2 while 0.1.0 runs: its Init is refused,
+    naming the old replica's connections."""
+    raiser = Serve(folder, "raiser")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{raiser.socket}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await Component(ch, "delayed").init({**props, "storageFormat": "2"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "delayed-pubsub:app1" in (err.value.details() or ""), err.value.details()
+    finally:
+        raiser.stop()
+
+
 async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing(
     previous_tree: Path,
     folder: Path,
@@ -207,8 +221,11 @@ async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing
         await asyncio.sleep(1.0)  # the density check comes in the next idle fire step
         assert not redis_client.exists(MOVED), "envelopes re-homed in the rollback window"
 
-    # 3. Roll back: the previous release reads everything, the long tail included.
+    # 3. Roll back: the previous release reads everything, the long tail included. While it runs,
+    # a replica of this release cannot raise the format (it would leave 0.1.0 data it cannot read).
     async with running(folder, "old2", props, app, root=previous_tree):
+        await refused_to_raise(folder, props)
+        assert redis_client.get(FORMAT) == b"1"
         await wait_until(lambda: sum(app.count("a-").values()) == BATCH, "batch a's long tail", 20)
 
     # 4. Upgrade again, then leave the window: one setting change.
@@ -230,7 +247,8 @@ async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing
         await c.publish("work", b"", {"schedulePause": "true", "scheduleId": "every-0"})
         await c.publish("work", b"", {"schedulePause": "false", "scheduleId": "every-0"})
         now = int(time.time() * 1000)
-        assert not (await c.bulk_publish("work", _batch("b-", now, now + 2_500))).failed_entries
+        # The tail waits long enough for the density check to find it even on a loaded machine.
+        assert not (await c.bulk_publish("work", _batch("b-", now, now + 8_000))).failed_entries
         await wait_until(lambda: bool(redis_client.exists(MOVED)), "compaction at the newest format")
         await wait_until(lambda: sum(app.count("b-").values()) == BATCH, "batch b, re-homed tail included")
         await wait_until(lambda: len(app.count("once-")) == len(one_shots), "every one-shot", 20)
@@ -297,6 +315,8 @@ async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         await wait_until(lambda: acked() >= 40, "one-shots fired after the upgrade")
     async with running(folder, "old2", props, app, root=previous_tree):
+        await refused_to_raise(folder, props)
+        assert [admin.get(k) for k in formats] == [b"1"] * 4
         await wait_until(lambda: acked() >= 70, "one-shots fired after the rollback")
     async with running(folder, "new2", {**props, "storageFormat": "2"}, app) as c:
         assert [admin.get(k) for k in formats] == [b"2"] * 4
