@@ -13,6 +13,7 @@ from pathlib import Path
 
 import prometheus_client
 
+from delayed_middleware import storage_format
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub import logs, operate
 from delayed_pubsub.dashboard import cli as dashboard_cli
@@ -42,6 +43,15 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
+def version_text() -> str:
+    """`0.2.0 (storage format 2; reads formats 1 to 2)`: the release and the storage formats it
+    writes and reads (CHANGELOG.md, docs/operations.md#upgrading-and-rolling-back)."""
+    return (
+        f"{package_version()} (storage format {storage_format.CURRENT}; "
+        f"reads formats {storage_format.OLDEST} to {storage_format.CURRENT})"
+    )
+
+
 def tcp_port(text: str) -> int:
     """A TCP port to listen on, 1-65535 (argparse names the flag and the value otherwise)."""
     try:
@@ -69,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="delayed-pubsub", description="Dapr pluggable pub/sub on Redis Streams"
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version_text()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="serve the component on a unix socket for daprd")
     run.add_argument(

@@ -19,6 +19,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
+from delayed_middleware import storage_format
 from delayed_middleware.errors import (
     BackendAuthError,
     BackendUnavailableError,
@@ -275,7 +276,8 @@ def connect(settings: Settings) -> Connection:
         # No command is ever sent twice by the client (see RetryConnectOnly).
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
-        "client_name": f"delayed-pubsub:{settings.consumer_id}" if settings.consumer_id else "delayed-pubsub",
+        # Names the formats this release reads: a replica raising storageFormat finds older ones by it.
+        "client_name": storage_format.client_name(settings.consumer_id),
     }
     key_fds: list[int] = []
     if settings.enable_tls:

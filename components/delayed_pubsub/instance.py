@@ -22,11 +22,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from delayed_middleware import envelope as env
-from delayed_middleware import plan
+from delayed_middleware import plan, storage_format
 from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
-from delayed_middleware.control import Control
+from delayed_middleware.control import Control, Pause
 from delayed_middleware.engine import FireReport, ShardedEngine
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import (
@@ -46,7 +46,7 @@ from delayed_pubsub.admission import Admission
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.controls import control_request
-from delayed_pubsub.engines import build_engine
+from delayed_pubsub.engines import build_engine, engine_config
 from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -65,10 +65,20 @@ class Instance:
     servicer) so the delay engine can be put in front of the broker later."""
 
     def __init__(
-        self, name: str, settings: Settings, connection: Connection, clock: Clock, metrics: InstanceMetrics
+        self,
+        name: str,
+        settings: Settings,
+        connection: Connection,
+        clock: Clock,
+        metrics: InstanceMetrics,
+        *,
+        fmt: int = storage_format.CURRENT,
     ) -> None:
         self.name = name
         self.settings = settings
+        # The storage format settled at Init (storage_format.settle_format): below the newest, the
+        # app is in the rollback window, and publishes needing the newer format are refused.
+        self.storage_format = fmt
         self._connection = connection
         self._clock = clock
         self.metrics = metrics
@@ -120,7 +130,7 @@ class Instance:
                 for n, topic in enumerate(shard_topics(settings.consumer_id, settings.shards))
                 if n
             ]
-            self.engine = _sharded_engine(connection, settings, clock, self.broker, metrics, name)
+            self.engine = _sharded_engine(connection, settings, clock, self.broker, metrics, name, fmt)
         # Topics seen to be streams (or absent), so a delayed publish checks the
         # target's type once, not per call; bounded, and forgotten after a while
         # because a key's type can change under us (the fire path parks then).
@@ -164,13 +174,16 @@ class Instance:
                 "required with enableDelayedMessaging (it names the <consumerID>-delayed topic)",
             )
         connection = connect(settings)
+        fmt = storage_format.CURRENT
         try:
             await connection.ping()
             await connection.check_version()
+            if settings.enable_delayed_messaging:
+                fmt = await _settle_format(connection, settings)
         except BaseException:
             await connection.aclose()
             raise
-        instance = cls(name, settings, connection, clock, metrics)
+        instance = cls(name, settings, connection, clock, metrics, fmt=fmt)
         if instance.forwarder is not None:
             # The outbox and its group exist once Init returns, not at some
             # moment after: what Init leaves in Redis is settled when it answers.
@@ -368,6 +381,10 @@ class Instance:
         a refused request stores nothing.
         """
         p = plan.plan_publish(topic, data, metadata, content_type, self._context())
+        if self.storage_format < storage_format.CURRENT:
+            why = self._needs_current([d.envelope for d in p.delayed], p.control)
+            if why is not None:
+                raise storage_format.pinned_refusal(self.storage_format, why)
         if p.immediate:
             await self._publish_now(topic, p.immediate[0].entry)
             self.metrics.published_immediate.inc()
@@ -378,6 +395,18 @@ class Instance:
             await self._cancel(p.cancels)
         if p.control is not None:
             await self._control(p.control)
+
+    @staticmethod
+    def _needs_current(envelopes: Sequence[env.Envelope], control: Control | None) -> str | None:
+        """What in a planned publish the previous release's storage format cannot hold, if anything
+        (a string check per envelope: the rollback window costs the publish path no Redis call)."""
+        if isinstance(control, Pause) and control.pause:
+            return "schedulePause: true (a paused message)"
+        for e in envelopes:
+            why = storage_format.needs_current(e.schedule)
+            if why is not None:
+                return why
+        return None
 
     async def _control(self, request: Control) -> None:
         """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see pausing.py."""
@@ -410,6 +439,17 @@ class Instance:
         """
         p = plan.plan_bulk(topic, [(i.entry_id, i.entry) for i in entries], metadata, self._context())
         failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
+        if self.storage_format < storage_format.CURRENT and p.delayed:
+            # In the rollback window: each entry that needs the newer format fails alone.
+            keep: list[plan.Delayed] = []
+            for d in p.delayed:
+                why = storage_format.needs_current(d.envelope.schedule)
+                if why is None:
+                    keep.append(d)
+                else:
+                    refusal = str(storage_format.pinned_refusal(self.storage_format, why))
+                    failed += [FailedEntry(i, refusal) for i in d.entry_ids]
+            p = dataclasses.replace(p, delayed=tuple(keep))
         stored_some = False
         if p.delayed:
             stored = len(p.delayed)
@@ -558,6 +598,35 @@ class Instance:
         await self._connection.aclose()
 
 
+async def _settle_format(connection: Connection, settings: Settings) -> int:
+    """The app's storage format, settled on every shard (storage_format.settle_format): once per
+    Init, so the publish path only reads the instance's copy."""
+    keys = [EngineKeys.for_topic(t) for t in shard_topics(settings.consumer_id, settings.shards)]
+    try:
+        fmt = await storage_format.settle_format(
+            connection.client,
+            keys,
+            settings.storage_format,
+            consumer_id=settings.consumer_id,
+            timeout_s=call_timeout(settings),
+        )
+    except (RedisError, TimeoutError) as e:
+        raise BackendUnavailableError(
+            f"reading the storage format of {keys[0].stream!r}: redis: {e or 'timed out'}"
+        ) from e
+    if fmt < storage_format.CURRENT:
+        log.warning(
+            "%r: delayed data kept in storage %s (the rollback window): compaction is off and "
+            "publishes needing %s are refused; set %s: %d once no replica runs an older release",
+            keys[0].stream,
+            storage_format.describe(fmt),
+            storage_format.describe(storage_format.CURRENT),
+            storage_format.SETTING,
+            storage_format.CURRENT,
+        )
+    return fmt
+
+
 def _sharded_engine(
     connection: Connection,
     settings: Settings,
@@ -565,11 +634,14 @@ def _sharded_engine(
     broker: Broker,
     metrics: InstanceMetrics,
     name: str,
+    fmt: int,
 ) -> ShardedEngine:
     """The delay engine over the delayed topic's shard streams (keys.shard_topics).
 
     On Redis Cluster the fire is two-phase (target topics live in other hash
     slots than the shard); on a single node or Sentinel it is one script.
+    Below the newest storage format compaction is off: the envelopes it
+    re-homes are lost to the previous release.
     """
     topics = shard_topics(settings.consumer_id, settings.shards)
     pending = [0] * len(topics)
@@ -582,10 +654,12 @@ def _sharded_engine(
 
         return hook
 
+    pinned = fmt < storage_format.CURRENT
     return build_engine(
         settings,
         connection.client,
         clock,
+        config=engine_config(settings, compact_check_every=0) if pinned else None,
         trim=broker.trim,
         pubsub_name=name,
         on_batch=on_batch,

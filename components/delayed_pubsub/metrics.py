@@ -87,6 +87,13 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.lost = Counter(
+            "delayed_pubsub_lost_messages",
+            "Pending delayed messages whose envelope was deleted outside the engine (XTRIM, XDEL, a "
+            "MAXLEN publish, a release that did not know a moved envelope): reported once and removed",
+            ["instance"],
+            registry=r,
+        )
         self.redis_errors = Counter(
             "delayed_pubsub_redis_errors",
             "Redis calls that failed (each failed try of a retried call counts)",
@@ -198,6 +205,7 @@ class Metrics:
             dead_lettered=self.dead_lettered.labels(name, "published"),
             dropped=self.dead_lettered.labels(name, "dropped"),
             parked=self.parked.labels(name),
+            lost=self.lost.labels(name),
             redis_errors=self.redis_errors.labels(name),
             subscriptions=self.subscriptions.labels(name),
             pending_by_topic=self.pending_by_topic,
@@ -231,6 +239,7 @@ class InstanceMetrics:
     dead_lettered: Counter
     dropped: Counter
     parked: Counter
+    lost: Counter
     redis_errors: Counter
     subscriptions: Gauge
     # The family, not a child: its topic label set changes with every refresh.
@@ -308,6 +317,8 @@ class InstanceMetrics:
             self.fire_lateness.observe(max(0, report.max_lateness_ms) / 1000)
         if report.parked:
             self.parked.inc(report.parked)
+        if report.lost:
+            self.lost.inc(report.lost)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from rich.table import Table
 from rich.text import Text
 
 from delayed_middleware import history as hist
-from delayed_middleware import pausing
+from delayed_middleware import pausing, storage_format
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import DL_KEYS
 from delayed_middleware.durations import parse_go_duration
@@ -648,6 +648,11 @@ async def _set_paused(
     connection: Connection, settings: Settings, ids: Sequence[str], pause: bool, out: Console
 ) -> int:
     engine = operator_engine(connection, settings)
+    if pause:
+        # A paused message is format 2: in the rollback window the CLI refuses it as a publish would.
+        fmt = await storage_format.stored_format(connection.client, [e.keys for e in engine.engines])
+        if fmt is not None and fmt < storage_format.CURRENT:
+            raise storage_format.pinned_refusal(fmt, "delayed-pubsub pause")
     missing = []
     for id in ids:
         result = await engine.set_paused(id, pause=pause, reason=PAUSE_REASON if pause else RESUME_REASON)

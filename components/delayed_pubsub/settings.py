@@ -17,6 +17,8 @@ from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import check_consumer_id, is_delayed_topic, is_engine_key
 from delayed_middleware.retry import RetryPolicy, parse_retry_policy
+from delayed_middleware.storage_format import CURRENT as CURRENT_FORMAT
+from delayed_middleware.storage_format import OLDEST as OLDEST_FORMAT
 from delayed_middleware.target import check_target_name
 from delayed_pubsub.settings_spec import load_spec, unknown_key_warnings
 
@@ -109,6 +111,8 @@ class Settings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # Shard streams of the delayed topic (None: 16 on Redis Cluster, 1 on a single node).
     delay_shards: int | None = None
+    # storageFormat: the storage format to write (None: the one stored; a fresh app the newest).
+    storage_format: int | None = None
 
     @property
     def shards(self) -> int:
@@ -228,6 +232,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         dead_letter_topic=dead_letter,
         retry=parse_retry_policy(props),
         delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
+        storage_format=_int(props, "storageFormat", 0, minimum=OLDEST_FORMAT, maximum=CURRENT_FORMAT) or None,
     )
 
 

@@ -63,6 +63,9 @@ PAUSED: Final = "paused"
 RESUMED: Final = "resumed"
 # A recurring schedule fired its last occurrence (scheduleEnd / scheduleLimit) and was removed.
 COMPLETED: Final = "completed"
+# A due-index entry whose envelope no route finds (deleted from the delayed topic by something
+# other than the engine): reported once and removed from the index.
+LOST: Final = "lost"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -76,6 +79,7 @@ EVENTS: Final = (
     PAUSED,
     RESUMED,
     COMPLETED,
+    LOST,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

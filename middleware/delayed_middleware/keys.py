@@ -124,6 +124,8 @@ class EngineKeys:
              (delayed_pubsub.redelivery; see retry()): found without KEYS.
     dead_letters: set of the dead-letter topics the retry policy and the
              hand-offs have written to.
+    format:  the storage format this shard's data is written in (see
+             delayed_middleware.storage_format); not passed to the engine's scripts.
     """
 
     stream: str
@@ -143,6 +145,7 @@ class EngineKeys:
     claims: str
     retrying: str
     dead_letters: str
+    format: str
 
     @classmethod
     def for_topic(cls, topic: str) -> EngineKeys:
@@ -165,6 +168,7 @@ class EngineKeys:
             claims=f"{tag}:claims",
             retrying=f"{tag}:retrying",
             dead_letters=f"{tag}:deadletters",
+            format=f"{tag}:format",
         )
 
     # Subscriber retries (delayed_pubsub.redelivery): not touched by the engine's scripts.

@@ -85,3 +85,5 @@ UNCANCEL: Final = load("uncancel.lua")
 HIST_APPEND: Final = load("hist_append.lua")
 HIST_SWEEP: Final = load("hist_sweep.lua")
 HIST_WALK: Final = load("hist_walk.lua")
+# The storage format of a shard (storage_format.py), settled at Init.
+FORMAT: Final = load("format.lua")

@@ -22,11 +22,12 @@ from tests.redis_server import RedisServer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def serve_env() -> dict[str, str]:
-    """The environment of a serve process: this checkout's packages first on its path."""
+def serve_env(root: Path = ROOT) -> dict[str, str]:
+    """The environment of a serve process: the packages of the tree at `root` (this checkout, or
+    an older release's, tests/components/test_upgrade.py) first on its path."""
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components")),
+        "PYTHONPATH": os.pathsep.join(str(root / p) for p in ("proto", "middleware", "components")),
     }
 
 
@@ -90,13 +91,13 @@ def alive(pid: int) -> bool:
 class Serve:
     """One `delayed-pubsub serve` process with its log in a file."""
 
-    def __init__(self, folder: Path, name: str, *args: str) -> None:
+    def __init__(self, folder: Path, name: str, *args: str, root: Path = ROOT) -> None:
         self.socket = folder / f"{name}.sock"
         self.log = folder / f"{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "delayed_pubsub", "serve", "--socket", str(self.socket), *args],
-                env=serve_env(),
+                env=serve_env(root),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

@@ -10,10 +10,10 @@ from tests.components.driver import cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def test_version_prints_the_version_pyproject_declares() -> None:
+async def test_version_prints_the_version_pyproject_declares_and_its_storage_formats() -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
     result = await cli("--version")
 
     assert result.code == 0, result.err
-    assert result.out.strip() == f"delayed-pubsub {declared}"
+    assert result.out.strip() == f"delayed-pubsub {declared} (storage format 2; reads formats 1 to 2)"

@@ -8,9 +8,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import redis
+
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component
 from tests.components.serve import start_serve, terminate, wait_for_socket
+from tests.conftest import wait_until
 from tests.redis_server import free_port
 
 
@@ -51,6 +54,25 @@ async def test_counters_follow_publish_fire_deliver_ack_nack(
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     assert sample(server, "delayed_pubsub_acked_messages_total") == 4
+
+
+async def test_a_pending_message_deleted_outside_the_engine_is_counted_lost_once(
+    server: ComponentServer,
+    component: Callable[[str], Component],
+    props: dict[str, str],
+    redis_client: redis.Redis,
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    for i in range(2):
+        await c.publish("orders", f"later {i}".encode(), {"scheduledSendDelay": "300ms"})
+    first_envelope = redis_client.xrange("app1-delayed", count=1)[0][0]  # type: ignore[index]
+    redis_client.xdel("app1-delayed", first_envelope)  # type: ignore[arg-type]
+    await wait_until(lambda: redis_client.xlen("orders") == 1, "the other message fired")
+    await wait_until(lambda: sample(server, "delayed_pubsub_lost_messages_total") == 1, "the loss counted")
+    await asyncio.sleep(0.5)  # later fire steps find nothing more to report
+    assert sample(server, "delayed_pubsub_lost_messages_total") == 1
+    assert sample(server, "delayed_pubsub_pending_messages") == 0
 
 
 def test_serve_exposes_metrics_on_loopback() -> None:

@@ -144,6 +144,7 @@ def test_engine_keys_keep_the_names_a_deployment_has_stored() -> None:
         "claims": "{app-delayed}:claims",
         "retrying": "{app-delayed}:retrying",
         "dead_letters": "{app-delayed}:deadletters",
+        "format": "{app-delayed}:format",
     }
     assert keys.retry("orders") == "{app-delayed}:retry:orders"
     assert keys.retry_counts("orders") == "{app-delayed}:retry-n:orders"

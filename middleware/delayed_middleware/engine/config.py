@@ -108,3 +108,5 @@ class FireReport:
     pending: int
     parked: int = 0
     entries: int = 0
+    # Index entries whose envelope was gone (deleted outside the engine): reported and removed.
+    lost: int = 0

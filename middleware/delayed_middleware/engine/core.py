@@ -187,7 +187,9 @@ class EngineCore:
         """The shard's time as of the last fire step's measurement (successors are computed on it)."""
         return self._clock.now_ms() - self._skew_ms
 
-    def _report(self, now: int, fired: int, first: str, pending: int, parked: int, entries: int) -> None:
+    def _report(
+        self, now: int, fired: int, first: str, pending: int, parked: int, entries: int, *, lost: int = 0
+    ) -> None:
         """Log parked envelopes and hand one fire call's figures to the on_batch hook."""
         if parked:
             log.error(
@@ -196,19 +198,25 @@ class EngineCore:
                 self._keys.stream,
                 self._keys.parked,
             )
-        if self._on_batch is not None and (fired or parked):
+        if self._on_batch is not None and (fired or parked or lost):
             # The batch's earliest due time is its latest message.
             late_ms = now - int(first) if first else 0
             self._on_batch(
                 FireReport(
-                    fired=fired, max_lateness_ms=late_ms, pending=pending, parked=parked, entries=entries
+                    fired=fired,
+                    max_lateness_ms=late_ms,
+                    pending=pending,
+                    parked=parked,
+                    entries=entries,
+                    lost=lost,
                 )
             )
 
     def _log_gone(self, gone: int) -> None:
         log.error(
             "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
-            "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it)",
+            "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it); "
+            "their index entries are removed, each with a 'lost' history record naming its id",
             gone,
             self._keys.stream,
         )

@@ -70,5 +70,5 @@ class Firing(TwoPhaseFiring, Refilling, Compacting):
             await self._markers("MaxAge", got.expired)
         if got.gone:
             self._log_gone(got.gone)
-        self._report(got.decided, got.fired, got.first, got.pending, got.parked, got.entries)
+        self._report(got.decided, got.fired, got.first, got.pending, got.parked, got.entries, lost=got.gone)
         return got.fired, self._measured(local, got.decided, got.head), got.refill, got.refills

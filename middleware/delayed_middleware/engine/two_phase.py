@@ -95,7 +95,7 @@ class TwoPhaseFiring(EngineCore):
             head = done.head
             quads = done.refills
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
-        self._report(got.decided, fired, got.first, got.pending, parked, entries)
+        self._report(got.decided, fired, got.first, got.pending, parked, entries, lost=got.gone)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
         return more, self._measured(now, got.decided, head), got.refill, quads

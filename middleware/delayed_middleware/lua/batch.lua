@@ -95,9 +95,12 @@ local function decide(c, now, max_entries, max_bytes, busy)
     B.taken[#B.taken + 1] = c
     if why == 'gone' then
       -- Deleted from the delayed topic by something else than the engine (an
-      -- XTRIM, another client's MAXLEN): lost, but not silently.
+      -- XTRIM, another client's MAXLEN, a release that did not know the moved
+      -- hash): lost, but not silently, and once: its index entry goes with this
+      -- record, so it is never listed as pending again.
       B.gone = B.gone + 1
       forget_move(id)
+      hist('lost', id, '', '', 0, due, '', '', 1, 'EnvelopeGone', '')
     else
       park(id, nil, id, due, why)
     end

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope
+from delayed_middleware.inspector import Inspector
+from tests.conftest import small_stream_nodes
 from tests.middleware.engine.helpers import (
     KEYS,
     T0,
@@ -226,6 +229,45 @@ async def test_envelopes_deleted_outside_the_engine_are_reported(
     assert sorted(payloads(redis_client)) == [0, 2]
     [record] = [r for r in caplog.records if "lost" in r.getMessage()]
     assert "1 pending message(s) on app-delayed were lost" in record.getMessage()
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize("route", ["its id", "the moved hash"])
+async def test_an_index_entry_whose_envelope_no_route_finds_is_reported_once_and_never_listed_again(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, route: str
+) -> None:
+    """An envelope deleted outside the engine (by its id, or its re-homed copy, which a release
+    that does not know the moved hash never finds) leaves one `lost` history record, counts once
+    in the fire report, and its index entry is removed: `pending` no longer lists it."""
+    clock = ManualClock(T0)
+    reports: list[FireReport] = []
+    config = EngineConfig(compact_min_nodes=1)
+    engine = DelayEngine(aredis(), KEYS, clock, config=config, on_batch=reports.append)
+    if route == "its id":
+        ids = await engine.schedule([env(i, T0 + 1_000) for i in range(3)])
+        redis_client.xdel(KEYS.stream, ids[1])
+    else:
+        # Long waits among ones that fire now, a node each: compaction re-homes them.
+        longs = [dataclasses.replace(env(i, T0 + 1_000), id="") for i in range(3)]
+        fill = [dataclasses.replace(env(100, T0), topic="short", id="")] * 9
+        with small_stream_nodes(redis_client, 10):
+            ids = (await engine.schedule([x for e in longs for x in (e, *fill)]))[::10]
+        await drain(engine)
+        assert await engine.compact()
+        copy = redis_client.hget(KEYS.moved, ids[1])
+        assert copy is not None, "not re-homed"
+        redis_client.xdel(KEYS.stream, copy)
+    assert await engine.pending() == 3
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 2]
+    [lost] = history(redis_client, "lost")
+    assert (lost.id, lost.due_ms) == (ids[1], T0 + 1_000)
+    assert sum(r.lost for r in reports) == 1
+    assert await engine.pending() == 0
+    assert not (await Inspector(aredis(), "app").pending()).messages
+    assert redis_client.exists(KEYS.moved) == 0
 
 
 @pytest.mark.both_fire_paths

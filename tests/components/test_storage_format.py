@@ -1,0 +1,268 @@
+"""The storage format version and the rollback window, through the component as daprd drives it,
+on a real Redis: what Init writes and refuses, what a publish in the window is refused, and that a
+format this version does not know is refused without changing anything."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import grpc
+import pytest
+import redis
+import redis.cluster
+
+from delayed_middleware.keys import shard_topics
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
+from tests.components.driver import Component, cli, cluster_props
+from tests.conftest import small_stream_nodes, wait_until
+from tests.redis_server import RedisCluster, RedisServer
+
+FORMAT = "{app1-delayed}:format"
+HISTORY = "{app1-delayed}:history"
+MOVED = "{app1-delayed}:moved"
+
+
+def previous_release_data(client: redis.Redis | redis.cluster.RedisCluster, history: str) -> None:
+    """What the previous release (0.1.0) leaves: engine data (a history record) and no format key."""
+    client.xadd(history, {"event": "scheduled", "id": "old-1"})
+
+
+NEW_FORMAT_PUBLISHES = [
+    {"schedule": "0 0 5 * * *", "scheduleTimeZone": "Europe/Berlin"},
+    {"schedule": "CRON_TZ=America/New_York 0 0 5 * * *"},
+    {"schedule": "@every 1h", "scheduleLimit": "3"},
+    {"schedule": "@every 1h", "scheduleEnd": "2099-01-01T00:00:00Z"},
+    {"schedule": "@every 1h", "scheduleStart": "2099-01-01T00:00:00Z"},
+    {"schedule": "@every 1h", "scheduleJitter": "5s"},
+]
+
+
+@pytest.fixture
+def delayed_props(props: dict[str, str]) -> dict[str, str]:
+    return {**props, "enableDelayedMessaging": "true"}
+
+
+def snapshot(client: redis.Redis) -> dict[str, object]:
+    """The app's delayed data (its format, envelopes, due index, ids, history), each key's DUMP:
+    equal snapshots mean nothing was stored, changed or deleted. (The history's by-id index is
+    left out: a background sweep builds it on its own schedule.)"""
+    keys = [FORMAT, "app1-delayed", "{app1-delayed}:ids", "{app1-delayed}:pending", HISTORY, MOVED]
+    keys += [k.decode() for k in client.keys("{app1-delayed}:due*")]  # type: ignore[union-attr]
+    return {k: client.dump(k) for k in sorted(keys)}
+
+
+async def refused(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call  # type: ignore[misc]
+    return err.value
+
+
+async def test_a_fresh_app_starts_at_the_newest_format_and_takes_every_option(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    assert redis_client.get(FORMAT) == b"2"
+    for n, md in enumerate(NEW_FORMAT_PUBLISHES):
+        await c.publish("ticks", b"x", {**md, "scheduleId": f"s{n}"})
+    await c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "s0"})
+
+
+async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_cannot_hold(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    assert redis_client.get(FORMAT) == b"1"
+    for n, md in enumerate(NEW_FORMAT_PUBLISHES):
+        before = snapshot(redis_client)
+        err = await refused(c.publish("ticks", b"x", {**md, "scheduleId": f"s{n}"}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, md
+        assert "storageFormat: 2" in (err.details() or ""), err.details()
+        assert snapshot(redis_client) == before, f"{md} stored something"
+    # What the previous release can read is taken as before.
+    await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleId": "plain"})
+    await c.publish("ticks", b"x", {"scheduledSendDelay": "1h", "scheduleId": "once"})
+    err = await refused(c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "plain"}))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "storageFormat" in (err.details() or "")
+    # A bulk publish fails only the entries that need the newer format.
+    reply = await c.bulk_publish(
+        "ticks",
+        [
+            pubsub_pb2.BulkMessageEntry(
+                entry_id="a", event=b"a", metadata={"schedule": "@every 1h", "scheduleId": "ba"}
+            ),
+            pubsub_pb2.BulkMessageEntry(
+                entry_id="b",
+                event=b"b",
+                metadata={"schedule": "@every 1h", "scheduleJitter": "1s", "scheduleId": "bb"},
+            ),
+        ],
+    )
+    assert [(f.entry_id, "storageFormat" in f.error) for f in reply.failed_entries] == [("b", True)]
+    ids = {k.decode() for k in redis_client.hkeys("{app1-delayed}:ids")}  # type: ignore[union-attr]
+    assert ids == {"plain", "once", "ba"}
+
+
+async def test_raising_the_setting_is_one_change_and_lowering_it_is_refused(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    assert redis_client.get(FORMAT) == b"1"
+    await c.init({**delayed_props, "storageFormat": "2"})
+    assert redis_client.get(FORMAT) == b"2"
+    await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleJitter": "1s", "scheduleId": "j"})
+    # Once raised, the setting may be removed: the stored format stays.
+    await c.init(delayed_props)
+    await c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "j"})
+    before = snapshot(redis_client)
+    err = await refused(c.init({**delayed_props, "storageFormat": "1"}))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "cannot be lowered" in (err.details() or ""), err.details()
+    assert snapshot(redis_client) == before
+
+
+@pytest.mark.parametrize("stored", [b"99", b"two"])
+async def test_a_format_this_version_does_not_know_refuses_init_and_changes_nothing(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    stored: bytes,
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("ticks", b"x", {"scheduledSendDelay": "1h", "scheduleId": "kept"})
+    redis_client.set(FORMAT, stored)
+    before = snapshot(redis_client)
+    other = component("other")
+    err = await refused(other.init(delayed_props))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = err.details() or ""
+    assert stored.decode() in details, details
+    assert "formats 1 to 2" in details, details
+    assert snapshot(redis_client) == before
+
+
+async def test_no_compaction_moves_envelopes_in_the_rollback_window(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """1,100 one-shots, twenty of them (in twenty stream nodes) waiting an hour: after the rest fire, the stream is sparse enough
+    that the engine compacts it, unless the app is in the rollback window (the previous release
+    does not know a moved envelope and would report it lost)."""
+
+    async def compacted(app: str, **settings: str) -> bool:
+        previous_release_data(redis_client, "{" + app + "-delayed}:history")
+        c = component(app)
+        sink = f"sink-{app}"
+        with small_stream_nodes(redis_client, 10):
+            await c.init({**delayed_props, "consumerID": app, **settings})
+            now = int(time.time() * 1000)
+            entries = [
+                pubsub_pb2.BulkMessageEntry(
+                    entry_id=str(i),
+                    event=b"x",
+                    metadata={"scheduledSendTime": _iso(now + (3_600_000 if i % 55 == 0 else 300))},
+                )
+                for i in range(1_100)
+            ]
+            assert not (await c.bulk_publish(sink, entries)).failed_entries
+        await wait_until(lambda: redis_client.xlen(sink) == 1_080, "the short delays fired")
+        # The density check runs in the first idle fire step after 1,000 envelopes left.
+        moved = "{" + app + "-delayed}:moved"
+        for _ in range(30):
+            if redis_client.exists(moved):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert not await compacted("pinned"), "compaction moved envelopes in the rollback window"
+    assert await compacted("raised", storageFormat="2"), "no compaction at the newest format"
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+async def test_on_redis_cluster_every_shard_records_its_format_and_any_one_unknown_refuses_init(
+    component: Callable[[str], Component], cluster: RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    admin.flushall()
+    props = {**cluster_props(cluster), "delayShards": "6"}
+    shards = shard_topics("app1", 6)
+    # Shard 3 alone has data of the previous release: the app is in its format.
+    previous_release_data(admin, "{" + shards[3] + "}:history")
+    await component("delayed").init(props)
+    assert [admin.get("{" + s + "}:format") for s in shards] == [b"1"] * 6
+    admin.set("{" + shards[5] + "}:format", "99")
+    err = await refused(component("other").init(props))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert shards[5] in (err.details() or ""), err.details()
+    assert [admin.get("{" + s + "}:format") for s in shards] == [b"1"] * 5 + [b"99"]
+
+
+async def test_the_operator_cli_pauses_nothing_in_the_rollback_window(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+) -> None:
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("ticks", b"t", {"schedule": "@every 1h", "scheduleId": "tick"})
+    conn = ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
+    before = snapshot(redis_client)
+    paused = await cli("pause", *conn, "tick")
+    assert paused.code == 3, paused.out
+    assert "storageFormat" in paused.err, paused.err
+    assert snapshot(redis_client) == before
+    # Once raised, it pauses.
+    await c.init({**delayed_props, "storageFormat": "2"})
+    paused = await cli("pause", *conn, "tick")
+    assert (paused.code, paused.out.strip()) == (0, "paused tick"), paused.err
+
+
+async def test_raising_is_refused_while_a_replica_of_an_older_release_is_connected(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+) -> None:
+    """A replica of release 0.1.0 names its connections `delayed-pubsub:<consumerID>` and cannot
+    read format 2: while one is open, raising the format is refused and changes nothing; a new
+    app whose 0.1.0 replica is already connected starts in format 1."""
+    previous_release_data(redis_client, HISTORY)
+    c = component("delayed")
+    await c.init(delayed_props)
+    old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app1")
+    old.ping()
+    # Another app's old replica is no reason to refuse.
+    other = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app2")
+    other.ping()
+    try:
+        before = snapshot(redis_client)
+        err = await refused(c.init({**delayed_props, "storageFormat": "2"}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.details() or ""
+        assert "delayed-pubsub:app1" in details, details
+        assert "delayed-pubsub:app2" not in details, details
+        assert snapshot(redis_client) == before
+        redis_client.delete(FORMAT, HISTORY)
+        await component("fresh").init(delayed_props)
+        assert redis_client.get(FORMAT) == b"1"
+    finally:
+        old.close()
+    await wait_until(
+        lambda: all(cl["name"] != "delayed-pubsub:app1" for cl in redis_client.client_list()),
+        "the old replica's connection closed",
+    )
+    await c.init({**delayed_props, "storageFormat": "2"})
+    assert redis_client.get(FORMAT) == b"2"
+    other.close()

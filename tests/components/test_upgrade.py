@@ -1,0 +1,343 @@
+"""Upgrade from the previous release, roll back to it, upgrade again, then leave the rollback window:
+real `delayed-pubsub serve` processes of both releases (the previous one installed from this
+repository's history, scripts/previous-release) on one real Redis, driven over gRPC as daprd drives
+them. Every message is delivered (acked) once and never early, recurring schedules stay on their grid,
+a retry in backoff and a dead letter cross the versions, and what the previous release cannot read
+is neither written in the window nor lost after it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import tarfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import redis.cluster
+
+from delayed_middleware.instants import parse_instant
+from delayed_middleware.keys import shard_topics
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
+from tests.components.driver import Component, Stream, cluster_props
+from tests.components.serve import ROOT, Serve, props_for
+from tests.conftest import small_stream_nodes, wait_until
+from tests.redis_server import RedisCluster, RedisServer
+
+PREVIOUS_RELEASE = ROOT / "scripts" / "previous-release"
+FORMAT = "{app1-delayed}:format"
+MOVED = "{app1-delayed}:moved"
+EVERY_MS = 2_000
+# A batch whose short delays fire at once while its long tail (1 in 55, each in its own stream node
+# of 10 entries) waits: the stream left this sparse is what the engine compacts.
+BATCH, TAIL_EVERY = 1_100, 55
+
+
+def previous_release() -> tuple[str, str]:
+    """(commit, version) of the previous release, as scripts/previous-release names it."""
+    for line in PREVIOUS_RELEASE.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            commit, version = line.split()
+            return commit, version
+    raise AssertionError(f"{PREVIOUS_RELEASE} names no release")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The previous release's packages (proto, middleware, components), from this repository's
+    history; fetched from origin when the clone lacks it (a shallow CI clone). Never skipped."""
+    commit, version = previous_release()
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+        fetched = _git("fetch", "-q", "origin", commit)
+        if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
+            pytest.fail(
+                f"release {version} (commit {commit}, scripts/previous-release) is not in this clone's "
+                f"history and `git fetch origin {commit}` did not bring it "
+                f"({fetched.stderr.decode().strip() or 'no error'}): clone with full history "
+                "(no --depth) to run the upgrade test"
+            )
+    archive = _git("archive", "--format=tar", commit, "proto", "middleware", "components")
+    assert archive.returncode == 0, archive.stderr.decode()
+    tree = tmp_path_factory.mktemp(f"release-{version}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+@dataclass
+class App:
+    """The subscribing app: acks what it is given (a `flaky` message only on its second delivery,
+    a `doomed` one never), and records each ack with the time it came."""
+
+    acked: list[tuple[str, dict[str, str], int]] = field(default_factory=list)
+    seen: Counter[str] = field(default_factory=Counter)
+    early: list[str] = field(default_factory=list)
+
+    async def consume(self, stream: Stream) -> None:
+        while True:
+            msg = await stream.received.get()
+            body = json.loads(msg.data)
+            name = body["id"]
+            self.seen[name] += 1
+            at = int(time.time() * 1000)
+            due = body["due"]
+            if "scheduleNext" in msg.metadata and name.startswith("every-"):
+                due = parse_instant(msg.metadata["scheduleNext"]) - EVERY_MS
+            if at < due:
+                self.early.append(f"{name} {due - at} ms early")
+            if name == "doomed" or (name == "flaky" and self.seen[name] == 1):
+                await stream.nack(msg.id)
+                continue
+            self.acked.append((name, dict(msg.metadata), at))
+            await stream.ack(msg.id)
+
+    def count(self, prefix: str) -> Counter[str]:
+        return Counter(n for n, _, _ in self.acked if n.startswith(prefix))
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _entry(name: str, due: int, **metadata: str) -> pubsub_pb2.BulkMessageEntry:
+    return pubsub_pb2.BulkMessageEntry(
+        entry_id=name,
+        event=json.dumps({"id": name, "due": due}).encode(),
+        metadata={"scheduledSendTime": _iso(due), **metadata},
+    )
+
+
+def _batch(prefix: str, now: int, tail_due: int) -> list[pubsub_pb2.BulkMessageEntry]:
+    return [_entry(f"{prefix}{i}", tail_due if i % TAIL_EVERY == 0 else now + 300) for i in range(BATCH)]
+
+
+@pytest.fixture
+def nodes_of_ten(redis_client: redis.Redis) -> Iterator[None]:
+    with small_stream_nodes(redis_client, 10):
+        yield
+
+
+@asynccontextmanager
+async def running(
+    folder: Path, name: str, props: dict[str, str], app: App, root: Path = ROOT
+) -> AsyncIterator[Component]:
+    """One serve process of the release at `root`, Init'ed, with the app subscribed to its topics;
+    stopped in order (subscriptions closed, then SIGTERM) as a rolling update stops a pod."""
+    serve = Serve(folder, name, "--log-level", "debug", root=root)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{serve.socket}") as ch:
+            c = Component(ch, "delayed")
+            await c.init(props)
+            streams = [await c.subscribe(t) for t in ("work", "flaky", "doomed")]
+            tasks = [asyncio.create_task(app.consume(s)) for s in streams]
+            try:
+                yield c
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for t in tasks:
+                    with suppress(asyncio.CancelledError):
+                        await t
+                for s in streams:
+                    await s.close()
+    finally:
+        serve.stop()
+        log = serve.log.read_text()
+        assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
+
+
+async def refused_to_raise(folder: Path, props: dict[str, str]) -> None:
+    """A replica of this release started with storageFormat 2 while 0.1.0 runs: its Init is refused,
+    naming the old replica's connections."""
+    raiser = Serve(folder, "raiser")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{raiser.socket}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await Component(ch, "delayed").init({**props, "storageFormat": "2"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "delayed-pubsub:app1" in (err.value.details() or ""), err.value.details()
+    finally:
+        raiser.stop()
+
+
+async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing(
+    previous_tree: Path,
+    folder: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    nodes_of_ten: None,
+) -> None:
+    props = {
+        **props_for(redis_server),
+        "processingTimeout": "1s",
+        "redeliverInterval": "300ms",
+        "maxDeliveryAttempts": "2",
+        "retryInitialInterval": "3s",
+        "deadLetterTopic": "dlq",
+    }
+    app = App()
+    t0 = int(time.time() * 1000)
+    one_shots = [_entry(f"once-{i}", t0 + 1_500 + i * 150) for i in range(100)]
+
+    # 1. The previous release: one-shots due over the whole run, recurring schedules, a message
+    # that fails once (a retry in backoff) and one that always fails (a dead letter).
+    async with running(folder, "old1", props, app, root=previous_tree) as c:
+        assert not (await c.bulk_publish("work", one_shots)).failed_entries
+        for n in range(3):
+            await c.publish(
+                "work",
+                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
+                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
+            )
+        assert not (await c.bulk_publish("flaky", [_entry("flaky", t0 + 1_000)])).failed_entries
+        assert not (await c.bulk_publish("doomed", [_entry("doomed", t0 + 1_000)])).failed_entries
+        await wait_until(lambda: app.seen["flaky"] == 1, "the flaky message's first delivery")
+    assert redis_client.get(FORMAT) is None  # the previous release writes no format key
+
+    # 2. Upgrade: the app stays in the previous release's format (the rollback window). A batch
+    # with a long tail fires: the stream is left sparse, yet nothing is re-homed (compaction off).
+    async with running(folder, "new1", props, app) as c:
+        assert redis_client.get(FORMAT) == b"1"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.publish("work", b"{}", {"schedule": "@every 1s", "scheduleJitter": "200ms"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        now = int(time.time() * 1000)
+        tail_a = now + 6_000
+        assert not (await c.bulk_publish("work", _batch("a-", now, tail_a))).failed_entries
+        await wait_until(lambda: sum(app.count("a-").values()) == BATCH - BATCH // TAIL_EVERY, "batch a")
+        await asyncio.sleep(1.0)  # the density check comes in the next idle fire step
+        assert not redis_client.exists(MOVED), "envelopes re-homed in the rollback window"
+
+    # 3. Roll back: the previous release reads everything, the long tail included. While it runs,
+    # a replica of this release cannot raise the format (it would leave 0.1.0 data it cannot read).
+    async with running(folder, "old2", props, app, root=previous_tree):
+        await refused_to_raise(folder, props)
+        assert redis_client.get(FORMAT) == b"1"
+        await wait_until(lambda: sum(app.count("a-").values()) == BATCH, "batch a's long tail", 20)
+
+    # 4. Upgrade again, then leave the window: one setting change.
+    async with running(folder, "new2", props, app):
+        assert redis_client.get(FORMAT) == b"1"
+    raised = {**props, "storageFormat": "2"}
+    async with running(folder, "new3", raised, app) as c:
+        assert redis_client.get(FORMAT) == b"2"
+        await c.publish(
+            "work",
+            json.dumps({"id": "limited", "due": 0}).encode(),
+            {
+                "schedule": "@every 1s",
+                "scheduleLimit": "2",
+                "scheduleJitter": "200ms",
+                "scheduleId": "limited",
+            },
+        )
+        await c.publish("work", b"", {"schedulePause": "true", "scheduleId": "every-0"})
+        await c.publish("work", b"", {"schedulePause": "false", "scheduleId": "every-0"})
+        now = int(time.time() * 1000)
+        # The tail waits long enough for the density check to find it even on a loaded machine.
+        assert not (await c.bulk_publish("work", _batch("b-", now, now + 8_000))).failed_entries
+        await wait_until(lambda: bool(redis_client.exists(MOVED)), "compaction at the newest format")
+        await wait_until(lambda: sum(app.count("b-").values()) == BATCH, "batch b, re-homed tail included")
+        await wait_until(lambda: len(app.count("once-")) == len(one_shots), "every one-shot", 20)
+        await wait_until(lambda: app.count("limited")["limited"] == 2, "the limited schedule's two fires")
+        await wait_until(lambda: bool(app.count("flaky")), "the flaky message's retry")
+        last_run_start = int(time.time() * 1000)
+        await wait_until(
+            lambda: all(
+                any(at > last_run_start for n, _, at in app.acked if n == f"every-{k}") for k in range(3)
+            ),
+            "every schedule firing after the last upgrade",
+        )
+
+    assert not app.early, app.early
+    counts = Counter(n for n, _, _ in app.acked)
+    twice = {n: k for n, k in counts.items() if k > 1 and not n.startswith(("every-", "limited"))}
+    assert not twice, f"delivered more than once: {twice}"
+    assert set(app.count("once-")) == {e.entry_id for e in one_shots}
+    assert counts["flaky"] == 1
+    assert app.seen["flaky"] == 2
+    assert "doomed" not in counts
+    assert redis_client.xlen("dlq") == 1
+    # Recurring schedules: each occurrence once, all on the grid of their first.
+    for k in range(3):
+        dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
+        assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
+        assert all((d - dues[0]) % EVERY_MS == 0 for d in dues), f"every-{k} left its grid: {dues}"
+
+
+async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
+    previous_tree: Path, folder: Path, cluster: RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    """The same on Redis Cluster with four delay shards, each in its own slot with its own format
+    key: one-shots due across the four runs, each fired by whichever release runs at its due time."""
+    admin.flushall()
+    props = {
+        **cluster_props(cluster),
+        "delayShards": "4",
+        "processingTimeout": "1s",
+        "redeliverInterval": "300ms",
+    }
+    formats = ["{" + s + "}:format" for s in shard_topics("app1", 4)]
+    app = App()
+    t0 = int(time.time() * 1000)
+    one_shots = [_entry(f"once-{i}", t0 + 1_500 + i * 150) for i in range(100)]
+
+    def acked() -> int:
+        return len(app.count("once-"))
+
+    async with running(folder, "old1", props, app, root=previous_tree) as c:
+        assert not (await c.bulk_publish("work", one_shots)).failed_entries
+        for n in range(3):
+            await c.publish(
+                "work",
+                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
+                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
+            )
+        await wait_until(lambda: acked() >= 10, "one-shots fired by the previous release")
+    assert [admin.get(k) for k in formats] == [None] * 4
+    async with running(folder, "new1", props, app) as c:
+        assert [admin.get(k) for k in formats] == [b"1"] * 4
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.publish("work", b"{}", {"schedule": "0 0 5 * * *", "scheduleTimeZone": "Europe/Berlin"})
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await wait_until(lambda: acked() >= 40, "one-shots fired after the upgrade")
+    async with running(folder, "old2", props, app, root=previous_tree):
+        await refused_to_raise(folder, props)
+        assert [admin.get(k) for k in formats] == [b"1"] * 4
+        await wait_until(lambda: acked() >= 70, "one-shots fired after the rollback")
+    async with running(folder, "new2", {**props, "storageFormat": "2"}, app) as c:
+        assert [admin.get(k) for k in formats] == [b"2"] * 4
+        await c.publish(
+            "work",
+            json.dumps({"id": "limited", "due": 0}).encode(),
+            {"schedule": "@every 1s", "scheduleLimit": "2", "scheduleId": "limited"},
+        )
+        await wait_until(lambda: acked() == len(one_shots), "every one-shot", 20)
+        await wait_until(lambda: app.count("limited")["limited"] == 2, "the limited schedule's two fires")
+        last_run_start = int(time.time() * 1000)
+        await wait_until(
+            lambda: all(
+                any(at > last_run_start for n, _, at in app.acked if n == f"every-{k}") for k in range(3)
+            ),
+            "every schedule firing after the last upgrade",
+        )
+    assert not app.early, app.early
+    counts = Counter(n for n, _, _ in app.acked)
+    assert not {n: k for n, k in counts.items() if k > 1 and n.startswith("once-")}
+    for k in range(3):
+        dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
+        assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
+        assert all((d - dues[0]) % EVERY_MS == 0 for d in dues), f"every-{k} left its grid: {dues}"
