@@ -64,6 +64,7 @@ from delayed_pubsub.component_file import ComponentFileError, component_properti
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.engines import build_engine
 from delayed_pubsub.settings import Settings, parse_settings
+from delayed_pubsub.terminal import printable
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -427,7 +428,7 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
             else:
                 cells = (cursor, m.id, m.topic, display_instant(m.due_ms), _kind(m))
                 widths = (24, 24, 16, 24, 20)
-                line = "  ".join(_printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+                line = "  ".join(printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
                 out.file.write(f"{line}  {m.size}\n")
             shown += 1
             last = cursor
@@ -731,7 +732,7 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
         at, due = display_instant(r.at_ms), display_instant(r.due_ms)
         cells = (at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason)
         # Text, not markup: a reason such as "[link=…]" is shown as written.
-        table.add_row(*(Text(_printable(c)) for c in cells))
+        table.add_row(*(Text(printable(c)) for c in cells))
     return table
 
 
@@ -795,14 +796,6 @@ _HISTORY_COLUMNS = (
 )
 
 
-def _printable(text: str) -> str:
-    """`text` with control and other unprintable characters escaped (\\x1b): a record's reason
-    comes from apps and may carry terminal escape sequences."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 class _TextRows:
     """History rows as aligned text, written as they come (a table needs every row first)."""
 
@@ -811,7 +804,7 @@ class _TextRows:
         self._line([name for name, _ in _HISTORY_COLUMNS])
 
     def _line(self, values: Sequence[str]) -> None:
-        cells = [_printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
+        cells = [printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
         self._file.write("  ".join(cells).rstrip() + "\n")
 
     def row(self, cursor: str, r: hist.HistoryRecord) -> None:
