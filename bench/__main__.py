@@ -77,6 +77,11 @@ BENCHES: tuple[Bench, ...] = (
         ("--pending", "10000", "--nacks", "500", "--handoffs", "1000"),
     ),
     Bench(
+        "handoff",
+        "hand-offs per second through one forwarder to a sidecar that accepts at once, each once",
+        ("--handoffs", "3000", "--runs", "1"),
+    ),
+    Bench(
         "retry_idle",
         "the retry pollers' CPU in the gRPC process at idle, with vs without a retry policy",
         why_opt_in="a minute of idle time, measured, per run",

@@ -80,9 +80,20 @@ fi
 if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
     PATH="$PATH:/usr/local/go/bin"
 fi
-command -v go >/dev/null 2>&1 || die "no daprd found and no Go toolchain to build one.
-  Install Go (https://go.dev/dl/, >= the 'go' line of tools/daprd/go.mod), or the Dapr CLI
-  (\`dapr init --slim\` puts daprd in ~/.dapr/bin), or point DAPRD at a daprd binary."
+go_needed="$(awk '$1 == "go" { print $2; exit }' "$module_dir/go.mod")"
+alternatives="or install the Dapr CLI and run \`dapr init --slim\` (daprd in ~/.dapr/bin), or set DAPRD to a daprd binary"
+command -v go >/dev/null 2>&1 ||
+    die "no daprd found, and no Go toolchain to build one: install Go >= $go_needed (https://go.dev/dl/), $alternatives"
+go_have="$(go env GOVERSION 2>/dev/null)"
+go_have="${go_have#go}"
+if [[ "$(printf '%s\n%s\n' "$go_needed" "$go_have" | sort -V | head -n1)" != "$go_needed" ]]; then
+    # Go 1.21+ fetches the toolchain go.mod asks for, unless GOTOOLCHAIN forbids it.
+    toolchain="$(go env GOTOOLCHAIN 2>/dev/null || echo local)"
+    if [[ "$(printf '1.21\n%s\n' "$go_have" | sort -V | head -n1)" != "1.21" || "$toolchain" == local* ]]; then
+        die "no daprd found, and Go $go_have is too old to build one: install Go >= $go_needed (https://go.dev/dl/), $alternatives"
+    fi
+    log "Go $go_have is older than the $go_needed that tools/daprd/go.mod needs: go will download that toolchain (GOTOOLCHAIN=$toolchain)"
+fi
 
 log "no daprd found; building daprd $version from ${module_dir#"$root/"} into $cached"
 log "the first build downloads and compiles daprd's dependencies: expect several minutes (~6 min on 2 cores)"

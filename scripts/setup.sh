@@ -46,6 +46,14 @@ command -v mmdebstrap >/dev/null 2>&1 || apt_packages+=(mmdebstrap)
 if [[ ",$extras," == *",dashboard,"* ]] && ! command -v chromium >/dev/null 2>&1; then
     apt_packages+=(chromium)
 fi
+# The host's zone files: schedules stored by older versions under names such as right/… are
+# still read from them (new ones are refused); newer Debian ships those in tzdata-legacy.
+if [[ ! -e /usr/share/zoneinfo/right/UTC ]]; then
+    apt_packages+=(tzdata)
+    if command -v apt-cache >/dev/null 2>&1 && apt-cache show tzdata-legacy >/dev/null 2>&1; then
+        apt_packages+=(tzdata-legacy)
+    fi
+fi
 if [[ ",$extras," == *",spark,"* ]] && ! command -v java >/dev/null 2>&1; then
     apt_packages+=(openjdk-17-jre-headless)
 fi

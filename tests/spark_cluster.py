@@ -39,7 +39,7 @@ def spark_home() -> Path:
     home = Path(pyspark.__file__).parent
     if not (home / "bin" / "spark-class").exists():
         raise RuntimeError(
-            f"pyspark at {home} has no bin/spark-class: pip install 'dapr-delayed-pubsub[spark]'"
+            f"pyspark at {home} has no bin/spark-class: pip install '.[spark]' in a checkout"
         )
     return home
 

@@ -33,7 +33,7 @@ from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubErro
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Retrier, claim_unchanged, nack_hold
+from delayed_pubsub.redelivery import Claimed, Retrier, claim_unchanged, nack_hold
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ class Subscription:
         self._acker.start()
         if self.retry is not None:
             self.retry.room = self._room
-            self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True))
+            self.retry.start(lambda i, f, attempt: self._push(i, f, attempt, requeue=True), self._give_up)
 
     def loops(self) -> list[Supervised]:
         """The subscription's supervised loops (fetch, ack, and the retry poller), once started."""
@@ -527,7 +527,7 @@ class Subscription:
             self.topic,
             delivery.attempt,
         )
-        self._owned.discard(delivery.id)
+        self._disown(delivery.id)
         return False
 
     def ack_nowait(self, entry_id: str) -> bool:
@@ -588,8 +588,40 @@ class Subscription:
         finally:
             # Its durable retry record (or its dead letter) owns it now: whichever
             # stream of the group the record's time finds redelivers it.
-            self._owned.discard(entry_id)
+            self._disown(entry_id)
             self._can_fetch.set()
+
+    def _disown(self, entry_id: str) -> None:
+        """Forget `entry_id` as ours, unless a later delivery of it is in our buffer or with the
+        subscriber (we took it over again while the subscriber still held an earlier one)."""
+        if entry_id not in self._unacked and entry_id not in self._ready_at:
+            self._owned.discard(entry_id)
+
+    def _give_up(self, claimed: Claimed) -> None:
+        """Dead-letter an entry claimed with its deliveries used up (claim_unchanged), in the
+        background: a dead-letter topic that refuses writes must not hold up the fetch loop or
+        the retry poller. Ours meanwhile, so our own reclaim passes leave it alone."""
+        if self.retry is None or self._closed:
+            return  # stays pending: another stream gives it up after processingTimeout
+        self._owned.add(claimed.id)
+        last = claimed.attempt - 1
+        reason = (
+            f"delivery {last} not answered within processingTimeout "
+            f"({self._settings.processing_timeout_ms}ms)"
+        )
+        timer = asyncio.create_task(self._giving_up(claimed, reason), name=f"give up {claimed.id}")
+        self._timers.add(timer)
+        timer.add_done_callback(self._timers.discard)
+
+    async def _giving_up(self, claimed: Claimed, reason: str) -> None:
+        assert self.retry is not None
+        try:
+            await self.retry.give_up(claimed, reason)
+        except Exception:
+            # Still in the PEL, its count past the maximum: given up by the next reclaim pass.
+            log.exception("giving up %s on %s failed", claimed.id, self.topic)
+        finally:
+            self._disown(claimed.id)
 
     async def _nack_hold(self, entry_id: str, attempt: int) -> tuple[int, Any]:
         return await nack_hold(self._client, self.topic, self._group, self.consumer, entry_id, attempt)
@@ -840,10 +872,16 @@ class Subscription:
                 listed,
                 self._settings.processing_timeout_ms,
                 nonce=nonce,
+                max_attempts=self._max_attempts(),
             ),
         )
-        for entry_id, fields, attempt in claimed:
-            self._push(entry_id, fields, attempt)
+        for entry in claimed:
+            if entry.given_up:
+                self._give_up(entry)
+            else:
+                # requeue: a takeover of an entry whose earlier delivery our subscriber still
+                # holds (see _idle_entries) is a delivery of its own.
+                self._push(entry.id, entry.fields, entry.attempt, requeue=entry.id in self._unacked)
         if claimed:
             log.info(
                 "reclaimed %d entries of %s idle > %dms",
@@ -875,6 +913,7 @@ class Subscription:
         # At least RECLAIM_PAGE_MIN rows: a long run of entries waiting out retry backoffs is
         # crossed in a few calls, and a pass that fills its count early stops inside the page.
         page = max(RECLAIM_PAGE_MIN, count + min(len(self._owned), RECLAIM_OWNED_SLACK))
+        limited = self._max_attempts() is not None
         found: dict[str, int] = {}
         for _ in range(RECLAIM_PAGES):
             rows: Any = await self._retrying(
@@ -893,7 +932,7 @@ class Subscription:
             listed = {
                 i: int(row["times_delivered"])
                 for i, row in zip(ids, rows, strict=True)
-                if i not in self._owned
+                if i not in self._owned or (limited and self._taken_from_us(i, row))
             }
             wanted = count - len(found)
             if self.retry is not None and listed:
@@ -921,6 +960,25 @@ class Subscription:
                 self._reclaim_round_at = now
         return found
 
+    def _max_attempts(self) -> int | None:
+        """maxDeliveryAttempts of this subscription's retry policy (None: unlimited)."""
+        return None if self.retry is None else self.retry.policy.max_attempts
+
+    def _taken_from_us(self, entry_id: str, row: Any) -> bool:
+        """Whether our subscriber holds an earlier delivery of `entry_id` that another stream
+        has taken over since (the PEL names another consumer), the entry now idle there.
+
+        With maxDeliveryAttempts such an entry is abandoned like any other: every takeover
+        counts, so an app that never answers on any stream still uses its attempts up and
+        the entry reaches the dead-letter topic. Without a limit it stays with the streams
+        that hold it (slow is not dead), rather than going round them for ever.
+        """
+        return (
+            entry_id in self._unacked
+            and entry_id not in self._ready_at
+            and text(row["consumer"]) != self.consumer
+        )
+
     async def _redeliver(self, entry_id: str, attempt: int, delay_s: float) -> None:
         """Deliver `entry_id`, nacked on its `attempt`-th delivery, again after `delay_s`.
 
@@ -930,7 +988,7 @@ class Subscription:
         still have delivered it meanwhile, and that delivery is the redelivery.
         """
         _, fields = await self._retrying("XCLAIM", lambda: self._nack_hold(entry_id, attempt))
-        claimed: list[tuple[str, Any, int]] = []
+        claimed: list[Claimed] = []
         if fields is not None:
             await self._clock.sleep(delay_s)
             nonce = uuid.uuid4().hex
@@ -946,8 +1004,7 @@ class Subscription:
             self._owned.discard(entry_id)
             self._slot_freed()
             return
-        _, fields, now_attempt = claimed[0]
-        self._push(entry_id, fields, now_attempt, requeue=True)
+        self._push(entry_id, claimed[0].fields, claimed[0].attempt, requeue=True)
 
     def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         if self._closed:

@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import ssl
-import tempfile
 from collections.abc import Mapping
 from typing import Any, Final, TypeAlias
 
@@ -21,7 +19,12 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.sentinel import MasterNotFoundError
 
-from delayed_middleware.errors import BackendAuthError, BackendUnavailableError, UnsupportedRedisError
+from delayed_middleware.errors import (
+    BackendAuthError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    UnsupportedRedisError,
+)
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,7 @@ INIT_PING_MAX_S = 30.0
 
 
 class Connection:
-    """The clients of one component instance and whatever they need kept alive (TLS key files).
+    """The clients of one component instance and whatever they need kept alive (the TLS key's memory files).
 
     `client` carries short commands (XADD, XACK, scripts...). Its pool holds at
     most poolSize connections, and a caller that finds them all busy waits for
@@ -129,7 +132,7 @@ class Connection:
         client: RedisClient,
         address: str,
         call_timeout: float | None,
-        tempdir: str | None = None,
+        key_fds: list[int] | None = None,
         hang_up_hint: str = "",
         blocking_client: RedisClient | None = None,
         ping_timeout: float = INIT_PING_DEFAULT_S,
@@ -139,7 +142,7 @@ class Connection:
         self.address = address
         self.call_timeout = call_timeout
         self.ping_timeout = ping_timeout
-        self._tempdir = tempdir
+        self._key_fds = key_fds or []
         self._hang_up_hint = hang_up_hint
 
     async def ping(self) -> None:
@@ -206,7 +209,7 @@ class Connection:
             check_redis_version(version, self.address)
 
     async def aclose(self) -> None:
-        """Close every pooled connection and remove the TLS key files."""
+        """Close every pooled connection and free the TLS key's memory files."""
         try:
             clients = [self.client]
             if self.blocking_client is not self.client:
@@ -218,8 +221,8 @@ class Connection:
                 else:
                     await client.aclose()
         finally:
-            if self._tempdir is not None:
-                shutil.rmtree(self._tempdir, ignore_errors=True)
+            _close_all(self._key_fds)
+            self._key_fds = []
 
 
 # XPENDING IDLE (reclaiming abandoned messages) and XADD/XTRIM MINID (streamTTL) arrived in Redis 6.2.
@@ -274,9 +277,9 @@ def connect(settings: Settings) -> Connection:
         "health_check_interval": 30,
         "client_name": f"delayed-pubsub:{settings.consumer_id}" if settings.consumer_id else "delayed-pubsub",
     }
-    tempdir = None
+    key_fds: list[int] = []
     if settings.enable_tls:
-        tempdir = _tls_kwargs(settings, kwargs)
+        key_fds = _tls_kwargs(settings, kwargs)
     timeout = call_timeout(settings)
     client = _client(settings, kwargs, settings.pool_size, timeout)
     # Blocking reads: one connection each for as long as they run, never
@@ -285,13 +288,20 @@ def connect(settings: Settings) -> Connection:
     hint = "if the server speaks TLS only, set enableTLS"
     if settings.enable_tls:
         hint = ""
-        if settings.client_cert is None:
+        if settings.client_cert is None and settings.client_cert_file is None:
             hint = "if the server requires client certificates (tls-auth-clients yes), set clientCert and clientKey"
+        else:
+            # TLS 1.3 checks the client certificate after the handshake: a
+            # refused one shows up as a reset on the first read.
+            hint = (
+                "if the server refused our client certificate: it must be signed by a CA "
+                "the server trusts (its tls-ca-cert-file) and be valid now"
+            )
     return Connection(
         client,
         settings.address,
         timeout,
-        tempdir,
+        key_fds,
         hint,
         blocking_client=blocking,
         ping_timeout=init_ping_timeout(settings),
@@ -406,23 +416,61 @@ def call_timeout(settings: Settings) -> float | None:
     return (settings.read_timeout_ms + settings.write_timeout_ms) / 1000
 
 
-def _tls_kwargs(settings: Settings, kwargs: dict[str, Any]) -> str | None:
+def _tls_kwargs(settings: Settings, kwargs: dict[str, Any]) -> list[int]:
+    """Fill the ssl_* client kwargs; the file descriptors returned hold the client
+    certificate and key for as long as the connection may dial (close them after)."""
     kwargs["ssl"] = True
     if settings.insecure_skip_tls_verify:
         kwargs["ssl_cert_reqs"] = ssl.CERT_NONE
         kwargs["ssl_check_hostname"] = False
+    if settings.client_cert_file is not None and settings.client_key_file is not None:
+        _check_key_files(settings.client_cert_file, settings.client_key_file)
+        kwargs["ssl_certfile"] = settings.client_cert_file
+        kwargs["ssl_keyfile"] = settings.client_key_file
+        return []
     if settings.client_cert is None or settings.client_key is None:
-        return None
+        return []
     # The metadata carries PEM contents (as pubsub.redis takes them) but ssl
-    # loads client certificates from files only: keep private copies for the
-    # connection's lifetime.
-    tempdir = tempfile.mkdtemp(prefix="delayed-pubsub-tls-")
-    os.chmod(tempdir, 0o700)
-    for name, pem in (("client.crt", settings.client_cert), ("client.key", settings.client_key)):
-        path = os.path.join(tempdir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with contextlib.closing(os.fdopen(fd, "w")) as f:
-            f.write(pem)
-    kwargs["ssl_certfile"] = os.path.join(tempdir, "client.crt")
-    kwargs["ssl_keyfile"] = os.path.join(tempdir, "client.key")
-    return tempdir
+    # loads client certificates from files only, at every dial. The pod's root
+    # filesystem is read-only and it has no writable volume but the socket
+    # folder (deploy/kubernetes/app.yaml): keep them in anonymous memory files
+    # instead, reachable by path through /proc as long as the fd is open.
+    fds: list[int] = []
+    try:
+        for name, kwarg, pem in (
+            ("client.crt", "ssl_certfile", settings.client_cert),
+            ("client.key", "ssl_keyfile", settings.client_key),
+        ):
+            fd = os.memfd_create(f"delayed-pubsub-{name}", os.MFD_CLOEXEC)
+            fds.append(fd)
+            os.write(fd, pem.encode())
+            kwargs[kwarg] = f"/proc/self/fd/{fd}"
+    except BaseException:
+        _close_all(fds)
+        raise
+    return fds
+
+
+def _check_key_files(cert_file: str, key_file: str) -> None:
+    """INVALID_ARGUMENT naming the setting when the files cannot be read or do not
+    make a certificate and its key: at Init, not at the first dial."""
+    for key, path in (("clientCertFile", cert_file), ("clientKeyFile", key_file)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise InvalidArgumentError(key, path, f"cannot be read: {e.strerror}") from None
+    try:
+        ssl.create_default_context().load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as e:
+        raise InvalidArgumentError(
+            "clientCertFile",
+            cert_file,
+            f"with clientKeyFile {key_file}: not a PEM certificate and its key ({e.reason})",
+        ) from None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

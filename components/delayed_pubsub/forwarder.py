@@ -13,12 +13,27 @@ Delivery guarantees
   dies holding entries leaves them pending; any replica claims them after
   `claim_idle_ms` (XPENDING + XCLAIM with a min idle time, so two replicas
   never both take one).
+- Slow is not dead: a forwarder keeps what it holds. While an entry is in its
+  hands (a call in flight, or waiting out a sidecar outage) a keeper resets
+  the entry's idle time every claim_idle_ms / 3 (lua/outbox_hold.lua, which
+  does so only while the entry is still pending under our name at the count
+  we took it at), so no other replica takes it over as abandoned. Before each
+  attempt the holder makes sure the entry is still its own (confirmed less
+  than claim_idle_ms / 2 ago, else asked of Redis at that moment): an entry
+  another replica took over after all (this one stalled past claim_idle_ms)
+  is dropped here, never published by both.
 - A duplicate is recognisable: the data is published raw (`rawPayload=true`,
   with its content type), so the original CloudEvent reaches the target byte
   for byte and its `id` is the same on every retry.
-- Sidecar unreachable (UNAVAILABLE, deadline exceeded): nothing is wrong with
-  the message; the same batch is retried with backoff, uncounted, until daprd
-  answers (a daprd restart loses nothing).
+- Sidecar unreachable (UNAVAILABLE: the call never reached daprd): nothing is
+  wrong with the message; it is retried with backoff, uncounted and held,
+  until daprd answers (a daprd restart loses nothing, and doubles nothing).
+- A call that reached daprd and got no answer in time (DEADLINE_EXCEEDED on a
+  connected channel: daprd may have published it) is a counted attempt, like
+  a refusal.
+- Each hand-off is its own task (up to `batch_size` entries held, `concurrency`
+  calls at once): a slow call holds up only its own entries, the reading of
+  new entries and the others' calls go on.
 - Refused by daprd or the target (unknown pub/sub, broker error): a counted
   attempt. The entry stays pending and is retried with backoff (the attempt
   number is the entry's delivery count in Redis, so it survives restarts);
@@ -57,9 +72,9 @@ from typing import Any, Final
 import grpc
 import grpc.aio
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
-from delayed_middleware import history
+from delayed_middleware import history, scripts
 from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
@@ -84,10 +99,10 @@ RAW_PAYLOAD: Final = "rawPayload"
 CLOUDEVENT_CONTENT_TYPE: Final = "application/cloudevents+json"
 __all__ = ["Forwarder", "ForwarderConfig", "HandOffPolicy", "forwarder_config", "resolve_dapr_address"]
 
-# A failed gauge refresh while the sidecar is away must not end the hand-off loop.
-_REDIS_FAILURES: Final = (RedisError, TimeoutError, OSError)
-# gRPC codes that mean "the sidecar is not there right now", not "it said no".
-_SIDECAR_DOWN: Final = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Entries per OUTBOX_HOLD call: a script must not block Redis for long.
+_HOLD_CHUNK: Final = 100
+# While daprd stays away, one warning per this many seconds (each hand-off retries on its own).
+_DOWN_LOG_EVERY_S: Final = 10.0
 
 
 def resolve_dapr_address(configured: str, env: Mapping[str, str]) -> str:
@@ -113,14 +128,16 @@ class ForwarderConfig:
     policy: HandOffPolicy = field(default_factory=HandOffPolicy)
     # The outbox's consumer group: one per app, shared by every replica.
     group: str = OUTBOX_GROUP
+    # Entries held (read or claimed, not yet settled) at once.
     batch_size: int = 100
-    # Publishes in flight at once within a batch.
+    # Publish calls in flight at once.
     concurrency: int = 16
     block_ms: int = 1000
+    # One publish call (handoffTimeout); past it the call counts as a failed attempt.
     call_timeout_s: float = 10.0
-    # Another replica's unacked entries are taken over after this long idle;
-    # longer than one publish can take (call_timeout_s), or a slow live
-    # replica's entries would be published twice.
+    # Another replica's unacked entries are taken over after this long idle. A
+    # live holder resets the idle time of what it holds every claim_idle_ms / 3,
+    # so only a holder that is gone (or stalled that long) loses its entries.
     claim_idle_ms: int = 60_000
     # Redis calls are bounded as a whole (the client has no socket timeout).
     redis_timeout_s: float = 10.0
@@ -138,16 +155,35 @@ class SidecarUnavailableError(Exception):
 
 @dataclass
 class _Job:
-    """Consecutive outbox entries that go out in one publish call (one entry, or one bulk)."""
+    """Consecutive outbox entries that go out in one publish call (one entry, or one bulk).
+
+    Held by this forwarder from its read (or claim) until settled or released:
+    `confirmed` is the loop time just before the Redis call that last showed
+    every entry pending under our name at `attempt`, so Redis's idle time for
+    them is at most `now - confirmed`.
+    """
 
     ids: list[str]
     entries: list[OutboxEntry]
     attempt: int
+    confirmed: float = 0.0
     failed: list[tuple[str, str]] = field(default_factory=list)  # (stream id, why)
+    # Entries the keeper found taken over (or gone): never published from here.
+    lost: set[str] = field(default_factory=set)
 
     @property
     def head(self) -> OutboxEntry:
         return self.entries[0]
+
+    def keep_only(self, ids: Sequence[str]) -> list[str]:
+        """Drop every entry not in `ids`; returns the dropped ids."""
+        keep = set(ids)
+        dropped = [i for i in self.ids if i not in keep]
+        if dropped:
+            pairs = [(i, e) for i, e in zip(self.ids, self.entries, strict=True) if i in keep]
+            self.ids[:] = [i for i, _ in pairs]
+            self.entries[:] = [e for _, e in pairs]
+        return dropped
 
 
 class Forwarder:
@@ -187,6 +223,15 @@ class Forwarder:
         self._call_md: tuple[tuple[str, str], ...] = (
             (("dapr-api-token", config.api_token),) if config.api_token else ()
         )
+        # What this forwarder holds: entry id -> the hand-off it is in. Each hand-off
+        # runs as its own task; the keeper keeps their entries ours meanwhile.
+        self._held: dict[str, _Job] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self._calls = asyncio.Semaphore(config.concurrency)
+        # When the sidecar stopped answering (loop time), for one warning per while.
+        self._down_since: float | None = None
+        self._down_logged = 0.0
 
     @classmethod
     def from_settings(
@@ -206,6 +251,7 @@ class Forwarder:
             dapr_grpc_address=settings.dapr_grpc_address,
             dead_letter_topic=settings.dead_letter_topic,
             claim_idle_ms=settings.processing_timeout_ms,
+            call_timeout_ms=settings.handoff_timeout_ms,
             env=env,
             history=Retention(settings.history_max_len, settings.history_max_age_ms),
             consumer_id=settings.consumer_id,
@@ -251,47 +297,72 @@ class Forwarder:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """The forwarding loop; survives Redis and sidecar outages, ends only when stopped
-        (close(), or `stop` set) or cancelled."""
+        (close(), or `stop` set) or cancelled. Hand-offs in flight end with it: their
+        entries stay pending in Redis."""
         redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
         group_ready = False
-        while not self._stopping and not (stop is not None and stop.is_set()):
-            try:
-                if not group_ready:
-                    await self._ensure_group()
-                    group_ready = True
-                await self.step()
-                redis_backoff.reset()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                # NOGROUP after someone deleted the outbox key: create it again.
-                if isinstance(e, ResponseError) and "NOGROUP" in str(e):
-                    group_ready = False
-                delay = redis_backoff.next()
-                log.warning("forwarder %s: %s; retrying in %.2fs", self._name, e or type(e).__name__, delay)
-                await self._clock.sleep(delay)
+        keeper = asyncio.create_task(self._keep_held())
+        try:
+            while not self._stopping and not (stop is not None and stop.is_set()):
+                try:
+                    if not group_ready:
+                        await self._ensure_group()
+                        group_ready = True
+                    await self.step()
+                    redis_backoff.reset()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    # NOGROUP after someone deleted the outbox key: create it again.
+                    if isinstance(e, ResponseError) and "NOGROUP" in str(e):
+                        group_ready = False
+                    delay = redis_backoff.next()
+                    log.warning(
+                        "forwarder %s: %s; retrying in %.2fs", self._name, e or type(e).__name__, delay
+                    )
+                    await self._clock.sleep(delay)
+        finally:
+            keeper.cancel()
+            tasks = [keeper, *self._tasks]
+            for t in tasks:
+                t.cancel()
+            # Each ends at its next await; none may hold up the stop.
+            await asyncio.wait(tasks, timeout=5)
 
     async def step(self) -> int:
-        """One round: retry what is due for a retry, then read and hand off new entries.
+        """One round: start what is due for a retry, then new entries, each as its own
+        hand-off; waits for room when `batch_size` entries are held already.
 
-        Returns how many entries were settled (acked, expired or dead-lettered).
+        Returns how many hand-offs it started.
         """
-        settled = await self._handle(await self._claim_retries())
-        reply: Any = await self._bounded(
-            self._read_redis.xreadgroup(
-                self._config.group,
-                self.consumer,
-                {self._keys.outbox: ">"},
-                count=self._config.batch_size,
-                # Retries just went out: look for new entries without waiting.
-                block=None if settled else self._config.block_ms,
-            ),
-            extra_s=self._config.block_ms / 1000,
-        )
-        rows = [row for _, entries in reply or () for row in entries]
-        settled += await self._handle([(row, 1) for row in rows])
+        # Cleared before looking: a hand-off that ends from here on wakes the wait.
+        self._room.clear()
+        room = self._config.batch_size - len(self._held)
+        if room <= 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._config.block_ms / 1000):
+                    await self._room.wait()
+            await self._report_waiting()
+            return 0
+        started = await self._start(*await self._claim_retries(room))
+        room = self._config.batch_size - len(self._held)
+        if room > 0:
+            asked = asyncio.get_running_loop().time()
+            reply: Any = await self._bounded(
+                self._read_redis.xreadgroup(
+                    self._config.group,
+                    self.consumer,
+                    {self._keys.outbox: ">"},
+                    count=room,
+                    # Retries just went out: look for new entries without waiting.
+                    block=None if started else self._config.block_ms,
+                ),
+                extra_s=self._config.block_ms / 1000,
+            )
+            rows = [(row, 1) for _, entries in reply or () for row in entries]
+            started += await self._start(rows, asked)
         await self._report_waiting()
-        return settled
+        return started
 
     async def _report_waiting(self) -> None:
         """Set the handoff_pending gauge: what waits in the outbox (read or not; settled entries are deleted)."""
@@ -320,9 +391,10 @@ class Forwarder:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def _claim_retries(self) -> list[tuple[tuple[bytes, Any], int]]:
-        """Pending entries whose next attempt is due: our own refused ones after their
-        backoff, another replica's after claim_idle_ms. Returns (row, attempt) pairs."""
+    async def _claim_retries(self, room: int) -> tuple[list[tuple[tuple[bytes, Any], int]], float]:
+        """Pending entries whose next attempt is due, at most `room`: our own refused ones
+        after their backoff, another replica's after claim_idle_ms; never one we hold.
+        Returns (row, attempt) pairs and the loop time the claim was asked at."""
         # XPENDING + XCLAIM rather than XAUTOCLAIM: the delivery count is the
         # attempt number (it survives restarts and replicas), and XAUTOCLAIM
         # does not return it. Only the oldest batch_size*4 pending entries are
@@ -334,17 +406,24 @@ class Forwarder:
                 self._keys.outbox, cfg.group, min="-", max="+", count=cfg.batch_size * 4, idle=floor
             )
         )
-        claims: list[tuple[bytes, int, int]] = []  # (id, min idle, attempt it will be)
+        claims: list[tuple[str, int, int]] = []  # (id, min idle, attempt it will be)
         for p in pending:
+            entry_id = text(p["message_id"])
+            if entry_id in self._held:
+                # In our hands (the keeper refreshes it): claiming it again would publish it twice.
+                continue
             deliveries = int(p["times_delivered"])
             wait = policy.delay_ms(min(deliveries, policy.max_attempts))
             consumer = text(p["consumer"])
             if consumer != self.consumer:
                 wait = max(wait, cfg.claim_idle_ms)
             if int(p["time_since_delivered"]) >= wait:
-                claims.append((p["message_id"], max(1, wait), deliveries + 1))
+                claims.append((entry_id, max(1, wait), deliveries + 1))
+                if len(claims) >= room:
+                    break
+        asked = asyncio.get_running_loop().time()
         if not claims:
-            return []
+            return [], asked
         pipe = self._redis.pipeline(transaction=False)
         for entry_id, min_idle, _ in claims:
             # A min idle time per entry: whoever claims first resets it, so a
@@ -354,7 +433,44 @@ class Forwarder:
         out: list[tuple[tuple[bytes, Any], int]] = []
         for (_, _, attempt), rows in zip(claims, results, strict=True):
             out += [(row, attempt) for row in rows or ()]
-        return out
+        return out, asked
+
+    async def _hold(self, held: Sequence[tuple[str, int]]) -> tuple[set[str], float]:
+        """Reset the idle time of (entry id, attempt) pairs still pending under our name at
+        that attempt (lua/outbox_hold.lua); returns those ids and the loop time asked at."""
+        asked = asyncio.get_running_loop().time()
+        kept: set[str] = set()
+        for at in range(0, len(held), _HOLD_CHUNK):
+            args = [x for i, n in held[at : at + _HOLD_CHUNK] for x in (i, n)]
+            reply: Any = await self._bounded(
+                self._redis.eval(
+                    scripts.OUTBOX_HOLD, 1, self._keys.outbox, self._config.group, self.consumer, *args
+                )
+            )
+            kept.update(text(i) for i in reply or ())
+        return kept, asked
+
+    async def _keep_held(self) -> None:
+        """The keeper: every claim_idle_ms / 3, reset the idle time of everything this
+        forwarder holds, so no other replica takes a live holder's entries over; marks
+        what was taken over after all (we stalled past claim_idle_ms) as lost."""
+        # Loop time, not the injected clock: it is measured against Redis's own idle time.
+        every = self._config.claim_idle_ms / 3000
+        while not self._stopping:
+            await asyncio.sleep(every)
+            jobs = list({id(j): j for j in self._held.values()}.values())
+            if not jobs:
+                continue
+            try:
+                kept, asked = await self._hold([(i, j.attempt) for j in jobs for i in j.ids])
+            except Exception as e:
+                # Never the keeper's end: each hand-off asks again itself before its next attempt.
+                log.warning("forwarder %s: cannot keep its hand-offs: %s", self._name, e or type(e).__name__)
+                continue
+            for j in jobs:
+                j.lost.update(i for i in j.ids if i not in kept)
+                if not j.lost:
+                    j.confirmed = max(j.confirmed, asked)
 
     async def _settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
         """XACK + XDEL the entries and write their history record, in one MULTI.
@@ -390,55 +506,115 @@ class Forwarder:
             "pubsub": head.pubsub,
         }
 
-    # --- one batch ---------------------------------------------------------
+    # --- hand-offs -----------------------------------------------------------
 
-    async def _handle(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> int:
+    async def _start(self, rows: Sequence[tuple[tuple[bytes, Any], int]], asked: float) -> int:
+        """Start a hand-off task per job of `rows` (read or claimed at loop time `asked`);
+        returns how many were started."""
         if not rows:
             return 0
-        jobs, settled = await self._jobs(rows)
-        live: list[_Job] = []
+        jobs, _ = await self._jobs(rows)
         for job in jobs:
-            if await self._drop_expired(job):
-                settled += len(job.ids)
-            elif job.entries:
-                live.append(job)
-        sem = asyncio.Semaphore(self._config.concurrency)
+            job.confirmed = asked
+            for i in job.ids:
+                self._held[i] = job
+            task = asyncio.create_task(self._carry(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return len(jobs)
+
+    async def _carry(self, job: _Job) -> None:
+        """One hand-off, from its read to its end: settled, counted as failed (and left
+        pending for its retry), dead-lettered, expired, or found taken over."""
         sidecar = Backoff(
             base_s=self._config.sidecar_backoff_base_s, cap_s=self._config.sidecar_backoff_cap_s
         )
-        todo = live
-        while todo and not self._stopping:
-
-            async def one(job: _Job) -> bool:
-                async with sem:
+        try:
+            while not self._stopping:
+                if await self._drop_expired(job):
+                    return
+                async with self._calls:
+                    # Checked once a call slot is ours: the wait for it can be long.
+                    if not await self._still_ours(job):
+                        return
                     try:
                         await self._publish(job)
-                    except SidecarUnavailableError:
-                        return False
-                    return True
+                    except SidecarUnavailableError as e:
+                        failed: SidecarUnavailableError | None = e
+                    else:
+                        failed = None
+                if failed is None:
+                    self._sidecar_answered()
+                    await self._after_publish(job)
+                    return
+                # Uncounted and held (the keeper keeps it ours): daprd restarting is
+                # no fault of this message, and nobody else should take it meanwhile.
+                self._sidecar_unreachable(len(job.ids), failed)
+                await self._clock.sleep(sidecar.next())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # Left pending under our name: retried after its backoff, one attempt higher.
+            log.warning(
+                "forwarder %s: hand-off of %s interrupted: %s", self._name, job.ids[0] if job.ids else "?", e
+            )
+        finally:
+            self._release(job)
 
-            done = await asyncio.gather(*(one(j) for j in todo))
-            for job, ok in zip(todo, done, strict=True):
-                if ok:
-                    settled += await self._after_publish(job)
-            todo = [j for j, ok in zip(todo, done, strict=True) if not ok]
-            if todo:
-                # Uncounted: daprd restarting is no fault of these messages.
-                delay = sidecar.next()
-                if self._metrics is not None:
-                    self._metrics.failures.labels(self._name, "unavailable").inc(len(todo))
+    def _release(self, job: _Job) -> None:
+        # Every id the job was read with (some may have expired or been lost since).
+        for i in [i for i, j in self._held.items() if j is job]:
+            del self._held[i]
+        self._room.set()
+
+    async def _still_ours(self, job: _Job) -> bool:
+        """Whether anything of `job` is still ours to publish; drops what is not.
+
+        Trusted without asking when confirmed less than claim_idle_ms / 2 ago:
+        nobody takes an entry over before it is claim_idle_ms idle. Otherwise
+        asked of Redis now (which also resets the idle time)."""
+        if asyncio.get_running_loop().time() - job.confirmed >= self._config.claim_idle_ms / 2000:
+            kept, asked = await self._hold([(i, job.attempt) for i in job.ids])
+            job.lost.update(i for i in job.ids if i not in kept)
+            job.confirmed = asked
+        if job.lost:
+            lost = job.keep_only([i for i in job.ids if i not in job.lost])
+            if lost:
                 log.warning(
-                    "forwarder %s: sidecar %s unreachable; %d hand-offs wait, retrying in %.2fs",
+                    "forwarder %s: %d hand-off(s) taken over by another replica (%s): not published here",
                     self._name,
-                    self._config.address,
-                    sum(len(j.ids) for j in todo),
-                    delay,
+                    len(lost),
+                    ", ".join(lost[:5]),
                 )
-                # This wait may last as long as daprd is down: keep the gauge current meanwhile.
-                with contextlib.suppress(*_REDIS_FAILURES):
-                    await self._report_waiting()
-                await self._clock.sleep(delay)
-        return settled
+        return bool(job.ids)
+
+    def _sidecar_unreachable(self, entries: int, e: Exception) -> None:
+        if self._metrics is not None:
+            self._metrics.failures.labels(self._name, "unavailable").inc(entries)
+        now = asyncio.get_running_loop().time()
+        if self._down_since is None:
+            self._down_since = now
+        if now - self._down_logged >= _DOWN_LOG_EVERY_S:
+            self._down_logged = now
+            log.warning(
+                "forwarder %s: sidecar %s unreachable for %.0fs (%s); %d hand-offs wait and are retried",
+                self._name,
+                self._config.address,
+                now - self._down_since,
+                e,
+                len(self._held),
+            )
+
+    def _sidecar_answered(self) -> None:
+        if self._down_since is not None:
+            log.info(
+                "forwarder %s: sidecar %s answers again after %.0fs",
+                self._name,
+                self._config.address,
+                asyncio.get_running_loop().time() - self._down_since,
+            )
+            self._down_since = None
+            self._down_logged = 0.0
 
     async def _jobs(self, rows: Sequence[tuple[tuple[bytes, Any], int]]) -> tuple[list[_Job], int]:
         """Decode rows into publish jobs (a bulk's consecutive entries together); malformed
@@ -486,7 +662,16 @@ class Forwarder:
 
     def _dapr(self) -> Any:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._config.address)
+            cap_ms = int(self._config.sidecar_backoff_cap_s * 1000)
+            self._channel = grpc.aio.insecure_channel(
+                self._config.address,
+                # gRPC's own reconnect backoff grows to 120 s: after a long daprd
+                # restart hand-offs would wait that long for it. Ours is the cap.
+                options=[
+                    ("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)),
+                    ("grpc.max_reconnect_backoff_ms", cap_ms),
+                ],
+            )
             self._stub = dapr_pb2_grpc.DaprStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
@@ -539,10 +724,22 @@ class Forwarder:
             )
             job.failed = [(f.entry_id, f.error) for f in reply.failedEntries]
         except grpc.aio.AioRpcError as e:
-            if e.code() in _SIDECAR_DOWN:
-                raise SidecarUnavailableError(e.details() or str(e.code())) from e
-            why = f"{e.code().name}: {e.details()}"
+            code = e.code()
+            # UNAVAILABLE: the call never reached daprd. A deadline that passed on a
+            # connected channel did reach it, and daprd may have published: that is an
+            # attempt, counted like a refusal (else a sidecar that answers late would
+            # get the same message again and again, never counted, never dead-lettered).
+            # A deadline that passed while still connecting is the sidecar not being there.
+            if code == grpc.StatusCode.UNAVAILABLE or (
+                code == grpc.StatusCode.DEADLINE_EXCEEDED and not self._connected()
+            ):
+                raise SidecarUnavailableError(e.details() or str(code)) from e
+            why = f"{code.name}: {e.details()}"
             job.failed = [(i, why) for i in job.ids]
+
+    def _connected(self) -> bool:
+        channel = self._channel
+        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
     async def _after_publish(self, job: _Job) -> int:
         failed = dict(job.failed)
@@ -556,7 +753,7 @@ class Forwarder:
         if not failed:
             return settled
         why = next(iter(failed.values()))
-        reason = "unknown_target" if "not found" in why.lower() else "refused"
+        reason = _failure_reason(why)
         if self._metrics is not None:
             self._metrics.failures.labels(self._name, reason).inc(len(failed))
         policy = self._config.policy
@@ -567,7 +764,7 @@ class Forwarder:
                     settled += 1
             return settled
         log.warning(
-            "forwarder %s: %s/%s refused %d message(s) (attempt %d of %d%s): %s",
+            "forwarder %s: %s/%s did not take %d message(s) (attempt %d of %d%s): %s",
             self._name,
             job.head.pubsub,
             job.head.topic,
@@ -577,13 +774,10 @@ class Forwarder:
             "" if policy.dead_letter_topic else ", no deadLetterTopic: retried until it works",
             why,
         )
-        # Restart the idle clock now, so the backoff counts from this failure,
-        # not from when the entry was read (JUSTID: the delivery count stays).
-        await self._bounded(
-            self._redis.xclaim(
-                self._keys.outbox, self._config.group, self.consumer, 0, list(failed), justid=True
-            )
-        )
+        # Restart the idle clock now, so the backoff counts from this failure, not
+        # from when the entry was read; only where it is still ours (a plain XCLAIM
+        # would take back an entry another replica has taken over meanwhile).
+        await self._hold([(i, job.attempt) for i in failed])
         return settled
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: _Job, why: str) -> None:
@@ -638,6 +832,13 @@ def _consumer_of(stream: str) -> str:
     return head if mark and shard.isdigit() else base
 
 
+def _failure_reason(why: str) -> str:
+    """The `reason` label of a failed attempt, from what the call ended with."""
+    if why.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name):
+        return "timeout"
+    return "unknown_target" if "not found" in why.lower() else "refused"
+
+
 def _content_type(entry: OutboxEntry) -> str:
     """The content type to publish with: the one given at publish, else a CloudEvent's."""
     if entry.content_type:
@@ -658,6 +859,7 @@ def forwarder_config(
     dapr_grpc_address: str,
     dead_letter_topic: str,
     claim_idle_ms: int,
+    call_timeout_ms: int = 10_000,
     env: Mapping[str, str] | None = None,
     history: Retention | None = None,
     consumer_id: str = "",
@@ -669,6 +871,7 @@ def forwarder_config(
         api_token=environ.get("DAPR_API_TOKEN", ""),
         policy=HandOffPolicy(dead_letter_topic=dead_letter_topic),
         claim_idle_ms=max(claim_idle_ms, 15_000),
+        call_timeout_s=call_timeout_ms / 1000,
         history=history if history is not None else Retention(),
         consumer_id=consumer_id,
     )

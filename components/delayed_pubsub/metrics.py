@@ -333,7 +333,8 @@ class ForwarderMetrics:
             ),
             failures=Counter(
                 "delayed_pubsub_handoff_failures",
-                "Failed hand-off attempts (retried); reason=unavailable, unknown_target or refused",
+                "Failed hand-off attempts (retried); reason=unavailable (not counted as an attempt), "
+                "timeout, unknown_target or refused",
                 ["instance", "reason"],
                 registry=registry,
             ),

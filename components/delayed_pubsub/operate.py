@@ -54,7 +54,7 @@ from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
 from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import display_instant, parse_instant
-from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id, shard_topics
+from delayed_middleware.keys import EngineKeys, consumer_id_problem, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.pausing import scan_prefix
 from delayed_middleware.schedules import EnvelopeRecurrence, schedule_zone
@@ -321,8 +321,20 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
     if getattr(args, "delay_shards", None):
         props["delayShards"] = args.delay_shards
     consumer = props.get("consumerID", "")
-    if not consumer or "{" in consumer:
+    if not consumer:
         raise UsageError("--app-id is required (the app id / consumerID whose messages to read)")
+    if "{" in consumer and not args.app_id:
+        # A YAML's `{appID}`/`{namespace}` template is resolved by daprd, not here.
+        raise UsageError(
+            f"--app-id is required: the consumerID {consumer!r} of {args.component} is a template "
+            "daprd resolves; give the app id (the resolved consumerID) whose messages to read"
+        )
+    problem = consumer_id_problem(consumer.strip())
+    if problem is not None:
+        # Such an id could read (and cancel) another app's messages: the component refuses it at
+        # Init, so no app has it and nothing of it is worth reading.
+        flag = "--app-id" if args.app_id else f"consumerID of {args.component}"
+        raise UsageError(f"{flag} {consumer!r}: {problem}")
     try:
         return parse_settings(props)
     except DelayedPubSubError as e:
@@ -400,8 +412,9 @@ def _in_zone(schedule: str, due_ms: int) -> tuple[str, str]:
         return "", ""
     try:
         return name, local_time(due_ms, zone(name))
-    except (ValueError, OSError, KeyError):
-        # A zone this host's tzdata does not know (written by a newer one): show the name alone.
+    except (ValueError, OSError, KeyError, OverflowError):
+        # A zone this host's tzdata does not know (written by a newer one), or a jittered due past
+        # year 9999 in local time (east of UTC): show the name alone.
         return name, ""
 
 

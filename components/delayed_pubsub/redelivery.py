@@ -3,15 +3,17 @@
 The hook into a Subscription is narrow, so it survives rewrites of the
 subscription itself. A subscription with `retry = Retrier(...)` calls:
 
-- `retry.start(push)` once it is fetching: the poller that redelivers due
+- `retry.start(push, give_up)` once it is fetching: the poller that redelivers due
   entries; `push(entry_id, fields, attempt)` must queue a delivery even if the
-  subscription already saw that id (it is a redelivery);
+  subscription already saw that id (it is a redelivery), and `give_up(claimed)`
+  dead-letters (with `retry.give_up`) an entry claimed with its attempts used up;
 - `await retry.on_nack(entry_id, error, attempt)` instead of its own
   redelivery timer, then forgets the id (it is no longer this stream's: the
   record is);
 - `await retry.hold_back(ids, limit)` on the idle ids its reclaim pass found, and
   claims only those returned (with `claim_unchanged`): an entry with a future
-  retry record must wait for it;
+  retry record must wait for it; an entry delivered maxDeliveryAttempts times
+  is claimed to be given up, never delivered again;
 - `retry.stop()` when it starts closing (nothing more is claimed for it), and
   `await retry.close()` when it closes.
 
@@ -48,7 +50,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from delayed_middleware import history, scripts
 from delayed_middleware.aio import retrying, text
@@ -92,7 +94,20 @@ CLAIM_MEMO_MS = 60_000
 # RETRY_TAKE's answer for an id whose record it did not take.
 _NOT_TAKEN = -1
 
+
+class Claimed(NamedTuple):
+    """An entry claim_unchanged took: to deliver as `attempt`, or, `given_up`, to dead-letter
+    (its deliveries were used up; `attempt` - 1 of them were made)."""
+
+    id: str
+    fields: dict[Any, Any]
+    attempt: int
+    given_up: bool = False
+
+
 Push = Callable[[str, Any, int], None]
+# Called with an entry claimed to be given up (Claimed.given_up): the subscription dead-letters it.
+GiveUp = Callable[[Claimed], None]
 
 _RETRIED: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError)
 
@@ -144,12 +159,13 @@ class Retrier:
 
     # --- the hook -------------------------------------------------------------
 
-    def start(self, push: Push) -> None:
-        """Start redelivering due entries of this group and topic into `push` (a supervised loop)."""
+    def start(self, push: Push, give_up: GiveUp) -> None:
+        """Start redelivering due entries of this group and topic into `push` (a supervised loop);
+        one found with its deliveries used up goes to `give_up` instead."""
         if self._poller is None:
             self._poller = Supervised(
                 f"retry poller of {self._key}",
-                functools.partial(self._poll, push),
+                functools.partial(self._poll, push, give_up),
                 on_state=self._metrics.loop_state("retry"),
             )
             self._poller.start()
@@ -205,7 +221,7 @@ class Retrier:
         entry = decode_entry(fields)
         decision = self.policy.on_nack(attempt, error)
         if isinstance(decision, DeadLetter):
-            await self._dead_letter(entry_id, entry, decision)
+            await self._dead_letter(entry_id, entry, decision, held_as=attempt)
             return
         now = self._clock.now_ms()
         due_ms = now + int(decision.after_s * 1000)
@@ -250,6 +266,15 @@ class Retrier:
         allowed = [i for i, score in chosen if score is None or taken.get(i, _NOT_TAKEN) != _NOT_TAKEN]
         return allowed, seen
 
+    async def give_up(self, claimed: Claimed, reason: str) -> None:
+        """Dead-letter (or drop, without deadLetterTopic) an entry claim_unchanged claimed
+        `given_up`: its last delivery went unanswered past processingTimeout, and every
+        delivery counts toward maxDeliveryAttempts, however it ended."""
+        attempts = claimed.attempt - 1
+        topic = self.policy.dead_letter_topic
+        decision = DeadLetter(reason=reason, attempts=attempts, topic=topic)
+        await self._dead_letter(claimed.id, decode_entry(claimed.fields), decision, held_as=claimed.attempt)
+
     def room_freed(self) -> None:
         """The stream's window has room again: a poller that left due retries for want of it
         looks again now, instead of after its longest sleep."""
@@ -286,13 +311,32 @@ class Retrier:
         reply: Any = await self._client.eval(scripts.RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
         return {i: int(n) for i, n in zip(ids, reply, strict=True)}
 
-    async def _dead_letter(self, entry_id: str, entry: StreamEntry, decision: DeadLetter) -> None:
+    async def _dead_letter(
+        self, entry_id: str, entry: StreamEntry, decision: DeadLetter, held_as: int
+    ) -> None:
+        """Dead-letter `entry_id`, which this stream holds under delivery count `held_as`."""
         topic = decision.topic
         if topic:
             why = GaveUp(decision.reason, decision.attempts, self._topic, self._group, self._clock.now_ms())
-            write = functools.partial(write_dead_letter, self._client, self._group, topic, entry, why)
+
+            async def write() -> bool:
+                # Each try first holds the entry again under its count (NACK_HOLD, which resets
+                # its idle time): a write retried past processingTimeout (a dead-letter topic that
+                # refuses writes) must not race another stream that gave the entry up meanwhile.
+                _, fields = await self._hold(entry_id, held_as)
+                if fields is None:
+                    return False
+                await write_dead_letter(self._client, self._group, topic, entry, why)
+                return True
+
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
-            await self._retrying("dead letter XADD", write)
+            if not await self._retrying("dead letter XADD", write):
+                log.info(
+                    "%s on %s: given up or acked elsewhere meanwhile; not dead-lettered here",
+                    entry_id,
+                    self._topic,
+                )
+                return
         await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
         (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
         record = self._history_fields(
@@ -352,14 +396,14 @@ class Retrier:
             "reason": reason[:200],
         }
 
-    async def _poll(self, push: Push, stop: asyncio.Event) -> None:
+    async def _poll(self, push: Push, give_up: GiveUp, stop: asyncio.Event) -> None:
         backoff = Backoff(base_s=0.05, cap_s=2.0)
         while not self._closed and not stop.is_set():
             # Cleared before looking, not before sleeping: a nack (or a notice) that lands
             # while this pass is under way was not seen by it, and must cut the sleep short.
             self._wake.clear()
             try:
-                next_ms = await self._redeliver_due(push)
+                next_ms = await self._redeliver_due(push, give_up)
                 backoff.reset()
             except _RETRIED as e:
                 self._metrics.redis_errors.inc()
@@ -381,7 +425,7 @@ class Retrier:
                     async with asyncio.timeout(wait):
                         await self._wake.wait()
 
-    async def _redeliver_due(self, push: Push) -> int | None:
+    async def _redeliver_due(self, push: Push, give_up: GiveUp) -> int | None:
         """Redeliver what is due, in four round trips per batch; returns the next record's time (ms) or None.
 
         A record taken whose claim then fails (Redis gone, this process killed)
@@ -427,11 +471,20 @@ class Retrier:
             live = await self._retrying(
                 "XCLAIM",
                 lambda: claim_unchanged(
-                    self._client, self._topic, self._group, self._consumer, mine, nonce=nonce
+                    self._client,
+                    self._topic,
+                    self._group,
+                    self._consumer,
+                    mine,
+                    nonce=nonce,
+                    max_attempts=self.policy.max_attempts,
                 ),
             )
-            for entry_id, fields, attempt in live:
-                push(entry_id, fields, attempt)
+            for claimed in live:
+                if claimed.given_up:
+                    give_up(claimed)
+                else:
+                    push(claimed.id, claimed.fields, claimed.attempt)
             if len(due) == limit:
                 return now  # maybe more: the next poll at once (it finds the room left)
         return int(later[0][1]) if later else None
@@ -633,25 +686,41 @@ async def claim_unchanged(
     min_idle_ms: int = 0,
     *,
     nonce: str,
-) -> list[tuple[str, Any, int]]:
+    max_attempts: int | None = None,
+) -> list[Claimed]:
     """Claim for `consumer` each entry whose delivery count is still the one in `counts`
     (and idle `min_idle_ms` or more), in one atomic script on the topic key; returns
-    (id, fields, attempt) of those claimed, the attempt being their new delivery count.
+    those claimed, the attempt being their new delivery count.
 
     An entry another stream delivered since its count was read is left to that stream:
-    claiming it as well would deliver it twice. `nonce` names this claim: a repeat of
-    the call with the same nonce (its reply was lost) returns what the first run
-    claimed, so each caller makes one per claim and keeps it across its retries.
+    claiming it as well would deliver it twice. An entry already delivered `max_attempts`
+    times (None: no limit) is claimed `given_up` instead: the caller dead-letters it, and
+    no stream delivers it again (the claim bumped its count past the maximum), so of two
+    streams racing for it one gives it up. `nonce` names this claim: a repeat of the call
+    with the same nonce (its reply was lost) returns what the first run claimed, so each
+    caller makes one per claim and keeps it across its retries.
     """
     if not counts:
         return []
     args = [a for entry_id, n in counts.items() for a in (entry_id, n)]
     memo = claim_memo_key(topic, group, nonce)
     reply: Any = await client.eval(
-        scripts.CLAIM_UNCHANGED, 2, topic, memo, group, consumer, min_idle_ms, CLAIM_MEMO_MS, *args
+        scripts.CLAIM_UNCHANGED,
+        2,
+        topic,
+        memo,
+        group,
+        consumer,
+        min_idle_ms,
+        CLAIM_MEMO_MS,
+        max_attempts or 0,
+        *args,
     )
     # A script hands the fields back flat, as Redis does: paired as redis-py's XCLAIM pairs them.
-    return [(text(i), dict(zip(f[::2], f[1::2], strict=True)), int(n)) for i, f, n in reply]
+    return [
+        Claimed(text(i), dict(zip(f[::2], f[1::2], strict=True)), int(n), bool(int(up)))
+        for i, f, n, up in reply
+    ]
 
 
 async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str]) -> dict[str, int]:

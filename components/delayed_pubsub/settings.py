@@ -15,7 +15,7 @@ from typing import Final, Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.keys import is_delayed_topic, is_engine_key
+from delayed_middleware.keys import check_consumer_id, is_delayed_topic, is_engine_key
 from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 from delayed_middleware.target import check_target_name
 from delayed_pubsub.settings_spec import load_spec, unknown_key_warnings
@@ -48,6 +48,8 @@ MAX_IN_FLIGHT = 100_000
 # Redis's default maxclients.
 MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
+# One hand-off call (handoffTimeout): a day is past any broker's accept time.
+MAX_HANDOFF_TIMEOUT_MS = 86_400_000
 # Calls held by the process (queued in gRPC or running) before publishes are refused
 # with RESOURCE_EXHAUSTED (admission.py): about 0.25 s of delayed publishes for one
 # process on a small machine, so a caller past it hears at once instead of queueing.
@@ -72,6 +74,9 @@ class Settings:
     insecure_skip_tls_verify: bool = False
     client_cert: str | None = None
     client_key: str | None = None
+    # The same as files (a Secret mounted read-only), read at each dial.
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
     consumer_id: str = ""
     processing_timeout_ms: int = 60_000
     redeliver_interval_ms: int = 15_000
@@ -97,6 +102,8 @@ class Settings:
     default_target_pubsub: str = ""
     # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
     dapr_grpc_address: str = ""
+    # One hand-off call to the sidecar; past it the call is a failed attempt.
+    handoff_timeout_ms: int = 10_000
     # Where a hand-off that failed its last attempt goes ('' = keep retrying).
     dead_letter_topic: str = ""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -139,6 +146,25 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     if failover and redis_type == "cluster":
         raise InvalidArgumentError("failover", props["failover"], "sentinel failover needs redisType node")
 
+    client_cert_file = props.get("clientCertFile", "").strip() or None
+    client_key_file = props.get("clientKeyFile", "").strip() or None
+    if client_cert_file and not client_key_file:
+        raise InvalidArgumentError("clientKeyFile", "", "required when clientCertFile is set")
+    if client_key_file and not client_cert_file:
+        raise InvalidArgumentError("clientCertFile", "", "required when clientKeyFile is set")
+    if client_cert_file and props.get("clientCert"):
+        raise InvalidArgumentError(
+            "clientCertFile", client_cert_file, "give clientCert or clientCertFile, not both"
+        )
+    for key, path in (("clientCertFile", client_cert_file), ("clientKeyFile", client_key_file)):
+        # Whether the file is there is checked at Init (connection.py), where a pod's
+        # volume is mounted; here only that it is a path.
+        if path is not None and ("-----BEGIN" in path or not path.startswith("/")):
+            shown = path if "-----BEGIN" not in path else f"<{len(path)} characters, redacted>"
+            raise InvalidArgumentError(
+                key, shown, "must be an absolute file path (PEM contents go in " + key[:-4] + ")"
+            )
+
     client_cert = props.get("clientCert") or None
     client_key = props.get("clientKey") or None
     if client_cert and not client_key:
@@ -151,6 +177,11 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
             # A private key must not be echoed, not even its first characters.
             shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
             raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
+
+    consumer_id = props.get("consumerID", "").strip()
+    # Every key of the app derives from it: an id that could name another app's keys is refused
+    # even without delayed messaging (the retry records and dead-letter sets derive from it too).
+    check_consumer_id(consumer_id)
 
     read_timeout = _timeout(props, "readTimeout", 3_000)
     max_retries = _int(props, "redisMaxRetries", 3, minimum=-1, maximum=MAX_RETRIES)
@@ -165,10 +196,12 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         failover=failover,
         sentinel_master_name=master,
         enable_tls=_bool(props, "enableTLS", False),
+        client_cert_file=client_cert_file,
+        client_key_file=client_key_file,
         insecure_skip_tls_verify=_bool(props, "insecureSkipTLSVerify", False),
         client_cert=client_cert,
         client_key=client_key,
-        consumer_id=props.get("consumerID", "").strip(),
+        consumer_id=consumer_id,
         processing_timeout_ms=_legacy_ms(props, "processingTimeout", 60_000),
         redeliver_interval_ms=_legacy_ms(props, "redeliverInterval", 15_000),
         queue_depth=_int(props, "queueDepth", 100, minimum=1, maximum=MAX_IN_FLIGHT),
@@ -191,6 +224,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
         delete_marker_ttl_ms=_duration(props, "deleteMarkerTTL", 0),
         default_target_pubsub=default_target,
         dapr_grpc_address=dapr_address,
+        handoff_timeout_ms=_handoff_timeout(props),
         dead_letter_topic=dead_letter,
         retry=parse_retry_policy(props),
         delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
@@ -216,6 +250,13 @@ def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:
             "deadLetterTopic", dead_letter, "reserved: names ending in -delayed belong to the delay engine"
         )
     return default_target, address, dead_letter
+
+
+def _handoff_timeout(props: Mapping[str, str]) -> int:
+    ms = _duration(props, "handoffTimeout", 10_000, maximum=MAX_HANDOFF_TIMEOUT_MS)
+    if ms <= 0:
+        raise InvalidArgumentError("handoffTimeout", props["handoffTimeout"], "must be more than 0")
+    return ms
 
 
 # --- field parsers ------------------------------------------------------------

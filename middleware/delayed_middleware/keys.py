@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from delayed_middleware.errors import InvalidArgumentError
+
 DELAYED_SUFFIX = "-delayed"
 # Every engine-owned key contains this: the closing brace of the hash tag.
 ENGINE_KEY_MARK = DELAYED_SUFFIX + "}"
@@ -30,6 +32,52 @@ def delayed_topic(consumer_id: str) -> str:
     `{namespace}` template in consumerID before Init, so it is in the name.
     """
     return f"{consumer_id}{DELAYED_SUFFIX}"
+
+
+# --- Isolation between apps ---------------------------------------------------
+#
+# Every key of an app derives from its consumerID (delayed_topic, shard_topics,
+# EngineKeys.for_topic, claim_memo_key, fire_marker_prefix). Three characters
+# would let one consumerID derive another's key, so a consumerID holding one is
+# refused wherever it enters (Init, the CLI, the Spark reader):
+#   `~` builds shard names: shard 1 of `tenant` is `tenant~1-delayed`, which is
+#       shard 0 of consumerID `tenant~1`;
+#   `{` `}` build the hash tag `{<shard stream>}:...`: with a brace in the
+#       consumerID the tag no longer ends where the stream's name does, so a
+#       key no longer tells whose it is, and on Redis Cluster the stream and
+#       its own index hash to different slots (every script would fail there).
+# With none of the three, a key's stream is the text between its first `{` and
+# first `}` (or the key itself, ending in `-delayed`), and a stream names exactly
+# one (consumerID, shard): the ids of distinct apps share no key, whatever their
+# shard counts. Every other character is safe (`:`, `*`, `?`, `[`, a `-delayed`
+# ending, one id a prefix of another): no key is read through a pattern built
+# from a consumerID, and tests/middleware/test_keys.py enumerates the keys.
+# A Dapr app-id on Kubernetes is a DNS label (lowercase letters, digits, `-`)
+# and never holds one of them, nor do the values daprd's `{namespace}` and
+# `{podName}` templates resolve to; self-hosted daprd refuses only dots in an
+# app-id, so such an app sets the component's consumerID to another id.
+RESERVED_ID_CHARS = "~{}"
+
+
+def consumer_id_problem(consumer_id: str) -> str | None:
+    """Why `consumer_id` cannot name an app's keys (see RESERVED_ID_CHARS), or None when it can."""
+    found = sorted({c for c in consumer_id if c in RESERVED_ID_CHARS}, key=RESERVED_ID_CHARS.index)
+    if not found:
+        return None
+    shown = " ".join(repr(c) for c in found)
+    return (
+        f"contains {shown}: with ~, {{ or }} a consumerID could name keys of another app on the same "
+        "Redis (shard n of app X is the stream X~n-delayed) or split its own over Redis Cluster slots "
+        "({...} is the engine's hash tag); set the component's consumerID to an id without them "
+        "(daprd uses the app id when consumerID is left out)"
+    )
+
+
+def check_consumer_id(consumer_id: str, key: str = "consumerID") -> None:
+    """Refuse a consumerID whose keys another app could reach (InvalidArgumentError naming `key`)."""
+    problem = consumer_id_problem(consumer_id)
+    if problem is not None:
+        raise InvalidArgumentError(key, consumer_id, problem)
 
 
 def is_delayed_topic(topic: str) -> bool:
@@ -213,8 +261,8 @@ def split_shard_id(id: str, shards: int) -> tuple[int, str] | None:
 # engine key set (EngineKeys.for_topic of its stream) in its own hash slot.
 # Shard 0 keeps the single-node name, so a single node (one shard) is
 # unchanged; shard n > 0 is `<consumerID>~<n>-delayed`: it still ends in
-# `-delayed` (the engine alone writes it) and `~` cannot end an app's
-# consumerID-derived delayed topic by accident, only by intent.
+# `-delayed` (the engine alone writes it), and no other app's stream has this
+# name because no consumerID may hold a `~` (check_consumer_id).
 
 SHARD_MARK = "~"
 # Redis Cluster's slot count (CRC16 mod 16384).

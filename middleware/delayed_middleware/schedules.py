@@ -67,6 +67,7 @@ from delayed_middleware.zones import (
     cron_instants,
     cron_next_in_zone,
     parse_time_zone,
+    stored_zone,
     zone,
 )
 
@@ -78,8 +79,8 @@ CRON_TZ_PREFIX: Final = "CRON_TZ="
 # once when it is accepted (~40 us a step), so it is held to fewer.
 MAX_LIMIT_EVERY: Final = 1_000_000
 MAX_LIMIT_CRON: Final = 10_000
-# A cron's jitter must be less than the shortest gap between two of its
-# occurrences, measured over this many from its start.
+# A cron's jitter must be less than the shortest wall-clock gap between two of
+# its occurrences, measured over this many from its start.
 JITTER_GAP_SAMPLE: Final = 64
 
 # NATS's floor for @every (and robfig/cron's): one fire per second at most.
@@ -202,7 +203,7 @@ class Schedule:
         )
 
 
-def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> Schedule:
+def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None, stored: bool = False) -> Schedule:
     """Parse a ``schedule`` metadata value.
 
     Args:
@@ -215,6 +216,10 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
         time_zone: the ``scheduleTimeZone`` value, if given: the IANA zone of
             a cron's wall-clock times. With a ``CRON_TZ=`` prefix too, the two
             must name the same zone.
+        stored: the expression is read back from an envelope: a ``CRON_TZ=``
+            zone an earlier version accepted that is no tzdata name
+            (``localtime``) is read from the host rather than refused, so
+            that schedule keeps firing (zones.stored_zone).
 
     Raises:
         InvalidArgumentError: key ``schedule``, naming the value and what is
@@ -236,7 +241,11 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None) -> S
         try:
             tz = parse_time_zone(name, key=SCHEDULE_KEY).key
         except InvalidArgumentError as err:
-            raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX}{name}: {err.reason}") from None
+            if not stored or stored_zone(name) is None:
+                raise InvalidArgumentError(
+                    SCHEDULE_KEY, expr, f"{CRON_TZ_PREFIX}{name}: {err.reason}"
+                ) from None
+            tz = name
         text = rest_words[0].strip() if rest_words else ""
         if time_zone is not None and time_zone != tz:
             raise InvalidArgumentError(
@@ -475,17 +484,39 @@ def _nominal_after(schedule: Schedule, origin_ms: int, after_ms: int, cron_next:
     return cron_next(schedule.cron, schedule.tz, after_ms)
 
 
-def jitter_offset(schedule: Schedule, nominal_ms: int, key: str) -> int:
-    """The jitter of the occurrence at ``nominal_ms``: in [0, jitter), the same for every replica and retry.
+def jitter_offset(schedule: Schedule, nominal_ms: int, key: str, span_ms: int | None = None) -> int:
+    """The jitter of the occurrence at ``nominal_ms``: in [0, span), the same for every replica and retry.
 
     A hash of the schedule's identity (its seed, else ``key``: the scheduleId)
     and the occurrence's nominal time, so it never depends on when or where it
-    is computed, and the grid the occurrences hang from does not drift.
+    is computed, and the grid the occurrences hang from does not drift. The
+    span is the jitter, or less where the next occurrence is nearer than that
+    (``span_ms``: see _jittered).
     """
-    if not schedule.jitter_ms:
+    span = schedule.jitter_ms if span_ms is None else min(schedule.jitter_ms, span_ms)
+    if span <= 0:
         return 0
     digest = hashlib.blake2b(f"{schedule.seed or key}|{nominal_ms}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % schedule.jitter_ms
+    return int.from_bytes(digest, "big") % span
+
+
+# How many occurrences _next_occurrence steps through before it stops looking
+# for one jittered past ``after_ms``: a jitter the component accepted spans at
+# most two; only a hand-written stored form could ask for more.
+_MAX_JITTER_STEPS: Final = 64
+
+
+def _jittered(schedule: Schedule, nominal_ms: int, following_ms: int | None, key: str) -> int:
+    """When the occurrence at ``nominal_ms`` is due: jittered, but always before the next nominal time.
+
+    A daylight-saving change can bring two occurrences of a zoned cron closer
+    than the jitter (02:05 skipped in Berlin lands on 03:00, five minutes
+    before 03:05). Its span is then cut to that gap, so due times keep the
+    nominal order: due(n) < nominal(n + 1) <= due(n + 1). Where the gap is at
+    least the jitter (every other occurrence) the offset is the unclamped one.
+    """
+    span = None if following_ms is None else following_ms - nominal_ms
+    return nominal_ms + jitter_offset(schedule, nominal_ms, key, span)
 
 
 def _next_occurrence(
@@ -493,22 +524,31 @@ def _next_occurrence(
 ) -> tuple[int, int] | None:
     """(nominal, jittered) of the first occurrence whose jittered time is after ``after_ms``.
 
-    With jitter less than the gap between occurrences, jittered times keep the
-    nominal order, so only the first nominal occurrence after
-    ``after_ms - jitter`` (or, if its offset keeps it at or before ``after_ms``,
-    the one after it) can be next.
+    Jittered times keep the nominal order (_jittered), and an occurrence is due
+    at most ``jitter`` after its nominal time, so the answer is the first
+    occurrence after ``after_ms - jitter`` whose due time is after ``after_ms``:
+    the walk stops at the first nominal time past ``after_ms`` at the latest.
     """
     jitter = schedule.jitter_ms
     nominal = _nominal_after(schedule, origin_ms, after_ms - jitter, cron_next)
     if nominal is None:
         return None
-    due = nominal + jitter_offset(schedule, nominal, key)
-    if due <= after_ms:
-        nominal_next = _nominal_after(schedule, origin_ms, nominal, cron_next)
-        if nominal_next is None:
+    if not jitter:
+        return nominal, nominal
+    for _ in range(_MAX_JITTER_STEPS):
+        following = _nominal_after(schedule, origin_ms, nominal, cron_next)
+        due = _jittered(schedule, nominal, following, key)
+        if due > after_ms:
+            return nominal, due
+        if following is None:
             return None
-        nominal, due = nominal_next, nominal_next + jitter_offset(schedule, nominal_next, key)
-    return nominal, due
+        nominal = following
+    # Only a hand-written jitter far larger than the gaps gets here: the
+    # occurrences left behind all fall at or before ``after_ms`` anyway.
+    nominal = _nominal_after(schedule, origin_ms, after_ms, cron_next)
+    if nominal is None:
+        return None
+    return nominal, _jittered(schedule, nominal, _nominal_after(schedule, origin_ms, nominal, cron_next), key)
 
 
 def _bounded_next(
@@ -695,7 +735,9 @@ def with_bounds(
         else:
             for _ in range(count - 1):
                 last = _nominal_after(bounded, now_ms, last, _cron_any) if last is not None else None
-        bounded = replace(bounded, last_ms=last if last is not None else MAX_INSTANT_MS)
+        # A limit that outlasts year 9999 ends there, as every schedule does: the
+        # last occurrence is then the last one before that.
+        bounded = replace(bounded, last_ms=min(last, MAX_INSTANT_MS) if last is not None else MAX_INSTANT_MS)
     return replace(bounded, expr=_stored_expr(bounded))
 
 
@@ -735,17 +777,24 @@ def _jitter(schedule: Schedule, value: str, now_ms: int) -> int:
 
 
 def _shortest_gap(schedule: Schedule, now_ms: int) -> int | None:
-    """The shortest time between two of a cron's next JITTER_GAP_SAMPLE occurrences."""
+    """The shortest time between two of a cron's next JITTER_GAP_SAMPLE occurrences, on the wall clock.
+
+    Measured on the wall clock (as in UTC) even for a zoned cron: a
+    daylight-saving day can bring two fires closer than that (or part them),
+    and _jittered keeps those in order by narrowing that one occurrence's
+    jitter. So what a zone accepts does not depend on the zone or on whether
+    it is published on such a day.
+    """
     if schedule.cron is None:
         return None
-    # The same for every schedule of one expression and zone published on one day: remembered,
+    # The same for every schedule of one expression published on one day: remembered,
     # so a bulk of 100,000 jittered schedules does not walk the calendar 100,000 times.
-    return _cron_gap(schedule.cron, schedule.tz, max(now_ms, schedule.start_ms or 0) // 86_400_000)
+    return _cron_gap(schedule.cron, max(now_ms, schedule.start_ms or 0) // 86_400_000)
 
 
 @lru_cache(maxsize=1024)
-def _cron_gap(cron: str, tz: str, day: int) -> int | None:
-    fires = cron_instants(cron, zone(tz) if tz else None, day * 86_400_000, JITTER_GAP_SAMPLE + 1)
+def _cron_gap(cron: str, day: int) -> int | None:
+    fires = cron_instants(cron, None, min(day * 86_400_000, MAX_INSTANT_MS), JITTER_GAP_SAMPLE + 1)
     gaps = [b - a for a, b in itertools.pairwise(fires)]
     return min(gaps) if gaps else None
 
@@ -780,7 +829,7 @@ def parse_stored_schedule(stored: str, *, now_ms: int) -> Schedule:
         InvalidArgumentError: when the expression or an option does not parse.
     """
     base, *options = stored.split(";")
-    schedule = parse_schedule(base, now_ms=now_ms)
+    schedule = parse_schedule(base, now_ms=now_ms, stored=True)
     if not options:
         return schedule
     fields: dict[str, str] = {}

@@ -76,6 +76,8 @@ RETRY_SWEEP: Final = load("retry_sweep.lua")
 # script where the dead-letter topic and the destination share a slot, else in two phases.
 RETRY_DEAD: Final = load("retry_dead.lua")
 RETRY_DEAD_APPEND: Final = load("retry_dead_append.lua")
+# The forwarder's hold on the outbox entries it hands off: kept alive, or found lost.
+OUTBOX_HOLD: Final = load("outbox_hold.lua")
 
 # The two-phase fire of Redis Cluster (see engine.DelayEngine): the same steps
 # as FIRE, split where the target topics leave the shard's slot.

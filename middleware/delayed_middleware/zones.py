@@ -12,16 +12,23 @@ times here, and each match is turned into an instant by ``wall_to_instant``:
   New York on the first Sunday of November) fires once, at its first
   occurrence (01:30 daylight time); the repeat is not a second fire.
 
-Zones come from the standard library's zoneinfo; the ``tzdata`` package is a
-dependency, so an image without system zone files knows every IANA name.
+Zones are the ``tzdata`` package's (a dependency): its zone and link names
+(``UTC``, ``Etc/GMT+5``, ``US/Eastern``, ...) and its rules, never the host's
+/usr/share/zoneinfo, so every replica and the CLI read a name the same way
+whatever host they run on. Names that stand for a host file or a variant of
+the data (``localtime``, ``posixrules``, ``Factory``, ``posix/...``,
+``right/...``) are refused. A schedule stored with such a name by an earlier
+version keeps firing as it did (read from the host, with a warning).
 All instants are Unix epoch milliseconds, as in schedules.py.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
+from importlib import resources
 from typing import Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -30,6 +37,8 @@ from croniter import CroniterError, croniter
 from delayed_middleware.delay import SCHEDULE_TIME_ZONE
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS
+
+log = logging.getLogger(__name__)
 
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _MS: Final = timedelta(milliseconds=1)
@@ -43,32 +52,91 @@ _MAX_ZONE_LENGTH: Final = 64
 _MAX_STEPS: Final = 10_000
 
 
+# tzdata lists this one among its zones, but it is a placeholder ("local time
+# zone must be set"), not a place: a schedule in it would fire at UTC times.
+_NOT_ZONES: Final = frozenset({"Factory"})
+
+
+@lru_cache(maxsize=1)
+def tzdata_names() -> frozenset[str]:
+    """The zone and link names the component accepts: the tzdata package's, less ``Factory``."""
+    listed = resources.files("tzdata").joinpath("zones").read_text(encoding="utf-8").split()
+    return frozenset(listed) - _NOT_ZONES
+
+
 def parse_time_zone(value: str, *, key: str = SCHEDULE_TIME_ZONE) -> ZoneInfo:
-    """The zone an IANA name (``America/New_York``) names.
+    """The zone a tzdata zone or link name (``America/New_York``, ``US/Eastern``, ``UTC``) names.
 
     Raises:
         InvalidArgumentError: naming ``key`` and the value, for an empty,
-            malformed or unknown name.
+            malformed or unknown name, and for the names that read a host file
+            or a variant of the data (``localtime``, ``posixrules``, ``Factory``,
+            ``posix/...``, ``right/...``): replicas on different hosts would
+            read them differently.
     """
     if not value:
         raise InvalidArgumentError(key, value, "empty: give an IANA time zone name, e.g. America/New_York")
     if len(value) > _MAX_ZONE_LENGTH or not _ZONE_NAME.fullmatch(value):
         raise InvalidArgumentError(key, value, "not an IANA time zone name (e.g. America/New_York, UTC)")
-    try:
-        return _zone(value)
-    except (ZoneInfoNotFoundError, ValueError, OSError):
+    if value not in tzdata_names():
+        if value in ("localtime", "posixrules", *_NOT_ZONES) or value.startswith(("posix/", "right/")):
+            raise InvalidArgumentError(
+                key,
+                value,
+                "names a host file or a variant of the zone data, not a time zone: give an IANA name "
+                "such as America/New_York or UTC",
+            )
         raise InvalidArgumentError(
             key, value, "unknown time zone: give an IANA name such as America/New_York or Europe/London"
-        ) from None
+        )
+    return _zone(value)
 
 
-@lru_cache(maxsize=512)
+# Names of stored schedules read from the host, already warned about (once per process).
+_warned: set[str] = set()
+
+
+def stored_zone(name: str) -> ZoneInfo | None:
+    """The zone of a name read back from a stored schedule, or None if no zone data has it.
+
+    A tzdata name as parse_time_zone gives it; any other name that an earlier
+    version accepted (``localtime``, ``right/...``) from this host's files,
+    so such a schedule keeps firing as it did.
+    """
+    if len(name) > _MAX_ZONE_LENGTH or not _ZONE_NAME.fullmatch(name):
+        return None
+    try:
+        return _zone(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return None
+
+
+@lru_cache(maxsize=1024)
 def _zone(name: str) -> ZoneInfo:
-    return ZoneInfo(name)
+    if name in tzdata_names():
+        path = resources.files("tzdata.zoneinfo").joinpath(*name.split("/"))
+        with path.open("rb") as data:
+            return ZoneInfo.from_file(data, key=name)
+    # Only a schedule stored before such names were refused gets here: it keeps
+    # firing as it did (the host's file), and the operator is told once.
+    zone_info = ZoneInfo(name)
+    if name not in _warned:
+        _warned.add(name)
+        log.warning(
+            "a stored schedule uses the time zone %r, which is not a tzdata zone name and is read from "
+            "this host's zone files (other hosts may read it differently); publish it again with an IANA "
+            "name such as America/New_York",
+            name,
+        )
+    return zone_info
 
 
 def zone(name: str) -> ZoneInfo:
-    """The ZoneInfo of a name already checked by ``parse_time_zone`` (cached)."""
+    """The ZoneInfo of a stored zone name (cached): tzdata's, else the host's for an older stored name.
+
+    Raises:
+        ZoneInfoNotFoundError, ValueError, OSError: for a name neither knows.
+    """
     return _zone(name)
 
 
@@ -103,11 +171,12 @@ def cron_next_in_zone(cron: str, tz: ZoneInfo, after_ms: int) -> int | None:
     after_s = max(after_ms, MIN_INSTANT_MS) // 1000
     if after_s * 1000 >= MAX_INSTANT_MS:
         return None
-    # The wall-clock time of the last instant already passed. In a repeated
-    # hour's second pass this walks that hour's matches again, each mapping to
-    # its (earlier) first occurrence and so skipped: the repeat never fires.
-    start = _wall_of(after_s * 1000, tz)
     try:
+        # The wall-clock time of the last instant already passed. In a repeated
+        # hour's second pass this walks that hour's matches again, each mapping to
+        # its (earlier) first occurrence and so skipped: the repeat never fires.
+        # (East of UTC, the last seconds of year 9999 have no wall-clock time: OverflowError.)
+        start = _wall_of(after_s * 1000, tz)
         walk = _walker(cron, start)
         for _ in range(_MAX_STEPS):
             wall = walk.get_next(datetime)
@@ -137,9 +206,9 @@ def _walker(cron: str, start: datetime) -> croniter:
 def cron_instants(cron: str, tz: ZoneInfo | None, after_ms: int, count: int) -> list[int]:
     """Up to ``count`` successive fires strictly after ``after_ms`` (UTC when ``tz`` is None), in one walk."""
     after_s = max(after_ms, MIN_INSTANT_MS) // 1000
-    start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
     out: list[int] = []
     try:
+        start = _wall_of(after_s * 1000, tz) if tz is not None else _EPOCH_NAIVE + timedelta(seconds=after_s)
         walk = _walker(cron, start)
         for _ in range(count * 4 + _MAX_STEPS):
             if len(out) >= count:

@@ -11,10 +11,12 @@ proven on its own; the publish -> fire -> outbox path is the engine's test.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as acluster
+from dapr.proto.runtime.v1 import dapr_pb2_grpc
+from google.protobuf import empty_pb2
 from prometheus_client import CollectorRegistry
 
 from delayed_middleware.clock import SystemClock
@@ -44,6 +48,7 @@ from delayed_pubsub.forwarder import (
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
+from tests.chaos.proxy import DelayingProxy
 from tests.components.conftest import FAST
 from tests.components.driver import Component, cli, cluster_conn
 from tests.conftest import small_stream_nodes
@@ -94,6 +99,7 @@ def test_from_settings_reads_the_component_metadata() -> None:
             "daprGrpcAddress": "127.0.0.1:7777",
             "deadLetterTopic": "undeliverable",
             "processingTimeout": "90s",
+            "handoffTimeout": "30s",
         }
     )
     fwd = Forwarder.from_settings(
@@ -104,6 +110,7 @@ def test_from_settings_reads_the_component_metadata() -> None:
     assert fwd.config.api_token == "t"
     assert fwd.config.policy.dead_letter_topic == "undeliverable"
     assert fwd.config.claim_idle_ms == 90_000
+    assert fwd.config.call_timeout_s == 30
 
 
 # --- the real stack -------------------------------------------------------------
@@ -522,6 +529,152 @@ async def test_daprd_killed_and_restarted_while_entries_wait_loses_nothing(
     assert all(ids == {json.loads(events[k])["id"]} for k, ids in by_n.items())
     assert int(outbox_db.xlen("dlq")) == 0
     await wait_for(lambda: asyncio.sleep(0, outbox_left(outbox_db) == (0, 0)), 10, "the outbox to empty")
+
+
+# --- a sidecar that answers late ------------------------------------------------
+
+
+class LateSidecar(dapr_pb2_grpc.DaprServicer):
+    """Dapr's runtime API posing as the sidecar: PublishEvent answers at once, except for
+    data carrying `late_marker`, which it answers after `late_s` (past the forwarder's
+    call timeout). Every call is recorded (loop time, data) as it comes in."""
+
+    def __init__(self, late_marker: bytes, late_s: float) -> None:
+        self.late_marker = late_marker
+        self.late_s = late_s
+        self.calls: list[tuple[float, bytes]] = []
+
+    async def PublishEvent(self, request: Any, context: Any) -> empty_pb2.Empty:
+        self.calls.append((asyncio.get_running_loop().time(), bytes(request.data)))
+        if self.late_marker in request.data:
+            await asyncio.sleep(self.late_s)
+        return empty_pb2.Empty()
+
+    def called(self, marker: str) -> list[float]:
+        return [t for t, data in self.calls if marker.encode() in data]
+
+
+@asynccontextmanager
+async def late_sidecar_at(socket_path: Path, late_marker: str, late_s: float) -> AsyncIterator[LateSidecar]:
+    server = grpc.aio.server()
+    sidecar = LateSidecar(late_marker.encode(), late_s)
+    dapr_pb2_grpc.add_DaprServicer_to_server(sidecar, server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(f"unix://{socket_path}")
+    await server.start()
+    try:
+        yield sidecar
+    finally:
+        await server.stop(0)
+
+
+async def test_a_sidecar_answering_late_counts_each_call_and_dead_letters_without_holding_up_the_others(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """A publish answered after the call timeout reached daprd (it may have been carried
+    out): each one is an attempt, the message is dead-lettered after the last, and the
+    messages behind it are handed off while its first call is still waiting."""
+    slow, quick = f"slow-{uuid.uuid4().hex[:8]}", f"quick-{uuid.uuid4().hex[:8]}"
+    timeout_s = 2.0
+    metrics = Metrics(CollectorRegistry())
+    client = aioredis.Redis(port=redis_server.port)
+    config = ForwarderConfig(
+        address=f"unix://{socket_path}",
+        policy=HandOffPolicy(max_attempts=3, base_s=0.2, cap_s=0.5, dead_letter_topic="dlq"),
+        block_ms=200,
+        call_timeout_s=timeout_s,
+    )
+    fwd = Forwarder(client, KEYS, SystemClock(), config, metrics.forwarder, name="delayed")
+    async with late_sidecar_at(socket_path, slow, late_s=2.5 * timeout_s) as sidecar:
+        try:
+            add(redis_client, OutboxEntry("target", "orders", cloudevent(slow), id="slow-1"))
+            fwd.start()
+            await wait_for(lambda: asyncio.sleep(0, bool(sidecar.called(slow))), 10, "the late call")
+            for n in range(5):
+                add(redis_client, OutboxEntry("target", "orders", cloudevent(quick, n=n), id=f"quick-{n}"))
+            await wait_for(
+                lambda: asyncio.sleep(0, len(sidecar.called(quick)) >= 5), 10, "the 5 calls behind it"
+            )
+            # On time: while the late call's first attempt was still waiting for its answer.
+            first = sidecar.called(slow)[0]
+            assert max(sidecar.called(quick)) < first + timeout_s, "held up behind the late call"
+            assert len(sidecar.called(slow)) == 1
+
+            async def dead_lettered() -> bool:
+                return int(redis_client.xlen("dlq")) == 1 and outbox_left(redis_client) == (0, 0)
+
+            await wait_for(dead_lettered, 30, "the late message's dead letter")
+            await asyncio.sleep(1.5 * timeout_s)  # a fourth call would come now, if ever
+        finally:
+            await fwd.close()
+            await client.aclose()
+    calls = sidecar.called(slow)
+    assert len(calls) == 3, f"{len(calls)} calls for 3 attempts"
+    # Each attempt after the previous one's timeout: never two at once.
+    assert all(b - a >= timeout_s for a, b in itertools.pairwise(calls))
+    assert len(sidecar.called(quick)) == 5
+    records = history(redis_client)
+    assert sorted(r.id for r in records if r.event == "handedoff") == [f"quick-{n}" for n in range(5)]
+    assert [(r.event, r.attempt) for r in records if r.id == "slow-1"] == [("deadlettered", 3)]
+    [(_, fields)] = redis_client.xrange("dlq")
+    assert "DEADLINE_EXCEEDED" in json.loads(fields[b"metadata"])["deadLetterReason"]
+    timeouts = metrics.registry.get_sample_value(
+        "delayed_pubsub_handoff_failures_total", {"instance": "delayed", "reason": "timeout"}
+    )
+    assert timeouts == 3
+
+
+async def test_a_holder_stalled_past_the_takeover_time_does_not_publish_what_another_took_over(
+    redis_server: RedisServer,
+    redis_client: Any,
+    socket_path: Path,
+    slow_claims: DelayingProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forwarder that cannot keep its hand-off (its Redis holds every claim 4 s, past the
+    1.5 s takeover time) loses it to a second forwarder, as a dead one would; when daprd
+    answers, only the second publishes it: the first asks Redis before its attempt and
+    drops what is no longer its own."""
+    marker = f"stalled-{uuid.uuid4().hex[:8]}"
+    add(redis_client, OutboxEntry("target", "orders", cloudevent(marker), id="stalled-1"))
+    clients = [aioredis.Redis(port=slow_claims.port), aioredis.Redis(port=redis_server.port)]
+    config = ForwarderConfig(
+        address=f"unix://{socket_path}",
+        block_ms=200,
+        claim_idle_ms=1500,
+        sidecar_backoff_base_s=0.1,
+        sidecar_backoff_cap_s=0.3,
+    )
+    stalled, taker = (Forwarder(c, KEYS, SystemClock(), config, name="delayed") for c in clients)
+
+    def holder() -> str | None:
+        try:
+            rows = redis_client.xpending_range(KEYS.outbox, "forwarder", "-", "+", 1)
+        except redis.ResponseError:  # no group yet
+            return None
+        return rows[0]["consumer"].decode() if rows else None
+
+    try:
+        stalled.start()
+        await wait_for(
+            lambda: asyncio.sleep(0, holder() == stalled.consumer), 10, "the first forwarder's read"
+        )
+        slow_claims.delay_s, slow_claims.armed = 4.0, True
+        taker.start()
+        await wait_for(lambda: asyncio.sleep(0, holder() == taker.consumer), 10, "the takeover")
+        async with late_sidecar_at(socket_path, "never-late", 0) as sidecar:
+
+            async def settled_and_dropped() -> bool:
+                return outbox_left(redis_client) == (0, 0) and "taken over by another replica" in caplog.text
+
+            await wait_for(settled_and_dropped, 20, "the hand-off, and the first forwarder letting go")
+            await asyncio.sleep(0.5)
+    finally:
+        for f in (stalled, taker):
+            await f.close()
+        for c in clients:
+            await c.aclose()
+    assert len(sidecar.called(marker)) == 1, "published by both forwarders"
+    assert [(r.event, r.attempt) for r in history(redis_client)] == [("handedoff", 2)]
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,22 @@ def events(client: redis.Redis, event: str) -> list[str]:
         ({"scheduledSendDelay": "1h", "scheduleLimit": "3"}, "scheduleLimit"),
         ({"scheduleTimeZone": "Europe/London"}, "scheduleTimeZone"),
         ({"schedule": "@at 2031-01-01T00:00:00Z", "scheduleJitter": "1s"}, "scheduleJitter"),
+        # Names that read a host file or a variant of the zone data, in either key.
+        ({"schedule": "@daily", "scheduleTimeZone": "localtime"}, "scheduleTimeZone"),
+        ({"schedule": "@daily", "scheduleTimeZone": "right/America/New_York"}, "scheduleTimeZone"),
+        ({"schedule": "@daily", "scheduleTimeZone": "posixrules"}, "scheduleTimeZone"),
+        ({"schedule": "@daily", "scheduleTimeZone": "Factory"}, "scheduleTimeZone"),
+        ({"schedule": "CRON_TZ=posix/Europe/Paris @daily"}, "schedule"),
+        ({"schedule": "CRON_TZ=localtime 0 0 9 * * *"}, "schedule"),
+        # A start whose wall-clock time in the zone is past year 9999.
+        (
+            {
+                "schedule": "* * * * * *",
+                "scheduleTimeZone": "Asia/Kathmandu",
+                "scheduleStart": "9999-12-31T23:59:59Z",
+            },
+            "scheduleStart",
+        ),
     ],
 )
 async def test_bad_schedule_v2_values_are_invalid_argument_naming_the_key_and_nothing_is_stored(
@@ -88,6 +104,30 @@ async def test_bad_schedule_v2_values_are_invalid_argument_naming_the_key_and_no
     assert f"invalid metadata {key}=" in details
     assert repr(metadata.get(key, ""))[1:-1] in details
     assert redis_client.dbsize() == before
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"schedule": "@every 1s", "scheduleStart": "9999-12-31T23:59:50Z", "scheduleLimit": "1000000"},
+        {"schedule": "@every 8760h", "scheduleLimit": "1000000"},
+        {"schedule": "@every 1m", "scheduleTimeZone": "UTC"},
+        {"schedule": "@at 2031-01-01T00:00:00Z", "scheduleTimeZone": "UTC"},
+        {"schedule": "0 5 * * * *", "scheduleTimeZone": "US/Eastern", "scheduleJitter": "59m59s"},
+        {"schedule": "CRON_TZ=Etc/GMT+5 @daily", "scheduleJitter": "23h"},
+    ],
+)
+async def test_far_limits_utc_and_tzdata_link_names_are_accepted_and_stored(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    metadata: dict[str, str],
+) -> None:
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.publish("orders", b"{}", {**metadata, "scheduleId": "ok"})
+    assert redis_client.hexists("{app1-delayed}:ids", "ok")
+    assert int(redis_client.get("{app1-delayed}:pending") or 0) == 1
 
 
 async def test_the_keys_need_delayed_messaging_enabled(

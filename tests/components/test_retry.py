@@ -8,6 +8,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from delayed_pubsub.redelivery import claim_unchanged
 from delayed_pubsub.server import ComponentServer
 from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
+from tests.components.serve import Serve, instance
 from tests.conftest import retrier, small_stream_nodes
 from tests.redis_server import free_port
 
@@ -747,13 +749,13 @@ async def test_a_late_retry_record_leaves_the_newer_one_of_a_later_delivery_in_p
     redis_client.xreadgroup("app1", "A", {"orders": ">"})  # delivery 1
     assert redis_client.eval(scripts.NACK_HOLD, 1, "orders", "app1", "A", e, 1)[0] == 1
     got = await claim_unchanged(aclient, "orders", "app1", "B", {e: 1}, 0, nonce="n1")  # delivery 2
-    assert [(i, n) for i, _, n in got] == [(e, 2)]
+    assert [(c.id, c.attempt, c.given_up) for c in got] == [(e, 2, False)]
     now = int(time.time() * 1000)
     assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now + 3_600_000, 2) == 1
     assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now - 1, 1) == 0  # A's, late
     assert redis_client.zscore(key, e) == now + 3_600_000
     pushed: list[tuple[str, int]] = []
-    await retrier(aclient, "C")._redeliver_due(lambda i, f, n: pushed.append((i, n)))
+    await retrier(aclient, "C")._redeliver_due(lambda i, f, n: pushed.append((i, n)), lambda c: None)
     assert pushed == []
     assert _pel(redis_client) == [(e, "B", 2)]
     assert redis_client.zscore(key, e) == now + 3_600_000
@@ -777,7 +779,7 @@ async def test_a_retry_record_rewritten_by_an_older_replica_is_delivered_as_the_
     redis_client.xclaim("orders", "app1", "old1", 0, [e])
     redis_client.zadd(key, {e: now - 5})
     pushed: list[tuple[str, int]] = []
-    await retrier(aclient, "new2")._redeliver_due(lambda i, f, n: pushed.append((i, n)))
+    await retrier(aclient, "new2")._redeliver_due(lambda i, f, n: pushed.append((i, n)), lambda c: None)
     assert pushed == [(e, 3)]
     assert _pel(redis_client) == [(e, "new2", 3)]
     assert not redis_client.exists(key, counts)
@@ -794,7 +796,7 @@ async def test_counts_an_older_replica_left_without_their_records_are_swept_away
     redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "999-0", later, 1)
     poller = retrier(aclient, "new")
     for _ in range(10):
-        await poller._redeliver_due(lambda i, f, n: None)
+        await poller._redeliver_due(lambda i, f, n: None, lambda c: None)
         if redis_client.hlen(counts) == 1:
             break
     assert redis_client.hgetall(counts) == {b"999-0": f"1:{later}".encode()}
@@ -806,3 +808,189 @@ def test_taking_a_record_that_is_gone_removes_a_count_left_behind(redis_client: 
     redis_client.hset(counts, "1-0", "1:1000")  # its record was taken by an older version
     assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
     assert not redis_client.exists(counts)
+
+
+# --- poison messages: an app that fails slower than processingTimeout, or never answers ---
+
+# Every delivery outlasts processingTimeout (1 s): each is taken over by the other stream
+# before its nack comes. maxDeliveryAttempts 3, so a message is delivered at most 3 times.
+POISON = {**POLICY, "processingTimeout": "1s", "retryInitialInterval": "100ms"}
+POISON_MAX = 3
+
+
+async def act_as_app(
+    streams: list[Stream],
+    *,
+    nack_after_s: float | None,
+    done: Callable[[], bool],
+    quiet_s: float,
+    within: float,
+    seen: list[tuple[bytes, str, int]] | None = None,
+) -> list[tuple[bytes, str, int]]:
+    """Act as an app on `streams`: nack every delivery `nack_after_s` after it came (None: never
+    answer), until `done()` and then no delivery for `quiet_s`. Returns (data, deliveryAttempt,
+    epoch ms it came) of every delivery, in arrival order (appended to `seen` if given)."""
+    seen = [] if seen is None else seen
+    writing = {id(s): asyncio.Lock() for s in streams}
+    work: set[asyncio.Task[None]] = set()
+
+    async def fail(s: Stream, msg_id: str) -> None:
+        assert nack_after_s is not None
+        await asyncio.sleep(nack_after_s)
+        async with writing[id(s)]:
+            await s.nack(msg_id, "still broken")
+
+    last = time.monotonic()
+    deadline = last + within
+    while not done() or time.monotonic() - last < quiet_s:
+        assert time.monotonic() < deadline, f"{len(seen)} deliveries, the last: {seen[-3:]}"
+        for s in streams:
+            while not s.received.empty():
+                msg = s.received.get_nowait()
+                seen.append((msg.data, msg.metadata["deliveryAttempt"], int(time.time() * 1000)))
+                last = time.monotonic()
+                if nack_after_s is not None:
+                    task = asyncio.create_task(fail(s, msg.id))
+                    work.add(task)
+                    task.add_done_callback(work.discard)
+        await asyncio.sleep(0.01)
+    for task in work:
+        task.cancel()
+    return seen
+
+
+def assert_dead_lettered_once_within_the_limit(
+    redis_client: Any,
+    seen: list[tuple[bytes, str, int]],
+    n: int,
+    topic: str = "orders",
+    dead_topic: str = "orders-dead",
+) -> None:
+    """Each of the `n` messages (data "0", "1", ...) of `topic` is in `dead_topic` exactly once,
+    after at most maxDeliveryAttempts deliveries (none of them twice), and none was delivered
+    after it; nothing is left pending."""
+    rows: Any = redis_client.xrange(dead_topic)
+    dead = {decode_entry(f).data: (decode_entry(f), int(_str(i).split("-")[0])) for i, f in rows}
+    assert len(rows) == n, Counter(decode_entry(f).data for _, f in rows)
+    assert sorted(dead) == sorted(str(i).encode() for i in range(n))
+    for data, (letter, at_ms) in dead.items():
+        deliveries = [(attempt, came) for d, attempt, came in seen if d == data]
+        attempts = [attempt for attempt, _ in deliveries]
+        assert 1 <= len(deliveries) <= POISON_MAX, (data, attempts)
+        assert len(set(attempts)) == len(attempts), (data, attempts)
+        assert letter.metadata["deadLetterAttempts"] == str(POISON_MAX), (data, letter.metadata)
+        assert letter.metadata["deadLetterSourceTopic"] == topic
+        assert all(came < at_ms for _, came in deliveries), (data, deliveries, at_ms)
+    assert redis_client.xpending(topic, "app1")["pending"] == 0
+
+
+async def test_an_app_failing_slower_than_processing_timeout_dead_letters_each_message_after_the_maximum(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """Two streams, an app that nacks 1.6 s after receipt, processingTimeout 1 s: every delivery
+    is taken over before its nack comes, and the nack is about a delivery that is over. Each
+    takeover is an attempt: each of 10 messages is delivered at most 3 times and then
+    dead-lettered exactly once (before: 27 deliveries in 30 s each, no dead letter)."""
+    c = component("delayed")
+    await c.init({**props, **POISON})
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    n = 10
+    for i in range(n):
+        await c.publish("orders", str(i).encode())
+    seen = await act_as_app(
+        streams,
+        nack_after_s=1.6,
+        done=lambda: redis_client.xlen("orders-dead") >= n,
+        quiet_s=3.0,
+        within=30.0,
+    )
+    assert_dead_lettered_once_within_the_limit(redis_client, seen, n)
+
+
+async def test_an_app_that_never_answers_on_any_stream_still_dead_letters_each_message_after_the_maximum(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """Two streams whose app holds every message and never answers: each stream goes on
+    holding its earlier copies, and each takeover by the other stream counts. After 3
+    deliveries each of 10 messages is dead-lettered exactly once, and nothing comes after
+    (before: two deliveries each, then held by both streams for good, no dead letter)."""
+    c = component("delayed")
+    # Room in each window beside the copies the app holds for ever.
+    await c.init({**props, **POISON, "concurrency": "30"})
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    n = 10
+    for i in range(n):
+        await c.publish("orders", str(i).encode())
+    seen = await act_as_app(
+        streams,
+        nack_after_s=None,
+        done=lambda: redis_client.xlen("orders-dead") >= n,
+        quiet_s=3.0,
+        within=30.0,
+    )
+    assert_dead_lettered_once_within_the_limit(redis_client, seen, n)
+    assert all(len([1 for d, _, _ in seen if d == str(i).encode()]) == POISON_MAX for i in range(n))
+
+
+async def test_a_delivery_whose_process_is_killed_counts_toward_the_maximum(
+    folder: Path, component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """A `serve` process holding the first delivery of 10 messages is killed with -9; two
+    streams of another process take them over, their app failing each 1.6 s after receipt
+    (processingTimeout 1 s). The killed delivery counts: each message is delivered at most
+    3 times in all and dead-lettered exactly once."""
+    n = 10
+    seen: list[tuple[bytes, str, int]] = []
+    first = Serve(folder, "killed")
+    try:
+        async with instance(first, {**props, **POISON}) as killed:
+            doomed = await killed.subscribe("orders")
+            for i in range(n):
+                await killed.publish("orders", str(i).encode())
+            for _ in range(n):
+                msg = await doomed.next(within=10)
+                seen.append((msg.data, msg.metadata["deliveryAttempt"], int(time.time() * 1000)))
+            first.kill9()
+    finally:
+        first.stop()
+    assert sorted(d for d, _, _ in seen) == sorted(str(i).encode() for i in range(n))
+    c = component("delayed")
+    await c.init({**props, **POISON})
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    await act_as_app(
+        streams,
+        nack_after_s=1.6,
+        done=lambda: redis_client.xlen("orders-dead") >= n,
+        quiet_s=3.0,
+        within=30.0,
+        seen=seen,
+    )
+    assert_dead_lettered_once_within_the_limit(redis_client, seen, n)
+
+
+async def test_a_dead_letter_that_cannot_be_written_for_a_while_is_written_once_by_the_streams_racing_for_it(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """The dead-letter topic refuses writes (WRONGTYPE) for 4 s while the writer retries with a
+    backoff longer than processingTimeout (500 ms): the other stream takes the used-up entry over
+    to give it up, and the two take turns. Only the one holding it writes: once the topic is
+    fixed there is one dead letter, and the message was never delivered again."""
+    redis_client.hset("dlq", "not", "a stream")
+    c = component("delayed")
+    await c.init({**props, "maxDeliveryAttempts": "1", "deadLetterTopic": "dlq"})
+    streams = [await c.subscribe("orders") for _ in range(2)]
+    await c.publish("orders", b"poison")
+    await wait_for(lambda: any(not s.received.empty() for s in streams))
+    holder = next(s for s in streams if not s.received.empty())
+    msg = holder.received.get_nowait()
+    await holder.nack(msg.id, "bad")
+    # Long enough for the writer's backoff to pass processingTimeout more than once.
+    await asyncio.sleep(4.0)
+    assert redis_client.xpending("orders", "app1")["pending"] == 1  # kept while it cannot be written
+    redis_client.delete("dlq")
+    await wait_for(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within=10)
+    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    # Every stream that took it over to give it up has had time to write (backoff cap 2 s).
+    await asyncio.sleep(3.0)
+    assert [d.data for d in dead_letters(redis_client, "dlq")] == [b"poison"]
+    assert all(s.received.empty() for s in streams)

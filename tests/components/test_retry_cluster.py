@@ -25,6 +25,7 @@ from delayed_middleware.keys import EngineKeys, delayed_topic, shard_index, shar
 from delayed_middleware.retry import retry_key
 from tests.components.driver import DELAY_SHARDS as SHARDS
 from tests.components.driver import Component, Stream, cli, cluster_conn
+from tests.components.test_retry import POISON_MAX, act_as_app, assert_dead_lettered_once_within_the_limit
 from tests.redis_server import RedisCluster
 
 pytestmark = pytest.mark.slow
@@ -137,3 +138,37 @@ async def test_a_delayed_message_nacked_on_a_cluster_is_retried_with_backoff_the
         assert admin.xlen(dlt) == 0
     finally:
         await client.aclose()
+
+
+async def test_on_a_cluster_an_app_failing_slower_than_processing_timeout_dead_letters_after_the_maximum(
+    component: Factory, cluster: RedisCluster, admin: Any
+) -> None:
+    """Two streams, an app that nacks 1.6 s after receipt, processingTimeout 1 s, the topic and
+    the dead-letter topic on different masters: each message is delivered at most 3 times and
+    dead-lettered exactly once (before: taken over round the streams for ever)."""
+    topic, dlt, _ = on_other_masters(cluster)
+    c = component("delayed")
+    await c.init(
+        {
+            "redisHost": cluster.nodes[0].address,
+            "redisType": "cluster",
+            "consumerID": "app1",
+            "processingTimeout": "1s",
+            "redeliverInterval": "200ms",
+            "maxDeliveryAttempts": str(POISON_MAX),
+            "retryInitialInterval": "100ms",
+            "deadLetterTopic": dlt,
+        }
+    )
+    streams = [await c.subscribe(topic) for _ in range(2)]
+    n = 5
+    for i in range(n):
+        await c.publish(topic, str(i).encode())
+    seen = await act_as_app(
+        streams,
+        nack_after_s=1.6,
+        done=lambda: admin.xlen(dlt) >= n,
+        quiet_s=3.0,
+        within=30.0,
+    )
+    assert_dead_lettered_once_within_the_limit(admin, seen, n, topic=topic, dead_topic=dlt)

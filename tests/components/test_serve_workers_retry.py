@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,6 +51,52 @@ def polls_of_retry_schedules(client: redis.Redis) -> int:
     """ZRANGEBYSCORE calls Redis served since the last CONFIG RESETSTAT: a retry poller's look."""
     stats = client.info("commandstats")
     return int(stats.get("cmdstat_zrangebyscore", {}).get("calls", 0))
+
+
+def retry_schedule_reads(server: RedisServer, seconds: float) -> list[str]:
+    """The retry pollers' reads of app1's retry schedules that Redis served in the next
+    `seconds`, seen through MONITOR. INFO commandstats cannot tell them apart: the delay
+    engine's own index script reads its due index with the same command."""
+    prefix = retry_key("app1", "")
+    # MONITOR is read without a timeout (redis-py drops a connection whose read timed out)
+    # and ended by a marker command of our own, which it sees like any other.
+    marker = f"end-of-watch-{time.monotonic_ns()}"
+    watcher = redis.Redis(host="127.0.0.1", port=server.port)
+    poker = redis.Redis(host="127.0.0.1", port=server.port)
+    timer = threading.Timer(seconds, lambda: poker.echo(marker))
+    seen: list[str] = []
+    with watcher.monitor() as monitor:  # type: ignore[no-untyped-call]
+        timer.start()
+        while True:
+            command = str(monitor.next_command()["command"])
+            if marker in command:
+                break
+            if command.upper().startswith("ZRANGEBYSCORE ") and prefix in command:
+                seen.append(command)
+    timer.join()
+    watcher.close()
+    poker.close()
+    return seen
+
+
+def notice_listeners(client: redis.Redis) -> int:
+    """Subscribers of app1's retry notice channel: serve's listener, once it has subscribed."""
+    channel = retry_due_channel("app1")
+    ((_, count),) = client.pubsub_numsub(channel)
+    return int(count)
+
+
+async def polls_quiet_for(client: redis.Redis, quiet_s: float, within_s: float) -> None:
+    """Returns once no retry poller has looked for `quiet_s`; fails after `within_s`. Pollers
+    that look every second (no workers) are never quiet that long."""
+    deadline = time.monotonic() + within_s
+    last, since = polls_of_retry_schedules(client), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"retry pollers still looking after {within_s}s"
+        await asyncio.sleep(0.1)
+        now = polls_of_retry_schedules(client)
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 async def held_by_another_replica(
@@ -104,12 +151,15 @@ async def test_with_workers_idle_retry_streams_leave_redis_alone(
 ) -> None:
     async with one_worker(folder, redis_server) as (_, c):
         streams = [await c.subscribe(f"idle-{i}") for i in range(5)]
-        await asyncio.sleep(1.5)  # past the streams' start-up (each poller looks once)
-        redis_client.config_resetstat()
-        await asyncio.sleep(3.0)
+        # Past the streams' start-up, known from events rather than a fixed sleep: each poller
+        # looks once when it starts, and again when the notice listener has subscribed (a
+        # notice may have been missed meanwhile); on a loaded machine that comes seconds late.
+        await wait_for(lambda: notice_listeners(redis_client) >= 1, "the notice listener subscribed", 20)
+        await polls_quiet_for(redis_client, 1.0, within_s=20)
         # Without workers each poller looks every second (15 looks here); with them the
         # worker's scan looks, and serve's pollers wait for its notice.
-        assert polls_of_retry_schedules(redis_client) == 0
+        looks = await asyncio.to_thread(retry_schedule_reads, redis_server, 3.0)
+        assert looks == [], f"serve's pollers looked while idle: {looks[:3]}"
         for s in streams:
             await s.cancel()
 

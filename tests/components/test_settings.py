@@ -54,6 +54,9 @@ def test_defaults_are_pubsub_redis_defaults() -> None:
         ({"insecureSkipTLSVerify": "yes"}, "insecure_skip_tls_verify", True),
         ({"clientCert": PEM_CERT, "clientKey": PEM_KEY}, "client_key", PEM_KEY),
         ({"consumerID": " myapp "}, "consumer_id", "myapp"),
+        # A prefix of another app's id, a -delayed ending, `:` and glob characters keep their own keys.
+        ({"consumerID": "a-delayed"}, "consumer_id", "a-delayed"),
+        ({"consumerID": "team:orders*"}, "consumer_id", "team:orders*"),
         ({"processingTimeout": "30s"}, "processing_timeout_ms", 30_000),
         ({"processingTimeout": "1m30s"}, "processing_timeout_ms", 90_000),
         # A bare integer is milliseconds, as pubsub.redis has always read it.
@@ -76,6 +79,8 @@ def test_defaults_are_pubsub_redis_defaults() -> None:
         ({"poolSize": "20"}, "pool_size", 20),
         ({"enableDelayedMessaging": "true"}, "enable_delayed_messaging", True),
         ({"maxDelay": "720h"}, "max_delay_ms", 720 * 3_600_000),
+        ({}, "handoff_timeout_ms", 10_000),
+        ({"handoffTimeout": "30s"}, "handoff_timeout_ms", 30_000),
     ],
 )
 def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
@@ -107,6 +112,19 @@ def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
         ({"clientCert": PEM_CERT}, "clientKey", ""),
         ({"clientKey": PEM_KEY}, "clientCert", ""),
         ({"clientCert": "/etc/cert.pem", "clientKey": PEM_KEY}, "clientCert", "/etc/cert.pem"),
+        ({"clientCertFile": "/etc/c.crt"}, "clientKeyFile", ""),
+        ({"clientKeyFile": "/etc/c.key"}, "clientCertFile", ""),
+        ({"clientCertFile": "c.crt", "clientKeyFile": "/etc/c.key"}, "clientCertFile", "c.crt"),
+        (
+            {
+                "clientCertFile": "/c.crt",
+                "clientKeyFile": "/c.key",
+                "clientCert": PEM_CERT,
+                "clientKey": PEM_KEY,
+            },
+            "clientCertFile",
+            "/c.crt",
+        ),
         ({"processingTimeout": "10 minutes"}, "processingTimeout", "10 minutes"),
         ({"processingTimeout": "-1s"}, "processingTimeout", "-1s"),
         ({"processingTimeout": "5d"}, "processingTimeout", "5d"),
@@ -131,6 +149,10 @@ def test_parses(props: dict[str, str], field: str, expected: Any) -> None:
         ({"enableDelayedMessaging": "sure"}, "enableDelayedMessaging", "sure"),
         ({"maxDelay": "forever"}, "maxDelay", "forever"),
         ({"maxDelay": "-1h"}, "maxDelay", "-1h"),
+        # Shard 1 of app `tenant`, and the keys' hash tag: refused with or without delayed messaging.
+        ({"consumerID": "tenant~1"}, "consumerID", "tenant~1"),
+        ({"consumerID": "{a}", "enableDelayedMessaging": "true"}, "consumerID", "{a}"),
+        ({"consumerID": " a} "}, "consumerID", "a}"),
     ],
 )
 def test_refuses_naming_key_and_value(props: dict[str, str], key: str, value: str) -> None:
@@ -345,9 +367,14 @@ def test_forwarding_keys_are_read() -> None:
         ("daprGrpcAddress", "127.0.0.1 :50001"),
         ("deadLetterTopic", "app1-delayed"),
         ("deadLetterTopic", "{app1-delayed}:ids"),
+        ("handoffTimeout", "0s"),
+        ("handoffTimeout", "-1s"),
+        ("handoffTimeout", "soon"),
+        ("handoffTimeout", "48h"),
     ],
 )
 def test_bad_forwarding_values_are_refused_naming_the_key(key: str, value: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         parse_settings({**BASE, key: value})
     assert err.value.key == key
+    assert err.value.value == value

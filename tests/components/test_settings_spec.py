@@ -33,6 +33,8 @@ COMPANIONS: Mapping[str, Mapping[str, str]] = {
     "failover": {"sentinelMasterName": "mymaster"},
     "clientCert": {"clientKey": PEM_KEY},
     "clientKey": {"clientCert": PEM_CERT},
+    "clientCertFile": {"clientKeyFile": "/etc/redis-client-tls/tls.key"},
+    "clientKeyFile": {"clientCertFile": "/etc/redis-client-tls/tls.crt"},
 }
 # components-contrib's component-metadata schema: the fields it allows (additionalProperties: false).
 TOP_LEVEL_FIELDS = {
@@ -163,7 +165,7 @@ def test_every_declared_key_is_read_its_example_changes_the_settings(key: str) -
         return
     given = with_companions(key, setting.example)
     without = {k: v for k, v in given.items() if k != key}
-    if key in ("clientCert", "clientKey"):
+    if key in ("clientCert", "clientKey", "clientCertFile", "clientKeyFile"):
         without = BASE  # each needs the other: compare the pair with neither
     assert parse_settings(given) != parse_settings(without), (
         f"{key}: giving its example changes nothing: the parser does not read it"

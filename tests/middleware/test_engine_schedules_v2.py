@@ -189,3 +189,120 @@ async def test_an_end_bound_stops_an_every_schedule_and_jittered_times_are_what_
         *(format_instant(j) for j in expected[1:]),
         "purge",
     ]
+
+
+# (zone, expression, jitter, published, the clock jumps to, run until). Each crosses a spring-forward
+# that brings two occurrences closer than the jitter: Berlin's 02:05 is skipped and lands on 03:00, five
+# minutes before 03:05; New York's 02:30 lands on 03:00, thirty minutes before 03:30; Lord Howe moves
+# its clocks by thirty minutes, so 02:00 lands on 02:30, thirty minutes before 03:00. Published a week
+# earlier, when the next fires were all an hour apart; the clock then jumps to the eve of the change.
+DST_JITTER_CASES = [
+    (
+        "Europe/Berlin",
+        "0 5 * * * *",
+        "10m",
+        "2027-03-20T12:00:00Z",
+        "2027-03-27T22:00:00Z",
+        "2027-03-28T04:00:00Z",
+    ),
+    (
+        "America/New_York",
+        "0 30 1,2,3 * * *",
+        "45m",
+        "2027-03-06T12:00:00Z",
+        "2027-03-14T05:00:00Z",
+        "2027-03-14T09:00:00Z",
+    ),
+    (
+        "Australia/Lord_Howe",
+        "@hourly",
+        "45m",
+        "2027-09-25T12:00:00Z",
+        "2027-10-02T13:00:00Z",
+        "2027-10-02T18:00:00Z",
+    ),
+]
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+@pytest.mark.parametrize(("zone", "expr", "jitter", "published", "jump", "until"), DST_JITTER_CASES)
+async def test_a_jittered_zoned_cron_keeps_firing_in_order_across_a_spring_forward(
+    aredis: Callable[[], aioredis.Redis],
+    redis_client: redis.Redis,
+    two_phase: bool,
+    zone: str,
+    expr: str,
+    jitter: str,
+    published: str,
+    jump: str,
+    until: str,
+) -> None:
+    engine, clock = engine_at(aredis, published, two_phase)
+    ids = [f"job-{i}" for i in range(100)]
+    for sid in ids:
+        await publish(
+            engine,
+            clock,
+            {"schedule": expr, "scheduleTimeZone": zone, "scheduleJitter": jitter, "scheduleId": sid},
+        )
+    clock.set(parse_instant(jump))
+    await run_until(engine, clock, until)
+    # Nothing accepted is ended by the calendar: no schedule cancelled, every one still pending.
+    assert [r for r in events(redis_client) if r.event in ("cancelled", "completed")] == []
+    assert await engine.pending() == len(ids)
+    # Each schedule fired through the night, in order (how many depends on its jitter near `until`).
+    per_id: dict[str, list[int]] = {}
+    for r in events(redis_client):
+        if r.event == "fired":
+            per_id.setdefault(r.id, []).append(int(r.due_ms or 0))
+    assert sorted(per_id) == sorted(ids)
+    for dues in per_id.values():
+        assert len(dues) >= 4
+        assert dues == sorted(set(dues))
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+@pytest.mark.parametrize(
+    ("metadata", "published", "late", "fires"),
+    [
+        # The grid runs into year 10000 after ten fires (the limit would allow a million).
+        (
+            {"schedule": "@every 1s", "scheduleStart": "9999-12-31T23:59:50Z", "scheduleLimit": "1000000"},
+            "9999-12-31T23:59:40Z",
+            None,
+            10,
+        ),
+        # Kathmandu's wall clock reaches year 10000 at 18:15 UTC. Fired late (the component down from
+        # 16:00 to 18:30), the next fire is asked for from a UTC instant with no wall-clock time there.
+        (
+            {"schedule": "0 0 * * * *", "scheduleTimeZone": "Asia/Kathmandu"},
+            "9999-12-31T16:00:00Z",
+            "9999-12-31T18:30:00Z",
+            1,
+        ),
+        # Jittered: the 29th (due after the publish), the 30th and the 31st, then nothing in year 10000.
+        ({"schedule": "@daily", "scheduleJitter": "23h"}, "9999-12-29T00:00:00Z", None, 3),
+    ],
+)
+async def test_a_schedule_whose_next_fire_passes_year_9999_ends_with_a_completed_record(
+    aredis: Callable[[], aioredis.Redis],
+    redis_client: redis.Redis,
+    two_phase: bool,
+    metadata: dict[str, str],
+    published: str,
+    late: str | None,
+    fires: int,
+) -> None:
+    engine, clock = engine_at(aredis, published, two_phase)
+    await publish(engine, clock, {**metadata, "scheduleId": "far"})
+    if late is not None:
+        clock.set(parse_instant(late))
+    await run_until(engine, clock, "9999-12-31T23:59:59.999Z")
+    records = [(r.event, r.reason) for r in events(redis_client)]
+    assert records[-1] == ("completed", "NoNextFire"), records
+    assert not [r for r in records if r[0] == "cancelled"]
+    assert len(fired_dues(redis_client)) == fires
+    assert fired_dues(redis_client) == sorted(set(fired_dues(redis_client)))
+    assert delivered(redis_client)[-1]["scheduleNext"] == "purge"
+    assert await engine.pending() == 0
+    assert not redis_client.hexists(KEYS.ids, "far")

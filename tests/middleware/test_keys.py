@@ -1,22 +1,33 @@
-"""Stream ids and shard-qualified envelope ids: the one rule every reader of an operator's id uses."""
+"""Stream ids and shard-qualified envelope ids: the one rule every reader of an operator's id uses;
+and the keys of one app, derived from its consumerID: no other accepted consumerID derives one."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import (
     EngineKeys,
+    check_consumer_id,
     claim_memo_key,
+    consumer_id_problem,
+    delayed_topic,
+    fire_marker_prefix,
+    hash_tag,
+    is_delayed_topic,
     is_engine_key,
     is_stream_id,
     key_slot,
     shard_id,
+    shard_topics,
     split_shard_id,
 )
+from delayed_middleware.plan import check_topic
+from delayed_pubsub.redelivery import retry_due_channel
 
 U64_MAX = 2**64 - 1
 
@@ -158,3 +169,156 @@ def test_a_claim_memo_sits_in_its_topics_slot_among_the_engine_keys(topic: str) 
     memo = claim_memo_key(topic, "app", "0f" * 16)
     assert key_slot(memo) == key_slot(topic)
     assert is_engine_key(memo), "a user could publish to it, or subscribe"
+
+
+# --- Isolation: no two allowed consumerIDs derive the same key ---------------------
+
+# Topics an app may subscribe to (retry records, claim memos), some of them adversarial: another
+# app's delayed topic is readable; braces, colons and glob characters are plain topic text.
+SUBSCRIBED = ["orders", "a-delayed", "tenant-delayed", "{a}", "a:x", "x}y", "*", "due:1", "retry-n:x", "{}"]
+# Topics an app may publish to (fire markers of its deliveries).
+PUBLISHED = [t for t in SUBSCRIBED if not is_delayed_topic(t)]
+# scheduleIds and envelope ids in a fire marker; bucket ids of the due index.
+MARKED_IDS = ["1700000000000-0", "job-1", "x}fired:1"]
+BUCKET_IDS = ["0", "1", "4294967296"]
+MAX_SHARDS = 8
+
+
+def app_keys(consumer_id: str, shards: int) -> dict[str, set[str]]:
+    """Every key (and channel) app `consumer_id` with `shards` shard streams writes or reads, by family.
+
+    Built from the key functions themselves (a new EngineKeys field is in it without a change here):
+    the shard streams and each one's engine keys, index buckets, history index, retry records and
+    counts, the retry-due channel; fire markers of its deliveries; claim memos of its subscriptions.
+    """
+    families: dict[str, set[str]] = {}
+    for stream in shard_topics(consumer_id, shards):
+        keys = EngineKeys.for_topic(stream)
+        for f in dataclasses.fields(keys):
+            families.setdefault(f.name, set()).add(getattr(keys, f.name))
+        families.setdefault("bucket", set()).update(keys.buckets + b for b in BUCKET_IDS)
+        families.setdefault("history_index", set()).add(keys.history_index)
+        families.setdefault("retry_due", set()).add(retry_due_channel(consumer_id))
+        for topic in SUBSCRIBED:
+            families.setdefault("retry", set()).add(keys.retry(topic))
+            families.setdefault("retry_counts", set()).add(keys.retry_counts(topic))
+        for topic in PUBLISHED:
+            prefix = fire_marker_prefix(topic, stream)
+            families.setdefault("fire_marker", set()).update(f"{prefix}{i}:1700000000000" for i in MARKED_IDS)
+    families["claim_memo"] = {claim_memo_key(t, consumer_id, "0f" * 16) for t in SUBSCRIBED}
+    return families
+
+
+def all_keys(consumer_id: str, shards: int = MAX_SHARDS) -> set[str]:
+    return set().union(*app_keys(consumer_id, shards).values())
+
+
+# Pairs a user could plausibly configure side by side: prefixes, `-delayed` endings, glob and
+# colon characters, one id equal to the other's delayed topic or a shard-like name.
+ALLOWED_PAIRS = [
+    ("tenant", "tenant-1"),
+    ("tenant", "tenant1"),
+    ("a", "a-delayed"),
+    ("a", "a-delayed-delayed"),
+    ("a", "a:x"),
+    ("a", "ab"),
+    ("a:due", "a"),
+    ("a*", "a"),
+    ("a?", "ab"),
+    ("[a]", "a"),
+    ("app.default", "app"),
+    ("orders", "orders@1"),
+    ("x", "x-delayed:retry:y"),
+]
+# Each refused id next to the allowed id whose keys it would reach (or whose slot it would split).
+REFUSED_PAIRS = [("tenant", "tenant~1"), ("a", "a~1~2"), ("a", "{a}"), ("a", "a}"), ("a", "{a-delayed}:x")]
+
+
+@pytest.mark.parametrize(("first", "second"), ALLOWED_PAIRS)
+def test_two_allowed_consumer_ids_share_no_key_whatever_their_shard_counts(first: str, second: str) -> None:
+    assert consumer_id_problem(first) is None
+    assert consumer_id_problem(second) is None
+    for shards in range(1, MAX_SHARDS + 1):
+        # Fewer shards derive a subset of the keys of more (shard 0 keeps its name), so each
+        # pair of shard counts up to MAX_SHARDS is covered by the comparison at MAX_SHARDS.
+        assert all_keys(first, shards) <= all_keys(first)
+    shared = all_keys(first) & all_keys(second)
+    assert not shared, f"{first!r} and {second!r} both derive {sorted(shared)[:3]}"
+
+
+@pytest.mark.parametrize(("allowed", "refused"), REFUSED_PAIRS)
+def test_a_consumer_id_that_could_reach_another_apps_keys_is_refused(allowed: str, refused: str) -> None:
+    assert consumer_id_problem(allowed) is None
+    with pytest.raises(InvalidArgumentError) as e:
+        check_consumer_id(refused)
+    assert (e.value.key, e.value.value) == ("consumerID", refused)
+    assert "another app" in e.value.reason
+
+
+def test_the_refused_ids_would_share_keys_or_split_slots() -> None:
+    # Why `~` is refused: shard 1 of `tenant` is shard 0 of `tenant~1`, with its index, ids and history.
+    shared = all_keys("tenant", 2) & all_keys("tenant~1", 1)
+    assert {"tenant~1-delayed", "{tenant~1-delayed}:ids", "{tenant~1-delayed}:history"} <= shared
+    # Why `{` and `}` are: the hash tag no longer ends where the stream's name does, so on Redis
+    # Cluster the stream and its own index hash to different slots (no script can take both).
+    for refused in ("{a}", "a}", "x{y}"):
+        keys = EngineKeys.for_topic(delayed_topic(refused))
+        assert key_slot(keys.stream) != key_slot(keys.due) or key_slot(keys.ids) != key_slot(keys.stream)
+
+
+# Fragments an adversary would combine: the shard mark, the tag's braces, the key separator, glob
+# characters, the delayed suffix, shard-like and bucket-like tails.
+FRAGMENTS = st.sampled_from(
+    ["a", "b", "~", "{", "}", ":", "*", "?", "[", "]", "-", "1", "-delayed", "~1", ":due", "}fired", "@", "."]
+)
+
+
+# Two ids that share a beginning (one may be a prefix of the other): where collisions hide.
+RELATED_IDS = st.tuples(
+    st.lists(FRAGMENTS, max_size=4).map("".join),
+    st.lists(FRAGMENTS, max_size=4).map("".join),
+    st.lists(FRAGMENTS, max_size=4).map("".join),
+).map(lambda t: (t[0] + t[1], t[0] + t[2]))
+
+
+@given(RELATED_IDS)
+@example(("tenant", "tenant~1"))
+@example(("a", "{a}"))
+def test_no_two_accepted_consumer_ids_derive_the_same_key(pair: tuple[str, str]) -> None:
+    first, second = pair
+    if not first or not second or first == second:
+        return
+    if consumer_id_problem(first) is not None or consumer_id_problem(second) is not None:
+        # Refused exactly when it holds a reserved character.
+        assert any(c in first + second for c in "~{}")
+        return
+    assert not all_keys(first) & all_keys(second)
+
+
+@given(st.lists(FRAGMENTS, min_size=1, max_size=6).map("".join))
+def test_every_key_of_an_accepted_id_hashes_with_its_shard_on_redis_cluster(consumer_id: str) -> None:
+    if consumer_id_problem(consumer_id) is not None:
+        return
+    for stream in shard_topics(consumer_id, MAX_SHARDS):
+        keys = EngineKeys.for_topic(stream)
+        names = [*dataclasses.astuple(keys), keys.history_index, keys.retry("x}y"), keys.retry_counts("{a}")]
+        assert {key_slot(k) for k in names} == {key_slot(stream)}
+        # The tag is the stream's whole name: what Redis hashes is what a reader derives.
+        assert {hash_tag(k) for k in names[1:]} == {stream}
+
+
+@pytest.mark.parametrize("consumer_id", ["other", "a-delayed", "a:x"])
+def test_no_key_of_an_app_can_be_published_to_and_only_its_streams_subscribed_to(consumer_id: str) -> None:
+    # Another app (any consumerID) names these keys as topics: a publish could trim or overwrite them,
+    # a subscription would create a consumer group on a hash or a sorted set.
+    streams = set(shard_topics(consumer_id, MAX_SHARDS))
+    for family, keys in app_keys(consumer_id, MAX_SHARDS).items():
+        for key in keys:
+            with pytest.raises(InvalidArgumentError):
+                check_topic(key)
+            if key in streams:
+                check_topic(key, subscribe=True)  # operators and the Spark job read what waits
+            else:
+                with pytest.raises(InvalidArgumentError, match="reserved"):
+                    check_topic(key, subscribe=True)
+                assert is_engine_key(key), family

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
+from typing import Any
 
 import pytest
+import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from delayed_middleware import scripts
 from delayed_middleware.errors import MalformedEntryError
 from delayed_middleware.outbox import OutboxEntry, decode_outbox_entry, encode_outbox_entry
 
@@ -91,3 +95,35 @@ def test_round_trip_property(data: bytes, metadata: dict[str, str], pubsub: str,
             return
     entry = OutboxEntry(pubsub=pubsub, topic=topic, data=data, metadata=metadata)
     assert decode_outbox_entry(encode_outbox_entry(entry)) == entry
+
+
+# --- lua/outbox_hold.lua: a forwarder's hold on what it hands off -----------------
+
+
+def test_hold_keeps_only_what_is_still_pending_under_the_holder_at_its_count(
+    redis_client: redis.Redis,
+) -> None:
+    """Held: reset idle, count unchanged. Not held: taken over (count went up), another
+    consumer's, acked, deleted while pending (acked away, so it cannot linger)."""
+    db: Any = redis_client
+    key, group = "{app-delayed}:outbox", "forwarder"
+    db.xgroup_create(key, group, id="0", mkstream=True)
+    ids = [db.xadd(key, {"data": b"x", "pubsub": b"p", "topic": b"t"}).decode() for _ in range(5)]
+    mine, taken, acked, deleted, other = ids
+    db.xreadgroup(group, "a", {key: ">"}, count=4)
+    db.xreadgroup(group, "b", {key: ">"}, count=1)  # `other`: b's from the start
+    db.xclaim(key, group, "b", 0, [taken])  # count 2: b took it over
+    db.xack(key, group, acked)
+    db.xdel(key, deleted)
+    time.sleep(0.2)
+    args = [x for i in ids for x in (i, 1)]
+    held = db.eval(scripts.OUTBOX_HOLD, 1, key, group, "a", *args)
+    assert [h.decode() for h in held] == [mine]
+    pending = {p["message_id"].decode(): p for p in db.xpending_range(key, group, "-", "+", 10)}
+    # Its idle time restarted; `other`, read just as long ago and not held, kept its own.
+    assert pending[mine]["time_since_delivered"] < pending[other]["time_since_delivered"]
+    assert pending[mine]["times_delivered"] == 1
+    assert (pending[taken]["consumer"], pending[taken]["times_delivered"]) == (b"b", 2)
+    assert deleted not in pending
+    assert acked not in pending
+    assert pending[other]["consumer"] == b"b"

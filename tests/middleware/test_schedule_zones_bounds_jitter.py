@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from delayed_middleware.envelope import RECURRING, Envelope
 from delayed_middleware.errors import InvalidArgumentError
@@ -374,3 +377,149 @@ def test_a_plain_every_is_still_advanced_by_the_fire_script() -> None:
     ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=True)
     envelope = plan_publish("t", b"x", {"schedule": "@every 10s"}, "", ctx).delayed[0].envelope
     assert (envelope.every_ms, envelope.schedule) == (10 * SECOND, "@every 10s")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Year 9999: bounds at the far end of the calendar are refused or accepted, never an exception.
+
+
+def test_a_start_whose_local_time_is_past_year_9999_is_refused_naming_it() -> None:
+    # 9999-12-31T23:59:59Z is 10000-01-01 05:44:59 in Kathmandu: no wall-clock time matches there.
+    with pytest.raises(InvalidArgumentError) as err:
+        plan_publish(
+            "t",
+            b"x",
+            {
+                "schedule": "* * * * * *",
+                "scheduleTimeZone": "Asia/Kathmandu",
+                "scheduleStart": "9999-12-31T23:59:59Z",
+            },
+            "",
+            PlanContext(now_ms=NOW, pubsub_name="p", enabled=True),
+        )
+    assert (err.value.key, err.value.value) == ("scheduleStart", "9999-12-31T23:59:59Z")
+    assert "never fires" in err.value.reason
+
+
+@pytest.mark.parametrize(
+    ("metadata", "fires"),
+    [
+        # The grid passes year 9999 after 10 fires: they fire, then the schedule ends.
+        ({"schedule": "@every 1s", "scheduleStart": "9999-12-31T23:59:50Z", "scheduleLimit": "1000000"}, 10),
+        # 1,000,000 years of yearly fires: those before year 10000 fire.
+        ({"schedule": "@every 8760h", "scheduleLimit": "1000000"}, None),
+        ({"schedule": "@every 8760h", "scheduleLimit": "1000000", "scheduleJitter": "8759h"}, None),
+        # A zone east of UTC runs out of wall-clock time before UTC does.
+        (
+            {
+                "schedule": "0 0 * * * *",
+                "scheduleTimeZone": "Asia/Kathmandu",
+                "scheduleStart": "9999-12-31T10:00:00Z",
+            },
+            8,
+        ),
+    ],
+)
+def test_a_limit_or_start_that_outlasts_year_9999_is_accepted_and_ends_there(
+    metadata: Mapping[str, str], fires: int | None
+) -> None:
+    ctx = PlanContext(now_ms=NOW, pubsub_name="p", enabled=True)
+    envelope = plan_publish("t", b"x", {**metadata, "scheduleId": "far"}, "", ctx).delayed[0].envelope
+    recurrence = EnvelopeRecurrence()
+    if fires is None:
+        # Walking a million years is not the point: the last fires before the end of year 9999.
+        envelope = replace(envelope, due_ms=ms("9990-01-01T00:00:00Z"))
+    dues = [envelope.due_ms]
+    while (nxt := recurrence(envelope, dues[-1])) is not None:
+        assert nxt > dues[-1]
+        dues.append(nxt)
+        assert len(dues) < 100
+    assert dues[-1] <= ms("9999-12-31T23:59:59.999Z")
+    if fires is not None:
+        assert len(dues) == fires
+    else:
+        assert dues[-1] > ms("9997-12-31T00:00:00Z")  # within two intervals of the end
+
+
+_FAR_INSTANTS = st.one_of(
+    st.sampled_from(
+        [
+            "0001-01-01T00:00:00Z",
+            "9999-12-31T23:59:59Z",
+            "9999-12-31T23:59:59.999Z",
+            "9999-12-31T23:59:50Z",
+            "9999-12-31T18:00:00-05:00",
+            "0001-01-01T00:00:00+14:00",
+            "2026-11-26T12:00:00Z",
+            "2026-11-26T11:59:59Z",
+            "not a time",
+            "",
+        ]
+    ),
+    st.integers(ms("0001-01-01T00:00:00Z"), ms("9999-12-31T23:59:59.999Z")).map(format_instant),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    schedule=st.sampled_from(
+        [
+            "* * * * * *",
+            "@every 1s",
+            "@every 8760h",
+            "@every 2562047h",
+            "@hourly",
+            "@yearly",
+            "0 0 0 29 2 *",
+            "0 30 2 * * *",
+            "CRON_TZ=Pacific/Kiritimati 59 59 23 31 12 *",
+            "@at 9999-12-31T23:59:59Z",
+        ]
+    ),
+    zone=st.sampled_from([None, "UTC", "Asia/Kathmandu", "Pacific/Kiritimati", "Etc/GMT+12", "localtime"]),
+    start=st.none() | _FAR_INSTANTS,
+    end=st.none() | _FAR_INSTANTS,
+    limit=st.none() | st.sampled_from(["1", "2", "10000", "10001", "1000000", "0", "x"]),
+    jitter=st.none() | st.sampled_from(["0s", "1ms", "59m59s", "8759h", "-1s", "2562047h"]),
+    now=st.sampled_from(["2026-11-26T12:00:00Z", "9999-12-31T23:00:00Z", "9999-12-31T23:59:59.999Z"]),
+)
+def test_any_bounds_are_a_schedule_or_an_invalid_argument(
+    schedule: str,
+    zone: str | None,
+    start: str | None,
+    end: str | None,
+    limit: str | None,
+    jitter: str | None,
+    now: str,
+) -> None:
+    # Nothing a publisher sends may escape as another exception (UNKNOWN at the gRPC edge), and an
+    # accepted schedule's next fires are computed without one too (at fire time, year 9999 ends it).
+    metadata = {"schedule": schedule, "scheduleId": "p"}
+    for key, value in (
+        ("scheduleTimeZone", zone),
+        ("scheduleStart", start),
+        ("scheduleEnd", end),
+        ("scheduleLimit", limit),
+        ("scheduleJitter", jitter),
+    ):
+        if value is not None:
+            metadata[key] = value
+    refused: InvalidArgumentError | None = None
+    try:
+        plan = plan_publish(
+            "t", b"x", metadata, "", PlanContext(now_ms=ms(now), pubsub_name="p", enabled=True)
+        )
+    except InvalidArgumentError as exc:
+        refused = exc
+    if refused is not None:
+        assert (refused.key, refused.value) in metadata.items()
+        return
+    envelope = plan.delayed[0].envelope
+    recurrence = EnvelopeRecurrence()
+    due: int | None = envelope.due_ms
+    for _ in range(3):
+        if due is None or not envelope.schedule:
+            break
+        nxt = recurrence(envelope, due)
+        assert nxt is None or nxt > due
+        due = nxt

@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--allow-actions",
         action="store_true",
-        help="enable cancel, retry and delete of dead letters (needs --token-env)",
+        help="enable cancel, pause and resume, and retry and delete of dead letters (needs --token-env)",
     )
     p.add_argument(
         "--token-env",
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(
             f"delayed-pubsub dashboard: error: {e.name} is missing; "
-            "install the extra: pip install 'dapr-delayed-pubsub[dashboard]'",
+            "install the extra: pip install '.[dashboard]' in a checkout of dapr-delayed-pubsub",
             file=sys.stderr,
         )
         return operate.EXIT_USAGE

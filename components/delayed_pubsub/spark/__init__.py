@@ -40,7 +40,7 @@ def require_extra() -> None:
     if missing:
         raise ImportError(
             f"the Spark subscriber needs {', '.join(missing)}: "
-            "pip install 'dapr-delayed-pubsub[spark]' (and Java 17 for pyspark)"
+            "pip install '.[spark]' in a checkout of dapr-delayed-pubsub (and Java 17 for pyspark)"
         )
 
 

@@ -1,6 +1,7 @@
 """`delayed-pubsub stats`: pending, fired, lateness and throughput of one app, computed by Spark.
 
     delayed-pubsub stats --redis-host H --app-id A [--out DIR] [--master URL] [--follow]
+        (a password: --redis-password, or $DELAYED_PUBSUB_REDIS_PASSWORD, as the operator commands)
     delayed-pubsub stats --redis-host H --redis-type cluster --delay-shards N --app-id A [...]
     delayed-pubsub stats --component YAML --app-id A [...]   (secretKeyRef from the environment,
                                                               as the operator commands read it)
@@ -31,6 +32,10 @@ from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.settings import KNOWN_KEYS
 
+# The operator commands' variable (operate.PASSWORD_ENV), named here so that
+# registering `stats` imports nothing more.
+PASSWORD_ENV = "DELAYED_PUBSUB_REDIS_PASSWORD"
+
 FOLLOW_INTERVAL_S = 2
 
 
@@ -43,6 +48,7 @@ def register(subparsers: Any) -> None:
         "topic and due window, fires and lateness per topic, fires per minute and event counts.",
     )
     p.add_argument("--redis-host", metavar="H", help="host:port of the component's Redis (its redisHost)")
+    p.add_argument("--redis-password", help=f"Redis password (default ${PASSWORD_ENV}; the flag shows in ps)")
     p.add_argument("--app-id", metavar="A", required=True, help="the app id (the component's consumerID)")
     p.add_argument(
         "--redis-type", choices=["node", "cluster"], help="the component's redisType (default node)"
@@ -124,6 +130,11 @@ def reader_options(args: argparse.Namespace, environ: Mapping[str, str] | None =
         opts.update(component_metadata(args.component, os.environ if environ is None else environ))
     if args.redis_host:
         opts["redisHost"] = args.redis_host
+    env = os.environ if environ is None else environ
+    # As the operator commands: the flag, else the variable, else the YAML's.
+    password = getattr(args, "redis_password", None) or env.get(PASSWORD_ENV)
+    if password:
+        opts["redisPassword"] = password
     # Every shard stream of the delayed topic is read (keys.shard_topics): as many as the component has.
     if getattr(args, "redis_type", None):
         opts["redisType"] = args.redis_type

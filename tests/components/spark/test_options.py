@@ -53,6 +53,8 @@ def test_spark_options() -> None:
         ({"path": "/tmp/x"}, "path", "/tmp/x", "take no path"),
         ({"consumerID": ""}, "consumerID", "", "required"),
         ({"consumerID": "{appID}"}, "consumerID", "{appID}", "not a template"),
+        # Shard 1 of app `tenant`: reading it as an app would show another app's messages.
+        ({"consumerID": "tenant~1"}, "consumerID", "tenant~1", "another app"),
     ],
 )
 def test_bad_option_names_key_and_value(extra: dict[str, str], key: str, value: str, words: str) -> None:

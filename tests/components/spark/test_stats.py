@@ -216,7 +216,7 @@ def test_missing_extra_is_one_clear_message() -> None:
     proc = subprocess.run(["python3.11", "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "ImportError: the Spark subscriber needs pyspark" in proc.stderr
-    assert "pip install 'dapr-delayed-pubsub[spark]'" in proc.stderr
+    assert "pip install '.[spark]' in a checkout of dapr-delayed-pubsub" in proc.stderr
 
 
 def test_stats_reads_redis_settings_from_the_component_yaml(
@@ -288,6 +288,8 @@ async def test_stats_and_pending_resolve_the_same_secret_key_ref_from_the_enviro
         redis_client.config_set("requirepass", "")
 
 
+# Run alone, the Spark session starts inside this test: slow on a loaded 2-core machine.
+@pytest.mark.timeout(STARTUP_S + 60)
 async def test_stats_shows_escape_sequences_in_topic_names_as_text_in_its_tables_and_charts(
     spark: Any,
     component: Callable[[str], Component],
@@ -317,3 +319,31 @@ async def test_stats_shows_escape_sequences_in_topic_names_as_text_in_its_tables
     for name in (LATENESS_PNG, PENDING_PNG, FIRES_PNG):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
         assert coloured_pixels(tmp_path / name) > 50
+
+
+# Run alone, the Spark session starts inside this test: slow on a loaded 2-core machine.
+@pytest.mark.timeout(STARTUP_S + 60)
+def test_stats_takes_the_redis_password_from_the_flag_or_the_environment_as_pending_does(
+    spark: Any,
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from delayed_pubsub.operate import PASSWORD_ENV
+
+    add_history(redis_client, [fired("a", 1_000, n) for n in range(2)])
+    base = ("--redis-host", redis_server.address, "--app-id", APP)
+    redis_client.config_set("requirepass", "st-flag-pw")
+    try:
+        out = io.StringIO()
+        assert run(stats_args(*base, "--redis-password", "st-flag-pw"), out) == 0
+        assert next(line for line in out.getvalue().splitlines() if line.strip().startswith("a ")).split()[
+            :2
+        ] == ["a", "2"]
+        monkeypatch.setenv(PASSWORD_ENV, "st-flag-pw")
+        out = io.StringIO()
+        assert run(stats_args(*base), out) == 0
+        assert "a " in out.getvalue()
+    finally:
+        redis_client.config_set("requirepass", "")
