@@ -46,7 +46,7 @@ from rich.text import Text
 from delayed_middleware import history as hist
 from delayed_middleware import pausing, storage_format
 from delayed_middleware.clock import SystemClock
-from delayed_middleware.deadletters import DL_KEYS
+from delayed_middleware.deadletters import DL_KEYS, GONE, MOVED, MoveBack, move_back
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -64,6 +64,7 @@ from delayed_pubsub.component_file import ComponentFileError, component_properti
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.engines import build_engine
 from delayed_pubsub.settings import Settings, parse_settings
+from delayed_pubsub.terminal import printable
 
 EXIT_OK = 0
 EXIT_NOT_FOUND = 1
@@ -440,7 +441,7 @@ async def _pending_pages(inspector: Inspector, args: argparse.Namespace, out: Co
             else:
                 cells = (cursor, m.id, m.topic, display_instant(m.due_ms), _kind(m))
                 widths = (24, 24, 16, 24, 20)
-                line = "  ".join(_printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
+                line = "  ".join(printable(c).ljust(w) for c, w in zip(cells, widths, strict=True))
                 out.file.write(f"{line}  {m.size}\n")
             shown += 1
             last = cursor
@@ -697,48 +698,65 @@ async def _retry_dead(
 ) -> int:
     letters = await _inspector(connection, settings).dead_letters(source_topic=args.topic)
     moved = 0
-    for d in letters:
-        where = await retry_dead_letter(connection.client, settings, d)
-        if where is None:
-            err.print(f"skipping {d.stream_id} on {d.dead_letter_topic}: no source topic recorded")
-            continue
-        moved += 1
-        out.print(f"moved {d.stream_id} from {d.dead_letter_topic} back to {where}", markup=False)
+    for d, status, where in await retry_dead_letters(connection.client, settings, letters):
+        if status == NO_SOURCE:
+            err.print(
+                f"skipping {d.stream_id} on {d.dead_letter_topic}: no source topic recorded", markup=False
+            )
+        elif status == GONE:
+            err.print(
+                f"skipping {d.stream_id} on {d.dead_letter_topic}: moved back or deleted by someone else",
+                markup=False,
+            )
+        elif status != MOVED:
+            err.print(f"left {d.stream_id} on {d.dead_letter_topic}: {where}: {status}", markup=False)
+        else:
+            moved += 1
+            out.print(f"moved {d.stream_id} from {d.dead_letter_topic} back to {where}", markup=False)
     out.print(f"{moved} dead letters moved back")
     return EXIT_OK
 
 
-async def retry_dead_letter(client: Any, settings: Settings, d: DeadLetterInfo) -> str | None:
-    """Move one dead letter back to its topic (a hand-off's: to the outbox); where it went, or None
-    when it records no source topic (it is then left where it is)."""
-    if not d.source_topic:
-        return None
+# A dead letter that records no source topic is left where it is.
+NO_SOURCE = "no-source"
+
+
+async def retry_dead_letters(
+    client: Any, settings: Settings, letters: Sequence[DeadLetterInfo]
+) -> list[tuple[DeadLetterInfo, str, str]]:
+    """Move dead letters back to their topic (a hand-off's: to the outbox), each exactly once
+    however many operators retry them at once (deadletters.move_back). For each letter: its
+    status (MOVED, GONE: someone else moved or deleted it, NO_SOURCE, or the error that kept
+    its destination from taking it) and where it goes."""
     # A hand-off goes back into the outbox (shard 0's): the forwarder hands it off again.
     outbox = EngineKeys.for_topic(delayed_topic(settings.consumer_id)).outbox
-    metadata = {k: v for k, v in d.entry.metadata.items() if k not in DL_KEYS}
-    if d.target_pubsub:
-        again = OutboxEntry(
-            pubsub=d.target_pubsub,
-            topic=d.source_topic,
-            data=d.entry.data,
-            # The history names it as before: by its scheduleId (`scheduler`), if it had one.
-            id=metadata.get(SCHEDULER, ""),
-            metadata=metadata,
-            content_type=d.entry.content_type,
-            expires_at_ms=d.entry.expires_at_ms,
-        )
-        key, fields, where = (
-            outbox,
-            encode_outbox_entry(again),
-            f"the outbox for {d.target_pubsub}/{d.source_topic}",
-        )
-    else:
-        back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
-        key, fields, where = d.source_topic, encode_entry(back), d.source_topic
-    # Appended before it is deleted: a crash in between leaves a copy, never none.
-    await client.xadd(key, fields)
-    await client.xdel(d.dead_letter_topic, d.stream_id)
-    return where
+    plans: list[tuple[DeadLetterInfo, str]] = []
+    moves: list[MoveBack] = []
+    for d in letters:
+        if not d.source_topic:
+            continue
+        metadata = {k: v for k, v in d.entry.metadata.items() if k not in DL_KEYS}
+        if d.target_pubsub:
+            again = OutboxEntry(
+                pubsub=d.target_pubsub,
+                topic=d.source_topic,
+                data=d.entry.data,
+                # The history names it as before: by its scheduleId (`scheduler`), if it had one.
+                id=metadata.get(SCHEDULER, ""),
+                metadata=metadata,
+                content_type=d.entry.content_type,
+                expires_at_ms=d.entry.expires_at_ms,
+            )
+            key, fields = outbox, encode_outbox_entry(again)
+            where = f"the outbox for {d.target_pubsub}/{d.source_topic}"
+        else:
+            back = StreamEntry(d.entry.data, metadata, d.entry.content_type, d.entry.expires_at_ms)
+            key, fields, where = d.source_topic, encode_entry(back), d.source_topic
+        plans.append((d, where))
+        moves.append(MoveBack(d.dead_letter_topic, d.stream_id, key, fields))
+    statuses = await move_back(client, settings.consumer_id, moves, cluster=settings.redis_type == "cluster")
+    done = {id(d): (status, where) for (d, where), status in zip(plans, statuses, strict=True)}
+    return [(d, *done.get(id(d), (NO_SOURCE, ""))) for d in letters]
 
 
 def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
@@ -749,7 +767,7 @@ def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
         at, due = display_instant(r.at_ms), display_instant(r.due_ms)
         cells = (at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason)
         # Text, not markup: a reason such as "[link=…]" is shown as written.
-        table.add_row(*(Text(_printable(c)) for c in cells))
+        table.add_row(*(Text(printable(c)) for c in cells))
     return table
 
 
@@ -813,14 +831,6 @@ _HISTORY_COLUMNS = (
 )
 
 
-def _printable(text: str) -> str:
-    """`text` with control and other unprintable characters escaped (\\x1b): a record's reason
-    comes from apps and may carry terminal escape sequences."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 class _TextRows:
     """History rows as aligned text, written as they come (a table needs every row first)."""
 
@@ -829,7 +839,7 @@ class _TextRows:
         self._line([name for name, _ in _HISTORY_COLUMNS])
 
     def _line(self, values: Sequence[str]) -> None:
-        cells = [_printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
+        cells = [printable(v).ljust(width) for v, (_, width) in zip(values, _HISTORY_COLUMNS, strict=True)]
         self._file.write("  ".join(cells).rstrip() + "\n")
 
     def row(self, cursor: str, r: hist.HistoryRecord) -> None:

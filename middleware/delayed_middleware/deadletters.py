@@ -18,16 +18,25 @@ The two writes are one pipeline, not a transaction: on Redis Cluster the topic
 and the set live in other slots than each other and than whatever the caller
 settles. Callers write the dead letter first and settle the source after, so a
 crash in between dead-letters twice, never zero times.
+
+Moving letters back (`move_back`) is exactly once per letter, however many
+operators (or double clicks) move the same letters at once: where the
+dead-letter topic and the destination share a slot (always on a single node),
+one script deletes each letter and appends it only if the delete removed it;
+on Redis Cluster across slots, a marker set with the append in the
+destination's slot lets only one mover append, and the letter is deleted after.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from delayed_middleware import scripts
+from delayed_middleware.aio import text
 from delayed_middleware.entry import StreamEntry, encode_entry
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, dead_retry_marker, delayed_topic, key_slot
 
 # Metadata added to a dead letter (public contract), by subscriber retries and
 # hand-offs alike: `delayed-pubsub dead` lists both by it.
@@ -110,3 +119,91 @@ async def write_dead_letter(
     pipe.xadd(topic, encode_entry(dead))
     pipe.sadd(dead_letter_topics_key(consumer_id), topic)
     await pipe.execute()
+
+
+# Moving letters back: how many one script call moves (a letter is a handful of fields;
+# one call must not hold Redis long), and what became of each.
+MOVE_CHUNK: Final = 100
+MOVED: Final = "moved"
+# Not on its dead-letter topic any more: another operator moved it back or deleted it.
+GONE: Final = "gone"
+# Redis Cluster, a destination in another slot than the dead-letter topic: how long the
+# mark that a letter was appended lives. A mover that died between the append and the
+# delete leaves the letter listed; moved again within this time it is only deleted.
+RETRY_MARKER_MS: Final = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class MoveBack:
+    """One dead letter to move back: where it sits, and the entry to append where it goes."""
+
+    dead_letter_topic: str
+    stream_id: str
+    # A topic, or the outbox (a hand-off's).
+    destination: str
+    fields: Mapping[str, bytes]
+
+
+async def move_back(client: Any, consumer_id: str, moves: Sequence[MoveBack], *, cluster: bool) -> list[str]:
+    """Move each letter of `moves` back, exactly once whoever else moves it at the same time;
+    one status per move: MOVED (by this call), GONE (moved or deleted by someone else), or
+    the error text that kept its destination from taking it (the letter then stays).
+
+    `cluster`: `client` is a RedisCluster, where the dead-letter topic and the destination
+    may live in different slots.
+    """
+    out = [""] * len(moves)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, m in enumerate(moves):
+        groups.setdefault((m.dead_letter_topic, m.destination), []).append(i)
+    for (dead, destination), indexes in groups.items():
+        one_slot = not cluster or key_slot(dead) == key_slot(destination)
+        for start in range(0, len(indexes), MOVE_CHUNK):
+            chunk = indexes[start : start + MOVE_CHUNK]
+            batch = [moves[i] for i in chunk]
+            if one_slot:
+                statuses = await _move_in_one_slot(client, dead, destination, batch)
+            else:
+                statuses = await _move_across_slots(client, consumer_id, dead, destination, batch)
+            for i, status in zip(chunk, statuses, strict=True):
+                out[i] = status
+    return out
+
+
+def _entry_args(move: MoveBack) -> list[Any]:
+    return [len(move.fields), *(x for kv in move.fields.items() for x in kv)]
+
+
+async def _move_in_one_slot(client: Any, dead: str, destination: str, batch: Sequence[MoveBack]) -> list[str]:
+    args = [a for m in batch for a in (m.stream_id, *_entry_args(m))]
+    reply = await client.eval(scripts.RETRY_DEAD, 2, dead, destination, *args)
+    return [text(s) for s in reply]
+
+
+async def _move_across_slots(
+    client: Any, consumer_id: str, dead: str, destination: str, batch: Sequence[MoveBack]
+) -> list[str]:
+    # Only letters still listed: one that another mover deleted long ago (its marker
+    # expired since) is not appended again. One still listed whose marker is set is
+    # between another mover's two phases, or left by a mover that died there.
+    pipe = client.pipeline(transaction=False)
+    for m in batch:
+        pipe.xrange(dead, m.stream_id, m.stream_id)
+    present = [bool(rows) for rows in await pipe.execute()]
+    live = [m for m, here in zip(batch, present, strict=True) if here]
+    appended: dict[str, str] = {}
+    if live:
+        markers = [dead_retry_marker(destination, consumer_id, dead, m.stream_id) for m in live]
+        args = [a for m in live for a in _entry_args(m)]
+        reply = await client.eval(
+            scripts.RETRY_DEAD_APPEND, 1 + len(live), destination, *markers, RETRY_MARKER_MS, *args
+        )
+        appended = {m.stream_id: text(s) for m, s in zip(live, reply, strict=True)}
+        done = [m.stream_id for m in live if appended[m.stream_id] in (MOVED, "dup")]
+        if done:
+            await client.xdel(dead, *done)
+    out: list[str] = []
+    for m in batch:
+        status = appended.get(m.stream_id, GONE)
+        out.append(GONE if status == "dup" else status)
+    return out

@@ -364,6 +364,23 @@ def claim_memo_key(topic: str, group: str, nonce: str) -> str:
     return "{" + target_tag(topic) + "}:" + group + DELAYED_SUFFIX + "}claim:" + nonce
 
 
+def dead_retry_marker(destination: str, consumer_id: str, dead_letter_topic: str, stream_id: str) -> str:
+    """The marker that a dead letter was moved back to `destination` (lua/retry_dead_append.lua,
+    Redis Cluster only): in the destination's slot, so one script sets it and appends; inside
+    the engine's reserved namespace (it contains `-delayed}`); named by the letter's topic
+    and stream id, which no other dead letter shares."""
+    return (
+        "{"
+        + target_tag(destination)
+        + "}:"
+        + delayed_topic(consumer_id)
+        + "}retried:"
+        + dead_letter_topic
+        + "@"
+        + stream_id
+    )
+
+
 def fire_marker_prefix(topic: str, shard_stream: str) -> str:
     """The prefix of the fire markers of envelopes of `shard_stream` appended to `topic`.
 

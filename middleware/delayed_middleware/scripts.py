@@ -72,6 +72,10 @@ RETRY_TAKE: Final = load("retry_take.lua")
 # Counts an older version's taker left without their records, removed a few at a time.
 RETRY_SWEEP: Final = load("retry_sweep.lua")
 
+# Dead letters moved back (`retry-dead`, the dashboard): each exactly once, in one
+# script where the dead-letter topic and the destination share a slot, else in two phases.
+RETRY_DEAD: Final = load("retry_dead.lua")
+RETRY_DEAD_APPEND: Final = load("retry_dead_append.lua")
 # The forwarder's hold on the outbox entries it hands off: kept alive, or found lost.
 OUTBOX_HOLD: Final = load("outbox_hold.lua")
 

@@ -216,6 +216,50 @@ class DelayingProxy(_Proxy):
         return upstream, _forward(redis_r, client_w)
 
 
+class LateReplyProxy(_Proxy):
+    """Forwards 127.0.0.1:<port> to Redis at `upstream_port`.
+
+    While `armed`, the first client->Redis chunk that contains `marker` reaches Redis at once,
+    and what Redis answers next on that connection reaches the client `delay_s` late: the write
+    has landed, the client does not know it yet (a slow way back).
+    """
+
+    def __init__(self, upstream_port: int, marker: bytes, delay_s: float) -> None:
+        super().__init__(upstream_port)
+        self.marker = marker
+        self.delay_s = delay_s
+        self.armed = False
+        self.held = 0
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        late = asyncio.Event()
+
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                if self.armed and self.marker in data:
+                    self.armed = False
+                    self.held += 1
+                    late.set()
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                if late.is_set():
+                    late.clear()
+                    await asyncio.sleep(self.delay_s)
+                client_w.write(data)
+                await client_w.drain()
+
+        return upstream, downstream
+
+
 def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float = 0.0) -> Pump:
     """A pump that copies `reader` to `writer` unchanged, each chunk `delay_s` late."""
 

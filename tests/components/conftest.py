@@ -26,11 +26,11 @@ from playwright.async_api import Browser, async_playwright
 
 from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
-from tests.chaos.proxy import DelayingProxy, LosingProxy
+from tests.chaos.proxy import DelayingProxy, LateReplyProxy, LosingProxy
 from tests.components.driver import Component
 from tests.redis_server import RedisServer
 
-P = TypeVar("P", DelayingProxy, LosingProxy)
+P = TypeVar("P", DelayingProxy, LateReplyProxy, LosingProxy)
 
 # Small timeouts keep redelivery tests fast; values a user could set.
 FAST = {"processingTimeout": "500ms", "redeliverInterval": "200ms"}
@@ -296,10 +296,18 @@ class Ghz:
         self.exe = exe
 
     async def publish(
-        self, sock: Path, instance: str, topic: str, requests: int, callers: int, rps: float = 0
+        self,
+        sock: Path,
+        instance: str,
+        topic: str,
+        requests: int,
+        callers: int,
+        rps: float = 0,
+        timeout_s: float = 0,
     ) -> GhzRun:
         """`requests` delayed publishes (due in 1 s) to `topic` from `callers` concurrent callers on
-        one connection, at most `rps` a second if given; each carries its request number as metadata `n`."""
+        one connection, at most `rps` a second if given, each with a deadline of `timeout_s` if
+        given (else ghz's 20 s); each carries its request number as metadata `n`."""
         request = {
             "pubsub_name": instance,
             "topic": topic,
@@ -330,6 +338,8 @@ class Ghz:
         ]
         if rps:
             args += ["--rps", str(int(rps))]
+        if timeout_s:
+            args += ["--timeout", f"{timeout_s}s"]
         proc = await asyncio.create_subprocess_exec(
             *args, f"unix://{sock}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Dialog, Page, expect
 
-from tests.components.conftest import Dashboard
+from tests.components.conftest import Dashboard, free_port
 from tests.components.driver import Component, cli
 from tests.redis_server import RedisCluster, RedisServer
 
@@ -295,7 +295,13 @@ async def test_read_only_without_allow_actions(
     await page.goto(f"{d.url}/message?id=bill-2")
     await expect(page.locator("header .mode")).to_have_text("read-only")
     assert await page.locator("form[method=post]").count() == 0
-    for path in ("/actions/cancel", "/actions/pause", "/actions/resume", "/actions/retry-dead", "/actions/delete-dead"):
+    for path in (
+        "/actions/cancel",
+        "/actions/pause",
+        "/actions/resume",
+        "/actions/retry-dead",
+        "/actions/delete-dead",
+    ):
         r = await post(
             f"{d.url}{path}", data={"id": "bill-2"}, headers={"X-Dashboard-Token": TOKEN, "Origin": d.url}
         )
@@ -626,3 +632,82 @@ async def test_redis_going_away_is_shown_and_the_page_recovers(tmp_path: Path, d
         assert (await get(f"{d.url}/pending")).status_code == 200
     finally:
         server.stop()
+
+
+async def overview_within(d: Dashboard, seconds: float) -> httpx.Response:
+    """GET / with a deadline: a dashboard whose first poll failed must still answer."""
+    async with httpx.AsyncClient(timeout=seconds) as client:
+        return await client.get(f"{d.url}/")
+
+
+async def test_a_dashboard_started_before_redis_shows_the_error_then_recovers(
+    tmp_path: Path, dashboard: Start
+) -> None:
+    server = RedisServer(tmp_path / "late", port=free_port())
+    d = dashboard("--redis-host", server.address, "--app-id", "app1", "--interval", "0.3")
+    try:
+        first = await overview_within(d, 10)
+        assert first.status_code == 200
+        assert "Not current: Redis" in first.text
+        assert "no poll has succeeded yet" in first.text
+        server.start()
+        server.client().xadd("orders", {"data": "x"})
+        deadline = time.monotonic() + 60
+        while "Not current" in (page := await overview_within(d, 10)).text:
+            assert time.monotonic() < deadline, (page.text[-500:], d.health())
+            await asyncio.sleep(0.2)
+        assert d.health()["error"] == ""
+        assert d.health()["polls"] >= 1
+        assert 'id="total-pending">0<' in page.text
+        assert (await get(f"{d.url}/pending")).status_code == 200
+    finally:
+        server.stop()
+
+
+async def test_a_wrong_password_is_shown_and_polled_again_not_hung(tmp_path: Path, dashboard: Start) -> None:
+    server = RedisServer(tmp_path / "locked")
+    server.start()
+    try:
+        server.client().config_set("requirepass", "right-password-123")
+        d = dashboard(
+            "--redis-host",
+            server.address,
+            "--app-id",
+            "app1",
+            "--interval",
+            "0.3",
+            env={"DELAYED_PUBSUB_REDIS_PASSWORD": "wrong-password"},
+        )
+        first = await overview_within(d, 10)
+        assert first.status_code == 200
+        assert "Not current: Redis" in first.text
+        version = d.health()["version"]
+        # Still polling (each failed poll is a new snapshot), and still answering.
+        deadline = time.monotonic() + 30
+        while d.health()["version"] <= version:
+            assert time.monotonic() < deadline, d.health()
+            assert (await overview_within(d, 10)).status_code == 200
+            await asyncio.sleep(0.2)
+        assert d.health()["error"]
+    finally:
+        server.stop()
+
+
+async def test_a_cookie_that_does_not_parse_is_no_session(
+    waiting: Component, conn: list[str], dashboard: Start
+) -> None:
+    # Any page on 127.0.0.1 can set a cookie for the dashboard's host: never an error, never a session.
+    for args, env in (((), {}), (ACTIONS, TOKEN_ENV)):
+        d = dashboard(*conn, *args, env=env)
+        for cookie in ("é", "x.é", "\u2603.\u2603", ".", "a.b.c", "é" * 1000):
+            headers = {"Cookie": f"dps_session={cookie}".encode()}
+            for path in ("/", "/pending", "/dead", "/message?id=bill-1", "/login"):
+                r = await get(f"{d.url}{path}", headers=headers)
+                assert r.status_code in (200, 404), (args, cookie[:8], path, r.status_code)
+            acted = await post(
+                f"{d.url}/actions/cancel",
+                data={"id": "bill-1", "csrf": "é"},
+                headers={**headers, "Origin": d.url},
+            )
+            assert acted.status_code in (403, 404, 405), (args, cookie[:8], acted.status_code)
+    assert "bill-1" in await pending_ids(conn)

@@ -20,10 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from delayed_middleware.entry import decode_entry
+from delayed_middleware.keys import delayed_topic
 from delayed_pubsub.admission import QUEUE_SAMPLE_S, Admission
 from delayed_pubsub.server import ComponentServer
-from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
-from tests.components.conftest import Ghz
+from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2, pubsub_pb2_grpc
+from tests.chaos.proxy import LateReplyProxy
+from tests.components.conftest import Ghz, running
 from tests.components.driver import Component
 from tests.components.serve import Serve
 from tests.conftest import wait_until
@@ -282,3 +284,111 @@ async def test_after_3000_callers_on_one_connection_publishes_are_admitted_again
         calm = await ghz.publish(sock, "delayed", "calm", requests=1000, callers=4)
     print(f"3,000 callers: {flood.codes}; then 4 callers: {calm.codes}")
     assert calm.codes == {"OK": 1000}, calm.errors[:3]
+
+
+# What a caller may be told when thousands of calls are in flight on its connection: served,
+# refused by admission control, or its stream refused by gRPC (never read). Never CANCELLED.
+ANSWERS = {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+FLOOD = 3000
+DEADLINE_S = 10.0
+
+
+async def publish_flood(channel: grpc.aio.Channel, instance: str, topic: str, n: int) -> list[str]:
+    """`n` concurrent delayed publishes (due in 1 s, each with its number as metadata `n`) on
+    `channel`, each with a DEADLINE_S deadline: the status code name of each, by number."""
+    stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
+    md = (("x-component-instance", instance),)
+
+    async def one(i: int) -> str:
+        request = pubsub_pb2.PublishRequest(
+            pubsub_name=instance, topic=topic, data=b"{}", metadata={"scheduledSendDelay": "1s", "n": str(i)}
+        )
+        try:
+            await stub.Publish(request, metadata=md, timeout=DEADLINE_S)
+        except grpc.aio.AioRpcError as e:
+            return str(e.code().name)
+        return "OK"
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+@pytest.mark.slow
+async def test_3000_publishes_in_flight_on_one_connection_end_ok_refused_or_unavailable_never_cancelled(
+    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    props = {
+        "redisHost": f"127.0.0.1:{redis_server.port}",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+    async with grpc.aio.insecure_channel(f"unix://{serve_process.socket}") as ch:
+        await Component(ch, "delayed").init(props)
+        codes = await publish_flood(ch, "delayed", "orders", FLOOD)
+    counts = Counter(codes)
+    print(f"{FLOOD} publishes on one connection: {dict(counts)}")
+    assert set(counts) <= ANSWERS, counts
+    # Every OK fires once, nothing refused fires.
+    ok = {str(n) for n, code in enumerate(codes) if code == "OK"}
+    await wait_until(lambda: redis_client.xlen("orders") >= len(ok), f"{len(ok)} delivered", within_s=60)
+    await asyncio.sleep(1.5)  # anything fired twice, or a refused one fired, would land by now
+    delivered = _delivered(redis_client, "orders")
+    assert [n for n, times in delivered.items() if times > 1] == []
+    assert set(delivered) == ok
+
+
+@pytest.mark.slow
+async def test_3000_publishes_from_a_go_client_on_one_connection_are_never_cancelled(
+    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
+) -> None:
+    """grpc-go, daprd's client: the same flood, the same three answers."""
+    props = {
+        "redisHost": f"127.0.0.1:{redis_server.port}",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+    sock = serve_process.socket
+    async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+        await Component(ch, "delayed").init(props)
+    flood = await ghz.publish(sock, "delayed", "orders", requests=FLOOD, callers=FLOOD, timeout_s=DEADLINE_S)
+    print(f"{FLOOD} Go callers on one connection: {flood.codes}")
+    assert set(flood.codes) <= {"OK", "ResourceExhausted", "Unavailable"}, flood.errors[:5]
+    ok = flood.codes.get("OK", 0)
+    await wait_until(lambda: redis_client.xlen("orders") >= ok, f"{ok} delivered", within_s=60)
+    await asyncio.sleep(1.5)
+    delivered = _delivered(redis_client, "orders")
+    assert [n for n, times in delivered.items() if times > 1] == []
+    assert len(delivered) == ok
+
+
+async def test_a_publish_its_caller_cancelled_may_be_stored_and_retried_with_its_schedule_id_fires_once(
+    component: Callable[[str], Component],
+    props: dict[str, str],
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+) -> None:
+    """A CANCELLED the caller caused (its own cancel or deadline, once the call reached the
+    component) does not mean "not stored": here Redis has run the component's write and its reply
+    is held back on the wire when the caller cancels. A caller that retries gives the publish a
+    scheduleId: the retry replaces what the first try stored, and the message fires once."""
+    body = b"stored-then-cancelled"
+    # Due after the held reply (and so the retry) is through: a retry after the message fired is
+    # a new message, whatever its scheduleId.
+    send = {"scheduledSendDelay": "15s", "scheduleId": "job-cancelled"}
+    async with running(LateReplyProxy(redis_server.port, body, delay_s=6.0)) as proxy:
+        c = component("delayed")
+        await c.init({**props, "redisHost": f"127.0.0.1:{proxy.port}", "enableDelayedMessaging": "true"})
+        # Redis knows the schedule script by now: the held call is the write itself.
+        await c.publish("warm-up", b"x", {"scheduledSendDelay": "1h"})
+        proxy.armed = True
+        request = pubsub_pb2.PublishRequest(pubsub_name="delayed", topic="orders", data=body, metadata=send)
+        call = c.stub.Publish(request, metadata=c.md)
+        await wait_until(lambda: proxy.held == 1, "the publish's write sent to Redis", within_s=10)
+        await wait_until(lambda: redis_client.xlen(delayed_topic("app1")) == 2, "it stored", within_s=4)
+        call.cancel()
+        assert await call.code() == grpc.StatusCode.CANCELLED
+        # Stored, though its caller heard CANCELLED: the retry must not make it fire twice.
+        await c.publish("orders", body, send)
+        # (The component reaches Redis through the proxy: it fires while the proxy runs.)
+        await wait_until(lambda: redis_client.xlen("orders") >= 1, "it fired", within_s=45)
+        await asyncio.sleep(1.5)  # a second copy, had the retry not replaced the first try
+    assert [f[b"data"] for _, f in stream_entries(redis_client, "orders")] == [body]

@@ -32,7 +32,9 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from delayed_middleware import pausing
+from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.instants import display_instant
+from delayed_pubsub import operate
 from delayed_pubsub.connection import TRANSIENT_ERRORS
 from delayed_pubsub.dashboard.guard import COOKIE, CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.poller import Poller, Snapshot
@@ -232,9 +234,17 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
 
     async def do_retry_dead(form: FormData) -> tuple[bool, str]:
         topic, id = _field(form, "topic"), _field(form, "id")
-        where = await source.retry_dead(topic, id)
-        if where is None:
-            return False, f"no dead letter {id} on {topic} (or it records no source topic)"
+        moved = await source.retry_dead(topic, id)
+        if moved is None:
+            return False, f"no dead letter {id} on {topic}"
+        status, where = moved
+        if status == operate.NO_SOURCE:
+            return False, f"{id} on {topic} records no source topic: left where it is"
+        if status == GONE:
+            # A double click, or another operator: the letter went back once, by the other.
+            return False, f"{id} is no longer on {topic}: moved back or deleted by someone else"
+        if status != MOVED:
+            return False, f"{id} left on {topic}: {where}: {status}"
         return True, f"moved {id} from {topic} back to {where}"
 
     async def do_delete_dead(form: FormData) -> tuple[bool, str]:

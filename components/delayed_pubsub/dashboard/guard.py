@@ -58,7 +58,11 @@ class Guard:
     def _session_nonce(self, request: Request) -> str | None:
         value = request.cookies.get(COOKIE, "")
         nonce, _, mac = value.partition(".")
-        if not nonce or not hmac.compare_digest(mac, self._sign("session", nonce)):
+        # A cookie that does not parse is no session, never an error: any page on this host
+        # (another app on 127.0.0.1) can set it, and compare_digest refuses non-ASCII str.
+        if not nonce or not value.isascii():
+            return None
+        if not hmac.compare_digest(mac.encode(), self._sign("session", nonce).encode()):
             return None
         return nonce
 

@@ -209,14 +209,23 @@ class Poller:
             await asyncio.sleep(max(backoff if snap.error else self.interval_s, took))
 
     def _failed(self, error: str) -> Snapshot:
+        """The snapshot a failed poll leaves: the last good one (or an empty one, when none
+        succeeded yet) marked with `error`. It never raises: the poller must outlive it, and
+        a page waiting for the first snapshot must get one."""
         previous = self.snapshot
         if previous is None:
             empty = Census(0, {}, {}, {}, (), 0, 0, 0)
-            base = Snapshot(0, 0, empty, (), lateness_of(()), 0, 0, {}, 0.0)
+            now_ms = int(time.time() * 1000)
+            base = Snapshot(0, 0, empty, fires_per_minute((), now_ms), lateness_of(()), 0, 0, {}, 0.0)
         else:
             base = previous
         snap = dataclasses.replace(base, version=base.version + 1, error=error)
-        return dataclasses.replace(snap, parts=self._render(snap))
+        try:
+            parts = self._render(snap)
+        except Exception:
+            log.exception("dashboard: the failed poll's page did not render")
+            parts = {}
+        return dataclasses.replace(snap, parts=parts)
 
     async def _poll(self) -> Snapshot:
         started = time.perf_counter()

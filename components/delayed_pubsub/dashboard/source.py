@@ -416,12 +416,15 @@ class Source:
                 return d
         return None
 
-    async def retry_dead(self, topic: str, stream_id: str) -> str | None:
-        """Move one dead letter back as `delayed-pubsub retry-dead` does; where it went, or None."""
+    async def retry_dead(self, topic: str, stream_id: str) -> tuple[str, str] | None:
+        """Move one dead letter back as `delayed-pubsub retry-dead` does (exactly once, whoever
+        else moves it at the same time): its status (operate.retry_dead_letters) and where it
+        goes, or None if this app has no such dead letter."""
         d = await self._dead_letter(topic, stream_id)
-        if d is None or not d.source_topic:
+        if d is None:
             return None
-        return await operate.retry_dead_letter(self.client, self.settings, d)
+        [(_, status, where)] = await operate.retry_dead_letters(self.client, self.settings, [d])
+        return status, where
 
     async def delete_dead(self, topic: str, stream_id: str) -> bool:
         """Delete one dead letter of this app; False if there is no such one."""

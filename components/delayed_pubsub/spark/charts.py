@@ -23,6 +23,7 @@ matplotlib.use("Agg")  # no display on servers; set before pyplot is imported
 import matplotlib.pyplot as plt  # noqa: E402
 
 from delayed_pubsub.spark.stats import StatsTables  # noqa: E402
+from delayed_pubsub.terminal import printable  # noqa: E402
 
 LATENESS_PNG: Final = "lateness_histogram.png"
 PENDING_PNG: Final = "pending_by_due.png"
@@ -31,9 +32,17 @@ _SIZE: Final = (7.0, 3.6)
 _DPI: Final = 100
 
 
+def chart_text(text: str) -> str:
+    """A name from Redis (topic, app id) as chart text: shown as written. Unprintable characters
+    are escaped as the printed tables escape them, and `$` is escaped, else matplotlib reads
+    `$...$` as mathtext and a topic such as `a$x^{$` fails the whole chart."""
+    return printable(text).replace("$", r"\$")
+
+
 def write_charts(stats: StatsTables, out_dir: Path, app_id: str) -> list[Path]:
     """Write the three charts into out_dir; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    app_id = chart_text(app_id)
     no_fires = "no fires in the history"
     return [
         _chart(
@@ -95,7 +104,10 @@ def _lateness(stats: StatsTables, fig: Any, ax: Any) -> None:
             top = fired.sort_values("fired", ascending=False).iloc[0]
             if top[q] is not None:
                 ax.axvline(
-                    float(top[q]), color="#c44e52", linestyle=style, label=f"{q[9:12]} ({top['topic']})"
+                    float(top[q]),
+                    color="#c44e52",
+                    linestyle=style,
+                    label=f"{q[9:12]} ({chart_text(str(top['topic']))})",
                 )
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xlabel("lateness (ms)")
@@ -125,7 +137,7 @@ def _pending(stats: StatsTables, fig: Any, ax: Any) -> None:
             width=width_ms / unit_ms,
             align="edge",
             bottom=bottom,
-            label=str(topic),
+            label=chart_text(str(topic)),
         )
         bottom = pivot[topic] if bottom is None else bottom + pivot[topic]
     ax.legend(loc="upper right", fontsize=8, title="topic")

@@ -34,6 +34,7 @@ from pyspark.sql import DataFrame  # noqa: E402
 
 from delayed_middleware.history import CANCELLED, DEAD_LETTERED, EVENTS, EXPIRED, FIRED, RETRIED  # noqa: E402
 from delayed_pubsub.spark.rows import PARKED, PENDING, UNDECODABLE  # noqa: E402
+from delayed_pubsub.terminal import printable  # noqa: E402
 
 MINUTE_MS: Final = 60_000
 WINDOWS: Final = (("next_minute", MINUTE_MS), ("next_hour", 3_600_000), ("next_day", 86_400_000))
@@ -274,7 +275,8 @@ def _fmt(value: Any) -> str:
         return f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}"
-    return str(value)
+    # A topic name is any text a publisher chose: escape sequences are shown, not obeyed.
+    return printable(str(value))
 
 
 def text_table(title: str, df: pd.DataFrame, empty: str = "(none)") -> str:

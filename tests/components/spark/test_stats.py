@@ -7,6 +7,7 @@ import io
 import json
 import os
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -285,6 +286,39 @@ async def test_stats_and_pending_resolve_the_same_secret_key_ref_from_the_enviro
             assert "Traceback" not in missing.err
     finally:
         redis_client.config_set("requirepass", "")
+
+
+# Run alone, the Spark session starts inside this test: slow on a loaded 2-core machine.
+@pytest.mark.timeout(STARTUP_S + 60)
+async def test_stats_shows_escape_sequences_in_topic_names_as_text_in_its_tables_and_charts(
+    spark: Any,
+    component: Callable[[str], Component],
+    props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    # Retitles the terminal, rings, clears the screen; `$x^{$` is broken mathtext for matplotlib.
+    evil = "\x1b]0;pwned\x07orders\x1b[2J$x^{$"
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish(evil, b"later", {"scheduledSendDelay": "1h"})
+    due = int(time.time() * 1000) - 60_000
+    add_history(redis_client, [fired(evil, due + i, 5 + i, id=f"e{i}") for i in range(3)])
+    out = io.StringIO()
+    code = run(
+        stats_args("--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", APP, "--out", str(tmp_path)),
+        out,
+    )
+    assert code == 0
+    text = out.getvalue()
+    assert not any(ch in text for ch in "\x1b\x07"), repr(text)
+    shown = r"\x1b]0;pwned\x07orders\x1b[2J$x^{$"
+    # Pending by topic, by due window, and fired by topic each name it, escaped.
+    assert sum(shown in line for line in text.splitlines()) >= 3, text
+    for name in (LATENESS_PNG, PENDING_PNG, FIRES_PNG):
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+        assert coloured_pixels(tmp_path / name) > 50
 
 
 # Run alone, the Spark session starts inside this test: slow on a loaded 2-core machine.
