@@ -113,7 +113,8 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
     clock.set(LATER)
     await drain(upgraded)
     count = Counter(payloads(redis_client))
-    assert {n: count[n] for n in (0, 1, 2, 3, 5, 6, 7, 30)} == {0: 1, 1: 1, 2: 0, 3: 0, 5: 0, 6: 1, 7: 1, 30: 1}
+    # Each orphan and the replacement once; the cancelled, the replaced and the paused never.
+    assert [count[n] for n in (0, 1, 6, 7, 30, 2, 3, 5)] == [1, 1, 1, 1, 1, 0, 0, 0]
     fired_r = [r for r in history(redis_client, "fired") if r.id == "r" and r.due_ms == DUE]
     assert len(fired_r) == 1
     assert ids[6] not in await listed(aredis)
@@ -143,7 +144,9 @@ async def test_the_run_loop_recovers_orphans_at_start_and_a_pinned_engine_does_n
         stop.set()
         await task
 
-    await run_for(DelayEngine(aredis(), KEYS, clock, config=dataclasses.replace(config, recover_orphans=False)), 0.3)
+    await run_for(
+        DelayEngine(aredis(), KEYS, clock, config=dataclasses.replace(config, recover_orphans=False)), 0.3
+    )
     assert payloads(redis_client) == []
     stop = asyncio.Event()
     with caplog.at_level(logging.WARNING, logger="delayed_middleware.engine"):
