@@ -372,6 +372,7 @@ async def test_a_rollback_outside_the_window_loses_nothing_once_this_release_run
             _entry("replaced-old", due, scheduleId="replaced"),
         ]
         assert not (await c.bulk_publish("work", entries)).failed_entries
+        await wait_until(lambda: sum(app.count("c-").values()) == BATCH - tail, "the short delays")
         await wait_until(lambda: redis_client.hlen(MOVED) == tail + 2, "the long tail re-homed")
     assert redis_client.get(FORMAT) == b"2"
 
@@ -388,7 +389,7 @@ async def test_a_rollback_outside_the_window_loses_nothing_once_this_release_run
         await wait_until(
             lambda: redis_client.get("{app1-delayed}:pending") == b"0", "0.1.0 dropping the tail", 30
         )
-        assert app.count("replaced-new")["replaced-new"] == 1
+        await wait_until(lambda: app.count("replaced-new")["replaced-new"] == 1, "the replacement")
     assert sum(app.count("c-").values()) == BATCH - tail, "0.1.0 delivered a re-homed envelope"
 
     # 3. This release again: each dropped message is delivered once; nothing cancelled or replaced.

@@ -30,7 +30,10 @@
 --     flag 'i' (in the index; 'p' paused and 'u' waiting for REFILL are held on
 --     purpose); the ref's due is where it belongs. A ref that is gone or names
 --     another envelope means the message was cancelled or replaced: that copy is
---     deleted (what the cancel or replace would have done), never fired;
+--     deleted (what the cancel or replace would have done), never fired. But a ref
+--     naming an id stored nowhere and older than this copy names this copy: its id was
+--     lost to a compaction that re-homed it after its move record went (a replacement
+--     is younger than the copies made before it);
 --   - P is in the index neither at that due nor at the envelope's own.
 -- Then P goes back in the index at that due (past due: it fires at the next step),
 -- the move record is restored if it was gone, and a `recovered` record is written.
@@ -72,6 +75,15 @@ local function public_id(at, origin)
   return origin, true
 end
 
+-- True when stream id `a` is older than stream id `b` (false for anything else).
+local function older(a, b)
+  local am, as = string.match(a, '^(%d+)%-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
+  if not am or not bm then return false end
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+
 local before = head()
 local cursor = CURSOR
 local from = cursor == '-' and '-' or '(' .. cursor
@@ -93,11 +105,23 @@ for i, e in ipairs(rows) do
     local key = nil
     if env.sid ~= '' then key = env.sid elseif env.kind == 1 then key = id end
     local own = string.format('%.0f', env.due)
+    local ref = key and redis.call('HGET', IDS, key)
+    local named = ref and parse_ref(ref)
+    local was = nil
+    if named and named ~= id and stored_at(named) == at then
+      id = named
+    elseif named and named ~= id and env.sid ~= '' and older(named, at) then
+      local st = stored_at(named)
+      if not redis.call('XRANGE', STREAM, st, st)[1] then
+        -- The envelope its scheduleId names is stored nowhere: this copy is that envelope, its
+        -- id lost to a compaction that re-homed it after its move record was gone.
+        was, id, restore = id, named, true
+      end
+    end
     -- Indexed at its own due: FIRE decides it (fires it, or drops a replaced recurring one).
     local due = not indexed(id, own) and own or nil
     if due and key then
-      local ref = redis.call('HGET', IDS, key)
-      if not ref or parse_ref(ref) ~= id then
+      if not ref or named ~= id then
         -- Cancelled or replaced by a release that did not find this copy.
         redis.call('XDEL', STREAM, at)
         if redis.call('HGET', MOVED, id) == at then forget_move(id) end
@@ -109,6 +133,22 @@ for i, e in ipairs(rows) do
       end
     end
     if due then
+      if was then
+        -- Re-homed with its true id in `origin` (as compact.lua writes it), so the moved hash and
+        -- the entry agree and a later compaction keeps the id.
+        if redis.call('HGET', MOVED, was) == at then forget_move(was) end
+        local args = {STREAM, '*'}
+        for j = 1, #f, 2 do
+          if f[j] ~= 'origin' and f[j] ~= 'from' then
+            args[#args + 1] = f[j]
+            args[#args + 1] = f[j + 1]
+          end
+        end
+        for _, v in ipairs({'origin', id, 'from', at}) do args[#args + 1] = v end
+        local copy = redis.call('XADD', unpack(args))
+        redis.call('XDEL', STREAM, at)
+        at = copy
+      end
       if restore then redis.call('HSET', MOVED, id, at) end
       insert(id, due)
       hist('recovered', key or id, env.sid, env.topic, env.kind, due, '', env.size, math.max(env.attempt, 1),

@@ -10,11 +10,13 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+from delayed_middleware import scripts
 from delayed_middleware.aio import text
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
@@ -68,6 +70,7 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
         env(5, DUE, sid="p"),  # paused: held on purpose
         env(6, LATER),  # orphan due later: not before its due
         env(7, DUE),  # never orphaned
+        env(8, DUE, sid="e"),  # orphan, its move record gone, then re-homed again: its id lost
     ]
     longs = [e if e.schedule_id else dataclasses.replace(e, id="") for e in longs]
     fill = [dataclasses.replace(env(100, T0), topic="short", id="")] * 9
@@ -82,13 +85,18 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
 
     # The state the old release leaves: index entries of the re-homed ones dropped (as lost, or
     # with a cancel or a replace), their copies still on the delayed topic.
-    for i in (0, 1, 2, 3, 4, 6):
+    for i in (0, 1, 2, 3, 4, 6, 8):
         drop_index_entry(redis_client, at[i], longs[i].due_ms)
+    redis_client.hdel(KEYS.moved, at[8])
+    # A whole compaction pass now: the copy of 8 is re-homed under its own stream id.
+    [(last, _)] = cast("list[tuple[bytes, object]]", redis_client.xrevrange(KEYS.stream, count=1))
+    redis_client.eval(scripts.COMPACT, len(KEYS.script_keys), *KEYS.script_keys, "-", last, 1_000, 0)
     redis_client.hdel(KEYS.moved, at[1])
     redis_client.hdel(KEYS.ids, "c")
     redis_client.hdel(KEYS.ids, "d")
     await engine.schedule([env(30, T0 + 2_000, sid="d")])
     assert {ids[0], "b", "r", ids[6]} <= await listed(aredis)
+    assert redis_client.hget(KEYS.moved, at[8]) is None, "8's id not lost"
 
     clock.set(DUE)
     await drain(engine)
@@ -96,14 +104,14 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
 
     # Upgrading again: a fresh engine's sweep.
     upgraded = DelayEngine(aredis(), KEYS, clock, config=config, recurrence=every)
-    assert await upgraded.recover_orphans() == (4, 2)
+    assert await upgraded.recover_orphans() == (5, 2)
     assert await upgraded.recover_orphans() == (0, 0), "recovered twice"
     recovered = history(redis_client, "recovered")
     assert sorted((r.id, r.due_ms) for r in recovered) == sorted(
-        [(ids[0], DUE), ("b", DUE), ("r", DUE), (ids[6], LATER)]
+        [(ids[0], DUE), ("b", DUE), ("r", DUE), (ids[6], LATER), ("e", DUE)]
     )
     await drain(upgraded)
-    assert sorted(payloads(redis_client)) == [0, 1, 4, 7], "overdue orphans fire at once"
+    assert sorted(payloads(redis_client)) == [0, 1, 4, 7, 8], "overdue orphans fire at once"
     # The copies of the cancelled and replaced messages are gone; the paused one stays held.
     assert await listed(aredis) == {"r", ids[6], "d", "p"}
 
@@ -114,7 +122,7 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
     await drain(upgraded)
     count = Counter(payloads(redis_client))
     # Each orphan and the replacement once; the cancelled, the replaced and the paused never.
-    assert [count[n] for n in (0, 1, 6, 7, 30, 2, 3, 5)] == [1, 1, 1, 1, 1, 0, 0, 0]
+    assert [count[n] for n in (0, 1, 6, 7, 8, 30, 2, 3, 5)] == [1, 1, 1, 1, 1, 1, 0, 0, 0]
     fired_r = [r for r in history(redis_client, "fired") if r.id == "r" and r.due_ms == DUE]
     assert len(fired_r) == 1
     assert ids[6] not in await listed(aredis)
