@@ -31,7 +31,7 @@ from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, Stream, cluster_props
 from tests.components.serve import ROOT, Serve, props_for
 from tests.conftest import small_stream_nodes, wait_until
-from tests.redis_server import RedisCluster, RedisServer
+from tests.redis_server import RedisCluster, RedisServer, stream_entries
 
 PREVIOUS_RELEASE = ROOT / "scripts" / "previous-release"
 FORMAT = "{app1-delayed}:format"
@@ -403,6 +403,7 @@ async def test_a_rollback_outside_the_window_loses_nothing_once_this_release_run
     assert "cancelled" not in counts
     assert "replaced-old" not in counts
     assert counts["replaced-new"] == 1
-    recovered = [f for _, f in redis_client.xrange("{app1-delayed}:history") if f[b"event"] == b"recovered"]
+    history = stream_entries(redis_client, "{app1-delayed}:history")
+    recovered = [f for _, f in history if f[b"event"] == b"recovered"]
     assert len(recovered) == tail
     assert redis_client.xlen("app1-delayed") == 0, "copies left on the delayed topic"

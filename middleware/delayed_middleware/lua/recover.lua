@@ -100,8 +100,8 @@ for i, e in ipairs(rows) do
   local id, restore = public_id(at, origin)
   local ok, env = false, nil
   if id and data then ok, env = pcall(decode, data) end
-  -- Not an envelope this release reads (FIRE parks those when they fall due), or held on purpose.
-  if ok and redis.call('HEXISTS', PARKED, id) == 0 and redis.call('HEXISTS', CLAIMS, id) == 0 then
+  -- Not an envelope this release reads: FIRE parks those when they fall due.
+  if ok then
     local key = nil
     if env.sid ~= '' then key = env.sid elseif env.kind == 1 then key = id end
     local own = string.format('%.0f', env.due)
@@ -118,8 +118,10 @@ for i, e in ipairs(rows) do
         was, id, restore = id, named, true
       end
     end
-    -- Indexed at its own due: FIRE decides it (fires it, or drops a replaced recurring one).
-    local due = not indexed(id, own) and own or nil
+    -- Held on purpose (checked again under the id the ref gave), or indexed at its own due:
+    -- FIRE decides it (fires it, or drops a replaced recurring one).
+    local held = redis.call('HEXISTS', PARKED, id) == 1 or redis.call('HEXISTS', CLAIMS, id) == 1
+    local due = not held and not indexed(id, own) and own or nil
     if due and key then
       if not ref or named ~= id then
         -- Cancelled or replaced by a release that did not find this copy.

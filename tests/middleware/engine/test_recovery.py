@@ -73,12 +73,15 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
         env(8, DUE, sid="e"),  # orphan, its move record gone, then re-homed again: its id lost
     ]
     longs = [e if e.schedule_id else dataclasses.replace(e, id="") for e in longs]
+    # Parked at once (a target in the engine's namespace): kept on the delayed topic, never indexed.
+    longs.append(dataclasses.replace(env(9, T0, topic="bad-delayed"), id=""))
     fill = [dataclasses.replace(env(100, T0), topic="short", id="")] * 9
     with small_stream_nodes(redis_client, 10):
         ids = (await engine.schedule([x for e in longs for x in (e, *fill)]))[::10]
     # Stream ids (a scheduleId names its envelope through the ids hash).
     at = [stored_id(redis_client, i) for i in ids]
     await drain(engine)
+    assert redis_client.hexists(KEYS.parked, at[9])
     assert await engine.compact()
     assert all(redis_client.hget(KEYS.moved, i) for i in at), "not all re-homed"
     await engine.set_paused("p", pause=True)
@@ -123,6 +126,8 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
     count = Counter(payloads(redis_client))
     # Each orphan and the replacement once; the cancelled, the replaced and the paused never.
     assert [count[n] for n in (0, 1, 6, 7, 8, 30, 2, 3, 5)] == [1, 1, 1, 1, 1, 1, 0, 0, 0]
+    assert redis_client.hexists(KEYS.parked, at[9]), "the parked envelope was touched"
+    assert redis_client.xlen("bad-delayed") == 0
     fired_r = [r for r in history(redis_client, "fired") if r.id == "r" and r.due_ms == DUE]
     assert len(fired_r) == 1
     assert ids[6] not in await listed(aredis)
