@@ -641,7 +641,9 @@ def _sharded_engine(
     On Redis Cluster the fire is two-phase (target topics live in other hash
     slots than the shard); on a single node or Sentinel it is one script.
     Below the newest storage format compaction is off: the envelopes it
-    re-homes are lost to the previous release.
+    re-homes are lost to the previous release. At the newest, each shard's
+    fire loop starts with a sweep that re-indexes the envelopes such a release
+    left out of the due index (engine/recovery.py).
     """
     topics = shard_topics(settings.consumer_id, settings.shards)
     pending = [0] * len(topics)
@@ -659,7 +661,8 @@ def _sharded_engine(
         settings,
         connection.client,
         clock,
-        config=engine_config(settings, compact_check_every=0) if pinned else None,
+        # In the window nothing is moved, so no release can have orphaned a moved copy either.
+        config=engine_config(settings, compact_check_every=0, recover_orphans=False) if pinned else None,
         trim=broker.trim,
         pubsub_name=name,
         on_batch=on_batch,

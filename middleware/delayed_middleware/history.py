@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -19,7 +19,7 @@ Each entry is a flat set of string fields:
 | `late`    | fired only: fired-at minus due, ms |
 | `size`    | payload bytes (all entries of a bulk envelope) |
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
-| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire` ('' otherwise) |
+| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire`; lost: `EnvelopeGone`; recovered: `NotIndexed` ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 | `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
 
@@ -66,6 +66,9 @@ COMPLETED: Final = "completed"
 # A due-index entry whose envelope no route finds (deleted from the delayed topic by something
 # other than the engine): reported once and removed from the index.
 LOST: Final = "lost"
+# A pending envelope found on the delayed topic with no due-index entry referring to it (left so
+# by a release that did not know the moved hash): put back in the index at its due time.
+RECOVERED: Final = "recovered"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -80,6 +83,7 @@ EVENTS: Final = (
     RESUMED,
     COMPLETED,
     LOST,
+    RECOVERED,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

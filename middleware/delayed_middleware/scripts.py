@@ -61,6 +61,8 @@ REFILL: Final = load("refill.lua")
 PAUSE: Final = load("pause.lua")
 # Re-homes long-waiting envelopes to the delayed topic's tail (frees sparse stream nodes).
 COMPACT: Final = load("compact.lua")
+# Puts back in the due index the pending envelopes no index entry refers to (engine/recovery.py).
+RECOVER: Final = load("recover.lua")
 # The broker's own atomic steps.
 DELETE_IDLE_CONSUMER: Final = load("delete_idle_consumer.lua")
 # Conditional redelivery (reclaim pass, retry poller) and a nack's hold, each on the topic key alone.

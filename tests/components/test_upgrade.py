@@ -31,7 +31,7 @@ from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, Stream, cluster_props
 from tests.components.serve import ROOT, Serve, props_for
 from tests.conftest import small_stream_nodes, wait_until
-from tests.redis_server import RedisCluster, RedisServer
+from tests.redis_server import RedisCluster, RedisServer, stream_entries
 
 PREVIOUS_RELEASE = ROOT / "scripts" / "previous-release"
 FORMAT = "{app1-delayed}:format"
@@ -341,3 +341,69 @@ async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
         dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
         assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
         assert all((d - dues[0]) % EVERY_MS == 0 for d in dues), f"every-{k} left its grid: {dues}"
+
+
+async def test_a_rollback_outside_the_window_loses_nothing_once_this_release_runs_again(
+    previous_tree: Path,
+    folder: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    nodes_of_ten: None,
+) -> None:
+    """Against the docs' advice, 0.1.0 is run on data whose format was raised and whose long tail
+    compaction re-homed: it cannot find the re-homed envelopes, reports them lost as they fall due,
+    and drops their index entries; its cancels and replaces leave their copies too. Running this
+    release again delivers every dropped message once (late), and nothing cancelled or replaced."""
+    props = {**props_for(redis_server), "processingTimeout": "1s", "redeliverInterval": "300ms"}
+    app = App()
+    tail = BATCH // TAIL_EVERY
+
+    # 1. This release at format 2: a batch whose long tail (half of it with scheduleIds) compaction
+    # re-homes, one message later cancelled and one later replaced, both re-homed too.
+    async with running(folder, "new1", {**props, "storageFormat": "2"}, app) as c:
+        now = int(time.time() * 1000)
+        due = now + 9_000
+        entries = [
+            e if i % (2 * TAIL_EVERY) else _entry(e.entry_id, due, scheduleId=e.entry_id)
+            for i, e in enumerate(_batch("c-", now, due))
+        ]
+        entries += [
+            _entry("cancelled", due, scheduleId="cancelled"),
+            _entry("replaced-old", due, scheduleId="replaced"),
+        ]
+        assert not (await c.bulk_publish("work", entries)).failed_entries
+        await wait_until(lambda: sum(app.count("c-").values()) == BATCH - tail, "the short delays")
+        await wait_until(lambda: redis_client.hlen(MOVED) == tail + 2, "the long tail re-homed")
+    assert redis_client.get(FORMAT) == b"2"
+
+    # 2. 0.1.0, outside the window: nothing stops it. It cancels one, replaces one (the new one
+    # fires under it), and drops the index entries of the rest as they fall due.
+    async with running(folder, "old", props, app, root=previous_tree) as c:
+        await c.publish("work", b"", {"scheduleCancel": "true", "scheduleId": "cancelled"})
+        now = int(time.time() * 1000)
+        await c.publish(
+            "work",
+            json.dumps({"id": "replaced-new", "due": now + 500}).encode(),
+            {"scheduledSendTime": _iso(now + 500), "scheduleId": "replaced"},
+        )
+        await wait_until(
+            lambda: redis_client.get("{app1-delayed}:pending") == b"0", "0.1.0 dropping the tail", 30
+        )
+        await wait_until(lambda: app.count("replaced-new")["replaced-new"] == 1, "the replacement")
+    assert sum(app.count("c-").values()) == BATCH - tail, "0.1.0 delivered a re-homed envelope"
+
+    # 3. This release again: each dropped message is delivered once; nothing cancelled or replaced.
+    async with running(folder, "new2", props, app):
+        await wait_until(lambda: sum(app.count("c-").values()) == BATCH, "the dropped tail delivered", 20)
+        await asyncio.sleep(1.0)  # a second delivery would come now
+    assert not app.early, app.early
+    counts = Counter(n for n, _, _ in app.acked)
+    assert set(app.count("c-")) == {e.entry_id for e in entries if e.entry_id.startswith("c-")}
+    assert not {n: k for n, k in counts.items() if k > 1}, "delivered more than once"
+    assert "cancelled" not in counts
+    assert "replaced-old" not in counts
+    assert counts["replaced-new"] == 1
+    history = stream_entries(redis_client, "{app1-delayed}:history")
+    recovered = [f for _, f in history if f[b"event"] == b"recovered"]
+    assert len(recovered) == tail
+    assert redis_client.xlen("app1-delayed") == 0, "copies left on the delayed topic"

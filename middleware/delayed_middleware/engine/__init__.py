@@ -36,6 +36,7 @@ Modules, each stating its invariants and crash points:
 - `two_phase.py`: CLAIM / APPEND / RELEASE (Redis Cluster), scheduleSource sampling.
 - `refill.py`: cron successors (REFILL), the refill sweep.
 - `compaction.py`: re-homing long-waiting envelopes (COMPACT).
+- `recovery.py`: re-indexing envelopes no index entry refers to (RECOVER), once per run.
 - `retention.py`: history trimming by age.
 - `loop.py`: the run loop and the wake listener.
 - `delay_engine.py`: DelayEngine, the facade over the above.

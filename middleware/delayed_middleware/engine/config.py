@@ -91,6 +91,16 @@ class EngineConfig:
     compact_chunk: int = 200
     compact_budget_us: int = 5_000
     compact_slice_s: float = 0.02
+    # Orphan recovery (engine/recovery.py): at the start of the run loop, a sweep over the
+    # delayed stream puts back in the index the pending envelopes no index entry refers to
+    # (left so by a release that did not know the moved hash), recover_chunk entries per
+    # call within recover_budget_us of Redis time, paced by recover_duty. Off below storage format 2, where no
+    # envelope was ever moved.
+    recover_orphans: bool = True
+    recover_chunk: int = 200
+    recover_budget_us: int = 10_000
+    # The share of the sweep's time spent in its calls (the rest it waits): 0.5 = half.
+    recover_duty: float = 0.5
 
 
 # The settings an engine gets when given none.

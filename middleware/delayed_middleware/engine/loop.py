@@ -27,14 +27,15 @@ from redis.exceptions import RedisError
 
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.engine.fire import Firing
+from delayed_middleware.engine.recovery import Recovering
 from delayed_middleware.engine.retention import HistoryTrimming
 from delayed_middleware.liveness import Supervised, run_until_cancelled
 
 log = logging.getLogger(__name__)
 
 
-class Running(Firing, HistoryTrimming):
-    """run: the fire loop of one shard; wake: cut its sleep short."""
+class Running(Firing, HistoryTrimming, Recovering):
+    """run: the fire loop of one shard (with one orphan recovery sweep beside it); wake: cut its sleep short."""
 
     async def run(self, stop: asyncio.Event | None = None, beat: Callable[[], None] | None = None) -> None:
         """Fire due messages until `stop` is set; survives Redis outages.
@@ -54,6 +55,12 @@ class Running(Firing, HistoryTrimming):
         )
         self.listener = listener
         listener.start()
+        # Beside the loop, not before it: a long stream must not hold up the first fires.
+        recovery = (
+            asyncio.create_task(self._recover_at_start(stop), name=f"orphan recovery of {self._keys.stream}")
+            if self._config.recover_orphans
+            else None
+        )
         backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
         try:
             while not stop.is_set():
@@ -92,6 +99,10 @@ class Running(Firing, HistoryTrimming):
                     continue  # more may be due right now: no sleep between batches
                 await self._sleep_until(head, stop)
         finally:
+            if recovery is not None:
+                recovery.cancel()
+                # Waited for, not awaited: its cancellation is not this task's.
+                await asyncio.wait({recovery})
             # Bounded: closing a pub/sub connection to a dead server may hang.
             await listener.stop(timeout_s=1.0)
 

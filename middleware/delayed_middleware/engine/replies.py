@@ -198,6 +198,17 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True)
+class RecoverResult:
+    """What one RECOVER call did (lua/recover.lua)."""
+
+    # The last stream id walked, '' once the sweep reached its end.
+    cursor: str
+    # Envelopes put back in the due index, and copies of cancelled or replaced messages deleted.
+    recovered: int
+    dropped: int
+
+
+@dataclass(frozen=True)
 class RefillItem:
     """One REFILL compare-and-set: the ids-hash key, the ref read, the next due ms (or purge/end) and its text."""
 

@@ -26,6 +26,7 @@ from delayed_middleware.engine.replies import (
     ClaimResult,
     FireResult,
     InFlight,
+    RecoverResult,
     RefillItem,
     ReleaseResult,
     ScheduleCall,
@@ -55,6 +56,7 @@ class EngineScripts:
         self._release = client.register_script(lua.RELEASE)
         self._uncancel = client.register_script(lua.UNCANCEL)
         self._compact = client.register_script(lua.COMPACT)
+        self._recover = client.register_script(lua.RECOVER)
         self._pause = client.register_script(lua.PAUSE)
 
     async def pause(
@@ -197,3 +199,13 @@ class EngineScripts:
         """COMPACT: re-home one stretch of the stream; the next cursor ('' once the pass ended)."""
         raw = await self._compact(keys=self._keys.script_keys, args=[cursor, end, chunk, budget_us])
         return text(raw[0])
+
+    async def recover(
+        self, cursor: str, end: str, *, chunk: int, budget_us: int, now: int | str, history_len: int
+    ) -> RecoverResult:
+        """RECOVER: walk one stretch of the stream, putting orphaned envelopes back in the index."""
+        k = self._keys
+        args: list[Any] = [k.buckets, cursor, end, chunk, budget_us, now, history_len, k.wake]
+        # The two-phase layout on every path: its claims hash says what is in flight (none on one node).
+        raw = await self._recover(keys=k.two_phase_keys, args=args)
+        return RecoverResult(text(raw[0]), int(raw[1]), int(raw[2]))
