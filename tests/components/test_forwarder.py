@@ -623,6 +623,44 @@ async def test_a_sidecar_answering_late_counts_each_call_and_dead_letters_withou
     assert timeouts == 3
 
 
+async def test_hand_offs_that_end_together_share_their_settles_and_reads(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """Each hand-off is its own task, but its Redis work is not one round trip each: hand-offs
+    answered together settle in one MULTI, and new entries are read many at a time. Every
+    message still goes out once, with its own history record."""
+    n = 400
+    for i in range(n):
+        add(redis_client, OutboxEntry("target", "orders", cloudevent("together", n=i), id=f"t-{i}"))
+    client = aioredis.Redis(port=redis_server.port)
+    config = ForwarderConfig(address=f"unix://{socket_path}", block_ms=200)
+    fwd = Forwarder(client, KEYS, SystemClock(), config, name="delayed")
+    async with late_sidecar_at(socket_path, "never-late", late_s=0) as sidecar:
+        redis_client.config_resetstat()
+        fwd.start()
+        try:
+
+            async def drained() -> bool:
+                return outbox_left(redis_client) == (0, 0)
+
+            await wait_for(drained, 60, "every hand-off to be settled")
+        finally:
+            await fwd.close()
+            await client.aclose()
+    stats = redis_client.info("commandstats")
+
+    def calls(command: str) -> int:
+        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    assert len(sidecar.calls) == n
+    assert len({data for _, data in sidecar.calls}) == n, "a message handed off twice"
+    records = history(redis_client)
+    assert sorted(r.id for r in records if r.event == "handedoff") == sorted(f"t-{i}" for i in range(n))
+    # One settle per MULTI and a read per freed slot would be n of each.
+    assert calls("exec") <= n // 3, f"{calls('exec')} MULTIs for {n} hand-offs"
+    assert calls("xreadgroup") <= n // 10, f"{calls('xreadgroup')} reads for {n} hand-offs"
+
+
 async def test_a_holder_stalled_past_the_takeover_time_does_not_publish_what_another_took_over(
     redis_server: RedisServer,
     redis_client: Any,
