@@ -69,7 +69,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -253,8 +253,8 @@ class Forwarder:
         # The hand-offs whose call is on its way (or being settled): close() lets them end.
         self._calling: set[asyncio.Task[Any]] = set()
         # Publish calls on the wire now (a settle lingers for theirs: _SettleBatcher).
-        self.in_calls = 0
-        self._settles = _SettleBatcher(self)
+        self._in_calls = 0
+        self._settles = _SettleBatcher(client, keys, config, clock, self._bounded, lambda: self._in_calls)
         self._gauge_at = -math.inf
         # When the sidecar stopped answering (loop time), for one warning per while.
         self._down_since: float | None = None
@@ -608,7 +608,7 @@ class Forwarder:
                         return
                     if task is not None:
                         self._calling.add(task)
-                    self.in_calls += 1
+                    self._in_calls += 1
                     try:
                         await self._publish(job)
                     except SidecarUnavailableError as e:
@@ -616,7 +616,7 @@ class Forwarder:
                     else:
                         failed = None
                     finally:
-                        self.in_calls -= 1
+                        self._in_calls -= 1
                 if failed is None:
                     self._sidecar_answered()
                     await self._after_publish(job)
@@ -904,19 +904,40 @@ class _SettleBatcher:
     A settle is queued and a flush task started if none runs: it goes out once
     the loop has run what was ready, after _SETTLE_LINGER_S while other calls
     are in flight (the hand-offs whose calls come back meanwhile queue theirs).
-    Settles queued while a MULTI is on the wire go out together right after it. One MULTI holds every record's
-    history append, one age trim, one XACK and one XDEL of all the ids: a
-    transaction, so all of it lands or (a connection lost, a timeout) none is
-    known to have, and then every settle of the batch fails as a single settle
-    would: its entries stay pending under our name and are retried.
+    Settles queued while a MULTI is on the wire go out together right after it.
+    One MULTI holds every record's history append, one age trim, one XACK and
+    one XDEL of all the ids. When it fails (an error reply, the connection
+    lost, the Redis timeout) every settle in it fails, as a single settle would
+    have: the hand-off ends "interrupted" and its entries stay pending under
+    our name, retried one attempt higher after their backoff.
     """
 
-    def __init__(self, forwarder: Forwarder) -> None:
-        self._f = forwarder
+    def __init__(
+        self,
+        client: RedisClient,
+        keys: EngineKeys,
+        config: ForwarderConfig,
+        clock: Clock,
+        bounded: Callable[[Awaitable[Any]], Awaitable[Any]],
+        calls_in_flight: Callable[[], int],
+    ) -> None:
+        self._redis = client
+        self._keys = keys
+        self._group = config.group
+        self._history = config.history
         # Every record but the last of a MULTI is appended without the age trim: one does for all.
-        self._untrimmed = replace(forwarder.config.history, max_age_ms=0)
+        self._untrimmed = replace(config.history, max_age_ms=0)
+        self._linger_below = config.concurrency
+        self._clock = clock
+        self._bounded = bounded
+        self._calls_in_flight = calls_in_flight
         self._queue: list[tuple[Sequence[str], Mapping[str, str] | None, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+
+    @property
+    def flusher(self) -> asyncio.Task[None] | None:
+        """The flush under way, if any."""
+        return self._flusher
 
     async def settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -931,10 +952,10 @@ class _SettleBatcher:
         batch: list[tuple[Sequence[str], Mapping[str, str] | None, asyncio.Future[None]]] = []
         try:
             while self._queue:
-                if self._f.in_calls and len(self._queue) < self._f.config.concurrency:
+                if self._calls_in_flight() and len(self._queue) < self._linger_below:
                     await asyncio.sleep(_SETTLE_LINGER_S)
                 batch, self._queue = self._queue, []
-                failed: BaseException | None = None
+                failed: Exception | None = None
                 try:
                     await self._write(batch)
                 except Exception as e:
@@ -958,23 +979,17 @@ class _SettleBatcher:
             self._flusher = None
 
     async def _write(self, batch: Sequence[tuple[Sequence[str], Mapping[str, str] | None, Any]]) -> None:
-        f = self._f
-        keys, history = f.keys, f.config.history
-        pipe: Any = f._redis.pipeline(transaction=True)
+        pipe: Any = self._redis.pipeline(transaction=True)
         records = [record for _, record, _ in batch if record is not None]
-        now_ms = f._clock.now_ms()
+        now_ms = self._clock.now_ms()
         for n, record in enumerate(records):
-            (history if n == len(records) - 1 else self._untrimmed).append(pipe, keys.history, record, now_ms)
+            retention = self._history if n == len(records) - 1 else self._untrimmed
+            retention.append(pipe, self._keys.history, record, now_ms)
         ids = [i for entry_ids, _, _ in batch for i in entry_ids]
-        pipe.xack(keys.outbox, f.config.group, *ids)
+        pipe.xack(self._keys.outbox, self._group, *ids)
         # Done: the history keeps the record, the outbox keeps only what waits.
-        pipe.xdel(keys.outbox, *ids)
-        await f._bounded(pipe.execute())
-
-    @property
-    def flusher(self) -> asyncio.Task[None] | None:
-        """The flush under way, if any."""
-        return self._flusher
+        pipe.xdel(self._keys.outbox, *ids)
+        await self._bounded(pipe.execute())
 
 
 def _consumer_of(stream: str) -> str:
