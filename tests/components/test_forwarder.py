@@ -11,6 +11,7 @@ proven on its own; the publish -> fire -> outbox path is the engine's test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import time
@@ -30,6 +31,8 @@ import redis.asyncio.cluster as acluster
 from dapr.proto.runtime.v1 import dapr_pb2_grpc
 from google.protobuf import empty_pb2
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import dead_letter_topics_key
@@ -48,8 +51,8 @@ from delayed_pubsub.forwarder import (
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
-from tests.chaos.proxy import DelayingProxy
-from tests.components.conftest import FAST
+from tests.chaos.proxy import DelayingProxy, Pump, _Proxy
+from tests.components.conftest import FAST, running
 from tests.components.driver import Component, cli, cluster_conn
 from tests.conftest import small_stream_nodes
 from tests.e2e import harness
@@ -659,6 +662,76 @@ async def test_hand_offs_that_end_together_share_their_settles_and_reads(
     # One settle per MULTI and a read per freed slot would be n of each.
     assert calls("exec") <= n // 3, f"{calls('exec')} MULTIs for {n} hand-offs"
     assert calls("xreadgroup") <= n // 10, f"{calls('xreadgroup')} reads for {n} hand-offs"
+
+
+class _CutsTheFirstSettle(_Proxy):
+    """Forwards to Redis, except the first client->Redis chunk naming XACK once armed: that
+    connection is closed with the chunk unsent, so the MULTI in it never runs."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self.armed = False
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                if self.armed and b"XACK" in data:
+                    self.armed = False
+                    return
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                client_w.write(data)
+                await client_w.drain()
+
+        return upstream, downstream
+
+
+async def test_a_shared_settle_that_fails_leaves_each_of_its_hand_offs_pending_and_retried(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """Hand-offs answered together share one MULTI; when it never reaches Redis each of them
+    fails as its own settle would: its entry stays pending under the forwarder's name and is
+    handed off again after its backoff (at least once), never lost, then settled once."""
+    n = 60
+    for i in range(n):
+        add(redis_client, OutboxEntry("target", "orders", cloudevent("cut", n=i), id=f"c-{i}"))
+    async with running(_CutsTheFirstSettle(redis_server.port)) as proxy:
+        # No command retry, as the component's own clients: the cut fails the MULTI.
+        client = aioredis.Redis(port=proxy.port, retry=Retry(NoBackoff(), 0))
+        policy = HandOffPolicy(max_attempts=5, base_s=0.2, cap_s=0.5)
+        config = ForwarderConfig(address=f"unix://{socket_path}", policy=policy, block_ms=200)
+        fwd = Forwarder(client, KEYS, SystemClock(), config, name="delayed")
+        async with late_sidecar_at(socket_path, "never-late", late_s=0) as sidecar:
+            proxy.armed = True
+            fwd.start()
+            try:
+
+                async def drained() -> bool:
+                    return outbox_left(redis_client) == (0, 0)
+
+                await wait_for(drained, 30, "every hand-off to be settled")
+            finally:
+                await fwd.close()
+                await client.aclose()
+    assert not proxy.armed, "no settle was cut"
+    per_message = collections.Counter(data for _, data in sidecar.calls)
+    assert len(per_message) == n, "a message lost"
+    twice = [data for data, count in per_message.items() if count == 2]
+    # Every hand-off of the cut MULTI went out again; no other did.
+    assert len(twice) >= 2, f"{len(twice)} handed off again: the cut MULTI held fewer than 2 settles"
+    assert set(per_message.values()) <= {1, 2}
+    records = [r for r in history(redis_client) if r.event == "handedoff"]
+    assert sorted(r.id for r in records) == sorted(f"c-{i}" for i in range(n))
+    assert sorted(r.attempt for r in records).count(2) == len(twice)
 
 
 async def test_a_holder_stalled_past_the_takeover_time_does_not_publish_what_another_took_over(
