@@ -52,7 +52,7 @@ from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
 from tests.chaos.proxy import DelayingProxy, Pump, _Proxy
-from tests.components.conftest import FAST, running
+from tests.components.conftest import FAST
 from tests.components.driver import Component, cli, cluster_conn
 from tests.conftest import small_stream_nodes
 from tests.e2e import harness
@@ -704,8 +704,10 @@ async def test_a_shared_settle_that_fails_leaves_each_of_its_hand_offs_pending_a
     n = 60
     for i in range(n):
         add(redis_client, OutboxEntry("target", "orders", cloudevent("cut", n=i), id=f"c-{i}"))
-    async with running(_CutsTheFirstSettle(redis_server.port)) as proxy:
-        # No command retry, as the component's own clients: the cut fails the MULTI.
+    proxy = _CutsTheFirstSettle(redis_server.port)
+    await proxy.start()
+    try:
+        # No command sent twice, as the component's node clients: the cut fails the MULTI.
         client = aioredis.Redis(port=proxy.port, retry=Retry(NoBackoff(), 0))
         policy = HandOffPolicy(max_attempts=5, base_s=0.2, cap_s=0.5)
         config = ForwarderConfig(address=f"unix://{socket_path}", policy=policy, block_ms=200)
@@ -722,6 +724,8 @@ async def test_a_shared_settle_that_fails_leaves_each_of_its_hand_offs_pending_a
             finally:
                 await fwd.close()
                 await client.aclose()
+    finally:
+        await proxy.stop()
     assert not proxy.armed, "no settle was cut"
     per_message = collections.Counter(data for _, data in sidecar.calls)
     assert len(per_message) == n, "a message lost"
