@@ -34,6 +34,10 @@ Delivery guarantees
 - Each hand-off is its own task (up to `batch_size` entries held, `concurrency`
   calls at once): a slow call holds up only its own entries, the reading of
   new entries and the others' calls go on.
+- Only the Redis side is shared: hand-offs that end in the same moment settle
+  in one MULTI (_SettleBatcher; each still learns whether its own settle
+  landed), and new entries are read a useful number at a time, not one per
+  freed slot (see step()).
 - Refused by daprd or the target (unknown pub/sub, broker error): a counted
   attempt. The entry stays pending and is retried with backoff (the attempt
   number is the entry's delivery count in Redis, so it survives restarts);
@@ -65,8 +69,8 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import grpc
@@ -107,6 +111,13 @@ _DOWN_LOG_EVERY_S: Final = 10.0
 # cut off may still be carried out by daprd while its entry stays pending, and whoever takes
 # it over after the takeover time publishes it a second time.
 _CLOSE_GRACE_S: Final = 2.5
+# The handoff_pending gauge (an XLEN) is refreshed at most this often: a step can
+# run every few milliseconds under load, and a gauge is scraped every few seconds.
+_GAUGE_EVERY_S: Final = 0.5
+# While other calls are in flight, a settle waits this long for theirs to share its MULTI
+# (grpc.aio hands back about one answer per loop pass: without it most MULTIs held one or
+# two settles). It only delays the XACK of an entry daprd already took.
+_SETTLE_LINGER_S: Final = 0.002
 
 
 def resolve_dapr_address(configured: str, env: Mapping[str, str]) -> str:
@@ -171,6 +182,8 @@ class _Job:
     entries: list[OutboxEntry]
     attempt: int
     confirmed: float = 0.0
+    # Every id the job was read with (ids shrinks as entries expire or are lost).
+    read: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (stream id, why)
     # Entries the keeper found taken over (or gone): never published from here.
     lost: set[str] = field(default_factory=set)
@@ -232,9 +245,17 @@ class Forwarder:
         self._held: dict[str, _Job] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
+        # A read waits for this much room, as long as `concurrency` hand-offs are held (see step()).
+        self._min_room = max(1, config.batch_size // 4)
+        # Hand-offs (jobs) held: a bulk's entries are one.
+        self._jobs_held = 0
         self._calls = asyncio.Semaphore(config.concurrency)
         # The hand-offs whose call is on its way (or being settled): close() lets them end.
         self._calling: set[asyncio.Task[Any]] = set()
+        # Publish calls on the wire now (a settle lingers for theirs: _SettleBatcher).
+        self._in_calls = 0
+        self._settles = _SettleBatcher(client, keys, config, clock, self._bounded, lambda: self._in_calls)
+        self._gauge_at = -math.inf
         # When the sidecar stopped answering (loop time), for one warning per while.
         self._down_since: float | None = None
         self._down_logged = 0.0
@@ -350,8 +371,14 @@ class Forwarder:
                 tasks = [keeper, *self._tasks]
                 for t in tasks:
                     t.cancel()
-                # Each ends at its next await; none may hold up the stop.
-                await asyncio.wait(tasks, timeout=5)
+                # Each ends at its next await; none may hold up the stop. The settles under
+                # way or queued go out (the calls they follow were accepted), within the same bound.
+                flushing = self._settles.flusher
+                await asyncio.wait([*tasks, *([flushing] if flushing else [])], timeout=5)
+                flushing = self._settles.flusher
+                if flushing is not None:
+                    flushing.cancel()
+                    await asyncio.wait([flushing])
 
     async def step(self) -> int:
         """One round: start what is due for a retry, then new entries, each as its own
@@ -362,12 +389,20 @@ class Forwarder:
         # Cleared before looking: a hand-off that ends from here on wakes the wait.
         self._room.clear()
         room = self._config.batch_size - len(self._held)
-        if room <= 0:
+        if not self._worth_reading():
+            # Under load slots free one at a time; a read (and a claim pass) per freed
+            # slot cost two Redis calls per hand-off. A read waits for a quarter of
+            # batch_size to be free only while at least `concurrency` hand-offs are held:
+            # every call slot has a hand-off to carry, so the wait delays no call (a new
+            # entry would queue behind the held ones for a slot anyway). Bounded by
+            # block_ms, as the blocking read is.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._config.block_ms / 1000):
                     await self._room.wait()
-            await self._report_waiting()
-            return 0
+            room = self._config.batch_size - len(self._held)
+            if room <= 0:
+                await self._report_waiting()
+                return 0
         started = await self._start(*await self._claim_retries(room))
         room = self._config.batch_size - len(self._held)
         if room > 0:
@@ -388,9 +423,18 @@ class Forwarder:
         await self._report_waiting()
         return started
 
+    def _worth_reading(self) -> bool:
+        room = self._config.batch_size - len(self._held)
+        return room >= self._min_room or (room > 0 and self._jobs_held < self._config.concurrency)
+
     async def _report_waiting(self) -> None:
-        """Set the handoff_pending gauge: what waits in the outbox (read or not; settled entries are deleted)."""
-        if self._metrics is not None:
+        """Set the handoff_pending gauge: what waits in the outbox (read or not; settled entries are deleted).
+
+        At most every _GAUGE_EVERY_S; an idle forwarder's step runs every block_ms, so
+        the gauge is never older than about max(block_ms, _GAUGE_EVERY_S)."""
+        now = asyncio.get_running_loop().time()
+        if self._metrics is not None and now - self._gauge_at >= _GAUGE_EVERY_S:
+            self._gauge_at = now
             waiting = await self._bounded(self._redis.xlen(self._keys.outbox))
             self._metrics.pending.labels(self._name).set(waiting)
 
@@ -497,18 +541,14 @@ class Forwarder:
                     j.confirmed = max(j.confirmed, asked)
 
     async def _settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
-        """XACK + XDEL the entries and write their history record, in one MULTI.
+        """XACK + XDEL the entries and write their history record, in one MULTI (shared
+        with the settles of other hand-offs that end in the same moment: _SettleBatcher).
 
-        Every key here carries the outbox's hash tag (one slot on Redis Cluster);
-        anything in another slot (a dead letter) is written before, on its own.
+        Returns once that MULTI is done; raises as it did. Every key here carries the
+        outbox's hash tag (one slot on Redis Cluster); anything in another slot (a
+        dead letter) is written before, on its own.
         """
-        pipe: Any = self._redis.pipeline(transaction=True)
-        if record is not None:
-            self._config.history.append(pipe, self._keys.history, record, self._clock.now_ms())
-        pipe.xack(self._keys.outbox, self._config.group, *ids)
-        # Done: the history keeps the record, the outbox keeps only what waits.
-        pipe.xdel(self._keys.outbox, *ids)
-        await self._bounded(pipe.execute())
+        await self._settles.settle(ids, record)
 
     def _record(self, event: str, job: _Job, ids: Sequence[str], reason: str = "") -> dict[str, str]:
         head = job.head
@@ -540,8 +580,10 @@ class Forwarder:
         jobs = await self._jobs(rows)
         for job in jobs:
             job.confirmed = asked
+            job.read = list(job.ids)
             for i in job.ids:
                 self._held[i] = job
+            self._jobs_held += 1
             task = asyncio.create_task(self._carry(job))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -566,12 +608,15 @@ class Forwarder:
                         return
                     if task is not None:
                         self._calling.add(task)
+                    self._in_calls += 1
                     try:
                         await self._publish(job)
                     except SidecarUnavailableError as e:
                         failed: SidecarUnavailableError | None = e
                     else:
                         failed = None
+                    finally:
+                        self._in_calls -= 1
                 if failed is None:
                     self._sidecar_answered()
                     await self._after_publish(job)
@@ -594,9 +639,13 @@ class Forwarder:
 
     def _release(self, job: _Job) -> None:
         # Every id the job was read with (some may have expired or been lost since).
-        for i in [i for i, j in self._held.items() if j is job]:
-            del self._held[i]
-        self._room.set()
+        for i in job.read:
+            if self._held.get(i) is job:
+                del self._held[i]
+        self._jobs_held -= 1
+        # Wakes a step waiting for room only once a read is worth it (see step()).
+        if self._worth_reading():
+            self._room.set()
 
     async def _still_ours(self, job: _Job) -> bool:
         """Whether anything of `job` is still ours to publish; drops what is not.
@@ -847,6 +896,100 @@ class Forwarder:
         await self._settle([entry_id], record)
         if self._metrics is not None:
             self._metrics.dead_lettered.labels(self._name).inc()
+
+
+class _SettleBatcher:
+    """Settles the hand-offs that end in the same moment in one MULTI.
+
+    A settle is queued and a flush task started if none runs: it goes out once
+    the loop has run what was ready, after _SETTLE_LINGER_S while other calls
+    are in flight (the hand-offs whose calls come back meanwhile queue theirs).
+    Settles queued while a MULTI is on the wire go out together right after it.
+    One MULTI holds every record's history append, one age trim, one XACK and
+    one XDEL of all the ids. When it fails (an error reply, the connection
+    lost, the Redis timeout) every settle in it fails, as a single settle would
+    have: the hand-off ends "interrupted" and its entries stay pending under
+    our name, retried one attempt higher after their backoff.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        keys: EngineKeys,
+        config: ForwarderConfig,
+        clock: Clock,
+        bounded: Callable[[Awaitable[Any]], Awaitable[Any]],
+        calls_in_flight: Callable[[], int],
+    ) -> None:
+        self._redis = client
+        self._keys = keys
+        self._group = config.group
+        self._history = config.history
+        # Every record but the last of a MULTI is appended without the age trim: one does for all.
+        self._untrimmed = replace(config.history, max_age_ms=0)
+        self._linger_below = config.concurrency
+        self._clock = clock
+        self._bounded = bounded
+        self._calls_in_flight = calls_in_flight
+        self._queue: list[tuple[Sequence[str], Mapping[str, str] | None, asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    @property
+    def flusher(self) -> asyncio.Task[None] | None:
+        """The flush under way, if any."""
+        return self._flusher
+
+    async def settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((ids, record, future))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush(), name="forwarder settles")
+        # Cancelled (the forwarder closing): the settle still goes out with its batch;
+        # an entry daprd took is better settled than handed off again.
+        await future
+
+    async def _flush(self) -> None:
+        batch: list[tuple[Sequence[str], Mapping[str, str] | None, asyncio.Future[None]]] = []
+        try:
+            while self._queue:
+                if self._calls_in_flight() and len(self._queue) < self._linger_below:
+                    await asyncio.sleep(_SETTLE_LINGER_S)
+                batch, self._queue = self._queue, []
+                failed: Exception | None = None
+                try:
+                    await self._write(batch)
+                except Exception as e:
+                    failed = e
+                for *_, future in batch:
+                    if future.done():
+                        continue
+                    if failed is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(failed)
+                batch = []
+        except asyncio.CancelledError:
+            # Stopped with settles on the wire or queued: whether they landed is not known;
+            # their entries stay pending (at least once).
+            for *_, future in [*batch, *self._queue]:
+                future.cancel()
+            self._queue = []
+            raise
+        finally:
+            self._flusher = None
+
+    async def _write(self, batch: Sequence[tuple[Sequence[str], Mapping[str, str] | None, Any]]) -> None:
+        pipe: Any = self._redis.pipeline(transaction=True)
+        records = [record for _, record, _ in batch if record is not None]
+        now_ms = self._clock.now_ms()
+        for n, record in enumerate(records):
+            retention = self._history if n == len(records) - 1 else self._untrimmed
+            retention.append(pipe, self._keys.history, record, now_ms)
+        ids = [i for entry_ids, _, _ in batch for i in entry_ids]
+        pipe.xack(self._keys.outbox, self._group, *ids)
+        # Done: the history keeps the record, the outbox keeps only what waits.
+        pipe.xdel(self._keys.outbox, *ids)
+        await self._bounded(pipe.execute())
 
 
 def _consumer_of(stream: str) -> str:

@@ -11,6 +11,7 @@ proven on its own; the publish -> fire -> outbox path is the engine's test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import time
@@ -30,6 +31,8 @@ import redis.asyncio.cluster as acluster
 from dapr.proto.runtime.v1 import dapr_pb2_grpc
 from google.protobuf import empty_pb2
 from prometheus_client import CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import dead_letter_topics_key
@@ -48,7 +51,7 @@ from delayed_pubsub.forwarder import (
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import parse_settings
-from tests.chaos.proxy import DelayingProxy
+from tests.chaos.proxy import DelayingProxy, Pump, _Proxy
 from tests.components.conftest import FAST
 from tests.components.driver import Component, cli, cluster_conn
 from tests.conftest import small_stream_nodes
@@ -621,6 +624,118 @@ async def test_a_sidecar_answering_late_counts_each_call_and_dead_letters_withou
         "delayed_pubsub_handoff_failures_total", {"instance": "delayed", "reason": "timeout"}
     )
     assert timeouts == 3
+
+
+async def test_hand_offs_that_end_together_share_their_settles_and_reads(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """Each hand-off is its own task, but its Redis work is not one round trip each: hand-offs
+    answered together settle in one MULTI, and new entries are read many at a time. Every
+    message still goes out once, with its own history record."""
+    n = 400
+    for i in range(n):
+        add(redis_client, OutboxEntry("target", "orders", cloudevent("together", n=i), id=f"t-{i}"))
+    client = aioredis.Redis(port=redis_server.port)
+    config = ForwarderConfig(address=f"unix://{socket_path}", block_ms=200)
+    fwd = Forwarder(client, KEYS, SystemClock(), config, name="delayed")
+    async with late_sidecar_at(socket_path, "never-late", late_s=0) as sidecar:
+        redis_client.config_resetstat()
+        fwd.start()
+        try:
+
+            async def drained() -> bool:
+                return outbox_left(redis_client) == (0, 0)
+
+            await wait_for(drained, 60, "every hand-off to be settled")
+        finally:
+            await fwd.close()
+            await client.aclose()
+    stats = redis_client.info("commandstats")
+
+    def calls(command: str) -> int:
+        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    assert len(sidecar.calls) == n
+    assert len({data for _, data in sidecar.calls}) == n, "a message handed off twice"
+    records = history(redis_client)
+    assert sorted(r.id for r in records if r.event == "handedoff") == sorted(f"t-{i}" for i in range(n))
+    # One settle per MULTI and a read per freed slot would be n of each.
+    assert calls("exec") <= n // 3, f"{calls('exec')} MULTIs for {n} hand-offs"
+    assert calls("xreadgroup") <= n // 10, f"{calls('xreadgroup')} reads for {n} hand-offs"
+
+
+class _CutsTheFirstSettle(_Proxy):
+    """Forwards to Redis, except the first client->Redis chunk naming XACK once armed: that
+    connection is closed with the chunk unsent, so the MULTI in it never runs."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self.armed = False
+
+    def _pumps(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        redis_r: asyncio.StreamReader,
+        redis_w: asyncio.StreamWriter,
+    ) -> tuple[Pump, Pump]:
+        async def upstream() -> None:
+            while data := await client_r.read(65536):
+                if self.armed and b"XACK" in data:
+                    self.armed = False
+                    return
+                redis_w.write(data)
+                await redis_w.drain()
+
+        async def downstream() -> None:
+            while data := await redis_r.read(65536):
+                client_w.write(data)
+                await client_w.drain()
+
+        return upstream, downstream
+
+
+async def test_a_shared_settle_that_fails_leaves_each_of_its_hand_offs_pending_and_retried(
+    redis_server: RedisServer, redis_client: Any, socket_path: Path
+) -> None:
+    """Hand-offs answered together share one MULTI; when it never reaches Redis each of them
+    fails as its own settle would: its entry stays pending under the forwarder's name and is
+    handed off again after its backoff (at least once), never lost, then settled once."""
+    n = 60
+    for i in range(n):
+        add(redis_client, OutboxEntry("target", "orders", cloudevent("cut", n=i), id=f"c-{i}"))
+    proxy = _CutsTheFirstSettle(redis_server.port)
+    await proxy.start()
+    try:
+        # No command sent twice, as the component's node clients: the cut fails the MULTI.
+        client = aioredis.Redis(port=proxy.port, retry=Retry(NoBackoff(), 0))
+        policy = HandOffPolicy(max_attempts=5, base_s=0.2, cap_s=0.5)
+        config = ForwarderConfig(address=f"unix://{socket_path}", policy=policy, block_ms=200)
+        fwd = Forwarder(client, KEYS, SystemClock(), config, name="delayed")
+        async with late_sidecar_at(socket_path, "never-late", late_s=0) as sidecar:
+            proxy.armed = True
+            fwd.start()
+            try:
+
+                async def drained() -> bool:
+                    return outbox_left(redis_client) == (0, 0)
+
+                await wait_for(drained, 30, "every hand-off to be settled")
+            finally:
+                await fwd.close()
+                await client.aclose()
+    finally:
+        await proxy.stop()
+    assert not proxy.armed, "no settle was cut"
+    per_message = collections.Counter(data for _, data in sidecar.calls)
+    assert len(per_message) == n, "a message lost"
+    twice = [data for data, count in per_message.items() if count == 2]
+    # Every hand-off of the cut MULTI went out again; no other did.
+    assert len(twice) >= 2, f"{len(twice)} handed off again: the cut MULTI held fewer than 2 settles"
+    assert set(per_message.values()) <= {1, 2}
+    records = [r for r in history(redis_client) if r.event == "handedoff"]
+    assert sorted(r.id for r in records) == sorted(f"c-{i}" for i in range(n))
+    assert sorted(r.attempt for r in records).count(2) == len(twice)
 
 
 async def test_a_holder_stalled_past_the_takeover_time_does_not_publish_what_another_took_over(
