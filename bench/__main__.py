@@ -82,6 +82,11 @@ BENCHES: tuple[Bench, ...] = (
         ("--handoffs", "3000", "--runs", "1"),
     ),
     Bench(
+        "recover",
+        "the start-up recovery sweep of one shard: nothing to recover, and 1 envelope in 10 orphaned",
+        ("--pending", "20000"),
+    ),
+    Bench(
         "retry_idle",
         "the retry pollers' CPU in the gRPC process at idle, with vs without a retry policy",
         why_opt_in="a minute of idle time, measured, per run",
@@ -141,6 +146,11 @@ BENCHES: tuple[Bench, ...] = (
         "fastpath",
         "ours, the built-in pubsub.redis and the fast path through one daprd",
         why_opt_in="needs daprd and ghz",
+    ),
+    Bench(
+        "serve_memory",
+        "RSS of serve and its workers, idle and under delayed publishes through daprd (app.yaml's sizing)",
+        why_opt_in="needs daprd; about 3 minutes",
     ),
     Bench(
         "restart",
