@@ -548,3 +548,14 @@ def stream_entries(
     """XRANGE key - + as (id, fields): redis-py's own return type is too loose to use."""
     raw = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(key))
     return [(i.decode(), f) for i, f in raw]
+
+
+def start_mtls_redis_with_user(workdir: Path, tls: TlsFiles, password: str) -> TlsRedisServer:
+    """A started redis-server that demands client certificates and knows the ACL user `app`
+    with `password`; the default user stays open for readiness probes and the tests' checks."""
+    conf = workdir / "acl.conf"
+    conf.write_text(f"user app on >{password} ~* &* +@all\n")
+    server = TlsRedisServer(workdir, tls, auth_clients="yes", config_file=conf)
+    server.start()
+    return server
+

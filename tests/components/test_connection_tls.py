@@ -21,7 +21,7 @@ import pytest
 from delayed_pubsub.connection import connect
 from delayed_pubsub.settings import parse_settings
 from tests.components.driver import Component
-from tests.redis_server import TlsFiles, TlsRedisServer, make_tls_files
+from tests.redis_server import TlsFiles, TlsRedisServer, make_tls_files, start_mtls_redis_with_user
 
 Factory = Callable[[str], Component]
 PASSWORD = "tls-pw-5e1"
@@ -52,13 +52,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def mtls_redis(tls: TlsFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedisServer]:
-    # The component signs in as the ACL user `app` with its password; the
-    # default user stays open for the fixture's readiness probe and checks.
-    workdir = tmp_path_factory.mktemp("mtls-redis")
-    conf = workdir / "acl.conf"
-    conf.write_text(f"user app on >{PASSWORD} ~* &* +@all\n")
-    server = TlsRedisServer(workdir, tls, auth_clients="yes", config_file=conf)
-    server.start()
+    server = start_mtls_redis_with_user(tmp_path_factory.mktemp("mtls-redis"), tls, PASSWORD)
     yield server
     server.stop()
 

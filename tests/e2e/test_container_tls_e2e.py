@@ -22,7 +22,7 @@ from tests.components.driver import Component
 from tests.e2e import harness, test_container_e2e
 from tests.e2e.harness import ManagedProcess, unique
 from tests.e2e.test_container_e2e import SOCKETS_FOLDER, manifest_args, podman
-from tests.redis_server import TlsFiles, TlsRedisServer, free_port, make_tls_files
+from tests.redis_server import TlsFiles, TlsRedisServer, free_port, make_tls_files, start_mtls_redis_with_user
 
 pytestmark = pytest.mark.e2e
 
@@ -42,11 +42,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def mtls_redis(tls: TlsFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedisServer]:
-    workdir = tmp_path_factory.mktemp("pod-mtls-redis")
-    conf = workdir / "acl.conf"
-    conf.write_text(f"user app on >{PASSWORD} ~* &* +@all\n")
-    server = TlsRedisServer(workdir, tls, auth_clients="yes", config_file=conf)
-    server.start()
+    server = start_mtls_redis_with_user(tmp_path_factory.mktemp("pod-mtls-redis"), tls, PASSWORD)
     yield server
     server.stop()
 
