@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
+from delayed_middleware.storage_format import client_name
 from delayed_pubsub.connection import connect
 from delayed_pubsub.settings import parse_settings
 from tests.components.driver import Component
@@ -107,7 +108,7 @@ async def test_client_certificate_from_metadata_works_with_nowhere_to_write(
     ]
     assert outside == []
     admin = mtls_redis.client()
-    users = {cl["user"] for cl in admin.client_list() if cl["name"].startswith("delayed-pubsub:a")}
+    users = {cl["user"] for cl in admin.client_list() if cl["name"].startswith(client_name("a"))}
     admin.close()
     assert users == {"app"}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from delayed_middleware.storage_format import client_name
 from tests.components.driver import Component
 from tests.e2e import harness, test_container_e2e
 from tests.e2e.harness import ManagedProcess, unique
@@ -128,7 +129,7 @@ async def test_mtls_with_a_password_works_from_the_read_only_container(
         await stream.ack(msg.id)
     assert msg.data == b"over-mtls"
     admin = mtls_redis.client()
-    users = {cl["user"] for cl in admin.client_list() if cl["name"].startswith("delayed-pubsub:pod")}
+    users = {cl["user"] for cl in admin.client_list() if cl["name"].startswith(client_name("pod"))}
     admin.close()
     assert users == {"app"}
 
