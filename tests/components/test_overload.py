@@ -215,7 +215,7 @@ def serve_process() -> Iterator[Serve]:
 
 
 @pytest.mark.slow
-async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_or_resource_exhausted_and_every_ok_is_delivered_once(
+async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_resource_exhausted_or_a_refused_stream_and_every_ok_is_delivered_once(
     serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
 ) -> None:
     props = {
@@ -251,8 +251,15 @@ async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_or_resource_ex
     print(
         f"sustainable {sustainable.rps:.0f}/s, offered {rate:.0f}/s, got {overload.rps:.0f}/s: {overload.codes}, slowest Ping {max(pings):.3f} s"
     )
-    assert set(overload.codes) == {"OK", "ResourceExhausted"}, overload.errors
-    assert all("maxInflightPublishes" in e for e in overload.errors), overload.errors
+    # Admission control refuses the excess (RESOURCE_EXHAUSTED naming maxInflightPublishes). 500
+    # callers sit near the connection's stream limit (MAX_CONCURRENT_STREAMS, 512), and a stream
+    # the server has not yet seen closed still counts, so a new one may be refused by gRPC itself
+    # (REFUSED_STREAM: UNAVAILABLE, nothing read). Neither stores anything: checked below.
+    assert "OK" in overload.codes and "ResourceExhausted" in overload.codes, overload.codes
+    assert set(overload.codes) <= {"OK", "ResourceExhausted", "Unavailable"}, overload.errors
+    refused = [e for e in overload.errors if "maxInflightPublishes" not in e]
+    assert all("Unavailable" in e for e in refused), refused[:5]
+    assert overload.codes.get("Unavailable", 0) <= overload.codes["ResourceExhausted"], overload.codes
     ok = overload.codes["OK"]
     await wait_until(lambda: redis_client.xlen("orders") >= ok, f"{ok} delivered", within_s=60)
     await asyncio.sleep(1.5)  # anything fired twice, or a refused one fired, would land by now
