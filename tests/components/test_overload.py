@@ -255,7 +255,8 @@ async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_resource_exhau
     # callers sit near the connection's stream limit (MAX_CONCURRENT_STREAMS, 512), and a stream
     # the server has not yet seen closed still counts, so a new one may be refused by gRPC itself
     # (REFUSED_STREAM: UNAVAILABLE, nothing read). Neither stores anything: checked below.
-    assert "OK" in overload.codes and "ResourceExhausted" in overload.codes, overload.codes
+    assert "OK" in overload.codes, overload.codes
+    assert "ResourceExhausted" in overload.codes, overload.codes
     assert set(overload.codes) <= {"OK", "ResourceExhausted", "Unavailable"}, overload.errors
     refused = [e for e in overload.errors if "maxInflightPublishes" not in e]
     assert all("Unavailable" in e for e in refused), refused[:5]
