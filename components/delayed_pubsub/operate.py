@@ -485,13 +485,13 @@ async def _pending(
         zone_name, local = _in_zone(m.schedule, m.due_ms)
         in_zone = (f"{local} {zone_name}" if zone_name else "",) if zoned else ()
         due = display_instant(m.due_ms)
-        table.add_row(m.id, topic, due, *in_zone, _kind(m), str(m.size), str(m.attempts))
+        _add_text_row(table, m.id, topic, due, *in_zone, _kind(m), str(m.size), str(m.attempts))
     out.print(table)
     counts = Table(box=box.SIMPLE, title="pending per topic")
     counts.add_column("topic")
     counts.add_column("pending", justify="right")
     for topic, n in sorted(report.counts.items()):
-        counts.add_row(topic, str(n))
+        _add_text_row(counts, topic, str(n))
     counts.add_row("total", str(report.matched))
     out.print(counts)
     if len(report.messages) < report.matched:
@@ -678,7 +678,8 @@ async def _dead(
     for column in ("dead-letter topic", "id", "from topic", "attempts", "at", "size", "reason"):
         table.add_column(column, overflow="fold")
     for d in letters:
-        table.add_row(
+        _add_text_row(
+            table,
             d.dead_letter_topic,
             d.stream_id,
             # A hand-off's: the pub/sub and topic it was bound for.
@@ -759,15 +760,19 @@ async def retry_dead_letters(
     return [(d, *done.get(id(d), (NO_SOURCE, ""))) for d in letters]
 
 
+def _add_text_row(table: Table, *cells: str) -> None:
+    """A row shown as written: Text, not markup (a reason such as "[link=…]"), and escape
+    sequences escaped (topics, ids and reasons are other people's text)."""
+    table.add_row(*(Text(printable(c)) for c in cells))
+
+
 def _history_table(records: Sequence[hist.HistoryRecord], title: str) -> Table:
     table = Table(box=box.SIMPLE, title=title)
     for column in ("at", "event", "id", "topic", "kind", "due", "attempt", "reason"):
         table.add_column(column, overflow="fold")
     for r in records:
         at, due = display_instant(r.at_ms), display_instant(r.due_ms)
-        cells = (at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason)
-        # Text, not markup: a reason such as "[link=…]" is shown as written.
-        table.add_row(*(Text(printable(c)) for c in cells))
+        _add_text_row(table, at, r.event, r.id, r.topic, r.kind, due, str(r.attempt), r.reason)
     return table
 
 

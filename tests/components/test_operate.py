@@ -185,6 +185,31 @@ async def test_dead_then_retry_dead_delivers_again(
     assert "0 dead letters" in (await cli("dead", *conn)).out
 
 
+async def test_dead_and_pending_show_a_hostile_reason_and_topic_as_text(
+    component: Factory, props: dict[str, str], conn: list[str]
+) -> None:
+    # A nack's reason is an app's error text, a topic anyone's name: neither may drive the
+    # operator's terminal (escape sequences) or rich's markup ("[link=…]"), as in `history`.
+    hostile = "\x1b]0;owned\x07\x1b[2J[bold]loud[/bold]"
+    c = component("delayed")
+    await c.init(
+        {**props, "maxDeliveryAttempts": "1", "deadLetterTopic": "dlq", "enableDelayedMessaging": "true"}
+    )
+    stream = await c.subscribe("orders")
+    await c.publish("orders", b"poison")
+    await stream.nack((await stream.next()).id, hostile)
+    await c.publish("orders[red]x", b"later", {"scheduledSendDelay": "1h"})
+    deadline = time.monotonic() + 5
+    while "1 dead letters" not in (listing := await cli("dead", *conn)).out:
+        assert time.monotonic() < deadline, listing
+    pending = await cli("pending", *conn)
+    assert pending.code == 0, pending.err
+    for out in (listing.out, pending.out):
+        assert not any((ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F for c in out)
+    assert "[bold]loud[/bold]" in listing.out.replace("\n", "").replace(" ", "")
+    assert "orders[red]x" in pending.out
+
+
 async def test_history_shows_retries_since(
     component: Factory, props: dict[str, str], conn: list[str]
 ) -> None:
