@@ -192,11 +192,13 @@ def is_dial_failure(error: BaseException | None) -> bool:
     return isinstance(error, RedisConnectionError) and "connecting to" in str(error)
 
 
-def describe(error: BaseException) -> str:
+def describe(error: BaseException | None) -> str:
     """The text our errors give for a failed Redis call: `redis: <what Redis or
     redis-py said>`, or `redis: timed out` for an error without text (asyncio's
-    TimeoutError when a call's bound passed)."""
-    return f"redis: {str(error) or 'timed out'}"
+    TimeoutError when a call's bound passed) or without an error at all (the
+    cause of a partial store that had none)."""
+    text = "" if error is None else str(error)
+    return f"redis: {text or 'timed out'}"
 
 
 def script_status(value: object) -> str:

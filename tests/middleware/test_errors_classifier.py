@@ -221,6 +221,7 @@ async def test_describe(redis_client: redis.Redis) -> None:
         async with asyncio.timeout(0.01):
             await asyncio.Event().wait()
     assert describe(info.value) == "redis: timed out"
+    assert describe(None) == "redis: timed out"
     redis_client.hset("taken", "f", "v")
     reply = _raised(lambda: redis_client.xadd("taken", {"data": "x"}))
     assert describe(reply) == f"redis: {reply}"
