@@ -120,6 +120,11 @@ def test_a_word_elsewhere_in_the_text_is_no_code(redis_client: redis.Redis) -> N
     error = _raised(lambda: redis_client.eval("return redis.error_reply('WRONGTYPEX NOGROUP')", 0))
     assert reply_code(error) == "WRONGTYPEX"
     assert not any(p(error) for p in PREDICATES.values())
+    # A real NOGROUP reply quotes the names it was given: a consumer group named BUSYGROUP.
+    redis_client.xadd("topic", {"data": "x"})
+    named = _raised(lambda: redis_client.xreadgroup("BUSYGROUP", "c", {"topic": ">"}))
+    assert "BUSYGROUP" in str(named)
+    _only("NOGROUP", named)
     # Our own error naming a topic called WRONGTYPE, with no Redis reply behind it.
     assert not is_wrong_type(DelayedPubSubError("publish to 'WRONGTYPE': redis refused XADD: boom"))
 
