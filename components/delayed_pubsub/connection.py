@@ -16,37 +16,26 @@ import redis.exceptions
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.sentinel import MasterNotFoundError
+from redis.backoff import NoBackoff
 
 from delayed_middleware import storage_format
+from delayed_middleware.backoff import REDIS_DIAL
 from delayed_middleware.errors import (
     BackendAuthError,
     BackendUnavailableError,
     InvalidArgumentError,
     UnsupportedRedisError,
 )
+
+# Re-exported for the modules that import them from here (broker, dashboard).
+from delayed_middleware.redis_errors import REDIS_ERRORS as REDIS_ERRORS
+from delayed_middleware.redis_errors import TRANSIENT_ERRORS as TRANSIENT_ERRORS
+from delayed_middleware.redis_errors import is_auth_refusal, is_dial_failure
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
 
 RedisClient: TypeAlias = "aioredis.Redis | RedisCluster"
-
-# Errors that mean "Redis is not there right now" rather than "Redis said no".
-# RedisClusterException is no RedisError: redis-py raises it when no cluster
-# node answers (or none has cluster mode on) while it maps the slots.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.RedisClusterException,
-    MasterNotFoundError,
-    OSError,
-)
-# Transient or not: anything Redis or the network can throw at a call.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_ERRORS, redis.exceptions.RedisError)
 
 
 class RetryConnectOnly:
@@ -167,7 +156,7 @@ class Connection:
             # or TLS setting will fix a wrong password: say what Redis said.
             raise BackendAuthError(f"redis at {self.address} refused our credentials: {e}") from e
         except redis.exceptions.ResponseError as e:
-            if _is_auth_reply(e):
+            if is_auth_refusal(e):
                 raise BackendAuthError(f"redis at {self.address} refused our credentials: {e}") from e
             raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
         except TimeoutError as e:
@@ -182,7 +171,7 @@ class Connection:
             if (
                 self._hang_up_hint
                 and isinstance(e, redis.exceptions.ConnectionError)
-                and "connecting to" not in str(e)
+                and not is_dial_failure(e)
             ):
                 hint = f" ({self._hang_up_hint})"
             raise BackendUnavailableError(f"redis at {self.address} is unreachable: {e}{hint}") from e
@@ -257,13 +246,6 @@ def _versions(reply: Mapping[str, Any]) -> list[str]:
     return [
         str(v["redis_version"]) for v in reply.values() if isinstance(v, Mapping) and "redis_version" in v
     ]
-
-
-def _is_auth_reply(error: redis.exceptions.ResponseError) -> bool:
-    # "ERR AUTH <password> called without any password configured", and
-    # WRONGPASS/NOAUTH replies redis-py did not map to AuthenticationError.
-    text = str(error)
-    return text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")) or "AUTH" in text.split(" ", 2)[:2]
 
 
 def connect(settings: Settings) -> Connection:
@@ -343,7 +325,7 @@ def _client(
             max_connections=pool_size or UNLIMITED_CONNECTIONS,
             **{
                 **kwargs,
-                "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries),
+                "retry": Retry(REDIS_DIAL.redis_py(), settings.max_retries),
             },
         )
     if settings.failover:
@@ -374,9 +356,7 @@ def _client(
         return master
     host, port = settings.hosts[0]
     pool_kwargs = {**kwargs, **_without_maint_notifications()}
-    pool_kwargs["connect_retry"] = Retry(
-        ExponentialWithJitterBackoff(base=0.05, cap=1.0), settings.max_retries
-    )
+    pool_kwargs["connect_retry"] = Retry(REDIS_DIAL.redis_py(), settings.max_retries)
     if settings.enable_tls:
         pool_kwargs.pop("ssl")
         pool_kwargs["connection_class"] = TlsConnection

@@ -66,7 +66,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import RESTART, WORKER_RESTART, Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.heap import freeze_startup_heap
@@ -87,9 +87,7 @@ POLL_S = 0.2
 STALE_S = 15.0
 # A worker slot without a healthy worker for this long is not coming back: liveness fails.
 DEAD_AFTER_S = 30.0
-# Restart backoff of a worker that died; reset once it has run this long.
-RESTART_BASE_S = 0.2
-RESTART_CAP_S = 10.0
+# A worker that ran this long was healthy: its restart backoff (WORKER_RESTART) starts afresh.
 STEADY_S = 30.0
 
 
@@ -264,7 +262,7 @@ class WorkerPool:
 
     async def _supervise(self, slot: _Slot) -> None:
         """Keep a worker in `slot`: restart it (with backoff) whenever it ends before the stop."""
-        backoff = Backoff(base_s=RESTART_BASE_S, cap_s=RESTART_CAP_S)
+        backoff = WORKER_RESTART.backoff()
         while not self._stop.is_set():
             try:
                 proc = await self._spawn(slot)
@@ -639,7 +637,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
                         name, settings, clock, metrics.for_instance(name), retry_scan=index == 0
                     )
                 except (DelayedPubSubError, OSError) as e:
-                    backoff = failing[name][1] if name in failing else Backoff(base_s=0.5, cap_s=10.0)
+                    backoff = failing[name][1] if name in failing else RESTART.backoff()
                     failing[name] = (now + backoff.next(), backoff, str(e))
                     log.error("worker %d: instance %r does not start: %s; retrying", index, name, e)
                     continue

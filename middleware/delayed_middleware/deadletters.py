@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from delayed_middleware import scripts
-from delayed_middleware.aio import text
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.keys import EngineKeys, dead_retry_marker, delayed_topic, key_slot
+from delayed_middleware.redis_errors import DUP, script_status
 
 # Metadata added to a dead letter (public contract), by subscriber retries and
 # hand-offs alike: `delayed-pubsub dead` lists both by it.
@@ -177,7 +177,7 @@ def _entry_args(move: MoveBack) -> list[Any]:
 async def _move_in_one_slot(client: Any, dead: str, destination: str, batch: Sequence[MoveBack]) -> list[str]:
     args = [a for m in batch for a in (m.stream_id, *_entry_args(m))]
     reply = await client.eval(scripts.RETRY_DEAD, 2, dead, destination, *args)
-    return [text(s) for s in reply]
+    return [script_status(s) for s in reply]
 
 
 async def _move_across_slots(
@@ -198,12 +198,12 @@ async def _move_across_slots(
         reply = await client.eval(
             scripts.RETRY_DEAD_APPEND, 1 + len(live), destination, *markers, RETRY_MARKER_MS, *args
         )
-        appended = {m.stream_id: text(s) for m, s in zip(live, reply, strict=True)}
-        done = [m.stream_id for m in live if appended[m.stream_id] in (MOVED, "dup")]
+        appended = {m.stream_id: script_status(s) for m, s in zip(live, reply, strict=True)}
+        done = [m.stream_id for m in live if appended[m.stream_id] in (MOVED, DUP)]
         if done:
             await client.xdel(dead, *done)
     out: list[str] = []
     for m in batch:
         status = appended.get(m.stream_id, GONE)
-        out.append(GONE if status == "dup" else status)
+        out.append(GONE if status == DUP else status)
     return out

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import LIVENESS, Backoff
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ async def supervise(
     comes from its owner (a stop); the run is then cancelled until it ends,
     and the cancellation goes on.
     """
-    backoff = backoff or Backoff(base_s=0.05, cap_s=5.0)
+    backoff = backoff or LIVENESS.backoff()
     loop = asyncio.get_running_loop()
     while not stop.is_set():
         if on_state is not None:

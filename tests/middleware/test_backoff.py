@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from redis.backoff import ExponentialWithJitterBackoff
 
-from delayed_middleware.backoff import Backoff, compute_backoff
+from delayed_middleware.backoff import REDIS_DIAL, REDIS_RECONNECT, Backoff, BackoffProfile, compute_backoff
 
 
 @pytest.mark.parametrize(
@@ -53,3 +56,32 @@ def test_stateful_backoff_resets() -> None:
     assert [b.next(), b.next(), b.next(), b.next()] == [1, 2, 4, 4]
     b.reset()
     assert b.next() == 1
+
+
+def test_each_loop_gets_its_own_backoff_from_a_profile() -> None:
+    """A named profile is shared by many loops: one loop's failures must not lengthen another's waits."""
+    first, second = REDIS_RECONNECT.backoff(), REDIS_RECONNECT.backoff()
+    assert [first.next(), first.next(), first.next()] == [0.05, 0.1, 0.2]
+    assert second.next() == 0.05
+    assert [REDIS_RECONNECT.delay(a) for a in (1, 2, 3, 100)] == [0.05, 0.1, 0.2, 2.0]
+
+
+def test_a_profile_cannot_be_changed_in_place() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        REDIS_RECONNECT.cap_s = 60.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bad", [{"multiplier": 0.5}, {"jitter": 1.5}, {"base_s": -1.0}, {"cap_s": -1.0}])
+def test_a_bad_profile_is_refused_when_made(bad: dict[str, float]) -> None:
+    """At import for the named ones, not at some loop's first failure in production."""
+    args: dict[str, float] = {"base_s": 0.1, "cap_s": 1.0, **bad}
+    with pytest.raises(ValueError, match="jitter" if "jitter" in bad else "multiplier|base|cap"):
+        BackoffProfile(**args)
+
+
+def test_redis_py_backoff_is_the_dial_retry_connection_had() -> None:
+    """connection.py hands REDIS_DIAL to redis-py's Retry: the same backoff it built by hand
+    (ExponentialWithJitterBackoff compares by base and cap), whose waits stay within [0, cap]."""
+    backoff = REDIS_DIAL.redis_py()
+    assert backoff == ExponentialWithJitterBackoff(base=0.05, cap=1.0)
+    assert all(0 <= backoff.compute(failures) <= REDIS_DIAL.cap_s for failures in range(1, 60))

@@ -1,0 +1,147 @@
+"""Bounds on the shape of the code, read from its syntax tree (ast): they fail when a change breaks them."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = (ROOT / "components", ROOT / "middleware")
+# The one home of retry numbers (named BackoffProfile profiles) and of Redis error classification.
+POLICY_MODULE = ROOT / "middleware" / "delayed_middleware" / "backoff.py"
+CLASSIFIER_MODULE = ROOT / "middleware" / "delayed_middleware" / "redis_errors.py"
+# Every way this code or redis-py builds a retry delay.
+BACKOFF_BUILDERS = frozenset(
+    {
+        "Backoff",
+        "BackoffProfile",
+        "ExponentialBackoff",
+        "ExponentialWithJitterBackoff",
+        "EqualJitterBackoff",
+        "FullJitterBackoff",
+        "DecorrelatedJitterBackoff",
+        "ConstantBackoff",
+    }
+)
+
+
+@functools.cache
+def _modules() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every module of the packages, parsed (once for all the guards)."""
+    return tuple(
+        (path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        for package in PACKAGES
+        for path in sorted(package.rglob("*.py"))
+        if ".venv" not in path.parts and not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    )
+
+
+def _name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _has_number(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)
+        for n in ast.walk(node)
+    )
+
+
+def _where(path: Path, node: ast.expr) -> str:
+    return f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+
+
+def literal_backoffs() -> list[str]:
+    """Backoffs built with numbers written where they are used (or with the defaults' hidden ones)."""
+    found = []
+    for path, tree in _modules():
+        if path == POLICY_MODULE:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or _name(node.func) not in BACKOFF_BUILDERS:
+                continue
+            values = [*node.args, *(k.value for k in node.keywords)]
+            if not values or any(_has_number(v) for v in values):
+                found.append(_where(path, node))
+    return found
+
+
+def _is_str_call(node: ast.expr) -> bool:
+    """`str(e)`: the text of a variable (an error, where matching it is the pattern guarded)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "str"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Name)
+    )
+
+
+def error_text_matches() -> list[str]:
+    """`"CODE" in str(e)`, `str(e).startswith(...)`: errors told apart by their text."""
+    found = []
+    for path, tree in _modules():
+        if path == CLASSIFIER_MODULE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                if any(
+                    isinstance(op, (ast.In, ast.NotIn)) and _is_str_call(right)
+                    for op, right in zip(node.ops, node.comparators, strict=True)
+                ):
+                    found.append(_where(path, node))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("startswith", "endswith")
+                and _is_str_call(node.func.value)
+            ):
+                found.append(_where(path, node))
+    return found
+
+
+def test_the_guards_see_what_they_guard() -> None:
+    """Each guard finds its pattern: a guard that cannot fail proves nothing."""
+    assert POLICY_MODULE.exists()
+    assert CLASSIFIER_MODULE.exists()
+    sample = ast.parse(
+        "Backoff(base_s=0.05, cap_s=2.0)\nBackoff(base_s=P.base_s, cap_s=P.cap_s)\n"
+        'if "NOGROUP" in str(e): pass\nstr(e).startswith("X")\nstr(d.get("t")).startswith("pubsub.")'
+    )
+    calls = [n for n in ast.walk(sample) if isinstance(n, ast.Call) and _name(n.func) in BACKOFF_BUILDERS]
+    assert [_has_number(c.keywords[0].value) for c in calls] == [True, False]
+    compares = [n for n in ast.walk(sample) if isinstance(n, ast.Compare)]
+    assert _is_str_call(compares[0].comparators[0])
+    starts = [
+        n.func.value
+        for n in ast.walk(sample)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "startswith"
+    ]
+    assert [_is_str_call(s) for s in starts] == [True, False]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the Backoff( sites of broker, redelivery, forwarder, instance and engine/ are converted "
+    "to the named BackoffProfile profiles at the merge of issue 34's splits",
+)
+def test_retry_numbers_live_in_the_policy_module_only() -> None:
+    """Every retry loop takes a named BackoffProfile (backoff.py), whose comment says why its numbers."""
+    assert literal_backoffs() == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the text matches of instance, broker, forwarder and engine/two_phase are converted to "
+    "redis_errors' predicates at the merge of issue 34's splits",
+)
+def test_redis_errors_are_classified_by_their_reply_code_only() -> None:
+    """Redis errors are told apart by redis_errors (the reply's code), never by searching their text."""
+    assert error_text_matches() == []
