@@ -4,35 +4,37 @@ The keys and defaults are pubsub.redis's, so a YAML written for Dapr's built-in
 Redis pub/sub works unchanged after switching `type:`; our own keys sit beside
 them. Parsing is pure: every malformed value raises InvalidArgumentError naming
 the key and the value, before any connection is attempted.
+
+Each key's default is written once, in metadata.yaml: the table below (RULES)
+says only how a key's text becomes its Settings field (reader, bounds), and the
+same reader turns the declared default into the field's value, for
+parse_settings and for the dataclass alike. metadata.yaml is read at the first
+use, not at import (settings_spec.spec()).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import check_consumer_id, is_delayed_topic, is_engine_key
+from delayed_middleware.retry import READERS as RETRY_READERS
 from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 from delayed_middleware.storage_format import CURRENT as CURRENT_FORMAT
 from delayed_middleware.storage_format import OLDEST as OLDEST_FORMAT
 from delayed_middleware.target import check_target_name
-from delayed_pubsub.settings_spec import load_spec, unknown_key_warnings
+from delayed_pubsub.settings_spec import spec, unknown_key_warnings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 6379
 # delayShards: default on Redis Cluster (spreads over 3..16 masters), and the most allowed.
 DEFAULT_CLUSTER_SHARDS = 16
 MAX_DELAY_SHARDS = 1024
-
-# Every key we read, as metadata.yaml declares them (settings_spec). Anything
-# else daprd hands us is ignored, with a warning at Init (unknown_keys).
-SPEC: Final = load_spec()
-KNOWN_KEYS: Final = SPEC.names
 
 # Upper bounds, checked at Init so a value that parses but that Redis (or the
 # data path) would refuse later fails now, naming its key. See RELIABILITY.md.
@@ -52,67 +54,80 @@ MAX_POOL_SIZE = 10_000
 MAX_RETRIES = 1_000
 # One hand-off call (handoffTimeout): a day is past any broker's accept time.
 MAX_HANDOFF_TIMEOUT_MS = 86_400_000
-# Calls held by the process (queued in gRPC or running) before publishes are refused
-# with RESOURCE_EXHAUSTED (admission.py): about 0.25 s of delayed publishes for one
-# process on a small machine, so a caller past it hears at once instead of queueing.
-DEFAULT_MAX_INFLIGHT_PUBLISHES = 256
+# The lifecycle history's length (historyMaxLen).
+MAX_HISTORY_LEN = 1_000_000_000
 
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
 
 
+def _declared(name: str) -> Any:
+    """The default of Settings field `name`: metadata.yaml's, read by the field's rule, at first use.
+
+    Typed Any so that the dataclass (and mypy) take it as the default of a field of any type;
+    at run time it is a dataclasses.Field whose factory reads defaults().
+    """
+    return field(default_factory=lambda: defaults()[name])
+
+
 @dataclass(frozen=True)
 class Settings:
-    """One component instance's configuration; every duration in milliseconds."""
+    """One component instance's configuration; every duration in milliseconds.
+
+    Every default comes from metadata.yaml (see RULES): none is written here.
+    """
 
     hosts: tuple[tuple[str, int], ...]
-    username: str | None = None
-    password: str | None = None
-    db: int = 0
-    redis_type: Literal["node", "cluster"] = "node"
-    failover: bool = False
-    sentinel_master_name: str = ""
-    enable_tls: bool = False
-    insecure_skip_tls_verify: bool = False
-    client_cert: str | None = None
-    client_key: str | None = None
+    username: str | None = _declared("username")
+    password: str | None = _declared("password")
+    db: int = _declared("db")
+    redis_type: Literal["node", "cluster"] = _declared("redis_type")
+    failover: bool = _declared("failover")
+    sentinel_master_name: str = _declared("sentinel_master_name")
+    enable_tls: bool = _declared("enable_tls")
+    insecure_skip_tls_verify: bool = _declared("insecure_skip_tls_verify")
+    client_cert: str | None = _declared("client_cert")
+    client_key: str | None = _declared("client_key")
     # The same as files (a Secret mounted read-only), read at each dial.
-    client_cert_file: str | None = None
-    client_key_file: str | None = None
-    consumer_id: str = ""
-    processing_timeout_ms: int = 60_000
-    redeliver_interval_ms: int = 15_000
-    queue_depth: int = 100
-    concurrency: int = 10
-    max_len_approx: int | None = None
-    stream_ttl_ms: int | None = None
-    max_retries: int = 3
-    dial_timeout_ms: int | None = 5_000
-    read_timeout_ms: int | None = 3_000
-    write_timeout_ms: int | None = 3_000
-    pool_size: int | None = None
+    client_cert_file: str | None = _declared("client_cert_file")
+    client_key_file: str | None = _declared("client_key_file")
+    consumer_id: str = _declared("consumer_id")
+    processing_timeout_ms: int = _declared("processing_timeout_ms")
+    redeliver_interval_ms: int = _declared("redeliver_interval_ms")
+    queue_depth: int = _declared("queue_depth")
+    concurrency: int = _declared("concurrency")
+    max_len_approx: int | None = _declared("max_len_approx")
+    stream_ttl_ms: int | None = _declared("stream_ttl_ms")
+    max_retries: int = _declared("max_retries")
+    dial_timeout_ms: int | None = _declared("dial_timeout_ms")
+    read_timeout_ms: int | None = _declared("read_timeout_ms")
+    # Without writeTimeout: readTimeout's.
+    write_timeout_ms: int | None = _declared("write_timeout_ms")
+    pool_size: int | None = _declared("pool_size")
     # The bound of admission control (admission.py): past it Publish/BulkPublish are refused.
-    max_inflight_publishes: int = DEFAULT_MAX_INFLIGHT_PUBLISHES
-    enable_delayed_messaging: bool = False
-    max_delay_ms: int | None = None
+    max_inflight_publishes: int = _declared("max_inflight_publishes")
+    enable_delayed_messaging: bool = _declared("enable_delayed_messaging")
+    max_delay_ms: int | None = _declared("max_delay_ms")
     # The delay engine's lifecycle history: entries kept (0 = no history) and age.
-    history_max_len: int = 1_000_000
-    history_max_age_ms: int = 86_400_000
+    history_max_len: int = _declared("history_max_len")
+    history_max_age_ms: int = _declared("history_max_age_ms")
     # Markers on a topic when a cancel or an expiry removes its message: their TTL; 0 = no markers.
-    delete_marker_ttl_ms: int = 0
+    delete_marker_ttl_ms: int = _declared("delete_marker_ttl_ms")
     # Delayed messages without targetPubsub go to this pub/sub when due ('' = our own topics).
-    default_target_pubsub: str = ""
+    default_target_pubsub: str = _declared("default_target_pubsub")
     # The sidecar's gRPC API for hand-offs ('' = $DAPR_GRPC_PORT, else 127.0.0.1:50001).
-    dapr_grpc_address: str = ""
+    dapr_grpc_address: str = _declared("dapr_grpc_address")
     # One hand-off call to the sidecar; past it the call is a failed attempt.
-    handoff_timeout_ms: int = 10_000
+    handoff_timeout_ms: int = _declared("handoff_timeout_ms")
     # Where a hand-off that failed its last attempt goes ('' = keep retrying).
-    dead_letter_topic: str = ""
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    dead_letter_topic: str = _declared("dead_letter_topic")
+    # Inactive until a retry key is given; the retry keys' defaults apply once it is on.
+    # (RUF009: _declared gives a dataclasses.Field, whose factory makes the default per instance.)
+    retry: RetryPolicy = _declared("retry")  # noqa: RUF009
     # Shard streams of the delayed topic (None: 16 on Redis Cluster, 1 on a single node).
-    delay_shards: int | None = None
+    delay_shards: int | None = _declared("delay_shards")
     # storageFormat: the storage format to write (None: the one stored; a fresh app the newest).
-    storage_format: int | None = None
+    storage_format: int | None = _declared("storage_format")
 
     @property
     def shards(self) -> int:
@@ -127,144 +142,136 @@ class Settings:
         return ",".join(_format_host(h, p) for h, p in self.hosts)
 
 
-def parse_settings(props: Mapping[str, str]) -> Settings:
-    """Parse Init metadata (the YAML's spec.metadata, secrets resolved) into Settings.
+# --- the table: how each key's text becomes its field ------------------------------------
 
-    Raises InvalidArgumentError for the first malformed value, naming its key.
-    Keys it does not read are ignored here; `unknown_keys` says which.
+# A reader turns a key's given text (unstripped) into its field's value, or raises
+# InvalidArgumentError naming the key and the value.
+Reader = Callable[[str, str], Any]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one metadata key is read. Its default is metadata.yaml's, read by the same reader.
+
+    Attributes:
+        key: the metadata key (as in metadata.yaml).
+        field: the Settings field it fills ('' for a key read only with others: redisPort).
+        read: the reader (key, text) → value.
+        unset: the value when the key is not given and metadata.yaml declares no default
+            (the description says what it means: none, unlimited, another key's).
+        strip: blanks around the value are not part of it (False: passwords, PEM, names kept as given).
+        zero_is_unset: 0 means "none"/"no limit": the field holds None.
     """
-    port = _int(props, "redisPort", DEFAULT_PORT, minimum=1, maximum=65535)
-    hosts = _hosts(props.get("redisHost", "").strip(), port)
 
-    redis_type = props.get("redisType", "node").strip().lower() or "node"
-    if redis_type not in ("node", "cluster"):
-        raise InvalidArgumentError("redisType", props["redisType"], "must be node or cluster")
-    db = _int(props, "redisDB", 0, minimum=0, maximum=MAX_REDIS_DB)
-    if redis_type == "cluster" and db != 0:
-        raise InvalidArgumentError("redisDB", props["redisDB"], "Redis Cluster has only database 0")
+    key: str
+    field: str
+    read: Reader
+    unset: object = None
+    strip: bool = True
+    zero_is_unset: bool = False
 
-    failover = _bool(props, "failover", False)
-    master = props.get("sentinelMasterName", "").strip()
-    if failover and not master:
-        raise InvalidArgumentError("sentinelMasterName", master, "required when failover is true")
-    if failover and redis_type == "cluster":
-        raise InvalidArgumentError("failover", props["failover"], "sentinel failover needs redisType node")
+    def given(self, props: Mapping[str, str]) -> str | None:
+        """The text given for the key, or None when it is absent or blank."""
+        raw = props.get(self.key)
+        if raw is None or (raw.strip() if self.strip else raw) == "":
+            return None
+        return raw
 
-    client_cert_file = props.get("clientCertFile", "").strip() or None
-    client_key_file = props.get("clientKeyFile", "").strip() or None
-    if client_cert_file and not client_key_file:
-        raise InvalidArgumentError("clientKeyFile", "", "required when clientCertFile is set")
-    if client_key_file and not client_cert_file:
-        raise InvalidArgumentError("clientCertFile", "", "required when clientKeyFile is set")
-    if client_cert_file and props.get("clientCert"):
+    def value(self, props: Mapping[str, str]) -> Any:
+        """The field's value: the given text's, else the declared default's, else `unset`."""
+        raw = self.given(props)
+        if raw is None:
+            return declared()[self.key]
+        return self.finish(self.read(self.key, raw))
+
+    def finish(self, value: object) -> object:
+        """The value the field holds for what the reader returned."""
+        return None if self.zero_is_unset and value == 0 else value
+
+
+def _stripped(read: Reader) -> Reader:
+    """`read` given the text without the blanks around it."""
+    return lambda key, raw: read(key, raw.strip())
+
+
+def _integer(minimum: int, maximum: int) -> Reader:
+    return lambda key, raw: _int(key, raw.strip(), minimum, maximum)
+
+
+def _go_duration(maximum: int = MAX_DURATION_MS) -> Reader:
+    return lambda key, raw: _duration(key, raw.strip(), maximum)
+
+
+def _text(key: str, raw: str) -> str:
+    return raw
+
+
+def _text_or_none(key: str, raw: str) -> str | None:
+    return raw or None
+
+
+# --- readers of one key ------------------------------------------------------------------
+
+
+def _choice(key: str, raw: str) -> str:
+    allowed = spec().get(key).allowed_values
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise InvalidArgumentError(key, raw, "must be " + " or ".join(allowed))
+    return value
+
+
+def _file_path(key: str, path: str) -> str:
+    # Whether the file is there is checked at Init (connection.py), where a pod's
+    # volume is mounted; here only that it is a path.
+    if "-----BEGIN" in path or not path.startswith("/"):
+        shown = path if "-----BEGIN" not in path else f"<{len(path)} characters, redacted>"
         raise InvalidArgumentError(
-            "clientCertFile", client_cert_file, "give clientCert or clientCertFile, not both"
+            key, shown, "must be an absolute file path (PEM contents go in " + key[:-4] + ")"
         )
-    for key, path in (("clientCertFile", client_cert_file), ("clientKeyFile", client_key_file)):
-        # Whether the file is there is checked at Init (connection.py), where a pod's
-        # volume is mounted; here only that it is a path.
-        if path is not None and ("-----BEGIN" in path or not path.startswith("/")):
-            shown = path if "-----BEGIN" not in path else f"<{len(path)} characters, redacted>"
-            raise InvalidArgumentError(
-                key, shown, "must be an absolute file path (PEM contents go in " + key[:-4] + ")"
-            )
+    return path
 
-    client_cert = props.get("clientCert") or None
-    client_key = props.get("clientKey") or None
-    if client_cert and not client_key:
-        raise InvalidArgumentError("clientKey", "", "required when clientCert is set")
-    if client_key and not client_cert:
-        raise InvalidArgumentError("clientCert", "", "required when clientKey is set")
-    for key, pem in (("clientCert", client_cert), ("clientKey", client_key)):
-        # Only the shape is checked here; a wrong key fails at connect, naming the host.
-        if pem is not None and "-----BEGIN" not in pem:
-            # A private key must not be echoed, not even its first characters.
-            shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
-            raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
 
-    consumer_id = props.get("consumerID", "").strip()
+def _pem(key: str, pem: str) -> str:
+    # Only the shape is checked here; a wrong key fails at connect, naming the host.
+    if "-----BEGIN" not in pem:
+        # A private key must not be echoed, not even its first characters.
+        shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
+        raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
+    return pem
+
+
+def _consumer_id(key: str, consumer_id: str) -> str:
     # Every key of the app derives from it: an id that could name another app's keys is refused
     # even without delayed messaging (the retry records and dead-letter sets derive from it too).
-    check_consumer_id(consumer_id)
-
-    read_timeout = _timeout(props, "readTimeout", 3_000)
-    max_retries = _int(props, "redisMaxRetries", 3, minimum=-1, maximum=MAX_RETRIES)
-    default_target, dapr_address, dead_letter = _forwarding(props)
-
-    return Settings(
-        hosts=hosts,
-        username=props.get("redisUsername") or None,
-        password=props.get("redisPassword") or None,
-        db=db,
-        redis_type="cluster" if redis_type == "cluster" else "node",
-        failover=failover,
-        sentinel_master_name=master,
-        enable_tls=_bool(props, "enableTLS", False),
-        client_cert_file=client_cert_file,
-        client_key_file=client_key_file,
-        insecure_skip_tls_verify=_bool(props, "insecureSkipTLSVerify", False),
-        client_cert=client_cert,
-        client_key=client_key,
-        consumer_id=consumer_id,
-        processing_timeout_ms=_legacy_ms(props, "processingTimeout", 60_000),
-        redeliver_interval_ms=_legacy_ms(props, "redeliverInterval", 15_000),
-        queue_depth=_int(props, "queueDepth", 100, minimum=1, maximum=MAX_IN_FLIGHT),
-        concurrency=_int(props, "concurrency", 10, minimum=1, maximum=MAX_IN_FLIGHT),
-        max_len_approx=_int(props, "maxLenApprox", 0, minimum=0, maximum=MAX_REDIS_COUNT) or None,
-        stream_ttl_ms=_duration(props, "streamTTL", 0, maximum=MAX_STREAM_TTL_MS) or None,
-        # go-redis reads -1 as "no retries"; so do we.
-        max_retries=max(0, max_retries),
-        dial_timeout_ms=_timeout(props, "dialTimeout", 5_000),
-        read_timeout_ms=read_timeout,
-        write_timeout_ms=_timeout(props, "writeTimeout", read_timeout),
-        pool_size=_int(props, "poolSize", 0, minimum=0, maximum=MAX_POOL_SIZE) or None,
-        max_inflight_publishes=_int(
-            props, "maxInflightPublishes", DEFAULT_MAX_INFLIGHT_PUBLISHES, minimum=1, maximum=MAX_IN_FLIGHT
-        ),
-        enable_delayed_messaging=_bool(props, "enableDelayedMessaging", False),
-        max_delay_ms=_duration(props, "maxDelay", 0) or None,
-        history_max_len=_int(props, "historyMaxLen", 1_000_000, 0, 1_000_000_000),
-        history_max_age_ms=_duration(props, "historyMaxAge", 86_400_000),
-        delete_marker_ttl_ms=_duration(props, "deleteMarkerTTL", 0),
-        default_target_pubsub=default_target,
-        dapr_grpc_address=dapr_address,
-        handoff_timeout_ms=_handoff_timeout(props),
-        dead_letter_topic=dead_letter,
-        retry=parse_retry_policy(props),
-        delay_shards=_int(props, "delayShards", 0, minimum=1, maximum=MAX_DELAY_SHARDS) or None,
-        storage_format=_int(props, "storageFormat", 0, minimum=OLDEST_FORMAT, maximum=CURRENT_FORMAT) or None,
-    )
+    check_consumer_id(consumer_id, key)
+    return consumer_id
 
 
-def unknown_keys(props: Mapping[str, str]) -> list[str]:
-    """A warning for each key of `props` that parse_settings does not read (names only, never values)."""
-    return unknown_key_warnings(props, SPEC)
+def _address(key: str, address: str) -> str:
+    if any(c.isspace() for c in address):
+        raise InvalidArgumentError(key, address, "not host:port (or unix:///path)")
+    return address
 
 
-def _forwarding(props: Mapping[str, str]) -> tuple[str, str, str]:
-    """defaultTargetPubsub, daprGrpcAddress, deadLetterTopic (delays for any pub/sub)."""
-    default_target = props.get("defaultTargetPubsub", "")
-    if default_target:
-        check_target_name("defaultTargetPubsub", default_target)
-    address = props.get("daprGrpcAddress", "").strip()
-    if address and any(c.isspace() for c in address):
-        raise InvalidArgumentError("daprGrpcAddress", address, "not host:port (or unix:///path)")
-    dead_letter = props.get("deadLetterTopic", "").strip()
-    if dead_letter and (is_engine_key(dead_letter) or is_delayed_topic(dead_letter)):
+def _dead_letter_topic(key: str, topic: str) -> str:
+    if is_engine_key(topic) or is_delayed_topic(topic):
         raise InvalidArgumentError(
-            "deadLetterTopic", dead_letter, "reserved: names ending in -delayed belong to the delay engine"
+            key, topic, "reserved: names ending in -delayed belong to the delay engine"
         )
-    return default_target, address, dead_letter
+    return topic
 
 
-def _handoff_timeout(props: Mapping[str, str]) -> int:
-    ms = _duration(props, "handoffTimeout", 10_000, maximum=MAX_HANDOFF_TIMEOUT_MS)
+def _max_retries(key: str, text: str) -> int:
+    # go-redis reads -1 as "no retries"; so do we.
+    return max(0, _int(key, text, -1, MAX_RETRIES))
+
+
+def _handoff_timeout(key: str, raw: str) -> int:
+    ms = _duration(key, raw.strip(), MAX_HANDOFF_TIMEOUT_MS)
     if ms <= 0:
-        raise InvalidArgumentError("handoffTimeout", props["handoffTimeout"], "must be more than 0")
+        raise InvalidArgumentError(key, raw, "must be more than 0")
     return ms
-
-
-# --- field parsers ------------------------------------------------------------
 
 
 def _format_host(host: str, port: int) -> str:
@@ -310,64 +317,46 @@ def _without_userinfo(raw: str) -> str:
     return "***@" + raw.rsplit("@", 1)[1]
 
 
-def _int(props: Mapping[str, str], key: str, default: int, minimum: int, maximum: int | None = None) -> int:
-    raw = props.get(key, "").strip()
-    if not raw:
-        return default
+def _int(key: str, text: str, minimum: int, maximum: int) -> int:
     # int() alone would also take "5_000", "+5" and non-ASCII digits.
-    if not _is_decimal(raw.removeprefix("-")):
-        raise InvalidArgumentError(key, raw, "not an integer")
-    value = _decimal(raw)
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
-        raise InvalidArgumentError(key, raw, f"must be {bound}")
+    if not _is_decimal(text.removeprefix("-")):
+        raise InvalidArgumentError(key, text, "not an integer")
+    value = _decimal(text)
+    if not minimum <= value <= maximum:
+        raise InvalidArgumentError(key, text, f"must be between {minimum} and {maximum}")
     return value
 
 
-def _bool(props: Mapping[str, str], key: str, default: bool) -> bool:
-    if key not in props:
-        return default
-    raw = props[key].strip().lower()
-    if raw in _TRUE:
+def _bool(key: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
         return True
-    if raw in _FALSE:
+    if value in _FALSE:
         return False
-    raise InvalidArgumentError(key, props[key], "not a boolean (true/false)")
+    raise InvalidArgumentError(key, raw, "not a boolean (true/false)")
 
 
-def _duration(props: Mapping[str, str], key: str, default_ms: int, maximum: int = MAX_DURATION_MS) -> int:
-    raw = props.get(key, "").strip()
-    if not raw:
-        return default_ms
+def _duration(key: str, text: str, maximum: int) -> int:
     try:
-        ms = parse_go_duration(raw)
+        ms = parse_go_duration(text)
     except ValueError:
-        raise InvalidArgumentError(key, raw, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
+        raise InvalidArgumentError(key, text, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
     if ms < 0:
-        raise InvalidArgumentError(key, raw, "must not be negative")
-    _at_most(key, raw, ms, maximum)
-    return ms
+        raise InvalidArgumentError(key, text, "must not be negative")
+    return _at_most(key, text, ms, maximum)
 
 
-def _legacy_ms(props: Mapping[str, str], key: str, default_ms: int) -> int:
+def _legacy_ms(key: str, text: str) -> int:
     """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
-    raw = props.get(key, "").strip()
-    if _is_decimal(raw):
-        return _at_most(key, raw, _decimal(raw), MAX_DURATION_MS)
-    return _duration(props, key, default_ms)
+    if _is_decimal(text):
+        return _at_most(key, text, _decimal(text), MAX_DURATION_MS)
+    return _duration(key, text, MAX_DURATION_MS)
 
 
 def _at_most(key: str, raw: str, ms: int, maximum: int) -> int:
     if ms > maximum:
         raise InvalidArgumentError(key, raw, f"must be at most {maximum}ms ({maximum // 86_400_000} days)")
     return ms
-
-
-def _timeout(props: Mapping[str, str], key: str, default_ms: int | None) -> int | None:
-    """Like _legacy_ms, but 0 means "no timeout"."""
-    if not props.get(key, "").strip():
-        return default_ms
-    return _legacy_ms(props, key, 0) or None
 
 
 def _decimal(text: str) -> int:
@@ -385,3 +374,140 @@ def _is_decimal(text: str) -> bool:
 
 def _redact(value: str) -> str:
     return value if len(value) <= 16 else value[:16] + "…"
+
+
+# --- the table ---------------------------------------------------------------------------
+
+# The Settings fields, in the order the checks run: the first bad value found is the one refused.
+RULES: Final[tuple[Rule, ...]] = (
+    Rule("redisPort", "", _integer(1, 65535)),
+    Rule("redisType", "redis_type", _choice),
+    Rule("redisDB", "db", _integer(0, MAX_REDIS_DB)),
+    Rule("failover", "failover", _bool),
+    Rule("sentinelMasterName", "sentinel_master_name", _stripped(_text), unset=""),
+    Rule("clientCertFile", "client_cert_file", _stripped(_file_path)),
+    Rule("clientKeyFile", "client_key_file", _stripped(_file_path)),
+    Rule("clientCert", "client_cert", _pem, strip=False),
+    Rule("clientKey", "client_key", _pem, strip=False),
+    Rule("consumerID", "consumer_id", _stripped(_consumer_id), unset=""),
+    Rule("readTimeout", "read_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
+    Rule("redisMaxRetries", "max_retries", _stripped(_max_retries)),
+    Rule("defaultTargetPubsub", "default_target_pubsub", check_target_name, unset="", strip=False),
+    Rule("daprGrpcAddress", "dapr_grpc_address", _stripped(_address), unset=""),
+    Rule("deadLetterTopic", "dead_letter_topic", _stripped(_dead_letter_topic), unset=""),
+    Rule("redisUsername", "username", _text_or_none, strip=False),
+    Rule("redisPassword", "password", _text_or_none, strip=False),
+    Rule("enableTLS", "enable_tls", _bool),
+    Rule("insecureSkipTLSVerify", "insecure_skip_tls_verify", _bool),
+    Rule("processingTimeout", "processing_timeout_ms", _stripped(_legacy_ms)),
+    Rule("redeliverInterval", "redeliver_interval_ms", _stripped(_legacy_ms)),
+    Rule("queueDepth", "queue_depth", _integer(1, MAX_IN_FLIGHT)),
+    Rule("concurrency", "concurrency", _integer(1, MAX_IN_FLIGHT)),
+    Rule("maxLenApprox", "max_len_approx", _integer(0, MAX_REDIS_COUNT), zero_is_unset=True),
+    Rule("streamTTL", "stream_ttl_ms", _go_duration(MAX_STREAM_TTL_MS), zero_is_unset=True),
+    Rule("dialTimeout", "dial_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
+    # Not given: readTimeout's (parse_settings).
+    Rule("writeTimeout", "write_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
+    Rule("poolSize", "pool_size", _integer(0, MAX_POOL_SIZE), zero_is_unset=True),
+    Rule("maxInflightPublishes", "max_inflight_publishes", _integer(1, MAX_IN_FLIGHT)),
+    Rule("enableDelayedMessaging", "enable_delayed_messaging", _bool),
+    Rule("maxDelay", "max_delay_ms", _go_duration(), zero_is_unset=True),
+    Rule("historyMaxLen", "history_max_len", _integer(0, MAX_HISTORY_LEN)),
+    Rule("historyMaxAge", "history_max_age_ms", _go_duration()),
+    Rule("deleteMarkerTTL", "delete_marker_ttl_ms", _go_duration()),
+    Rule("handoffTimeout", "handoff_timeout_ms", _handoff_timeout),
+    Rule("delayShards", "delay_shards", _integer(1, MAX_DELAY_SHARDS)),
+    Rule("storageFormat", "storage_format", _integer(OLDEST_FORMAT, CURRENT_FORMAT)),
+)
+_RULE: Final = {r.key: r for r in RULES}
+# The retry keys, read by retry.py's readers into RetryPolicy attributes (also per subscription).
+RETRY_RULES: Final = tuple(Rule(key, attribute, read) for key, (attribute, read) in RETRY_READERS.items())
+
+
+def _default_value(rule: Rule) -> Any:
+    """metadata.yaml's default of the rule's key read by its own reader (a bad default fails
+    here, naming its key), else the rule's `unset`."""
+    default = spec().get(rule.key).default
+    given = None if default is None else rule.given({rule.key: default})
+    return rule.unset if given is None else rule.finish(rule.read(rule.key, given))
+
+
+@functools.cache
+def declared() -> Mapping[str, Any]:
+    """Each key's value when it is not given (RULES), read from metadata.yaml at the first call."""
+    return {rule.key: _default_value(rule) for rule in RULES}
+
+
+@functools.cache
+def defaults() -> Mapping[str, Any]:
+    """Every Settings field's default (hosts aside): what metadata without the key gives."""
+    # The retry keys' declared defaults, in an inactive policy: they apply once a retry key turns it on.
+    retry = {r.field: _default_value(r) for r in RETRY_RULES if spec().get(r.key).default is not None}
+    return {**_fields({}), "retry": RetryPolicy(**retry)}
+
+
+def parse_settings(props: Mapping[str, str]) -> Settings:
+    """Parse Init metadata (the YAML's spec.metadata, secrets resolved) into Settings.
+
+    Raises InvalidArgumentError for the first malformed value, naming its key.
+    Keys it does not read are ignored here; `unknown_keys` says which.
+    Each key alone is read by its rule (RULES); here remain the rules that involve several keys.
+    """
+    port = _RULE["redisPort"].value(props)
+    hosts = _hosts(props.get("redisHost", "").strip(), port)
+    values = _fields(props)
+    _check_deployment(props, values)
+    _check_tls_pairs(props, values)
+    retry = parse_retry_policy(props, defaults=defaults()["retry"])
+    return Settings(hosts=hosts, retry=retry, **values)
+
+
+def _fields(props: Mapping[str, str]) -> dict[str, Any]:
+    values = {rule.field: rule.value(props) for rule in RULES if rule.field}
+    if _RULE["writeTimeout"].given(props) is None:
+        values["write_timeout_ms"] = values["read_timeout_ms"]
+    return values
+
+
+def _check_deployment(props: Mapping[str, str], values: Mapping[str, Any]) -> None:
+    """redisType with redisDB and failover; failover with sentinelMasterName."""
+    if values["redis_type"] == "cluster" and values["db"] != 0:
+        raise InvalidArgumentError("redisDB", props["redisDB"], "Redis Cluster has only database 0")
+    if values["failover"] and not values["sentinel_master_name"]:
+        raise InvalidArgumentError(
+            "sentinelMasterName", values["sentinel_master_name"], "required when failover is true"
+        )
+    if values["failover"] and values["redis_type"] == "cluster":
+        raise InvalidArgumentError("failover", props["failover"], "sentinel failover needs redisType node")
+
+
+def _check_tls_pairs(props: Mapping[str, str], values: Mapping[str, Any]) -> None:
+    """A client certificate and its key come together, as PEM contents or as files, not both."""
+    for cert, key in (("clientCertFile", "clientKeyFile"), ("clientCert", "clientKey")):
+        cert_given = values[_RULE[cert].field] is not None
+        key_given = values[_RULE[key].field] is not None
+        if cert_given and not key_given:
+            raise InvalidArgumentError(key, "", f"required when {cert} is set")
+        if key_given and not cert_given:
+            raise InvalidArgumentError(cert, "", f"required when {key} is set")
+        if cert == "clientCertFile" and cert_given and props.get("clientCert"):
+            raise InvalidArgumentError(
+                cert, values["client_cert_file"], "give clientCert or clientCertFile, not both"
+            )
+
+
+def unknown_keys(props: Mapping[str, str]) -> list[str]:
+    """A warning for each key of `props` that parse_settings does not read (names only, never values)."""
+    return unknown_key_warnings(props, spec())
+
+
+def known_keys() -> frozenset[str]:
+    """Every metadata key the component reads (metadata.yaml's)."""
+    return spec().names
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    # KNOWN_KEYS, read at first use (not at import: metadata.yaml is parsed only when needed).
+    if name == "KNOWN_KEYS":
+        return known_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

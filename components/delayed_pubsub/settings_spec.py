@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import sys
@@ -143,6 +144,12 @@ class SpecError(ValueError):
 def metadata_text() -> str:
     """The text of the metadata.yaml shipped in this package."""
     return resources.files(__package__).joinpath(METADATA_FILE).read_text(encoding="utf-8")
+
+
+@functools.cache
+def spec() -> ComponentSpec:
+    """The shipped metadata.yaml, parsed at the first call (not at import) and kept."""
+    return load_spec()
 
 
 def load_spec(text: str | None = None) -> ComponentSpec:

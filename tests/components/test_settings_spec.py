@@ -12,7 +12,7 @@ import yaml
 
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.retry import KEYS as RETRY_KEYS
-from delayed_pubsub.settings import SPEC, parse_settings, unknown_keys
+from delayed_pubsub.settings import parse_settings, unknown_keys
 from delayed_pubsub.settings_spec import (
     REDIS_ONLY_KEYS,
     TYPES,
@@ -20,10 +20,12 @@ from delayed_pubsub.settings_spec import (
     generated_files,
     load_spec,
     metadata_text,
+    spec,
 )
 from tests.components.driver import Component
 
 ROOT = Path(__file__).resolve().parents[2]
+SPEC = spec()
 # No port in the host, so redisPort is read.
 BASE = {"redisHost": "localhost"}
 PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
