@@ -501,6 +501,7 @@ def unknown_keys(props: Mapping[str, str]) -> list[str]:
     return unknown_key_warnings(props, spec())
 
 
+@functools.cache
 def known_keys() -> frozenset[str]:
     """Every metadata key the component reads (metadata.yaml's)."""
     return spec().names
