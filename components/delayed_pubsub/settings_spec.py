@@ -7,6 +7,8 @@ is sensitive. From it come
 
 - the key names `settings.parse_settings` knows (any other key gets a warning
   at Init, naming the nearest known one);
+- every default the component uses (settings.RULES reads each with the key's
+  reader, for the parser and the Settings dataclass);
 - docs/component-metadata.md, the settings reference;
 - the commented keys of dapr/components/delayed-pubsub.yaml.
 
