@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import check_consumer_id, is_delayed_topic, is_engine_key
 from delayed_middleware.retry import READERS as RETRY_READERS
@@ -28,6 +27,23 @@ from delayed_middleware.retry import RetryPolicy, parse_retry_policy
 from delayed_middleware.storage_format import CURRENT as CURRENT_FORMAT
 from delayed_middleware.storage_format import OLDEST as OLDEST_FORMAT
 from delayed_middleware.target import check_target_name
+from delayed_pubsub.setting_readers import (
+    Reader,
+    address,
+    boolean,
+    duration,
+    file_path,
+    format_host,
+    go_duration,
+    integer,
+    legacy_ms,
+    pem,
+    read_int,
+    redis_hosts,
+    stripped,
+    text,
+    text_or_none,
+)
 from delayed_pubsub.settings_spec import spec, unknown_key_warnings
 
 log = logging.getLogger(__name__)
@@ -38,9 +54,6 @@ MAX_DELAY_SHARDS = 1024
 
 # Upper bounds, checked at Init so a value that parses but that Redis (or the
 # data path) would refuse later fails now, naming its key. See RELIABILITY.md.
-# Go's time.Duration is int64 nanoseconds: daprd and go-redis cannot express
-# more, and Redis takes every millisecond count up to it (XPENDING IDLE, XCLAIM min-idle).
-MAX_DURATION_MS = (2**63 - 1) // 1_000_000
 # The trim MINID is now - streamTTL: it must stay a valid (positive) stream id.
 MAX_STREAM_TTL_MS = 10 * 365 * 86_400_000
 # XADD MAXLEN and most Redis counts are signed 64-bit.
@@ -56,9 +69,6 @@ MAX_RETRIES = 1_000
 MAX_HANDOFF_TIMEOUT_MS = 86_400_000
 # The lifecycle history's length (historyMaxLen).
 MAX_HISTORY_LEN = 1_000_000_000
-
-_TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
-_FALSE = frozenset({"false", "f", "no", "n", "off", "0", ""})
 
 
 def _declared(name: str) -> Any:
@@ -139,14 +149,10 @@ class Settings:
     @property
     def address(self) -> str:
         """`host:port[,host:port…]`, as an operator would write it in redisHost."""
-        return ",".join(_format_host(h, p) for h, p in self.hosts)
+        return ",".join(format_host(h, p) for h, p in self.hosts)
 
 
-# --- the table: how each key's text becomes its field ------------------------------------
-
-# A reader turns a key's given text (unstripped) into its field's value, or raises
-# InvalidArgumentError naming the key and the value.
-Reader = Callable[[str, str], Any]
+# --- a rule: how one key is read ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -189,28 +195,7 @@ class Rule:
         return None if self.zero_is_unset and value == 0 else value
 
 
-def _stripped(read: Reader) -> Reader:
-    """`read` given the text without the blanks around it."""
-    return lambda key, raw: read(key, raw.strip())
-
-
-def _integer(minimum: int, maximum: int) -> Reader:
-    return lambda key, raw: _int(key, raw.strip(), minimum, maximum)
-
-
-def _go_duration(maximum: int = MAX_DURATION_MS) -> Reader:
-    return lambda key, raw: _duration(key, raw.strip(), maximum)
-
-
-def _text(key: str, raw: str) -> str:
-    return raw
-
-
-def _text_or_none(key: str, raw: str) -> str | None:
-    return raw or None
-
-
-# --- readers of one key ------------------------------------------------------------------
+# --- readers of one key that need more than setting_readers --------------------------------
 
 
 def _choice(key: str, raw: str) -> str:
@@ -221,37 +206,11 @@ def _choice(key: str, raw: str) -> str:
     return value
 
 
-def _file_path(key: str, path: str) -> str:
-    # Whether the file is there is checked at Init (connection.py), where a pod's
-    # volume is mounted; here only that it is a path.
-    if "-----BEGIN" in path or not path.startswith("/"):
-        shown = path if "-----BEGIN" not in path else f"<{len(path)} characters, redacted>"
-        raise InvalidArgumentError(
-            key, shown, "must be an absolute file path (PEM contents go in " + key[:-4] + ")"
-        )
-    return path
-
-
-def _pem(key: str, pem: str) -> str:
-    # Only the shape is checked here; a wrong key fails at connect, naming the host.
-    if "-----BEGIN" not in pem:
-        # A private key must not be echoed, not even its first characters.
-        shown = _redact(pem) if key == "clientCert" else f"<{len(pem)} characters, redacted>"
-        raise InvalidArgumentError(key, shown, "must be PEM contents, not a path")
-    return pem
-
-
 def _consumer_id(key: str, consumer_id: str) -> str:
     # Every key of the app derives from it: an id that could name another app's keys is refused
     # even without delayed messaging (the retry records and dead-letter sets derive from it too).
     check_consumer_id(consumer_id, key)
     return consumer_id
-
-
-def _address(key: str, address: str) -> str:
-    if any(c.isspace() for c in address):
-        raise InvalidArgumentError(key, address, "not host:port (or unix:///path)")
-    return address
 
 
 def _dead_letter_topic(key: str, topic: str) -> str:
@@ -264,160 +223,58 @@ def _dead_letter_topic(key: str, topic: str) -> str:
 
 def _max_retries(key: str, text: str) -> int:
     # go-redis reads -1 as "no retries"; so do we.
-    return max(0, _int(key, text, -1, MAX_RETRIES))
+    return max(0, read_int(key, text, -1, MAX_RETRIES))
 
 
 def _handoff_timeout(key: str, raw: str) -> int:
-    ms = _duration(key, raw.strip(), MAX_HANDOFF_TIMEOUT_MS)
+    ms = duration(key, raw.strip(), MAX_HANDOFF_TIMEOUT_MS)
     if ms <= 0:
         raise InvalidArgumentError(key, raw, "must be more than 0")
     return ms
-
-
-def _format_host(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _hosts(raw: str, default_port: int) -> tuple[tuple[str, int], ...]:
-    if not raw:
-        raise InvalidArgumentError("redisHost", raw, "required (host or host:port)")
-    # A URL-form `redis://user:password@host` is refused, and its credentials
-    # must not travel back in the error (nor into daprd's logs).
-    shown = _without_userinfo(raw)
-    hosts: list[tuple[str, int]] = []
-    for part in shown.split(","):
-        item = part.strip()
-        host, port_text = item, ""
-        if item.startswith("["):  # [ipv6]:port
-            end = item.find("]")
-            if end < 0:
-                raise InvalidArgumentError("redisHost", shown, f"unclosed '[' in {item!r}")
-            host, rest = item[1:end], item[end + 1 :]
-            if rest and not rest.startswith(":"):
-                raise InvalidArgumentError("redisHost", shown, f"garbage after ']' in {item!r}")
-            port_text = rest[1:]
-        elif item.count(":") == 1:
-            host, port_text = item.split(":")
-        if not host or any(c.isspace() or c in "/@" for c in host):
-            raise InvalidArgumentError("redisHost", shown, f"bad host {item!r}")
-        port = default_port
-        if port_text:
-            if not _is_decimal(port_text) or not 1 <= int(port_text) <= 65535:
-                raise InvalidArgumentError("redisHost", shown, f"bad port in {item!r}")
-            port = int(port_text)
-        hosts.append((host, port))
-    return tuple(hosts)
-
-
-def _without_userinfo(raw: str) -> str:
-    """`raw` with everything before its last `@` (a URL's user:password, which
-    may itself hold commas or colons) replaced by `***`."""
-    if "@" not in raw:
-        return raw
-    return "***@" + raw.rsplit("@", 1)[1]
-
-
-def _int(key: str, text: str, minimum: int, maximum: int) -> int:
-    # int() alone would also take "5_000", "+5" and non-ASCII digits.
-    if not _is_decimal(text.removeprefix("-")):
-        raise InvalidArgumentError(key, text, "not an integer")
-    value = _decimal(text)
-    if not minimum <= value <= maximum:
-        raise InvalidArgumentError(key, text, f"must be between {minimum} and {maximum}")
-    return value
-
-
-def _bool(key: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise InvalidArgumentError(key, raw, "not a boolean (true/false)")
-
-
-def _duration(key: str, text: str, maximum: int) -> int:
-    try:
-        ms = parse_go_duration(text)
-    except ValueError:
-        raise InvalidArgumentError(key, text, "not a Go duration (e.g. 500ms, 30s, 1h)") from None
-    if ms < 0:
-        raise InvalidArgumentError(key, text, "must not be negative")
-    return _at_most(key, text, ms, maximum)
-
-
-def _legacy_ms(key: str, text: str) -> int:
-    """A Go duration, or a bare integer meaning milliseconds (pubsub.redis's legacy form)."""
-    if _is_decimal(text):
-        return _at_most(key, text, _decimal(text), MAX_DURATION_MS)
-    return _duration(key, text, MAX_DURATION_MS)
-
-
-def _at_most(key: str, raw: str, ms: int, maximum: int) -> int:
-    if ms > maximum:
-        raise InvalidArgumentError(key, raw, f"must be at most {maximum}ms ({maximum // 86_400_000} days)")
-    return ms
-
-
-def _decimal(text: str) -> int:
-    """int(text) of a checked decimal; past 30 digits a stand-in of the same sign
-    that every range refuses (int() itself raises ValueError past 4300 digits)."""
-    if len(text.lstrip("-").lstrip("0")) > 30:
-        return -(10**30) if text.startswith("-") else 10**30
-    return int(text)
-
-
-def _is_decimal(text: str) -> bool:
-    # str.isdigit() is also true for "²" and other digits int() refuses.
-    return text.isascii() and text.isdigit()
-
-
-def _redact(value: str) -> str:
-    return value if len(value) <= 16 else value[:16] + "…"
 
 
 # --- the table ---------------------------------------------------------------------------
 
 # The Settings fields, in the order the checks run: the first bad value found is the one refused.
 RULES: Final[tuple[Rule, ...]] = (
-    Rule("redisPort", "", _integer(1, 65535)),
+    Rule("redisPort", "", integer(1, 65535)),
     Rule("redisType", "redis_type", _choice),
-    Rule("redisDB", "db", _integer(0, MAX_REDIS_DB)),
-    Rule("failover", "failover", _bool),
-    Rule("sentinelMasterName", "sentinel_master_name", _stripped(_text), unset=""),
-    Rule("clientCertFile", "client_cert_file", _stripped(_file_path)),
-    Rule("clientKeyFile", "client_key_file", _stripped(_file_path)),
-    Rule("clientCert", "client_cert", _pem, strip=False),
-    Rule("clientKey", "client_key", _pem, strip=False),
-    Rule("consumerID", "consumer_id", _stripped(_consumer_id), unset=""),
-    Rule("readTimeout", "read_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
-    Rule("redisMaxRetries", "max_retries", _stripped(_max_retries)),
+    Rule("redisDB", "db", integer(0, MAX_REDIS_DB)),
+    Rule("failover", "failover", boolean),
+    Rule("sentinelMasterName", "sentinel_master_name", stripped(text), unset=""),
+    Rule("clientCertFile", "client_cert_file", stripped(file_path)),
+    Rule("clientKeyFile", "client_key_file", stripped(file_path)),
+    Rule("clientCert", "client_cert", pem, strip=False),
+    Rule("clientKey", "client_key", pem, strip=False),
+    Rule("consumerID", "consumer_id", stripped(_consumer_id), unset=""),
+    Rule("readTimeout", "read_timeout_ms", stripped(legacy_ms), zero_is_unset=True),
+    Rule("redisMaxRetries", "max_retries", stripped(_max_retries)),
     Rule("defaultTargetPubsub", "default_target_pubsub", check_target_name, unset="", strip=False),
-    Rule("daprGrpcAddress", "dapr_grpc_address", _stripped(_address), unset=""),
-    Rule("deadLetterTopic", "dead_letter_topic", _stripped(_dead_letter_topic), unset=""),
-    Rule("redisUsername", "username", _text_or_none, strip=False),
-    Rule("redisPassword", "password", _text_or_none, strip=False),
-    Rule("enableTLS", "enable_tls", _bool),
-    Rule("insecureSkipTLSVerify", "insecure_skip_tls_verify", _bool),
-    Rule("processingTimeout", "processing_timeout_ms", _stripped(_legacy_ms)),
-    Rule("redeliverInterval", "redeliver_interval_ms", _stripped(_legacy_ms)),
-    Rule("queueDepth", "queue_depth", _integer(1, MAX_IN_FLIGHT)),
-    Rule("concurrency", "concurrency", _integer(1, MAX_IN_FLIGHT)),
-    Rule("maxLenApprox", "max_len_approx", _integer(0, MAX_REDIS_COUNT), zero_is_unset=True),
-    Rule("streamTTL", "stream_ttl_ms", _go_duration(MAX_STREAM_TTL_MS), zero_is_unset=True),
-    Rule("dialTimeout", "dial_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
+    Rule("daprGrpcAddress", "dapr_grpc_address", stripped(address), unset=""),
+    Rule("deadLetterTopic", "dead_letter_topic", stripped(_dead_letter_topic), unset=""),
+    Rule("redisUsername", "username", text_or_none, strip=False),
+    Rule("redisPassword", "password", text_or_none, strip=False),
+    Rule("enableTLS", "enable_tls", boolean),
+    Rule("insecureSkipTLSVerify", "insecure_skip_tls_verify", boolean),
+    Rule("processingTimeout", "processing_timeout_ms", stripped(legacy_ms)),
+    Rule("redeliverInterval", "redeliver_interval_ms", stripped(legacy_ms)),
+    Rule("queueDepth", "queue_depth", integer(1, MAX_IN_FLIGHT)),
+    Rule("concurrency", "concurrency", integer(1, MAX_IN_FLIGHT)),
+    Rule("maxLenApprox", "max_len_approx", integer(0, MAX_REDIS_COUNT), zero_is_unset=True),
+    Rule("streamTTL", "stream_ttl_ms", go_duration(MAX_STREAM_TTL_MS), zero_is_unset=True),
+    Rule("dialTimeout", "dial_timeout_ms", stripped(legacy_ms), zero_is_unset=True),
     # Not given: readTimeout's (parse_settings).
-    Rule("writeTimeout", "write_timeout_ms", _stripped(_legacy_ms), zero_is_unset=True),
-    Rule("poolSize", "pool_size", _integer(0, MAX_POOL_SIZE), zero_is_unset=True),
-    Rule("maxInflightPublishes", "max_inflight_publishes", _integer(1, MAX_IN_FLIGHT)),
-    Rule("enableDelayedMessaging", "enable_delayed_messaging", _bool),
-    Rule("maxDelay", "max_delay_ms", _go_duration(), zero_is_unset=True),
-    Rule("historyMaxLen", "history_max_len", _integer(0, MAX_HISTORY_LEN)),
-    Rule("historyMaxAge", "history_max_age_ms", _go_duration()),
-    Rule("deleteMarkerTTL", "delete_marker_ttl_ms", _go_duration()),
+    Rule("writeTimeout", "write_timeout_ms", stripped(legacy_ms), zero_is_unset=True),
+    Rule("poolSize", "pool_size", integer(0, MAX_POOL_SIZE), zero_is_unset=True),
+    Rule("maxInflightPublishes", "max_inflight_publishes", integer(1, MAX_IN_FLIGHT)),
+    Rule("enableDelayedMessaging", "enable_delayed_messaging", boolean),
+    Rule("maxDelay", "max_delay_ms", go_duration(), zero_is_unset=True),
+    Rule("historyMaxLen", "history_max_len", integer(0, MAX_HISTORY_LEN)),
+    Rule("historyMaxAge", "history_max_age_ms", go_duration()),
+    Rule("deleteMarkerTTL", "delete_marker_ttl_ms", go_duration()),
     Rule("handoffTimeout", "handoff_timeout_ms", _handoff_timeout),
-    Rule("delayShards", "delay_shards", _integer(1, MAX_DELAY_SHARDS)),
-    Rule("storageFormat", "storage_format", _integer(OLDEST_FORMAT, CURRENT_FORMAT)),
+    Rule("delayShards", "delay_shards", integer(1, MAX_DELAY_SHARDS)),
+    Rule("storageFormat", "storage_format", integer(OLDEST_FORMAT, CURRENT_FORMAT)),
 )
 _RULE: Final = {r.key: r for r in RULES}
 # The retry keys, read by retry.py's readers into RetryPolicy attributes (also per subscription).
@@ -454,7 +311,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     Each key alone is read by its rule (RULES); here remain the rules that involve several keys.
     """
     port = _RULE["redisPort"].value(props)
-    hosts = _hosts(props.get("redisHost", "").strip(), port)
+    hosts = redis_hosts(props.get("redisHost", "").strip(), port)
     values = _fields(props)
     _check_deployment(props, values)
     _check_tls_pairs(props, values)
