@@ -6,16 +6,13 @@ carries the decision out. Delays come from the one backoff,
 `delayed_middleware.backoff.compute_backoff`.
 
 Metadata (component YAML, overridable per subscription through the metadata
-daprd sends in PullMessages):
-
-| key                    | default            | meaning |
-|------------------------|--------------------|---------|
-| `maxDeliveryAttempts`  | unlimited          | deliveries before the message is dead-lettered (or dropped) |
-| `retryInitialInterval` | 1s                 | wait before the 2nd delivery (Go duration, or integer ms) |
-| `retryMaxInterval`     | 60s                | cap on any wait |
-| `retryMultiplier`      | 2                  | growth per attempt (>= 1; 1 = constant) |
-| `retryJitter`          | 0                  | fraction 0-1 of each wait taken off at random |
-| `deadLetterTopic`      | none (drop)        | where exhausted messages go |
+daprd sends in PullMessages): `maxDeliveryAttempts` (deliveries before the
+message is dead-lettered or dropped), `retryInitialInterval` (wait before the
+2nd delivery), `retryMaxInterval` (cap on any wait), `retryMultiplier` (growth
+per attempt), `retryJitter` (fraction of each wait taken off at random) and
+`deadLetterTopic` (where exhausted messages go). Their defaults are stated
+once, in the component's metadata.yaml (docs/component-metadata.md); each key
+is read by its reader in READERS, on the component and per subscription alike.
 
 When none of these keys is set anywhere, the policy is inactive and a nack
 behaves as before this module existed: redelivery after `redeliverInterval`,
@@ -110,6 +107,9 @@ KEYS: Final = (
     DEAD_LETTER_TOPIC,
 )
 
+# The values of a RetryPolicy built without the component (the pure policy in tests and tools).
+# The component starts from metadata.yaml's defaults instead (delayed_pubsub.settings passes them
+# to parse_retry_policy), so these never decide what a deployment does.
 DEFAULT_INITIAL_MS: Final = 1_000
 DEFAULT_MAX_MS: Final = 60_000
 DEFAULT_MULTIPLIER: Final = 2.0
