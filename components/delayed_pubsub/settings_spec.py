@@ -7,6 +7,8 @@ is sensitive. From it come
 
 - the key names `settings.parse_settings` knows (any other key gets a warning
   at Init, naming the nearest known one);
+- every default the component uses (settings.RULES reads each with the key's
+  reader, for the parser and the Settings dataclass);
 - docs/component-metadata.md, the settings reference;
 - the commented keys of dapr/components/delayed-pubsub.yaml.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import sys
@@ -143,6 +146,12 @@ class SpecError(ValueError):
 def metadata_text() -> str:
     """The text of the metadata.yaml shipped in this package."""
     return resources.files(__package__).joinpath(METADATA_FILE).read_text(encoding="utf-8")
+
+
+@functools.cache
+def spec() -> ComponentSpec:
+    """The shipped metadata.yaml, parsed at the first call (not at import) and kept."""
+    return load_spec()
 
 
 def load_spec(text: str | None = None) -> ComponentSpec:

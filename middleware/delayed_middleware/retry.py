@@ -6,16 +6,13 @@ carries the decision out. Delays come from the one backoff,
 `delayed_middleware.backoff.compute_backoff`.
 
 Metadata (component YAML, overridable per subscription through the metadata
-daprd sends in PullMessages):
-
-| key                    | default            | meaning |
-|------------------------|--------------------|---------|
-| `maxDeliveryAttempts`  | unlimited          | deliveries before the message is dead-lettered (or dropped) |
-| `retryInitialInterval` | 1s                 | wait before the 2nd delivery (Go duration, or integer ms) |
-| `retryMaxInterval`     | 60s                | cap on any wait |
-| `retryMultiplier`      | 2                  | growth per attempt (>= 1; 1 = constant) |
-| `retryJitter`          | 0                  | fraction 0-1 of each wait taken off at random |
-| `deadLetterTopic`      | none (drop)        | where exhausted messages go |
+daprd sends in PullMessages): `maxDeliveryAttempts` (deliveries before the
+message is dead-lettered or dropped), `retryInitialInterval` (wait before the
+2nd delivery), `retryMaxInterval` (cap on any wait), `retryMultiplier` (growth
+per attempt), `retryJitter` (fraction of each wait taken off at random) and
+`deadLetterTopic` (where exhausted messages go). Their defaults are stated
+once, in the component's metadata.yaml (docs/component-metadata.md); each key
+is read by its reader in READERS, on the component and per subscription alike.
 
 When none of these keys is set anywhere, the policy is inactive and a nack
 behaves as before this module existed: redelivery after `redeliverInterval`,
@@ -110,6 +107,9 @@ KEYS: Final = (
     DEAD_LETTER_TOPIC,
 )
 
+# The values of a RetryPolicy built without the component (the pure policy in tests and tools).
+# The component starts from metadata.yaml's defaults instead (delayed_pubsub.settings passes them
+# to parse_retry_policy), so these never decide what a deployment does.
 DEFAULT_INITIAL_MS: Final = 1_000
 DEFAULT_MAX_MS: Final = 60_000
 DEFAULT_MULTIPLIER: Final = 2.0
@@ -207,39 +207,24 @@ class RetryPolicy:
         return replace(policy, max_attempts=None, dead_letter_topic="")
 
 
-def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None) -> RetryPolicy:
-    """Read the retry keys from metadata over `base` (component settings, or the defaults).
+def parse_retry_policy(
+    props: Mapping[str, str], base: RetryPolicy | None = None, *, defaults: RetryPolicy | None = None
+) -> RetryPolicy:
+    """Read the retry keys from metadata over `base` (a subscription's, over the component's policy)
+    or, for the component, over `defaults` (the declared defaults; RetryPolicy's own without them).
 
     Raises InvalidArgumentError naming the first bad key and value.
     """
-    policy = base or RetryPolicy()
+    policy = base or defaults or RetryPolicy()
     given = {k: props[k].strip() for k in KEYS if k in props and props[k].strip() != ""}
     if not given:
         return policy
     # On the component, deadLetterTopic alone is also the forwarder's (hand-offs that failed
     # their last attempt): it must not turn subscriber retries on. On a subscription it does.
     changes: dict[str, object] = {"active": base is not None or given.keys() != {DEAD_LETTER_TOPIC}}
-    if MAX_DELIVERY_ATTEMPTS in given:
-        raw = given[MAX_DELIVERY_ATTEMPTS]
-        # Length first: int() of thousands of digits raises ValueError (and costs time).
-        if not (raw.isascii() and raw.isdigit()) or len(raw.lstrip("0")) > 10 or not 1 <= int(raw) <= 2**31:
-            raise InvalidArgumentError(MAX_DELIVERY_ATTEMPTS, raw, "must be an integer from 1 to 2^31")
-        changes["max_attempts"] = int(raw)
-    if RETRY_INITIAL_INTERVAL in given:
-        changes["initial_ms"] = _interval(RETRY_INITIAL_INTERVAL, given[RETRY_INITIAL_INTERVAL])
-    if RETRY_MAX_INTERVAL in given:
-        changes["max_ms"] = _interval(RETRY_MAX_INTERVAL, given[RETRY_MAX_INTERVAL])
-    if RETRY_MULTIPLIER in given:
-        changes["multiplier"] = _float(RETRY_MULTIPLIER, given[RETRY_MULTIPLIER], 1.0, 1000.0)
-    if RETRY_JITTER in given:
-        changes["jitter"] = _float(RETRY_JITTER, given[RETRY_JITTER], 0.0, 1.0)
-    if DEAD_LETTER_TOPIC in given:
-        topic = given[DEAD_LETTER_TOPIC]
-        if is_engine_key(topic) or is_delayed_topic(topic):
-            raise InvalidArgumentError(
-                DEAD_LETTER_TOPIC, topic, "is reserved for the delay engine (ends with -delayed)"
-            )
-        changes["dead_letter_topic"] = topic
+    for key, text in given.items():
+        attribute, read = READERS[key]
+        changes[attribute] = read(key, text)
     result = replace(policy, **changes)  # type: ignore[arg-type]
     if result.max_ms < result.initial_ms:
         key = RETRY_MAX_INTERVAL if RETRY_MAX_INTERVAL in given else RETRY_INITIAL_INTERVAL
@@ -255,7 +240,16 @@ def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy | None = None
 _MAX_INTERVAL_MS = 10 * 365 * 86_400_000
 
 
-def _interval(key: str, raw: str) -> int:
+def read_max_attempts(key: str, raw: str) -> int:
+    """maxDeliveryAttempts: an integer from 1 to 2^31."""
+    # Length first: int() of thousands of digits raises ValueError (and costs time).
+    if not (raw.isascii() and raw.isdigit()) or len(raw.lstrip("0")) > 10 or not 1 <= int(raw) <= 2**31:
+        raise InvalidArgumentError(key, raw, "must be an integer from 1 to 2^31")
+    return int(raw)
+
+
+def read_interval(key: str, raw: str) -> int:
+    """retryInitialInterval, retryMaxInterval: a Go duration or integer milliseconds, at most ten years."""
     if raw.isascii() and raw.isdigit():
         # Past 19 digits it is beyond any bound below; int() of thousands of digits raises.
         ms = int(raw) if len(raw.lstrip("0")) <= 19 else _MAX_INTERVAL_MS + 1
@@ -267,6 +261,35 @@ def _interval(key: str, raw: str) -> int:
     if ms < 0 or ms > _MAX_INTERVAL_MS:
         raise InvalidArgumentError(key, raw, "must be between 0 and 10 years")
     return ms
+
+
+def read_multiplier(key: str, raw: str) -> float:
+    """retryMultiplier: from 1 (constant) to 1000."""
+    return _float(key, raw, 1.0, 1000.0)
+
+
+def read_jitter(key: str, raw: str) -> float:
+    """retryJitter: the fraction (0 to 1) of each wait taken off at random."""
+    return _float(key, raw, 0.0, 1.0)
+
+
+def read_dead_letter_topic(key: str, topic: str) -> str:
+    """deadLetterTopic: any topic but the delay engine's."""
+    if is_engine_key(topic) or is_delayed_topic(topic):
+        raise InvalidArgumentError(key, topic, "is reserved for the delay engine (ends with -delayed)")
+    return topic
+
+
+# Each retry key: the RetryPolicy attribute it sets and its reader (key, stripped text) → value.
+# The component reads its declared defaults (metadata.yaml) through these same readers.
+READERS: Final[Mapping[str, tuple[str, Callable[[str, str], object]]]] = {
+    MAX_DELIVERY_ATTEMPTS: ("max_attempts", read_max_attempts),
+    RETRY_INITIAL_INTERVAL: ("initial_ms", read_interval),
+    RETRY_MAX_INTERVAL: ("max_ms", read_interval),
+    RETRY_MULTIPLIER: ("multiplier", read_multiplier),
+    RETRY_JITTER: ("jitter", read_jitter),
+    DEAD_LETTER_TOPIC: ("dead_letter_topic", read_dead_letter_topic),
+}
 
 
 def _float(key: str, raw: str, low: float, high: float) -> float:

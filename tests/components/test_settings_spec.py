@@ -3,8 +3,12 @@ component YAML are held to it, and keys it does not declare are warned about, na
 
 from __future__ import annotations
 
+import ast
 import logging
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,8 @@ import yaml
 
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.retry import KEYS as RETRY_KEYS
-from delayed_pubsub.settings import SPEC, parse_settings, unknown_keys
+from delayed_pubsub import settings, settings_spec
+from delayed_pubsub.settings import RULES, Settings, parse_settings, unknown_keys
 from delayed_pubsub.settings_spec import (
     REDIS_ONLY_KEYS,
     TYPES,
@@ -20,10 +25,12 @@ from delayed_pubsub.settings_spec import (
     generated_files,
     load_spec,
     metadata_text,
+    spec,
 )
 from tests.components.driver import Component
 
 ROOT = Path(__file__).resolve().parents[2]
+SPEC = spec()
 # No port in the host, so redisPort is read.
 BASE = {"redisHost": "localhost"}
 PEM_CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -217,6 +224,92 @@ def test_secrets_are_marked_sensitive() -> None:
 
 def test_subscription_retry_keys_are_declared_as_component_keys_too() -> None:
     assert set(RETRY_KEYS) <= SPEC.names
+
+
+# --- a default is written once: in metadata.yaml ---------------------------------------------
+
+
+def test_settings_py_writes_no_default_every_field_takes_metadata_yaml_s() -> None:
+    tree = ast.parse(Path(settings.__file__).read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Settings"]
+    for stmt in cls.body:
+        if not isinstance(stmt, ast.AnnAssign):
+            continue
+        assert isinstance(stmt.target, ast.Name)
+        name = stmt.target.id
+        if name == "hosts":
+            assert stmt.value is None  # redisHost is required
+            continue
+        # `= _declared("<field>")`: metadata.yaml's default through the field's rule, no literal.
+        assert isinstance(stmt.value, ast.Call), f"Settings.{name} has a default written in settings.py"
+        assert ast.unparse(stmt.value) == f"_declared({name!r})", name
+    # The table holds readers and bounds; its `unset` is only "not given" (none, or empty text).
+    assert {r.unset for r in RULES} <= {None, ""}
+
+
+def test_the_table_reads_exactly_the_declared_keys() -> None:
+    read = [r.key for r in RULES] + list(RETRY_KEYS) + ["redisHost"]
+    assert sorted(set(read)) == sorted(SPEC.names)
+
+
+@pytest.fixture
+def shipped_metadata_yaml() -> Iterator[Callable[[str], None]]:
+    """Make one key's example its default in metadata.yaml, as a maintainer editing it would."""
+    caches = (settings_spec.spec, settings.declared, settings.defaults, settings.known_keys)
+    original = settings_spec.metadata_text
+
+    def edit(key: str) -> None:
+        doc = yaml.safe_load(original())
+        [item] = [i for i in doc["metadata"] if i["name"] == key]
+        # The schema wants a non-empty example other than the default.
+        item["default"], item["example"] = item["example"], item["default"] or "another"
+        text = yaml.safe_dump(doc, sort_keys=False)
+        settings_spec.metadata_text = lambda: text
+        for cache in caches:
+            cache.cache_clear()
+
+    yield edit
+    settings_spec.metadata_text = original
+    for cache in caches:
+        cache.cache_clear()
+
+
+@pytest.mark.parametrize("key", sorted(s.name for s in SPEC.settings if s.default is not None))
+def test_a_default_edited_in_metadata_yaml_is_the_parsers_and_the_dataclasss(
+    key: str, shipped_metadata_yaml: Callable[[str], None]
+) -> None:
+    example = SPEC.get(key).example
+    base = {k: v for k, v in with_companions(key, example).items() if k != key} | retry_base(key)
+    hosts = (("localhost", 6379),)
+    wanted = parse_settings({**base, key: example})
+    before = Settings(hosts=hosts)
+    shipped_metadata_yaml(key)  # now `example` is the declared default
+    assert parse_settings(base) == wanted
+    after = Settings(hosts=hosts)
+    changed = {f.name for f in fields(Settings) if getattr(after, f.name) != getattr(before, f.name)}
+    owned = {r.field for r in RULES if r.key == key and r.field} | ({"retry"} if key in RETRY_KEYS else set())
+    owned |= {"write_timeout_ms"} if key == "readTimeout" else set()  # writeTimeout's default is readTimeout
+    assert changed == owned
+    for name in changed - {"retry"}:
+        assert getattr(after, name) == getattr(wanted, name)
+    if key in RETRY_KEYS:
+        # The declared defaults sit in the inactive policy until a retry key turns it on.
+        assert replace(after.retry, active=True, max_attempts=5) == wanted.retry
+
+
+def test_importing_the_component_does_not_read_metadata_yaml() -> None:
+    # It is read at the first parse (Init), once: `delayed-pubsub --help` or an operator command
+    # that needs no settings pays nothing for it.
+    code = (
+        "import delayed_pubsub.settings_spec as s\n"
+        "def read(): raise SystemExit('metadata.yaml read at import')\n"
+        "s.metadata_text = read\n"
+        "import delayed_pubsub.cli, delayed_pubsub.server, delayed_pubsub.instance, delayed_pubsub.settings\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 # --- what is generated from it -----------------------------------------------------------

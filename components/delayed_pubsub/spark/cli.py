@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.component_file import ComponentFileError, component_properties
-from delayed_pubsub.settings import KNOWN_KEYS
+from delayed_pubsub.settings import known_keys
 
 # The operator commands' variable (operate.PASSWORD_ENV), named here so that
 # registering `stats` imports nothing more.
@@ -120,7 +120,7 @@ def component_metadata(path: Path, environ: Mapping[str, str]) -> dict[str, str]
     Keys the component does not read are left out: the reader has no use for them.
     """
     props = component_properties(path, environ)
-    return {name: value for name, value in props.items() if name in KNOWN_KEYS}
+    return {name: value for name, value in props.items() if name in known_keys()}
 
 
 def reader_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, str]:
