@@ -24,16 +24,17 @@ from typing import Any, TypeVar
 
 import redis.exceptions
 
-from delayed_middleware import scripts
 from delayed_middleware.aio import raise_if_stopped, retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_middleware.liveness import Supervised
+from delayed_pubsub.claims import Claimed, claim_unchanged, nack_hold
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
+from delayed_pubsub.lua import DELETE_IDLE_CONSUMER
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
-from delayed_pubsub.redelivery import Claimed, Retrier, claim_unchanged, nack_hold
+from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -433,7 +434,7 @@ class Subscription:
                 await asyncio.wait_for(self._client.xack(self.topic, self._group, *last), timeout=2)
                 self._metrics.acked.inc(len(last))
             await asyncio.wait_for(
-                self._client.eval(scripts.DELETE_IDLE_CONSUMER, 1, self.topic, self._group, self.consumer),
+                self._client.eval(DELETE_IDLE_CONSUMER, 1, self.topic, self._group, self.consumer),
                 timeout=2,
             )
         except _CLOSE_ERRORS as e:

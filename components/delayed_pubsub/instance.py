@@ -51,7 +51,8 @@ from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
-from delayed_pubsub.redelivery import DueScan, Retrier, RetryNotices
+from delayed_pubsub.redelivery import Retrier
+from delayed_pubsub.retry_notices import DueScan, RetryNotices
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
 
 log = logging.getLogger(__name__)
