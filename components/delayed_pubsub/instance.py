@@ -43,7 +43,7 @@ from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.admission import Admission
-from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
+from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.controls import control_request
 from delayed_pubsub.engines import build_engine, engine_config
@@ -54,6 +54,7 @@ from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.retry_notices import DueScan, RetryNotices
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
+from delayed_pubsub.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
