@@ -21,9 +21,6 @@ from typing import Any
 import redis.exceptions
 
 from delayed_pubsub.calls import SubscriptionCalls
-from delayed_pubsub.connection import RedisClient
-from delayed_pubsub.metrics import InstanceMetrics
-from delayed_pubsub.window import Window
 
 # The subscription's parts log as the broker did before they had files of their own.
 log = logging.getLogger("delayed_pubsub.broker")
@@ -41,21 +38,9 @@ Batch = tuple[list[str], "asyncio.Future[None] | None"]
 class AckBatcher:
     """Queues a subscription's acks and XACKs them in batches (the ack loop, `run`)."""
 
-    def __init__(
-        self,
-        client: RedisClient,
-        topic: str,
-        group: str,
-        window: Window,
-        calls: SubscriptionCalls,
-        metrics: InstanceMetrics,
-    ) -> None:
-        self._client = client
-        self._topic = topic
-        self._group = group
-        self._window = window
+    def __init__(self, calls: SubscriptionCalls) -> None:
         self._calls = calls
-        self._metrics = metrics
+        self._window = calls.window
         # Acked (or expired) ids not yet sent to Redis, and the future the ack
         # loop resolves once the XACK holding them has landed.
         self.queued: list[str] = []
@@ -149,13 +134,13 @@ class AckBatcher:
         """The call carrying `batch` came back: its entries are no longer ours."""
         self._on_wire = [b for b in self._on_wire if b[0] is not batch]
         self._window.owned.difference_update(batch)
-        self._metrics.acked.inc(len(batch))
+        self._calls.metrics.acked.inc(len(batch))
         if landed is not None and not landed.done():
             landed.set_result(None)
 
     def refused(self, batch: list[str], e: BaseException) -> None:
         """Redis refused the XACK of `batch` (logged; the stream goes on)."""
-        log.warning("cannot ack %d entries on %s: %s", len(batch), self._topic, e)
+        log.warning("cannot ack %d entries on %s: %s", len(batch), self._calls.topic, e)
 
     def unsent(self) -> list[str]:
         """Every ack not known to have landed: those on the wire (the batch that was on the
@@ -171,4 +156,5 @@ class AckBatcher:
         self.queued, self._on_wire = [], []
 
     async def _xack(self, ids: Sequence[str]) -> Any:
-        return await self._client.xack(self._topic, self._group, *ids)
+        calls = self._calls
+        return await calls.client.xack(calls.topic, calls.group, *ids)

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.exceptions
@@ -20,6 +21,7 @@ from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient
 from delayed_pubsub.metrics import InstanceMetrics
+from delayed_pubsub.settings import Settings
 from delayed_pubsub.window import Window
 
 log = logging.getLogger("delayed_pubsub.broker")
@@ -32,26 +34,28 @@ BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 2.0
 
 
+@dataclass(frozen=True, eq=False)
 class SubscriptionCalls:
-    """Runs one subscription's Redis calls on `topic` in `group` until they work."""
+    """Who a subscription is on Redis (its client, topic, group and consumer), the parts it
+    shares (window, clock, metrics, settings), and its calls retried until they work: the
+    one thing each part of a subscription is given."""
 
-    def __init__(
-        self,
-        client: RedisClient,
-        topic: str,
-        group: str,
-        window: Window,
-        clock: Clock,
-        metrics: InstanceMetrics,
-        call_timeout: float | None,
-    ) -> None:
-        self._client = client
-        self._topic = topic
-        self._group = group
-        self._window = window
-        self._clock = clock
-        self._metrics = metrics
-        self.timeout = call_timeout
+    client: RedisClient
+    # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
+    blocking_client: RedisClient
+    settings: Settings
+    topic: str
+    consumer: str
+    window: Window
+    clock: Clock
+    metrics: InstanceMetrics
+    # Per call, a blocking read's block time included.
+    timeout: float | None
+
+    @property
+    def group(self) -> str:
+        """The consumer group: the app's consumerID."""
+        return self.settings.consumer_id
 
     async def retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it succeeds: transient errors back off and retry, a
@@ -61,39 +65,39 @@ class SubscriptionCalls:
         once the subscription is stopped: by its own flag, never by a
         cancellation request left on the task (see delayed_middleware.aio)."""
         backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
-        window = self._window
+        window = self.window
         result = await retrying(
             call,
             retried=(redis.exceptions.ResponseError, *TRANSIENT_ERRORS),
             on_error=functools.partial(self._on_redis_error, what),
             stopped=lambda: window.closed,
-            sleep=self._clock.sleep,
+            sleep=self.clock.sleep,
             backoff=backoff,
             call_timeout=self.timeout,
         )
         if backoff.failures:
-            log.info("%s on %s: redis is back", what, self._topic)
+            log.info("%s on %s: redis is back", what, self.topic)
         return result
 
     async def _on_redis_error(self, what: str, e: BaseException) -> None:
-        self._metrics.redis_errors.inc()
+        self.metrics.redis_errors.inc()
         if not isinstance(e, redis.exceptions.ResponseError):
-            log.warning("%s on %s: redis unavailable (%s); retrying", what, self._topic, e)
+            log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
         elif "NOGROUP" in str(e):
             log.warning(
-                "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self._topic
+                "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic
             )
             with contextlib.suppress(*REDIS_ERRORS):
                 await self.create_group()
         elif what == "XACK":
             raise e
         else:
-            log.error("%s on %s failed: %s; retrying", what, self._topic, e)
+            log.error("%s on %s failed: %s; retrying", what, self.topic, e)
 
     async def create_group(self) -> None:
         """XGROUP CREATE ... MKSTREAM from the start of the stream; a group already there is fine."""
         try:
-            await self._client.xgroup_create(self._topic, self._group, id="0", mkstream=True)
+            await self.client.xgroup_create(self.topic, self.group, id="0", mkstream=True)
         except redis.exceptions.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise

@@ -23,14 +23,10 @@ import redis.exceptions
 
 from delayed_middleware.aio import text
 from delayed_middleware.backoff import Backoff
-from delayed_middleware.clock import Clock
 from delayed_pubsub.acks import AckBatcher
 from delayed_pubsub.calls import BACKOFF_BASE_S, BACKOFF_CAP_S, SubscriptionCalls
 from delayed_pubsub.claims import Claimed, claim_unchanged
-from delayed_pubsub.connection import RedisClient
 from delayed_pubsub.redelivery import Retrier
-from delayed_pubsub.settings import Settings
-from delayed_pubsub.window import Window
 
 # The subscription's parts log as the broker did before they had files of their own.
 log = logging.getLogger("delayed_pubsub.broker")
@@ -45,6 +41,9 @@ RECLAIM_OWNED_SLACK = 256
 # The fewest rows a reclaim pass asks XPENDING for at a time.
 RECLAIM_PAGE_MIN = 100
 
+# How long an XREADGROUP blocks: short blocks keep a dead connection from going unnoticed for long.
+BLOCK_MS = 1000
+
 # Queues a delivery in the window: (entry id, fields, attempt, requeue).
 Push = Callable[[str, Any, int, bool], None]
 
@@ -54,36 +53,19 @@ class Fetcher:
 
     def __init__(
         self,
-        client: RedisClient,
-        blocking_client: RedisClient,
-        settings: Settings,
-        *,
-        topic: str,
-        consumer: str,
-        window: Window,
-        acks: AckBatcher,
         calls: SubscriptionCalls,
-        clock: Clock,
+        acks: AckBatcher,
+        retry: Retrier | None,
         push: Push,
         give_up: Callable[[Claimed], None],
-        retry: Retrier | None,
-        block_ms: int,
     ) -> None:
-        self._client = client
-        # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
-        self._blocking_client = blocking_client
-        self._settings = settings
-        self._topic = topic
-        self._group = settings.consumer_id
-        self._consumer = consumer
-        self._window = window
-        self._acks = acks
         self._calls = calls
-        self._clock = clock
+        self._settings = calls.settings
+        self._window = calls.window
+        self._acks = acks
+        self._retry = retry
         self._push = push
         self._give_up = give_up
-        self._retry = retry
-        self._block_ms = block_ms
         self._reclaim_cursor = "-"
         self._reclaim_round_at = time.monotonic()
 
@@ -138,15 +120,15 @@ class Fetcher:
                 if carry and acks.queued:  # the ack loop may have sent them during the reclaim
                     await self._read_new_acking(count)
                     continue
-                block = self._block_ms
+                block = BLOCK_MS
                 if reclaim_every > 0:
                     block = max(1, min(block, int((next_reclaim - time.monotonic()) * 1000)))
                 await self._calls.retrying("XREADGROUP", functools.partial(self._read_new, count, block))
             except Exception:
                 # Whatever retrying does not handle (a bug, a reply we did not
                 # expect) must not end the loop: daprd never re-opens the stream.
-                log.exception("fetching %s as %s failed; retrying", self._topic, self._consumer)
-                await self._clock.sleep(backoff.next())
+                log.exception("fetching %s as %s failed; retrying", self._calls.topic, self._calls.consumer)
+                await self._calls.clock.sleep(backoff.next())
             else:
                 backoff.reset()
 
@@ -168,13 +150,13 @@ class Fetcher:
         block (the XACK's reply would wait with it); if it finds nothing, the
         next pass blocks as usual.
         """
-        acks = self._acks
+        acks, c = self._acks, self._calls
         batch, landed = acks.take()
 
         async def call() -> Any:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.xack(self._topic, self._group, *batch)
-            pipe.xreadgroup(self._group, self._consumer, {self._topic: ">"}, count=count)
+            pipe = c.client.pipeline(transaction=False)
+            pipe.xack(c.topic, c.group, *batch)
+            pipe.xreadgroup(c.group, c.consumer, {c.topic: ">"}, count=count)
             acked, read = await pipe.execute(raise_on_error=False)
             if isinstance(read, Exception):
                 raise read  # retried as a plain read's error is (XACK is idempotent)
@@ -191,8 +173,9 @@ class Fetcher:
         self._push_read(reply)
 
     async def _read_new(self, count: int, block_ms: int) -> None:
-        reply: Any = await self._blocking_client.xreadgroup(
-            self._group, self._consumer, {self._topic: ">"}, count=count, block=block_ms
+        c = self._calls
+        reply: Any = await c.blocking_client.xreadgroup(
+            c.group, c.consumer, {c.topic: ">"}, count=count, block=block_ms
         )
         self._push_read(reply)
 
@@ -217,13 +200,14 @@ class Fetcher:
         # A repeat after a lost reply claims nothing twice (the first try bumped the
         # counts) and hands back what the first try claimed (the nonce's memo).
         nonce = uuid.uuid4().hex
-        claimed = await self._calls.retrying(
+        c = self._calls
+        claimed = await c.retrying(
             "XCLAIM",
             lambda: claim_unchanged(
-                self._client,
-                self._topic,
-                self._group,
-                self._consumer,
+                c.client,
+                c.topic,
+                c.group,
+                c.consumer,
                 listed,
                 self._settings.processing_timeout_ms,
                 nonce=nonce,
@@ -242,7 +226,7 @@ class Fetcher:
             log.info(
                 "reclaimed %d entries of %s idle > %dms",
                 len(claimed),
-                self._topic,
+                c.topic,
                 self._settings.processing_timeout_ms,
             )
         return len(claimed)
@@ -264,7 +248,7 @@ class Fetcher:
         if now - self._reclaim_round_at >= self._settings.processing_timeout_ms / 1000:
             head, self._reclaim_round_at = self._reclaim_cursor != "-", now
         cursor = "-" if head else self._reclaim_cursor
-        owned = self._window.owned
+        owned, c = self._window.owned, self._calls
         # XPENDING cannot leave out what we hold: the page is that much longer, up to a bound
         # (a page that yields too little is followed by the next one, not stalled on).
         # At least RECLAIM_PAGE_MIN rows: a long run of entries waiting out retry backoffs is
@@ -273,12 +257,12 @@ class Fetcher:
         limited = self._max_attempts() is not None
         found: dict[str, int] = {}
         for _ in range(RECLAIM_PAGES):
-            rows: Any = await self._calls.retrying(
+            rows: Any = await c.retrying(
                 "XPENDING",
                 functools.partial(
-                    self._client.xpending_range,
-                    self._topic,
-                    self._group,
+                    c.client.xpending_range,
+                    c.topic,
+                    c.group,
                     min=cursor,
                     max="+",
                     count=page,
@@ -333,5 +317,5 @@ class Fetcher:
         return (
             entry_id in self._window.unacked
             and entry_id not in self._window.ready_at
-            and text(row["consumer"]) != self._consumer
+            and text(row["consumer"]) != self._calls.consumer
         )

@@ -17,12 +17,9 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from delayed_middleware.clock import Clock
 from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.claims import Claimed, claim_unchanged, nack_hold
-from delayed_pubsub.connection import RedisClient
 from delayed_pubsub.redelivery import Retrier
-from delayed_pubsub.window import Window
 
 # The subscription's parts log as the broker did before they had files of their own.
 log = logging.getLogger("delayed_pubsub.broker")
@@ -33,32 +30,16 @@ class Nacks:
 
     def __init__(
         self,
-        client: RedisClient,
-        *,
-        topic: str,
-        group: str,
-        consumer: str,
-        window: Window,
         calls: SubscriptionCalls,
-        clock: Clock,
+        retry: Retrier | None,
         push: Callable[[str, Any, int, bool], None],
         slot_freed: Callable[[], None],
-        retry: Retrier | None,
-        redeliver_interval_s: float,
-        processing_timeout_ms: int,
     ) -> None:
-        self._client = client
-        self._topic = topic
-        self._group = group
-        self._consumer = consumer
-        self._window = window
         self._calls = calls
-        self._clock = clock
+        self._window = calls.window
+        self._retry = retry
         self._push = push
         self._slot_freed = slot_freed
-        self._retry = retry
-        self._redeliver_interval_s = redeliver_interval_s
-        self._processing_timeout_ms = processing_timeout_ms
         self._timers: set[asyncio.Task[None]] = set()
 
     def retry_later(self, entry_id: str, attempt: int, error: str = "") -> None:
@@ -70,7 +51,7 @@ class Nacks:
         if self._retry is not None:
             work: Coroutine[Any, Any, None] = self._retry_nack(self._retry, entry_id, error, attempt)
         else:
-            work = self._redeliver(entry_id, attempt, self._redeliver_interval_s)
+            work = self._redeliver(entry_id, attempt, self._calls.settings.redeliver_interval_ms / 1000)
         self._spawn(work, f"redeliver {entry_id}")
 
     def give_up(self, claimed: Claimed) -> None:
@@ -81,12 +62,14 @@ class Nacks:
             return  # stays pending: another stream gives it up after processingTimeout
         self._window.owned.add(claimed.id)
         last = claimed.attempt - 1
-        reason = f"delivery {last} not answered within processingTimeout ({self._processing_timeout_ms}ms)"
+        timeout_ms = self._calls.settings.processing_timeout_ms
+        reason = f"delivery {last} not answered within processingTimeout ({timeout_ms}ms)"
         self._spawn(self._giving_up(self._retry, claimed, reason), f"give up {claimed.id}")
 
     async def hold(self, entry_id: str, attempt: int) -> tuple[int, Any]:
         """NACK_HOLD `entry_id` for this stream under delivery count `attempt` (redelivery.nack_hold)."""
-        return await nack_hold(self._client, self._topic, self._group, self._consumer, entry_id, attempt)
+        c = self._calls
+        return await nack_hold(c.client, c.topic, c.group, c.consumer, entry_id, attempt)
 
     def cancel(self) -> list[asyncio.Task[None]]:
         """Closing: cancel every task still waiting; returns them, to be awaited."""
@@ -105,7 +88,7 @@ class Nacks:
             await retry.on_nack(entry_id, error, attempt)
         except Exception:
             # Still in the PEL: reclaimed after processingTimeout like any abandoned entry.
-            log.exception("retry of %s on %s failed", entry_id, self._topic)
+            log.exception("retry of %s on %s failed", entry_id, self._calls.topic)
         finally:
             # Its durable retry record (or its dead letter) owns it now: whichever
             # stream of the group the record's time finds redelivers it.
@@ -117,7 +100,7 @@ class Nacks:
             await retry.give_up(claimed, reason)
         except Exception:
             # Still in the PEL, its count past the maximum: given up by the next reclaim pass.
-            log.exception("giving up %s on %s failed", claimed.id, self._topic)
+            log.exception("giving up %s on %s failed", claimed.id, self._calls.topic)
         finally:
             self._window.disown(claimed.id)
 
@@ -129,16 +112,15 @@ class Nacks:
         of the nack: when redeliverInterval outlasts processingTimeout, another stream may
         still have delivered it meanwhile, and that delivery is the redelivery.
         """
-        _, fields = await self._calls.retrying("XCLAIM", lambda: self.hold(entry_id, attempt))
+        c = self._calls
+        _, fields = await c.retrying("XCLAIM", lambda: self.hold(entry_id, attempt))
         claimed: list[Claimed] = []
         if fields is not None:
-            await self._clock.sleep(delay_s)
+            await c.clock.sleep(delay_s)
             nonce = uuid.uuid4().hex
-            claimed = await self._calls.retrying(
+            claimed = await c.retrying(
                 "XCLAIM",
-                lambda: claim_unchanged(
-                    self._client, self._topic, self._group, self._consumer, {entry_id: attempt}, nonce=nonce
-                ),
+                lambda: claim_unchanged(c.client, c.topic, c.group, c.consumer, {entry_id: attempt}, nonce=nonce),
             )
         if not claimed:
             # Deleted or trimmed while it waited, acked elsewhere, or delivered again by

@@ -23,7 +23,7 @@ from delayed_pubsub.acks import AckBatcher
 from delayed_pubsub.calls import BACKOFF_BASE_S, BACKOFF_CAP_S, SubscriptionCalls
 from delayed_pubsub.claims import nack_hold
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient, call_timeout
-from delayed_pubsub.fetch import Fetcher
+from delayed_pubsub.fetch import BLOCK_MS, Fetcher
 from delayed_pubsub.lua import DELETE_IDLE_CONSUMER
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.nacks import Nacks
@@ -64,36 +64,36 @@ class Subscription:
         metrics: InstanceMetrics | None = None,
         blocking_client: RedisClient | None = None,
     ) -> None:
+        self._window = window = Window(settings.concurrency, settings.queue_depth, paused)
         self.topic = topic
-        self._metrics = metrics or Metrics().for_instance("")
         self.consumer = consumer
-        self._client = client
-        self._blocking_client = blocking_client if blocking_client is not None else client
         self._settings = settings
         self._clock = clock
-        self._group = settings.consumer_id
-        self._shut = False
-        self._window = window = Window(settings.concurrency, settings.queue_depth, paused)
+        self._metrics = metrics = metrics or Metrics().for_instance("")
         # The window's containers, named here as well: the subscriber's side touches them
         # once or twice per message.
-        self._ready = window.ready
-        self._unacked = window.unacked
-        self._owned = window.owned
-        self._ready_at = window.ready_at
+        self._ready, self._unacked = window.ready, window.unacked
+        self._owned, self._ready_at = window.owned, window.ready_at
+        base = call_timeout(settings)
+        self._calls = SubscriptionCalls(
+            client=client,
+            blocking_client=blocking_client if blocking_client is not None else client,
+            settings=settings,
+            topic=topic,
+            consumer=consumer,
+            window=window,
+            clock=clock,
+            metrics=metrics,
+            timeout=None if base is None else base + BLOCK_MS / 1000,
+        )
+        self._acks = AckBatcher(self._calls)
         self._fetcher: Supervised | None = None
         self._acker: Supervised | None = None
         # Built by start(), once `retry` is known.
         self._nacks: Nacks | None = None
+        self._shut = False
         # The retry policy's executor (redelivery.py), when one is configured; set before start().
         self.retry: Retrier | None = None
-        # Short blocks keep a dead connection from going unnoticed for long.
-        self._block_ms = 1000
-        base = call_timeout(settings)
-        self._timeout = None if base is None else base + self._block_ms / 1000
-        self._calls = SubscriptionCalls(
-            client, topic, self._group, window, clock, self._metrics, self._timeout
-        )
-        self._acks = AckBatcher(client, topic, self._group, window, self._calls, self._metrics)
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -101,35 +101,8 @@ class Subscription:
         """Create the consumer group (retrying while Redis is down) and start fetching."""
         await self._calls.retrying("XGROUP CREATE", self._calls.create_group)
         raise_if_stopped(self._window.closed)  # stopped while creating the group
-        nacks = self._nacks = Nacks(
-            self._client,
-            topic=self.topic,
-            group=self._group,
-            consumer=self.consumer,
-            window=self._window,
-            calls=self._calls,
-            clock=self._clock,
-            push=self._push,
-            slot_freed=self._slot_freed,
-            retry=self.retry,
-            redeliver_interval_s=self._settings.redeliver_interval_ms / 1000,
-            processing_timeout_ms=self._settings.processing_timeout_ms,
-        )
-        fetcher = Fetcher(
-            self._client,
-            self._blocking_client,
-            self._settings,
-            topic=self.topic,
-            consumer=self.consumer,
-            window=self._window,
-            acks=self._acks,
-            calls=self._calls,
-            clock=self._clock,
-            push=self._push,
-            give_up=nacks.give_up,
-            retry=self.retry,
-            block_ms=self._block_ms,
-        )
+        nacks = self._nacks = Nacks(self._calls, self.retry, self._push, self._slot_freed)
+        fetcher = Fetcher(self._calls, self._acks, self.retry, self._push, nacks.give_up)
         # Supervised: without the fetch loop nothing new is ever sent, and daprd
         # (which never re-opens a stream) would wait on this one forever; without
         # the ack loop every message would come back after processingTimeout.
@@ -191,12 +164,13 @@ class Subscription:
         # The batch that was on the wire when the ack loop was cancelled may or
         # may not have landed: XACK is idempotent, send it again with the rest.
         last = self._acks.unsent()
+        client, group = self._calls.client, self._calls.group
         try:
             if last:
-                await asyncio.wait_for(self._client.xack(self.topic, self._group, *last), timeout=2)
+                await asyncio.wait_for(client.xack(self.topic, group, *last), timeout=2)
                 self._metrics.acked.inc(len(last))
             await asyncio.wait_for(
-                self._client.eval(DELETE_IDLE_CONSUMER, 1, self.topic, self._group, self.consumer),
+                client.eval(DELETE_IDLE_CONSUMER, 1, self.topic, group, self.consumer),
                 timeout=2,
             )
         except _CLOSE_ERRORS as e:
@@ -276,11 +250,10 @@ class Subscription:
         if timeout_ms <= 0 or waited * 1000 < timeout_ms / 2:
             return True
         try:
-            _, fields = await self._calls.retrying(
+            c = self._calls
+            _, fields = await c.retrying(
                 "XCLAIM",
-                lambda: nack_hold(
-                    self._client, self.topic, self._group, self.consumer, delivery.id, delivery.attempt
-                ),
+                lambda: nack_hold(c.client, c.topic, c.group, c.consumer, delivery.id, delivery.attempt),
             )
         except asyncio.CancelledError:
             if self._window.closed:
