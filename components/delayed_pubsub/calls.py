@@ -1,4 +1,5 @@
-"""A subscription's Redis calls, each retried until it works or the subscription stops.
+"""What every part of a subscription is given: who it is on Redis, the state the parts
+share, and its Redis calls, each retried until it works or the subscription stops.
 
 daprd never re-opens a PullMessages stream that ended, so no Redis error may end one:
 transient errors back off and retry, a consumer group gone (Redis restarted empty) is

@@ -165,7 +165,7 @@ class Fetcher:
             return read
 
         try:
-            reply = await self._calls.retrying("XREADGROUP", call)
+            reply = await c.retrying("XREADGROUP", call)
         except BaseException:
             acks.back(batch, landed)
             raise

@@ -1,9 +1,10 @@
 """One PullMessages stream's subscription: its lifecycle and the subscriber's side of the window.
 
-The parts, each in a file of its own and each given the shared Window (window.py):
-the fetch loop and reclaim pass (fetch.py), the ack batcher (acks.py), nacks and
-give-ups (nacks.py), the Redis calls retried until they work (calls.py), and, with a
-retry policy, the Retrier (redelivery.py). This class starts and stops them and hands
+The parts, each in a file of its own: the fetch loop and reclaim pass (fetch.py), the
+ack batcher (acks.py), nacks and give-ups (nacks.py), and, with a retry policy, the
+Retrier (redelivery.py). Each is given one SubscriptionCalls (calls.py): who the
+subscription is on Redis, the window's state they share (window.py), and its Redis
+calls retried until they work. This class starts and stops them and hands
 messages out: deliveries(), ack(), nack().
 """
 

@@ -1,8 +1,8 @@
 """A subscription's delivery window: what it holds of a topic, shared by its parts.
 
-One plain object, passed to each part of a Subscription (the fetch loop in fetch.py,
-the ack batcher in acks.py, nacks and give-ups in nacks.py, the Redis calls in
-calls.py), so each part's signature shows what it reads and changes:
+One plain object, reached by each part of a Subscription through the SubscriptionCalls
+it is given (calls.py): the fetch loop (fetch.py), the ack batcher (acks.py), nacks and
+give-ups (nacks.py). What it holds:
 
   - `ready`: entries read or claimed, not yet handed to the subscriber, and
     `ready_at`, when each was (one that waited long is checked before it goes out);
