@@ -207,7 +207,7 @@ class Instance:
         return instance
 
     def _start_due_scan(self) -> None:
-        """The retry due scan (redelivery.DueScan) of this app, announcing due retry records."""
+        """The retry due scan (retry_notices.DueScan) of this app, announcing due retry records."""
         if not self.settings.consumer_id:
             return
         scan = DueScan(

@@ -67,7 +67,7 @@ class Nacks:
         self._spawn(self._giving_up(self._retry, claimed, reason), f"give up {claimed.id}")
 
     async def hold(self, entry_id: str, attempt: int) -> tuple[int, Any]:
-        """NACK_HOLD `entry_id` for this stream under delivery count `attempt` (redelivery.nack_hold)."""
+        """NACK_HOLD `entry_id` for this stream under delivery count `attempt` (claims.nack_hold)."""
         c = self._calls
         return await nack_hold(c.client, c.topic, c.group, c.consumer, entry_id, attempt)
 
