@@ -46,7 +46,8 @@ from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry  # noqa: 
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.connection import connect  # noqa: E402
 from delayed_pubsub.metrics import Metrics  # noqa: E402
-from delayed_pubsub.redelivery import DueScan, Retrier, RetryNotices  # noqa: E402
+from delayed_pubsub.redelivery import Retrier  # noqa: E402
+from delayed_pubsub.retry_notices import DueScan, RetryNotices  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 

@@ -51,18 +51,18 @@ def hooked_serve(argv: list[str]) -> int:
     """`delayed-pubsub serve` with stamps on each message's read and write; they are
     written to $DPS_STEADY_TRACE as JSON when the process exits."""
     from bench.common import probe_lag
-    from delayed_pubsub import broker
+    from delayed_pubsub import fetch, subscription
     from delayed_pubsub.cli import main
 
     stamps: dict[str, list[float]] = {}
     lags: list[float] = []
     windows: list[int] = []
-    push = broker.Subscription._push
-    deliveries = broker.Subscription.deliveries
-    read_new = broker.Subscription._read_new
-    read_new_acking = broker.Subscription._read_new_acking
+    push = subscription.Subscription._push
+    deliveries = subscription.Subscription.deliveries
+    read_new = fetch.Fetcher._read_new
+    read_new_acking = fetch.Fetcher._read_new_acking
     asked = {"at": 0.0}  # when the XREADGROUP now on the wire was sent (one fetch loop)
-    ack_nowait = broker.Subscription.ack_nowait
+    ack_nowait = subscription.Subscription.ack_nowait
     acked: dict[str, float] = {}
 
     def stamped_ack_nowait(self: Any, entry_id: str) -> bool:
@@ -92,11 +92,11 @@ def hooked_serve(argv: list[str]) -> int:
             yield d
             mark.append(time.time())
 
-    broker.Subscription._push = stamped_push  # type: ignore[method-assign]
-    broker.Subscription._read_new = stamped_read_new  # type: ignore[method-assign]
-    broker.Subscription._read_new_acking = stamped_read_new_acking  # type: ignore[method-assign]
-    broker.Subscription.ack_nowait = stamped_ack_nowait  # type: ignore[method-assign]
-    broker.Subscription.deliveries = stamped_deliveries  # type: ignore[method-assign]
+    subscription.Subscription._push = stamped_push  # type: ignore[method-assign]
+    fetch.Fetcher._read_new = stamped_read_new  # type: ignore[method-assign]
+    fetch.Fetcher._read_new_acking = stamped_read_new_acking  # type: ignore[method-assign]
+    subscription.Subscription.ack_nowait = stamped_ack_nowait  # type: ignore[method-assign]
+    subscription.Subscription.deliveries = stamped_deliveries  # type: ignore[method-assign]
 
     def dump() -> None:
         Path(os.environ[TRACE_ENV]).write_text(

@@ -43,7 +43,7 @@ from delayed_middleware.keys import EngineKeys, shard_topics
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_pubsub.admission import Admission
-from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry, Subscription
+from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry
 from delayed_pubsub.connection import Connection, call_timeout, connect
 from delayed_pubsub.controls import control_request
 from delayed_pubsub.engines import build_engine, engine_config
@@ -51,8 +51,10 @@ from delayed_pubsub.forwarder import Forwarder
 from delayed_pubsub.gauges import PendingByTopic
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
-from delayed_pubsub.redelivery import DueScan, Retrier, RetryNotices
+from delayed_pubsub.redelivery import Retrier
+from delayed_pubsub.retry_notices import DueScan, RetryNotices
 from delayed_pubsub.settings import Settings, parse_settings, unknown_keys
+from delayed_pubsub.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +207,7 @@ class Instance:
         return instance
 
     def _start_due_scan(self) -> None:
-        """The retry due scan (redelivery.DueScan) of this app, announcing due retry records."""
+        """The retry due scan (retry_notices.DueScan) of this app, announcing due retry records."""
         if not self.settings.consumer_id:
             return
         scan = DueScan(

@@ -35,7 +35,7 @@ trusted only beside that record; the poller claims the others under the count
 it read just before taking them, and sweeps away counts left without a record.
 
 When the poller looks: at the due times it has read, on its own nacks, and
-at least every POLL_CAP_S. Under `serve --workers N` a worker's DueScan looks
+at least every POLL_CAP_S. Under `serve --workers N` a worker's DueScan (retry_notices.py) looks
 at every retry schedule of the app instead and names the topics with due
 records on Redis pub/sub; the RetryNotices listener of the gRPC process wakes
 their pollers (`notify`), which then look on their own only every
@@ -49,17 +49,17 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
-from delayed_middleware import history, scripts
+from delayed_middleware import history
 from delayed_middleware.aio import retrying, text
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.history import Retention
-from delayed_middleware.keys import EngineKeys, claim_memo_key, delayed_topic, is_stream_id
+from delayed_middleware.keys import EngineKeys, delayed_topic, is_stream_id
 from delayed_middleware.kinds import Kind
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import (
@@ -69,8 +69,11 @@ from delayed_middleware.retry import (
     retry_key,
     retry_topics_key,
 )
+from delayed_pubsub.claims import Claimed, claim_unchanged, delivery_counts, nack_hold
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.lua import RETRY_RECORD, RETRY_SWEEP, RETRY_TAKE
 from delayed_pubsub.metrics import InstanceMetrics
+from delayed_pubsub.retry_notices import RetryNotices
 
 log = logging.getLogger(__name__)
 
@@ -82,27 +85,11 @@ POLL_CAP_S = 1.0
 # The same under `serve --workers N`, where a worker's due scan (DueScan) tells the pollers
 # when records are due: only a dead worker or a lost notice waits this long, never forever.
 NOTICED_POLL_CAP_S = 30.0
-# Longest the worker's due scan sleeps without looking at the retry schedules: bounds how
-# late a record written by another process or replica is announced.
-SCAN_CAP_S = 1.0
 POLL_BATCH = 100
 # Fields of the counts hash one poll looks at for counts left without a record (RETRY_SWEEP).
 SWEEP_STEP = 100
-# How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
-# call after a lost reply comes within the call timeout and a few backoff steps.
-CLAIM_MEMO_MS = 60_000
 # RETRY_TAKE's answer for an id whose record it did not take.
 _NOT_TAKEN = -1
-
-
-class Claimed(NamedTuple):
-    """An entry claim_unchanged took: to deliver as `attempt`, or, `given_up`, to dead-letter
-    (its deliveries were used up; `attempt` - 1 of them were made)."""
-
-    id: str
-    fields: dict[Any, Any]
-    attempt: int
-    given_up: bool = False
 
 
 Push = Callable[[str, Any, int], None]
@@ -291,7 +278,7 @@ class Retrier:
         """The retry record (due time and the delivery count `attempt` it is about) and the
         history entry, in one round trip (NACK_HOLD reset the idle time)."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.eval(scripts.RETRY_RECORD, 2, self._key, self._counts, entry_id, due_ms, attempt)
+        pipe.eval(RETRY_RECORD, 2, self._key, self._counts, entry_id, due_ms, attempt)
         # So operators find the waiting retries knowing only the app id.
         pipe.sadd(retry_topics_key(self._group), self._topic)
         self._retention.append(pipe, self._history, record, self._clock.now_ms())
@@ -308,7 +295,7 @@ class Retrier:
     async def _take(self, ids: Sequence[str], now_ms: int) -> dict[str, int]:
         """Take the records of `ids` still due at `now_ms` (RETRY_TAKE): id -> the delivery
         count its record is about (0: unknown, an older version's record), or _NOT_TAKEN."""
-        reply: Any = await self._client.eval(scripts.RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
+        reply: Any = await self._client.eval(RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
         return {i: int(n) for i, n in zip(ids, reply, strict=True)}
 
     async def _dead_letter(
@@ -444,7 +431,7 @@ class Retrier:
         pipe = self._client.pipeline(transaction=False)
         pipe.zrangebyscore(self._key, "-inf", now, start=0, num=limit)
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
-        pipe.eval(scripts.RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
+        pipe.eval(RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
         async with asyncio.timeout(self._timeout):
             due, later, swept = await pipe.execute()
         self._sweep_cursor = text(swept)
@@ -508,231 +495,3 @@ class Retrier:
             backoff=Backoff(base_s=0.05, cap_s=2.0),
             call_timeout=self._timeout,
         )
-
-
-def retry_due_channel(consumer_id: str) -> str:
-    """The pub/sub channel on which a worker's due scan names the topics with due retry records."""
-    return f"{retry_topics_key(consumer_id)}:due"
-
-
-class RetryNotices:
-    """The gRPC process's ear for a worker's due scan (`serve --workers N`): one listener per
-    instance that wakes the pollers of each topic named on `retry_due_channel`.
-
-    Redis pub/sub rather than serve's files to its workers: a worker restarted (or the scan
-    of another replica's worker) reaches it with nothing to re-open, and a notice lost on a
-    reconnect costs at most the pollers' long cap. A notice is only a wake-up: the take is
-    the token and the claim is conditional, so a repeated one delivers nothing twice.
-    """
-
-    def __init__(self, client: RedisClient, consumer_id: str, metrics: InstanceMetrics) -> None:
-        self._client = client
-        self._channel = retry_due_channel(consumer_id)
-        self._metrics = metrics
-        self._retriers: dict[str, set[Retrier]] = {}
-        self.loop: Supervised | None = None
-
-    def add(self, topic: str, retrier: Retrier) -> None:
-        """Wake `retrier` on notices for `topic` (the listener starts with the first one)."""
-        self._retriers.setdefault(topic, set()).add(retrier)
-        if self.loop is None:
-            self.loop = Supervised(
-                f"retry notice listener on {self._channel}",
-                self._listen,
-                on_state=self._metrics.loop_state("retry"),
-            )
-            self.loop.start()
-
-    def discard(self, topic: str, retrier: Retrier) -> None:
-        """Stop waking `retrier`."""
-        retriers = self._retriers.get(topic)
-        if retriers is not None:
-            retriers.discard(retrier)
-            if not retriers:
-                del self._retriers[topic]
-
-    async def close(self) -> None:
-        """Stop listening."""
-        if self.loop is not None:
-            await self.loop.stop()
-
-    def _wake(self, topic: str | None) -> None:
-        groups = self._retriers.values() if topic is None else [self._retriers.get(topic, set())]
-        for retriers in groups:
-            for retrier in retriers:
-                retrier.notify()
-
-    async def _listen(self, stop: asyncio.Event) -> None:
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
-        while not stop.is_set():
-            pubsub: Any = self._client.pubsub(ignore_subscribe_messages=True)
-            try:
-                # A Redis Cluster client maps the slots on its first command.
-                await self._client.ping()
-                await pubsub.subscribe(self._channel)
-                # A notice may have been missed while (re)subscribing.
-                self._wake(None)
-                backoff.reset()
-                while not stop.is_set():
-                    # get_message with a timeout, not listen(): an idle channel must not
-                    # look like a dead socket to the read timeout.
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if msg is not None:
-                        self._wake(text(msg["data"]))
-            except _RETRIED as e:
-                self._metrics.redis_errors.inc()
-                log.warning("retry notice listener on %s: %s", self._channel, e)
-                await _sleep_or_stop(stop, backoff.next())
-            finally:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1.0):
-                        await pubsub.aclose()
-
-
-class DueScan:
-    """A worker's watch over every retry schedule of one app (`serve --workers N`): it sleeps
-    until the earliest record is due (at most SCAN_CAP_S) and names the topics with due
-    records on `retry_due_channel`, so the gRPC process's pollers need not look every second.
-
-    It takes nothing: the pollers that hear it take, claim and deliver, as without workers.
-    A topic still due at the next look is named again (a notice lost, or no stream of it
-    open anywhere yet).
-    """
-
-    def __init__(
-        self,
-        client: RedisClient,
-        consumer_id: str,
-        clock: Clock,
-        metrics: InstanceMetrics,
-        call_timeout: float | None,
-    ) -> None:
-        self._client = client
-        self._group = consumer_id
-        self._channel = retry_due_channel(consumer_id)
-        self._clock = clock
-        self._metrics = metrics
-        self._timeout = call_timeout
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """The scan loop (a Supervised body)."""
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
-        while not stop.is_set():
-            try:
-                async with asyncio.timeout(self._timeout):
-                    next_ms = await self.scan()
-                backoff.reset()
-            except _RETRIED as e:
-                self._metrics.redis_errors.inc()
-                log.warning("retry due scan of %s: %s", self._group, e)
-                await _sleep_or_stop(stop, backoff.next())
-                continue
-            wait = SCAN_CAP_S
-            if next_ms is not None:
-                wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
-            await _sleep_or_stop(stop, wait)
-
-    async def scan(self) -> int | None:
-        """Announce the topics with due records; returns the next record's time (ms) or None."""
-        topics = sorted(text(t) for t in await self._client.smembers(retry_topics_key(self._group)))
-        if not topics:
-            return None
-        pipe = self._client.pipeline(transaction=False)
-        for topic in topics:
-            pipe.zrange(retry_key(self._group, topic), 0, 0, withscores=True)
-        heads = await pipe.execute()
-        now = self._clock.now_ms()
-        next_ms: int | None = None
-        for topic, head in zip(topics, heads, strict=True):
-            if not head:
-                continue
-            due_ms = int(head[0][1])
-            if due_ms <= now:
-                await self._client.publish(self._channel, topic)
-            elif next_ms is None or due_ms < next_ms:
-                next_ms = due_ms
-        return next_ms
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    if seconds <= 0:
-        return
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await stop.wait()
-
-
-async def nack_hold(
-    client: Any, topic: str, group: str, consumer: str, entry_id: str, sent: int
-) -> tuple[int, dict[Any, Any] | None]:
-    """Hold a nacked (or long-buffered) entry for `consumer`, its idle time reset so that no
-    reclaim pass takes it meanwhile, only if its delivery count is still `sent` (NACK_HOLD;
-    0: any count). Returns (delivery count, fields); fields None when it is no longer
-    pending, is gone from the stream, or was delivered again since."""
-    reply: Any = await client.eval(scripts.NACK_HOLD, 1, topic, group, consumer, entry_id, sent)
-    count, fields = int(reply[0]), reply[1]
-    if not fields:
-        return count, None
-    # A script hands the fields back flat, as Redis does.
-    return count, dict(zip(fields[::2], fields[1::2], strict=True))
-
-
-async def claim_unchanged(
-    client: Any,
-    topic: str,
-    group: str,
-    consumer: str,
-    counts: Mapping[str, int],
-    min_idle_ms: int = 0,
-    *,
-    nonce: str,
-    max_attempts: int | None = None,
-) -> list[Claimed]:
-    """Claim for `consumer` each entry whose delivery count is still the one in `counts`
-    (and idle `min_idle_ms` or more), in one atomic script on the topic key; returns
-    those claimed, the attempt being their new delivery count.
-
-    An entry another stream delivered since its count was read is left to that stream:
-    claiming it as well would deliver it twice. An entry already delivered `max_attempts`
-    times (None: no limit) is claimed `given_up` instead: the caller dead-letters it, and
-    no stream delivers it again (the claim bumped its count past the maximum), so of two
-    streams racing for it one gives it up. `nonce` names this claim: a repeat of the call
-    with the same nonce (its reply was lost) returns what the first run claimed, so each
-    caller makes one per claim and keeps it across its retries.
-    """
-    if not counts:
-        return []
-    args = [a for entry_id, n in counts.items() for a in (entry_id, n)]
-    memo = claim_memo_key(topic, group, nonce)
-    reply: Any = await client.eval(
-        scripts.CLAIM_UNCHANGED,
-        2,
-        topic,
-        memo,
-        group,
-        consumer,
-        min_idle_ms,
-        CLAIM_MEMO_MS,
-        max_attempts or 0,
-        *args,
-    )
-    # A script hands the fields back flat, as Redis does: paired as redis-py's XCLAIM pairs them.
-    return [
-        Claimed(text(i), dict(zip(f[::2], f[1::2], strict=True)), int(n), bool(int(up)))
-        for i, f, n, up in reply
-    ]
-
-
-async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str]) -> dict[str, int]:
-    """Each entry's delivery count in `group`'s PEL on `topic`, in one round trip: the attempt
-    number a redelivery carries (an id no longer pending is left out)."""
-    if not ids:
-        return {}
-    pipe = client.pipeline(transaction=False)
-    for entry_id in ids:
-        pipe.xpending_range(topic, group, min=entry_id, max=entry_id, count=1)
-    counts: dict[str, int] = {}
-    for rows in await pipe.execute():
-        for row in rows:
-            counts[text(row["message_id"])] = int(row["times_delivered"])
-    return counts

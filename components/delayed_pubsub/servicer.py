@@ -24,8 +24,10 @@ from delayed_middleware.errors import (
     NotInitializedError,
 )
 from delayed_pubsub.admission import AdmissionControl
-from delayed_pubsub.broker import DELIVERY_ATTEMPT, BulkEntry, Subscription
+from delayed_pubsub.broker import BulkEntry
 from delayed_pubsub.instance import Instance, Instances
+from delayed_pubsub.subscription import Subscription
+from delayed_pubsub.window import DELIVERY_ATTEMPT
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The Lua scripts: every state change of a delayed message, and the broker's atomic steps.
+"""The Lua scripts: every state change of a delayed message (the broker's own are in delayed_pubsub.lua).
 
 Each script lives in its own file under `lua/`, opening with its KEYS/ARGV
 layout; shared code (the due index, the DelayedMessage decoder, history
@@ -63,17 +63,6 @@ PAUSE: Final = load("pause.lua")
 COMPACT: Final = load("compact.lua")
 # Puts back in the due index the pending envelopes no index entry refers to (engine/recovery.py).
 RECOVER: Final = load("recover.lua")
-# The broker's own atomic steps.
-DELETE_IDLE_CONSUMER: Final = load("delete_idle_consumer.lua")
-# Conditional redelivery (reclaim pass, retry poller) and a nack's hold, each on the topic key alone.
-CLAIM_UNCHANGED: Final = load("claim_unchanged.lua")
-NACK_HOLD: Final = load("nack_hold.lua")
-# A retry record with the delivery count it is about, and the taking of due records.
-RETRY_RECORD: Final = load("retry_record.lua")
-RETRY_TAKE: Final = load("retry_take.lua")
-# Counts an older version's taker left without their records, removed a few at a time.
-RETRY_SWEEP: Final = load("retry_sweep.lua")
-
 # Dead letters moved back (`retry-dead`, the dashboard): each exactly once, in one
 # script where the dead-letter topic and the destination share a slot, else in two phases.
 RETRY_DEAD: Final = load("retry_dead.lua")

@@ -14,15 +14,17 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import delayed_pubsub.broker
+import delayed_pubsub.subscription
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_middleware.retry import RetryPolicy, retry_key
-from delayed_pubsub.broker import Broker, BulkEntry, Delivery, Subscription
+from delayed_pubsub.broker import Broker, BulkEntry
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
+from delayed_pubsub.subscription import Subscription
+from delayed_pubsub.window import Delivery
 from tests.conftest import retrier
 from tests.redis_server import RedisServer, free_port
 
@@ -274,7 +276,7 @@ async def test_the_fetch_loop_survives_an_unexpected_error(
             raise failures.pop()
         return decode_entry(fields)
 
-    monkeypatch.setattr(delayed_pubsub.broker, "decode_entry", decode_once_badly)
+    monkeypatch.setattr(delayed_pubsub.subscription, "decode_entry", decode_once_badly)
     for i in range(3):
         redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
     sub = Broker(aclient, settings(redis_server), SystemClock()).subscription("orders", "c1")

@@ -17,11 +17,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
 from delayed_middleware.deadletters import dead_letter_topics_key
 from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.retry import retry_counts_key, retry_key
-from delayed_pubsub.redelivery import claim_unchanged
+from delayed_pubsub import lua
+from delayed_pubsub.claims import claim_unchanged
 from delayed_pubsub.server import ComponentServer
 from tests.chaos.proxy import DelayingProxy, LosingProxy
 from tests.components.driver import Component, Stream
@@ -719,11 +719,11 @@ def test_a_slow_taker_does_not_remove_a_retry_record_written_since_it_looked(
     failed again and got a newer record, due later. The take removes nothing: the newer record
     stays, with its own delivery count, until its time."""
     key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
-    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 1_000, 1)  # what the taker read
-    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "1-0", 5_000, 2)  # written since
-    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
+    redis_client.eval(lua.RETRY_RECORD, 2, key, counts, "1-0", 1_000, 1)  # what the taker read
+    redis_client.eval(lua.RETRY_RECORD, 2, key, counts, "1-0", 5_000, 2)  # written since
+    assert redis_client.eval(lua.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
     assert (redis_client.zscore(key, "1-0"), redis_client.hget(counts, "1-0")) == (5_000, b"2:5000")
-    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 5_000, "1-0", "2-0") == [2, -1]
+    assert redis_client.eval(lua.RETRY_TAKE, 2, key, counts, 5_000, "1-0", "2-0") == [2, -1]
     assert not redis_client.exists(key, counts)
 
 
@@ -747,12 +747,12 @@ async def test_a_late_retry_record_leaves_the_newer_one_of_a_later_delivery_in_p
     redis_client.xgroup_create("orders", "app1", id="0", mkstream=True)
     e = _str(redis_client.xadd("orders", encode_entry(StreamEntry(b"m"))))  # type: ignore[arg-type]
     redis_client.xreadgroup("app1", "A", {"orders": ">"})  # delivery 1
-    assert redis_client.eval(scripts.NACK_HOLD, 1, "orders", "app1", "A", e, 1)[0] == 1
+    assert redis_client.eval(lua.NACK_HOLD, 1, "orders", "app1", "A", e, 1)[0] == 1
     got = await claim_unchanged(aclient, "orders", "app1", "B", {e: 1}, 0, nonce="n1")  # delivery 2
     assert [(c.id, c.attempt, c.given_up) for c in got] == [(e, 2, False)]
     now = int(time.time() * 1000)
-    assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now + 3_600_000, 2) == 1
-    assert redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now - 1, 1) == 0  # A's, late
+    assert redis_client.eval(lua.RETRY_RECORD, 2, key, counts, e, now + 3_600_000, 2) == 1
+    assert redis_client.eval(lua.RETRY_RECORD, 2, key, counts, e, now - 1, 1) == 0  # A's, late
     assert redis_client.zscore(key, e) == now + 3_600_000
     pushed: list[tuple[str, int]] = []
     await retrier(aclient, "C")._redeliver_due(lambda i, f, n: pushed.append((i, n)), lambda c: None)
@@ -773,7 +773,7 @@ async def test_a_retry_record_rewritten_by_an_older_replica_is_delivered_as_the_
     e = _str(redis_client.xadd("orders", encode_entry(StreamEntry(b"m"))))  # type: ignore[arg-type]
     redis_client.xreadgroup("app1", "new1", {"orders": ">"})
     now = int(time.time() * 1000)
-    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, e, now - 10, 1)
+    redis_client.eval(lua.RETRY_RECORD, 2, key, counts, e, now - 10, 1)
     # The older replica: ZREM as its token (no HDEL), XCLAIM (delivery 2), then its nack: ZADD alone.
     redis_client.zrem(key, e)
     redis_client.xclaim("orders", "app1", "old1", 0, [e])
@@ -793,7 +793,7 @@ async def test_counts_an_older_replica_left_without_their_records_are_swept_away
     key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
     redis_client.hset(counts, mapping={f"{i}-0": f"1:{i}" for i in range(1, 251)})
     later = int(time.time() * 1000) + 3_600_000
-    redis_client.eval(scripts.RETRY_RECORD, 2, key, counts, "999-0", later, 1)
+    redis_client.eval(lua.RETRY_RECORD, 2, key, counts, "999-0", later, 1)
     poller = retrier(aclient, "new")
     for _ in range(10):
         await poller._redeliver_due(lambda i, f, n: None, lambda c: None)
@@ -806,7 +806,7 @@ async def test_counts_an_older_replica_left_without_their_records_are_swept_away
 def test_taking_a_record_that_is_gone_removes_a_count_left_behind(redis_client: redis.Redis) -> None:
     key, counts = retry_key("app1", "orders"), retry_counts_key("app1", "orders")
     redis_client.hset(counts, "1-0", "1:1000")  # its record was taken by an older version
-    assert redis_client.eval(scripts.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
+    assert redis_client.eval(lua.RETRY_TAKE, 2, key, counts, 2_000, "1-0") == [-1]
     assert not redis_client.exists(counts)
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import redis
 
-from delayed_middleware import scripts
 from delayed_middleware.retry import retry_counts_key, retry_key, retry_topics_key
-from delayed_pubsub.redelivery import retry_due_channel
+from delayed_pubsub import lua
+from delayed_pubsub.retry_notices import retry_due_channel
 from tests.components.driver import Component, Stream, cluster_props, now_ms
 from tests.components.serve import Serve, instance, props_for
 from tests.components.test_serve_workers import wait_for
@@ -116,7 +116,7 @@ async def held_by_another_replica(
 def record_retry(client: Any, topic: str, entry_id: str, due_ms: int) -> None:
     """What that replica's nack left: a retry record of delivery 1, due at `due_ms`."""
     client.eval(
-        scripts.RETRY_RECORD,
+        lua.RETRY_RECORD,
         2,
         retry_key("app1", topic),
         retry_counts_key("app1", topic),

@@ -27,7 +27,7 @@ from delayed_middleware.keys import (
     split_shard_id,
 )
 from delayed_middleware.plan import check_topic
-from delayed_pubsub.redelivery import retry_due_channel
+from delayed_pubsub.retry_notices import retry_due_channel
 
 U64_MAX = 2**64 - 1
 
