@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 from delayed_middleware import history
 from delayed_middleware.aio import retrying, text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry, decode_entry
@@ -384,7 +384,7 @@ class Retrier:
         }
 
     async def _poll(self, push: Push, give_up: GiveUp, stop: asyncio.Event) -> None:
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not self._closed and not stop.is_set():
             # Cleared before looking, not before sleeping: a nack (or a notice) that lands
             # while this pass is under way was not seen by it, and must cut the sleep short.
@@ -492,6 +492,6 @@ class Retrier:
             on_error=count,
             stopped=lambda: self._closed,
             sleep=self._clock.sleep,
-            backoff=Backoff(base_s=0.05, cap_s=2.0),
+            backoff=REDIS_RECONNECT.backoff(),
             call_timeout=self._timeout,
         )

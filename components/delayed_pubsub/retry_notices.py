@@ -14,7 +14,7 @@ import logging
 from typing import Any, Protocol
 
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import retry_key, retry_topics_key
@@ -91,7 +91,7 @@ class RetryNotices:
                 retrier.notify()
 
     async def _listen(self, stop: asyncio.Event) -> None:
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not stop.is_set():
             pubsub: Any = self._client.pubsub(ignore_subscribe_messages=True)
             try:
@@ -144,7 +144,7 @@ class DueScan:
 
     async def run(self, stop: asyncio.Event) -> None:
         """The scan loop (a Supervised body)."""
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not stop.is_set():
             try:
                 async with asyncio.timeout(self._timeout):

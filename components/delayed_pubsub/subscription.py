@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from delayed_middleware.aio import raise_if_stopped
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.acks import AckBatcher
-from delayed_pubsub.calls import BACKOFF_BASE_S, BACKOFF_CAP_S, SubscriptionCalls
+from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.claims import nack_hold
 from delayed_pubsub.connection import REDIS_ERRORS, RedisClient, call_timeout
 from delayed_pubsub.fetch import BLOCK_MS, Fetcher
@@ -111,13 +111,13 @@ class Subscription:
         self._fetcher = Supervised(
             f"fetch loop of {self.topic} as {self.consumer}",
             fetcher.run,
-            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            backoff=REDIS_RECONNECT.backoff(),
             on_state=self._metrics.loop_state("fetch"),
         )
         self._acker = Supervised(
             f"ack loop of {self.topic} as {self.consumer}",
             self._acks.run,
-            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            backoff=REDIS_RECONNECT.backoff(),
             on_state=self._metrics.loop_state("ack"),
         )
         self._fetcher.start()
