@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import delayed_middleware.inspector
+import delayed_middleware.pending_reader
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -168,7 +168,7 @@ async def test_parked_and_undecodable_are_counted_not_listed(
     assert (report.parked, report.undecodable) == (1, 1)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     # Many parked: looked up per page instead of loaded at once, same answer.
-    monkeypatch.setattr(delayed_middleware.inspector, "_PARKED_IN_MEMORY", 0)
+    monkeypatch.setattr(delayed_middleware.pending_reader, "PARKED_IN_MEMORY", 0)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     info = await inspector.get(a)
     assert info is not None
