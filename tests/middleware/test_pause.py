@@ -232,7 +232,7 @@ async def test_a_paused_cron_schedule_waiting_for_its_refill_stays_paused(
     assert await full.refill_pending() == 0
     # A replica that read the refill set just before the pause goes on to refill it:
     # the paused ref must not be taken for one waiting (it would be marked indexed, and lost).
-    assert await full._refill_batch(["cr"]) == 0
+    assert await full.parts.refiller._refill_batch(["cr"]) == 0
     assert is_paused_ref(ref(redis_client, "cr"))
     assert ref_before != ref(redis_client, "cr")
     clock.set(first + 10_500)

@@ -26,6 +26,7 @@ from delayed_middleware.engine.replies import (
     ClaimResult,
     FireResult,
     InFlight,
+    PauseReply,
     RecoverResult,
     RefillItem,
     ReleaseResult,
@@ -34,6 +35,7 @@ from delayed_middleware.engine.replies import (
     ScheduleResult,
     read_claim,
     read_fire,
+    read_pause,
     read_release,
     topic,
 )
@@ -61,11 +63,11 @@ class EngineScripts:
 
     async def pause(
         self, op: str, id: str, reason: str, extra: Sequence[str], *, now: int, history_len: int
-    ) -> list[Any]:
-        """PAUSE (lua/pause.lua): hold or resume one entry; its raw reply, read by delayed_middleware.pausing."""
+    ) -> PauseReply:
+        """PAUSE (lua/pause.lua): hold or resume one entry (engine/pause.py)."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, *extra]
-        return list(await self._pause(keys=self._keys_for_writes, args=args))
+        return read_pause(await self._pause(keys=self._keys_for_writes, args=args))
 
     async def schedule(
         self, items: Sequence[ScheduleItem], *, now: int, token: str, history_len: int, token_window_ms: int

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
-from delayed_middleware import pausing
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.engine.config import SPREAD_MEMORY
 from delayed_middleware.engine.delay_engine import DelayEngine
+from delayed_middleware.engine.pause import PauseResult
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, split_shard_id
@@ -175,7 +175,7 @@ class ShardedEngine:
                 out[pos] = result
         return out
 
-    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> pausing.PauseResult:
+    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> PauseResult:
         """As DelayEngine.set_paused, on the shard that holds `id` (see cancel)."""
         shard, local = await self._locate(id)
         return await self.engines[shard].set_paused(local, pause=pause, reason=reason)

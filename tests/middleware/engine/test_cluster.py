@@ -601,7 +601,7 @@ async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_
     canceller = engine(aclient, clock)
     envs = [env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(12)]
     await canceller.schedule(envs)
-    real_set = canceller._set_fire_marker
+    real_set = canceller.parts.canceller._set_fire_marker
     calls = 0
 
     async def flaky_set(id: str, due: str, target: str, why: str) -> bool:
@@ -611,7 +611,7 @@ async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_
             raise redis.exceptions.ConnectionError("the target's master is unreachable")
         return await real_set(id, due, target, why)
 
-    monkeypatch.setattr(canceller, "_set_fire_marker", flaky_set)
+    monkeypatch.setattr(canceller.parts.canceller, "_set_fire_marker", flaky_set)
     raised: list[BaseException] = []
 
     async def cancel_in_flight(at: str) -> None:
