@@ -44,11 +44,13 @@ from rich.table import Table
 from rich.text import Text
 
 from delayed_middleware import history as hist
-from delayed_middleware import pausing, storage_format
+from delayed_middleware import storage_format
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import DL_KEYS, GONE, MOVED, MoveBack, move_back
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import ShardedEngine
+from delayed_middleware.engine import pause as pausing
+from delayed_middleware.engine.pause import scan_prefix
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
@@ -56,7 +58,6 @@ from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import display_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, consumer_id_problem, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.pausing import scan_prefix
 from delayed_middleware.schedules import EnvelopeRecurrence, schedule_zone
 from delayed_middleware.scripts import SCHEDULER
 from delayed_middleware.zones import local_time, zone

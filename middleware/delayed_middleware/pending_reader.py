@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from delayed_middleware.aio import text
+from delayed_middleware.engine.pause import paused_at_ms
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.handoff_reader import HandoffReader
@@ -31,7 +32,6 @@ from delayed_middleware.inspection import (
 )
 from delayed_middleware.keys import is_stream_id, split_shard_id
 from delayed_middleware.kinds import Kind
-from delayed_middleware.pausing import paused_at_ms
 from delayed_middleware.retry_reader import RetryReader
 from delayed_middleware.stream_walk import StreamWalk
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2

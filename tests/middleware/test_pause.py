@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine.pause import ALREADY, PARKED, PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import ONESHOT, RECURRING, Envelope
 from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic
-from delayed_middleware.pausing import ALREADY, PARKED, PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.schedules import EnvelopeRecurrence
 from tests.redis_server import stream_entries
 

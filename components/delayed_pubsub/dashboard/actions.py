@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from delayed_middleware import pausing
 from delayed_middleware.deadletters import GONE, MOVED
+from delayed_middleware.engine import pause as pausing
 from delayed_pubsub import operate
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field

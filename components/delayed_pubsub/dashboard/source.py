@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from delayed_middleware.engine.pause import paused_at_ms
 from delayed_middleware.envelope import EnvelopeDecodeError, decode_envelope
 from delayed_middleware.history import HistoryRecord
 from delayed_middleware.inspector import (
@@ -28,7 +29,6 @@ from delayed_middleware.inspector import (
     PendingMessage,
 )
 from delayed_middleware.keys import is_stream_id, split_shard_id
-from delayed_middleware.pausing import paused_at_ms
 from delayed_middleware.schedules import schedule_zone
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection

@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from delayed_middleware.backoff import Backoff
 from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.fire import Firer
 from delayed_middleware.engine.recovery import Recoverer
@@ -82,7 +81,7 @@ class FireLoop:
             if st.config.recover_orphans
             else None
         )
-        backoff = Backoff(base_s=st.config.retry_min_s, cap_s=st.config.retry_max_s)
+        backoff = st.config.retry_profile().backoff()
         try:
             while not stop.is_set():
                 if beat is not None:
@@ -152,7 +151,7 @@ class FireLoop:
 
     async def _listen_wake(self, stop: asyncio.Event) -> None:
         st = self._state
-        backoff = Backoff(base_s=st.config.retry_min_s, cap_s=st.config.retry_max_s)
+        backoff = st.config.retry_profile().backoff()
         while not stop.is_set():
             pubsub = st.listen_redis.pubsub(ignore_subscribe_messages=True)
             try:

@@ -28,7 +28,6 @@ import time
 from redis.exceptions import RedisError
 
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
 from delayed_middleware.engine.core import ShardState
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ class Recoverer:
     async def recover_at_start(self, stop: asyncio.Event) -> None:
         """One sweep at the start of the run loop, retried after Redis errors until it ends or `stop`."""
         st = self._state
-        backoff = Backoff(base_s=st.config.retry_min_s, cap_s=st.config.retry_max_s)
+        backoff = st.config.retry_profile().backoff()
         while not stop.is_set():
             try:
                 await self.recover_orphans()

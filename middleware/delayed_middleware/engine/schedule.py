@@ -32,6 +32,7 @@ from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.replies import ScheduleCall, ScheduleItem, ScheduleResult
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.errors import PartiallyStoredError
+from delayed_middleware.redis_errors import describe
 
 
 class Scheduler:
@@ -94,7 +95,7 @@ class Scheduler:
                 raise PartiallyStoredError(
                     start,
                     f"scheduling on {self._state.keys.stream!r}: {start} of {len(envelopes)} stored, then "
-                    f"redis: {exc or 'timed out'}",
+                    f"{describe(exc)}",
                 ) from exc
         return ids
 

@@ -40,6 +40,7 @@ from delayed_middleware.engine.replies import (
     topic,
 )
 from delayed_middleware.keys import EngineKeys
+from delayed_middleware.redis_errors import DUP, script_status
 
 
 class EngineScripts:
@@ -102,9 +103,9 @@ class EngineScripts:
             status, m = raw[at], int(raw[at + 1])
             values = [text(v) for v in raw[at + 2 : at + 2 + m]]
             at += 2 + m
-            if status == b"dup" or status == "dup":
+            if script_status(status) == DUP:
                 out.append(ScheduleResult([], dup=True))
-            elif status == b"err" or status == "err":
+            elif script_status(status) == "err":
                 out.append(ResponseError(values[0] if values else "SCHEDULE refused the call"))
             else:
                 n = len(c.items)

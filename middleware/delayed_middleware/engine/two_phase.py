@@ -51,6 +51,7 @@ from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.fire import FireStep
 from delayed_middleware.engine.replies import AppendItem, Claim, Refill
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
+from delayed_middleware.redis_errors import is_wrong_type
 
 
 class TwoPhaseFire:
@@ -192,7 +193,7 @@ class TwoPhaseFire:
             # A source whose key is not a stream gives nothing, as in FIRE. Raised,
             # the claim was taken over at each lease end and raised again: the
             # shard (and every claim beside it) stopped firing.
-            if not str(exc).startswith("WRONGTYPE"):
+            if not is_wrong_type(exc):
                 raise
             return []
         if not rows:
