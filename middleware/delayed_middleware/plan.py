@@ -23,37 +23,39 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from delayed_middleware import envelope as env
-from delayed_middleware.control import CONTROL_KEYS, Control, is_control, read_control
-from delayed_middleware.delay import (
-    DELAY_KEYS,
-    MAX_SCHEDULE_ID_LENGTH,
-    SCHEDULE,
-    SCHEDULE_CANCEL,
-    SCHEDULE_END,
-    SCHEDULE_ID,
-    SCHEDULE_JITTER,
-    SCHEDULE_LIMIT,
-    SCHEDULE_OPTION_KEYS,
-    SCHEDULE_SOURCE,
-    SCHEDULE_START,
-    SCHEDULE_TIME_ZONE,
-    SCHEDULE_TTL,
-    SCHEDULED_SEND_DELAY,
-    SCHEDULED_SEND_TIME,
-    TIME_KEYS,
-    Delay,
-    delay_keys_in,
-    parse_delay,
-)
+from delayed_middleware.control import Control, is_control, read_control
+from delayed_middleware.delay import MAX_SCHEDULE_ID_LENGTH, Delay, delay_keys_in, parse_delay
 from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.kinds import Kind
+from delayed_middleware.publish_keys import (
+    ALL_KEYS,
+    CONTROL_KEYS,
+    DELAY_KEYS,
+    NOT_ONE_SHOT_KEYS,
+    REQUEST_KEYS,
+    SCHEDULE,
+    SCHEDULE_CANCEL,
+    SCHEDULE_END,
+    SCHEDULE_ID,
+    SCHEDULE_JITTER,
+    SCHEDULE_LIMIT,
+    SCHEDULE_ONLY_KEYS,
+    SCHEDULE_SOURCE,
+    SCHEDULE_START,
+    SCHEDULE_TIME_ZONE,
+    SCHEDULE_TTL,
+    SCHEDULED_SEND_DELAY,
+    SCHEDULED_SEND_TIME,
+    TTL_KEYS,
+    excludes,
+)
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule, with_bounds
-from delayed_middleware.target import TARGET_PUBSUB, target_pubsub
-from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
+from delayed_middleware.target import target_pubsub
+from delayed_middleware.ttl import parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
 
 # What one delayed envelope may carry: one envelope fires in one script call
 # whatever it costs, and that call must stay within ~20 ms of Redis. Work is
@@ -67,13 +69,14 @@ MAX_ENVELOPE_WORK = 2000
 MAX_ENVELOPE_BYTES = 4 << 20
 MAX_TOPIC_LENGTH = 1024
 
+# The key sets of the one table (publish_keys.py), as sets for the lookups.
 _DELAY_KEYS = frozenset(DELAY_KEYS)
 _TTL_KEYS = frozenset(TTL_KEYS)
 # The keys of the schedules contract that parse_delay (one-shot delays) does not read.
-_SCHEDULE_KEYS = frozenset((SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS))
+_SCHEDULE_KEYS = frozenset(NOT_ONE_SHOT_KEYS)
 # Every key read_request reads: request-level metadata without any of them
 # leaves an entry's own request unchanged (see plain_cancel).
-_REQUEST_KEYS = frozenset((*DELAY_KEYS, *TTL_KEYS, TARGET_PUBSUB))
+_REQUEST_KEYS = frozenset(REQUEST_KEYS)
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,8 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
 
     Pure, and complete before anything is stored: every bad value raises
     InvalidArgumentError naming its key and value. The rules beyond each key's
-    own grammar (delay.py, schedules.py, ttl.py):
+    own grammar (delay.py, schedules.py, ttl.py; which key needs or excludes
+    which is the table's, publish_keys.py):
 
     - TTL keys work with or without delayed messaging (plain pub/sub behaviour);
       every other key of DELAY_KEYS needs enableDelayedMessaging.
@@ -229,50 +233,66 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
     expires_at_ms = 0 if _TTL_KEYS.isdisjoint(metadata) else parse_ttl(metadata, now_ms=ctx.now_ms) or 0
     if _SCHEDULE_KEYS.isdisjoint(metadata):
         # The common case (a one-shot delay, or nothing): parse_delay alone.
-        delay = _delay(metadata, ctx)
-        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
-        return Request(timing=timing, expires_at_ms=expires_at_ms)
+        return Request(timing=_one_shot(_delay(metadata, ctx)), expires_at_ms=expires_at_ms)
     present = delay_keys_in(metadata)
     # parse_delay refuses every delay key while disabled, and empty values, for
     # the schedule keys too: call it on the whole metadata first only for that.
     if not ctx.enabled or any(metadata[key] == "" for key in present):
         _delay(metadata, ctx)
     schedule_id = metadata.get(SCHEDULE_ID) or None
-
-    cancel = metadata.get(SCHEDULE_CANCEL)
-    if cancel is not None:
-        if cancel.lower() not in ("true", "false"):
-            raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
-        if cancel.lower() == "true":
-            if schedule_id is None:
-                raise InvalidArgumentError(
-                    SCHEDULE_CANCEL, cancel, "needs scheduleId: the id of the message or schedule to cancel"
-                )
-            # Validates the id (length, control characters).
-            _delay({SCHEDULE_ID: schedule_id}, ctx)
-            for key in (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
-                if key in present:
-                    raise InvalidArgumentError(
-                        key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
-                    )
-            return Request(cancel=schedule_id, expires_at_ms=expires_at_ms)
-
+    if _is_cancel(metadata, present, schedule_id, ctx):
+        return Request(cancel=schedule_id, expires_at_ms=expires_at_ms)
     delay = _delay({k: v for k, v in metadata.items() if k not in _SCHEDULE_KEYS}, ctx)
     expr = metadata.get(SCHEDULE)
-    source = metadata.get(SCHEDULE_SOURCE)
-    schedule_ttl = metadata.get(SCHEDULE_TTL)
     if expr is None:
-        for key in (SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
+        for key in SCHEDULE_ONLY_KEYS:
             if (value := metadata.get(key)) is not None:
                 raise InvalidArgumentError(key, value, "only applies to a schedule: give schedule too")
-        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
-        return Request(timing=timing, expires_at_ms=expires_at_ms)
-
-    for key in TIME_KEYS:
+        return Request(timing=_one_shot(delay), expires_at_ms=expires_at_ms)
+    for key in excludes(SCHEDULE):
         if key in present:
             raise InvalidArgumentError(
                 key, metadata[key], f"given together with schedule={expr!r}: give one of them, not both"
             )
+    return Request(timing=_schedule_timing(metadata, expr, schedule_id, ctx), expires_at_ms=expires_at_ms)
+
+
+def _one_shot(delay: Delay | None) -> Timing | None:
+    return None if delay is None else Timing(delay.due_ms, delay.schedule_id)
+
+
+def _is_cancel(
+    metadata: Mapping[str, str], present: list[str], schedule_id: str | None, ctx: PlanContext
+) -> bool:
+    """True when `metadata` is a valid cancel (scheduleCancel=true); refuses a bad one.
+
+    ``scheduleCancel: false`` is the key left out: False.
+    """
+    cancel = metadata.get(SCHEDULE_CANCEL)
+    if cancel is None:
+        return False
+    if cancel.lower() not in ("true", "false"):
+        raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
+    if cancel.lower() == "false":
+        return False
+    if schedule_id is None:
+        raise InvalidArgumentError(
+            SCHEDULE_CANCEL, cancel, "needs scheduleId: the id of the message or schedule to cancel"
+        )
+    # Validates the id (length, control characters).
+    _delay({SCHEDULE_ID: schedule_id}, ctx)
+    for key in excludes(SCHEDULE_CANCEL):
+        if key in present:
+            raise InvalidArgumentError(
+                key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
+            )
+    return True
+
+
+def _schedule_timing(
+    metadata: Mapping[str, str], expr: str, schedule_id: str | None, ctx: PlanContext
+) -> Timing:
+    """The Timing of a ``schedule`` (its zone, bounds, jitter, source and scheduleTTL read too)."""
     schedule = parse_schedule(expr, now_ms=ctx.now_ms, time_zone=metadata.get(SCHEDULE_TIME_ZONE))
     schedule = with_bounds(
         schedule,
@@ -294,21 +314,19 @@ def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
             f"first fires {format_go_duration(due_ms - ctx.now_ms)} from now, "
             f"more than the maximum delay of {format_go_duration(ctx.max_delay_ms)}",
         )
+    source = metadata.get(SCHEDULE_SOURCE)
     if source is not None:
         try:
             check_topic(source)
         except InvalidArgumentError as err:
             raise InvalidArgumentError(SCHEDULE_SOURCE, source, err.reason) from None
-    ttl_ms = 0 if schedule_ttl is None else parse_schedule_ttl(schedule_ttl) or 0
-    return Request(
-        timing=Timing(
-            due_ms,
-            schedule_id,
-            schedule=schedule if schedule.recurring else None,
-            source=source or "",
-            schedule_ttl_ms=ttl_ms,
-        ),
-        expires_at_ms=expires_at_ms,
+    schedule_ttl = metadata.get(SCHEDULE_TTL)
+    return Timing(
+        due_ms,
+        schedule_id,
+        schedule=schedule if schedule.recurring else None,
+        source=source or "",
+        schedule_ttl_ms=0 if schedule_ttl is None else parse_schedule_ttl(schedule_ttl) or 0,
     )
 
 
@@ -429,7 +447,7 @@ def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
 
 # Every metadata key planning reads. A publish whose only one of them is
 # scheduledSendDelay or scheduledSendTime takes the fast path (_plain_delay).
-_PLANNED_KEYS = frozenset((*DELAY_KEYS, *TTL_KEYS, TARGET_PUBSUB, *CONTROL_KEYS))
+_PLANNED_KEYS = ALL_KEYS
 
 
 @lru_cache(maxsize=256)
@@ -558,96 +576,138 @@ def plan_bulk(
             metadata[SCHEDULE_CANCEL],
             "give scheduleCancel (and scheduleId) per entry of a bulk publish, not for the whole request",
         )
-    request_timing = request.timing
-    failed: list[Failed] = []
-    now: list[Immediate] = []
-    together: list[Immediate] = []
-    delayed: list[Delayed] = []
-    cancels: list[Cancel] = []
-    ids_taken: set[str] = set()
-    if request_timing is not None and request_timing.schedule_id:
-        ids_taken.add(request_timing.schedule_id)
-    # Entries that are plain cancels skip the general reading (see plain_cancel)
-    # when the request's own metadata cannot change what they ask.
-    plain = ctx.enabled and _REQUEST_KEYS.isdisjoint(metadata)
+    bulk = _BulkPlan(topic, metadata, request, ctx)
     for entry_id, entry in entries:
-        if plain and (cancel_id := plain_cancel(entry.metadata, ctx)) is not None:
-            cancels.append(Cancel((entry_id,), cancel_id))
-            continue
-        if is_control(entry.metadata):
-            key = next(k for k in CONTROL_KEYS if k in entry.metadata)
+        bulk.add(entry_id, entry)
+    return bulk.plan()
+
+
+class _BulkPlan:
+    """plan_bulk's entries, one by one, into what becomes its PublishPlan."""
+
+    def __init__(self, topic: str, metadata: Mapping[str, str], request: Request, ctx: PlanContext) -> None:
+        self.topic = topic
+        self.metadata = metadata
+        self.request = request
+        self.ctx = ctx
+        self.failed: list[Failed] = []
+        self.now: list[Immediate] = []
+        # Entries without delay or TTL keys of their own, under a request-level delay: batch envelopes.
+        self.together: list[Immediate] = []
+        self.delayed: list[Delayed] = []
+        self.cancels: list[Cancel] = []
+        self.ids_taken: set[str] = set()
+        if request.timing is not None and request.timing.schedule_id:
+            self.ids_taken.add(request.timing.schedule_id)
+        # Entries that are plain cancels skip the general reading (see plain_cancel)
+        # when the request's own metadata cannot change what they ask.
+        self.plain = ctx.enabled and _REQUEST_KEYS.isdisjoint(metadata)
+
+    def add(self, entry_id: str, entry: StreamEntry) -> None:
+        """Plan one entry: a cancel, a refusal, a message now, a member of a batch, or an envelope of its own."""
+        own_md = entry.metadata
+        if self.plain and (cancel_id := plain_cancel(own_md, self.ctx)) is not None:
+            self.cancels.append(Cancel((entry_id,), cancel_id))
+            return
+        if is_control(own_md):
+            key = next(k for k in CONTROL_KEYS if k in own_md)
             refused = InvalidArgumentError(
-                key,
-                entry.metadata[key],
-                "not in a bulk publish: send it as a single publish (no body needed)",
+                key, own_md[key], "not in a bulk publish: send it as a single publish (no body needed)"
             )
-            failed.append(Failed(entry_id, str(refused)))
-            continue
-        # The common case, no metadata anywhere, allocates nothing new.
-        merged = entry
-        if metadata:
-            inherited: Mapping[str, str] = metadata
-            if not _TTL_KEYS.isdisjoint(entry.metadata):
-                # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
-                inherited = {k: v for k, v in metadata.items() if k not in _TTL_KEYS}
-            merged = StreamEntry(
-                entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
-            )
-        if _DELAY_KEYS.isdisjoint(entry.metadata) and _TTL_KEYS.isdisjoint(entry.metadata):
-            if request_timing is not None:
-                if (costly := _too_costly(merged)) is not None:
-                    failed.append(Failed(entry_id, str(costly)))
-                    continue
-                together.append(Immediate(entry_id, merged))
-            elif request.expires_at_ms:
-                now.append(
-                    _now(entry_id, merged.data, merged.metadata, merged.content_type, request.expires_at_ms)
-                )
-            else:
-                now.append(Immediate(entry_id, merged))
-            continue
+            self.failed.append(Failed(entry_id, str(refused)))
+            return
+        merged = self._merged(entry)
+        if _DELAY_KEYS.isdisjoint(own_md) and _TTL_KEYS.isdisjoint(own_md):
+            self._inherit(entry_id, merged)
+            return
         try:
-            own = read_request(merged.metadata, ctx)
+            own = read_request(merged.metadata, self.ctx)
         except InvalidArgumentError as err:
-            failed.append(Failed(entry_id, str(err)))
-            continue
+            self.failed.append(Failed(entry_id, str(err)))
+            return
         if own.cancel is not None:
-            cancels.append(Cancel((entry_id,), own.cancel))
-            continue
-        if own.timing is None:
-            now.append(_now(entry_id, merged.data, merged.metadata, merged.content_type, own.expires_at_ms))
-            continue
+            self.cancels.append(Cancel((entry_id,), own.cancel))
+        elif own.timing is None:
+            self.now.append(
+                _now(entry_id, merged.data, merged.metadata, merged.content_type, own.expires_at_ms)
+            )
+        else:
+            self._own_envelope(entry_id, entry, merged, own, own.timing)
+
+    def _merged(self, entry: StreamEntry) -> StreamEntry:
+        """The entry with the request's metadata under its own (its own keys win)."""
+        if not self.metadata:
+            # The common case, no metadata anywhere, allocates nothing new.
+            return entry
+        inherited: Mapping[str, str] = self.metadata
+        if not _TTL_KEYS.isdisjoint(entry.metadata):
+            # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
+            inherited = {k: v for k, v in self.metadata.items() if k not in _TTL_KEYS}
+        return StreamEntry(
+            entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
+        )
+
+    def _inherit(self, entry_id: str, merged: StreamEntry) -> None:
+        """An entry with no delay or TTL keys of its own: as the request says."""
+        if self.request.timing is not None:
+            if (costly := _too_costly(merged)) is not None:
+                self.failed.append(Failed(entry_id, str(costly)))
+                return
+            self.together.append(Immediate(entry_id, merged))
+        elif self.request.expires_at_ms:
+            self.now.append(
+                _now(entry_id, merged.data, merged.metadata, merged.content_type, self.request.expires_at_ms)
+            )
+        else:
+            self.now.append(Immediate(entry_id, merged))
+
+    def _own_envelope(
+        self, entry_id: str, entry: StreamEntry, merged: StreamEntry, own: Request, timing: Timing
+    ) -> None:
         # An entry of its own is identified by its own scheduleId only: the
         # request's belongs to the batch envelope, and sharing it would make
         # one envelope silently replace the other.
         own_id = entry.metadata.get(SCHEDULE_ID) or None
-        if own_id is not None and own_id in ids_taken:
+        if own_id is not None and own_id in self.ids_taken:
             dup = InvalidArgumentError(SCHEDULE_ID, own_id, "given to two messages of one bulk publish")
-            failed.append(Failed(entry_id, str(dup)))
-            continue
+            self.failed.append(Failed(entry_id, str(dup)))
+            return
         if (costly := _too_costly(merged)) is not None:
-            failed.append(Failed(entry_id, str(costly)))
-            continue
+            self.failed.append(Failed(entry_id, str(costly)))
+            return
         if own_id is not None:
-            ids_taken.add(own_id)
+            self.ids_taken.add(own_id)
         envelope = _envelope(
-            topic,
-            own.timing if own.timing.schedule_id == own_id else replace(own.timing, schedule_id=own_id),
-            ctx,
+            self.topic,
+            timing if timing.schedule_id == own_id else replace(timing, schedule_id=own_id),
+            self.ctx,
             expires_at_ms=own.expires_at_ms,
             message=merged.data,
             content_type=merged.content_type,
             metadata=merged.metadata,
         )
-        delayed.append(Delayed((entry_id,), envelope))
-    if together and request_timing is not None:
-        parts = _split(together)
-        if request_timing.schedule_id and len(parts) > 1:
+        self.delayed.append(Delayed((entry_id,), envelope))
+
+    def plan(self) -> PublishPlan:
+        """The plan: the batch envelopes of the request-level delay after the entries' own."""
+        timing = self.request.timing
+        if self.together and timing is not None:
+            self._batches(timing)
+        return PublishPlan(
+            immediate=tuple(self.now),
+            delayed=tuple(self.delayed),
+            failed=tuple(self.failed),
+            cancels=tuple(self.cancels),
+        )
+
+    def _batches(self, timing: Timing) -> None:
+        parts = _split(self.together)
+        if timing.schedule_id and len(parts) > 1:
             raise InvalidArgumentError(
                 SCHEDULE_ID,
-                request_timing.schedule_id,
+                timing.schedule_id,
                 f"a delayed bulk publish with one scheduleId holds at most {MAX_BULK_ENVELOPE_ENTRIES} "
-                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(together)} "
+                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(self.together)} "
                 "entries",
             )
         for part in parts:
@@ -656,17 +716,14 @@ def plan_bulk(
                 for i in part
             ]
             envelope = _envelope(
-                topic,
-                request_timing,
-                ctx,
-                expires_at_ms=request.expires_at_ms,
-                metadata=metadata,
+                self.topic,
+                timing,
+                self.ctx,
+                expires_at_ms=self.request.expires_at_ms,
+                metadata=self.metadata,
                 bulk_entries=bulk,
             )
-            delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
-    return PublishPlan(
-        immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed), cancels=tuple(cancels)
-    )
+            self.delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
 
 
 def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:
