@@ -291,6 +291,9 @@ def _plan_publish(
     topic: str, data: bytes, metadata: Mapping[str, str], content_type: str, ctx: PlanContext
 ) -> PublishPlan:
     """plan_publish's general path: every key, every rule."""
+    # The plain cancel first, without building a Request: a cancel is planned in a few lookups.
+    if (cancel_id := plain_cancel(metadata, ctx)) is not None:
+        return PublishPlan(cancels=(Cancel(("",), cancel_id),))
     request = read_publish(metadata, ctx)
     if request.control is not None:
         return PublishPlan(control=request.control)
@@ -344,8 +347,7 @@ def plan_bulk(
             "give scheduleCancel (and scheduleId) per entry of a bulk publish, not for the whole request",
         )
     bulk = _BulkPlan(topic, metadata, request, ctx)
-    for entry_id, entry in entries:
-        bulk.add(entry_id, entry)
+    bulk.add(entries)
     return bulk.plan()
 
 
@@ -370,23 +372,35 @@ class _BulkPlan:
         # when the request's own metadata cannot change what they ask.
         self.plain = ctx.enabled and _REQUEST_KEYS.isdisjoint(metadata)
 
-    def add(self, entry_id: str, entry: StreamEntry) -> None:
-        """Plan one entry: a cancel, a refusal, a message now, a member of a batch, or an envelope of its own."""
-        own_md = entry.metadata
-        if self.plain and (cancel_id := plain_cancel(own_md, self.ctx)) is not None:
-            self.cancels.append(Cancel((entry_id,), cancel_id))
-            return
-        if is_control(own_md):
-            key = next(k for k in CONTROL_KEYS if k in own_md)
-            refused = InvalidArgumentError(
-                key, own_md[key], "not in a bulk publish: send it as a single publish (no body needed)"
-            )
-            self.failed.append(Failed(entry_id, str(refused)))
-            return
-        merged = self._merged(entry)
-        if _DELAY_KEYS.isdisjoint(own_md) and _TTL_KEYS.isdisjoint(own_md):
-            self._inherit(entry_id, merged)
-            return
+    def add(self, entries: Sequence[tuple[str, StreamEntry]]) -> None:
+        """Plan each entry: a cancel, a refusal, a message now, a member of a batch, or an envelope of
+        its own. The common cases are decided here, in the loop: a bulk may hold 100k entries."""
+        plain, ctx, cancels, now = self.plain, self.ctx, self.cancels, self.now
+        merge = self._merged if self.metadata else None
+        # Neither a request-level delay nor TTL: an entry without keys of its own is stored as it is.
+        as_is = self.request.timing is None and not self.request.expires_at_ms
+        for entry_id, entry in entries:
+            own_md = entry.metadata
+            if plain and (cancel_id := plain_cancel(own_md, ctx)) is not None:
+                cancels.append(Cancel((entry_id,), cancel_id))
+            elif is_control(own_md):
+                self._refuse_control(entry_id, own_md)
+            elif not (_DELAY_KEYS.isdisjoint(own_md) and _TTL_KEYS.isdisjoint(own_md)):
+                self._own(entry_id, entry, entry if merge is None else merge(entry))
+            elif as_is:
+                now.append(Immediate(entry_id, entry if merge is None else merge(entry)))
+            else:
+                self._inherit(entry_id, entry if merge is None else merge(entry))
+
+    def _refuse_control(self, entry_id: str, own_md: Mapping[str, str]) -> None:
+        key = next(k for k in CONTROL_KEYS if k in own_md)
+        refused = InvalidArgumentError(
+            key, own_md[key], "not in a bulk publish: send it as a single publish (no body needed)"
+        )
+        self.failed.append(Failed(entry_id, str(refused)))
+
+    def _own(self, entry_id: str, entry: StreamEntry, merged: StreamEntry) -> None:
+        """An entry with delay, schedule or TTL keys of its own: read as a request of its own."""
         try:
             own = read_request(merged.metadata, self.ctx)
         except InvalidArgumentError as err:
@@ -402,10 +416,11 @@ class _BulkPlan:
             self._own_envelope(entry_id, entry, merged, own, own.timing)
 
     def _merged(self, entry: StreamEntry) -> StreamEntry:
-        """The entry with the request's metadata under its own (its own keys win)."""
-        if not self.metadata:
-            # The common case, no metadata anywhere, allocates nothing new.
-            return entry
+        """The entry with the request's metadata under its own (its own keys win).
+
+        Called only when the request has metadata: without, the entry itself is used (the common
+        case, no metadata anywhere, allocates nothing new).
+        """
         inherited: Mapping[str, str] = self.metadata
         if not _TTL_KEYS.isdisjoint(entry.metadata):
             # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
@@ -415,18 +430,16 @@ class _BulkPlan:
         )
 
     def _inherit(self, entry_id: str, merged: StreamEntry) -> None:
-        """An entry with no delay or TTL keys of its own: as the request says."""
+        """An entry with no delay or TTL keys of its own, under a request-level delay or TTL."""
         if self.request.timing is not None:
             if (costly := _too_costly(merged)) is not None:
                 self.failed.append(Failed(entry_id, str(costly)))
                 return
             self.together.append(Immediate(entry_id, merged))
-        elif self.request.expires_at_ms:
+        else:
             self.now.append(
                 _now(entry_id, merged.data, merged.metadata, merged.content_type, self.request.expires_at_ms)
             )
-        else:
-            self.now.append(Immediate(entry_id, merged))
 
     def _own_envelope(
         self, entry_id: str, entry: StreamEntry, merged: StreamEntry, own: Request, timing: Timing

@@ -304,9 +304,9 @@ def read_publish(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
 
     The control keys (schedulePause, scheduleIdPrefix) are read first: a
     control request stores no message, so no other key applies to it.
+    (plain_cancel is a shortcut for the commonest cancel that planning takes
+    before this; it answers as this does.)
     """
-    if (cancel_id := plain_cancel(metadata, ctx)) is not None:
-        return Request(cancel=cancel_id)
     if (control := read_control(metadata, enabled=ctx.enabled)) is not None:
         return Request(control=control)
     return read_request(metadata, ctx)
