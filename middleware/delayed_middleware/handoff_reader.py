@@ -13,6 +13,7 @@ from delayed_middleware.errors import MalformedEntryError
 from delayed_middleware.inspection import HANDOFF, MessageInfo, PendingMessage, Scope, shown
 from delayed_middleware.keys import EngineKeys, is_stream_id, split_shard_id
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, decode_outbox_entry
+from delayed_middleware.redis_errors import is_no_group
 
 
 class HandoffReader:
@@ -53,7 +54,9 @@ class HandoffReader:
             pel: Any = await self._redis.xpending_range(
                 keys.outbox, OUTBOX_GROUP, min=first, max=last, count=count
             )
-        except ResponseError:
+        except ResponseError as e:
+            if not is_no_group(e):
+                raise
             return {}  # no group yet: nothing was tried
         return {
             shown(p["message_id"]): (int(p["times_delivered"]), int(p["time_since_delivered"])) for p in pel
