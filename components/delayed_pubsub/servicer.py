@@ -162,7 +162,10 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
     ) -> pubsub_pb2.PublishResponse:
         instance = await self._admitted(context)
         try:
-            await instance.publish(request.topic, request.data, request.metadata, request.content_type)
+            # The publish path itself (not Instance.publish): one coroutine less per call.
+            await instance.publisher.publish(
+                request.topic, request.data, request.metadata, request.content_type
+            )
         finally:
             # However the call ends (answered, failed, cancelled by the client).
             instance.admission.leave()
@@ -182,7 +185,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
                 for e in request.entries
                 for md in (e.metadata,)
             ]
-            failed = await instance.bulk_publish(request.topic, entries, request.metadata)
+            failed = await instance.publisher.bulk_publish(request.topic, entries, request.metadata)
         finally:
             instance.admission.leave()
         return pubsub_pb2.BulkPublishResponse(
