@@ -199,7 +199,7 @@ class Publisher:
     ) -> None:
         """Store one message on `topic`, or on the delayed topic when its metadata delays it."""
         p = plan.plan_publish(topic, data, metadata, content_type, self._context())
-        refuse_if_pinned(self._storage_format, [d.envelope for d in p.delayed], p.control)
+        refuse_if_pinned(self._storage_format, p.delayed, p.control)
         if p.immediate:
             await self._publish_now(topic, p.immediate[0].entry)
             self._metrics.published_immediate.inc()

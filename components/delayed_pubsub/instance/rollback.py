@@ -35,10 +35,10 @@ def needs_current(envelopes: Sequence[env.Envelope], control: Control | None) ->
     return None
 
 
-def refuse_if_pinned(fmt: int, envelopes: Sequence[env.Envelope], control: Control | None) -> None:
+def refuse_if_pinned(fmt: int, delayed: Sequence[plan.Delayed], control: Control | None) -> None:
     """In the rollback window, the refusal of a publish that needs the newer format."""
     if fmt < storage_format.CURRENT:
-        why = needs_current(envelopes, control)
+        why = needs_current([d.envelope for d in delayed], control)
         if why is not None:
             raise storage_format.pinned_refusal(fmt, why)
 
