@@ -306,10 +306,13 @@ async def test_missed_fires_across_an_outage_fire_once_then_continue(
             stream = await c.subscribe("ticks")
             got = await fires(stream, 3, within=3)
             received = [r for r, _ in got]
-            # Once at recovery, then one per second on the original grid: never a burst.
-            assert received[1] - received[0] > 400, received
-            assert received[2] - received[1] > 700, received
             nexts = [parse_instant(m.metadata["scheduleNext"]) for _, m in got]
+            # Once at recovery, then one per occurrence on the original grid: never a burst.
+            # Measured against the occurrences, not the restart's moment (which load shifts):
+            # a burst of the missed ones would name occurrences seconds past as next.
+            assert nexts[0] > received[0] - 500, (received, nexts)
+            assert received[1] >= nexts[0], (received, nexts)
+            assert received[2] >= nexts[1], (received, nexts)
             assert (nexts[1] - nexts[0]) % 1000 == 0
             await c.publish("ticks", b"", {"scheduleCancel": "true", "scheduleId": "m"})
             await stream.close()
