@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from delayed_middleware.backoff import SIDECAR, BackoffProfile
 from delayed_middleware.history import Retention
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy
 
@@ -49,12 +50,17 @@ class ForwarderConfig:
     claim_idle_ms: int = 60_000
     # Redis calls are bounded as a whole (the client has no socket timeout).
     redis_timeout_s: float = 10.0
-    sidecar_backoff_base_s: float = 0.1
-    sidecar_backoff_cap_s: float = 5.0
+    # How long a failed call to the sidecar waits before the next (backoff.SIDECAR by default).
+    sidecar_backoff_base_s: float = SIDECAR.base_s
+    sidecar_backoff_cap_s: float = SIDECAR.cap_s
     # historyMaxLen / historyMaxAge for the `handedoff`, `expired`, `deadlettered` records.
     history: Retention = field(default_factory=Retention)
     # The app (consumerID) whose dead-letter set lists our dead letters; '' = read from the keys.
     consumer_id: str = ""
+
+    def sidecar_profile(self) -> BackoffProfile:
+        """The backoff between failed calls to the sidecar: base doubling to cap."""
+        return BackoffProfile(base_s=self.sidecar_backoff_base_s, cap_s=self.sidecar_backoff_cap_s)
 
 
 def forwarder_config(

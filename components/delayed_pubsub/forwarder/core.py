@@ -75,13 +75,14 @@ from redis.exceptions import ResponseError
 
 from delayed_middleware import history
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import MalformedEntryError
 from delayed_middleware.history import Retention
 from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, delayed_topic
 from delayed_middleware.liveness import StateHook, Supervised
 from delayed_middleware.outbox import decode_outbox_entry
+from delayed_middleware.redis_errors import is_busy_group, is_no_group
 from delayed_pubsub.connection import RedisClient
 from delayed_pubsub.forwarder.config import ForwarderConfig, forwarder_config
 from delayed_pubsub.forwarder.holding import Holdings, Job
@@ -241,7 +242,7 @@ class Forwarder:
         """The forwarding loop; survives Redis and sidecar outages, ends only when stopped
         (close(), or `stop` set) or cancelled. Hand-offs in flight end with it (a call on its
         way first gets close()'s grace): their entries stay pending in Redis."""
-        redis_backoff = Backoff(base_s=0.05, cap_s=2.0)
+        redis_backoff = REDIS_RECONNECT.backoff()
         group_ready = False
         keeper = asyncio.create_task(self._holdings.keep(lambda: self._stopping))
         try:
@@ -256,7 +257,7 @@ class Forwarder:
                     raise
                 except Exception as e:
                     # NOGROUP after someone deleted the outbox key: create it again.
-                    if isinstance(e, ResponseError) and "NOGROUP" in str(e):
+                    if isinstance(e, ResponseError) and is_no_group(e):
                         group_ready = False
                     delay = redis_backoff.next()
                     log.warning(
@@ -359,7 +360,7 @@ class Forwarder:
                 self._redis.xgroup_create(self._keys.outbox, self._config.group, id="0", mkstream=True)
             )
         except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
+            if not is_busy_group(e):
                 raise
 
     async def _settle(self, ids: Sequence[str], record: Mapping[str, str] | None) -> None:
@@ -394,9 +395,7 @@ class Forwarder:
     async def _carry(self, job: Job) -> None:
         """One hand-off, from its read to its end: settled, counted as failed (and left
         pending for its retry), dead-lettered, expired, or found taken over."""
-        sidecar = Backoff(
-            base_s=self._config.sidecar_backoff_base_s, cap_s=self._config.sidecar_backoff_cap_s
-        )
+        sidecar = self._config.sidecar_profile().backoff()
         task = asyncio.current_task()
         try:
             while not self._stopping:

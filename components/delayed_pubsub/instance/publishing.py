@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from delayed_middleware import envelope as env
 from delayed_middleware import plan
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import PUBLISH_RETRY, Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.control import Control
 from delayed_middleware.engine import ShardedEngine
@@ -31,6 +31,7 @@ from delayed_middleware.errors import (
     FailedPreconditionError,
     PartiallyStoredError,
 )
+from delayed_middleware.redis_errors import is_wrong_type
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry
 from delayed_pubsub.connection import RedisClient
 from delayed_pubsub.controls import control_request
@@ -150,7 +151,7 @@ class Publisher:
                 except (PartiallyStoredError, OSError, RedisConnectionError) as e:
                     cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
                     if backoff is None:
-                        backoff = Backoff(base_s=0.02, cap_s=0.5)
+                        backoff = PUBLISH_RETRY.backoff()
                     if not isinstance(cause, _DROPPED) or backoff.failures >= max(
                         1, self._settings.max_retries
                     ):
@@ -223,7 +224,7 @@ class Publisher:
         try:
             await self._broker.publish(topic, entry)
         except DelayedPubSubError as e:
-            if "WRONGTYPE" in str(e):
+            if is_wrong_type(e):
                 raise FailedPreconditionError(
                     f"topic {topic!r}: its Redis key is not a stream; choose another topic name"
                 ) from e

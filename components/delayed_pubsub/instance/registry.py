@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import RESTART, Backoff
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import (
     BackendUnavailableError,
@@ -237,7 +237,7 @@ class Instances:
             return instance
 
     def _failed_restore(self, name: str, error: DelayedPubSubError, previous: _RestoreFailure | None) -> None:
-        backoff = previous.backoff if previous is not None else Backoff(base_s=0.5, cap_s=10.0)
+        backoff = previous.backoff if previous is not None else RESTART.backoff()
         retry_at_ms = self._clock.now_ms() + int(backoff.next() * 1000)
         self._restore_failures[name] = _RestoreFailure(error, retry_at_ms, backoff)
         log.error("%s", error)

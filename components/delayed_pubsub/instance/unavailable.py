@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from delayed_middleware.errors import BackendUnavailableError
+from delayed_middleware.redis_errors import describe
 
 
 def redis_unavailable(doing: str, error: BaseException) -> BackendUnavailableError:
     """BackendUnavailableError for `error` met while `doing` (a timeout has no text of its own)."""
-    return BackendUnavailableError(f"{doing}: redis: {error or 'timed out'}")
+    return BackendUnavailableError(f"{doing}: {describe(error)}")
