@@ -134,8 +134,11 @@ class Publisher:
                 await self.check_stream(topic)
         # One token for the call and its retries: a reply lost after the write
         # landed makes the retry a no-op in Redis, so the publish is answered
-        # OK and stored once (the client library itself never resends).
+        # OK and stored once. Retried at one level only: here, where the
+        # client never resends; on Redis Cluster redis-py's client resends the
+        # call itself (redisMaxRetries times, connection.py), with the same token.
         token = secrets.token_hex(8)
+        retries = 0 if self._settings.redis_type == "cluster" else max(1, self._settings.max_retries)
         # Made at the first dropped connection: nearly every call needs none.
         backoff: Backoff | None = None
         try:
@@ -152,9 +155,7 @@ class Publisher:
                     cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
                     if backoff is None:
                         backoff = PUBLISH_RETRY.backoff()
-                    if not isinstance(cause, _DROPPED) or backoff.failures >= max(
-                        1, self._settings.max_retries
-                    ):
+                    if not isinstance(cause, _DROPPED) or backoff.failures >= retries:
                         raise
                 await asyncio.sleep(backoff.next())
         except (RedisError, TimeoutError, OSError) as e:
