@@ -21,7 +21,7 @@ from delayed_middleware.aio import retrying
 from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.redis_errors import is_busy_group, is_no_group
-from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.settings import Settings
 from delayed_pubsub.window import Window
@@ -36,9 +36,9 @@ class SubscriptionCalls:
     shares (window, clock, metrics, settings), and its calls retried until they work: the
     one thing each part of a subscription is given."""
 
-    client: RedisClient
+    client: RedisPyClient
     # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
-    blocking_client: RedisClient
+    blocking_client: RedisPyClient
     settings: Settings
     topic: str
     consumer: str

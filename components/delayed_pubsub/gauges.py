@@ -17,7 +17,7 @@ import logging
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.inspector import Inspector
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import OTHER_TOPICS, InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class PendingByTopic:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         consumer_id: str,
         metrics: InstanceMetrics,
         clock: Clock,

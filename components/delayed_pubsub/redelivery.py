@@ -70,7 +70,7 @@ from delayed_middleware.retry import (
     retry_topics_key,
 )
 from delayed_pubsub.claims import Claimed, claim_unchanged, delivery_counts, nack_hold
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.lua import RETRY_RECORD, RETRY_SWEEP, RETRY_TAKE
 from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.retry_notices import RetryNotices
@@ -104,7 +104,7 @@ class Retrier:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         policy: RetryPolicy,
         *,
         topic: str,

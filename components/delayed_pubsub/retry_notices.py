@@ -18,7 +18,7 @@ from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import retry_key, retry_topics_key
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import InstanceMetrics
 
 # The notices log as they did inside redelivery.py.
@@ -53,7 +53,7 @@ class RetryNotices:
     the token and the claim is conditional, so a repeated one delivers nothing twice.
     """
 
-    def __init__(self, client: RedisClient, consumer_id: str, metrics: InstanceMetrics) -> None:
+    def __init__(self, client: RedisPyClient, consumer_id: str, metrics: InstanceMetrics) -> None:
         self._client = client
         self._channel = retry_due_channel(consumer_id)
         self._metrics = metrics
@@ -129,7 +129,7 @@ class DueScan:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         consumer_id: str,
         clock: Clock,
         metrics: InstanceMetrics,

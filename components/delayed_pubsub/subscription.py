@@ -23,7 +23,7 @@ from delayed_middleware.liveness import Supervised
 from delayed_pubsub.acks import AckBatcher
 from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.claims import nack_hold
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient, call_timeout
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient, call_timeout
 from delayed_pubsub.fetch import BLOCK_MS, Fetcher
 from delayed_pubsub.lua import DELETE_IDLE_CONSUMER
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -56,14 +56,14 @@ class Subscription:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         settings: Settings,
         clock: Clock,
         topic: str,
         consumer: str,
         paused: bool = False,
         metrics: InstanceMetrics | None = None,
-        blocking_client: RedisClient | None = None,
+        blocking_client: RedisPyClient | None = None,
     ) -> None:
         self._window = window = Window(settings.concurrency, settings.queue_depth, paused)
         self.topic = topic

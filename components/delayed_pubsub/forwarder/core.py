@@ -83,7 +83,7 @@ from delayed_middleware.keys import DELAYED_SUFFIX, SHARD_MARK, EngineKeys, dela
 from delayed_middleware.liveness import StateHook, Supervised
 from delayed_middleware.outbox import decode_outbox_entry
 from delayed_middleware.redis_errors import is_busy_group, is_no_group
-from delayed_pubsub.connection import RedisClient
+from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.forwarder.config import ForwarderConfig, forwarder_config
 from delayed_pubsub.forwarder.holding import Holdings, Job
 from delayed_pubsub.forwarder.outcomes import Outcomes
@@ -108,14 +108,14 @@ class Forwarder:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         keys: EngineKeys,
         clock: Clock,
         config: ForwarderConfig,
         metrics: ForwarderMetrics | None = None,
         *,
         name: str = "",
-        read_client: RedisClient | None = None,
+        read_client: RedisPyClient | None = None,
         on_state: StateHook | None = None,
     ) -> None:
         self._redis = client

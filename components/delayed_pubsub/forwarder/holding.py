@@ -19,7 +19,7 @@ from delayed_middleware import scripts
 from delayed_middleware.aio import text
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.outbox import OutboxEntry
-from delayed_pubsub.connection import RedisClient
+from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.forwarder.config import ForwarderConfig
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Holdings:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         keys: EngineKeys,
         config: ForwarderConfig,
         *,

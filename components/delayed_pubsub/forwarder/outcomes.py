@@ -18,7 +18,7 @@ from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.outbox import OutboxEntry
 from delayed_middleware.target import forwarded_metadata
-from delayed_pubsub.connection import RedisClient
+from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.forwarder.config import ForwarderConfig
 from delayed_pubsub.forwarder.holding import Job
 from delayed_pubsub.forwarder.sidecar import failure_reason
@@ -34,7 +34,7 @@ class Outcomes:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         config: ForwarderConfig,
         clock: Clock,
         metrics: ForwarderMetrics | None,

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.keys import EngineKeys
-from delayed_pubsub.connection import RedisClient
+from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.forwarder.config import ForwarderConfig
 
 # While other calls are in flight, a settle waits this long for theirs to share its MULTI
@@ -34,7 +34,7 @@ class SettleBatcher:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         keys: EngineKeys,
         config: ForwarderConfig,
         clock: Clock,

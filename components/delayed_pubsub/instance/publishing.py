@@ -33,7 +33,7 @@ from delayed_middleware.errors import (
 )
 from delayed_middleware.redis_errors import is_wrong_type
 from delayed_pubsub.broker import Broker, BulkEntry, FailedEntry
-from delayed_pubsub.connection import RedisClient
+from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.controls import control_request
 from delayed_pubsub.instance.rollback import refuse_if_pinned, withhold_pinned
 from delayed_pubsub.instance.unavailable import redis_unavailable
@@ -57,7 +57,7 @@ class Publisher:
         self,
         name: str,
         settings: Settings,
-        client: RedisClient,
+        client: RedisPyClient,
         clock: Clock,
         metrics: InstanceMetrics,
         broker: Broker,
