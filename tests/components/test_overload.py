@@ -28,8 +28,8 @@ from tests.chaos.proxy import LateReplyProxy
 from tests.components.conftest import Ghz, running
 from tests.components.driver import Component
 from tests.components.serve import Serve
-from tests.conftest import wait_until
 from tests.redis_server import RedisServer, stream_entries
+from tests.waiting import wait_until
 
 
 class HeldWrites:
