@@ -1,8 +1,9 @@
 """Waiting in tests: poll a condition until it holds, or fail saying what was awaited.
 
 A test waits for an event it can observe (an entry in Redis, a socket, a counter), never for a
-fixed time: the bound is only a backstop for when the event never comes, so it is generous (the
-CI machine is shared and has 2 cores). `wait_until` is for tests on the event loop, and
+fixed time. The default bound (30 s) is only a backstop for when the event never comes, so it is
+generous (the CI machine is shared and has 2 cores); a test whose promise is a bound ("within 2 s")
+passes that bound as `within_s`. `wait_until` is for tests on the event loop, and
 `wait_until_blocking` for plain code such as fixtures starting a process. Both check one last time
 at the deadline, so a condition that becomes true during the final sleep still counts.
 """
