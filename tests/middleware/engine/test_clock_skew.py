@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import Trim
-from tests.conftest import SkewedClock, wait_until
+from tests.conftest import SkewedClock
 from tests.middleware.engine.helpers import (
     KEYS,
     drain,
@@ -25,6 +25,7 @@ from tests.middleware.engine.helpers import (
     payloads,
     target,
 )
+from tests.waiting import wait_until
 
 
 def redis_ms(client: redis.Redis) -> int:

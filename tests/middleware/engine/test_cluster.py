@@ -22,8 +22,9 @@ from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
-from tests.conftest import SkewedClock, wait_until
+from tests.conftest import SkewedClock
 from tests.redis_server import RedisCluster
+from tests.waiting import wait_until
 
 T0 = 1_800_000_000_000
 LEASE = 1_000
