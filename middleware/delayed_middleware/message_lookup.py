@@ -42,8 +42,8 @@ class MessageLookup:
         """
         info = await self._waiting(id, strict=True)
         if info is None:
-            # Last resort: an envelope whose own id field is `id` (engine v2
-            # envelopes may carry one) or a parked one whose ids entry is gone.
+            # Last resort: an envelope whose own id field is `id` (an
+            # envelope may carry one) or a parked one whose ids entry is gone.
             info = await self._find(id, progress)
         return await self._with_history(info)
 
