@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 from delayed_middleware.client import RedisClient
 from delayed_middleware.clock import Clock
@@ -33,6 +34,10 @@ from delayed_middleware.entry import Trim
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.liveness import StateHook
 
+if TYPE_CHECKING:
+    # typing.Unpack is 3.12+; only the type checker reads it (the annotations are strings).
+    from typing_extensions import Unpack
+
 # Makes a fire path for a shard's state: SingleNodeFire or TwoPhaseFire (the classes themselves).
 FirePathFactory = Callable[[ShardState], FirePath]
 
@@ -53,22 +58,26 @@ class EngineParts:
     pauser: Pauser
 
 
+class EngineOptions(TypedDict, total=False):
+    """build_engine's (and DelayEngine's) keyword arguments, each optional; DelayEngine's docstring says what each is."""
+
+    trim: Trim | None
+    config: EngineConfig
+    on_batch: Callable[[FireReport], None] | None
+    recurrence: Recurrence | None
+    listen_client: RedisClient | None
+    pubsub_name: str
+    fault: Callable[[str], Awaitable[None]] | None
+    on_listener_state: StateHook | None
+    fire_path: FirePathFactory | None
+
+
 def build_engine(
-    client: RedisClient,
-    keys: EngineKeys,
-    clock: Clock,
-    *,
-    trim: Trim | None = None,
-    config: EngineConfig = DEFAULT_CONFIG,
-    on_batch: Callable[[FireReport], None] | None = None,
-    recurrence: Recurrence | None = None,
-    listen_client: RedisClient | None = None,
-    pubsub_name: str = "",
-    fault: Callable[[str], Awaitable[None]] | None = None,
-    on_listener_state: StateHook | None = None,
-    fire_path: FirePathFactory | None = None,
+    client: RedisClient, keys: EngineKeys, clock: Clock, **options: Unpack[EngineOptions]
 ) -> EngineParts:
     """One shard's parts (the arguments as DelayEngine's); `fire_path` None: chosen by config.two_phase."""
+    config = options.get("config", DEFAULT_CONFIG)
+    listen_client = options.get("listen_client")
     state = ShardState(
         redis=client,
         listen_redis=listen_client if listen_client is not None else client,
@@ -77,12 +86,13 @@ def build_engine(
         config=config,
         scripts=EngineScripts(client, keys, two_phase=config.two_phase),
         budget=Budget(config.batch_size, config.batch_entries, config.batch_bytes, config.fire_budget_us),
-        trim=trim or Trim(),
-        on_batch=on_batch,
-        recurrence=recurrence,
-        pubsub_name=pubsub_name,
-        fault=fault,
+        trim=options.get("trim") or Trim(),
+        on_batch=options.get("on_batch"),
+        recurrence=options.get("recurrence"),
+        pubsub_name=options.get("pubsub_name", ""),
+        fault=options.get("fault"),
     )
+    fire_path = options.get("fire_path")
     if fire_path is None:
         fire_path = TwoPhaseFire if config.two_phase else SingleNodeFire
     canceller = Canceller(state)
@@ -100,6 +110,6 @@ def build_engine(
         firer=firer,
         recoverer=recoverer,
         trimmer=trimmer,
-        loop=FireLoop(state, firer, trimmer, recoverer, on_listener_state=on_listener_state),
+        loop=FireLoop(state, firer, trimmer, recoverer, on_listener_state=options.get("on_listener_state")),
         pauser=Pauser(state, canceller),
     )

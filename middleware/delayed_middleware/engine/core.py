@@ -146,7 +146,13 @@ class ShardState:
                 )
             )
 
-    def log_gone(self, gone: int) -> None:
+    async def unfired(self, expired: Sequence[tuple[str, str]], gone: int) -> None:
+        """What a fire batch (FIRE, or Cluster's CLAIM) took out of the index unfired: a MaxAge
+        marker per topic for what expired, and a loud line for what was gone."""
+        if expired:
+            await self.markers("MaxAge", expired)
+        if not gone:
+            return
         log.error(
             "%d pending message(s) on %s were lost: their envelopes were deleted from the delayed "
             "topic by something other than the delay engine (XTRIM/XDEL, or a MAXLEN publish to it); "

@@ -10,18 +10,21 @@ tests and benches) unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
 from delayed_middleware.clock import Clock
-from delayed_middleware.engine.builder import FirePathFactory, build_engine
-from delayed_middleware.engine.config import DEFAULT_CONFIG, EngineConfig, FireReport, Recurrence
+from delayed_middleware.engine.builder import EngineOptions, build_engine
+from delayed_middleware.engine.config import EngineConfig
 from delayed_middleware.engine.pause import PauseResult
-from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys
-from delayed_middleware.liveness import StateHook, Supervised
+from delayed_middleware.liveness import Supervised
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class DelayEngine:
@@ -45,35 +48,9 @@ class DelayEngine:
     """
 
     def __init__(
-        self,
-        client: RedisClient,
-        keys: EngineKeys,
-        clock: Clock,
-        *,
-        trim: Trim | None = None,
-        config: EngineConfig = DEFAULT_CONFIG,
-        on_batch: Callable[[FireReport], None] | None = None,
-        recurrence: Recurrence | None = None,
-        listen_client: RedisClient | None = None,
-        pubsub_name: str = "",
-        fault: Callable[[str], Awaitable[None]] | None = None,
-        on_listener_state: StateHook | None = None,
-        fire_path: FirePathFactory | None = None,
+        self, client: RedisClient, keys: EngineKeys, clock: Clock, **options: Unpack[EngineOptions]
     ) -> None:
-        self.parts = build_engine(
-            client,
-            keys,
-            clock,
-            trim=trim,
-            config=config,
-            on_batch=on_batch,
-            recurrence=recurrence,
-            listen_client=listen_client,
-            pubsub_name=pubsub_name,
-            fault=fault,
-            on_listener_state=on_listener_state,
-            fire_path=fire_path,
-        )
+        self.parts = build_engine(client, keys, clock, **options)
         self.state = self.parts.state
 
     @property

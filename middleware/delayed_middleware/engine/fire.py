@@ -68,10 +68,7 @@ class SingleNodeFire:
             history_len=st.history_len,
             pubsub_name=st.pubsub_name,
         )
-        if got.expired:
-            await st.markers("MaxAge", got.expired)
-        if got.gone:
-            st.log_gone(got.gone)
+        await st.unfired(got.expired, got.gone)
         st.report(got.decided, got.fired, got.first, got.pending, got.parked, got.entries, lost=got.gone)
         return FireStep(got.fired, st.measured(local, got.decided, got.head), got.refill, got.refills)
 

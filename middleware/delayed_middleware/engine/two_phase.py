@@ -80,11 +80,7 @@ class TwoPhaseFire:
             pubsub_name=st.pubsub_name,
         )
         head, parked, claims = got.head, got.parked, got.claims
-        # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
-        if got.expired:
-            await st.markers("MaxAge", got.expired)
-        if got.gone:
-            st.log_gone(got.gone)
+        await st.unfired(got.expired, got.gone)
         fired = entries = 0
         quads: Sequence[Refill] = ()
         if claims:
