@@ -402,27 +402,110 @@ def excludes(name: str) -> tuple[str, ...]:
 # --- the unknown-key warning ------------------------------------------------------------
 
 
-def unknown_key_warnings(metadata: Iterable[str]) -> list[str]:
-    """One warning per key of `metadata` that looks like a publish key and is not one.
+def resembles(key: str) -> str | None:
+    """The publish key `key` is a near miss of, or None (a key of ours, or the user's own).
 
     Publish metadata also carries the user's own keys, passed on verbatim, so
-    only a near miss is worth a warning: a known key spelt in another case
-    (keys are case-sensitive), or one a letter or two away (``scheduleDelay``).
+    only a near miss counts: a known key spelt in another case (keys are
+    case-sensitive), or one a letter or two away (``scheduleDelay``).
+    """
+    if key in QUIET_KEYS:
+        return None
+    meant = _BY_LOWER.get(key.lower())
+    if meant is not None:
+        return meant
+    close = difflib.get_close_matches(key.lower(), list(_BY_LOWER), n=1, cutoff=0.8)
+    return _BY_LOWER[close[0]] if close else None
+
+
+def _warning(key: str, meant: str) -> str:
+    if key.lower() == meant.lower():
+        return f"publish metadata key {key!r} is not read: keys are case-sensitive, did you mean {meant}?"
+    return f"publish metadata key {key!r} is not read: did you mean {meant}?"
+
+
+def unknown_key_warnings(metadata: Iterable[str]) -> list[str]:
+    """One warning per key of `metadata` that looks like a publish key and is not one (resembles).
+
     Names only, never values.
     """
-    known = {name.lower(): name for name in ALL_KEYS}
+    return [
+        _warning(key, meant) for key in sorted(set(metadata)) if (meant := resembles(key)) is not None
+    ]
+
+
+# Keys daprd and apps commonly send beside ours (trace context, the CloudEvent
+# fields daprd passes on, Dapr's own publish keys): never a near miss, so they
+# are answered by the one lookup in QUIET_KEYS, like ours.
+COMMON_KEYS: Final[frozenset[str]] = frozenset(
+    {
+        "traceparent",
+        "tracestate",
+        "traceid",
+        "grpc-trace-bin",
+        "rawPayload",
+        "contentType",
+        "content-type",
+        "cloudevent.id",
+        "cloudevent.source",
+        "cloudevent.type",
+        "cloudevent.traceparent",
+        "cloudevent.tracestate",
+        "cloudevent.pubsub",
+        "cloudevent.topic",
+        "id",
+        "source",
+        "type",
+        "specversion",
+        "datacontenttype",
+        "subject",
+        "time",
+        "partitionKey",
+        "queueName",
+        "priority",
+    }
+)
+_BY_LOWER: Final[Mapping[str, str]] = {name.lower(): name for name in BY_NAME}
+# Keys that are never a near miss, whatever else is in the metadata.
+QUIET_KEYS: Final[frozenset[str]] = ALL_KEYS | frozenset(DELIVERED_KEYS) | COMMON_KEYS
+# The verdict per key seen (None: not a near miss), and the near misses warned
+# about. Both bounded: metadata keys come from publishers, so a stream of new
+# ones must not grow the process. The verdicts are forgotten when full (a key
+# is then judged again, a few microseconds); the warned keys are not (a key is
+# warned about once per process; past the bound, no more warnings).
+MAX_VERDICTS: Final = 512
+MAX_WARNED: Final = 256
+_verdicts: dict[str, str | None] = {}
+_warned: set[str] = set()
+
+
+def new_near_misses(metadata: Iterable[str]) -> list[str]:
+    """The warnings for the near misses in `metadata` not warned about before in this process.
+
+    Each distinct key is judged once (the verdict is remembered) and warned
+    about once. The hot path asks ``QUIET_KEYS.issuperset(metadata)``
+    first (one set lookup per key) and calls this only when it says no.
+    """
     out: list[str] = []
-    for key in sorted(set(metadata) - ALL_KEYS - set(DELIVERED_KEYS)):
-        meant = known.get(key.lower())
-        if meant is not None:
-            out.append(
-                f"publish metadata key {key!r} is not read: keys are case-sensitive, did you mean {meant}?"
-            )
+    for key in metadata:
+        if key in QUIET_KEYS:
             continue
-        close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.8)
-        if close:
-            out.append(f"publish metadata key {key!r} is not read: did you mean {known[close[0]]}?")
+        try:
+            meant = _verdicts[key]
+        except KeyError:
+            if len(_verdicts) >= MAX_VERDICTS:
+                _verdicts.clear()
+            meant = _verdicts[key] = resembles(key)
+        if meant is None or key in _warned or len(_warned) >= MAX_WARNED:
+            continue
+        _warned.add(key)
+        out.append(_warning(key, meant))
     return out
+
+
+def remembered_keys() -> int:
+    """How many keys new_near_misses remembers now (at most MAX_VERDICTS + MAX_WARNED)."""
+    return len(_verdicts) + len(_warned)
 
 
 # --- the docs' key tables -----------------------------------------------------------------

@@ -137,3 +137,22 @@ def test_unknown_key_warning_names_near_misses_of_publish_keys_only() -> None:
         "publish metadata key 'scheduleDelay' is not read: did you mean scheduledSendDelay?",
         "publish metadata key 'scheduledSendDelays' is not read: did you mean scheduledSendDelay?",
     ]
+
+
+def test_near_misses_are_warned_about_once_each_and_a_stream_of_new_keys_stays_bounded() -> None:
+    first = publish_keys.new_near_misses(["schedulesourse", "traceparent", "tenant", "ScheduleSource"])
+    assert first == [
+        "publish metadata key 'schedulesourse' is not read: did you mean scheduleSource?",
+        "publish metadata key 'ScheduleSource' is not read: keys are case-sensitive, did you mean scheduleSource?",
+    ]
+    assert publish_keys.new_near_misses(["schedulesourse", "ScheduleSource"]) == []
+    # Publishers may send any number of distinct keys: what is remembered of them stays bounded,
+    # and so do the warnings.
+    warned = [w for i in range(3000) for w in publish_keys.new_near_misses([f"scheduleid{i}", f"k{i}"])]
+    assert 0 < len(warned) <= publish_keys.MAX_WARNED
+    assert publish_keys.remembered_keys() <= publish_keys.MAX_VERDICTS + publish_keys.MAX_WARNED
+
+
+def test_the_keys_daprd_and_apps_commonly_send_are_never_near_misses() -> None:
+    assert publish_keys.new_near_misses(publish_keys.QUIET_KEYS) == []
+    assert {"traceparent", "tracestate", "rawPayload", "ttlInSeconds", "contentType"} <= publish_keys.QUIET_KEYS
