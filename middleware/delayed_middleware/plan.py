@@ -29,12 +29,12 @@ from delayed_middleware.kinds import Kind
 from delayed_middleware.publish_keys import (
     ALL_KEYS,
     DELAY_KEYS,
-    QUIET_KEYS,
     REQUEST_KEYS,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
     SCHEDULED_SEND_DELAY,
     SCHEDULED_SEND_TIME,
+    SEEN_KEYS,
     TTL_KEYS,
     new_near_misses,
 )
@@ -278,8 +278,9 @@ def _plain_delay(
     return PublishPlan(delayed=(Delayed(("",), envelope),))
 
 
-# Keys that are never a near miss of a publish key: one lookup each (publish_keys.new_near_misses).
-_QUIET = QUIET_KEYS.issuperset
+# Keys already judged (ours, the common ones, the rest once each): one lookup each
+# (publish_keys.new_near_misses).
+_QUIET = SEEN_KEYS.issuperset
 
 
 def _warn_near_misses(metadata: Mapping[str, str]) -> None:

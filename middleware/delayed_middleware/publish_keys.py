@@ -429,9 +429,7 @@ def unknown_key_warnings(metadata: Iterable[str]) -> list[str]:
 
     Names only, never values.
     """
-    return [
-        _warning(key, meant) for key in sorted(set(metadata)) if (meant := resembles(key)) is not None
-    ]
+    return [_warning(key, meant) for key in sorted(set(metadata)) if (meant := resembles(key)) is not None]
 
 
 # Keys daprd and apps commonly send beside ours (trace context, the CloudEvent
@@ -468,34 +466,34 @@ COMMON_KEYS: Final[frozenset[str]] = frozenset(
 _BY_LOWER: Final[Mapping[str, str]] = {name.lower(): name for name in BY_NAME}
 # Keys that are never a near miss, whatever else is in the metadata.
 QUIET_KEYS: Final[frozenset[str]] = ALL_KEYS | frozenset(DELIVERED_KEYS) | COMMON_KEYS
-# The verdict per key seen (None: not a near miss), and the near misses warned
-# about. Both bounded: metadata keys come from publishers, so a stream of new
-# ones must not grow the process. The verdicts are forgotten when full (a key
-# is then judged again, a few microseconds); the warned keys are not (a key is
-# warned about once per process; past the bound, no more warnings).
-MAX_VERDICTS: Final = 512
+# QUIET_KEYS and every key judged since (not a near miss, or one warned about
+# already): the hot path asks ``SEEN_KEYS.issuperset(metadata)``, one set
+# lookup per key, and calls new_near_misses only for a key it has not seen.
+# Bounded, as metadata keys come from publishers and a stream of new ones must
+# not grow the process: past MAX_SEEN keys judged it forgets them (in place, so
+# a bound issuperset stays valid) and judges them again. The keys warned about
+# are remembered apart (at most MAX_WARNED), so each is warned about once per
+# process; past that bound there are no more warnings.
+MAX_SEEN: Final = 512
 MAX_WARNED: Final = 256
-_verdicts: dict[str, str | None] = {}
+SEEN_KEYS: Final[set[str]] = set(QUIET_KEYS)
 _warned: set[str] = set()
 
 
 def new_near_misses(metadata: Iterable[str]) -> list[str]:
     """The warnings for the near misses in `metadata` not warned about before in this process.
 
-    Each distinct key is judged once (the verdict is remembered) and warned
-    about once. The hot path asks ``QUIET_KEYS.issuperset(metadata)``
-    first (one set lookup per key) and calls this only when it says no.
+    Each key is judged (resembles) once and remembered in SEEN_KEYS; a near
+    miss is warned about once.
     """
     out: list[str] = []
     for key in metadata:
-        if key in QUIET_KEYS:
+        if key in SEEN_KEYS:
             continue
-        try:
-            meant = _verdicts[key]
-        except KeyError:
-            if len(_verdicts) >= MAX_VERDICTS:
-                _verdicts.clear()
-            meant = _verdicts[key] = resembles(key)
+        if len(SEEN_KEYS) >= len(QUIET_KEYS) + MAX_SEEN:
+            SEEN_KEYS.intersection_update(QUIET_KEYS)
+        SEEN_KEYS.add(key)
+        meant = resembles(key)
         if meant is None or key in _warned or len(_warned) >= MAX_WARNED:
             continue
         _warned.add(key)
@@ -504,8 +502,8 @@ def new_near_misses(metadata: Iterable[str]) -> list[str]:
 
 
 def remembered_keys() -> int:
-    """How many keys new_near_misses remembers now (at most MAX_VERDICTS + MAX_WARNED)."""
-    return len(_verdicts) + len(_warned)
+    """How many keys new_near_misses remembers beside QUIET_KEYS (at most MAX_SEEN + MAX_WARNED)."""
+    return len(SEEN_KEYS) - len(QUIET_KEYS) + len(_warned)
 
 
 # --- the docs' key tables -----------------------------------------------------------------

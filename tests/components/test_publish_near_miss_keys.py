@@ -53,7 +53,9 @@ async def test_a_typo_in_a_bulk_entry_is_warned_about_and_a_correct_delayed_publ
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     caplog.set_level(logging.WARNING)
-    await c.publish("orders", b"{}", {"scheduledSendDelay": "5s", "traceparent": "00-abc-01", "customer": "7"})
+    await c.publish(
+        "orders", b"{}", {"scheduledSendDelay": "5s", "traceparent": "00-abc-01", "customer": "7"}
+    )
     await c.bulk_publish("orders", [entry({"scheduledSendDelay": "5s", "tenant": "a"})])
     assert near_miss_warnings(caplog) == []
     await c.bulk_publish("orders", [entry({"scheduleTimezone": "UTC"})])
