@@ -45,7 +45,7 @@ async def test_a_near_miss_of_a_publish_key_is_warned_about_once_naming_the_key_
     ]
 
 
-async def test_a_typo_in_a_bulk_entry_is_warned_about_and_a_correct_delayed_publish_is_not(
+async def test_a_near_miss_in_a_bulk_entry_or_its_request_is_warned_about_and_a_correct_delayed_publish_is_not(
     component: Callable[[str], Component],
     props: dict[str, str],
     caplog: pytest.LogCaptureFixture,
@@ -60,7 +60,9 @@ async def test_a_typo_in_a_bulk_entry_is_warned_about_and_a_correct_delayed_publ
     assert near_miss_warnings(caplog) == []
     await c.bulk_publish("orders", [entry({"scheduleTimezone": "UTC"})])
     await c.bulk_publish("orders", [entry({"scheduleTimezone": "UTC"})])
+    await c.bulk_publish("orders", [entry({})], {"deliverafter": "5s"})
     assert near_miss_warnings(caplog) == [
         "publish metadata key 'scheduleTimezone' is not read: keys are case-sensitive, "
-        "did you mean scheduleTimeZone?"
+        "did you mean scheduleTimeZone?",
+        "publish metadata key 'deliverafter' is not read: keys are case-sensitive, did you mean deliverAfter?",
     ]
