@@ -15,8 +15,8 @@ Regenerate the docs' tables after editing the table::
 
 (``--check`` exits 1 when a committed table differs from what it would write.)
 
-A leaf module (it imports nothing of this package), so that every parser can
-take its key names from here.
+It imports only the value grammars (publish_values.py, a leaf), so that every
+module that reads a key can take its name and its parser from here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+from delayed_middleware import publish_values as values
+from delayed_middleware.publish_values import Parser
 
 SCHEDULED_SEND_TIME: Final = "scheduledSendTime"
 SCHEDULED_SEND_DELAY: Final = "scheduledSendDelay"
@@ -88,6 +91,8 @@ class PublishKey:
         value, meaning: its row of docs/publish-metadata.md.
         example, does: its row of README.md ('' = not in README's short table).
         readme_joins: the key whose README row it shares ('' = a row of its own).
+        parser: (key, text) -> its typed value, or InvalidArgumentError naming both
+            (publish_values.py; ``text`` when a rule over several keys reads it).
     """
 
     name: str
@@ -102,6 +107,7 @@ class PublishKey:
     example: str = ""
     does: str = ""
     readme_joins: str = ""
+    parser: Parser = values.text
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -120,6 +126,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULED_SEND_TIME,
         Group.TIME,
+        parser=values.instant,
         value="ISO-8601 / RFC3339 instant with offset or `Z`",
         meaning="deliver at that instant; past ⇒ at once",
         example="`2045-11-05T08:15:30-05:00`",
@@ -128,6 +135,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULED_SEND_DELAY,
         Group.TIME,
+        parser=values.delay_ms,
         value="Go duration (`90s`, `1h30m`) or whole seconds",
         meaning="deliver that long after receipt (server clock)",
         example="`90s`, `1h30m`, `90`",
@@ -136,6 +144,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         DELIVER_AT,
         Group.TIME,
+        parser=values.instant,
         empty_is_absent=True,
         readme_joins=DELIVER_AFTER,
         value="RFC 3339 instant, as `pubsub.pulsar` takes it",
@@ -147,6 +156,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         DELIVER_AFTER,
         Group.TIME,
+        parser=values.go_delay_ms,
         empty_is_absent=True,
         value="Go duration, as `pubsub.pulsar` takes it",
         meaning="the same as `scheduledSendDelay`: an app moving from Pulsar changes no code",
@@ -176,6 +186,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_ID,
         Group.IDENTITY,
+        parser=values.schedule_id,
         value="string (≤ 256 characters)",
         meaning=(
             "identity within the app: publishing again with the same id replaces (atomically); "
@@ -187,6 +198,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_CANCEL,
         Group.CANCEL,
+        parser=values.cancel_flag,
         needs=SCHEDULE_ID,
         excludes=(SCHEDULE, *_TIME, SCHEDULE_SOURCE, SCHEDULE_TTL, *_BOUNDS),
         value="`true`",
@@ -200,6 +212,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_PAUSE,
         Group.CONTROL,
+        parser=values.pause_flag,
         needs=SCHEDULE_ID,
         excludes=_CONTROL_EXCLUDES,
         value="`true` or `false`",
@@ -216,6 +229,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_ID_PREFIX,
         Group.CONTROL,
+        parser=values.schedule_id,
         needs=SCHEDULE_CANCEL,
         excludes=_CONTROL_EXCLUDES,
         value="string (≤ 256 characters, not empty)",
@@ -244,6 +258,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_TTL,
         Group.PER_SCHEDULE,
+        parser=values.schedule_ttl_ms,
         needs=SCHEDULE,
         value="Go duration or seconds; `never`",
         meaning=(
@@ -277,6 +292,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_START,
         Group.BOUND,
+        parser=values.instant,
         needs=SCHEDULE,
         value="RFC 3339 instant",
         meaning=(
@@ -290,6 +306,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_END,
         Group.BOUND,
+        parser=values.instant,
         needs=SCHEDULE,
         readme_joins=SCHEDULE_START,
         value="RFC 3339 instant",
@@ -336,6 +353,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         TTL_IN_SECONDS,
         Group.TTL,
+        parser=values.ttl_ms,
         aliases=(TTL,),
         needs_delays=False,
         value="Go duration or whole seconds (under either key, as in Dapr); `never`; empty = absent",
@@ -353,6 +371,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         TARGET_PUBSUB,
         Group.TARGET,
+        parser=values.target_name,
         needs_delays=False,
         value="a Dapr pub/sub component name",
         meaning=(

@@ -23,6 +23,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from delayed_middleware import publish_values as values
 from delayed_middleware.control import Control, read_control
 from delayed_middleware.delay import MAX_SCHEDULE_ID_LENGTH, Delay, delay_keys_in, parse_delay
 from delayed_middleware.durations import format_go_duration
@@ -207,9 +208,7 @@ def _is_cancel(
     cancel = metadata.get(SCHEDULE_CANCEL)
     if cancel is None:
         return False
-    if cancel.lower() not in ("true", "false"):
-        raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
-    if cancel.lower() == "false":
+    if not values.cancel_flag(SCHEDULE_CANCEL, cancel):
         return False
     if schedule_id is None:
         raise InvalidArgumentError(
