@@ -60,6 +60,7 @@ __all__ = [
     "DELAY_KEYS",
     "DELIVER_AFTER",
     "DELIVER_AT",
+    "DISABLED_REASON",
     "ENABLE_DELAYED_MESSAGING",
     "MAX_SCHEDULE_ID_LENGTH",
     "PULSAR_KEYS",
@@ -86,7 +87,7 @@ __all__ = [
     "parse_delay",
 ]
 
-_DISABLED_REASON: Final = (
+DISABLED_REASON: Final = (
     f'delayed messaging is disabled on this component: set {ENABLE_DELAYED_MESSAGING}: "true" in its metadata'
 )
 
@@ -140,7 +141,7 @@ def parse_delay(
         return None
     if not enabled:
         key = present[0]
-        raise InvalidArgumentError(key, metadata[key], _DISABLED_REASON)
+        raise InvalidArgumentError(key, metadata[key], DISABLED_REASON)
     for key in present:
         if metadata[key] == "":
             raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
