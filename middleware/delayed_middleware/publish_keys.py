@@ -520,6 +520,12 @@ def new_near_misses(metadata: Iterable[str]) -> list[str]:
     return out
 
 
+def forget_near_misses() -> None:
+    """Forget every key judged and warned about, as a new process would (tests)."""
+    SEEN_KEYS.intersection_update(QUIET_KEYS)
+    _warned.clear()
+
+
 def remembered_keys() -> int:
     """How many keys new_near_misses remembers beside QUIET_KEYS (at most MAX_SEEN + MAX_WARNED)."""
     return len(SEEN_KEYS) - len(QUIET_KEYS) + len(_warned)

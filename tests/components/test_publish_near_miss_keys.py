@@ -4,14 +4,23 @@ without what it asked for: the component warns about it, once per key, naming th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
+from delayed_middleware import publish_keys
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
 from tests.redis_server import stream_entries
+
+
+@pytest.fixture(autouse=True)
+def fresh_process() -> Iterator[None]:
+    """The near-miss memory of a new process (it is process-wide, and other tests publish too)."""
+    publish_keys.forget_near_misses()
+    yield
+    publish_keys.forget_near_misses()
 
 
 def entry(metadata: dict[str, str]) -> pubsub_pb2.BulkMessageEntry:
