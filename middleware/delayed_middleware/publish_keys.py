@@ -6,8 +6,11 @@ the docs describe it. The key sets planning works with (``TIME_KEYS``,
 ``DELAY_KEYS``, ``TTL_KEYS``, ``CONTROL_KEYS``, ...) are read off the table, in
 its order, which is also the order a refusal picks the key it names by; the key
 tables of README.md and docs/publish-metadata.md are rendered from it; and so
-is ``unknown_key_warnings``. Adding a key is one row here, its parser, and the
-rule in planning (plan.py) that reads it.
+is ``unknown_key_warnings``. Each row names its parser (publish_values.py).
+Adding a key is one row here with its parser: request.read_publish then checks
+it by its row (the key it needs, the keys it excludes) and puts its typed value
+in ``Request.options``, for planning (plan.py) to act on; a rule over several
+keys, if it needs one, goes in request.py.
 
 Regenerate the docs' tables after editing the table::
 

@@ -4,9 +4,10 @@ planning (plan.py) works on the Request this returns, never on the keys: which
 message is delayed or scheduled and when (Timing), which id it cancels, which
 control request it is (pause, resume, cancel by prefix), its own TTL. Every
 bad value raises InvalidArgumentError naming its key and value before anything
-is stored. Each key's grammar is its own module's (delay.py, schedules.py,
-ttl.py, target.py, control.py); which key needs or excludes which is the
-table's (publish_keys.py); the rules between keys are here. Pure: time comes in
+is stored. Each key's grammar is its row's parser (publish_values.py, called
+by delay.py, ttl.py, target.py, control.py and here); which key needs or
+excludes which is the table's (publish_keys.py); the rules between keys are
+here. A row no rule here reads is an option, read by its row alone. Pure: time comes in
 through the PlanContext.
 
 Topic rules (the engine's reserved namespace, keys.py), for the topic and for
