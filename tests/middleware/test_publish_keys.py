@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from delayed_middleware import publish_keys
+from delayed_middleware import publish_keys, publish_values
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
 from delayed_middleware.plan import PlanContext, plan_publish
@@ -166,3 +166,40 @@ def test_near_misses_are_warned_about_once_each_and_a_stream_of_new_keys_stays_b
 def test_our_keys_and_the_keys_daprd_and_apps_commonly_send_are_judged_by_one_lookup() -> None:
     common = {"traceparent", "tracestate", "rawPayload", "ttlInSeconds", "contentType", "cloudevent.id"}
     assert publish_keys.ALL_KEYS | common <= publish_keys.SEEN_KEYS
+
+
+# A value each row's parser refuses (rows whose parser is publish_values.text have none: a rule reads them).
+BAD = {
+    "scheduledSendTime": "tomorrow",
+    "scheduledSendDelay": "1d",
+    "deliverAt": "2045-11-05T08:15:30",
+    "deliverAfter": "90",
+    "scheduleId": "job\x001",
+    "scheduleCancel": "maybe",
+    "schedulePause": "maybe",
+    "scheduleIdPrefix": "tenant\x07",
+    "scheduleTTL": "0s",
+    "scheduleStart": "soon",
+    "scheduleEnd": "later",
+    "ttlInSeconds": "-5",
+    "ttl": "0",
+    "targetPubsub": "my kafka",
+}
+
+
+def test_every_row_that_parses_its_value_has_a_bad_value_here() -> None:
+    parsing = {name for k in TABLE if k.parser is not publish_values.text for name in k.names}
+    assert set(BAD) == parsing
+
+
+@pytest.mark.parametrize("key", sorted(BAD))
+def test_a_publish_with_a_bad_value_gets_exactly_the_refusal_of_its_rows_parser(key: str) -> None:
+    row = publish_keys.BY_NAME[key]
+    with pytest.raises(InvalidArgumentError) as parsed:
+        row.parser(key, BAD[key])
+    metadata = {key: BAD[key]}
+    if row.needs:
+        metadata[row.needs] = VALID[row.needs]
+    if key == "targetPubsub":
+        metadata["scheduledSendDelay"] = "90s"
+    assert str(_refusal(metadata)) == str(parsed.value)
