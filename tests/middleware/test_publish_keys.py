@@ -163,6 +163,19 @@ def test_near_misses_are_warned_about_once_each_and_a_stream_of_new_keys_stays_b
     assert publish_keys.remembered_keys() <= publish_keys.MAX_SEEN + publish_keys.MAX_WARNED
 
 
+@pytest.mark.usefixtures("fresh_process")
+def test_past_its_bound_the_near_miss_memory_still_catches_another_case_of_a_publish_key() -> None:
+    assert [
+        w for i in range(2 * publish_keys.MAX_SEEN) for w in publish_keys.new_near_misses([f"k{i}"])
+    ] == []
+    assert publish_keys.new_near_misses(["SCHEDULEDSENDTIME"]) == [
+        "publish metadata key 'SCHEDULEDSENDTIME' is not read: keys are case-sensitive, "
+        "did you mean scheduledSendTime?"
+    ]
+    assert publish_keys.new_near_misses(["SCHEDULEDSENDTIME"]) == []
+    assert publish_keys.remembered_keys() <= publish_keys.MAX_SEEN + publish_keys.MAX_WARNED
+
+
 def test_our_keys_and_the_keys_daprd_and_apps_commonly_send_are_judged_by_one_lookup() -> None:
     common = {"traceparent", "tracestate", "rawPayload", "ttlInSeconds", "contentType", "cloudevent.id"}
     assert publish_keys.ALL_KEYS | common <= publish_keys.SEEN_KEYS
