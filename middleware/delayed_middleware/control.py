@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING, check_schedule_id
+from delayed_middleware import publish_values as values
+from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.publish_keys import (
     CONTROL_KEYS,
@@ -95,8 +96,7 @@ def read_control(metadata: Mapping[str, str], *, enabled: bool) -> Control | Non
 
 def _pause(metadata: Mapping[str, str]) -> Pause:
     value = metadata[SCHEDULE_PAUSE]
-    if value.lower() not in ("true", "false"):
-        raise InvalidArgumentError(SCHEDULE_PAUSE, value, 'must be "true" (pause) or "false" (resume)')
+    pause = values.pause_flag(SCHEDULE_PAUSE, value)
     if SCHEDULE_ID_PREFIX in metadata:
         raise InvalidArgumentError(
             SCHEDULE_ID_PREFIX,
@@ -112,8 +112,8 @@ def _pause(metadata: Mapping[str, str]) -> Pause:
         raise InvalidArgumentError(
             SCHEDULE_PAUSE, value, "needs scheduleId: the id of the schedule or message to pause or resume"
         )
-    _check_id(SCHEDULE_ID, schedule_id)
-    return Pause(schedule_id, value.lower() == "true")
+    values.schedule_id(SCHEDULE_ID, schedule_id)
+    return Pause(schedule_id, pause)
 
 
 def _cancel_prefix(metadata: Mapping[str, str]) -> CancelPrefix:
@@ -135,13 +135,5 @@ def _cancel_prefix(metadata: Mapping[str, str]) -> CancelPrefix:
             prefix,
             "empty: it would cancel every pending message and schedule of the app; give a prefix",
         )
-    _check_id(SCHEDULE_ID_PREFIX, prefix)
+    values.schedule_id(SCHEDULE_ID_PREFIX, prefix)
     return CancelPrefix(prefix)
-
-
-def _check_id(key: str, value: str) -> None:
-    """The rules of a scheduleId (length, control characters), named under `key`."""
-    try:
-        check_schedule_id(value)
-    except InvalidArgumentError as err:
-        raise InvalidArgumentError(key, value, err.reason) from None

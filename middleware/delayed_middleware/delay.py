@@ -19,14 +19,13 @@ immediate delivery.
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds, parse_go_duration
+from delayed_middleware import publish_values as values
+from delayed_middleware.durations import format_go_duration
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.instants import parse_instant
 from delayed_middleware.publish_keys import (
     DELAY_KEYS,
     DELIVER_AFTER,
@@ -50,6 +49,7 @@ from delayed_middleware.publish_keys import (
     TTL,
     TTL_IN_SECONDS,
 )
+from delayed_middleware.publish_values import MAX_SCHEDULE_ID_LENGTH
 
 # The key names and sets come from the one table of publish keys (publish_keys.py);
 # they are importable from here too, where most callers have always found them.
@@ -60,6 +60,7 @@ __all__ = [
     "DELAY_KEYS",
     "DELIVER_AFTER",
     "DELIVER_AT",
+    "DISABLED_REASON",
     "ENABLE_DELAYED_MESSAGING",
     "MAX_SCHEDULE_ID_LENGTH",
     "PULSAR_KEYS",
@@ -86,9 +87,7 @@ __all__ = [
     "parse_delay",
 ]
 
-MAX_SCHEDULE_ID_LENGTH: Final = 256
-
-_DISABLED_REASON: Final = (
+DISABLED_REASON: Final = (
     f'delayed messaging is disabled on this component: set {ENABLE_DELAYED_MESSAGING}: "true" in its metadata'
 )
 
@@ -142,7 +141,7 @@ def parse_delay(
         return None
     if not enabled:
         key = present[0]
-        raise InvalidArgumentError(key, metadata[key], _DISABLED_REASON)
+        raise InvalidArgumentError(key, metadata[key], DISABLED_REASON)
     for key in present:
         if metadata[key] == "":
             raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
@@ -165,19 +164,12 @@ def parse_delay(
     check_one_time_key(metadata, times)
     key = times[0]
     value = metadata[key]
+    # Each key's parser (its row of the table of keys, publish_values.py).
     if key in (SCHEDULED_SEND_TIME, DELIVER_AT):
-        try:
-            due_ms = parse_instant(value)
-        except ValueError as exc:
-            raise InvalidArgumentError(key, value, str(exc)) from None
+        due_ms = values.instant(key, value)
     else:
-        try:
-            # deliverAfter is Pulsar's time.ParseDuration: a Go duration, no bare seconds.
-            delay_ms = parse_go_duration(value) if key == DELIVER_AFTER else parse_duration_or_seconds(value)
-        except ValueError as exc:
-            raise InvalidArgumentError(key, value, str(exc)) from None
-        if delay_ms < 0:
-            raise InvalidArgumentError(key, value, "must not be negative")
+        # deliverAfter is Pulsar's time.ParseDuration: a Go duration, no bare seconds.
+        delay_ms = values.go_delay_ms(key, value) if key == DELIVER_AFTER else values.delay_ms(key, value)
         due_ms = now_ms + delay_ms
 
     # A past instant is not an error: clocks differ, and "deliver at once" is
@@ -220,16 +212,4 @@ def _check_schedule_id(schedule_id: str) -> None:
 
 def check_schedule_id(schedule_id: str) -> None:
     """Refuse a scheduleId that would be awkward as a Redis key part or in logs (InvalidArgumentError)."""
-    if len(schedule_id) > MAX_SCHEDULE_ID_LENGTH:
-        raise InvalidArgumentError(
-            SCHEDULE_ID,
-            schedule_id,
-            f"{len(schedule_id)} characters, longer than the maximum of {MAX_SCHEDULE_ID_LENGTH}",
-        )
-    # Cc: C0/C1 controls and DEL. Cs: lone surrogates, which cannot be encoded
-    # as UTF-8 and so could never be stored.
-    for char in schedule_id:
-        if unicodedata.category(char) in ("Cc", "Cs"):
-            raise InvalidArgumentError(
-                SCHEDULE_ID, schedule_id, f"contains the control character U+{ord(char):04X}"
-            )
+    values.schedule_id(SCHEDULE_ID, schedule_id)

@@ -14,6 +14,7 @@ planning works on that. Topic rules: request.check_topic.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -33,7 +34,9 @@ from delayed_middleware.publish_keys import (
     SCHEDULE_ID,
     SCHEDULED_SEND_DELAY,
     SCHEDULED_SEND_TIME,
+    SEEN_KEYS,
     TTL_KEYS,
+    new_near_misses,
 )
 from delayed_middleware.request import (
     MAX_TOPIC_LENGTH,
@@ -80,6 +83,8 @@ MAX_BULK_ENVELOPE_ENTRIES = 1000
 METADATA_PER_ENTRY = 4
 MAX_ENVELOPE_WORK = 2000
 MAX_ENVELOPE_BYTES = 4 << 20
+
+log = logging.getLogger(__name__)
 
 # The key sets of the one table (publish_keys.py), as sets for the lookups.
 _DELAY_KEYS = frozenset(DELAY_KEYS)
@@ -273,6 +278,18 @@ def _plain_delay(
     return PublishPlan(delayed=(Delayed(("",), envelope),))
 
 
+# Keys already judged (ours, the common ones, the rest once each): one lookup each
+# (publish_keys.new_near_misses).
+_QUIET = SEEN_KEYS.issuperset
+
+
+def _warn_near_misses(metadata: Mapping[str, str]) -> None:
+    """Log a WARNING for each key of `metadata` that looks like a publish key and is not one, once
+    per key per process: such a key is ignored, so the message is published without what it asked."""
+    for warning in new_near_misses(metadata):
+        log.warning("%s", warning)
+
+
 def plan_publish(
     topic: str, data: bytes, metadata: Mapping[str, str], content_type: str, ctx: PlanContext
 ) -> PublishPlan:
@@ -281,6 +298,8 @@ def plan_publish(
     # One copy of the request's metadata (a protobuf map from the servicer:
     # each lookup on it costs more than on a dict), the envelope's own.
     md = {k: metadata[k] for k in metadata}
+    if not _QUIET(md):
+        _warn_near_misses(md)
     fast = _plain_delay(topic, data, md, content_type, ctx)
     if fast is not None:
         return fast
@@ -334,6 +353,8 @@ def plan_bulk(
     of entries each with scheduleCancel and scheduleId).
     """
     check_topic(topic)
+    if not _QUIET(metadata):
+        _warn_near_misses(metadata)
     if is_control(metadata):
         key = next(k for k in CONTROL_KEYS if k in metadata)
         raise InvalidArgumentError(
@@ -379,8 +400,11 @@ class _BulkPlan:
         merge = self._merged if self.metadata else None
         # Neither a request-level delay nor TTL: an entry without keys of its own is stored as it is.
         as_is = self.request.timing is None and not self.request.expires_at_ms
+        quiet = _QUIET
         for entry_id, entry in entries:
             own_md = entry.metadata
+            if not quiet(own_md):
+                _warn_near_misses(own_md)
             if plain and (cancel_id := plain_cancel(own_md, ctx)) is not None:
                 cancels.append(Cancel((entry_id,), cancel_id))
             elif is_control(own_md):

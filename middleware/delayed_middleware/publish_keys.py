@@ -6,8 +6,11 @@ the docs describe it. The key sets planning works with (``TIME_KEYS``,
 ``DELAY_KEYS``, ``TTL_KEYS``, ``CONTROL_KEYS``, ...) are read off the table, in
 its order, which is also the order a refusal picks the key it names by; the key
 tables of README.md and docs/publish-metadata.md are rendered from it; and so
-is ``unknown_key_warnings``. Adding a key is one row here, its parser, and the
-rule in planning (plan.py) that reads it.
+is ``unknown_key_warnings``. Each row names its parser (publish_values.py).
+Adding a key is one row here with its parser: request.read_publish then checks
+it by its row (the key it needs, the keys it excludes) and puts its typed value
+in ``Request.options``, for planning (plan.py) to act on; a rule over several
+keys, if it needs one, goes in request.py.
 
 Regenerate the docs' tables after editing the table::
 
@@ -15,8 +18,8 @@ Regenerate the docs' tables after editing the table::
 
 (``--check`` exits 1 when a committed table differs from what it would write.)
 
-A leaf module (it imports nothing of this package), so that every parser can
-take its key names from here.
+It imports only the value grammars (publish_values.py, a leaf), so that every
+module that reads a key can take its name and its parser from here.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+from delayed_middleware import publish_values as values
+from delayed_middleware.publish_values import Parser
 
 SCHEDULED_SEND_TIME: Final = "scheduledSendTime"
 SCHEDULED_SEND_DELAY: Final = "scheduledSendDelay"
@@ -88,6 +94,8 @@ class PublishKey:
         value, meaning: its row of docs/publish-metadata.md.
         example, does: its row of README.md ('' = not in README's short table).
         readme_joins: the key whose README row it shares ('' = a row of its own).
+        parser: (key, text) -> its typed value, or InvalidArgumentError naming both
+            (publish_values.py; ``text`` when a rule over several keys reads it).
     """
 
     name: str
@@ -102,6 +110,7 @@ class PublishKey:
     example: str = ""
     does: str = ""
     readme_joins: str = ""
+    parser: Parser = values.text
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -120,6 +129,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULED_SEND_TIME,
         Group.TIME,
+        parser=values.instant,
         value="ISO-8601 / RFC3339 instant with offset or `Z`",
         meaning="deliver at that instant; past ⇒ at once",
         example="`2045-11-05T08:15:30-05:00`",
@@ -128,6 +138,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULED_SEND_DELAY,
         Group.TIME,
+        parser=values.delay_ms,
         value="Go duration (`90s`, `1h30m`) or whole seconds",
         meaning="deliver that long after receipt (server clock)",
         example="`90s`, `1h30m`, `90`",
@@ -136,6 +147,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         DELIVER_AT,
         Group.TIME,
+        parser=values.instant,
         empty_is_absent=True,
         readme_joins=DELIVER_AFTER,
         value="RFC 3339 instant, as `pubsub.pulsar` takes it",
@@ -147,6 +159,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         DELIVER_AFTER,
         Group.TIME,
+        parser=values.go_delay_ms,
         empty_is_absent=True,
         value="Go duration, as `pubsub.pulsar` takes it",
         meaning="the same as `scheduledSendDelay`: an app moving from Pulsar changes no code",
@@ -176,6 +189,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_ID,
         Group.IDENTITY,
+        parser=values.schedule_id,
         value="string (≤ 256 characters)",
         meaning=(
             "identity within the app: publishing again with the same id replaces (atomically); "
@@ -187,6 +201,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_CANCEL,
         Group.CANCEL,
+        parser=values.cancel_flag,
         needs=SCHEDULE_ID,
         excludes=(SCHEDULE, *_TIME, SCHEDULE_SOURCE, SCHEDULE_TTL, *_BOUNDS),
         value="`true`",
@@ -200,6 +215,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_PAUSE,
         Group.CONTROL,
+        parser=values.pause_flag,
         needs=SCHEDULE_ID,
         excludes=_CONTROL_EXCLUDES,
         value="`true` or `false`",
@@ -216,6 +232,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_ID_PREFIX,
         Group.CONTROL,
+        parser=values.schedule_id,
         needs=SCHEDULE_CANCEL,
         excludes=_CONTROL_EXCLUDES,
         value="string (≤ 256 characters, not empty)",
@@ -244,6 +261,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_TTL,
         Group.PER_SCHEDULE,
+        parser=values.schedule_ttl_ms,
         needs=SCHEDULE,
         value="Go duration or seconds; `never`",
         meaning=(
@@ -277,6 +295,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_START,
         Group.BOUND,
+        parser=values.instant,
         needs=SCHEDULE,
         value="RFC 3339 instant",
         meaning=(
@@ -290,6 +309,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         SCHEDULE_END,
         Group.BOUND,
+        parser=values.instant,
         needs=SCHEDULE,
         readme_joins=SCHEDULE_START,
         value="RFC 3339 instant",
@@ -336,6 +356,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         TTL_IN_SECONDS,
         Group.TTL,
+        parser=values.ttl_ms,
         aliases=(TTL,),
         needs_delays=False,
         value="Go duration or whole seconds (under either key, as in Dapr); `never`; empty = absent",
@@ -353,6 +374,7 @@ TABLE: Final[tuple[PublishKey, ...]] = (
     PublishKey(
         TARGET_PUBSUB,
         Group.TARGET,
+        parser=values.target_name,
         needs_delays=False,
         value="a Dapr pub/sub component name",
         meaning=(
@@ -402,27 +424,119 @@ def excludes(name: str) -> tuple[str, ...]:
 # --- the unknown-key warning ------------------------------------------------------------
 
 
-def unknown_key_warnings(metadata: Iterable[str]) -> list[str]:
-    """One warning per key of `metadata` that looks like a publish key and is not one.
+def resembles(key: str) -> str | None:
+    """The publish key `key` is a near miss of, or None (a key of ours, or the user's own).
 
     Publish metadata also carries the user's own keys, passed on verbatim, so
-    only a near miss is worth a warning: a known key spelt in another case
-    (keys are case-sensitive), or one a letter or two away (``scheduleDelay``).
+    only a near miss counts: a known key spelt in another case (keys are
+    case-sensitive), or one a letter or two away (``scheduleDelay``).
+    """
+    if key in QUIET_KEYS:
+        return None
+    meant = _BY_LOWER.get(key.lower())
+    if meant is not None:
+        return meant
+    close = difflib.get_close_matches(key.lower(), list(_BY_LOWER), n=1, cutoff=0.8)
+    return _BY_LOWER[close[0]] if close else None
+
+
+def _warning(key: str, meant: str) -> str:
+    if key.lower() == meant.lower():
+        return f"publish metadata key {key!r} is not read: keys are case-sensitive, did you mean {meant}?"
+    return f"publish metadata key {key!r} is not read: did you mean {meant}?"
+
+
+def unknown_key_warnings(metadata: Iterable[str]) -> list[str]:
+    """One warning per key of `metadata` that looks like a publish key and is not one (resembles).
+
     Names only, never values.
     """
-    known = {name.lower(): name for name in ALL_KEYS}
+    return [_warning(key, meant) for key in sorted(set(metadata)) if (meant := resembles(key)) is not None]
+
+
+# Keys daprd and apps commonly send beside ours (trace context, the CloudEvent
+# fields daprd passes on, Dapr's own publish keys): never a near miss, so they
+# are answered by the one lookup in QUIET_KEYS, like ours.
+COMMON_KEYS: Final[frozenset[str]] = frozenset(
+    {
+        "traceparent",
+        "tracestate",
+        "traceid",
+        "grpc-trace-bin",
+        "rawPayload",
+        "contentType",
+        "content-type",
+        "cloudevent.id",
+        "cloudevent.source",
+        "cloudevent.type",
+        "cloudevent.traceparent",
+        "cloudevent.tracestate",
+        "cloudevent.pubsub",
+        "cloudevent.topic",
+        "id",
+        "source",
+        "type",
+        "specversion",
+        "datacontenttype",
+        "subject",
+        "time",
+        "partitionKey",
+        "queueName",
+        "priority",
+    }
+)
+_BY_LOWER: Final[Mapping[str, str]] = {name.lower(): name for name in BY_NAME}
+# Keys that are never a near miss, whatever else is in the metadata.
+QUIET_KEYS: Final[frozenset[str]] = ALL_KEYS | frozenset(DELIVERED_KEYS) | COMMON_KEYS
+# QUIET_KEYS and every key judged since (not a near miss, or one warned about
+# already): the hot path asks ``SEEN_KEYS.issuperset(metadata)``, one set
+# lookup per key, and calls new_near_misses only for a key it has not seen.
+# Bounded, as metadata keys come from publishers and a stream of new ones must
+# grow neither the process nor the time a publish takes: past MAX_SEEN keys
+# judged, a new key is no longer remembered and only checked for another case
+# of one of ours (no typo match). The keys warned about are remembered apart (at
+# most MAX_WARNED), so each is warned about once per process; past that bound
+# there are no more warnings.
+MAX_SEEN: Final = 512
+MAX_WARNED: Final = 256
+SEEN_KEYS: Final[set[str]] = set(QUIET_KEYS)
+_warned: set[str] = set()
+
+
+def new_near_misses(metadata: Iterable[str]) -> list[str]:
+    """The warnings for the near misses in `metadata` not warned about before in this process.
+
+    Each key is judged (resembles) once and remembered in SEEN_KEYS; a near
+    miss is warned about once.
+    """
     out: list[str] = []
-    for key in sorted(set(metadata) - ALL_KEYS - set(DELIVERED_KEYS)):
-        meant = known.get(key.lower())
-        if meant is not None:
-            out.append(
-                f"publish metadata key {key!r} is not read: keys are case-sensitive, did you mean {meant}?"
-            )
+    for key in metadata:
+        if key in SEEN_KEYS:
             continue
-        close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.8)
-        if close:
-            out.append(f"publish metadata key {key!r} is not read: did you mean {known[close[0]]}?")
+        if len(SEEN_KEYS) < len(QUIET_KEYS) + MAX_SEEN:
+            SEEN_KEYS.add(key)
+            meant = resembles(key)
+        else:
+            # Full: a stream of new keys (ids in key names, or a hostile
+            # publisher's) must not cost a fuzzy match (~36 us) each. Another
+            # case of one of ours is still caught, by one lookup.
+            meant = _BY_LOWER.get(key.lower())
+        if meant is None or key in _warned or len(_warned) >= MAX_WARNED:
+            continue
+        _warned.add(key)
+        out.append(_warning(key, meant))
     return out
+
+
+def forget_near_misses() -> None:
+    """Forget every key judged and warned about, as a new process would (tests)."""
+    SEEN_KEYS.intersection_update(QUIET_KEYS)
+    _warned.clear()
+
+
+def remembered_keys() -> int:
+    """How many keys new_near_misses remembers beside QUIET_KEYS (at most MAX_SEEN + MAX_WARNED)."""
+    return len(SEEN_KEYS) - len(QUIET_KEYS) + len(_warned)
 
 
 # --- the docs' key tables -----------------------------------------------------------------

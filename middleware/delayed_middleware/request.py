@@ -4,9 +4,10 @@ planning (plan.py) works on the Request this returns, never on the keys: which
 message is delayed or scheduled and when (Timing), which id it cancels, which
 control request it is (pause, resume, cancel by prefix), its own TTL. Every
 bad value raises InvalidArgumentError naming its key and value before anything
-is stored. Each key's grammar is its own module's (delay.py, schedules.py,
-ttl.py, target.py, control.py); which key needs or excludes which is the
-table's (publish_keys.py); the rules between keys are here. Pure: time comes in
+is stored. Each key's grammar is its row's parser (publish_values.py, called
+by delay.py, ttl.py, target.py, control.py and here); which key needs or
+excludes which is the table's (publish_keys.py); the rules between keys are
+here. A row no rule here reads is an option, read by its row alone. Pure: time comes in
 through the PlanContext.
 
 Topic rules (the engine's reserved namespace, keys.py), for the topic and for
@@ -20,15 +21,23 @@ to one is allowed.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from delayed_middleware import publish_values as values
 from delayed_middleware.control import Control, read_control
-from delayed_middleware.delay import MAX_SCHEDULE_ID_LENGTH, Delay, delay_keys_in, parse_delay
+from delayed_middleware.delay import (
+    DISABLED_REASON,
+    MAX_SCHEDULE_ID_LENGTH,
+    Delay,
+    delay_keys_in,
+    parse_delay,
+)
 from delayed_middleware.durations import format_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.publish_keys import (
+    BY_NAME,
     NOT_ONE_SHOT_KEYS,
     SCHEDULE,
     SCHEDULE_CANCEL,
@@ -41,7 +50,9 @@ from delayed_middleware.publish_keys import (
     SCHEDULE_START,
     SCHEDULE_TIME_ZONE,
     SCHEDULE_TTL,
+    TABLE,
     TTL_KEYS,
+    PublishKey,
     excludes,
 )
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule, with_bounds
@@ -51,6 +62,10 @@ from delayed_middleware.ttl import parse_schedule_ttl, parse_ttl
 MAX_TOPIC_LENGTH = 1024
 
 _TTL_KEYS = frozenset(TTL_KEYS)
+# The keys the rules below read, each by its own rule. A row of the table that is
+# none of them is an option: read by its row alone (_read_options).
+_RULED: frozenset[str] = frozenset(BY_NAME)
+
 # The keys of the schedules contract that parse_delay (one-shot delays) does not read.
 _SCHEDULE_KEYS = frozenset(NOT_ONE_SHOT_KEYS)
 
@@ -98,26 +113,73 @@ class Request:
         expires_at_ms: its own TTL (ttlInSeconds / ttl) as an instant, 0 = never.
         control: a pause, resume or cancel by prefix (control.py; read_publish only):
             a request that changes pending state and stores no message.
+        options: (name, typed value) of each option key given, in the table's
+            order: a key of the table no rule here reads, parsed by its row's parser.
     """
 
     timing: Timing | None = None
     cancel: str | None = None
     expires_at_ms: int = 0
     control: Control | None = None
+    options: tuple[tuple[str, object], ...] = ()
 
 
-def read_request(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
-    """Read the delay, schedule, cancel, TTL and target keys of one message's metadata.
+def read_request(
+    metadata: Mapping[str, str], ctx: PlanContext, table: Sequence[PublishKey] = TABLE
+) -> Request:
+    """Read the delay, schedule, cancel, TTL and target keys of one message's metadata, and its options.
 
     ``targetPubsub`` (else the component's ``defaultTargetPubsub``) names the
     Dapr pub/sub a delayed message is handed to when due; without a delay it
-    is refused (target.target_pubsub).
+    is refused (target.target_pubsub). `table` is the table of keys: a row no
+    rule here reads is an option (_read_options).
     """
     request = _read_timing(metadata, ctx)
     target = target_pubsub(metadata, delayed=request.timing is not None, default=ctx.default_target_pubsub)
-    if target is None or request.timing is None:
+    if target is not None and request.timing is not None:
+        request = replace(request, timing=replace(request.timing, target_pubsub=target))
+    options = _OPTION_ROWS if table is TABLE else _option_rows(table)
+    if not options or request.cancel is not None:
         return request
-    return replace(request, timing=replace(request.timing, target_pubsub=target))
+    return replace(request, options=tuple(_read_options(metadata, ctx, options).items()))
+
+
+def _option_rows(table: Sequence[PublishKey]) -> tuple[PublishKey, ...]:
+    return tuple(row for row in table if row.name not in _RULED)
+
+
+# Every row of the table is read by a rule today: a key added as a row alone is an option.
+_OPTION_ROWS = _option_rows(TABLE)
+
+
+def _read_options(
+    metadata: Mapping[str, str], ctx: PlanContext, rows: Sequence[PublishKey]
+) -> Mapping[str, object]:
+    """The option keys given, each checked by its row (delayed messaging, the key it needs, the
+    keys it excludes, one spelling) and parsed by its row's parser, in the table's order."""
+    options: dict[str, object] = {}
+    for row in rows:
+        given = [n for n in row.names if n in metadata and not (row.empty_is_absent and metadata[n] == "")]
+        if not given:
+            continue
+        key, value = given[0], metadata[given[0]]
+        if len(given) > 1:
+            raise InvalidArgumentError(
+                given[1],
+                metadata[given[1]],
+                f"given together with {key}={value!r}: give one of them, not both",
+            )
+        if row.needs_delays and not ctx.enabled:
+            raise InvalidArgumentError(key, value, DISABLED_REASON)
+        if row.needs and row.needs not in metadata:
+            raise InvalidArgumentError(key, value, f"only applies with {row.needs}: give {row.needs} too")
+        for other in row.excludes:
+            if other in metadata:
+                raise InvalidArgumentError(
+                    other, metadata[other], f"given together with {key}={value!r}: give one of them, not both"
+                )
+        options[row.name] = row.parser(key, value)
+    return options
 
 
 def plain_cancel(metadata: Mapping[str, str], ctx: PlanContext) -> str | None:
@@ -207,9 +269,7 @@ def _is_cancel(
     cancel = metadata.get(SCHEDULE_CANCEL)
     if cancel is None:
         return False
-    if cancel.lower() not in ("true", "false"):
-        raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
-    if cancel.lower() == "false":
+    if not values.cancel_flag(SCHEDULE_CANCEL, cancel):
         return False
     if schedule_id is None:
         raise InvalidArgumentError(
@@ -299,7 +359,9 @@ def _delay(metadata: Mapping[str, str], ctx: PlanContext) -> Delay | None:
     return parse_delay(metadata, now_ms=ctx.now_ms, enabled=ctx.enabled, max_delay_ms=ctx.max_delay_ms)
 
 
-def read_publish(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
+def read_publish(
+    metadata: Mapping[str, str], ctx: PlanContext, table: Sequence[PublishKey] = TABLE
+) -> Request:
     """Read one Publish's metadata: a cancel, a control request, or a message's timing and TTL.
 
     The control keys (schedulePause, scheduleIdPrefix) are read first: a
@@ -309,4 +371,4 @@ def read_publish(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
     """
     if (control := read_control(metadata, enabled=ctx.enabled)) is not None:
         return Request(control=control)
-    return read_request(metadata, ctx)
+    return read_request(metadata, ctx, table)

@@ -51,6 +51,7 @@ from typing import Final, Literal
 
 from croniter import CroniterError, croniter
 
+from delayed_middleware import publish_values as values
 from delayed_middleware.durations import format_go_duration, parse_go_duration
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError
@@ -749,10 +750,7 @@ def with_bounds(
 
 
 def _instant(key: str, value: str) -> int:
-    try:
-        return parse_instant(value)
-    except ValueError as exc:
-        raise InvalidArgumentError(key, value, str(exc)) from None
+    return values.instant(key, value)
 
 
 def _limit(schedule: Schedule, value: str) -> int:

@@ -12,12 +12,13 @@ refused publish stores nothing.
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping
 from typing import Final
 
+from delayed_middleware import publish_values as values
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.publish_keys import REQUEST_KEYS, TARGET_PUBSUB
+from delayed_middleware.publish_values import MAX_TARGET_LENGTH
 
 DEFAULT_TARGET_PUBSUB: Final = "defaultTargetPubsub"
 
@@ -31,9 +32,6 @@ __all__ = [
     "target_pubsub",
 ]
 
-# Dapr component names are Kubernetes object names (<= 253 characters).
-MAX_TARGET_LENGTH: Final = 253
-
 # Keys that concern us, not the target: they never reach it. TTL keys are
 # dropped too because the forwarder passes on the *remaining* TTL (expiresAt).
 # They are the keys planning reads of a message's own metadata (REQUEST_KEYS).
@@ -42,13 +40,7 @@ NOT_FORWARDED: Final = frozenset(REQUEST_KEYS)
 
 def check_target_name(key: str, name: str) -> str:
     """A pub/sub component name as given under `key`, or InvalidArgumentError."""
-    if not name.strip():
-        raise InvalidArgumentError(key, name, "must name a Dapr pub/sub component")
-    if len(name) > MAX_TARGET_LENGTH:
-        raise InvalidArgumentError(key, name, f"longer than {MAX_TARGET_LENGTH} characters")
-    if name != name.strip() or any(unicodedata.category(c).startswith(("C", "Z")) for c in name):
-        raise InvalidArgumentError(key, name, "must not contain spaces or control characters")
-    return name
+    return values.target_name(key, name)
 
 
 def target_pubsub(metadata: Mapping[str, str], *, delayed: bool, default: str = "") -> str | None:

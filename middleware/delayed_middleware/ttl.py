@@ -24,10 +24,11 @@ import json
 from collections.abc import Mapping
 from typing import Final
 
-from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
+from delayed_middleware import publish_values as values
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, format_instant
 from delayed_middleware.publish_keys import SCHEDULE_TTL, TTL, TTL_IN_SECONDS, TTL_KEYS
+from delayed_middleware.publish_values import NEVER
 
 __all__ = [
     "CLOUDEVENT_EXPIRATION",
@@ -44,8 +45,6 @@ __all__ = [
     "with_cloudevent_expiration",
 ]
 
-# No expiry (NATS's value for Nats-TTL too).
-NEVER: Final = "never"
 
 # The CloudEvent attribute daprd checks before delivering (contrib pubsub.HasExpired).
 CLOUDEVENT_EXPIRATION: Final = "expiration"
@@ -78,7 +77,7 @@ def parse_ttl(metadata: Mapping[str, str], *, now_ms: int) -> int | None:
         )
     key = given[0]
     value = metadata[key]
-    ttl_ms = _parse_positive(key, value)
+    ttl_ms = values.ttl_ms(key, value)
     if ttl_ms is None:
         return None
     expires_at_ms = now_ms + ttl_ms
@@ -96,23 +95,7 @@ def parse_schedule_ttl(value: str) -> int | None:
         InvalidArgumentError: key ``scheduleTTL``, naming the value: empty,
             malformed, zero, negative, or beyond a Go duration's ~292 years.
     """
-    if value == "":
-        raise InvalidArgumentError(SCHEDULE_TTL, value, "empty: give a value or leave the key out")
-    return _parse_positive(SCHEDULE_TTL, value)
-
-
-def _parse_positive(key: str, value: str) -> int | None:
-    if value.lower() == NEVER:
-        return None
-    try:
-        ttl_ms = parse_duration_or_seconds(value)
-    except ValueError as exc:
-        raise InvalidArgumentError(key, value, f"{exc}; or {NEVER}") from None
-    if ttl_ms <= 0:
-        raise InvalidArgumentError(
-            key, value, f"must be positive, not {format_go_duration(ttl_ms)} (use {NEVER} for no expiry)"
-        )
-    return ttl_ms
+    return values.schedule_ttl_ms(SCHEDULE_TTL, value)
 
 
 def is_expired(expires_at_ms: int, now_ms: int) -> bool:

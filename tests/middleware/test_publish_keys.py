@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from delayed_middleware import publish_keys
+from delayed_middleware import publish_keys, publish_values
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
 from delayed_middleware.plan import PlanContext, plan_publish
@@ -137,3 +138,81 @@ def test_unknown_key_warning_names_near_misses_of_publish_keys_only() -> None:
         "publish metadata key 'scheduleDelay' is not read: did you mean scheduledSendDelay?",
         "publish metadata key 'scheduledSendDelays' is not read: did you mean scheduledSendDelay?",
     ]
+
+
+@pytest.fixture
+def fresh_process() -> Iterator[None]:
+    """The near-miss memory of a new process, and again after the test (it is process-wide)."""
+    publish_keys.forget_near_misses()
+    yield
+    publish_keys.forget_near_misses()
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_near_misses_are_warned_about_once_each_and_a_stream_of_new_keys_stays_bounded() -> None:
+    first = publish_keys.new_near_misses(["schedulesourse", "traceparent", "tenant", "ScheduleSource"])
+    assert first == [
+        "publish metadata key 'schedulesourse' is not read: did you mean scheduleSource?",
+        "publish metadata key 'ScheduleSource' is not read: keys are case-sensitive, did you mean scheduleSource?",
+    ]
+    assert publish_keys.new_near_misses(["schedulesourse", "ScheduleSource"]) == []
+    # Publishers may send any number of distinct keys: what is remembered of them stays bounded,
+    # and so do the warnings.
+    warned = [w for i in range(3000) for w in publish_keys.new_near_misses([f"scheduleid{i}", f"k{i}"])]
+    assert len(warned) == publish_keys.MAX_WARNED - len(first)
+    assert publish_keys.remembered_keys() <= publish_keys.MAX_SEEN + publish_keys.MAX_WARNED
+
+
+@pytest.mark.usefixtures("fresh_process")
+def test_past_its_bound_the_near_miss_memory_still_catches_another_case_of_a_publish_key() -> None:
+    assert [
+        w for i in range(2 * publish_keys.MAX_SEEN) for w in publish_keys.new_near_misses([f"k{i}"])
+    ] == []
+    assert publish_keys.new_near_misses(["SCHEDULEDSENDTIME"]) == [
+        "publish metadata key 'SCHEDULEDSENDTIME' is not read: keys are case-sensitive, "
+        "did you mean scheduledSendTime?"
+    ]
+    assert publish_keys.new_near_misses(["SCHEDULEDSENDTIME"]) == []
+    assert publish_keys.remembered_keys() <= publish_keys.MAX_SEEN + publish_keys.MAX_WARNED
+
+
+def test_our_keys_and_the_keys_daprd_and_apps_commonly_send_are_judged_by_one_lookup() -> None:
+    common = {"traceparent", "tracestate", "rawPayload", "ttlInSeconds", "contentType", "cloudevent.id"}
+    assert publish_keys.ALL_KEYS | common <= publish_keys.SEEN_KEYS
+
+
+# A value each row's parser refuses (rows whose parser is publish_values.text have none: a rule reads them).
+BAD = {
+    "scheduledSendTime": "tomorrow",
+    "scheduledSendDelay": "1d",
+    "deliverAt": "2045-11-05T08:15:30",
+    "deliverAfter": "90",
+    "scheduleId": "job\x001",
+    "scheduleCancel": "maybe",
+    "schedulePause": "maybe",
+    "scheduleIdPrefix": "tenant\x07",
+    "scheduleTTL": "0s",
+    "scheduleStart": "soon",
+    "scheduleEnd": "later",
+    "ttlInSeconds": "-5",
+    "ttl": "0",
+    "targetPubsub": "my kafka",
+}
+
+
+def test_every_row_that_parses_its_value_has_a_bad_value_here() -> None:
+    parsing = {name for k in TABLE if k.parser is not publish_values.text for name in k.names}
+    assert set(BAD) == parsing
+
+
+@pytest.mark.parametrize("key", sorted(BAD))
+def test_a_publish_with_a_bad_value_gets_exactly_the_refusal_of_its_rows_parser(key: str) -> None:
+    row = publish_keys.BY_NAME[key]
+    with pytest.raises(InvalidArgumentError) as parsed:
+        row.parser(key, BAD[key])
+    metadata = {key: BAD[key]}
+    if row.needs:
+        metadata[row.needs] = VALID[row.needs]
+    if key == "targetPubsub":
+        metadata["scheduledSendDelay"] = "90s"
+    assert str(_refusal(metadata)) == str(parsed.value)
