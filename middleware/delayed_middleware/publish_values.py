@@ -37,30 +37,27 @@ def text(key: str, value: str) -> str:
     return value
 
 
-def instant(key: str, value: str) -> int:
-    """An RFC 3339 instant with offset or Z, as epoch ms."""
+def _read(key: str, value: str, grammar: Callable[[str], int]) -> int:
+    """`grammar(value)`, its ValueError turned into the refusal naming key and value."""
     try:
-        return parse_instant(value)
+        return grammar(value)
     except ValueError as exc:
         raise InvalidArgumentError(key, value, str(exc)) from None
+
+
+def instant(key: str, value: str) -> int:
+    """An RFC 3339 instant with offset or Z, as epoch ms."""
+    return _read(key, value, parse_instant)
 
 
 def delay_ms(key: str, value: str) -> int:
     """A Go duration or whole seconds, not negative, in ms."""
-    try:
-        ms = parse_duration_or_seconds(value)
-    except ValueError as exc:
-        raise InvalidArgumentError(key, value, str(exc)) from None
-    return _not_negative(key, value, ms)
+    return _not_negative(key, value, _read(key, value, parse_duration_or_seconds))
 
 
 def go_delay_ms(key: str, value: str) -> int:
     """A Go duration (no bare seconds: Pulsar's time.ParseDuration), not negative, in ms."""
-    try:
-        ms = parse_go_duration(value)
-    except ValueError as exc:
-        raise InvalidArgumentError(key, value, str(exc)) from None
-    return _not_negative(key, value, ms)
+    return _not_negative(key, value, _read(key, value, parse_go_duration))
 
 
 def _not_negative(key: str, value: str, ms: int) -> int:
