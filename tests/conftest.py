@@ -64,7 +64,8 @@ def retrier(client: Any, consumer: str, policy: RetryPolicy | None = None, topic
     `policy` says otherwise."""
     return Retrier(
         client,
-        policy or RetryPolicy(active=True, initial_ms=3_600_000, max_ms=3_600_000),
+        policy
+        or RetryPolicy(active=True, initial_ms=3_600_000, max_ms=3_600_000, multiplier=2.0, jitter=0.0),
         topic=topic,
         group="app1",
         consumer=consumer,

@@ -315,7 +315,7 @@ def parse_settings(props: Mapping[str, str]) -> Settings:
     values = _fields(props)
     _check_deployment(props, values)
     _check_tls_pairs(props, values)
-    retry = parse_retry_policy(props, defaults=defaults()["retry"])
+    retry = parse_retry_policy(props, defaults()["retry"], component=True)
     return Settings(hosts=hosts, retry=retry, **values)
 
 

@@ -107,14 +107,6 @@ KEYS: Final = (
     DEAD_LETTER_TOPIC,
 )
 
-# The values of a RetryPolicy built without the component (the pure policy in tests and tools).
-# The component starts from metadata.yaml's defaults instead (delayed_pubsub.settings passes them
-# to parse_retry_policy), so these never decide what a deployment does.
-DEFAULT_INITIAL_MS: Final = 1_000
-DEFAULT_MAX_MS: Final = 60_000
-DEFAULT_MULTIPLIER: Final = 2.0
-
-
 def retry_key(consumer_id: str, topic: str) -> str:
     """The durable retry schedule of one consumer group on one topic (EngineKeys.retry)."""
     return EngineKeys.for_topic(delayed_topic(consumer_id)).retry(topic)
@@ -151,11 +143,13 @@ class DeadLetter:
 class RetryPolicy:
     """A subscription's retry policy. `active` is False when nothing was configured."""
 
+    # The backoff's shape has no default here: the component's are declared once, in its
+    # metadata.yaml (delayed_pubsub.settings builds the policy from them).
+    initial_ms: int
+    max_ms: int
+    multiplier: float
+    jitter: float
     max_attempts: int | None = None
-    initial_ms: int = DEFAULT_INITIAL_MS
-    max_ms: int = DEFAULT_MAX_MS
-    multiplier: float = DEFAULT_MULTIPLIER
-    jitter: float = 0.0
     dead_letter_topic: str = ""
     active: bool = False
 
@@ -207,21 +201,19 @@ class RetryPolicy:
         return replace(policy, max_attempts=None, dead_letter_topic="")
 
 
-def parse_retry_policy(
-    props: Mapping[str, str], base: RetryPolicy | None = None, *, defaults: RetryPolicy | None = None
-) -> RetryPolicy:
-    """Read the retry keys from metadata over `base` (a subscription's, over the component's policy)
-    or, for the component, over `defaults` (the declared defaults; RetryPolicy's own without them).
+def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy, *, component: bool = False) -> RetryPolicy:
+    """Read the retry keys from metadata over `base`: for a subscription, the component's policy;
+    for the component (`component=True`), its declared defaults.
 
     Raises InvalidArgumentError naming the first bad key and value.
     """
-    policy = base or defaults or RetryPolicy()
+    policy = base
     given = {k: props[k].strip() for k in KEYS if k in props and props[k].strip() != ""}
     if not given:
         return policy
     # On the component, deadLetterTopic alone is also the forwarder's (hand-offs that failed
     # their last attempt): it must not turn subscriber retries on. On a subscription it does.
-    changes: dict[str, object] = {"active": base is not None or given.keys() != {DEAD_LETTER_TOPIC}}
+    changes: dict[str, object] = {"active": not component or given.keys() != {DEAD_LETTER_TOPIC}}
     for key, text in given.items():
         attribute, read = READERS[key]
         changes[attribute] = read(key, text)

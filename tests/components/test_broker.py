@@ -976,7 +976,7 @@ async def test_a_stopping_subscription_claims_no_due_retry_for_itself(
     )
     sub.retry = Retrier(
         aclient,
-        RetryPolicy(active=True),
+        RetryPolicy(initial_ms=1_000, max_ms=60_000, multiplier=2.0, jitter=0.0, active=True),
         topic="orders",
         group="app1",
         consumer=sub.consumer,

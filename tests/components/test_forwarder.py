@@ -1231,7 +1231,15 @@ async def test_dead_and_retry_dead_list_and_move_a_subscriber_and_a_hand_off_dea
     client = aioredis.Redis(port=sidecar.redis.port)
     retrier = Retrier(
         client,
-        RetryPolicy(max_attempts=1, dead_letter_topic="dlq", active=True),
+        RetryPolicy(
+            initial_ms=1_000,
+            max_ms=60_000,
+            multiplier=2.0,
+            jitter=0.0,
+            max_attempts=1,
+            dead_letter_topic="dlq",
+            active=True,
+        ),
         topic="inbox",
         group=APP_ID,
         consumer="c1",
