@@ -80,10 +80,10 @@ def main() -> None:
                 stderr=(work / "app.log").open("wb"),
             )
             procs.append(app)
-            harness.wait_until(
+            harness.wait_until_blocking(
                 lambda: httpx.get(f"http://127.0.0.1:{app_port}/healthz", timeout=1).status_code == 200,
-                15,
                 "the bench app",
+                15,
             )
             resources = work / "resources"
             resources.mkdir()

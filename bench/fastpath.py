@@ -245,10 +245,10 @@ def main() -> None:
                 stderr=(work / "app.log").open("wb"),
             )
             procs.append(app)
-            harness.wait_until(
+            harness.wait_until_blocking(
                 lambda: httpx.get(f"http://127.0.0.1:{app_port}/healthz", timeout=1).status_code == 200,
-                15,
                 "the bench app",
+                15,
             )
             resources = work / "resources"
             resources.mkdir()
@@ -267,11 +267,11 @@ def main() -> None:
             daprd = harness.start_daprd(daprd_path, work, socket_dir, APP_ID, app_port, resources, ports)
             procs.append(daprd)
             base = f"http://127.0.0.1:{ports.http}/v1.0/metadata"
-            harness.wait_until(
+            harness.wait_until_blocking(
                 lambda: len(httpx.get(base, timeout=2).json().get("subscriptions", [])) == len(SUBSCRIPTIONS),
-                30,
                 "daprd to load the subscriptions",
-                daprd,
+                30,
+                process=daprd,
             )
             protoset = work / "dapr.protoset"
             write_protoset(protoset)

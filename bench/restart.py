@@ -124,7 +124,9 @@ def run(daprd: str, redis: RedisServer, how: signal.Signals, resiliency: bool, w
         component.proc = None
         component = harness.start_component(workdir, socket_dir)
         # After SIGKILL the stale socket file is there at once: wait until the new process answers.
-        harness.wait_until(lambda: _answers(socket_dir / "delayed-pubsub.sock"), 30, "new serve", component)
+        harness.wait_until_blocking(
+            lambda: _answers(socket_dir / "delayed-pubsub.sock"), "new serve", 30, process=component
+        )
         restart_s = time.monotonic() - signalled
         time.sleep(4.0)
     finally:

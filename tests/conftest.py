@@ -3,9 +3,7 @@ Redis Cluster per test module, flushed per test through `admin`."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -122,14 +120,6 @@ def stored_bytes(client: redis.Redis | redis.cluster.RedisCluster, keys: EngineK
     for key in (keys.stream, keys.moved):
         total += int(client.memory_usage(key, samples=0) or 0)
     return total
-
-
-async def wait_until(check: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
-    """Polls `check` (a look at Redis) until it holds; fails naming `what` after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
-        await asyncio.sleep(0.02)
 
 
 def freed_by_deleting(client: redis.Redis, keys: EngineKeys) -> int:

@@ -21,10 +21,13 @@ from typing import Any, Literal, cast
 
 import redis
 
+from tests.waiting import wait_until_blocking
+
 START_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:
+    """A loopback TCP port free at this instant (the OS picks it); see RedisServer.start for the race."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -39,18 +42,11 @@ def _which(tool: str) -> str:
     return exe
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> None:
-    """Poll `check` (exceptions count as "not yet") until it is true; RuntimeError naming `what` if never."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (redis.RedisError, OSError) as e:
-            last = e
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} not reached within {timeout}s (last error: {last})")
+def _wait_for(what: str, check: Callable[[], bool]) -> None:
+    """Until `check` holds (a server still starting counts as "not yet"); RuntimeError naming `what`."""
+    wait_until_blocking(
+        check, what, START_TIMEOUT_S, tolerate=(redis.RedisError, OSError), error=RuntimeError
+    )
 
 
 class RedisServer:
@@ -558,4 +554,3 @@ def start_mtls_redis_with_user(workdir: Path, tls: TlsFiles, password: str) -> T
     server = TlsRedisServer(workdir, tls, auth_clients="yes", config_file=conf)
     server.start()
     return server
-

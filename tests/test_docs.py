@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from delayed_middleware import plan
-from delayed_middleware.control import CONTROL_KEYS
+from delayed_middleware.publish_keys import ALL_KEYS
 from delayed_pubsub.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ COMMAND = re.compile(r"(?:^|[\s/(`$])delayed-pubsub((?:\s+\S+)+)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 MAKE = re.compile(r"(?:^|[\s`(])make\s+([a-z][\w-]*)")
 SCRIPT = re.compile(r"(?:^|[\s`(])(scripts/[\w.-]+)")
-PUBLISH_KEYS = frozenset(plan._REQUEST_KEYS | plan._SCHEDULE_KEYS | set(CONTROL_KEYS))
+PUBLISH_KEYS = ALL_KEYS
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from delayed_middleware.aio import text
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry, Trim, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
-from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient, call_timeout
+from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisPyClient, call_timeout
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
 from delayed_pubsub.settings import Settings
 from delayed_pubsub.subscription import Subscription
@@ -72,11 +72,11 @@ class Broker:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         settings: Settings,
         clock: Clock,
         metrics: InstanceMetrics | None = None,
-        blocking_client: RedisClient | None = None,
+        blocking_client: RedisPyClient | None = None,
     ) -> None:
         self._client = client
         # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
@@ -177,7 +177,7 @@ class _PublishBatcher:
     call of a batch, and one socket write per call.
     """
 
-    def __init__(self, client: RedisClient) -> None:
+    def __init__(self, client: RedisPyClient) -> None:
         self._client = client
         self._queue: list[tuple[str, dict[str, bytes], dict[str, Any], asyncio.Future[Any]]] = []
         self._busy = False

@@ -18,9 +18,10 @@ from typing import TypeVar
 import redis.exceptions
 
 from delayed_middleware.aio import retrying
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
-from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisClient
+from delayed_middleware.redis_errors import is_busy_group, is_no_group
+from delayed_pubsub.connection import REDIS_ERRORS, TRANSIENT_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.settings import Settings
 from delayed_pubsub.window import Window
@@ -29,21 +30,15 @@ log = logging.getLogger("delayed_pubsub.broker")
 
 T = TypeVar("T")
 
-# Backoff between retries of a failing Redis call inside a subscription. The cap
-# keeps recovery after a Redis restart quick without hammering a dead server.
-BACKOFF_BASE_S = 0.05
-BACKOFF_CAP_S = 2.0
-
-
 @dataclass(frozen=True, eq=False)
 class SubscriptionCalls:
     """Who a subscription is on Redis (its client, topic, group and consumer), the parts it
     shares (window, clock, metrics, settings), and its calls retried until they work: the
     one thing each part of a subscription is given."""
 
-    client: RedisClient
+    client: RedisPyClient
     # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
-    blocking_client: RedisClient
+    blocking_client: RedisPyClient
     settings: Settings
     topic: str
     consumer: str
@@ -65,7 +60,7 @@ class SubscriptionCalls:
         for XACK where they are the caller's to handle. Gives up (CancelledError)
         once the subscription is stopped: by its own flag, never by a
         cancellation request left on the task (see delayed_middleware.aio)."""
-        backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
+        backoff = REDIS_RECONNECT.backoff()
         window = self.window
         result = await retrying(
             call,
@@ -84,7 +79,7 @@ class SubscriptionCalls:
         self.metrics.redis_errors.inc()
         if not isinstance(e, redis.exceptions.ResponseError):
             log.warning("%s on %s: redis unavailable (%s); retrying", what, self.topic, e)
-        elif "NOGROUP" in str(e):
+        elif is_no_group(e):
             log.warning(
                 "%s on %s: consumer group gone (Redis restarted empty?), recreating", what, self.topic
             )
@@ -100,5 +95,5 @@ class SubscriptionCalls:
         try:
             await self.client.xgroup_create(self.topic, self.group, id="0", mkstream=True)
         except redis.exceptions.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
+            if not is_busy_group(e):
                 raise

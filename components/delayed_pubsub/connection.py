@@ -35,7 +35,9 @@ from delayed_pubsub.settings import Settings
 
 log = logging.getLogger(__name__)
 
-RedisClient: TypeAlias = "aioredis.Redis | RedisCluster"
+# The redis-py client a Connection holds (a Sentinel master is an aioredis.Redis). The middleware
+# types what it needs of one structurally: delayed_middleware.client.RedisClient.
+RedisPyClient: TypeAlias = "aioredis.Redis | RedisCluster"
 
 
 class RetryConnectOnly:
@@ -119,12 +121,12 @@ class Connection:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         address: str,
         call_timeout: float | None,
         key_fds: list[int] | None = None,
         hang_up_hint: str = "",
-        blocking_client: RedisClient | None = None,
+        blocking_client: RedisPyClient | None = None,
         ping_timeout: float = INIT_PING_DEFAULT_S,
     ) -> None:
         self.client = client
@@ -309,7 +311,7 @@ UNLIMITED_CONNECTIONS = 2**31 - 1
 
 def _client(
     settings: Settings, kwargs: dict[str, Any], pool_size: int | None, wait_s: float | None
-) -> RedisClient:
+) -> RedisPyClient:
     """One client; at most `pool_size` connections (None: no limit), a caller
     finding them all busy waiting up to `wait_s` (None: until the call's own bound)."""
     if settings.redis_type == "cluster":

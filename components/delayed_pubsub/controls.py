@@ -1,7 +1,7 @@
 """Executes the control requests of a publish: schedulePause and scheduleIdPrefix cancels.
 
 Planning (delayed_middleware.control) has validated the request; the engine
-(delayed_middleware.pausing) does the work. As with scheduleCancel, an id with
+(delayed_middleware.engine.pause) does the work. As with scheduleCancel, an id with
 nothing pending is not an error (it may have fired or been cancelled already):
 it is logged and counted (`delayed_pubsub_pauses{result="unknown"}`).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 
-from delayed_middleware import pausing
 from delayed_middleware.control import CancelPrefix, Control, Pause
 from delayed_middleware.engine import ShardedEngine
+from delayed_middleware.engine import pause as pausing
 from delayed_pubsub.metrics import InstanceMetrics
 
 # The history `reason` of a publisher's pause and resume (the CLI writes its own).

@@ -22,9 +22,9 @@ from typing import Any
 import redis.exceptions
 
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_pubsub.acks import AckBatcher
-from delayed_pubsub.calls import BACKOFF_BASE_S, BACKOFF_CAP_S, SubscriptionCalls
+from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.claims import Claimed, claim_unchanged
 from delayed_pubsub.redelivery import Retrier
 
@@ -74,7 +74,7 @@ class Fetcher:
         window, acks = self._window, self._acks
         next_reclaim = 0.0
         reclaim_every = self._settings.redeliver_interval_ms / 1000
-        backoff = Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
+        backoff = REDIS_RECONNECT.backoff()
         lingered = False
         # Whether this read fills slots that acks freed: then it carries those acks.
         waited = False

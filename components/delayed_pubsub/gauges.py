@@ -1,8 +1,8 @@
 """The pending-per-topic gauge, refreshed on a timer by a bounded scan.
 
 Why a timer and a bound: the engine keeps one pending count per app, not one
-per topic (a per-topic counter in its scripts is the exact, O(1) way; until
-engine v2 has one, we count). Counting means walking the delayed topic
+per topic (a per-topic counter in its scripts would be the exact, O(1) way;
+they keep none, so we count). Counting means walking the delayed topic
 (`Inspector.counts_by_topic`, ~3.5 µs of CPU per pending message on the
 2-core dev machine, see bench/RESULTS.md), which must not run per scrape nor over millions of entries: every
 REFRESH_S seconds at most MAX_SCAN entries are read, over every shard stream of
@@ -17,7 +17,7 @@ import logging
 
 from delayed_middleware.clock import Clock
 from delayed_middleware.inspector import Inspector
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import OTHER_TOPICS, InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class PendingByTopic:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         consumer_id: str,
         metrics: InstanceMetrics,
         clock: Clock,

@@ -31,6 +31,16 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # Declared by concern; the order is the registry's (and the exposition's) order.
+        self._declare_message_flow(r)
+        self._declare_operations(r)
+        self._declare_health(r)
+        self.forwarder = ForwarderMetrics.register(r)
+        self._declare_liveness(r)
+        self._declare_requests(r)
+
+    def _declare_message_flow(self, r: CollectorRegistry) -> None:
+        """Messages in and out: published, fired (and how late), pending, delivered, acked, nacked."""
         self.published = Counter(
             "delayed_pubsub_published_messages",
             "Messages accepted by Publish/BulkPublish; mode=immediate or delayed",
@@ -68,7 +78,9 @@ class Metrics:
             ["instance"],
             registry=r,
         )
-        # --- operations (issue 9): retries, dead letters, parks, errors (cancels: `cancels` below)
+
+    def _declare_operations(self, r: CollectorRegistry) -> None:
+        """What an operator watches: retries, dead letters, parks, losses, Redis errors, streams, pending per topic."""
         self.retried = Counter(
             "delayed_pubsub_retried_messages",
             "Nacked messages scheduled for a later redelivery by the retry policy",
@@ -111,7 +123,8 @@ class Metrics:
             registry=r,
         )
 
-        # Restart safety and health (set by the registry and the server's health check).
+    def _declare_health(self, r: CollectorRegistry) -> None:
+        """Restart safety and health (set by the registry and the server's health check)."""
         self.orphaned_subscriptions = Gauge(
             "delayed_pubsub_orphaned_subscriptions",
             "Topics whose PullMessages stream a previous process had open and daprd has not re-opened "
@@ -125,8 +138,9 @@ class Metrics:
             ["instance"],
             registry=r,
         )
-        self.forwarder = ForwarderMetrics.register(r)
-        # Liveness (delayed_middleware.liveness): every background loop is supervised.
+
+    def _declare_liveness(self, r: CollectorRegistry) -> None:
+        """Liveness (delayed_middleware.liveness): every background loop is supervised."""
         self.fire_loop_up = Gauge(
             "delayed_pubsub_fire_loop_up",
             "1 while the delay shard's fire loop runs and makes passes; 0 once it ended or stalled "
@@ -153,6 +167,9 @@ class Metrics:
             ["instance", "loop"],
             registry=r,
         )
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Control requests and admission: cancels, pauses, prefix cancels, refused publishes, TTL expiries."""
         self.cancels = Counter(
             "delayed_pubsub_cancels",
             "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",

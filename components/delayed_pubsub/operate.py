@@ -36,7 +36,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from redis.exceptions import MovedError
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,11 +43,13 @@ from rich.table import Table
 from rich.text import Text
 
 from delayed_middleware import history as hist
-from delayed_middleware import pausing, storage_format
+from delayed_middleware import storage_format
 from delayed_middleware.clock import SystemClock
 from delayed_middleware.deadletters import DL_KEYS, GONE, MOVED, MoveBack, move_back
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import ShardedEngine
+from delayed_middleware.engine import pause as pausing
+from delayed_middleware.engine.pause import scan_prefix
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
 from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspector, PendingMessage
@@ -56,7 +57,7 @@ from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import display_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, consumer_id_problem, delayed_topic, is_stream_id, shard_topics
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
-from delayed_middleware.pausing import scan_prefix
+from delayed_middleware.redis_errors import is_moved
 from delayed_middleware.schedules import EnvelopeRecurrence, schedule_zone
 from delayed_middleware.scripts import SCHEDULER
 from delayed_middleware.zones import local_time, zone
@@ -292,7 +293,7 @@ async def _warn_of_more_shards(connection: Connection, settings: Settings, err: 
 def _hint(e: BaseException) -> str:
     # A cluster node answers a plain client with MOVED: the operator forgot --redis-type cluster.
     text = str(e) or "timed out"
-    if isinstance(e, MovedError) or "MOVED" in text:
+    if is_moved(e):
         text = f"MOVED {text}: this is a Redis Cluster node; add --redis-type cluster (or use --component)"
     return text
 

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 
 from delayed_middleware import history
 from delayed_middleware.aio import retrying, text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.deadletters import GaveUp, write_dead_letter
 from delayed_middleware.entry import StreamEntry, decode_entry
@@ -70,7 +70,7 @@ from delayed_middleware.retry import (
     retry_topics_key,
 )
 from delayed_pubsub.claims import Claimed, claim_unchanged, delivery_counts, nack_hold
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.lua import RETRY_RECORD, RETRY_SWEEP, RETRY_TAKE
 from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.retry_notices import RetryNotices
@@ -104,7 +104,7 @@ class Retrier:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         policy: RetryPolicy,
         *,
         topic: str,
@@ -384,7 +384,7 @@ class Retrier:
         }
 
     async def _poll(self, push: Push, give_up: GiveUp, stop: asyncio.Event) -> None:
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not self._closed and not stop.is_set():
             # Cleared before looking, not before sleeping: a nack (or a notice) that lands
             # while this pass is under way was not seen by it, and must cut the sleep short.
@@ -492,6 +492,6 @@ class Retrier:
             on_error=count,
             stopped=lambda: self._closed,
             sleep=self._clock.sleep,
-            backoff=Backoff(base_s=0.05, cap_s=2.0),
+            backoff=REDIS_RECONNECT.backoff(),
             call_timeout=self._timeout,
         )

@@ -14,11 +14,11 @@ import logging
 from typing import Any, Protocol
 
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.liveness import Supervised
 from delayed_middleware.retry import retry_key, retry_topics_key
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient
 from delayed_pubsub.metrics import InstanceMetrics
 
 # The notices log as they did inside redelivery.py.
@@ -53,7 +53,7 @@ class RetryNotices:
     the token and the claim is conditional, so a repeated one delivers nothing twice.
     """
 
-    def __init__(self, client: RedisClient, consumer_id: str, metrics: InstanceMetrics) -> None:
+    def __init__(self, client: RedisPyClient, consumer_id: str, metrics: InstanceMetrics) -> None:
         self._client = client
         self._channel = retry_due_channel(consumer_id)
         self._metrics = metrics
@@ -91,7 +91,7 @@ class RetryNotices:
                 retrier.notify()
 
     async def _listen(self, stop: asyncio.Event) -> None:
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not stop.is_set():
             pubsub: Any = self._client.pubsub(ignore_subscribe_messages=True)
             try:
@@ -129,7 +129,7 @@ class DueScan:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         consumer_id: str,
         clock: Clock,
         metrics: InstanceMetrics,
@@ -144,7 +144,7 @@ class DueScan:
 
     async def run(self, stop: asyncio.Event) -> None:
         """The scan loop (a Supervised body)."""
-        backoff = Backoff(base_s=0.05, cap_s=2.0)
+        backoff = REDIS_RECONNECT.backoff()
         while not stop.is_set():
             try:
                 async with asyncio.timeout(self._timeout):

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from delayed_middleware.clock import Clock
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.admission import AdmissionControl, HeldCalls
-from delayed_pubsub.instance import Instances
+from delayed_pubsub.instance import Instance, Instances
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.records import RecordStore, records_folder
 from delayed_pubsub.servicer import PubSubServicer
@@ -375,6 +375,24 @@ class ComponentServer:
         does not answer or one of its background loops has ended (waiting for its restart) or
         stalled."""
         instances = self.instances.items()
+        down = await self._check_redis(instances)
+        # A loop that ended (waiting for its restart) or stalled: delayed messages
+        # are not fired, or a stream not fed, whatever Redis says.
+        dead = self._check_loops(instances)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.workers is not None:
+            failed = self._check_workers(self.workers, dead)
+            await self._health.set(WORKERS_HEALTH_SERVICE, not_serving if failed else serving)
+        self._dead_loops = dead
+        await self._health.set("", not_serving if down or dead else serving)
+        await self._health.set(PUBSUB_SERVICE, not_serving if down or dead else serving)
+        orphaned = self.instances.orphaned()
+        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, not_serving if orphaned else serving)
+
+    async def _check_redis(self, instances: list[tuple[str, Instance]]) -> frozenset[str]:
+        """PING every instance's Redis; set redis_up and log each change. The instances whose Redis
+        does not answer."""
         results = await asyncio.gather(*(_ping(i.ping) for _, i in instances))
         down = frozenset(name for (name, _), error in zip(instances, results, strict=True) if error)
         for (name, instance), error in zip(instances, results, strict=True):
@@ -386,8 +404,11 @@ class ComponentServer:
             elif not error and name in self._redis_down:
                 log.info("instance %r: redis answers again", name)
         self._redis_down = down
-        # A loop that ended (waiting for its restart) or stalled: delayed messages
-        # are not fired, or a stream not fed, whatever Redis says.
+        return down
+
+    def _check_loops(self, instances: list[tuple[str, Instance]]) -> dict[str, list[str]]:
+        """Every instance's background loops that ended or stalled, by instance (logged on a change);
+        sets each fire loop's fire_loop_up."""
         dead: dict[str, list[str]] = {}
         for name, instance in instances:
             loops = instance.dead_loops()
@@ -400,25 +421,22 @@ class ComponentServer:
             if instance.engine is not None:
                 for n, loop in enumerate(instance.engine.loops):
                     self.metrics.fire_loop_up.labels(name, str(n)).set(1 if loop.healthy else 0)
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        if self.workers is not None:
-            problems = self.workers.problems()
-            if problems:
-                dead["workers"] = problems
-            if problems and problems != self._dead_loops.get("workers"):
-                log.error("workers: %s; health NOT_SERVING", ", ".join(problems))
-            elif not problems and "workers" in self._dead_loops:
-                log.info("every worker runs again")
-            failed = self.workers.failed()
-            if failed:
-                log.error("workers not coming back: %s; liveness fails", ", ".join(failed))
-            await self._health.set(WORKERS_HEALTH_SERVICE, not_serving if failed else serving)
-        self._dead_loops = dead
-        await self._health.set("", not_serving if down or dead else serving)
-        await self._health.set(PUBSUB_SERVICE, not_serving if down or dead else serving)
-        orphaned = self.instances.orphaned()
-        await self._health.set(SUBSCRIPTIONS_HEALTH_SERVICE, not_serving if orphaned else serving)
+        return dead
+
+    def _check_workers(self, workers: WorkerPool, dead: dict[str, list[str]]) -> list[str]:
+        """Adds the worker processes' problems to `dead` (under "workers", logged on a change); the
+        workers that are not coming back (they fail liveness)."""
+        problems = workers.problems()
+        if problems:
+            dead["workers"] = problems
+        if problems and problems != self._dead_loops.get("workers"):
+            log.error("workers: %s; health NOT_SERVING", ", ".join(problems))
+        elif not problems and "workers" in self._dead_loops:
+            log.info("every worker runs again")
+        failed = workers.failed()
+        if failed:
+            log.error("workers not coming back: %s; liveness fails", ", ".join(failed))
+        return failed
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stop gracefully within about `grace` seconds, then close every instance and remove the socket.

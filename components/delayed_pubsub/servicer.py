@@ -1,16 +1,17 @@
 """dapr.proto.components.v1.PubSub over the Instances registry.
 
 This module only translates protobuf ⇄ domain objects and maps the error
-hierarchy to gRPC status codes; the work happens in instance.py and broker.py.
+hierarchy to gRPC status codes (answers_errors); the work happens in instance/ and broker.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, NoReturn, TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 
@@ -83,6 +84,30 @@ async def _abort(context: Context, error: DelayedPubSubError) -> NoReturn:
     await context.abort(code, message)
 
 
+_Self = TypeVar("_Self")
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
+
+
+def answers_errors(
+    method: Callable[[_Self, _Request, Context], Awaitable[_Reply]],
+) -> Callable[[_Self, _Request, Context], Awaitable[_Reply]]:
+    """Answer a call that raised one of our errors with its status (status_code, status_message).
+
+    Anything else is left to grpc.aio (an unexpected exception is UNKNOWN, as before):
+    only the error hierarchy has a table.
+    """
+
+    @functools.wraps(method)
+    async def answered(self: _Self, request: _Request, context: Context) -> _Reply:
+        try:
+            return await method(self, request, context)
+        except DelayedPubSubError as e:
+            await _abort(context, e)
+
+    return answered
+
+
 def instance_name(context: Context) -> str:
     """The component instance a call is for (the YAML metadata.name); "" if daprd sent none."""
     for key, value in context.invocation_metadata() or ():
@@ -102,13 +127,11 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
 
     async def _admitted(self, context: Context) -> Instance:
         """The call's instance, a slot taken in its admission (the caller gives it back with
-        admission.leave()); RESOURCE_EXHAUSTED, naming the bound, past it."""
+        admission.leave()); RESOURCE_EXHAUSTED, naming the bound, past it. Called from
+        methods that answer our errors (answers_errors)."""
         instance = self._instances.find(instance_name(context))
         if instance is None:
-            try:
-                instance = await self._instance(context)
-            except DelayedPubSubError as e:
-                await _abort(context, e)
+            instance = await self._instance(context)
         admission = instance.admission
         if not self._admission.admit(admission):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.refusal())
@@ -119,39 +142,38 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         # Init (the component restarted under a running daprd).
         return await self._instances.ready(instance_name(context))
 
+    @answers_errors
     async def Init(
         self, request: pubsub_pb2.PubSubInitRequest, context: Context
     ) -> pubsub_pb2.PubSubInitResponse:
-        try:
-            await self._instances.init(instance_name(context), dict(request.metadata.properties))
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        await self._instances.init(instance_name(context), dict(request.metadata.properties))
         return pubsub_pb2.PubSubInitResponse()
 
+    @answers_errors
     async def Features(
         self, request: common_pb2.FeaturesRequest, context: Context
     ) -> common_pb2.FeaturesResponse:
         # The instance this process has (no coroutine for it), else restored from its record.
         if self._instances.find(instance_name(context)) is None:
-            try:
-                await self._instance(context)
-            except DelayedPubSubError as e:
-                await _abort(context, e)
+            await self._instance(context)
         return common_pb2.FeaturesResponse(features=FEATURES)
 
+    @answers_errors
     async def Publish(
         self, request: pubsub_pb2.PublishRequest, context: Context
     ) -> pubsub_pb2.PublishResponse:
         instance = await self._admitted(context)
         try:
-            await instance.publish(request.topic, request.data, request.metadata, request.content_type)
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+            # The publish path itself (not Instance.publish): one coroutine less per call.
+            await instance.publisher.publish(
+                request.topic, request.data, request.metadata, request.content_type
+            )
         finally:
             # However the call ends (answered, failed, cancelled by the client).
             instance.admission.leave()
         return pubsub_pb2.PublishResponse()
 
+    @answers_errors
     async def BulkPublish(
         self, request: pubsub_pb2.BulkPublishRequest, context: Context
     ) -> pubsub_pb2.BulkPublishResponse:
@@ -165,9 +187,7 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
                 for e in request.entries
                 for md in (e.metadata,)
             ]
-            failed = await instance.bulk_publish(request.topic, entries, request.metadata)
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+            failed = await instance.publisher.bulk_publish(request.topic, entries, request.metadata)
         finally:
             instance.admission.leave()
         return pubsub_pb2.BulkPublishResponse(
@@ -187,17 +207,10 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         if task is not None:
             self._admission.stream_started()
             task.add_done_callback(self._admission.stream_ended)
-        try:
-            name = instance_name(context)
-            instance = await self._instance(context)
-            first = await anext(request_iterator, None)
-            if first is None:
-                return
-            sub = await self._instances.subscribe(
-                name, instance, first.topic.name, dict(first.topic.metadata)
-            )
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        opened = await self._subscribed(request_iterator, context)
+        if opened is None:
+            return
+        instance, sub = opened
         acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
         response = pubsub_pb2.PullMessagesResponse
         try:
@@ -219,25 +232,33 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
                 await acks
             await self._instances.unsubscribe(instance, sub)
 
+    @answers_errors
+    async def _subscribed(
+        self, request_iterator: AsyncIterator[pubsub_pb2.PullMessagesRequest], context: Context
+    ) -> tuple[Instance, Subscription] | None:
+        """A PullMessages stream's instance and its open subscription (None if daprd closed
+        the stream before naming a topic); our errors end the stream with their status."""
+        name = instance_name(context)
+        instance = await self._instance(context)
+        first = await anext(request_iterator, None)
+        if first is None:
+            return None
+        sub = await self._instances.subscribe(name, instance, first.topic.name, dict(first.topic.metadata))
+        return instance, sub
+
+    @answers_errors
     async def Pause(self, request: pubsub_pb2.PauseRequest, context: Context) -> pubsub_pb2.PauseResponse:
-        try:
-            (await self._instance(context)).pause()
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        (await self._instance(context)).pause()
         return pubsub_pb2.PauseResponse()
 
+    @answers_errors
     async def Resume(self, request: pubsub_pb2.ResumeRequest, context: Context) -> pubsub_pb2.ResumeResponse:
-        try:
-            (await self._instance(context)).resume()
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        (await self._instance(context)).resume()
         return pubsub_pb2.ResumeResponse()
 
+    @answers_errors
     async def Ping(self, request: common_pb2.PingRequest, context: Context) -> common_pb2.PingResponse:
-        try:
-            await (await self._instance(context)).ping()
-        except DelayedPubSubError as e:
-            await _abort(context, e)
+        await (await self._instance(context)).ping()
         return common_pb2.PingResponse()
 
 

@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from delayed_middleware.aio import raise_if_stopped
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.acks import AckBatcher
-from delayed_pubsub.calls import BACKOFF_BASE_S, BACKOFF_CAP_S, SubscriptionCalls
+from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.claims import nack_hold
-from delayed_pubsub.connection import REDIS_ERRORS, RedisClient, call_timeout
+from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient, call_timeout
 from delayed_pubsub.fetch import BLOCK_MS, Fetcher
 from delayed_pubsub.lua import DELETE_IDLE_CONSUMER
 from delayed_pubsub.metrics import InstanceMetrics, Metrics
@@ -56,14 +56,14 @@ class Subscription:
 
     def __init__(
         self,
-        client: RedisClient,
+        client: RedisPyClient,
         settings: Settings,
         clock: Clock,
         topic: str,
         consumer: str,
         paused: bool = False,
         metrics: InstanceMetrics | None = None,
-        blocking_client: RedisClient | None = None,
+        blocking_client: RedisPyClient | None = None,
     ) -> None:
         self._window = window = Window(settings.concurrency, settings.queue_depth, paused)
         self.topic = topic
@@ -111,13 +111,13 @@ class Subscription:
         self._fetcher = Supervised(
             f"fetch loop of {self.topic} as {self.consumer}",
             fetcher.run,
-            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            backoff=REDIS_RECONNECT.backoff(),
             on_state=self._metrics.loop_state("fetch"),
         )
         self._acker = Supervised(
             f"ack loop of {self.topic} as {self.consumer}",
             self._acks.run,
-            backoff=Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S),
+            backoff=REDIS_RECONNECT.backoff(),
             on_state=self._metrics.loop_state("ack"),
         )
         self._fetcher.start()

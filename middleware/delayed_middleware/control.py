@@ -18,35 +18,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from delayed_middleware.delay import (
-    ENABLE_DELAYED_MESSAGING,
-    SCHEDULE,
+from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING, check_schedule_id
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.publish_keys import (
+    CONTROL_KEYS,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
-    SCHEDULE_OPTION_KEYS,
-    SCHEDULE_SOURCE,
-    SCHEDULE_TTL,
-    TIME_KEYS,
-    TTL,
-    TTL_IN_SECONDS,
-    check_schedule_id,
+    SCHEDULE_ID_PREFIX,
+    SCHEDULE_PAUSE,
+    excludes,
 )
-from delayed_middleware.errors import InvalidArgumentError
 
-SCHEDULE_PAUSE: Final = "schedulePause"
-SCHEDULE_ID_PREFIX: Final = "scheduleIdPrefix"
-CONTROL_KEYS: Final[tuple[str, ...]] = (SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX)
+__all__ = [
+    "CONTROL_KEYS",
+    "SCHEDULE_ID_PREFIX",
+    "SCHEDULE_PAUSE",
+    "CancelPrefix",
+    "Control",
+    "Pause",
+    "is_control",
+    "read_control",
+]
 
-# Keys that would schedule or time something: a control request has none.
-_TIMING_KEYS: Final[tuple[str, ...]] = (
-    SCHEDULE,
-    *TIME_KEYS,
-    *SCHEDULE_OPTION_KEYS,
-    SCHEDULE_SOURCE,
-    SCHEDULE_TTL,
-    TTL,
-    TTL_IN_SECONDS,
-)
 _CONTROL: Final = frozenset(CONTROL_KEYS)
 
 
@@ -89,7 +82,8 @@ def read_control(metadata: Mapping[str, str], *, enabled: bool) -> Control | Non
             f'delayed messaging is disabled on this component: set {ENABLE_DELAYED_MESSAGING}: "true" in its '
             "metadata",
         )
-    for timing in _TIMING_KEYS:
+    # Keys that would schedule or time something: a control request has none.
+    for timing in excludes(key):
         if timing in metadata:
             raise InvalidArgumentError(
                 timing, metadata[timing], f"given with {key}: a {key} request schedules nothing, leave it out"

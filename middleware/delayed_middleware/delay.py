@@ -27,57 +27,64 @@ from typing import Final
 from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds, parse_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
-
-SCHEDULED_SEND_TIME: Final = "scheduledSendTime"
-SCHEDULED_SEND_DELAY: Final = "scheduledSendDelay"
-SCHEDULE: Final = "schedule"
-SCHEDULE_ID: Final = "scheduleId"
-SCHEDULE_CANCEL: Final = "scheduleCancel"
-SCHEDULE_SOURCE: Final = "scheduleSource"
-SCHEDULE_TTL: Final = "scheduleTTL"
-# A recurring schedule's zone, bounds and jitter (schedules.py, zones.py).
-SCHEDULE_TIME_ZONE: Final = "scheduleTimeZone"
-SCHEDULE_START: Final = "scheduleStart"
-SCHEDULE_END: Final = "scheduleEnd"
-SCHEDULE_LIMIT: Final = "scheduleLimit"
-SCHEDULE_JITTER: Final = "scheduleJitter"
-SCHEDULE_OPTION_KEYS: Final[tuple[str, ...]] = (
-    SCHEDULE_TIME_ZONE,
-    SCHEDULE_START,
+from delayed_middleware.publish_keys import (
+    DELAY_KEYS,
+    DELIVER_AFTER,
+    DELIVER_AT,
+    NOT_ONE_SHOT_KEYS,
+    PULSAR_KEYS,
+    SCHEDULE,
+    SCHEDULE_CANCEL,
     SCHEDULE_END,
-    SCHEDULE_LIMIT,
+    SCHEDULE_ID,
     SCHEDULE_JITTER,
+    SCHEDULE_LIMIT,
+    SCHEDULE_OPTION_KEYS,
+    SCHEDULE_SOURCE,
+    SCHEDULE_START,
+    SCHEDULE_TIME_ZONE,
+    SCHEDULE_TTL,
+    SCHEDULED_SEND_DELAY,
+    SCHEDULED_SEND_TIME,
+    TIME_KEYS,
+    TTL,
+    TTL_IN_SECONDS,
 )
-# pubsub.pulsar's publish keys (components-contrib pubsub/pulsar: time.Parse(time.RFC3339)
-# and time.ParseDuration), read as aliases of scheduledSendTime and scheduledSendDelay.
-DELIVER_AT: Final = "deliverAt"
-DELIVER_AFTER: Final = "deliverAfter"
-TTL_IN_SECONDS: Final = "ttlInSeconds"
-TTL: Final = "ttl"
 
+# The key names and sets come from the one table of publish keys (publish_keys.py);
+# they are importable from here too, where most callers have always found them.
 # The component setting that must be "true" before any of DELAY_KEYS is accepted.
 ENABLE_DELAYED_MESSAGING: Final = "enableDelayedMessaging"
 
-# The keys that say when a one-shot is due: a message gives at most one of them.
-TIME_KEYS: Final[tuple[str, ...]] = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
-
-# Keys that need enableDelayedMessaging. The TTL keys are absent on purpose:
-# per-message TTL is ordinary pub/sub behaviour and works without delays.
-DELAY_KEYS: Final[tuple[str, ...]] = (
-    *TIME_KEYS,
-    SCHEDULE,
-    SCHEDULE_ID,
-    SCHEDULE_CANCEL,
-    SCHEDULE_SOURCE,
-    SCHEDULE_TTL,
-    *SCHEDULE_OPTION_KEYS,
-)
-# The Pulsar aliases: an empty value means "no delay" there, so it does here.
-PULSAR_KEYS: Final[tuple[str, ...]] = (DELIVER_AT, DELIVER_AFTER)
-
-# Keys this one-shot parser does not handle (plan.read_request does): every delay key
-# but the time keys and scheduleId, so a delay key added later is never read as a one-shot's.
-_NOT_ONE_SHOT: Final[tuple[str, ...]] = tuple(k for k in DELAY_KEYS if k not in (*TIME_KEYS, SCHEDULE_ID))
+__all__ = [
+    "DELAY_KEYS",
+    "DELIVER_AFTER",
+    "DELIVER_AT",
+    "ENABLE_DELAYED_MESSAGING",
+    "MAX_SCHEDULE_ID_LENGTH",
+    "PULSAR_KEYS",
+    "SCHEDULE",
+    "SCHEDULED_SEND_DELAY",
+    "SCHEDULED_SEND_TIME",
+    "SCHEDULE_CANCEL",
+    "SCHEDULE_END",
+    "SCHEDULE_ID",
+    "SCHEDULE_JITTER",
+    "SCHEDULE_LIMIT",
+    "SCHEDULE_OPTION_KEYS",
+    "SCHEDULE_SOURCE",
+    "SCHEDULE_START",
+    "SCHEDULE_TIME_ZONE",
+    "SCHEDULE_TTL",
+    "TIME_KEYS",
+    "TTL",
+    "TTL_IN_SECONDS",
+    "Delay",
+    "check_one_time_key",
+    "check_schedule_id",
+    "delay_keys_in",
+    "parse_delay",
+]
 
 MAX_SCHEDULE_ID_LENGTH: Final = 256
 
@@ -140,7 +147,7 @@ def parse_delay(
         if metadata[key] == "":
             raise InvalidArgumentError(key, "", "empty: give a value or leave the key out")
     for key in present:
-        if key in _NOT_ONE_SHOT:
+        if key in NOT_ONE_SHOT_KEYS:
             raise InvalidArgumentError(
                 key,
                 metadata[key],

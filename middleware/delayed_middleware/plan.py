@@ -8,52 +8,67 @@ whole raises InvalidArgumentError (naming the key and the value) before
 anything is stored. Pure: time comes in through the context, so every rule is
 testable by a table.
 
-Topic rules (the engine's reserved namespace, keys.py): a topic that is an
-engine key (`...-delayed}...`) is refused for publish and subscribe alike; a
-delayed topic (`...-delayed`) only the engine writes, whatever the caller's
-consumerID, because a plain XADD with trimming (maxLenApprox, streamTTL)
-would drop pending envelopes; subscribing to one is allowed.
+The metadata is read once, by request.read_publish, into a typed Request;
+planning works on that. Topic rules: request.check_topic.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from delayed_middleware import envelope as env
-from delayed_middleware.control import CONTROL_KEYS, Control, is_control, read_control
-from delayed_middleware.delay import (
-    DELAY_KEYS,
-    MAX_SCHEDULE_ID_LENGTH,
-    SCHEDULE,
-    SCHEDULE_CANCEL,
-    SCHEDULE_END,
-    SCHEDULE_ID,
-    SCHEDULE_JITTER,
-    SCHEDULE_LIMIT,
-    SCHEDULE_OPTION_KEYS,
-    SCHEDULE_SOURCE,
-    SCHEDULE_START,
-    SCHEDULE_TIME_ZONE,
-    SCHEDULE_TTL,
-    SCHEDULED_SEND_DELAY,
-    SCHEDULED_SEND_TIME,
-    TIME_KEYS,
-    Delay,
-    delay_keys_in,
-    parse_delay,
-)
-from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
+from delayed_middleware.control import CONTROL_KEYS, Control, is_control
+from delayed_middleware.durations import parse_duration_or_seconds
 from delayed_middleware.entry import StreamEntry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import parse_instant
-from delayed_middleware.keys import is_delayed_topic, is_engine_key
 from delayed_middleware.kinds import Kind
-from delayed_middleware.schedules import Schedule, first_fire, parse_schedule, with_bounds
-from delayed_middleware.target import TARGET_PUBSUB, target_pubsub
-from delayed_middleware.ttl import TTL_KEYS, parse_schedule_ttl, parse_ttl, with_cloudevent_expiration
+from delayed_middleware.publish_keys import (
+    ALL_KEYS,
+    DELAY_KEYS,
+    REQUEST_KEYS,
+    SCHEDULE_CANCEL,
+    SCHEDULE_ID,
+    SCHEDULED_SEND_DELAY,
+    SCHEDULED_SEND_TIME,
+    TTL_KEYS,
+)
+from delayed_middleware.request import (
+    MAX_TOPIC_LENGTH,
+    PlanContext,
+    Request,
+    Timing,
+    check_topic,
+    plain_cancel,
+    read_publish,
+    read_request,
+)
+from delayed_middleware.ttl import with_cloudevent_expiration
+
+# Reading the metadata (request.py) is part of planning's API: importable from here.
+__all__ = [
+    "MAX_BULK_ENVELOPE_ENTRIES",
+    "MAX_ENVELOPE_BYTES",
+    "MAX_ENVELOPE_WORK",
+    "MAX_TOPIC_LENGTH",
+    "METADATA_PER_ENTRY",
+    "Cancel",
+    "Delayed",
+    "Failed",
+    "Immediate",
+    "PlanContext",
+    "PublishPlan",
+    "Request",
+    "Timing",
+    "check_topic",
+    "plain_cancel",
+    "plan_bulk",
+    "plan_publish",
+    "read_publish",
+    "read_request",
+]
 
 # What one delayed envelope may carry: one envelope fires in one script call
 # whatever it costs, and that call must stay within ~20 ms of Redis. Work is
@@ -65,26 +80,13 @@ MAX_BULK_ENVELOPE_ENTRIES = 1000
 METADATA_PER_ENTRY = 4
 MAX_ENVELOPE_WORK = 2000
 MAX_ENVELOPE_BYTES = 4 << 20
-MAX_TOPIC_LENGTH = 1024
 
+# The key sets of the one table (publish_keys.py), as sets for the lookups.
 _DELAY_KEYS = frozenset(DELAY_KEYS)
 _TTL_KEYS = frozenset(TTL_KEYS)
-# The keys of the schedules contract that parse_delay (one-shot delays) does not read.
-_SCHEDULE_KEYS = frozenset((SCHEDULE, SCHEDULE_CANCEL, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS))
 # Every key read_request reads: request-level metadata without any of them
 # leaves an entry's own request unchanged (see plain_cancel).
-_REQUEST_KEYS = frozenset((*DELAY_KEYS, *TTL_KEYS, TARGET_PUBSUB))
-
-
-@dataclass(frozen=True)
-class PlanContext:
-    """What planning needs to know about the instance and the moment."""
-
-    now_ms: int
-    pubsub_name: str
-    enabled: bool
-    max_delay_ms: int | None = None
-    default_target_pubsub: str = ""
+_REQUEST_KEYS = frozenset(REQUEST_KEYS)
 
 
 @dataclass(frozen=True)
@@ -128,221 +130,6 @@ class PublishPlan:
     # schedulePause / scheduleIdPrefix (control.py): a request that changes
     # pending state and stores no message.
     control: Control | None = None
-
-
-@dataclass(frozen=True)
-class Timing:
-    """When (and how often) a message is to be delivered: what one envelope needs.
-
-    Attributes:
-        due_ms: the first (or only) due time, epoch ms, never before now.
-        schedule_id: the publisher's scheduleId, or None.
-        schedule: a recurring schedule (``@every``, cron), else None (one-shot).
-        source: scheduleSource: deliver that topic's latest message at each fire.
-        schedule_ttl_ms: scheduleTTL: the TTL of each produced message, 0 = none.
-        target_pubsub: targetPubsub (or the component's defaultTargetPubsub): the
-            Dapr pub/sub the due message is handed to, '' = our own topic.
-    """
-
-    due_ms: int
-    schedule_id: str | None
-    schedule: Schedule | None = None
-    source: str = ""
-    schedule_ttl_ms: int = 0
-    target_pubsub: str = ""
-
-
-@dataclass(frozen=True)
-class Request:
-    """What one message's metadata asks for, validated.
-
-    Attributes:
-        timing: delay or schedule it (None: deliver now, unless a cancel).
-        cancel: the scheduleId to cancel (scheduleCancel=true); nothing is stored then.
-        expires_at_ms: its own TTL (ttlInSeconds / ttl) as an instant, 0 = never.
-    """
-
-    timing: Timing | None = None
-    cancel: str | None = None
-    expires_at_ms: int = 0
-
-
-def read_request(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
-    """Read the delay, schedule, cancel, TTL and target keys of one message's metadata.
-
-    ``targetPubsub`` (else the component's ``defaultTargetPubsub``) names the
-    Dapr pub/sub a delayed message is handed to when due; without a delay it
-    is refused (target.target_pubsub).
-    """
-    request = _read_timing(metadata, ctx)
-    target = target_pubsub(metadata, delayed=request.timing is not None, default=ctx.default_target_pubsub)
-    if target is None or request.timing is None:
-        return request
-    return replace(request, timing=replace(request.timing, target_pubsub=target))
-
-
-def plain_cancel(metadata: Mapping[str, str], ctx: PlanContext) -> str | None:
-    """The scheduleId when `metadata` is exactly a valid ``scheduleCancel: true`` +
-    ``scheduleId``, else None (read_request then decides, errors included).
-
-    A bulk of cancels is read at ~100k entries/s: this recognises the plain
-    form in a few dictionary lookups. It accepts only what read_request reads
-    as ``Request(cancel=<id>)``, so the two never disagree; anything else
-    (other keys, a control character or an over-long id, disabled delays)
-    takes the general path.
-    """
-    if len(metadata) != 2 or not ctx.enabled:
-        return None
-    schedule_id = metadata.get(SCHEDULE_ID)
-    cancel = metadata.get(SCHEDULE_CANCEL)
-    if not schedule_id or cancel is None or (cancel != "true" and cancel.lower() != "true"):
-        return None
-    # isprintable() is False for every control character and lone surrogate
-    # (the ids _check_schedule_id refuses), and for a few more the general
-    # path accepts: those take it.
-    if len(schedule_id) > MAX_SCHEDULE_ID_LENGTH or not schedule_id.isprintable():
-        return None
-    return schedule_id
-
-
-def _read_timing(metadata: Mapping[str, str], ctx: PlanContext) -> Request:
-    """Read the delay, schedule, cancel and TTL keys of one message's metadata.
-
-    Pure, and complete before anything is stored: every bad value raises
-    InvalidArgumentError naming its key and value. The rules beyond each key's
-    own grammar (delay.py, schedules.py, ttl.py):
-
-    - TTL keys work with or without delayed messaging (plain pub/sub behaviour);
-      every other key of DELAY_KEYS needs enableDelayedMessaging.
-    - ``scheduleCancel``: ``true`` (or ``false``, = absent), with ``scheduleId``
-      and without any timing key: the request cancels, it schedules nothing.
-    - One timing per message: ``schedule``, ``scheduledSendTime``,
-      ``scheduledSendDelay`` and pubsub.pulsar's ``deliverAt`` / ``deliverAfter``
-      exclude each other (the refusal names both keys); an
-      ``@at`` schedule is a one-shot (a past instant: at once), the others
-      recur. ``maxDelay`` bounds the first fire.
-    - ``scheduleSource`` and ``scheduleTTL`` need ``schedule``; the source must
-      be a topic one may publish to.
-    - ``ttl``/``ttlInSeconds`` on a recurring schedule end the schedule (its
-      fires stop then); ``scheduleTTL`` is the TTL of each produced message.
-    """
-    expires_at_ms = 0 if _TTL_KEYS.isdisjoint(metadata) else parse_ttl(metadata, now_ms=ctx.now_ms) or 0
-    if _SCHEDULE_KEYS.isdisjoint(metadata):
-        # The common case (a one-shot delay, or nothing): parse_delay alone.
-        delay = _delay(metadata, ctx)
-        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
-        return Request(timing=timing, expires_at_ms=expires_at_ms)
-    present = delay_keys_in(metadata)
-    # parse_delay refuses every delay key while disabled, and empty values, for
-    # the schedule keys too: call it on the whole metadata first only for that.
-    if not ctx.enabled or any(metadata[key] == "" for key in present):
-        _delay(metadata, ctx)
-    schedule_id = metadata.get(SCHEDULE_ID) or None
-
-    cancel = metadata.get(SCHEDULE_CANCEL)
-    if cancel is not None:
-        if cancel.lower() not in ("true", "false"):
-            raise InvalidArgumentError(SCHEDULE_CANCEL, cancel, 'must be "true" (or "false")')
-        if cancel.lower() == "true":
-            if schedule_id is None:
-                raise InvalidArgumentError(
-                    SCHEDULE_CANCEL, cancel, "needs scheduleId: the id of the message or schedule to cancel"
-                )
-            # Validates the id (length, control characters).
-            _delay({SCHEDULE_ID: schedule_id}, ctx)
-            for key in (SCHEDULE, *TIME_KEYS, SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
-                if key in present:
-                    raise InvalidArgumentError(
-                        key, metadata[key], "a cancel (scheduleCancel=true) schedules nothing: leave it out"
-                    )
-            return Request(cancel=schedule_id, expires_at_ms=expires_at_ms)
-
-    delay = _delay({k: v for k, v in metadata.items() if k not in _SCHEDULE_KEYS}, ctx)
-    expr = metadata.get(SCHEDULE)
-    source = metadata.get(SCHEDULE_SOURCE)
-    schedule_ttl = metadata.get(SCHEDULE_TTL)
-    if expr is None:
-        for key in (SCHEDULE_SOURCE, SCHEDULE_TTL, *SCHEDULE_OPTION_KEYS):
-            if (value := metadata.get(key)) is not None:
-                raise InvalidArgumentError(key, value, "only applies to a schedule: give schedule too")
-        timing = None if delay is None else Timing(delay.due_ms, delay.schedule_id)
-        return Request(timing=timing, expires_at_ms=expires_at_ms)
-
-    for key in TIME_KEYS:
-        if key in present:
-            raise InvalidArgumentError(
-                key, metadata[key], f"given together with schedule={expr!r}: give one of them, not both"
-            )
-    schedule = parse_schedule(expr, now_ms=ctx.now_ms, time_zone=metadata.get(SCHEDULE_TIME_ZONE))
-    schedule = with_bounds(
-        schedule,
-        now_ms=ctx.now_ms,
-        key=schedule_id or "",
-        seed=_seed(metadata, ctx) if schedule_id is None and SCHEDULE_JITTER in metadata else "",
-        start=metadata.get(SCHEDULE_START),
-        end=metadata.get(SCHEDULE_END),
-        limit=metadata.get(SCHEDULE_LIMIT),
-        jitter=metadata.get(SCHEDULE_JITTER),
-    )
-    due_ms = first_fire(schedule, now_ms=ctx.now_ms, key=schedule_id or "")
-    if due_ms is None:
-        raise InvalidArgumentError(SCHEDULE, expr, "never fires")
-    if ctx.max_delay_ms is not None and due_ms - ctx.now_ms > ctx.max_delay_ms:
-        raise InvalidArgumentError(
-            SCHEDULE,
-            expr,
-            f"first fires {format_go_duration(due_ms - ctx.now_ms)} from now, "
-            f"more than the maximum delay of {format_go_duration(ctx.max_delay_ms)}",
-        )
-    if source is not None:
-        try:
-            check_topic(source)
-        except InvalidArgumentError as err:
-            raise InvalidArgumentError(SCHEDULE_SOURCE, source, err.reason) from None
-    ttl_ms = 0 if schedule_ttl is None else parse_schedule_ttl(schedule_ttl) or 0
-    return Request(
-        timing=Timing(
-            due_ms,
-            schedule_id,
-            schedule=schedule if schedule.recurring else None,
-            source=source or "",
-            schedule_ttl_ms=ttl_ms,
-        ),
-        expires_at_ms=expires_at_ms,
-    )
-
-
-def _seed(metadata: Mapping[str, str], ctx: PlanContext) -> str:
-    """What a jittered schedule without a scheduleId hashes its offsets by.
-
-    Derived from the request (its metadata and acceptance time), so planning
-    stays pure; stored with the schedule, so every replica agrees on it. Two
-    such schedules published with the same metadata in the same millisecond
-    share their offsets: give them scheduleIds to spread them.
-    """
-    text = "\0".join(f"{k}={v}" for k, v in sorted(metadata.items()))
-    return hashlib.blake2b(f"{ctx.now_ms}\0{text}".encode(), digest_size=6).hexdigest()
-
-
-def check_topic(topic: str, *, subscribe: bool = False) -> None:
-    """Refuse topics that are not the user's to write (or, for engine keys, to read)."""
-    if not topic:
-        raise InvalidArgumentError("topic", topic, "must not be empty")
-    if len(topic) > MAX_TOPIC_LENGTH:
-        raise InvalidArgumentError("topic", topic, f"longer than {MAX_TOPIC_LENGTH} characters")
-    if is_engine_key(topic):
-        raise InvalidArgumentError("topic", topic, "reserved: a key of the delay engine, not a topic")
-    if not subscribe and is_delayed_topic(topic):
-        raise InvalidArgumentError(
-            "topic",
-            topic,
-            "reserved for pending delayed messages (topics ending in -delayed are written by the delay "
-            "engine only); publish with a delay instead, or subscribe to read it",
-        )
-
-
-def _delay(metadata: Mapping[str, str], ctx: PlanContext) -> Delay | None:
-    return parse_delay(metadata, now_ms=ctx.now_ms, enabled=ctx.enabled, max_delay_ms=ctx.max_delay_ms)
 
 
 def _envelope(
@@ -429,7 +216,7 @@ def _too_costly(entry: StreamEntry) -> InvalidArgumentError | None:
 
 # Every metadata key planning reads. A publish whose only one of them is
 # scheduledSendDelay or scheduledSendTime takes the fast path (_plain_delay).
-_PLANNED_KEYS = frozenset((*DELAY_KEYS, *TTL_KEYS, TARGET_PUBSUB, *CONTROL_KEYS))
+_PLANNED_KEYS = ALL_KEYS
 
 
 @lru_cache(maxsize=256)
@@ -504,11 +291,12 @@ def _plan_publish(
     topic: str, data: bytes, metadata: Mapping[str, str], content_type: str, ctx: PlanContext
 ) -> PublishPlan:
     """plan_publish's general path: every key, every rule."""
+    # The plain cancel first, without building a Request: a cancel is planned in a few lookups.
     if (cancel_id := plain_cancel(metadata, ctx)) is not None:
         return PublishPlan(cancels=(Cancel(("",), cancel_id),))
-    if (control := read_control(metadata, enabled=ctx.enabled)) is not None:
-        return PublishPlan(control=control)
-    request = read_request(metadata, ctx)
+    request = read_publish(metadata, ctx)
+    if request.control is not None:
+        return PublishPlan(control=request.control)
     if request.cancel is not None:
         return PublishPlan(cancels=(Cancel(("",), request.cancel),))
     if request.timing is None:
@@ -558,96 +346,148 @@ def plan_bulk(
             metadata[SCHEDULE_CANCEL],
             "give scheduleCancel (and scheduleId) per entry of a bulk publish, not for the whole request",
         )
-    request_timing = request.timing
-    failed: list[Failed] = []
-    now: list[Immediate] = []
-    together: list[Immediate] = []
-    delayed: list[Delayed] = []
-    cancels: list[Cancel] = []
-    ids_taken: set[str] = set()
-    if request_timing is not None and request_timing.schedule_id:
-        ids_taken.add(request_timing.schedule_id)
-    # Entries that are plain cancels skip the general reading (see plain_cancel)
-    # when the request's own metadata cannot change what they ask.
-    plain = ctx.enabled and _REQUEST_KEYS.isdisjoint(metadata)
-    for entry_id, entry in entries:
-        if plain and (cancel_id := plain_cancel(entry.metadata, ctx)) is not None:
-            cancels.append(Cancel((entry_id,), cancel_id))
-            continue
-        if is_control(entry.metadata):
-            key = next(k for k in CONTROL_KEYS if k in entry.metadata)
-            refused = InvalidArgumentError(
-                key,
-                entry.metadata[key],
-                "not in a bulk publish: send it as a single publish (no body needed)",
-            )
-            failed.append(Failed(entry_id, str(refused)))
-            continue
-        # The common case, no metadata anywhere, allocates nothing new.
-        merged = entry
-        if metadata:
-            inherited: Mapping[str, str] = metadata
-            if not _TTL_KEYS.isdisjoint(entry.metadata):
-                # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
-                inherited = {k: v for k, v in metadata.items() if k not in _TTL_KEYS}
-            merged = StreamEntry(
-                entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
-            )
-        if _DELAY_KEYS.isdisjoint(entry.metadata) and _TTL_KEYS.isdisjoint(entry.metadata):
-            if request_timing is not None:
-                if (costly := _too_costly(merged)) is not None:
-                    failed.append(Failed(entry_id, str(costly)))
-                    continue
-                together.append(Immediate(entry_id, merged))
-            elif request.expires_at_ms:
-                now.append(
-                    _now(entry_id, merged.data, merged.metadata, merged.content_type, request.expires_at_ms)
-                )
+    bulk = _BulkPlan(topic, metadata, request, ctx)
+    bulk.add(entries)
+    return bulk.plan()
+
+
+class _BulkPlan:
+    """plan_bulk's entries, one by one, into what becomes its PublishPlan."""
+
+    def __init__(self, topic: str, metadata: Mapping[str, str], request: Request, ctx: PlanContext) -> None:
+        self.topic = topic
+        self.metadata = metadata
+        self.request = request
+        self.ctx = ctx
+        self.failed: list[Failed] = []
+        self.now: list[Immediate] = []
+        # Entries without delay or TTL keys of their own, under a request-level delay: batch envelopes.
+        self.together: list[Immediate] = []
+        self.delayed: list[Delayed] = []
+        self.cancels: list[Cancel] = []
+        self.ids_taken: set[str] = set()
+        if request.timing is not None and request.timing.schedule_id:
+            self.ids_taken.add(request.timing.schedule_id)
+        # Entries that are plain cancels skip the general reading (see plain_cancel)
+        # when the request's own metadata cannot change what they ask.
+        self.plain = ctx.enabled and _REQUEST_KEYS.isdisjoint(metadata)
+
+    def add(self, entries: Sequence[tuple[str, StreamEntry]]) -> None:
+        """Plan each entry: a cancel, a refusal, a message now, a member of a batch, or an envelope of
+        its own. The common cases are decided here, in the loop: a bulk may hold 100k entries."""
+        plain, ctx, cancels, now = self.plain, self.ctx, self.cancels, self.now
+        merge = self._merged if self.metadata else None
+        # Neither a request-level delay nor TTL: an entry without keys of its own is stored as it is.
+        as_is = self.request.timing is None and not self.request.expires_at_ms
+        for entry_id, entry in entries:
+            own_md = entry.metadata
+            if plain and (cancel_id := plain_cancel(own_md, ctx)) is not None:
+                cancels.append(Cancel((entry_id,), cancel_id))
+            elif is_control(own_md):
+                self._refuse_control(entry_id, own_md)
+            elif not (_DELAY_KEYS.isdisjoint(own_md) and _TTL_KEYS.isdisjoint(own_md)):
+                self._own(entry_id, entry, entry if merge is None else merge(entry))
+            elif as_is:
+                now.append(Immediate(entry_id, entry if merge is None else merge(entry)))
             else:
-                now.append(Immediate(entry_id, merged))
-            continue
+                self._inherit(entry_id, entry if merge is None else merge(entry))
+
+    def _refuse_control(self, entry_id: str, own_md: Mapping[str, str]) -> None:
+        key = next(k for k in CONTROL_KEYS if k in own_md)
+        refused = InvalidArgumentError(
+            key, own_md[key], "not in a bulk publish: send it as a single publish (no body needed)"
+        )
+        self.failed.append(Failed(entry_id, str(refused)))
+
+    def _own(self, entry_id: str, entry: StreamEntry, merged: StreamEntry) -> None:
+        """An entry with delay, schedule or TTL keys of its own: read as a request of its own."""
         try:
-            own = read_request(merged.metadata, ctx)
+            own = read_request(merged.metadata, self.ctx)
         except InvalidArgumentError as err:
-            failed.append(Failed(entry_id, str(err)))
-            continue
+            self.failed.append(Failed(entry_id, str(err)))
+            return
         if own.cancel is not None:
-            cancels.append(Cancel((entry_id,), own.cancel))
-            continue
-        if own.timing is None:
-            now.append(_now(entry_id, merged.data, merged.metadata, merged.content_type, own.expires_at_ms))
-            continue
+            self.cancels.append(Cancel((entry_id,), own.cancel))
+        elif own.timing is None:
+            self.now.append(
+                _now(entry_id, merged.data, merged.metadata, merged.content_type, own.expires_at_ms)
+            )
+        else:
+            self._own_envelope(entry_id, entry, merged, own, own.timing)
+
+    def _merged(self, entry: StreamEntry) -> StreamEntry:
+        """The entry with the request's metadata under its own (its own keys win).
+
+        Called only when the request has metadata: without, the entry itself is used (the common
+        case, no metadata anywhere, allocates nothing new).
+        """
+        inherited: Mapping[str, str] = self.metadata
+        if not _TTL_KEYS.isdisjoint(entry.metadata):
+            # ttl and ttlInSeconds are one setting: an entry's own replaces the request's.
+            inherited = {k: v for k, v in self.metadata.items() if k not in _TTL_KEYS}
+        return StreamEntry(
+            entry.data, {**inherited, **entry.metadata}, entry.content_type, entry.expires_at_ms
+        )
+
+    def _inherit(self, entry_id: str, merged: StreamEntry) -> None:
+        """An entry with no delay or TTL keys of its own, under a request-level delay or TTL."""
+        if self.request.timing is not None:
+            if (costly := _too_costly(merged)) is not None:
+                self.failed.append(Failed(entry_id, str(costly)))
+                return
+            self.together.append(Immediate(entry_id, merged))
+        else:
+            self.now.append(
+                _now(entry_id, merged.data, merged.metadata, merged.content_type, self.request.expires_at_ms)
+            )
+
+    def _own_envelope(
+        self, entry_id: str, entry: StreamEntry, merged: StreamEntry, own: Request, timing: Timing
+    ) -> None:
         # An entry of its own is identified by its own scheduleId only: the
         # request's belongs to the batch envelope, and sharing it would make
         # one envelope silently replace the other.
         own_id = entry.metadata.get(SCHEDULE_ID) or None
-        if own_id is not None and own_id in ids_taken:
+        if own_id is not None and own_id in self.ids_taken:
             dup = InvalidArgumentError(SCHEDULE_ID, own_id, "given to two messages of one bulk publish")
-            failed.append(Failed(entry_id, str(dup)))
-            continue
+            self.failed.append(Failed(entry_id, str(dup)))
+            return
         if (costly := _too_costly(merged)) is not None:
-            failed.append(Failed(entry_id, str(costly)))
-            continue
+            self.failed.append(Failed(entry_id, str(costly)))
+            return
         if own_id is not None:
-            ids_taken.add(own_id)
+            self.ids_taken.add(own_id)
         envelope = _envelope(
-            topic,
-            own.timing if own.timing.schedule_id == own_id else replace(own.timing, schedule_id=own_id),
-            ctx,
+            self.topic,
+            timing if timing.schedule_id == own_id else replace(timing, schedule_id=own_id),
+            self.ctx,
             expires_at_ms=own.expires_at_ms,
             message=merged.data,
             content_type=merged.content_type,
             metadata=merged.metadata,
         )
-        delayed.append(Delayed((entry_id,), envelope))
-    if together and request_timing is not None:
-        parts = _split(together)
-        if request_timing.schedule_id and len(parts) > 1:
+        self.delayed.append(Delayed((entry_id,), envelope))
+
+    def plan(self) -> PublishPlan:
+        """The plan: the batch envelopes of the request-level delay after the entries' own."""
+        timing = self.request.timing
+        if self.together and timing is not None:
+            self._batches(timing)
+        return PublishPlan(
+            immediate=tuple(self.now),
+            delayed=tuple(self.delayed),
+            failed=tuple(self.failed),
+            cancels=tuple(self.cancels),
+        )
+
+    def _batches(self, timing: Timing) -> None:
+        parts = _split(self.together)
+        if timing.schedule_id and len(parts) > 1:
             raise InvalidArgumentError(
                 SCHEDULE_ID,
-                request_timing.schedule_id,
+                timing.schedule_id,
                 f"a delayed bulk publish with one scheduleId holds at most {MAX_BULK_ENVELOPE_ENTRIES} "
-                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(together)} "
+                f"entries (fewer with much metadata) and {MAX_ENVELOPE_BYTES} bytes, got {len(self.together)} "
                 "entries",
             )
         for part in parts:
@@ -656,17 +496,14 @@ def plan_bulk(
                 for i in part
             ]
             envelope = _envelope(
-                topic,
-                request_timing,
-                ctx,
-                expires_at_ms=request.expires_at_ms,
-                metadata=metadata,
+                self.topic,
+                timing,
+                self.ctx,
+                expires_at_ms=self.request.expires_at_ms,
+                metadata=self.metadata,
                 bulk_entries=bulk,
             )
-            delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
-    return PublishPlan(
-        immediate=tuple(now), delayed=tuple(delayed), failed=tuple(failed), cancels=tuple(cancels)
-    )
+            self.delayed.append(Delayed(tuple(i.entry_id for i in part), envelope))
 
 
 def _split(messages: Sequence[Immediate]) -> list[Sequence[Immediate]]:

@@ -51,7 +51,11 @@ from typing import Final, Literal
 
 from croniter import CroniterError, croniter
 
-from delayed_middleware.delay import (
+from delayed_middleware.durations import format_go_duration, parse_go_duration
+from delayed_middleware.envelope import Envelope
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_instant, parse_instant
+from delayed_middleware.publish_keys import (
     SCHEDULE,
     SCHEDULE_END,
     SCHEDULE_JITTER,
@@ -59,10 +63,6 @@ from delayed_middleware.delay import (
     SCHEDULE_START,
     SCHEDULE_TIME_ZONE,
 )
-from delayed_middleware.durations import format_go_duration, parse_go_duration
-from delayed_middleware.envelope import Envelope
-from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS, format_instant, parse_instant
 from delayed_middleware.zones import (
     cron_instants,
     cron_next_in_zone,
@@ -231,6 +231,31 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None, stor
         raise InvalidArgumentError(
             SCHEDULE_KEY, expr, f"{len(expr)} characters, longer than the maximum of {MAX_SCHEDULE_LENGTH}"
         )
+    tz, text = _zone_and_text(expr, time_zone, stored)
+    if not text:
+        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"empty: give one of {_FORMS}")
+    schedule, keyword = _parse_form(expr, text)
+
+    if tz:
+        if schedule.kind != "cron":
+            key, value = (SCHEDULE_TIME_ZONE, time_zone) if time_zone is not None else (SCHEDULE_KEY, expr)
+            raise InvalidArgumentError(
+                key,
+                value,
+                f"a time zone applies to cron and the predefined schedules (@daily, ...), not to "
+                f"{keyword}: {keyword} names an instant or an interval, the same in every zone",
+            )
+        schedule = replace(schedule, expr=f"{CRON_TZ_PREFIX}{tz} {schedule.expr}", tz=tz)
+
+    if schedule.recurring and first_fire(schedule, now_ms=now_ms) is None:
+        raise InvalidArgumentError(
+            SCHEDULE_KEY, expr, "never fires: no time matches it between now and the end of year 9999"
+        )
+    return schedule
+
+
+def _zone_and_text(expr: str, time_zone: str | None, stored: bool) -> tuple[str, str]:
+    """The zone of a ``schedule`` ('' = UTC) and its text without a ``CRON_TZ=`` prefix."""
     text = expr.strip()
     tz = ""
     if text.startswith(CRON_TZ_PREFIX):
@@ -255,46 +280,28 @@ def parse_schedule(expr: str, *, now_ms: int, time_zone: str | None = None, stor
             )
     elif time_zone is not None:
         tz = parse_time_zone(time_zone).key
-    if tz == "UTC":
-        # The default: stored without a zone, so it stays on the fast UTC path.
-        tz = ""
-    if not text:
-        raise InvalidArgumentError(SCHEDULE_KEY, expr, f"empty: give one of {_FORMS}")
+    # UTC is the default: stored without a zone, so it stays on the fast UTC path.
+    return ("" if tz == "UTC" else tz), text
+
+
+def _parse_form(expr: str, text: str) -> tuple[Schedule, str]:
+    """The Schedule a zone-less, non-empty ``schedule`` text names, and its first word lower-cased."""
     # Tabs count as blanks too; partition on " " alone would keep "@every\t1s" whole.
     words = text.split()
     keyword = words[0].lower()
     rest = text[len(words[0]) :].strip()
-
     if keyword == "@at":
-        schedule = _parse_at(expr, rest)
-    elif keyword == "@every":
-        schedule = _parse_every(expr, rest)
-    elif keyword in _PREDEFINED:
+        return _parse_at(expr, rest), keyword
+    if keyword == "@every":
+        return _parse_every(expr, rest), keyword
+    if keyword in _PREDEFINED:
         if rest:
             raise InvalidArgumentError(SCHEDULE_KEY, expr, f"{keyword} takes nothing after it")
-        schedule = Schedule(kind="cron", expr=keyword, cron=_PREDEFINED[keyword])
-    elif keyword.startswith("@"):
+        return Schedule(kind="cron", expr=keyword, cron=_PREDEFINED[keyword]), keyword
+    if keyword.startswith("@"):
         raise InvalidArgumentError(SCHEDULE_KEY, expr, f"unknown form {words[0]!r}: use {_FORMS}")
-    else:
-        cron = _normalise_cron(expr, words)
-        schedule = Schedule(kind="cron", expr=cron, cron=cron)
-
-    if tz:
-        if schedule.kind != "cron":
-            key, value = (SCHEDULE_TIME_ZONE, time_zone) if time_zone is not None else (SCHEDULE_KEY, expr)
-            raise InvalidArgumentError(
-                key,
-                value,
-                f"a time zone applies to cron and the predefined schedules (@daily, ...), not to "
-                f"{keyword}: {keyword} names an instant or an interval, the same in every zone",
-            )
-        schedule = replace(schedule, expr=f"{CRON_TZ_PREFIX}{tz} {schedule.expr}", tz=tz)
-
-    if schedule.recurring and first_fire(schedule, now_ms=now_ms) is None:
-        raise InvalidArgumentError(
-            SCHEDULE_KEY, expr, "never fires: no time matches it between now and the end of year 9999"
-        )
-    return schedule
+    cron = _normalise_cron(expr, words)
+    return Schedule(kind="cron", expr=cron, cron=cron), keyword
 
 
 def _argument(expr: str, rest: str, word: str, parse: Callable[[str], int], needs: str) -> int:

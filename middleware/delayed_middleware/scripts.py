@@ -57,7 +57,7 @@ SCHEDULE: Final = load("schedule.lua")
 FIRE: Final = load("fire.lua")
 CANCEL: Final = load("cancel.lua")
 REFILL: Final = load("refill.lua")
-# schedulePause: hold or resume one pending message or schedule (pausing.py).
+# schedulePause: hold or resume one pending message or schedule (engine/pause.py).
 PAUSE: Final = load("pause.lua")
 # Re-homes long-waiting envelopes to the delayed topic's tail (frees sparse stream nodes).
 COMPACT: Final = load("compact.lua")

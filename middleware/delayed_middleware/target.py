@@ -16,18 +16,28 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Final
 
-from delayed_middleware.delay import DELAY_KEYS, TTL, TTL_IN_SECONDS
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.publish_keys import REQUEST_KEYS, TARGET_PUBSUB
 
-TARGET_PUBSUB: Final = "targetPubsub"
 DEFAULT_TARGET_PUBSUB: Final = "defaultTargetPubsub"
+
+__all__ = [
+    "DEFAULT_TARGET_PUBSUB",
+    "MAX_TARGET_LENGTH",
+    "NOT_FORWARDED",
+    "TARGET_PUBSUB",
+    "check_target_name",
+    "forwarded_metadata",
+    "target_pubsub",
+]
 
 # Dapr component names are Kubernetes object names (<= 253 characters).
 MAX_TARGET_LENGTH: Final = 253
 
 # Keys that concern us, not the target: they never reach it. TTL keys are
 # dropped too because the forwarder passes on the *remaining* TTL (expiresAt).
-NOT_FORWARDED: Final = frozenset((*DELAY_KEYS, TARGET_PUBSUB, TTL_IN_SECONDS, TTL))
+# They are the keys planning reads of a message's own metadata (REQUEST_KEYS).
+NOT_FORWARDED: Final = frozenset(REQUEST_KEYS)
 
 
 def check_target_name(key: str, name: str) -> str:

@@ -27,11 +27,22 @@ from typing import Final
 from delayed_middleware.durations import format_go_duration, parse_duration_or_seconds
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, format_instant
+from delayed_middleware.publish_keys import SCHEDULE_TTL, TTL, TTL_IN_SECONDS, TTL_KEYS
 
-TTL_IN_SECONDS: Final = "ttlInSeconds"
-TTL: Final = "ttl"
-SCHEDULE_TTL: Final = "scheduleTTL"
-TTL_KEYS: Final[tuple[str, ...]] = (TTL_IN_SECONDS, TTL)
+__all__ = [
+    "CLOUDEVENT_EXPIRATION",
+    "NEVER",
+    "SCHEDULE_TTL",
+    "TTL",
+    "TTL_IN_SECONDS",
+    "TTL_KEYS",
+    "forward_ttl_metadata",
+    "is_expired",
+    "parse_schedule_ttl",
+    "parse_ttl",
+    "remaining_ttl_seconds",
+    "with_cloudevent_expiration",
+]
 
 # No expiry (NATS's value for Nats-TTL too).
 NEVER: Final = "never"

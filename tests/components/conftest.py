@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from delayed_middleware.clock import SystemClock
 from delayed_pubsub.server import ComponentServer
 from tests.chaos.proxy import DelayingProxy, LateReplyProxy, LosingProxy
 from tests.components.driver import Component
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 P = TypeVar("P", DelayingProxy, LateReplyProxy, LosingProxy)
 
@@ -210,13 +209,6 @@ class Dashboard:
 
     def health(self) -> Any:
         return httpx.get(f"{self.url}/healthz", timeout=5).json()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

@@ -222,7 +222,7 @@ def cluster_conn(c: RedisCluster, app_id: str = "app1", shards: int = DELAY_SHAR
     ]
 
 
-# The shard count of the two-replica Cluster runs (test_cluster_delayed, the v2 schedules, pause).
+# The shard count of the two-replica Cluster runs (test_cluster_delayed, test_cluster_schedule_limits, pause).
 CLUSTER_SHARDS = 16
 
 

@@ -27,6 +27,7 @@ from delayed_pubsub.subscription import Subscription
 from delayed_pubsub.window import Delivery
 from tests.conftest import retrier
 from tests.redis_server import RedisServer, free_port
+from tests.waiting import wait_until
 
 
 def settings(redis_server: RedisServer, **extra: str) -> Settings:
@@ -72,13 +73,6 @@ async def two_streams(
             future.cancel()
         await sub_a.close()
         await sub_b.close()
-
-
-async def wait_until(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def backlog(redis_client: redis.Redis, n: int) -> None:
@@ -230,7 +224,7 @@ async def test_two_replicas_deliver_each_message_once_when_reading_ahead_is_poss
     await asyncio.sleep(0.05)
     replicas.append(asyncio.create_task(replica("b")))
     try:
-        await wait_until(lambda: len(got) == 40, within=10)
+        await wait_until(lambda: len(got) == 40, within_s=10)
         await asyncio.sleep(0.7)  # past processingTimeout: late duplicates show up too
     finally:
         for task in replicas:
@@ -819,7 +813,7 @@ async def until_all_acked(
             await sub.start()
             tasks.append(asyncio.create_task(work(sub)))
             await asyncio.sleep(0.1)
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=15)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within_s=15)
         await asyncio.sleep(1.0)
     finally:
         for t in tasks:
@@ -1020,7 +1014,7 @@ async def test_an_entry_landing_while_the_buffer_is_handed_out_is_read_at_once(
         got = [await next_delivery(it)]  # one written, nine still in the buffer
         await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 10)
         late = redis_client.xadd("orders", encode_entry(StreamEntry(b"late")))  # type: ignore[arg-type]
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 11, within=2.0)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 11, within_s=2.0)
         while len(got) < 11:
             got.append(await next_delivery(it))
         assert [d.entry.data for d in got] == [*(f"m{i}".encode() for i in range(10)), b"late"]
@@ -1118,7 +1112,7 @@ async def test_a_wide_window_buffers_no_more_than_one_queue_depth_so_nothing_age
     apps = [asyncio.create_task(app(a, "a")), asyncio.create_task(app(b, "b"))]
     try:
         await wait_until(
-            lambda: len(seen) == n and redis_client.xpending("orders", "app1")["pending"] == 0, within=60
+            lambda: len(seen) == n and redis_client.xpending("orders", "app1")["pending"] == 0, within_s=60
         )
         await asyncio.sleep(1.5)  # past processingTimeout: a late second delivery would show
     finally:
@@ -1171,8 +1165,8 @@ async def test_acks_whose_call_failed_are_sent_again_at_once_and_their_futures_r
             d = await next_delivery(it)
             await asyncio.sleep(0.0005)  # daprd's pace: acks ride on the reads of a backlog
             acks_given.append(asyncio.ensure_future(sub.ack(d.id)))
-        await wait_until(lambda: all(f.done() for f in acks_given), within=3.0)
-        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within=3.0)
+        await wait_until(lambda: all(f.done() for f in acks_given), within_s=3.0)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within_s=3.0)
     finally:
         await sub.close()
     assert broken, "the garbled reply was never injected"

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from playwright.async_api import Browser, Dialog, Page, expect
 
-from tests.components.conftest import Dashboard, free_port
+from tests.components.conftest import Dashboard
 from tests.components.driver import Component, cli
-from tests.redis_server import RedisCluster, RedisServer
+from tests.redis_server import RedisCluster, RedisServer, free_port
 
 Factory = Callable[[str], Component]
 Start = Callable[..., Dashboard]

@@ -29,6 +29,7 @@ from tests.redis_server import (
     TlsRedisServer,
     make_tls_files,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -143,13 +144,6 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
 
 
 # --- helpers --------------------------------------------------------------------
-
-
-async def wait_until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def pending(d: Deployment, topic: str) -> int:

@@ -153,7 +153,7 @@ class Sidecar:
             meta = httpx.get(base, timeout=2).json()
             return want <= {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
 
-        harness.wait_until(loaded, 30, "daprd to load the subscriptions", self.daprd)
+        harness.wait_until_blocking(loaded, "daprd to load the subscriptions", 30, process=self.daprd)
 
     def kill_daprd(self) -> None:
         """SIGKILL: no graceful drain, as a crash or an OOM kill."""

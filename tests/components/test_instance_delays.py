@@ -308,7 +308,7 @@ async def test_delayed_publish_to_a_stalled_redis_fails_within_the_call_timeout(
         private.stop()
 
 
-# --- engine v2: the reserved namespace and topics that are not streams ---------------------
+# --- the reserved namespace and topics that are not streams ---------------------
 
 
 @pytest.mark.parametrize(

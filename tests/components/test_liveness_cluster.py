@@ -12,7 +12,6 @@ so the tests can also read its health and metrics.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -27,6 +26,10 @@ from delayed_middleware.keys import EngineKeys, shard_index, shard_topics
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component
 from tests.redis_server import RedisCluster
+from tests.waiting import wait_until
+
+# While a master restarts the admin client fails until it maps the slots again: "not yet".
+RESTARTING = (redis.RedisError, RedisClusterException)
 
 pytestmark = pytest.mark.slow
 
@@ -55,17 +58,6 @@ def delivered(admin: Any, topics: list[str]) -> list[int]:
 
 def in_flight(admin: Any) -> int:
     return sum(admin.zcard(EngineKeys.for_topic(t).inflight) for t in shard_topics("app1", SHARDS))
-
-
-async def eventually(what: str, check: Callable[[], bool], within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        # While a master restarts the admin client fails until it maps the slots again.
-        with contextlib.suppress(redis.RedisError, RedisClusterException):
-            if check():
-                return
-        assert time.monotonic() < deadline, f"not within {within_s}s: {what}"
-        await asyncio.sleep(0.1)
 
 
 def fire_loops_restarted(server: ComponentServer, name: str) -> float:
@@ -105,7 +97,13 @@ async def test_1000_concurrent_delayed_publishes_with_pool_size_10_are_all_deliv
 
     ok = [n for n in await asyncio.gather(*(publish(n) for n in range(1000))) if n is not None]
     assert len(ok) >= 500, f"only {len(ok)} of 1,000 publishes answered OK"
-    await eventually(f"all {len(ok)} OK'ed delivered", lambda: len(delivered(admin, topics)) >= len(ok), 60)
+    await wait_until(
+        lambda: len(delivered(admin, topics)) >= len(ok),
+        f"all {len(ok)} OK'ed delivered",
+        60,
+        every_s=0.1,
+        tolerate=RESTARTING,
+    )
     await asyncio.sleep(0.5)  # a duplicate would land now
     assert delivered(admin, topics) == sorted(ok)
     assert in_flight(admin) == 0
@@ -130,12 +128,20 @@ async def test_100_messages_due_together_with_pool_size_10_leave_nothing_in_flig
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
     assert time.time() < due, "publishing took too long: the messages are not due together"
-    await eventually("100 delivered", lambda: len(delivered(admin, topics)) == 100, 40)
-    await eventually("nothing in flight", lambda: in_flight(admin) == 0, 20)
+    await wait_until(
+        lambda: len(delivered(admin, topics)) == 100, "100 delivered", 40, every_s=0.1, tolerate=RESTARTING
+    )
+    await wait_until(lambda: in_flight(admin) == 0, "nothing in flight", 20, every_s=0.1, tolerate=RESTARTING)
     # Firing goes on: a message published now fires a second later.
     sent = time.monotonic()
     await c.publish("later", json.dumps({"n": 100}).encode(), {"scheduledSendDelay": "1s"})
-    await eventually("the later message delivered", lambda: delivered(admin, ["later"]) == [100], 20)
+    await wait_until(
+        lambda: delivered(admin, ["later"]) == [100],
+        "the later message delivered",
+        20,
+        every_s=0.1,
+        tolerate=RESTARTING,
+    )
     assert time.monotonic() - sent >= 1.0
     assert delivered(admin, topics) == list(range(100))
     await every_fire_loop_up(server, "delayed")
@@ -155,7 +161,9 @@ async def test_a_master_restarted_with_aof_then_new_messages_and_a_schedule_fire
         if cluster.owner(shard_topics("app1", SHARDS)[shard_index(f"tick-{i}", SHARDS)]) is not node
     )
     await c.publish("ticks", json.dumps({"n": -1}).encode(), {"schedule": "@every 1s", "scheduleId": sid})
-    await eventually("the schedule fires", lambda: admin.xlen("ticks") >= 2, 10)
+    await wait_until(
+        lambda: admin.xlen("ticks") >= 2, "the schedule fires", 10, every_s=0.1, tolerate=RESTARTING
+    )
     targets = [t for t in (f"target-{i}" for i in range(200)) if cluster.owner(t) is node][:5]
     # Due while the master is down: delivered once it is back.
     await asyncio.gather(
@@ -167,8 +175,12 @@ async def test_a_master_restarted_with_aof_then_new_messages_and_a_schedule_fire
 
     with node.client() as nc:
         nc.config_set("appendonly", "yes")
-        await eventually(
-            "the AOF is written", lambda: nc.info("persistence")["aof_rewrite_in_progress"] == 0, 10
+        await wait_until(
+            lambda: nc.info("persistence")["aof_rewrite_in_progress"] == 0,
+            "the AOF is written",
+            10,
+            every_s=0.1,
+            tolerate=RESTARTING,
         )
     node.appendonly = True
     node.stop(kill=True)
@@ -183,10 +195,22 @@ async def test_a_master_restarted_with_aof_then_new_messages_and_a_schedule_fire
         )
     )
     want = [*range(20), *range(100, 120)]
-    await eventually("all 40 messages fired", lambda: len(delivered(admin, targets)) >= 40, 30)
+    await wait_until(
+        lambda: len(delivered(admin, targets)) >= 40,
+        "all 40 messages fired",
+        30,
+        every_s=0.1,
+        tolerate=RESTARTING,
+    )
     # The @every 1s keeps firing: three more ticks after the new messages.
     now = admin.xlen("ticks")
-    await eventually("the schedule keeps firing", lambda: admin.xlen("ticks") >= now + 3, 15)
+    await wait_until(
+        lambda: admin.xlen("ticks") >= now + 3,
+        "the schedule keeps firing",
+        15,
+        every_s=0.1,
+        tolerate=RESTARTING,
+    )
     assert delivered(admin, targets) == want
     assert in_flight(admin) == 0
     await every_fire_loop_up(server, "delayed")

@@ -9,9 +9,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from delayed_pubsub.loopwatch import LoopWatch
-from tests.components.conftest import free_port
 from tests.components.serve import Serve
-from tests.components.test_serve_workers import sample, scrape, wait_for
+from tests.components.test_serve_workers import sample, scrape
+from tests.redis_server import free_port
+from tests.waiting import wait_until
 
 
 def lag_count(registry: CollectorRegistry, at_least_s: str | None = None) -> float:
@@ -31,10 +32,15 @@ async def test_a_loop_blocked_for_200_ms_shows_as_a_late_probe() -> None:
     watch = LoopWatch(registry, "serve")
     watch.start()
     try:
-        await wait_for(lambda: lag_count(registry) >= 3, "the probe running", 5)
+        await wait_until(lambda: lag_count(registry) >= 3, "the probe running", 5, every_s=0.05)
         late_before = lag_count(registry, "0.1")
         time.sleep(0.2)  # noqa: ASYNC251 (the stall under test)
-        await wait_for(lambda: lag_count(registry, "0.1") > late_before, "a probe late by more than 0.1 s", 5)
+        await wait_until(
+            lambda: lag_count(registry, "0.1") > late_before,
+            "a probe late by more than 0.1 s",
+            5,
+            every_s=0.05,
+        )
     finally:
         await watch.stop()
 
@@ -72,7 +78,9 @@ async def test_serve_and_its_worker_report_their_loop_lag_on_the_metrics_endpoin
                 or 0.0
             )
 
-        await wait_for(lambda: probes("serve") > 0, "serve's loop lag on the endpoint", 20)
-        await wait_for(lambda: probes("worker-0") > 0, "the worker's loop lag on the endpoint", 20)
+        await wait_until(lambda: probes("serve") > 0, "serve's loop lag on the endpoint", 20, every_s=0.05)
+        await wait_until(
+            lambda: probes("worker-0") > 0, "the worker's loop lag on the endpoint", 20, every_s=0.05
+        )
     finally:
         serve.stop()

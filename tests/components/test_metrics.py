@@ -13,8 +13,8 @@ import redis
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component
 from tests.components.serve import start_serve, terminate, wait_for_socket
-from tests.conftest import wait_until
 from tests.redis_server import free_port
+from tests.waiting import wait_until
 
 
 def sample(server: ComponentServer, name: str, **labels: str) -> float:

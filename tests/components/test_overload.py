@@ -28,8 +28,8 @@ from tests.chaos.proxy import LateReplyProxy
 from tests.components.conftest import Ghz, running
 from tests.components.driver import Component
 from tests.components.serve import Serve
-from tests.conftest import wait_until
 from tests.redis_server import RedisServer, stream_entries
+from tests.waiting import wait_until
 
 
 class HeldWrites:
@@ -205,6 +205,17 @@ def _delivered(client: redis.Redis, topic: str) -> Counter[str]:
 
 
 @pytest.fixture
+def serve_props(redis_server: RedisServer, redis_client: redis.Redis) -> dict[str, str]:
+    """Init metadata of a delayed instance on the test Redis (flushed: redis_client is requested
+    for that), with the component's own timings, as the serve process runs it."""
+    return {
+        "redisHost": f"127.0.0.1:{redis_server.port}",
+        "consumerID": "app1",
+        "enableDelayedMessaging": "true",
+    }
+
+
+@pytest.fixture
 def serve_process() -> Iterator[Serve]:
     with tempfile.TemporaryDirectory(prefix="dps-") as d:  # short: socket paths max 107 bytes
         s = Serve(Path(d), "overload")
@@ -216,17 +227,12 @@ def serve_process() -> Iterator[Serve]:
 
 @pytest.mark.slow
 async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_resource_exhausted_or_a_refused_stream_and_every_ok_is_delivered_once(
-    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
+    serve_process: Serve, serve_props: dict[str, str], redis_client: redis.Redis, ghz: Ghz
 ) -> None:
-    props = {
-        "redisHost": f"127.0.0.1:{redis_server.port}",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-    }
     sock = serve_process.socket
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         c = Component(ch, "delayed")
-        await c.init(props)
+        await c.init(serve_props)
         # The sustainable rate, here and now: 64 callers back to back (a Go client, as daprd is).
         sustainable = await ghz.publish(sock, "delayed", "calibrate", requests=3000, callers=64)
         assert sustainable.codes == {"OK": 3000}, sustainable.errors
@@ -275,18 +281,13 @@ async def test_500_callers_at_4x_the_sustainable_rate_get_only_ok_resource_exhau
 
 @pytest.mark.slow
 async def test_after_3000_callers_on_one_connection_publishes_are_admitted_again(
-    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
+    serve_process: Serve, serve_props: dict[str, str], redis_client: redis.Redis, ghz: Ghz
 ) -> None:
     """At 3,000 callers gRPC's core itself cancels calls that wait too long to be taken (before
     any of our code sees them); the bound must not count those as held for ever."""
-    props = {
-        "redisHost": f"127.0.0.1:{redis_server.port}",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-    }
     sock = serve_process.socket
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
-        await Component(ch, "delayed").init(props)
+        await Component(ch, "delayed").init(serve_props)
         flood = await ghz.publish(sock, "delayed", "flood", requests=9000, callers=3000)
         assert flood.codes.get("ResourceExhausted", 0) > 0, flood.codes
         calm = await ghz.publish(sock, "delayed", "calm", requests=1000, callers=4)
@@ -322,15 +323,10 @@ async def publish_flood(channel: grpc.aio.Channel, instance: str, topic: str, n:
 
 @pytest.mark.slow
 async def test_3000_publishes_in_flight_on_one_connection_end_ok_refused_or_unavailable_never_cancelled(
-    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis
+    serve_process: Serve, serve_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    props = {
-        "redisHost": f"127.0.0.1:{redis_server.port}",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-    }
     async with grpc.aio.insecure_channel(f"unix://{serve_process.socket}") as ch:
-        await Component(ch, "delayed").init(props)
+        await Component(ch, "delayed").init(serve_props)
         codes = await publish_flood(ch, "delayed", "orders", FLOOD)
     counts = Counter(codes)
     print(f"{FLOOD} publishes on one connection: {dict(counts)}")
@@ -346,17 +342,12 @@ async def test_3000_publishes_in_flight_on_one_connection_end_ok_refused_or_unav
 
 @pytest.mark.slow
 async def test_3000_publishes_from_a_go_client_on_one_connection_are_never_cancelled(
-    serve_process: Serve, redis_server: RedisServer, redis_client: redis.Redis, ghz: Ghz
+    serve_process: Serve, serve_props: dict[str, str], redis_client: redis.Redis, ghz: Ghz
 ) -> None:
     """grpc-go, daprd's client: the same flood, the same three answers."""
-    props = {
-        "redisHost": f"127.0.0.1:{redis_server.port}",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-    }
     sock = serve_process.socket
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
-        await Component(ch, "delayed").init(props)
+        await Component(ch, "delayed").init(serve_props)
     flood = await ghz.publish(sock, "delayed", "orders", requests=FLOOD, callers=FLOOD, timeout_s=DEADLINE_S)
     print(f"{FLOOD} Go callers on one connection: {flood.codes}")
     assert set(flood.codes) <= {"OK", "ResourceExhausted", "Unavailable"}, flood.errors[:5]

@@ -28,6 +28,7 @@ from tests.components.driver import Component, Stream
 from tests.components.serve import Serve, instance
 from tests.conftest import retrier, small_stream_nodes
 from tests.redis_server import free_port
+from tests.waiting import wait_until
 
 Factory = Callable[[str], Component]
 
@@ -44,13 +45,6 @@ POLICY = {
 async def receive(stream: Stream, within: float = 5.0) -> tuple[Any, float]:
     msg = await stream.next(within)
     return msg, time.monotonic()
-
-
-async def wait_for(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def dead_letters(redis_client: redis.Redis, topic: str = "orders-dead") -> list[Any]:
@@ -125,7 +119,7 @@ async def test_three_nacks_follow_the_backoff_then_dead_letter_with_the_error(
     assert 0.3 <= gaps[0] < 1.5, gaps
     assert 0.6 <= gaps[1] < 1.8, gaps
 
-    await wait_for(lambda: len(dead_letters(redis_client)) == 1)
+    await wait_until(lambda: len(dead_letters(redis_client)) == 1)
     [dead] = dead_letters(redis_client)
     assert dead.data == b"payload"
     assert dead.metadata["k"] == "v"
@@ -160,7 +154,7 @@ async def test_without_dead_letter_topic_the_last_failure_drops(
     for _ in range(2):
         await stream.nack((await stream.next()).id, "nope")
     assert await stream.nothing_for(1.0)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert not redis_client.exists(dead_letter_topics_key("app1"))
 
 
@@ -174,7 +168,7 @@ async def test_subscription_metadata_overrides_the_component_policy(
     await c.publish("orders", b"x")
     msg = await stream.next()
     await stream.nack(msg.id, "first and last")
-    await wait_for(lambda: len(dead_letters(redis_client, "mine-dead")) == 1)
+    await wait_until(lambda: len(dead_letters(redis_client, "mine-dead")) == 1)
     assert dead_letters(redis_client, "mine-dead")[0].metadata["deadLetterReason"] == "first and last"
     assert dead_letters(redis_client, "orders-dead") == []
 
@@ -223,7 +217,7 @@ async def test_backoff_survives_a_restart_and_other_streams_do_not_redeliver_ear
     other = await c.subscribe("orders")
     nacked_at = time.monotonic()
     await first.nack(msg.id, "later please")
-    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
+    await wait_until(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
     # The stream that got the nack goes away (daprd restarted, say): no timer
     # of it survives, only the record in Redis.
     await first.cancel()
@@ -234,7 +228,7 @@ async def test_backoff_survives_a_restart_and_other_streams_do_not_redeliver_ear
     assert again.metadata["deliveryAttempt"] == "2"
     assert 3.0 <= waited < 4.5, waited
     await other.ack(again.id)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
 
 
@@ -294,7 +288,7 @@ async def test_metrics_over_http_show_retries_and_dead_letters(
         assert m['delayed_pubsub_delivered_messages_total{instance="delayed"}'] == 3
         assert m['delayed_pubsub_open_subscriptions{instance="delayed"}'] == 1
         await stream.close()
-        await wait_for(lambda: scrape()['delayed_pubsub_open_subscriptions{instance="delayed"}'] == 0)
+        await wait_until(lambda: scrape()['delayed_pubsub_open_subscriptions{instance="delayed"}'] == 0)
     finally:
         httpd.shutdown()
         thread.join(5)
@@ -330,7 +324,7 @@ async def test_streams_of_one_group_redeliver_each_retry_exactly_once(
     assert all(attempts == ["1", "2"] for attempts in seen.values()), {
         k: v for k, v in seen.items() if v != ["1", "2"]
     }
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
 
 
@@ -343,7 +337,7 @@ async def test_an_entry_deleted_while_it_waits_is_not_redelivered_and_its_record
     await c.publish("orders", b"x")
     msg = await stream.next()
     await stream.nack(msg.id, "e")
-    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
+    await wait_until(lambda: redis_client.zcard(retry_key("app1", "orders")) == 1)
     redis_client.xdel("orders", msg.id)  # trimmed (maxLenApprox) or deleted by an operator
     assert await stream.nothing_for(1.0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
@@ -369,8 +363,8 @@ async def test_an_unwritable_dead_letter_topic_loses_nothing_and_blocks_nothing(
     await asyncio.sleep(1.0)
     assert redis_client.xpending("orders", "app1")["pending"] == 1  # the poison one, kept
     redis_client.delete("dlq")
-    await wait_for(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within=10)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within_s=10)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert dead_letters(redis_client, "dlq")[0].data == b"poison"
 
 
@@ -419,7 +413,7 @@ async def test_dead_letter_topic_alone_on_the_component_keeps_the_plain_redelive
     await c.publish("billing", b"y")
     msg, _ = await receive(sub)
     await sub.nack(msg.id, "e")
-    await wait_for(lambda: redis_client.zcard(retry_key("app1", "billing")) == 1)
+    await wait_until(lambda: redis_client.zcard(retry_key("app1", "billing")) == 1)
 
 
 async def test_the_component_dead_letter_topic_can_be_subscribed_and_keeps_what_its_subscriber_fails(
@@ -480,8 +474,8 @@ async def test_history_off_writes_no_record_for_retries_and_dead_letters(
         await c.publish("orders", f"m{i}".encode())
     for _ in range(12):  # 4 messages, 3 failed deliveries each: 8 retries, 4 dead letters
         await stream.nack((await stream.next()).id, "boom")
-    await wait_for(lambda: len(dead_letters(redis_client)) == 4)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: len(dead_letters(redis_client)) == 4)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.exists("{app1-delayed}:history") == 0
 
 
@@ -549,7 +543,7 @@ async def test_a_due_retry_whose_claim_is_slow_on_the_wire_is_delivered_once(
         await c.publish("orders", str(i).encode())
         await asyncio.sleep(0.02)
     await asyncio.wait_for(failing, 5)
-    await wait_for(lambda: redis_client.zcard(retry_key("app1", "orders")) == n)
+    await wait_until(lambda: redis_client.zcard(retry_key("app1", "orders")) == n)
     slow_claims.delay_s = 0.6
     slow_claims.armed = True
 
@@ -559,7 +553,7 @@ async def test_a_due_retry_whose_claim_is_slow_on_the_wire_is_delivered_once(
     again = await work_until_quiet(streams, expect=n, quiet_s=2.5, work_s=0.35, fail_first=False)
     assert slow_claims.delayed > 0, "no claim went through the slow path"
     assert sorted(again) == sorted((data, "2") for data in failed)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
 
 
@@ -583,7 +577,7 @@ async def test_a_nack_of_a_delivery_another_stream_has_taken_over_schedules_no_s
     assert await other.nothing_for(0.8)
     assert first.received.empty()
     await other.ack(taken.id)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert await other.nothing_for(1.0)
     assert first.received.empty()
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
@@ -621,7 +615,7 @@ async def test_streams_of_one_group_redeliver_each_retry_once_when_the_backoff_o
     twice = {k: v for k, v in seen.items() if v > 1}
     assert not twice
     assert sorted(seen) == sorted((str(i).encode(), a) for i in range(n) for a in ("1", "2"))
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
 
 
@@ -650,7 +644,7 @@ async def test_a_retry_record_held_up_past_processing_timeout_does_not_deliver_a
     seen = await work_until_quiet(streams, expect=2, quiet_s=2.5, work_s=0.7, fail_first=True)
     assert slow_retry_records.delayed == 1
     assert [attempt for _, attempt in seen] == ["1", "2"]
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
     assert redis_client.hlen(retry_counts_key("app1", "orders")) == 0
 
@@ -687,7 +681,7 @@ async def test_a_retry_whose_claim_reply_is_lost_is_delivered_as_the_next_attemp
     third = await stream.next(within=5)
     assert third.metadata["deliveryAttempt"] == "3"
     await stream.nack(third.id, "thrice")
-    await wait_for(lambda: len(dead_letters(redis_client)) == 1)
+    await wait_until(lambda: len(dead_letters(redis_client)) == 1)
     assert dead_letters(redis_client)[0].metadata["deadLetterAttempts"] == "3"
     assert await stream.nothing_for(0.5)
 
@@ -703,12 +697,12 @@ async def test_a_retry_record_written_without_a_delivery_count_still_fires(
     msg = await stream.next()
     await stream.nack(msg.id, "e")
     counts = retry_counts_key("app1", "orders")
-    await wait_for(lambda: redis_client.hlen(counts) == 1)
+    await wait_until(lambda: redis_client.hlen(counts) == 1)
     redis_client.hdel(counts, msg.id)  # the record alone, as the previous version wrote it
     again = await stream.next(within=5)
     assert (again.id, again.metadata["deliveryAttempt"]) == (msg.id, "2")
     await stream.ack(again.id)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     assert redis_client.zcard(retry_key("app1", "orders")) == 0
 
 
@@ -980,7 +974,7 @@ async def test_a_dead_letter_that_cannot_be_written_for_a_while_is_written_once_
     await c.init({**props, "maxDeliveryAttempts": "1", "deadLetterTopic": "dlq"})
     streams = [await c.subscribe("orders") for _ in range(2)]
     await c.publish("orders", b"poison")
-    await wait_for(lambda: any(not s.received.empty() for s in streams))
+    await wait_until(lambda: any(not s.received.empty() for s in streams))
     holder = next(s for s in streams if not s.received.empty())
     msg = holder.received.get_nowait()
     await holder.nack(msg.id, "bad")
@@ -988,8 +982,8 @@ async def test_a_dead_letter_that_cannot_be_written_for_a_while_is_written_once_
     await asyncio.sleep(4.0)
     assert redis_client.xpending("orders", "app1")["pending"] == 1  # kept while it cannot be written
     redis_client.delete("dlq")
-    await wait_for(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within=10)
-    await wait_for(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    await wait_until(lambda: bool(redis_client.exists("dlq")) and redis_client.xlen("dlq") == 1, within_s=10)
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
     # Every stream that took it over to give it up has had time to write (backoff cap 2 s).
     await asyncio.sleep(3.0)
     assert [d.data for d in dead_letters(redis_client, "dlq")] == [b"poison"]

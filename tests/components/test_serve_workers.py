@@ -14,7 +14,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +26,16 @@ from delayed_middleware.instants import format_instant
 from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.workers import WorkerPool
-from tests.components.conftest import free_port
 from tests.components.driver import cluster_props, delayed_entries, engine_left, now_ms
 from tests.components.serve import Serve, alive, instance, props_for
-from tests.redis_server import RedisCluster, RedisServer, stream_entries
+from tests.redis_server import RedisCluster, RedisServer, free_port, stream_entries
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def delivered(client: redis.Redis, topic: str) -> list[int]:
     return [json.loads(decode_entry(f).data)["n"] for _, f in stream_entries(client, topic)]
-
-
-async def wait_for(check: Callable[[], bool], what: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {within_s}s: {what}"
-        await asyncio.sleep(0.05)
 
 
 def scrape(port: int) -> str:
@@ -64,21 +56,22 @@ async def test_two_workers_fire_every_message_once_and_metrics_count_them(
     port = free_port()
     serve = Serve(folder, "a", "--workers", "2", "--metrics-port", str(port))
     try:
-        await wait_for(lambda: len(serve.children()) == 2, "two workers running", 20)
+        await wait_until(lambda: len(serve.children()) == 2, "two workers running", 20, every_s=0.05)
         async with instance(serve, props_for(redis_server)) as c:
             reply = await c.bulk_publish("orders", delayed_entries(2000, now_ms() + 1500, 1000))
             assert list(reply.failed_entries) == []
-            await wait_for(lambda: redis_client.xlen("orders") >= 2000, "2000 fired", 30)
+            await wait_until(lambda: redis_client.xlen("orders") >= 2000, "2000 fired", 30, every_s=0.05)
             await asyncio.sleep(1.0)  # a duplicate would land now, if ever
             assert sorted(delivered(redis_client, "orders")) == list(range(2000))
             # The workers' counters reach the one endpoint (merged at most 1 s late).
-            await wait_for(
+            await wait_until(
                 lambda: (
                     sample(scrape(port), "delayed_pubsub_fired_messages_total", 'instance="delayed"')
                     == 2000.0
                 ),
                 "the fired counter at 2000 on the metrics endpoint",
                 10,
+                every_s=0.05,
             )
             # The fire loops run in the workers, and their liveness gauge says so.
             text = scrape(port)
@@ -93,23 +86,24 @@ async def test_kill_9_of_a_worker_loses_nothing_fires_nothing_twice_and_it_is_re
     n = 5000
     serve = Serve(folder, "a", "--workers", "2")
     try:
-        await wait_for(lambda: len(serve.children()) == 2, "two workers running", 20)
+        await wait_until(lambda: len(serve.children()) == 2, "two workers running", 20, every_s=0.05)
         async with instance(serve, props_for(redis_server)) as c:
             reply = await c.bulk_publish("orders", delayed_entries(n, now_ms() + 1000, 4000))
             assert list(reply.failed_entries) == []
-            await wait_for(lambda: redis_client.xlen("orders") >= 300, "firing under way", 15)
+            await wait_until(lambda: redis_client.xlen("orders") >= 300, "firing under way", 15, every_s=0.05)
             victim = serve.children()[0]
             os.kill(victim, signal.SIGKILL)
             assert redis_client.xlen("orders") < n, "the kill must land while messages are pending"
-            await wait_for(lambda: redis_client.xlen("orders") >= n, f"all {n} fired", 30)
+            await wait_until(lambda: redis_client.xlen("orders") >= n, f"all {n} fired", 30, every_s=0.05)
             await asyncio.sleep(1.0)
             assert sorted(delivered(redis_client, "orders")) == list(range(n))
             assert int(redis_client.get("{app1-delayed}:pending") or 0) == 0
             # The supervisor put a new worker in its place.
-            await wait_for(
+            await wait_until(
                 lambda: len(serve.children()) == 2 and victim not in serve.children(),
                 "the killed worker replaced",
                 20,
+                every_s=0.05,
             )
             # ... and the new one fires too: kill the other original, publish more.
             survivor = next(p for p in serve.children() if p != victim)
@@ -120,7 +114,9 @@ async def test_kill_9_of_a_worker_loses_nothing_fires_nothing_twice_and_it_is_re
                 e.event = json.dumps({"n": n + json.loads(e.event)["n"]}).encode()
             reply = await c.bulk_publish("orders", more)
             assert list(reply.failed_entries) == []
-            await wait_for(lambda: redis_client.xlen("orders") >= n + 100, "the second batch fired", 30)
+            await wait_until(
+                lambda: redis_client.xlen("orders") >= n + 100, "the second batch fired", 30, every_s=0.05
+            )
             await asyncio.sleep(1.0)
             assert sorted(delivered(redis_client, "orders")) == list(range(n + 100))
     finally:
@@ -129,22 +125,22 @@ async def test_kill_9_of_a_worker_loses_nothing_fires_nothing_twice_and_it_is_re
 
 async def test_sigterm_stops_serve_and_every_worker(folder: Path, redis_server: RedisServer) -> None:
     serve = Serve(folder, "a", "--workers", "2")
-    await wait_for(lambda: len(serve.children()) == 2, "two workers running", 20)
+    await wait_until(lambda: len(serve.children()) == 2, "two workers running", 20, every_s=0.05)
     async with instance(serve, props_for(redis_server)):
         pass
     workers = serve.children()
     serve.proc.send_signal(signal.SIGTERM)
     assert serve.proc.wait(timeout=20) == 0
-    await wait_for(lambda: not any(alive(p) for p in workers), "no worker left", 5)
+    await wait_until(lambda: not any(alive(p) for p in workers), "no worker left", 5, every_s=0.05)
     assert not serve.socket.exists()
 
 
 async def test_kill_9_of_serve_takes_its_workers_with_it(folder: Path, redis_server: RedisServer) -> None:
     serve = Serve(folder, "a", "--workers", "1")
-    await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+    await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
     workers = serve.children()
     serve.kill9()
-    await wait_for(lambda: not any(alive(p) for p in workers), "no orphaned worker", 5)
+    await wait_until(lambda: not any(alive(p) for p in workers), "no orphaned worker", 5, every_s=0.05)
 
 
 def worker_folders(folder: Path, name: str) -> list[Path]:
@@ -159,7 +155,7 @@ async def test_the_workers_folder_is_private_beside_the_socket_and_a_dead_serves
     other = Serve(folder, "b", "--workers", "1")
     serve = Serve(folder, "a", "--workers", "1")
     try:
-        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
         (first,) = worker_folders(folder, "a")
         assert first.stat().st_mode & 0o777 == 0o700
         async with instance(serve, props_for(redis_server)):
@@ -167,7 +163,7 @@ async def test_the_workers_folder_is_private_beside_the_socket_and_a_dead_serves
         serve.kill9()
         assert first.exists()  # Init metadata (secrets among it) left by a kill -9...
         serve = Serve(folder, "a", "--workers", "1")
-        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
         # ...is removed by the next serve of that socket; another socket's folder stays.
         (second,) = worker_folders(folder, "a")
         assert second != first
@@ -188,7 +184,7 @@ async def test_workers_0_fires_in_the_serve_process_alone(
         async with instance(serve, props_for(redis_server)) as c:
             reply = await c.bulk_publish("orders", delayed_entries(500, now_ms() + 500, 500))
             assert list(reply.failed_entries) == []
-            await wait_for(lambda: redis_client.xlen("orders") >= 500, "500 fired", 20)
+            await wait_until(lambda: redis_client.xlen("orders") >= 500, "500 fired", 20, every_s=0.05)
             await asyncio.sleep(0.5)
             assert sorted(delivered(redis_client, "orders")) == list(range(500))
         assert serve.children() == []
@@ -201,14 +197,16 @@ async def test_a_publish_due_soon_wakes_a_sleeping_worker(
 ) -> None:
     serve = Serve(folder, "a", "--workers", "1")
     try:
-        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
         async with instance(serve, props_for(redis_server)) as c:
             # The worker's loop now sleeps its longest (5 s) before a message due in a minute.
             await c.publish("orders", b'{"n": 0}', {"scheduledSendDelay": "60s"})
             await asyncio.sleep(1.5)
             due = now_ms() + 300
             await c.publish("orders", b'{"n": 1}', {"scheduledSendTime": format_instant(due)})
-            await wait_for(lambda: redis_client.xlen("orders") >= 1, "the early message fired", 5)
+            await wait_until(
+                lambda: redis_client.xlen("orders") >= 1, "the early message fired", 5, every_s=0.05
+            )
             late_ms = now_ms() - due
             # Woken across processes (the schedule script's PUBLISH), not at the 5 s sleep's end.
             assert late_ms < 1500, f"fired {late_ms} ms after its due time"
@@ -226,7 +224,9 @@ async def test_re_init_with_new_metadata_reaches_the_workers(
             await c.init({**props, "consumerID": "app2"})
             reply = await c.bulk_publish("orders", delayed_entries(50, now_ms() + 300, 100))
             assert list(reply.failed_entries) == []
-            await wait_for(lambda: redis_client.xlen("orders") >= 50, "app2's messages fired", 15)
+            await wait_until(
+                lambda: redis_client.xlen("orders") >= 50, "app2's messages fired", 15, every_s=0.05
+            )
             assert sorted(delivered(redis_client, "orders")) == list(range(50))
     finally:
         serve.stop()
@@ -278,7 +278,7 @@ async def test_on_redis_cluster_kill_9_of_a_worker_loses_and_doubles_nothing(
     per = n // len(topics)
     serve = Serve(folder, "a", "--workers", "2")
     try:
-        await wait_for(lambda: len(serve.children()) == 2, "two workers running", 20)
+        await wait_until(lambda: len(serve.children()) == 2, "two workers running", 20, every_s=0.05)
         async with instance(serve, cluster_props(cluster)) as c:
             want: dict[str, list[int]] = {}
             for k, t in enumerate(topics):
@@ -292,15 +292,16 @@ async def test_on_redis_cluster_kill_9_of_a_worker_loses_and_doubles_nothing(
             def fired() -> int:
                 return sum(int(admin.xlen(t)) for t in topics)
 
-            await wait_for(lambda: fired() >= 1000, "firing under way", 20)
+            await wait_until(lambda: fired() >= 1000, "firing under way", 20, every_s=0.05)
             os.kill(serve.children()[0], signal.SIGKILL)
             assert fired() < n, "the kill must land while messages are pending"
             # Lease 5 s + takeover + the rest of the spread.
-            await wait_for(lambda: fired() >= n, f"all {n} fired", 30)
-            await wait_for(
+            await wait_until(lambda: fired() >= n, f"all {n} fired", 30, every_s=0.05)
+            await wait_until(
                 lambda: engine_left(admin) == {"pending": 0, "inflight": 0, "envelopes": 0},
                 "the engine left empty (the dead worker's claims released)",
                 15,
+                every_s=0.05,
             )
             got = {
                 t: sorted(json.loads(decode_entry(f).data)["n"] for _, f in admin.xrange(t)) for t in topics

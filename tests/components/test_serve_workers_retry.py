@@ -27,8 +27,8 @@ from delayed_pubsub import lua
 from delayed_pubsub.retry_notices import retry_due_channel
 from tests.components.driver import Component, Stream, cluster_props, now_ms
 from tests.components.serve import Serve, instance, props_for
-from tests.components.test_serve_workers import wait_for
 from tests.redis_server import RedisCluster, RedisServer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ async def one_worker(folder: Path, redis_server: RedisServer) -> AsyncIterator[t
     """`serve --workers 1` with its worker running, and app1's instance on it with POLICY."""
     serve = Serve(folder, "a", "--workers", "1")
     try:
-        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
         async with instance(serve, {**props_for(redis_server), **POLICY}) as c:
             yield serve, c
     finally:
@@ -167,7 +167,7 @@ async def due_scan_running(client: Any, notices: NoticesHeard) -> None:
     topic = f"scan-probe-{time.monotonic_ns()}"
     client.zadd(retry_key("app1", topic), {"0-1": 0})
     client.sadd(retry_topics_key("app1"), topic)
-    await wait_for(lambda: bool(notices.of(topic)), "the worker's due scan announcing a due record", 30)
+    await wait_until(lambda: notices.of(topic), "the worker's due scan announcing a due record", 30)
     client.srem(retry_topics_key("app1"), topic)
     client.delete(retry_key("app1", topic))
 
@@ -204,7 +204,9 @@ async def test_with_workers_idle_retry_streams_leave_redis_alone(
         # Past the streams' start-up, known from events rather than a fixed sleep: each poller
         # looks once when it starts, and again when the notice listener has subscribed (a
         # notice may have been missed meanwhile); on a loaded machine that comes seconds late.
-        await wait_for(lambda: notice_listeners(redis_client) >= 1, "the notice listener subscribed", 20)
+        await wait_until(
+            lambda: notice_listeners(redis_client) >= 1, "the notice listener subscribed", 20, every_s=0.05
+        )
         await polls_quiet_for(redis_client, 1.0, within_s=20)
         # Without workers each poller looks every second (15 looks here); with them the
         # worker's scan looks, and serve's pollers wait for its notice.
@@ -275,7 +277,9 @@ async def test_with_workers_a_flood_of_notices_delivers_a_due_retry_once_to_one_
         while now_ms() < due + 500:
             redis_client.publish(channel, "orders")
             await asyncio.sleep(0.005)
-        await wait_for(lambda: any(not s.received.empty() for s in streams), "the retry delivered", 5)
+        await wait_until(
+            lambda: any(not s.received.empty() for s in streams), "the retry delivered", 5, every_s=0.05
+        )
         await asyncio.sleep(1.0)  # a second delivery would land now, if ever
         got = [s.received.get_nowait() for s in streams for _ in range(s.received.qsize())]
         assert [(m.id, m.metadata["deliveryAttempt"]) for m in got] == [(entry_id, "2")]
@@ -316,7 +320,7 @@ async def test_on_redis_cluster_a_retry_recorded_by_another_replica_is_announced
     # worker publishes through one node, serve listens through another (or the same).
     serve = Serve(folder, "a", "--workers", "1")
     try:
-        await wait_for(lambda: len(serve.children()) == 1, "one worker running", 20)
+        await wait_until(lambda: len(serve.children()) == 1, "one worker running", 20, every_s=0.05)
         async with instance(serve, {**cluster_props(cluster), **POLICY}) as c:
             for topic in ("orders", "payments", "a{b}c"):
                 await announced_and_delivered_once(c, admin, topic)

@@ -22,6 +22,7 @@ from delayed_pubsub.settings import parse_settings
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component
 from tests.redis_server import RedisServer, free_port
+from tests.waiting import wait_until
 
 Factory = Callable[[str], Component]
 
@@ -38,13 +39,6 @@ CLOUDEVENT = json.dumps(
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     }
 ).encode()
-
-
-async def wait_until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def entries(client: redis.Redis, topic: str) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -17,8 +17,9 @@ import redis.cluster
 from delayed_middleware.keys import shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, cli, cluster_props
-from tests.conftest import small_stream_nodes, wait_until
+from tests.conftest import small_stream_nodes
 from tests.redis_server import RedisCluster, RedisServer
+from tests.waiting import wait_until
 
 FORMAT = "{app1-delayed}:format"
 HISTORY = "{app1-delayed}:history"

@@ -30,8 +30,9 @@ from delayed_middleware.keys import shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, Stream, cluster_props
 from tests.components.serve import ROOT, Serve, props_for
-from tests.conftest import small_stream_nodes, wait_until
+from tests.conftest import small_stream_nodes
 from tests.redis_server import RedisCluster, RedisServer, stream_entries
+from tests.waiting import wait_until
 
 PREVIOUS_RELEASE = ROOT / "scripts" / "previous-release"
 FORMAT = "{app1-delayed}:format"

@@ -53,7 +53,9 @@ def cluster_stack(
             subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
             return {(PUBSUB, "later"), (PUBSUB, "retry"), (PUBSUB, "retry-dead")} <= subs
 
-        harness.wait_until(loaded, 30, "daprd to load the cluster component's subscriptions", s.daprd)
+        harness.wait_until_blocking(
+            loaded, "daprd to load the cluster component's subscriptions", 30, process=s.daprd
+        )
         yield s
 
 

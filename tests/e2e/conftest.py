@@ -106,7 +106,9 @@ def wait_for_subscriptions(s: Stack) -> None:
         want = {tuple(sub.split(";")[0].split(":")[0].split("=", 1)) for sub in SUBSCRIPTIONS}
         return {PUBSUB, PUBSUB_B, PUBSUB_DL} <= names and want <= subs
 
-    harness.wait_until(loaded, 30, "daprd to load the components and every subscription", s.daprd)
+    harness.wait_until_blocking(
+        loaded, "daprd to load the components and every subscription", 30, process=s.daprd
+    )
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -7,6 +7,7 @@ so a failed test leaves nothing behind. Missing binaries are failures, never ski
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from tests import waiting
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,23 +134,11 @@ class ManagedProcess:
             proc.wait(timeout=5)
 
 
-def wait_until(
-    check: Callable[[], bool], timeout: float, what: str, proc: ManagedProcess | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check():
-                return
-        except (OSError, httpx.HTTPError):
-            pass
-        if proc is not None and not proc.alive():
-            raise proc.fail(f"exited while waiting for {what}")
-        if time.monotonic() > deadline:
-            if proc is not None:
-                raise proc.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
+# tests.waiting's blocking wait, as every e2e wait needs it: a socket or HTTP endpoint that does
+# not answer yet is "not yet", and a timeout is a HarnessError (the tests catch it to add context).
+wait_until_blocking = functools.partial(
+    waiting.wait_until_blocking, tolerate=(OSError, httpx.HTTPError), error=HarnessError
+)
 
 
 def find_daprd() -> str:
@@ -210,7 +200,7 @@ def start_component(workdir: Path, socket_dir: Path, *extra: str) -> ManagedProc
         env=env,
     ).start()
     # daprd scans the socket folder once at start: the socket must be there before it starts.
-    wait_until(sock.is_socket, 30, f"socket {sock}", proc)
+    wait_until_blocking(sock.is_socket, f"socket {sock}", 30, process=proc)
     return proc
 
 
@@ -220,11 +210,11 @@ def start_subscriber(workdir: Path, port: int, subs: Sequence[str]) -> ManagedPr
         args += ["--sub", sub]
     args += ["--arrivals", str(workdir / "arrivals.jsonl")]
     proc = ManagedProcess("subscriber", args, workdir / "subscriber.log").start()
-    wait_until(
+    wait_until_blocking(
         lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200,
-        15,
         "subscriber /healthz",
-        proc,
+        15,
+        process=proc,
     )
     return proc
 
@@ -288,8 +278,11 @@ def start_daprd(
     ).start()
     base = f"http://127.0.0.1:{ports.http}/v1.0"
     # /healthz is 204 once components are loaded and the app channel is up.
-    wait_until(
-        lambda: httpx.get(f"{base}/healthz", timeout=1).status_code == 204, 60, "daprd /v1.0/healthz", proc
+    wait_until_blocking(
+        lambda: httpx.get(f"{base}/healthz", timeout=1).status_code == 204,
+        "daprd /v1.0/healthz",
+        60,
+        process=proc,
     )
     return proc
 

@@ -139,7 +139,9 @@ def container(image: str, sockets: Path, tmp_path_factory: pytest.TempPathFactor
         pytest.fail("podman is not installed: run scripts/setup.sh (it installs podman, runc, mmdebstrap)")
     proc = ManagedProcess("podman run", [exe, *args], workdir / "container.log").start()
     try:
-        harness.wait_until((sockets / "delayed-pubsub.sock").is_socket, 60, "the container's socket", proc)
+        harness.wait_until_blocking(
+            (sockets / "delayed-pubsub.sock").is_socket, "the container's socket", 60, process=proc
+        )
         # The manifest's postStart hook, run in the container: it finds the socket and returns.
         hook = manifest_container()["lifecycle"]["postStart"]["exec"]["command"]
         assert podman("exec", name, *hook, timeout=60).returncode == 0
@@ -177,7 +179,9 @@ def container_stack(
             meta = stack.client.get(f"{stack.dapr_url}/v1.0/metadata").json()
             return any(s["pubsubname"] == PUBSUB for s in meta.get("subscriptions", []))
 
-        harness.wait_until(subscribed, 30, "daprd to load the component and the subscription", daprd)
+        harness.wait_until_blocking(
+            subscribed, "daprd to load the component and the subscription", 30, process=daprd
+        )
         yield stack
         stack.client.close()
     except harness.HarnessError as exc:
@@ -258,7 +262,7 @@ def test_container_killed_and_restarted_replaces_its_stale_socket_and_serves_pub
 ) -> None:
     sock = sockets / "delayed-pubsub.sock"
     podman("start", container.name)  # stopped by the SIGTERM test
-    harness.wait_until(sock.is_socket, 60, "the container's socket")
+    harness.wait_until_blocking(sock.is_socket, "the container's socket", 60)
     # An OOM kill: no clean-up, the socket file stays in the shared folder.
     podman("kill", "--signal", "KILL", container.name)
     podman("wait", container.name, timeout=60)
@@ -325,12 +329,12 @@ def test_under_the_manifests_cpu_and_memory_limits_serve_starts_its_workers_and_
         "-v", f"{folder}:{SOCKETS_FOLDER}", image, "--allow-insecure-socket-folder", "--log-format=json",
     )  # fmt: skip
     try:
-        harness.wait_until((folder / "delayed-pubsub.sock").is_socket, 60, "the container's socket")
+        harness.wait_until_blocking((folder / "delayed-pubsub.sock").is_socket, "the container's socket", 60)
 
         def worker_runs() -> bool:
             return '"worker 0: pid' in podman("logs", name).stderr
 
-        harness.wait_until(worker_runs, 60, "the worker process to start")
+        harness.wait_until_blocking(worker_runs, "the worker process to start", 60)
         logs = podman("logs", name).stderr
         assert f"firing in {max(1, len(os.sched_getaffinity(0)) - 1)} worker process(es)" in logs, logs
         state = json.loads(podman("inspect", "--format", "{{json .State}}", name).stdout)

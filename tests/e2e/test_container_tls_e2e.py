@@ -91,8 +91,11 @@ def tls_container(image: str, tls: TlsFiles, tmp_path_factory: pytest.TempPathFa
             )
         proc = ManagedProcess("podman run (tls)", [exe, *args], Path(d) / "container.log").start()
         try:
-            harness.wait_until(
-                (sockets / "delayed-pubsub.sock").is_socket, 60, "the container's socket", proc
+            harness.wait_until_blocking(
+                (sockets / "delayed-pubsub.sock").is_socket,
+                "the container's socket",
+                60,
+                process=proc,
             )
             yield sockets
         except harness.HarnessError as exc:

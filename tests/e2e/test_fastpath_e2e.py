@@ -78,7 +78,9 @@ def fast_stack(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
             return {"delayed", "pubsub"} <= names and ("pubsub", "orders") in subs
 
-        harness.wait_until(loaded, 30, "daprd to load both components and the subscription", daprd)
+        harness.wait_until_blocking(
+            loaded, "daprd to load both components and the subscription", 30, process=daprd
+        )
         yield s
         s.client.close()
     except harness.HarnessError as exc:

@@ -66,7 +66,9 @@ class HandOffStack:
             subs = {(x["pubsubname"], x["topic"]) for x in meta.get("subscriptions", [])}
             return {"delayed", "target"} <= names and ("target", "orders") in subs
 
-        harness.wait_until(loaded, 30, "daprd to load both components and the subscription", self.daprd)
+        harness.wait_until_blocking(
+            loaded, "daprd to load both components and the subscription", 30, process=self.daprd
+        )
 
     def stop_daprd(self) -> None:
         """SIGTERM: an ordinary stop (an upgrade, a rescheduled pod), not a crash."""
@@ -108,7 +110,7 @@ def handoff_stack(daprd_path: str, tmp_path_factory: pytest.TempPathFactory) -> 
         s.start_daprd()
         assert component.proc is not None
         pid = component.proc.pid
-        harness.wait_until(lambda: len(children_of(pid)) == 2, 30, "two workers", component)
+        harness.wait_until_blocking(lambda: len(children_of(pid)) == 2, "two workers", 30, process=component)
         yield s
     except harness.HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)
@@ -148,7 +150,7 @@ def test_hand_offs_waiting_out_a_daprd_restart_arrive_once_each(handoff_stack: H
             # Fired while daprd is away: every message read by a forwarder, none handed off.
             return int(db.xpending(OUTBOX, OUTBOX_GROUP)["pending"]) == n
 
-        harness.wait_until(all_held, 20, f"the {n} due hand-offs to be read by the forwarders")
+        harness.wait_until_blocking(all_held, f"the {n} due hand-offs to be read by the forwarders", 20)
         # Past the takeover idle time, with both forwarders alive and retrying.
         time.sleep(CLAIM_IDLE_S + 5)
         assert s.arrivals(marker) == []
@@ -161,6 +163,6 @@ def test_hand_offs_waiting_out_a_daprd_restart_arrive_once_each(handoff_stack: H
         assert sorted(set(got)) == list(range(n)), f"{len(set(got))} of {n} arrived"
         doubled = sorted({k for k in got if got.count(k) > 1})
         assert len(got) == n, f"{len(got)} arrivals for {n} messages; twice: {doubled}"
-        harness.wait_until(lambda: int(db.xlen(OUTBOX)) == 0, 10, "the outbox to empty")
+        harness.wait_until_blocking(lambda: int(db.xlen(OUTBOX)) == 0, "the outbox to empty", 10)
     finally:
         db.close()

@@ -258,7 +258,7 @@ class Pod:
             return len(got) >= count
 
         try:
-            harness.wait_until(enough, timeout, f"{count} arrival(s) of {marker}")
+            harness.wait_until_blocking(enough, f"{count} arrival(s) of {marker}", timeout)
         except harness.HarnessError as exc:
             pytest.fail(f"{exc}: got {len(got)}\n{self.logs()}", pytrace=False)
         return got
@@ -323,7 +323,7 @@ def wait_probe(pod: Pod, container: str, kind: str, want: bool, timeout: float, 
         return ok == want and showing in seen[0]
 
     try:
-        harness.wait_until(check, timeout, f"{container} {kind} {'passing' if want else 'failing'}")
+        harness.wait_until_blocking(check, f"{container} {kind} {'passing' if want else 'failing'}", timeout)
     except harness.HarnessError as exc:
         pytest.fail(f"{exc}; last: {seen[0]}\n{pod.logs()}", pytrace=False)
     return seen[0]
@@ -454,7 +454,7 @@ def test_our_container_restarted_alone_fails_readiness_and_loses_nothing_once_th
         return running == "true" and at != started
 
     try:
-        harness.wait_until(restarted, 60, "our container to be restarted in the pod")
+        harness.wait_until_blocking(restarted, "our container to be restarted in the pod", 60)
     except harness.HarnessError as exc:
         pytest.fail(f"{exc}\n{pod.logs()}", pytrace=False)
     # daprd does not re-open its subscription stream to a restarted component: the readiness

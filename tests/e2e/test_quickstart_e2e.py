@@ -58,7 +58,7 @@ class Quickstart:
         def done() -> bool:
             return check(self.deliveries())
 
-        harness.wait_until(done, timeout, what, self.daprd)
+        harness.wait_until_blocking(done, what, timeout, process=self.daprd)
         return self.deliveries()
 
 
@@ -107,11 +107,11 @@ def running_quickstart(daprd_path: str, workdir: Path, *, subscription_yaml: boo
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         ).start()
         started.append(subscriber)
-        harness.wait_until(
+        harness.wait_until_blocking(
             lambda: httpx.get(f"http://127.0.0.1:{app_port}/dapr/subscribe", timeout=1).status_code == 200,
-            15,
             "the quickstart subscriber",
-            subscriber,
+            15,
+            process=subscriber,
         )
         ports = harness.DaprdPorts.free()
         daprd = harness.start_daprd(daprd_path, workdir, socket_dir, APP_ID, app_port, resources, ports)
@@ -123,7 +123,9 @@ def running_quickstart(daprd_path: str, workdir: Path, *, subscription_yaml: boo
             subs = [(s["pubsubname"], s["topic"], s.get("type")) for s in meta.get("subscriptions", [])]
             return subs == [("delayed", "orders", "PROGRAMMATIC")]
 
-        harness.wait_until(subscribed, 30, "daprd to load the subscriber's own subscription", daprd)
+        harness.wait_until_blocking(
+            subscribed, "daprd to load the subscriber's own subscription", 30, process=daprd
+        )
         yield Quickstart(subscriber, daprd, ports, workdir)
     except harness.HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -61,7 +61,9 @@ def test_daprd_fails_to_start_naming_the_old_redis_and_the_version_needed(
         cwd=tmp_path,
     ).start()
     try:
-        harness.wait_until(lambda: not daprd.alive(), 60, "daprd to give up on the component", daprd)
+        harness.wait_until_blocking(
+            lambda: not daprd.alive(), "daprd to give up on the component", 60, process=daprd
+        )
         log = daprd.log_path.read_text(errors="replace")
         assert daprd.proc is not None
         assert daprd.proc.returncode != 0

@@ -114,7 +114,7 @@ def start_component(workdir: Path, socket_dir: Path, metrics_port: int) -> Manag
     proc = ManagedProcess(
         "delayed-pubsub serve", args, workdir / "component.log", env={**os.environ, "PYTHONUNBUFFERED": "1"}
     ).start()
-    harness.wait_until(lambda: _answers(sock), 30, f"socket {sock}", proc)
+    harness.wait_until_blocking(lambda: _answers(sock), f"socket {sock}", 30, process=proc)
     return proc
 
 
@@ -233,8 +233,10 @@ def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscripti
         db.close()
 
     # The subscription is orphaned (daprd never re-opens a stream): told in all three places.
-    harness.wait_until(
-        lambda: s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "orphan health"
+    harness.wait_until_blocking(
+        lambda: s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING,
+        "orphan health",
+        10,
     )
     assert s.health("") == health_pb2.HealthCheckResponse.SERVING
     assert s.orphan_gauge() == 1.0
@@ -251,8 +253,10 @@ def test_after_sigkill_and_restart_publishes_succeed_and_the_orphaned_subscripti
     s.start_daprd()
     assert s.wait_arrival("plain-after-restart", 30)
     assert s.wait_arrival("delayed-after-restart", 30)
-    harness.wait_until(
-        lambda: s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.SERVING, 10, "health back"
+    harness.wait_until_blocking(
+        lambda: s.health(SUBS_HEALTH) == health_pb2.HealthCheckResponse.SERVING,
+        "health back",
+        10,
     )
     assert s.orphan_gauge() == 0.0
 

@@ -49,7 +49,9 @@ def test_delayed_messages_arrive_once_while_a_worker_is_killed(workers_stack: St
     assert s.component is not None
     assert s.component.proc is not None
     serve_pid = s.component.proc.pid
-    harness.wait_until(lambda: len(children_of(serve_pid)) == 2, 30, "two workers", s.component)
+    harness.wait_until_blocking(
+        lambda: len(children_of(serve_pid)) == 2, "two workers", 30, process=s.component
+    )
     marker = unique("workers")
     n = 300
     due = now_ms() + 2000
@@ -74,4 +76,6 @@ def test_delayed_messages_arrive_once_while_a_worker_is_killed(workers_stack: St
     ids = sorted(a["data"]["n"] for a in got)
     assert ids == list(range(n)), f"{len(got)} arrivals, {len(set(ids))} distinct, of {n}"
     # The killed worker was replaced.
-    harness.wait_until(lambda: len(children_of(serve_pid)) == 2, 30, "the worker replaced", s.component)
+    harness.wait_until_blocking(
+        lambda: len(children_of(serve_pid)) == 2, "the worker replaced", 30, process=s.component
+    )

@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-import delayed_middleware.inspector
+import delayed_middleware.pending_reader
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, ShardedEngine
 from delayed_middleware.entry import StreamEntry, encode_entry
@@ -125,7 +125,7 @@ async def test_get_by_schedule_id_and_by_envelope_id(client: aioredis.Redis, eng
     [with_sid, plain] = await engine.schedule(
         [env(1, T0 + 1000, sid="invoice-7"), env(2, T0 + 2000, message=b"\xff\x00binary")]
     )
-    # Engine v2's schedule returns the scheduleId when there is one, else the stream id.
+    # The engine's schedule returns the scheduleId when there is one, else the stream id.
     assert with_sid == "invoice-7"
     inspector = Inspector(client, "app")
     info = await inspector.get("invoice-7")
@@ -168,7 +168,7 @@ async def test_parked_and_undecodable_are_counted_not_listed(
     assert (report.parked, report.undecodable) == (1, 1)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     # Many parked: looked up per page instead of loaded at once, same answer.
-    monkeypatch.setattr(delayed_middleware.inspector, "_PARKED_IN_MEMORY", 0)
+    monkeypatch.setattr(delayed_middleware.pending_reader, "PARKED_IN_MEMORY", 0)
     assert await inspector.counts_by_topic() == ({"orders": 1}, True)
     info = await inspector.get(a)
     assert info is not None
@@ -179,7 +179,7 @@ async def test_parked_and_undecodable_are_counted_not_listed(
 async def test_recurring_due_comes_from_the_ids_hash(
     client: aioredis.Redis, engine: DelayEngine, redis_client: redis.Redis
 ) -> None:
-    # Engine v2 keeps a recurring envelope's current occurrence in the ids hash:
+    # The engine keeps a recurring envelope's current occurrence in the ids hash:
     # "<stream id> <due ms> <next ms>".
     await engine.schedule([env(1, T0 + 1000, sid="every-minute")])
     ref: Any = redis_client.hget(KEYS.ids, "every-minute")

@@ -10,15 +10,9 @@ import pytest
 
 from delayed_middleware.backoff import Backoff
 from delayed_middleware.liveness import Supervised
+from tests.waiting import wait_until
 
 FAST = Backoff(base_s=0.01, cap_s=0.05)
-
-
-async def until(what: str, check: object, within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"not within {within_s}s: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_loop_that_raises_is_logged_at_error_counted_and_restarted(
@@ -36,7 +30,7 @@ async def test_a_loop_that_raises_is_logged_at_error_counted_and_restarted(
     loop = Supervised("the loop", body, backoff=FAST, on_state=lambda up, _: states.append(up))
     loop.start()
     try:
-        await until("a third run", lambda: len(runs) == 3 and loop.up)
+        await wait_until(lambda: len(runs) == 3 and loop.up, "a third run", every_s=0.01)
         assert loop.restarts == 2
         assert states == [True, False, True, False, True]
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -60,8 +54,8 @@ async def test_a_loop_started_but_not_yet_run_is_not_down_and_one_that_ended_is(
         # start() only schedules the first run: a health report made now (as a worker's
         # first heartbeat is) must not see an "ended" loop.
         assert not loop.down
-        await until("the first run ended", ended.is_set)
-        await until("down, waiting for its restart", lambda: loop.down)
+        await wait_until(ended.is_set, "the first run ended", every_s=0.01)
+        await wait_until(lambda: loop.down, "down, waiting for its restart", every_s=0.01)
     finally:
         await loop.stop()
 
@@ -76,7 +70,7 @@ async def test_a_loop_that_returns_without_a_stop_is_restarted() -> None:
     loop = Supervised("returns", body, backoff=FAST)
     loop.start()
     try:
-        await until("three runs", lambda: runs >= 3)
+        await wait_until(lambda: runs >= 3, "three runs", every_s=0.01)
         assert loop.restarts >= 2
     finally:
         await loop.stop()
@@ -109,7 +103,7 @@ async def test_a_failed_taskgroup_child_is_no_stop_and_the_next_run_starts_clean
     loop = Supervised("fire", body, backoff=FAST)
     loop.start()
     try:
-        await until("the second run", lambda: len(seen) == 3)
+        await wait_until(lambda: len(seen) == 3, "the second run", every_s=0.01)
         assert loop.up
         assert loop.restarts == 1
         # The second run's task carries no leftover request.
@@ -184,12 +178,12 @@ async def test_a_loop_without_a_beat_for_its_bound_shows_as_stalled() -> None:
     loop = Supervised("slow", body, backoff=FAST, stall_after_s=0.2)
     loop.start()
     try:
-        await until("up", lambda: loop.up)
+        await wait_until(lambda: loop.up, "up", every_s=0.01)
         assert loop.healthy
-        await until("stalled", lambda: loop.stalled, within_s=2)
+        await wait_until(lambda: loop.stalled, "stalled", 2, every_s=0.01)
         assert not loop.healthy
         beat.set()
-        await until("beating again", lambda: loop.healthy, within_s=2)
+        await wait_until(lambda: loop.healthy, "beating again", 2, every_s=0.01)
     finally:
         await loop.stop()
 

@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine.pause import ALREADY, PARKED, PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import ONESHOT, RECURRING, Envelope
 from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.keys import EngineKeys, delayed_topic
-from delayed_middleware.pausing import ALREADY, PARKED, PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.schedules import EnvelopeRecurrence
 from tests.redis_server import stream_entries
 
@@ -232,7 +232,7 @@ async def test_a_paused_cron_schedule_waiting_for_its_refill_stays_paused(
     assert await full.refill_pending() == 0
     # A replica that read the refill set just before the pause goes on to refill it:
     # the paused ref must not be taken for one waiting (it would be marked indexed, and lost).
-    assert await full._refill_batch(["cr"]) == 0
+    assert await full.parts.refiller._refill_batch(["cr"]) == 0
     assert is_paused_ref(ref(redis_client, "cr"))
     assert ref_before != ref(redis_client, "cr")
     clock.set(first + 10_500)

@@ -14,10 +14,10 @@ import redis.cluster
 
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, ShardedEngine
+from delayed_middleware.engine.pause import PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import ONESHOT, RECURRING, Envelope
 from delayed_middleware.keys import EngineKeys, shard_topics
-from delayed_middleware.pausing import PAUSED, RESUMED, UNKNOWN, is_paused_ref
 from tests.redis_server import RedisCluster
 
 T0 = 1_800_000_000_000

@@ -1,6 +1,6 @@
-"""Schedules v2, pure: cron in a time zone across DST days in two hemispheres, the CRON_TZ= prefix,
-start/end/limit bounds, jitter fixed per occurrence, the stored form read back by the engine's
-recurrence function, and every bad value refused naming its key."""
+"""Schedules in a time zone, with bounds and jitter, pure: cron in a time zone across DST days in two
+hemispheres, the CRON_TZ= prefix, start/end/limit bounds, jitter fixed per occurrence, the stored form
+read back by the engine's recurrence function, and every bad value refused naming its key."""
 
 from __future__ import annotations
 

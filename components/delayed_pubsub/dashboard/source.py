@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from delayed_middleware.engine.pause import paused_at_ms
 from delayed_middleware.envelope import EnvelopeDecodeError, decode_envelope
 from delayed_middleware.history import HistoryRecord
 from delayed_middleware.inspector import (
@@ -28,7 +29,6 @@ from delayed_middleware.inspector import (
     PendingMessage,
 )
 from delayed_middleware.keys import is_stream_id, split_shard_id
-from delayed_middleware.pausing import paused_at_ms
 from delayed_middleware.schedules import schedule_zone
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection
@@ -234,7 +234,7 @@ class Source:
                 last = (shard, _s(rows[-1][0]))
                 start = "(" + last[1]
                 # The Inspector's own page decoder: parked and undecodable ones are left out.
-                out.extend(await self.inspector._decode_page(shard, _named(rows), None))
+                out.extend(await self.inspector.decode_page(shard, _named(rows)))
             if len(rows) < want:
                 shard, start = shard + 1, "-"
         more = last is not None and len(out) >= count
@@ -266,7 +266,7 @@ class Source:
                     break
                 start = "(" + _s(rows[-1][0])
                 hits = [(i, f) for i, f in _named(rows) if i.startswith(prefix)]
-                out.extend(await self.inspector._decode_page(shard, hits, None))
+                out.extend(await self.inspector.decode_page(shard, hits))
                 if len(rows) < 200:
                     break
         return out[:count]
@@ -299,31 +299,14 @@ class Source:
             pipe.xrange(keys.stream, stored, stored)
         replies = await pipe.execute()
         rows = [(sid, r[0][1]) for sid, r in zip(stream_ids, replies, strict=True) if r]
-        return list(await self.inspector._decode_page(shard, rows, None))
+        return list(await self.inspector.decode_page(shard, rows))
 
     async def message(self, id: str) -> MessageInfo | None:
         """One message with its history, by scheduleId or envelope id; None if not waiting.
 
         As `delayed-pubsub inspect` finds it, less its last resort (a scan of the whole
         delayed topic): a page request never costs O(pending)."""
-        ins = self.inspector
-        info: MessageInfo | None = None
-        named = split_shard_id(id, self.shards)
-        if named is not None:
-            info = await ins._load(*named)
-        else:
-            info = await ins._by_key(id)
-            if info is None and is_stream_id(id):
-                found = [i for i in [await ins._load(n, id) for n in range(self.shards)] if i]
-                info = found[0] if len(found) == 1 else None
-        if info is None and is_stream_id(id):
-            info = await ins._retry_info(id)
-        if info is None:
-            info = await ins._handoff_info(id)
-        if info is None:
-            return None
-        records = await ins.message_history(info)
-        return MessageInfo(info.message, info.envelope, info.state, info.parked_reason, tuple(records))
+        return await self.inspector.get_bounded(id)
 
     async def schedules(self, cursor: str | None, count: int, budget: int = 5_000) -> SchedulesPage:
         """Recurring messages from the ids hashes (HSCAN from `cursor`, `<shard>:<hscan cursor>`),

@@ -6,7 +6,7 @@ few hundred Arrow batches, never as a million pickled tuples.
 
 History entries are decoded with delayed_middleware.history.decode_record, the
 format's own reader. Envelopes with DelayedMessage from the generated stubs;
-the fields the engine v2 adds (11-17: kind, schedule, expiresAtMs,
+fields 11-17 (which recurring, expiring and retried messages carry: kind, schedule, expiresAtMs,
 scheduleSource, scheduleTtlMs, targetPubsub, deliveryAttempt) are read by name
 when the stubs know them, else from the unknown fields, so this reader works
 with envelopes written by an older or newer engine than itself.
@@ -327,8 +327,8 @@ def _history_batch_by_record(
 # --- envelopes -------------------------------------------------------------------
 
 _DESCRIPTOR = delayed_pb2.DelayedMessage.DESCRIPTOR
-# Field numbers of the engine v2 additions, by the names the proto gives them.
-V2_FIELDS: Final = {
+# Field numbers of fields 11-17, by the names the proto gives them.
+EXTENDED_FIELDS: Final = {
     "kind": 11,
     "schedule": 12,
     "expiresAtMs": 13,
@@ -337,7 +337,7 @@ V2_FIELDS: Final = {
     "targetPubsub": 16,
     "deliveryAttempt": 17,
 }
-_KNOWN_V2 = frozenset(name for name in V2_FIELDS if name in _DESCRIPTOR.fields_by_name)
+_KNOWN_EXTENDED = frozenset(name for name in EXTENDED_FIELDS if name in _DESCRIPTOR.fields_by_name)
 # An enum `kind` as an unknown varint: the order the engine declares them in.
 _KIND_BY_NUMBER: Final = {k.value: k.label for k in Kind}
 ONESHOT_LABEL: Final = Kind.ONESHOT.label
@@ -384,10 +384,10 @@ def _kind_text(value: Any) -> str:
     return str(value) or ONESHOT_LABEL
 
 
-def _v2(msg: delayed_pb2.DelayedMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {name: getattr(msg, name) for name in _KNOWN_V2}
-    if len(_KNOWN_V2) < len(V2_FIELDS):
-        by_number = {num: name for name, num in V2_FIELDS.items() if name not in _KNOWN_V2}
+def _extended_fields(msg: delayed_pb2.DelayedMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(msg, name) for name in _KNOWN_EXTENDED}
+    if len(_KNOWN_EXTENDED) < len(EXTENDED_FIELDS):
+        by_number = {num: name for name, num in EXTENDED_FIELDS.items() if name not in _KNOWN_EXTENDED}
         unknown = UnknownFieldSet(msg)
         for i in range(len(unknown)):
             f = unknown[i]
@@ -408,7 +408,7 @@ def decode_envelope_row(raw: bytes) -> EnvelopeRow:
         raise ValueError(f"not a DelayedMessage: {e}") from None
     if not msg.topic:
         raise ValueError("DelayedMessage has no topic")
-    v2 = _v2(msg)
+    extended = _extended_fields(msg)
     size, entries = len(msg.message), 1
     if msg.bulkPublish:
         bulk = delayed_pb2.DelayedBulk()
@@ -417,8 +417,8 @@ def decode_envelope_row(raw: bytes) -> EnvelopeRow:
         except ProtoDecodeError as e:
             raise ValueError(f"bulk DelayedMessage has a bad body: {e}") from None
         size, entries = sum(len(e.event) for e in bulk.entries), len(bulk.entries)
-    schedule = str(v2.get("schedule", "") or "")
-    kind = _kind_text(v2["kind"]) if "kind" in v2 else (RECURRING_LABEL if schedule else ONESHOT_LABEL)
+    schedule = str(extended.get("schedule", "") or "")
+    kind = _kind_text(extended["kind"]) if "kind" in extended else (RECURRING_LABEL if schedule else ONESHOT_LABEL)
     return EnvelopeRow(
         id=msg.id,
         schedule_id=msg.scheduleId,
@@ -427,14 +427,14 @@ def decode_envelope_row(raw: bytes) -> EnvelopeRow:
         schedule=schedule,
         published_at_ms=msg.publishedAtMs or None,
         due_ms=msg.dueTimeMs or None,
-        expires_at_ms=int(v2.get("expiresAtMs") or 0) or None,
+        expires_at_ms=int(extended.get("expiresAtMs") or 0) or None,
         size_bytes=size,
         entries=entries,
-        attempt=int(v2.get("deliveryAttempt") or 0) or 1,
+        attempt=int(extended.get("deliveryAttempt") or 0) or 1,
         content_type=msg.contentType,
         pubsub_name=msg.pubsubName,
-        target_pubsub=str(v2.get("targetPubsub", "") or ""),
-        schedule_source=str(v2.get("scheduleSource", "") or ""),
+        target_pubsub=str(extended.get("targetPubsub", "") or ""),
+        schedule_source=str(extended.get("scheduleSource", "") or ""),
     )
 
 

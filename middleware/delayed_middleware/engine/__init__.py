@@ -11,15 +11,18 @@ Where to look:
 
 - a fire decision (due? expired? gone? parked? recurring successor known?):
   `lua/batch.lua` `decide`, run by FIRE (single node) and CLAIM (Cluster);
-  `fire.py` `Firing._fire_once` picks which, `Firing.fire_due` runs a step.
+  the fire path (`fire.py` `SingleNodeFire`, `two_phase.py` `TwoPhaseFire`) is
+  chosen once by `builder.py`; `fire.py` `Firer.fire_due` runs a step.
 - a cancel: `lua/cancel.lua` (withdraw, `cancelled` record), called by
-  `cancel.py` `Cancelling.cancel_many`, which also stops an occurrence in flight
-  on Cluster (`_stop_in_flight`: the fire marker).
+  `cancel.py` `Canceller.cancel_many`, which also stops an occurrence in flight
+  on Cluster (`stop_in_flight`: the fire marker).
 - a shard id: `keys.shard_index` (a scheduleId's home shard) and
   `sharded.py` `ShardedEngine.schedule` (`<stream id>@<shard>` for envelopes
   without one, written by `keys.shard_id`); `ShardedEngine._locate` reads it
   back with `keys.split_shard_id`.
 
+Each part is a class given, in its constructor, the shard's state (`core.py`
+ShardState) and the other parts it calls; `builder.py` builds them all.
 Modules, each stating its invariants and crash points:
 
 - `scripts.py`: the typed layer over the Lua scripts (one method per
@@ -27,18 +30,22 @@ Modules, each stating its invariants and crash points:
 - `replies.py`: what the scripts take and answer (one result dataclass per
   script, and the readers of their raw replies); nothing else reads a reply.
 - `config.py`: EngineConfig, FireReport, batch constants.
-- `core.py`: one shard's state and the clock/skew helpers.
+- `core.py`: ShardState, one shard's state (clients, keys, clock, settings,
+  the script layer, the measured skew), and the helpers every part shares
+  (clock/skew, fire reports, marker messages).
 - `schedule.py`: SCHEDULE in chunks, call tokens, replaces.
 - `coalesce.py`: concurrent SCHEDULE calls of one shard in one script call,
   each with its own token and answer.
 - `cancel.py`: CANCEL, in-flight fire markers, UNCANCEL.
-- `fire.py`: the single-node FIRE and `fire_due`.
-- `two_phase.py`: CLAIM / APPEND / RELEASE (Redis Cluster), scheduleSource sampling.
+- `fire.py`: the fire path's protocol, the single-node FIRE path, and `fire_due`.
+- `two_phase.py`: the Cluster fire path: CLAIM / APPEND / RELEASE, scheduleSource sampling.
 - `refill.py`: cron successors (REFILL), the refill sweep.
 - `compaction.py`: re-homing long-waiting envelopes (COMPACT).
 - `recovery.py`: re-indexing envelopes no index entry refers to (RECOVER), once per run.
 - `retention.py`: history trimming by age.
 - `loop.py`: the run loop and the wake listener.
+- `pause.py`: pause, resume (PAUSE) and cancel by id prefix.
+- `builder.py`: builds one shard's parts, choosing its fire path once.
 - `delay_engine.py`: DelayEngine, the facade over the above.
 - `sharded.py`: ShardedEngine, one DelayEngine per shard stream.
 

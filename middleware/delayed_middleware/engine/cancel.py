@@ -7,7 +7,7 @@ FIRE has no window in which a withdrawn envelope can still go out.
 
 The two-phase fire (Redis Cluster) has one: an occurrence CLAIM moved in
 flight but APPEND has not yet written. CANCEL (given the in-flight keys:
-EngineConfig.two_phase) names such occurrences, and `_stop_in_flight` sets
+EngineConfig.two_phase) names such occurrences, and `stop_in_flight` sets
 each one's fire marker, the key APPEND sets with NX in the target's slot, so
 the APPEND writes nothing and RELEASE records nothing more. Found set
 already, APPEND got there first: the one-shot went out, the cancel answers
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from delayed_middleware.engine.config import CANCEL_BATCH
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.replies import InFlight
 from delayed_middleware.keys import fire_marker_prefix
 from delayed_middleware.kinds import Kind
@@ -36,8 +36,11 @@ from delayed_middleware.kinds import Kind
 log = logging.getLogger(__name__)
 
 
-class Cancelling(EngineCore):
+class Canceller:
     """cancel / cancel_many, and the fire markers that stop an in-flight occurrence."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""
@@ -52,30 +55,31 @@ class Cancelling(EngineCore):
 
         Two-phase fire (Redis Cluster): an occurrence claimed but not yet
         appended when the cancel lands is stopped too: CANCEL names it, and
-        this sets its fire marker (see _stop_in_flight) before returning. One
+        this sets its fire marker (see stop_in_flight) before returning. One
         that was appended first went out before the cancel: a one-shot is then
         reported not cancelled (False).
         """
+        st = self._state
         out: list[tuple[bool, str]] = []
         in_flight: list[InFlight] = []
         for start in range(0, len(ids), CANCEL_BATCH):
             part = list(ids[start : start + CANCEL_BATCH])
-            got = await self._scripts.cancel(
-                part, now=self._clock.now_ms(), history_len=self._history_len(), reason=reason
+            got = await st.scripts.cancel(
+                part, now=st.clock.now_ms(), history_len=st.history_len, reason=reason
             )
             out += got.results
             # Cancelled envelopes left the stream: the next fire step's compaction check counts them.
-            self._left_since_check += sum(1 for found, _ in got.results if found)
+            st.left_since_check += sum(1 for found, _ in got.results if found)
             in_flight += [
                 InFlight(f.id, f.due, f.target, start + f.position, f.kind, f.history_id)
                 for f in got.in_flight
             ]
         if in_flight:
-            await self._stop_in_flight(in_flight, out)
-        await self._markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
+            await self.stop_in_flight(in_flight, out)
+        await st.markers("Remove", [(i, t) for i, (found, t) in zip(ids, out, strict=True) if found and t])
         return out
 
-    async def _stop_in_flight(self, in_flight: Sequence[InFlight], out: list[tuple[bool, str]]) -> None:
+    async def stop_in_flight(self, in_flight: Sequence[InFlight], out: list[tuple[bool, str]]) -> None:
         """Set the fire marker of each cancelled occurrence still in flight, so no APPEND writes it.
 
         The marker is the one APPEND sets with NX in the target's slot (keys.
@@ -101,7 +105,7 @@ class Cancelling(EngineCore):
             log.warning(
                 "cancel of %s on %s came after its occurrence due %s was appended to %s: delivered once",
                 f.id,
-                self._keys.stream,
+                self._state.keys.stream,
                 f.due,
                 f.target,
             )
@@ -109,18 +113,18 @@ class Cancelling(EngineCore):
                 out[f.position] = (False, out[f.position][1])
                 if f.history_id:
                     try:
-                        await self._scripts.uncancel(
-                            f.history_id, now=self._clock.now_ms(), history_len=self._history_len()
+                        await self._state.scripts.uncancel(
+                            f.history_id, now=self._state.clock.now_ms(), history_len=self._state.history_len
                         )
                     except (RedisError, TimeoutError) as exc:
                         failure = failure or exc
         if failure is not None:
             raise failure
 
-    async def _stop_replaced_in_flight(self, old: InFlight) -> None:
+    async def stop_replaced_in_flight(self, old: InFlight) -> None:
         """Two-phase fire: a replaced envelope's occurrence was in flight; stop its APPEND.
 
-        As _stop_in_flight for a cancel, but best effort: the replace is
+        As stop_in_flight for a cancel, but best effort: the replace is
         stored whatever happens here (failing the publish would make its
         caller retry a stored replace), so a failure is logged, and that one
         occurrence of the old message may still go out, as before this step.
@@ -131,14 +135,14 @@ class Cancelling(EngineCore):
         except RedisError as exc:
             log.warning(
                 "replace on %s: the in-flight occurrence of %s may still go out: %s",
-                self._keys.stream,
+                self._state.keys.stream,
                 old.id,
                 exc,
             )
             return
         log.info(
             "replace on %s came after the old envelope %s's occurrence due %s was appended to %s",
-            self._keys.stream,
+            self._state.keys.stream,
             old.id,
             old.due,
             old.target,
@@ -147,5 +151,6 @@ class Cancelling(EngineCore):
     async def _set_fire_marker(self, id: str, due: str, target: str, why: str) -> bool:
         """SET NX the fire marker APPEND would set for envelope `id`'s occurrence `due` on
         `target` (keys.fire_marker_prefix); False when it was set already (appended)."""
-        marker = f"{fire_marker_prefix(target, self._keys.stream)}{id}:{due}"
-        return bool(await self._redis.set(marker, why, nx=True, px=self._config.fire_marker_ttl_ms))
+        st = self._state
+        marker = f"{fire_marker_prefix(target, st.keys.stream)}{id}:{due}"
+        return bool(await st.redis.set(marker, why, nx=True, px=st.config.fire_marker_ttl_ms))

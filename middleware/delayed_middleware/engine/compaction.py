@@ -24,13 +24,20 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from delayed_middleware.aio import text
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
 
 log = logging.getLogger(__name__)
 
 
-class Compacting(EngineCore):
-    """compact (a whole pass, for operators) and _compact_step (a slice per fire step)."""
+class Compactor:
+    """compact (a whole pass, for operators) and step (a slice per fire step)."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+        # Per shard, nothing per message: the live entries per node the last
+        # pass achieved, and the pass under way: (cursor, end id).
+        self._dense: float | None = None
+        self._compact_pass: tuple[str, str] | None = None
 
     @property
     def compacting(self) -> bool:
@@ -41,7 +48,7 @@ class Compacting(EngineCore):
         """Check the stream's density now and, if it is sparse, run a whole compaction
         pass (for operators and tests; fire steps do the same in slices). True if a pass ran."""
         if self._compact_pass is None:
-            end = await self._sparse_until()
+            end = await self.sparse_until()
             if end is None:
                 return False
             self._compact_pass = ("-", end)
@@ -51,9 +58,9 @@ class Compacting(EngineCore):
 
     async def _compact_chunk(self) -> None:
         assert self._compact_pass is not None
-        cfg = self._config
+        cfg = self._state.config
         cursor, end = self._compact_pass
-        after = await self._scripts.compact(
+        after = await self._state.scripts.compact(
             cursor, end, chunk=cfg.compact_chunk, budget_us=cfg.compact_budget_us
         )
         if after:
@@ -62,7 +69,7 @@ class Compacting(EngineCore):
             self._compact_pass = None
             self._dense = await self._density()
 
-    async def _compact_step(self, left: int, *, idle: bool) -> None:
+    async def step(self, left: int, *, idle: bool) -> None:
         """Counts envelopes that left the stream; checks its density once enough did,
         and runs a slice of the compaction pass under way (lua/compact.lua).
 
@@ -71,21 +78,22 @@ class Compacting(EngineCore):
         to half of what the last one achieved: the envelopes re-homed per pass are
         at most about twice those that left the stream since the last pass.
         """
-        cfg = self._config
+        st = self._state
+        cfg = st.config
         if not cfg.compact_check_every:
             return
-        self._left_since_check += left
+        st.left_since_check += left
         if not idle:
             return
         if self._compact_pass is None:
-            if self._left_since_check < cfg.compact_check_every:
+            if st.left_since_check < cfg.compact_check_every:
                 return
-            self._left_since_check = 0
-            end = await self._sparse_until()
+            st.left_since_check = 0
+            end = await self.sparse_until()
             if end is None:
                 return
             self._compact_pass = ("-", end)
-            log.info("compacting %s: re-homing envelopes up to %s", self._keys.stream, end)
+            log.info("compacting %s: re-homing envelopes up to %s", st.keys.stream, end)
         # A budget of this process's time, not of the (injected) clock's: the
         # slice bounds how long fires wait behind compaction.
         deadline = time.monotonic() + cfg.compact_slice_s
@@ -95,7 +103,7 @@ class Compacting(EngineCore):
                 break
         if self._compact_pass is not None:
             # More to do: the run loop comes straight back instead of sleeping.
-            self._wake.set()
+            st.wake.set()
 
     async def _density(self) -> float | None:
         info = await self._stream_info()
@@ -106,18 +114,18 @@ class Compacting(EngineCore):
 
     async def _stream_info(self) -> dict[str, Any] | None:
         try:
-            info: dict[str, Any] = await self._redis.xinfo_stream(self._keys.stream)
+            info: dict[str, Any] = await self._state.redis.xinfo_stream(self._state.keys.stream)
         except ResponseError:
             return None  # no stream (nothing pending)
         return info
 
-    async def _sparse_until(self) -> str | None:
+    async def sparse_until(self) -> str | None:
         """The stream's last id if it is sparse enough to compact, else None."""
         info = await self._stream_info()
         if info is None:
             return None
         length, nodes = int(info["length"]), int(info["radix-tree-keys"])
-        if nodes < self._config.compact_min_nodes:
+        if nodes < self._state.config.compact_min_nodes:
             return None
         dense = self._dense or _full_node(info.get("first-entry"))
         if length * 2 >= nodes * dense:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from delayed_middleware.backoff import ENGINE_LOOP, BackoffProfile
 from delayed_middleware.envelope import Envelope
 
 # The next fire time of a recurring envelope strictly after `after_ms`, or None
@@ -52,8 +53,9 @@ class EngineConfig:
     # A cap on any one sleep, so a lost wake message (a dropped pub/sub
     # connection) or a stepped clock delays a fire by at most this much.
     max_sleep_s: float = 5.0
-    retry_min_s: float = 0.05
-    retry_max_s: float = 2.0
+    # The fire loop's Redis backoff (backoff.ENGINE_LOOP, by default).
+    retry_min_s: float = ENGINE_LOOP.base_s
+    retry_max_s: float = ENGINE_LOOP.cap_s
     # Bound on one script round trip: a connection that died without a FIN
     # (a partitioned Redis) must not stall the loop forever.
     op_timeout_s: float = 30.0
@@ -101,6 +103,10 @@ class EngineConfig:
     recover_budget_us: int = 10_000
     # The share of the sweep's time spent in its calls (the rest it waits): 0.5 = half.
     recover_duty: float = 0.5
+
+    def retry_profile(self) -> BackoffProfile:
+        """The fire loop's backoff after a Redis error: retry_min_s doubling to retry_max_s."""
+        return BackoffProfile(base_s=self.retry_min_s, cap_s=self.retry_max_s)
 
 
 # The settings an engine gets when given none.

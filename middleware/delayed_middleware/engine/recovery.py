@@ -28,42 +28,45 @@ import time
 from redis.exceptions import RedisError
 
 from delayed_middleware.aio import text
-from delayed_middleware.backoff import Backoff
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
 
 log = logging.getLogger(__name__)
 
 
-class Recovering(EngineCore):
+class Recoverer:
     """recover_orphans: one sweep over this shard's delayed stream."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
 
     async def recover_orphans(self) -> tuple[int, int]:
         """Sweep the stream once: (envelopes put back in the index, copies of cancelled or
         replaced messages deleted). Logs what it found."""
-        cfg = self._config
-        last = await self._redis.xrevrange(self._keys.stream, "+", "-", count=1)
+        st = self._state
+        cfg = st.config
+        last = await st.redis.xrevrange(st.keys.stream, "+", "-", count=1)
         if not last:
             return 0, 0
         end = text(last[0][0])
         cursor, recovered, dropped = "-", 0, 0
         while cursor:
-            _, now = self._decide_at()
+            _, now = st.decide_at()
             started = time.monotonic()
             async with asyncio.timeout(cfg.op_timeout_s):
-                got = await self._scripts.recover(
+                got = await st.scripts.recover(
                     cursor,
                     end,
                     chunk=cfg.recover_chunk,
                     budget_us=cfg.recover_budget_us,
                     now=now,
-                    history_len=self._history_len(),
+                    history_len=st.history_len,
                 )
             cursor = got.cursor
             recovered += got.recovered
             dropped += got.dropped
             if got.recovered:
                 # Some may be due already: the run loop looks again now.
-                self._wake.set()
+                st.wake.set()
             if cursor and cfg.recover_duty < 1:
                 # Paced: a sweep of a long stream at every replica's start takes at most this
                 # share of the time (~13 us of Redis time per entry walked), fires the rest.
@@ -76,20 +79,21 @@ class Recovering(EngineCore):
                 "storage format was raised): put back at their due time (overdue ones fire now), each "
                 "with a 'recovered' history record",
                 recovered,
-                self._keys.stream,
+                st.keys.stream,
             )
         if dropped:
             log.warning(
                 "%d envelope copy(ies) on %s belonged to messages cancelled or replaced by a release "
                 "that did not know the moved hash: deleted, not delivered",
                 dropped,
-                self._keys.stream,
+                st.keys.stream,
             )
         return recovered, dropped
 
-    async def _recover_at_start(self, stop: asyncio.Event) -> None:
+    async def recover_at_start(self, stop: asyncio.Event) -> None:
         """One sweep at the start of the run loop, retried after Redis errors until it ends or `stop`."""
-        backoff = Backoff(base_s=self._config.retry_min_s, cap_s=self._config.retry_max_s)
+        st = self._state
+        backoff = st.config.retry_profile().backoff()
         while not stop.is_set():
             try:
                 await self.recover_orphans()
@@ -97,11 +101,11 @@ class Recovering(EngineCore):
             except (RedisError, TimeoutError) as exc:
                 delay = backoff.next()
                 log.warning(
-                    "orphan recovery on %s: redis error %s; retrying in %.2fs", self._keys.stream, exc, delay
+                    "orphan recovery on %s: redis error %s; retrying in %.2fs", st.keys.stream, exc, delay
                 )
             except Exception:
                 delay = backoff.next()
-                log.exception("orphan recovery on %s failed; retrying in %.2fs", self._keys.stream, delay)
+                log.exception("orphan recovery on %s failed; retrying in %.2fs", st.keys.stream, delay)
             try:
                 async with asyncio.timeout(delay):
                     await stop.wait()

@@ -4,7 +4,7 @@ An @every envelope carries its interval and FIRE computes each successor on
 the grid `publishedAt + k * interval` itself. A cron envelope's ids-hash ref
 holds its current due time and the NEXT one, precomputed: FIRE delivers the
 occurrence, re-indexes the envelope at the next time, marks it for refill and
-returns what the recurrence needs (expression, acceptance time); `_advance`
+returns what the recurrence needs (expression, acceptance time); `advance`
 computes the time after that with the injected `recurrence` and stores it
 with REFILL (a compare-and-set on the ref) in the same fire_due, reading
 nothing back.
@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from delayed_middleware import pausing
 from delayed_middleware.aio import text
 from delayed_middleware.engine.config import REFILL_BATCH
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
+from delayed_middleware.engine.pause import is_paused_ref
 from delayed_middleware.engine.replies import Refill, RefillItem
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
 from delayed_middleware.kinds import Kind
@@ -35,10 +35,13 @@ from delayed_middleware.kinds import Kind
 log = logging.getLogger(__name__)
 
 
-class Refilling(EngineCore):
-    """refill_pending (the sweep) and _advance (a fire step's own cron envelopes)."""
+class Refiller:
+    """refill_pending (the sweep) and advance (a fire step's own cron envelopes)."""
 
-    async def _advance(self, quads: Sequence[Refill]) -> None:
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    async def advance(self, quads: Sequence[Refill]) -> None:
         """REFILL the cron envelopes a fire step just advanced (common.lua's REFILLS).
 
         Each quad is (ids key, the ref the script wrote, schedule expression,
@@ -47,9 +50,10 @@ class Refilling(EngineCore):
         another replica a no-op. One that cannot be computed stays in the refill
         set, where refill_pending (which cancels unschedulable ones) finds it.
         """
-        if not quads or self._recurrence is None:
+        st = self._state
+        if not quads or st.recurrence is None:
             return
-        now = self._shard_now()
+        now = st.shard_now()
         items: list[RefillItem] = []
         for q in quads:
             # All inside the guard: a hand-written envelope's fields (not UTF-8, say)
@@ -68,15 +72,13 @@ class Refilling(EngineCore):
                     kind=int(Kind.RECURRING),
                     schedule=expr,
                 )
-                nxt, iso = self._next_after(probe, max(due, now))
+                nxt, iso = st.next_after(probe, max(due, now))
             except Exception as exc:
-                log.warning(
-                    "recurring %r on %s: successor not computed now: %r", q.key, self._keys.stream, exc
-                )
+                log.warning("recurring %r on %s: successor not computed now: %r", q.key, st.keys.stream, exc)
                 continue
             items.append(RefillItem(key, ref, nxt, iso))
         if items:
-            await self._scripts.refill(items)
+            await st.scripts.refill(items)
 
     async def refill_pending(self, limit: int = 10_000) -> int:
         """Give recurring envelopes waiting for it their next due time; returns how many.
@@ -86,13 +88,14 @@ class Refilling(EngineCore):
         read of the refs and envelopes, one REFILL script call. (One envelope at
         a time, 10,000 schedules firing each second could not keep up.)
         """
-        if self._recurrence is None:
+        st = self._state
+        if st.recurrence is None:
             # This replica cannot compute one (e.g. an older version in a rolling
             # upgrade): leave them, untouched, to a replica that can.
             return 0
         done = 0
         while done < limit:
-            members = [text(m) for m in await self._redis.zrange(self._keys.refill, 0, REFILL_BATCH - 1)]
+            members = [text(m) for m in await st.redis.zrange(st.keys.refill, 0, REFILL_BATCH - 1)]
             if not members:
                 break
             applied = await self._refill_batch(members)
@@ -102,27 +105,26 @@ class Refilling(EngineCore):
         return done
 
     async def _refill_batch(self, keys: Sequence[str]) -> int:
-        pipe = self._redis.pipeline(transaction=False)
+        st = self._state
+        pipe = st.redis.pipeline(transaction=False)
         for key in keys:
-            pipe.hget(self._keys.ids, key)
+            pipe.hget(st.keys.ids, key)
         refs = [None if r is None else text(r) for r in await pipe.execute()]
         gone = [k for k, r in zip(keys, refs, strict=True) if r is None]
         if gone:
-            await self._redis.zrem(self._keys.refill, *gone)
-        # A paused envelope waits for its resume, not for a refill (pausing.py).
-        live = [
-            (k, r) for k, r in zip(keys, refs, strict=True) if r is not None and not pausing.is_paused_ref(r)
-        ]
+            await st.redis.zrem(st.keys.refill, *gone)
+        # A paused envelope waits for its resume, not for a refill (engine/pause.py).
+        live = [(k, r) for k, r in zip(keys, refs, strict=True) if r is not None and not is_paused_ref(r)]
         if not live:
             return len(gone)
         # Where each envelope is stored now (compaction may have re-homed it).
-        moved = await self._redis.hmget(self._keys.moved, [ref.split()[0] for _, ref in live])
-        pipe = self._redis.pipeline(transaction=False)
+        moved = await st.redis.hmget(st.keys.moved, [ref.split()[0] for _, ref in live])
+        pipe = st.redis.pipeline(transaction=False)
         for (_, ref), at in zip(live, moved, strict=True):
             stream_id = ref.split()[0] if at is None else text(at)
-            pipe.xrange(self._keys.stream, stream_id, stream_id)
+            pipe.xrange(st.keys.stream, stream_id, stream_id)
         rows_of = await pipe.execute()
-        now = self._shard_now()
+        now = st.shard_now()
         items: list[RefillItem] = []
         ending: dict[str, str] = {}  # key -> its topic ('' unknown), for markers
         for (key, ref), rows in zip(live, rows_of, strict=True):
@@ -136,7 +138,7 @@ class Refilling(EngineCore):
                     raise EnvelopeDecodeError(f"envelope {ref.split()[0]} has no data")
                 env = decode_envelope(raw)
                 topic = env.topic
-                nxt, iso = self._next_after(env, max(due, now))
+                nxt, iso = st.next_after(env, max(due, now))
             except Exception as exc:
                 # EnvelopeDecodeError, ValueError (no later time), or whatever else the
                 # recurrence raises: one schedule the engine cannot advance must not
@@ -144,19 +146,19 @@ class Refilling(EngineCore):
                 # record, by REFILL's compare-and-set on the ref read above (not by
                 # cancel(key): a replace that landed since then must stand).
                 log.error(
-                    "recurring %r on %s cannot be refilled: %r; cancelling it", key, self._keys.stream, exc
+                    "recurring %r on %s cannot be refilled: %r; cancelling it", key, st.keys.stream, exc
                 )
                 nxt, iso = "end", f"unschedulable: {exc}"
                 ending[key] = topic
             items.append(RefillItem(key, ref, nxt, iso))
         if not items:
             return len(gone)
-        results = await self._scripts.refill(items, history=(self._history_len(), now))
+        results = await st.scripts.refill(items, history=(st.history_len, now))
         ended = [
             (i.key, ending[i.key])
             for i, r in zip(items, results, strict=True)
             if r == 2 and ending.get(i.key)
         ]
         if ended:
-            await self._markers("Remove", ended)
+            await st.markers("Remove", ended)
         return len(gone) + sum(1 for r in results if r != 0)

@@ -209,6 +209,15 @@ class RecoverResult:
 
 
 @dataclass(frozen=True)
+class PauseReply:
+    """PAUSE's reply: its status ('paused', 'resumed', 'unknown', 'parked', 'already', 'busy',
+    'stale'; see lua/pause.lua) and the message's topic ('' when none was named)."""
+
+    status: str
+    topic: str = ""
+
+
+@dataclass(frozen=True)
 class RefillItem:
     """One REFILL compare-and-set: the ids-hash key, the ref read, the next due ms (or purge/end) and its text."""
 
@@ -261,7 +270,7 @@ def _expired(raw: Sequence[Any]) -> tuple[list[tuple[str, str]], Sequence[Any]]:
 
 
 def _refills(raw: Sequence[Any]) -> list[Refill]:
-    """common.lua's REFILLS quads, kept raw where they are not text: _advance guards each."""
+    """common.lua's REFILLS quads, kept raw where they are not text: Refiller.advance guards each."""
     return [Refill(*raw[i : i + 4]) for i in range(0, len(raw) - 3, 4)]
 
 
@@ -323,3 +332,8 @@ def read_release(raw: Sequence[Any]) -> ReleaseResult:
     """RELEASE's reply: its fixed head, then the refill quads."""
     head, rest = _header(raw, _RELEASE_REPLY)
     return ReleaseResult(**head, refills=_refills(rest))
+
+
+def read_pause(raw: Sequence[Any]) -> PauseReply:
+    """PAUSE's reply: {status, topic}."""
+    return PauseReply(text(raw[0]), text(raw[1]) if len(raw) > 1 else "")

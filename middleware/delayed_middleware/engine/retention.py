@@ -13,23 +13,30 @@ scheduleIds whose records were all trimmed leave it within about a minute.
 
 from __future__ import annotations
 
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
+from delayed_middleware.history import IndexSweep
 
 
-class HistoryTrimming(EngineCore):
-    """_trim_history: the age bound of the lifecycle history."""
+class HistoryTrimmer:
+    """trim: the age bound of the lifecycle history, and its by-id index's sweep."""
 
-    async def _trim_history(self) -> None:
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+        self._last_trim = 0
+        self._index_sweep = IndexSweep(state.keys.history, state.keys.history_index)
+
+    async def trim(self) -> None:
         """Age-based history retention (the length bound rides on every XADD).
 
         Also with the history off (historyMaxLen 0): records written before it
         was turned off still age out.
         """
-        max_age = self._config.history_max_age_ms
+        st = self._state
+        max_age = st.config.history_max_age_ms
         # Record ids come from Redis's clock: the shard's time, not this replica's.
-        now = self._shard_now()
-        await self._index_sweep.step(self._redis, now)
-        if not max_age or now - self._last_history_trim < 60_000:
+        now = st.shard_now()
+        await self._index_sweep.step(st.redis, now)
+        if not max_age or now - self._last_trim < 60_000:
             return
-        self._last_history_trim = now
-        await self._redis.xtrim(self._keys.history, minid=f"{now - max_age}-0", approximate=True)
+        self._last_trim = now
+        await st.redis.xtrim(st.keys.history, minid=f"{now - max_age}-0", approximate=True)

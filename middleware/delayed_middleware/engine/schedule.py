@@ -24,16 +24,40 @@ import asyncio
 import secrets
 from collections.abc import Sequence
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
-from delayed_middleware.engine.cancel import Cancelling
-from delayed_middleware.engine.replies import ScheduleCall, ScheduleItem
+from delayed_middleware.engine.cancel import Canceller
+from delayed_middleware.engine.coalesce import ScheduleCoalescer
+from delayed_middleware.engine.core import ShardState
+from delayed_middleware.engine.replies import ScheduleCall, ScheduleItem, ScheduleResult
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.errors import PartiallyStoredError
+from delayed_middleware.redis_errors import describe
 
 
-class Scheduling(Cancelling):
-    """schedule: SCHEDULE in chunks; a replace stops the old envelope's in-flight occurrence (Cancelling)."""
+class Scheduler:
+    """schedule: SCHEDULE in chunks; a replace stops the old envelope's in-flight occurrence (the Canceller)."""
+
+    def __init__(self, state: ShardState, canceller: Canceller) -> None:
+        self._state = state
+        self._canceller = canceller
+        config = state.config
+        self._coalescer = ScheduleCoalescer(
+            self._send,
+            max_items=config.schedule_chunk,
+            max_bytes=config.schedule_chunk_bytes,
+            linger_s=config.schedule_linger_ms / 1000,
+        )
+
+    async def _send(self, calls: Sequence[ScheduleCall]) -> list[ScheduleResult | ResponseError]:
+        """One SCHEDULE script call for the coalesced calls (engine/coalesce.py)."""
+        st = self._state
+        return await st.scripts.schedule_calls(
+            calls,
+            now=st.clock.now_ms(),
+            history_len=st.history_len,
+            token_window_ms=st.config.token_window_ms,
+        )
 
     async def schedule(
         self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
@@ -70,8 +94,8 @@ class Scheduling(Cancelling):
                     raise
                 raise PartiallyStoredError(
                     start,
-                    f"scheduling on {self._keys.stream!r}: {start} of {len(envelopes)} stored, then "
-                    f"redis: {exc or 'timed out'}",
+                    f"scheduling on {self._state.keys.stream!r}: {start} of {len(envelopes)} stored, then "
+                    f"{describe(exc)}",
                 ) from exc
         return ids
 
@@ -82,8 +106,8 @@ class Scheduling(Cancelling):
         start, size = 0, 0
         for i, raw in enumerate(encoded):
             full = (
-                i - start >= self._config.schedule_chunk
-                or size + len(raw) > self._config.schedule_chunk_bytes
+                i - start >= self._state.config.schedule_chunk
+                or size + len(raw) > self._state.config.schedule_chunk_bytes
             )
             if i > start and full:
                 runs.append((start, i))
@@ -107,7 +131,7 @@ class Scheduling(Cancelling):
             nxt, iso = "-", "-"
             # An @every envelope's successors come from the fire step itself.
             if env.is_recurring and not env.every_ms:
-                nxt, iso = self._next_after(env, env.due_ms)
+                nxt, iso = self._state.next_after(env, env.due_ms)
             items.append(
                 ScheduleItem(
                     raw, env.due_ms, env.schedule_id, env.kind, env.topic, env.size, env.schedule, nxt, iso
@@ -122,5 +146,5 @@ class Scheduling(Cancelling):
         if got.replaced_in_flight:
             async with asyncio.timeout(timeout_s):
                 for old in got.replaced_in_flight:
-                    await self._stop_replaced_in_flight(old)
+                    await self._canceller.stop_replaced_in_flight(old)
         return got.ids

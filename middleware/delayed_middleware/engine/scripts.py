@@ -26,6 +26,7 @@ from delayed_middleware.engine.replies import (
     ClaimResult,
     FireResult,
     InFlight,
+    PauseReply,
     RecoverResult,
     RefillItem,
     ReleaseResult,
@@ -34,10 +35,12 @@ from delayed_middleware.engine.replies import (
     ScheduleResult,
     read_claim,
     read_fire,
+    read_pause,
     read_release,
     topic,
 )
 from delayed_middleware.keys import EngineKeys
+from delayed_middleware.redis_errors import DUP, script_status
 
 
 class EngineScripts:
@@ -61,11 +64,11 @@ class EngineScripts:
 
     async def pause(
         self, op: str, id: str, reason: str, extra: Sequence[str], *, now: int, history_len: int
-    ) -> list[Any]:
-        """PAUSE (lua/pause.lua): hold or resume one entry; its raw reply, read by delayed_middleware.pausing."""
+    ) -> PauseReply:
+        """PAUSE (lua/pause.lua): hold or resume one entry (engine/pause.py)."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, *extra]
-        return list(await self._pause(keys=self._keys_for_writes, args=args))
+        return read_pause(await self._pause(keys=self._keys_for_writes, args=args))
 
     async def schedule(
         self, items: Sequence[ScheduleItem], *, now: int, token: str, history_len: int, token_window_ms: int
@@ -100,9 +103,9 @@ class EngineScripts:
             status, m = raw[at], int(raw[at + 1])
             values = [text(v) for v in raw[at + 2 : at + 2 + m]]
             at += 2 + m
-            if status == b"dup" or status == "dup":
+            if script_status(status) == DUP:
                 out.append(ScheduleResult([], dup=True))
-            elif status == b"err" or status == "err":
+            elif script_status(status) == "err":
                 out.append(ResponseError(values[0] if values else "SCHEDULE refused the call"))
             else:
                 n = len(c.items)

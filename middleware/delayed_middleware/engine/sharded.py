@@ -23,14 +23,15 @@ from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
-from delayed_middleware import pausing
-from delayed_middleware.backoff import Backoff
+from delayed_middleware.backoff import SHARD_LOOP
 from delayed_middleware.engine.config import SPREAD_MEMORY
 from delayed_middleware.engine.delay_engine import DelayEngine
+from delayed_middleware.engine.pause import PauseResult
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, split_shard_id
 from delayed_middleware.liveness import Supervised, run_until_cancelled
+from delayed_middleware.redis_errors import describe
 
 
 class ShardedEngine:
@@ -121,7 +122,7 @@ class ShardedEngine:
                 raise PartiallyStoredError(
                     prefix,
                     f"scheduling on {self.keys.stream!r} (shard {shard}): {len(stored)} of "
-                    f"{len(envelopes)} stored, then redis: {cause or 'timed out'}",
+                    f"{len(envelopes)} stored, then {describe(cause)}",
                 ) from cause
             stored.update(positions)
             for i, id in zip(positions, got, strict=False):
@@ -175,7 +176,7 @@ class ShardedEngine:
                 out[pos] = result
         return out
 
-    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> pausing.PauseResult:
+    async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> PauseResult:
         """As DelayEngine.set_paused, on the shard that holds `id` (see cancel)."""
         shard, local = await self._locate(id)
         return await self.engines[shard].set_paused(local, pause=pause, reason=reason)
@@ -216,7 +217,7 @@ class ShardedEngine:
                 loop = Supervised(
                     f"fire loop of {e.keys.stream}",
                     functools.partial(self._run_shard, n),
-                    backoff=Backoff(base_s=0.1, cap_s=5.0),
+                    backoff=SHARD_LOOP.backoff(),
                     on_state=hook,
                     stall_after_s=stall_after_s,
                 )

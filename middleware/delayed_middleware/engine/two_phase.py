@@ -47,15 +47,20 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from delayed_middleware.engine.core import EngineCore
+from delayed_middleware.engine.core import ShardState
+from delayed_middleware.engine.fire import FireStep
 from delayed_middleware.engine.replies import AppendItem, Claim, Refill
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
+from delayed_middleware.redis_errors import is_wrong_type
 
 
-class TwoPhaseFiring(EngineCore):
-    """_fire_two_phase: one CLAIM, the APPENDs per target (concurrently), one RELEASE."""
+class TwoPhaseFire:
+    """The fire path of Redis Cluster: one CLAIM, the APPENDs per target (concurrently), one RELEASE."""
 
-    async def _fire_two_phase(self) -> tuple[int, int | None, int, Sequence[Refill]]:
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    async def fire_once(self) -> FireStep:
         """FIRE's steps split where the target topics leave the shard's slot.
 
         CLAIM moves a bounded due batch (and any claim whose lease ended) to
@@ -64,45 +69,43 @@ class TwoPhaseFiring(EngineCore):
         and parks what could not be. See the module docstring for why no crash
         point loses or doubles a message.
         """
-        now, now_arg = self._decide_at()
-        cfg = self._config
-        got = await self._scripts.claim(
+        st = self._state
+        now, now_arg = st.decide_at()
+        cfg = st.config
+        got = await st.scripts.claim(
             now=now_arg,
-            budget=self._budget,
-            history_len=self._history_len(),
+            budget=st.budget,
+            history_len=st.history_len,
             lease_ms=cfg.lease_ms,
-            pubsub_name=self._pubsub_name,
+            pubsub_name=st.pubsub_name,
         )
         head, parked, claims = got.head, got.parked, got.claims
-        # As FIRE's: MaxAge markers for what expired unfired, and a loud line for what was deleted.
-        if got.expired:
-            await self._markers("MaxAge", got.expired)
-        if got.gone:
-            self._log_gone(got.gone)
+        await st.unfired(got.expired, got.gone)
         fired = entries = 0
         quads: Sequence[Refill] = ()
         if claims:
-            await self._at("claimed")
+            await st.at("claimed")
             outcomes = await self._append_claims(claims, now)
-            done = await self._scripts.release(
+            done = await st.scripts.release(
                 [(c.id, outcomes[c.id]) for c in claims],
-                now=self._decide_at()[1],
-                history_len=self._history_len(),
+                now=st.decide_at()[1],
+                history_len=st.history_len,
             )
-            await self._at("released")
+            await st.at("released")
             parked += done.parked
             fired = done.fired
             head = done.head
             quads = done.refills
             entries = sum(len(c.entries) for c in claims if outcomes[c.id] == "ok")
-        self._report(got.decided, fired, got.first, got.pending, parked, entries, lost=got.gone)
+        st.report(got.decided, fired, got.first, got.pending, parked, entries, lost=got.gone)
         # A batch cut short by its budget leaves more due: say so, so the loop goes on.
         more = len(claims)
-        return more, self._measured(now, got.decided, head), got.refill, quads
+        return FireStep(more, st.measured(now, got.decided, head), got.refill, quads)
 
     async def _append_claims(self, claims: Sequence[Claim], claimed_at: int) -> dict[str, str]:
         """APPEND every claimed envelope, one call per target; outcome per envelope id."""
-        cfg = self._config
+        st = self._state
+        cfg = st.config
         outcomes: dict[str, str] = {}
         groups: dict[str, list[Claim]] = {}
         for c in claims:
@@ -112,12 +115,12 @@ class TwoPhaseFiring(EngineCore):
                 groups.setdefault(c.target, []).append(c)
             else:
                 outcomes[c.id] = "withdrawn"  # cancelled or replaced while in flight
-        mode, threshold = self._trim_args(self._clock.now_ms())
+        mode, threshold = st.trim_args(st.clock.now_ms())
         done = 0
 
         async def append(target: str, group: list[Claim]) -> None:
             nonlocal done
-            prefix = fire_marker_prefix(target, self._keys.stream)
+            prefix = fire_marker_prefix(target, st.keys.stream)
             outbox = bool(group[0].target_pubsub)
             payloads = [c.entries if not c.source else await self._sampled(c.source, c) for c in group]
             # CLAIM cannot size a scheduleSource's sample (it lives in another
@@ -136,15 +139,15 @@ class TwoPhaseFiring(EngineCore):
             for run in runs:
                 # A replica that stalled this long may find its markers expired:
                 # it must leave the claim to the replica that took its lease over.
-                if self._clock.now_ms() - claimed_at > cfg.fire_marker_ttl_ms // 2:
+                if st.clock.now_ms() - claimed_at > cfg.fire_marker_ttl_ms // 2:
                     raise TimeoutError(
-                        f"claim on {self._keys.stream} is {cfg.fire_marker_ttl_ms // 2} ms old; abandoned"
+                        f"claim on {st.keys.stream} is {cfg.fire_marker_ttl_ms // 2} ms old; abandoned"
                     )
                 items = [
                     AppendItem(f"{prefix}{group[i].id}:{group[i].due}", group[i].trim, payloads[i])
                     for i in run
                 ]
-                statuses = await self._scripts.append(
+                statuses = await st.scripts.append(
                     target,
                     items,
                     marker_ttl_ms=cfg.fire_marker_ttl_ms,
@@ -153,7 +156,7 @@ class TwoPhaseFiring(EngineCore):
                 for i, status in zip(run, statuses, strict=True):
                     outcomes[group[i].id] = status
                 done += 1
-                await self._at(f"appended:{done}")
+                await st.at(f"appended:{done}")
 
         # Targets are independent (other slots, often other masters): append
         # to them concurrently, each to its end. A failed APPEND is that
@@ -173,7 +176,7 @@ class TwoPhaseFiring(EngineCore):
         if errors:
             # A child cancelled while this task was not: a swallowed cancellation
             # inside the client. Still that write's failure, not a stop.
-            raise TimeoutError(f"an APPEND of {self._keys.stream} was cancelled")
+            raise TimeoutError(f"an APPEND of {st.keys.stream} was cancelled")
         return outcomes
 
     async def _sampled(self, source: str, c: Claim) -> list[list[str | bytes]]:
@@ -181,12 +184,12 @@ class TwoPhaseFiring(EngineCore):
         if is_delayed_topic(source) or is_engine_key(source):
             return []
         try:
-            rows = await self._redis.xrevrange(source, "+", "-", count=1)
+            rows = await self._state.redis.xrevrange(source, "+", "-", count=1)
         except ResponseError as exc:
             # A source whose key is not a stream gives nothing, as in FIRE. Raised,
             # the claim was taken over at each lease end and raised again: the
             # shard (and every claim beside it) stopped firing.
-            if not str(exc).startswith("WRONGTYPE"):
+            if not is_wrong_type(exc):
                 raise
             return []
         if not rows:

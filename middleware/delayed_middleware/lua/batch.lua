@@ -4,6 +4,7 @@
 -- envelopes, recurring successors, expiry, parking. Needs index.lua,
 -- decode.lua, history.lua and common.lua included before it.
 -- Expects the including script's locals STREAM, IDS, HISTORY, PARKED, REFILL_SET.
+--!include budget.lua
 
 -- Decoding and encoding a metadata pair costs about a quarter of appending an entry.
 local METADATA_PER_ENTRY = 4
@@ -13,11 +14,6 @@ local METADATA_PER_ENTRY = 4
 -- out of the index, stream entries to delete, (id, topic) of what expired unfired.
 local B = {parked = 0, gone = 0, work = 0, bytes = 0, unchecked = 0, taken = {}, deletes = {}, expired = {}}
 local B_BUDGET_US, B_STARTED = 0, 0
-
-local function clock_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
 
 -- Starts the Redis-time budget (us; 0 = none) of this call.
 local function batch_start(budget_us)

@@ -20,18 +20,14 @@
 local STREAM, MOVED = KEYS[1], KEYS[#KEYS]
 local CURSOR, LAST, MAX_ENTRIES, BUDGET_US = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 --!include moved.lua
+--!include budget.lua
 local cursor, last, max = CURSOR, LAST, tonumber(MAX_ENTRIES)
-local budget = tonumber(BUDGET_US or '0')
-local function clock_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local started = budget > 0 and clock_us() or 0
+local spent = walk_budget(tonumber(BUDGET_US or '0'))
 local from = cursor == '-' and '-' or '(' .. cursor
 local rows = redis.call('XRANGE', STREAM, from, last, 'COUNT', max)
 local moved = 0
 for i, e in ipairs(rows) do
-  if budget > 0 and i > 1 and i % 16 == 0 and clock_us() - started > budget then break end
+  if spent(i) then break end
   local id, f = e[1], e[2]
   local origin = id
   local args = {STREAM, '*'}

@@ -49,14 +49,10 @@ local BUCKET_PREFIX, CURSOR, LAST, MAX_ENTRIES, BUDGET_US, NOW_ARG, HIST_LEN, WA
 --!include decode.lua
 --!include history.lua
 --!include common.lua
+--!include budget.lua
 local now = decision_now(NOW_ARG)
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
-local budget = tonumber(BUDGET_US or '0')
-local function clock_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-local started = budget > 0 and clock_us() or 0
+local spent = walk_budget(tonumber(BUDGET_US or '0'))
 
 -- True when `id` is in the index at `due` (buckets partition time: only one can hold it).
 local function indexed(id, due)
@@ -90,7 +86,7 @@ local from = cursor == '-' and '-' or '(' .. cursor
 local rows = redis.call('XRANGE', STREAM, from, LAST, 'COUNT', tonumber(MAX_ENTRIES))
 local recovered, dropped, earliest, walked = 0, 0, nil, 0
 for i, e in ipairs(rows) do
-  if budget > 0 and i > 1 and i % 16 == 0 and clock_us() - started > budget then break end
+  if spent(i) then break end
   local at, f = e[1], e[2]
   cursor, walked = at, walked + 1
   local data, origin = nil, nil

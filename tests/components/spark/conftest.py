@@ -1,9 +1,9 @@
 """One real local SparkSession per test run (its start-up takes ~15 s), and history/envelope writers.
 
 History entries are written here with XADD in the documented format
-(delayed_middleware.history) because the engine on main does not write its
-lifecycle history yet (engine v2, issue 7); pending envelopes come from the
-real component, published over its gRPC socket.
+(delayed_middleware.history), so that each test holds exactly the records it
+reads; pending envelopes come from the real component, published over its gRPC
+socket.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ def _field(number: int, value: str | int) -> bytes:
     return bytes_field(number, value.encode())
 
 
-def v2_envelope(**fields: str | int) -> bytes:
-    """An envelope as the engine v2 writes it: fields 11-17 after ours (unknown to older stubs).
+def extended_envelope(**fields: str | int) -> bytes:
+    """An envelope with fields 11-17 (kind, schedule, expiry, retry), as the engine writes them for
+    recurring, expiring and retried messages (unknown fields to stubs older than them).
 
-    Types as in the v2 proto: kind int32 (0 one-shot, 1 recurring, 2 retry),
+    Types as in delayed.proto: kind int32 (0 one-shot, 1 recurring, 2 retry),
     expiresAtMs int64, deliveryAttempt int32, the rest strings.
     """
     base = encode_envelope(

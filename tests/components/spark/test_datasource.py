@@ -13,7 +13,7 @@ from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.components.driver import Component
 from tests.components.spark import workload as w
 from tests.components.spark.conftest import APP
-from tests.components.spark.envelopes import v2_envelope
+from tests.components.spark.envelopes import extended_envelope
 from tests.redis_server import free_port
 
 
@@ -56,7 +56,7 @@ def test_recurring_due_from_ids_hash_and_parked_status(
 ) -> None:
     keys = EngineKeys.for_topic(delayed_topic(APP))
     rec_id: bytes = redis_client.xadd(  # type: ignore[assignment]
-        keys.stream, {"data": v2_envelope(kind=1, schedule="@every 2s"), "metadata": "{}"}
+        keys.stream, {"data": extended_envelope(kind=1, schedule="@every 2s"), "metadata": "{}"}
     )
     parked_id: bytes = redis_client.xadd(  # type: ignore[assignment]
         keys.stream,

@@ -1,4 +1,4 @@
-"""Entries -> Arrow rows: envelopes (with or without the engine v2 fields) and history records."""
+"""Entries -> Arrow rows: envelopes (with or without fields 11-17: kind, schedule, expiry, retry) and history records."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from delayed_pubsub.spark.rows import (
     pending_batch,
     recurring_keys,
 )
-from tests.components.spark.envelopes import v2_envelope
+from tests.components.spark.envelopes import extended_envelope
 
 
 def test_v2_fields_are_read_from_unknown_fields() -> None:
-    raw = v2_envelope(
+    raw = extended_envelope(
         kind=1,
         schedule="@every 2s",
         expiresAtMs=9_000,
@@ -37,7 +37,7 @@ def test_v2_fields_are_read_from_unknown_fields() -> None:
 
 
 def test_recurring_due_comes_from_the_ids_hash_only_for_its_own_envelope() -> None:
-    raw = v2_envelope(kind=1, schedule="@every 2s")
+    raw = extended_envelope(kind=1, schedule="@every 2s")
     decoded = decode_pending([(b"7-0", {b"data": raw}), (b"8-0", {b"data": raw})])
     assert recurring_keys(decoded) == ["rem", "rem"]
     current = {"rem": parse_ids_value(b"7-0 4000 6000")}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,19 +16,13 @@ from delayed_middleware.keys import EngineKeys, delayed_topic
 from tests.components.driver import Component
 from tests.components.spark.conftest import APP, add_history, fired
 from tests.redis_server import RedisServer
+from tests.waiting import wait_until_blocking
 
 T0 = 1_800_000_000_000
 
 
 def history_stream(spark: Any, options: dict[str, str], **extra: str) -> Any:
     return spark.readStream.format("delayed-history").options(**options, **extra).load()
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.2)
 
 
 def test_running_query_picks_up_new_events(
@@ -48,9 +41,9 @@ def test_running_query_picks_up_new_events(
         def rows() -> int:
             return int(spark.sql("SELECT count(*) AS n FROM history_live").collect()[0]["n"])
 
-        wait_for("the first 10 events", lambda: rows() == 10)
+        wait_until_blocking(lambda: rows() == 10, "the first 10 events", 90, every_s=0.2)
         add_history(redis_client, [fired("b", 2_000, 7) for _ in range(5)])
-        wait_for("5 more events", lambda: rows() == 15)
+        wait_until_blocking(lambda: rows() == 15, "5 more events", 90, every_s=0.2)
         by_topic = {
             r["topic"]: r["n"]
             for r in spark.sql("SELECT topic, count(*) AS n FROM history_live GROUP BY topic").collect()
@@ -104,9 +97,11 @@ def test_starting_offsets_latest_skips_what_was_there(
     try:
         query.processAllAvailable()
         new = add_history(redis_client, [fired("c", 1_000, 2) for _ in range(3)])
-        wait_for(
-            "the 3 new events",
+        wait_until_blocking(
             lambda: spark.sql("SELECT count(*) AS n FROM history_latest").collect()[0]["n"] == 3,
+            "the 3 new events",
+            90,
+            every_s=0.2,
         )
         got = sorted(r["history_id"] for r in spark.sql("SELECT history_id FROM history_latest").collect())
         assert got == sorted(new)

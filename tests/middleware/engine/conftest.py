@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine.two_phase import TwoPhaseFire
+from tests.middleware.engine.helpers import two_phase_engines
 
 FIRE_PATHS = ("fire", "two-phase")
 
@@ -23,10 +26,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(autouse=True)
-def fire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def fire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The fire path of a `both_fire_paths` test: on "two-phase" every engine the test builds
     fires through the two-phase path, whatever its config says. Other tests keep their own."""
     path: str = getattr(request, "param", "fire")
-    if path == "two-phase":
-        monkeypatch.setattr(DelayEngine, "_fire_once", DelayEngine._fire_two_phase)
-    return path
+    if path != "two-phase":
+        yield path
+        return
+    built = two_phase_engines(request.module, monkeypatch)
+    yield path
+    # A test that built no engine through its module's DelayEngine ran the single path twice.
+    assert built, f"{request.node.name} built no engine on the two-phase path"
+    assert all(isinstance(e.parts.firer.path, TwoPhaseFire) for e in built)

@@ -4,12 +4,14 @@ alone (a replica that stops between two steps), and what a user reads back from 
 from __future__ import annotations
 
 import json
-from typing import cast
+from typing import Any, cast
 
+import pytest
 import redis
 
 from delayed_middleware import scripts
 from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine.two_phase import TwoPhaseFire
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.envelope import RECURRING, Envelope, encode_envelope
 from delayed_middleware.history import HistoryRecord, decode_record
@@ -142,3 +144,18 @@ def bare_fire(client: redis.Redis, now: int) -> list[object]:
     """The FIRE script alone: a replica that fires and dies before its REFILL step."""
     args = (KEYS.buckets, now, 500, 2000, 1 << 20, "", "", 100)
     return list(client.eval(scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys, *args))
+
+
+def two_phase_engines(module: Any, monkeypatch: pytest.MonkeyPatch) -> list[DelayEngine]:
+    """Makes every DelayEngine the test `module` builds take the two-phase fire path (passed to its
+    constructor as `fire_path`), whatever its config says; returns the engines built, as they are."""
+    built: list[DelayEngine] = []
+
+    class TwoPhaseEngine(DelayEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("fire_path", TwoPhaseFire)
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(module, "DelayEngine", TwoPhaseEngine)
+    return built

@@ -208,7 +208,7 @@ async def test_a_cron_envelope_whose_expression_is_not_utf8_does_not_stop_the_ba
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
     """FIRE hands back (key, ref, expression, published) for each cron envelope it fired;
-    _advance decoded them outside its per-envelope guard, so one hand-written expression
+    the refill step decoded them outside its per-envelope guard, so one hand-written expression
     that is not UTF-8 raised out of fire_due after FIRE had committed: the successors of
     every other cron schedule of the batch were not stored, and each waited for the sweep."""
     clock = ManualClock(T0)

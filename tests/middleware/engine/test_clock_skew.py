@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import Trim
-from tests.conftest import SkewedClock, wait_until
+from tests.conftest import SkewedClock
 from tests.middleware.engine.helpers import (
     KEYS,
     drain,
@@ -25,6 +25,7 @@ from tests.middleware.engine.helpers import (
     payloads,
     target,
 )
+from tests.waiting import wait_until
 
 
 def redis_ms(client: redis.Redis) -> int:
@@ -48,7 +49,7 @@ async def test_a_replica_with_a_fast_clock_does_not_fire_early(
     assert (fired, payloads(redis_client)) == (0, [])
     # The head comes back in the fast replica's own frame, so its loop sleeps ~a minute.
     assert head is not None
-    assert 59_000 < head - fast._clock.now_ms() <= 60_000
+    assert 59_000 < head - fast.state.clock.now_ms() <= 60_000
 
 
 @pytest.mark.both_fire_paths

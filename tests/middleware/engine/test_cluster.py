@@ -22,8 +22,9 @@ from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
-from tests.conftest import SkewedClock, wait_until
+from tests.conftest import SkewedClock
 from tests.redis_server import RedisCluster
+from tests.waiting import wait_until
 
 T0 = 1_800_000_000_000
 LEASE = 1_000
@@ -601,7 +602,7 @@ async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_
     canceller = engine(aclient, clock)
     envs = [env(i, topics[i % len(topics)], schedule_id=f"s{i}") for i in range(12)]
     await canceller.schedule(envs)
-    real_set = canceller._set_fire_marker
+    real_set = canceller.parts.canceller._set_fire_marker
     calls = 0
 
     async def flaky_set(id: str, due: str, target: str, why: str) -> bool:
@@ -611,7 +612,7 @@ async def test_a_marker_that_cannot_be_set_neither_stops_the_others_nor_answers_
             raise redis.exceptions.ConnectionError("the target's master is unreachable")
         return await real_set(id, due, target, why)
 
-    monkeypatch.setattr(canceller, "_set_fire_marker", flaky_set)
+    monkeypatch.setattr(canceller.parts.canceller, "_set_fire_marker", flaky_set)
     raised: list[BaseException] = []
 
     async def cancel_in_flight(at: str) -> None:

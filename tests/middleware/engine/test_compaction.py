@@ -203,13 +203,16 @@ async def test_five_replicas_compacting_at_once_keep_one_copy_of_each_envelope(
     # machine a replica's density check could otherwise land after another's whole pass.
     everyone_checked = asyncio.Barrier(len(engines))
     for e in engines:
+        compactor = e.parts.compactor
 
-        async def sparse_until(check: Callable[[], Awaitable[str | None]] = e._sparse_until) -> str | None:
+        async def sparse_until(
+            check: Callable[[], Awaitable[str | None]] = compactor.sparse_until,
+        ) -> str | None:
             end = await check()
             await everyone_checked.wait()
             return end
 
-        monkeypatch.setattr(e, "_sparse_until", sparse_until)
+        monkeypatch.setattr(compactor, "sparse_until", sparse_until)
     assert all(await asyncio.gather(*(e.compact() for e in engines)))
     entries = stream_entries(redis_client, KEYS.stream)
     assert len(entries) == 200

@@ -303,7 +303,7 @@ async def test_bad_targets_are_parked_and_the_rest_of_the_batch_fires(
     envs = [env(0, T0)] + [env(i + 1, T0, topic=t) for i, t in enumerate(bad_topics)] + [env(9, T0)]
     await engine.schedule(envs)
     reports: list[FireReport] = []
-    engine._on_batch = reports.append
+    engine.state.on_batch = reports.append
     await drain(engine)
     assert payloads(redis_client) == [0, 9]
     assert sum(r.parked for r in reports) == len(bad_topics)

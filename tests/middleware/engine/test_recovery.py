@@ -21,7 +21,7 @@ from delayed_middleware.aio import text
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.inspector import Inspector
-from tests.conftest import small_stream_nodes, wait_until
+from tests.conftest import small_stream_nodes
 from tests.middleware.engine.helpers import (
     KEYS,
     T0,
@@ -33,6 +33,7 @@ from tests.middleware.engine.helpers import (
     payloads,
     recurring,
 )
+from tests.waiting import wait_until
 
 DUE = T0 + 1_000
 LATER = T0 + 5_000

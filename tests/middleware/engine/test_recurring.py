@@ -154,7 +154,6 @@ def _lua_iso(client: redis.Redis, values: list[int]) -> list[str]:
     return [v.decode() for v in client.eval(libs + "\n" + body, 0, *values)]
 
 
-@pytest.mark.both_fire_paths
 def test_the_fire_step_formats_schedule_next_exactly_as_python(redis_client: redis.Redis) -> None:
     """The Lua formatter behind an @every message's scheduleNext equals format_instant:
     edges of the calendar (year 1, leap days, centuries, 9999's last ms) and 20,000 random ms."""

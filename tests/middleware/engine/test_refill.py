@@ -145,7 +145,7 @@ async def test_a_replace_racing_refill_pending_is_not_cancelled(
     raw_schedule(redis_client, named_recurring("c", T0 + 1_000, T0, 1_000, 1), T0, "-")
     clock.set(T0 + 1_000)
     redis_client.zadd(KEYS.refill, {"c": T0 + 1_000})
-    real_pipeline = engine._redis.pipeline
+    real_pipeline = engine.state.redis.pipeline
     calls = 0
 
     def pipeline(transaction: bool = True) -> Any:
@@ -163,7 +163,7 @@ async def test_a_replace_racing_refill_pending_is_not_cancelled(
         monkeypatch.setattr(pipe, "execute", execute)
         return pipe
 
-    monkeypatch.setattr(engine._redis, "pipeline", pipeline)
+    monkeypatch.setattr(engine.state.redis, "pipeline", pipeline)
     await engine.refill_pending()
     monkeypatch.undo()
     assert redis_client.hexists(KEYS.ids, "c")  # the replacement stands
@@ -182,7 +182,7 @@ async def test_a_replace_or_cancel_between_fire_and_its_refill_wins(
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock, recurrence=every)
     await engine.schedule([named_recurring(s, T0 + 1_000, T0, 1_000, n) for n, s in enumerate("abc")])
-    real_advance = engine._advance
+    real_advance = engine.parts.refiller.advance
 
     async def racing_advance(quads: Any) -> None:
         if quads:
@@ -190,7 +190,7 @@ async def test_a_replace_or_cancel_between_fire_and_its_refill_wins(
             assert await engine.cancel("b")
         await real_advance(quads)
 
-    monkeypatch.setattr(engine, "_advance", racing_advance)
+    monkeypatch.setattr(engine.parts.refiller, "advance", racing_advance)
     clock.set(T0 + 1_000)
     await drain(engine)
     monkeypatch.undo()

@@ -17,12 +17,22 @@ import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
-from tests.middleware.engine.helpers import KEYS, T0, drain, env, every, history, recurring, target
+from tests.middleware.engine.helpers import (
+    KEYS,
+    T0,
+    drain,
+    env,
+    every,
+    history,
+    recurring,
+    target,
+    two_phase_engines,
+)
 
 
 @pytest.fixture(autouse=True)
-def two_phase(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(DelayEngine, "_fire_once", DelayEngine._fire_two_phase)
+def two_phase(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    two_phase_engines(request.module, monkeypatch)
 
 
 async def test_history_in_the_two_phase_path(

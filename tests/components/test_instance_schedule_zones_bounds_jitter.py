@@ -1,6 +1,6 @@
-"""Schedules v2 through the component over its gRPC socket, as daprd drives it, on a real Redis: time
-zones, bounds and jitter as a subscriber and an operator (the CLI) see them, and every bad value refused
-with nothing stored."""
+"""Schedules in a time zone, with bounds and jitter, through the component over its gRPC socket, as
+daprd drives it, on a real Redis: zones, bounds and jitter as a subscriber and an operator (the CLI)
+see them, and every bad value refused with nothing stored."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def events(client: redis.Redis, event: str) -> list[str]:
         ),
     ],
 )
-async def test_bad_schedule_v2_values_are_invalid_argument_naming_the_key_and_nothing_is_stored(
+async def test_bad_zone_bound_and_jitter_values_are_invalid_argument_naming_the_key_and_nothing_is_stored(
     component: Callable[[str], Component],
     delayed_props: dict[str, str],
     redis_client: redis.Redis,

@@ -1,6 +1,7 @@
-"""Schedules v2 through the delay engine on a real Redis, one- and two-phase fire, with time moved by an
-injected clock: zoned cron across DST days, a limit of 1 and of 3 leaving a `completed` record, a
-replace restarting the count, an end bound, and jittered times held by the index."""
+"""Schedules in a time zone, with bounds and jitter, through the delay engine on a real Redis, one-
+and two-phase fire, with time moved by an injected clock: zoned cron across DST days, a limit of 1
+and of 3 leaving a `completed` record, a replace restarting the count, an end bound, and jittered
+times held by the index."""
 
 from __future__ import annotations
 

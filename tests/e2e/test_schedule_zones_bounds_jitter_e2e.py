@@ -1,4 +1,4 @@
-"""Schedules v2 under a real daprd: a time zone, start/end/limit bounds and jitter, published the two ways a
+"""Schedules under a real daprd: a time zone, start/end/limit bounds and jitter, published the two ways a
 user does (curl with ``?metadata.`` and the Dapr Python SDK's ``publish_metadata``), checked the way a
 user checks them: how many fires arrive, when, and what ``scheduleNext`` each one names."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_http_zone_start_limit_and_jitter_through_query_metadata(stack: Stack) -> None:
-    marker, schedule_id = unique("v2http"), unique("sched")
+    marker, schedule_id = unique("zonehttp"), unique("sched")
     start = (now_ms() // 1000 + 3) * 1000
     code, text = curl_publish(
         stack,
@@ -49,7 +49,7 @@ def test_http_zone_start_limit_and_jitter_through_query_metadata(stack: Stack) -
 
 
 def test_http_end_before_start_is_refused_naming_the_key(stack: Stack) -> None:
-    marker = unique("v2bad")
+    marker = unique("zonebad")
     code, text = curl_publish(
         stack,
         TOPIC,
@@ -74,7 +74,7 @@ def test_http_end_before_start_is_refused_naming_the_key(stack: Stack) -> None:
 def test_sdk_cron_tz_prefix_with_an_end_through_publish_metadata(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    marker, schedule_id = unique("v2sdk"), unique("sched")
+    marker, schedule_id = unique("zonesdk"), unique("sched")
     with dapr_client(stack, monkeypatch) as client:
         # Publish early in an even second, so acceptance and the first fire are not in a race.
         while not 50 <= now_ms() % 2000 <= 400:

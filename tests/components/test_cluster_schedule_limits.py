@@ -1,11 +1,11 @@
-"""Schedules v2 on a real Redis Cluster with delay shards, through two `delayed-pubsub serve` replicas:
-zoned cron schedules with a limit fire exactly their limit once each, complete on every shard, and a
-kill -9 of a replica mid-fire doubles no occurrence and leaves no schedule behind."""
+"""Schedules in a time zone with a limit, on a real Redis Cluster with delay shards, through two
+`delayed-pubsub serve` replicas: zoned cron schedules with a limit fire exactly their limit once each,
+complete on every shard, and a kill -9 of a replica mid-fire doubles no occurrence and leaves no
+schedule behind."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +21,7 @@ from tests.components.driver import CLUSTER_SHARDS as SHARDS
 from tests.components.driver import cluster_props, engine_left
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,13 +63,6 @@ def completed(admin: Any) -> Counter[str]:
     return got
 
 
-async def wait_until(check: Any, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
-
-
 @pytest.fixture
 def replicas(folder: Path) -> Iterator[tuple[Serve, Serve]]:
     a, b = Serve(folder, "a"), Serve(folder, "b")
@@ -87,7 +81,7 @@ async def test_zoned_schedules_with_a_limit_fire_exactly_their_limit_on_every_sh
     async with instance(a, props) as ca, instance(b, props):
         reply = await ca.bulk_publish("zoned", schedules(200, limit=3))
         assert list(reply.failed_entries) == []
-        await wait_until(lambda: sum(completed(admin).values()) >= 200, within_s=30)
+        await wait_until(lambda: sum(completed(admin).values()) >= 200, within_s=30, every_s=0.1)
         await asyncio.sleep(1.5)  # a fourth fire or a double would land now, if ever
         got = deliveries(admin, "zoned")
         assert Counter(s for s, _ in got) == {f"z{i}": 3 for i in range(200)}
@@ -105,12 +99,12 @@ async def test_kill_9_of_a_replica_mid_fire_doubles_no_occurrence_and_every_sche
     async with instance(a, props) as ca, instance(b, props):
         reply = await ca.bulk_publish("zoned", schedules(300, limit=3))
         assert list(reply.failed_entries) == []
-        await wait_until(lambda: admin.xlen("zoned") >= 100, within_s=15)
+        await wait_until(lambda: admin.xlen("zoned") >= 100, within_s=15, every_s=0.1)
         a.kill9()
         assert admin.xlen("zoned") < 900, "the kill must land while occurrences are pending"
         # The dead replica's claims come back after their lease (5 s); the missed-fires policy
         # then fires each overdue occurrence once, and the limit's last occurrence has passed.
-        await wait_until(lambda: sum(completed(admin).values()) >= 300, within_s=40)
+        await wait_until(lambda: sum(completed(admin).values()) >= 300, within_s=40, every_s=0.1)
         await asyncio.sleep(1.5)
         got = deliveries(admin, "zoned")
         assert len(set(got)) == len(got)  # no occurrence delivered twice
@@ -124,4 +118,4 @@ async def test_kill_9_of_a_replica_mid_fire_doubles_no_occurrence_and_every_sche
             left.update(engine_left(admin))
             return left == {"pending": 0, "inflight": 0, "envelopes": 0}
 
-        await wait_until(empty, within_s=10)
+        await wait_until(empty, within_s=10, every_s=0.1)

@@ -1,0 +1,89 @@
+"""The storage format an instance keeps, and what the rollback window refuses.
+
+Below the newest format (storage_format.settle_format, once per Init) the app is
+in the rollback window: publishes needing the newer format are refused, checked
+by a string per envelope so the window costs the publish path no Redis call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from delayed_middleware import envelope as env
+from delayed_middleware import plan, storage_format
+from delayed_middleware.control import Control, Pause
+from delayed_middleware.keys import EngineKeys, shard_topics
+from delayed_pubsub.broker import FailedEntry
+from delayed_pubsub.connection import Connection, call_timeout
+from delayed_pubsub.instance.unavailable import redis_unavailable
+from delayed_pubsub.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def needs_current(envelopes: Sequence[env.Envelope], control: Control | None) -> str | None:
+    """What in a planned publish the previous release's storage format cannot hold, if anything."""
+    if isinstance(control, Pause) and control.pause:
+        return "schedulePause: true (a paused message)"
+    for e in envelopes:
+        why = storage_format.needs_current(e.schedule)
+        if why is not None:
+            return why
+    return None
+
+
+def refuse_if_pinned(fmt: int, delayed: Sequence[plan.Delayed], control: Control | None) -> None:
+    """In the rollback window, the refusal of a publish that needs the newer format."""
+    if fmt < storage_format.CURRENT:
+        why = needs_current([d.envelope for d in delayed], control)
+        if why is not None:
+            raise storage_format.pinned_refusal(fmt, why)
+
+
+def withhold_pinned(
+    fmt: int, delayed: Sequence[plan.Delayed]
+) -> tuple[tuple[plan.Delayed, ...], list[FailedEntry]]:
+    """A bulk's delayed part split into what may be stored and the failed entries of what
+    needs the newer format (each entry fails alone); all of it outside the rollback window."""
+    if fmt >= storage_format.CURRENT:
+        return tuple(delayed), []
+    keep: list[plan.Delayed] = []
+    failed: list[FailedEntry] = []
+    for d in delayed:
+        why = storage_format.needs_current(d.envelope.schedule)
+        if why is None:
+            keep.append(d)
+        else:
+            refusal = str(storage_format.pinned_refusal(fmt, why))
+            failed += [FailedEntry(i, refusal) for i in d.entry_ids]
+    return tuple(keep), failed
+
+
+async def settle_format(connection: Connection, settings: Settings) -> int:
+    """The app's storage format, settled on every shard (storage_format.settle_format): once per
+    Init, so the publish path only reads the instance's copy."""
+    keys = [EngineKeys.for_topic(t) for t in shard_topics(settings.consumer_id, settings.shards)]
+    try:
+        fmt = await storage_format.settle_format(
+            connection.client,
+            keys,
+            settings.storage_format,
+            consumer_id=settings.consumer_id,
+            timeout_s=call_timeout(settings),
+        )
+    except (RedisError, TimeoutError) as e:
+        raise redis_unavailable(f"reading the storage format of {keys[0].stream!r}", e) from e
+    if fmt < storage_format.CURRENT:
+        log.warning(
+            "%r: delayed data kept in storage %s (the rollback window): compaction is off and "
+            "publishes needing %s are refused; set %s: %d once no replica runs an older release",
+            keys[0].stream,
+            storage_format.describe(fmt),
+            storage_format.describe(storage_format.CURRENT),
+            storage_format.SETTING,
+            storage_format.CURRENT,
+        )
+    return fmt
