@@ -32,6 +32,13 @@ def delayed_props(props: dict[str, str]) -> dict[str, str]:
     return {**props, "enableDelayedMessaging": "true"}
 
 
+def fired_at(msg: pubsub_pb2.PullMessagesResponse) -> int:
+    """When the component fired `msg` (ms): the time part of the id Redis gave its XADD into the
+    topic, on Redis's clock, the clock the engine judges due times on. Unlike the time the test
+    dequeued it, it does not grow with delivery or with the test's own turn on a loaded CPU."""
+    return int(msg.id.split("-")[0])
+
+
 async def fires(stream: Stream, n: int, within: float) -> list[tuple[int, pubsub_pb2.PullMessagesResponse]]:
     """The next n messages with their receive times, each acked."""
     out = []
@@ -59,7 +66,10 @@ async def test_every_fires_on_its_grid_with_scheduler_and_schedule_next_then_can
     for k, (received, msg) in enumerate(got, start=1):
         due = start + k * 1000
         assert nexts[k - 1] == due + 1000  # no drift: exactly on the grid
-        assert 0 <= received - due < 500, received - due
+        # Never early, and fired before the next occurrence was due (how late the app receives
+        # a fire is no promise: it grows with the machine's load, as the cron test's note says).
+        assert due <= fired_at(msg) < due + 1000, fired_at(msg) - due
+        assert received >= due
         assert msg.data == CLOUDEVENT  # the body unchanged at every fire
         assert (msg.metadata["scheduler"], msg.metadata["k"]) == ("tick", "v")
     await c.publish("ticks", b"", {"scheduleCancel": "true", "scheduleId": "tick"})
@@ -86,7 +96,13 @@ async def test_cron_every_second_and_anonymous_schedule_cancelled_by_its_schedul
     for received, msg in got:
         due = parse_instant(msg.metadata["scheduleNext"]) - 1000
         assert due % 1000 == 0
-        assert 0 <= received - due < 500
+        # Never early, exactly; and fired before the next occurrence was due, so each fire is
+        # the occurrence it names. No lateness figure is promised: how late the app receives it
+        # grows with the load on the machine (583 ms seen on a loaded 2-core one).
+        assert due <= fired_at(msg) < due + 1000, (fired_at(msg) - due, msg.metadata["scheduleNext"])
+        assert received >= due
+    nexts = [parse_instant(m.metadata["scheduleNext"]) for _, m in got]
+    assert nexts == [nexts[0], nexts[0] + 1000, nexts[0] + 2000]  # every second, none skipped
     # No scheduleId: its envelope id (as `scheduler`) cancels it.
     await c.publish("ticks", b"", {"scheduleCancel": "true", "scheduleId": scheduler})
     await asyncio.sleep(0.3)
@@ -293,7 +309,9 @@ async def test_missed_fires_across_an_outage_fire_once_then_continue(
         async with grpc.aio.insecure_channel(f"unix://{socket_path}") as ch:
             c = Component(ch, "delayed")
             await c.init(delayed_props)
+            t0 = now_ms()
             await c.publish("ticks", b"t", {"schedule": "@every 1s", "scheduleId": "m"})
+            t1 = now_ms()
     finally:
         await first.stop(grace=1)
     await asyncio.sleep(4.5)  # four or five occurrences pass with nobody to fire them
@@ -305,15 +323,17 @@ async def test_missed_fires_across_an_outage_fire_once_then_continue(
             await c.init(delayed_props)
             stream = await c.subscribe("ticks")
             got = await fires(stream, 3, within=3)
-            received = [r for r, _ in got]
+            fired = [fired_at(m) for _, m in got]
             nexts = [parse_instant(m.metadata["scheduleNext"]) for _, m in got]
-            # Once at recovery, then one per occurrence on the original grid: never a burst.
-            # Measured against the occurrences, not the restart's moment (which load shifts):
-            # a burst of the missed ones would name occurrences seconds past as next.
-            assert nexts[0] > received[0] - 500, (received, nexts)
-            assert received[1] >= nexts[0], (received, nexts)
-            assert received[2] >= nexts[1], (received, nexts)
-            assert (nexts[1] - nexts[0]) % 1000 == 0
+            # Once at recovery, then one per second on the original grid: never a burst. The
+            # recovery fire comes at whatever point of the second the restart reached, so the gap
+            # to the next grid point may be anything up to a second (a time gap was no proof: 330 ms
+            # on a loaded machine). What proves it: each later fire waited for the grid point the
+            # fire before it named, on the grid the schedule was accepted on.
+            assert fired[0] < nexts[0] <= fired[1], (fired, nexts)
+            assert nexts[1] == nexts[0] + 1000 <= fired[2], (fired, nexts)
+            assert nexts[2] == nexts[1] + 1000
+            assert (nexts[0] - t0) % 1000 <= t1 - t0, (t0, t1, nexts)
             await c.publish("ticks", b"", {"scheduleCancel": "true", "scheduleId": "m"})
             await stream.close()
     finally:
