@@ -146,6 +146,7 @@ class DueScan:
         """The scan loop (a Supervised body)."""
         backoff = REDIS_RECONNECT.backoff()
         while not stop.is_set():
+            started_ms = self._clock.now_ms()
             try:
                 async with asyncio.timeout(self._timeout):
                     next_ms = await self.scan()
@@ -155,7 +156,9 @@ class DueScan:
                 log.warning("retry due scan of %s: %s", self._group, e)
                 await _sleep_or_stop(stop, backoff.next())
                 continue
-            wait = SCAN_CAP_S
+            # The cap counts from the scan's start: a slow scan (a loaded worker) must not
+            # stretch the time between two looks past SCAN_CAP_S.
+            wait = max(0.0, SCAN_CAP_S - (self._clock.now_ms() - started_ms) / 1000)
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
             await _sleep_or_stop(stop, wait)
