@@ -20,7 +20,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
@@ -67,30 +67,24 @@ class FailedEntry:
     error: str
 
 
+@dataclass(eq=False, repr=False)
 class Broker:
     """Publishes to topic streams and opens subscriptions, all on one client."""
 
-    def __init__(
-        self,
-        client: RedisPyClient,
-        settings: Settings,
-        clock: Clock,
-        metrics: InstanceMetrics | None = None,
-        blocking_client: RedisPyClient | None = None,
-    ) -> None:
-        self._client = client
-        # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection).
-        self._blocking_client = blocking_client if blocking_client is not None else client
-        self._settings = settings
-        self._clock = clock
-        self._metrics = metrics or Metrics().for_instance("")
-        self._timeout = call_timeout(settings)
-        self._batcher = _PublishBatcher(client)
+    client: RedisPyClient
+    settings: Settings
+    clock: Clock
+    metrics: InstanceMetrics = field(default_factory=lambda: Metrics().for_instance(""))
+    # XREADGROUP BLOCK parks a connection: outside poolSize (connection.Connection). None: `client`.
+    blocking_client: RedisPyClient | None = None
 
-        self.trim = trim_policy(settings)
+    def __post_init__(self) -> None:
+        self._timeout = call_timeout(self.settings)
+        self._batcher = _PublishBatcher(self.client)
+        self.trim = trim_policy(self.settings)
 
     def _trim(self) -> dict[str, Any]:
-        mode, threshold = self.trim.args(self._clock.now_ms())
+        mode, threshold = self.trim.args(self.clock.now_ms())
         if mode == "MAXLEN":
             return {"maxlen": int(threshold), "approximate": True}
         if mode == "MINID":
@@ -123,7 +117,7 @@ class Broker:
         if not entries:
             return []
         trim = self._trim()
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         for item in entries:
             pipe.xadd(topic, encode_entry(item.entry), **trim)  # type: ignore[arg-type]
         try:
@@ -141,7 +135,7 @@ class Broker:
         """Redis PING; BackendUnavailableError if it does not answer."""
         try:
             async with asyncio.timeout(self._timeout):
-                await self._client.ping()
+                await self.client.ping()
         except REDIS_ERRORS as e:
             raise BackendUnavailableError(f"redis ping failed: {e}") from e
 
@@ -153,14 +147,14 @@ class Broker:
         # unique (two instances of one consumerID in a process, a re-Init).
         unique = f"{consumer}:{uuid.uuid4().hex[:8]}"
         return Subscription(
-            self._client,
-            self._settings,
-            self._clock,
+            self.client,
+            self.settings,
+            self.clock,
             topic,
             unique,
             paused,
-            self._metrics,
-            blocking_client=self._blocking_client,
+            self.metrics,
+            blocking_client=self.client if self.blocking_client is None else self.blocking_client,
         )
 
 

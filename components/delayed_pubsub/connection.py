@@ -8,6 +8,7 @@ import logging
 import os
 import ssl
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Final, TypeAlias
 
 import hiredis
@@ -103,6 +104,7 @@ INIT_PING_DEFAULT_S = 5.0
 INIT_PING_MAX_S = 30.0
 
 
+@dataclass(eq=False, repr=False)
 class Connection:
     """The clients of one component instance and whatever they need kept alive (the TLS key's memory files).
 
@@ -119,23 +121,16 @@ class Connection:
     whole with `call_timeout` (readTimeout) instead.
     """
 
-    def __init__(
-        self,
-        client: RedisPyClient,
-        address: str,
-        call_timeout: float | None,
-        key_fds: list[int] | None = None,
-        hang_up_hint: str = "",
-        blocking_client: RedisPyClient | None = None,
-        ping_timeout: float = INIT_PING_DEFAULT_S,
-    ) -> None:
-        self.client = client
-        self.blocking_client = blocking_client if blocking_client is not None else client
-        self.address = address
-        self.call_timeout = call_timeout
-        self.ping_timeout = ping_timeout
-        self._key_fds = key_fds or []
-        self._hang_up_hint = hang_up_hint
+    client: RedisPyClient
+    address: str
+    call_timeout: float | None
+    # The memory files holding the TLS key, closed with the clients.
+    key_fds: list[int]
+    # Said with a connection the server hangs up on (what TLS setting may be the cause).
+    hang_up_hint: str
+    _: KW_ONLY
+    blocking_client: RedisPyClient
+    ping_timeout: float = INIT_PING_DEFAULT_S
 
     async def ping(self) -> None:
         """PING, bounded by `ping_timeout` whatever the settings say.
@@ -171,11 +166,11 @@ class Connection:
             # our plain text, or a TLS 1.3 server wanted a client certificate
             # (its alert saying so is often lost to the reset).
             if (
-                self._hang_up_hint
+                self.hang_up_hint
                 and isinstance(e, redis.exceptions.ConnectionError)
                 and not is_dial_failure(e)
             ):
-                hint = f" ({self._hang_up_hint})"
+                hint = f" ({self.hang_up_hint})"
             raise BackendUnavailableError(f"redis at {self.address} is unreachable: {e}{hint}") from e
         except redis.exceptions.RedisError as e:
             raise BackendUnavailableError(f"redis at {self.address} refused the connection: {e}") from e
@@ -213,8 +208,8 @@ class Connection:
                 else:
                     await client.aclose()
         finally:
-            _close_all(self._key_fds)
-            self._key_fds = []
+            _close_all(self.key_fds)
+            self.key_fds = []
 
 
 # XPENDING IDLE (reclaiming abandoned messages) and XADD/XTRIM MINID (streamTTL) arrived in Redis 6.2.

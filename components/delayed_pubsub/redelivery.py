@@ -50,6 +50,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
 from delayed_middleware import history
@@ -99,50 +100,42 @@ GiveUp = Callable[[Claimed], None]
 _RETRIED: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError)
 
 
+@dataclass(eq=False, repr=False)
 class Retrier:
     """One subscription's retries: durable records, the poller, dead letters."""
 
-    def __init__(
-        self,
-        client: RedisPyClient,
-        policy: RetryPolicy,
-        *,
-        topic: str,
-        group: str,
-        consumer: str,
-        clock: Clock,
-        metrics: InstanceMetrics,
-        call_timeout: float | None,
-        history: Retention | None = None,
-        notices: RetryNotices | None = None,
-    ) -> None:
-        self.policy = policy
-        self._client = client
-        self._topic = topic
-        self._group = group
-        self._consumer = consumer
-        self._clock = clock
-        self._metrics = metrics
-        self._timeout = call_timeout
-        self._key = retry_key(group, topic)
-        self._counts = retry_counts_key(group, topic)
-        self._history = EngineKeys.for_topic(delayed_topic(group)).history
-        # historyMaxLen / historyMaxAge, as the engine's own records obey them (0: none written).
-        self._retention = history if history is not None else Retention()
+    client: RedisPyClient
+    policy: RetryPolicy
+    _: KW_ONLY
+    topic: str
+    group: str
+    consumer: str
+    clock: Clock
+    metrics: InstanceMetrics
+    call_timeout: float | None
+    # historyMaxLen / historyMaxAge, as the engine's own records obey them (None: the defaults).
+    history: Retention | None = None
+    # Under `serve --workers N` a worker's due scan wakes the poller (notify): it then
+    # looks on its own only at the due times it read and at the long cap.
+    notices: RetryNotices | None = None
+    # How many more deliveries the stream's window takes now (None: no bound); set by
+    # the subscription. Due retries beyond it are left for later polls or other streams.
+    room: Callable[[], int] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._key = retry_key(self.group, self.topic)
+        self._counts = retry_counts_key(self.group, self.topic)
+        self._history_key = EngineKeys.for_topic(delayed_topic(self.group)).history
+        # 0 in historyMaxLen / historyMaxAge: no record written.
+        self._retention = self.history if self.history is not None else Retention()
         self._wake = asyncio.Event()
         # Where the poller's sweep of orphaned counts (RETRY_SWEEP) goes on from.
         self._sweep_cursor = "0"
-        # How many more deliveries the stream's window takes now (None: no bound); set by
-        # the subscription. Due retries beyond it are left for later polls or other streams.
-        self.room: Callable[[], int] | None = None
         # The poller left due records for want of room: room_freed() wakes it.
         self._starved = False
         self._poller: Supervised | None = None
         self._closed = False
-        # Under `serve --workers N` a worker's due scan wakes the poller (notify): it then
-        # looks on its own only at the due times it read and at the long cap.
-        self._notices = notices
-        self._cap_s = NOTICED_POLL_CAP_S if notices is not None else POLL_CAP_S
+        self._cap_s = NOTICED_POLL_CAP_S if self.notices is not None else POLL_CAP_S
 
     # --- the hook -------------------------------------------------------------
 
@@ -153,11 +146,11 @@ class Retrier:
             self._poller = Supervised(
                 f"retry poller of {self._key}",
                 functools.partial(self._poll, push, give_up),
-                on_state=self._metrics.loop_state("retry"),
+                on_state=self.metrics.loop_state("retry"),
             )
             self._poller.start()
-            if self._notices is not None:
-                self._notices.add(self._topic, self)
+            if self.notices is not None:
+                self.notices.add(self.topic, self)
 
     def notify(self) -> None:
         """Look at the retry schedule now: a worker's due scan found records due on this topic."""
@@ -172,8 +165,8 @@ class Retrier:
         """Claim nothing more for this stream (it is closing: what it claimed now would be dropped
         with its buffer and wait out processingTimeout); close() finishes the job."""
         self._closed = True
-        if self._notices is not None:
-            self._notices.discard(self._topic, self)
+        if self.notices is not None:
+            self.notices.discard(self.topic, self)
         if self._poller is not None:
             # Our stop flag (delayed_middleware.liveness): the poller ending now is no failure.
             self._poller.stop_flag.set()
@@ -200,7 +193,7 @@ class Retrier:
                 log.info(
                     "%s on %s: nack of delivery %d ignored, delivered again (%d) meanwhile",
                     entry_id,
-                    self._topic,
+                    self.topic,
                     sent,
                     attempt,
                 )
@@ -210,17 +203,17 @@ class Retrier:
         if isinstance(decision, DeadLetter):
             await self._dead_letter(entry_id, entry, decision, held_as=attempt)
             return
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         due_ms = now + int(decision.after_s * 1000)
         record = self._history_fields(
             history.RETRIED, entry_id, entry, due_ms=due_ms, attempt=attempt, reason=error, at_ms=now
         )
         await self._retrying("record retry", lambda: self._record(entry_id, due_ms, attempt, record))
-        self._metrics.retried.inc()
+        self.metrics.retried.inc()
         log.info(
             "%s on %s: delivery %d failed; next in %.3fs",
             entry_id,
-            self._topic,
+            self.topic,
             attempt,
             decision.after_s,
         )
@@ -237,8 +230,8 @@ class Retrier:
         """
         if not ids or limit <= 0:
             return [], 0
-        scores = await self._retrying("ZMSCORE", lambda: self._client.zmscore(self._key, list(ids)))
-        now = self._clock.now_ms()
+        scores = await self._retrying("ZMSCORE", lambda: self.client.zmscore(self._key, list(ids)))
+        now = self.clock.now_ms()
         chosen: list[tuple[str, float | None]] = []
         seen = len(ids)
         for n, (i, score) in enumerate(zip(ids, scores, strict=True)):
@@ -272,16 +265,16 @@ class Retrier:
     # --- Redis ----------------------------------------------------------------
 
     async def _hold(self, entry_id: str, sent: int) -> tuple[int, Any]:
-        return await nack_hold(self._client, self._topic, self._group, self._consumer, entry_id, sent)
+        return await nack_hold(self.client, self.topic, self.group, self.consumer, entry_id, sent)
 
     async def _record(self, entry_id: str, due_ms: int, attempt: int, record: dict[str, str]) -> None:
         """The retry record (due time and the delivery count `attempt` it is about) and the
         history entry, in one round trip (NACK_HOLD reset the idle time)."""
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         pipe.eval(RETRY_RECORD, 2, self._key, self._counts, entry_id, due_ms, attempt)
         # So operators find the waiting retries knowing only the app id.
-        pipe.sadd(retry_topics_key(self._group), self._topic)
-        self._retention.append(pipe, self._history, record, self._clock.now_ms())
+        pipe.sadd(retry_topics_key(self.group), self.topic)
+        self._retention.append(pipe, self._history_key, record, self.clock.now_ms())
         zadd, sadd, *hist = await pipe.execute(raise_on_error=False)
         for result in (zadd, sadd):
             if isinstance(result, Exception):
@@ -289,13 +282,13 @@ class Retrier:
         failed = next((r for r in hist if isinstance(r, Exception)), None)
         if failed is not None:
             # History is for people; the retry itself is durable.
-            self._metrics.redis_errors.inc()
+            self.metrics.redis_errors.inc()
             log.warning("history of %s not written: %s", entry_id, failed)
 
     async def _take(self, ids: Sequence[str], now_ms: int) -> dict[str, int]:
         """Take the records of `ids` still due at `now_ms` (RETRY_TAKE): id -> the delivery
         count its record is about (0: unknown, an older version's record), or _NOT_TAKEN."""
-        reply: Any = await self._client.eval(RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
+        reply: Any = await self.client.eval(RETRY_TAKE, 2, self._key, self._counts, now_ms, *ids)
         return {i: int(n) for i, n in zip(ids, reply, strict=True)}
 
     async def _dead_letter(
@@ -304,7 +297,7 @@ class Retrier:
         """Dead-letter `entry_id`, which this stream holds under delivery count `held_as`."""
         topic = decision.topic
         if topic:
-            why = GaveUp(decision.reason, decision.attempts, self._topic, self._group, self._clock.now_ms())
+            why = GaveUp(decision.reason, decision.attempts, self.topic, self.group, self.clock.now_ms())
 
             async def write() -> bool:
                 # Each try first holds the entry again under its count (NACK_HOLD, which resets
@@ -313,7 +306,7 @@ class Retrier:
                 _, fields = await self._hold(entry_id, held_as)
                 if fields is None:
                     return False
-                await write_dead_letter(self._client, self._group, topic, entry, why)
+                await write_dead_letter(self.client, self.group, topic, entry, why)
                 return True
 
             # Appended before the XACK: a crash in between dead-letters twice, never zero times.
@@ -321,11 +314,11 @@ class Retrier:
                 log.info(
                     "%s on %s: given up or acked elsewhere meanwhile; not dead-lettered here",
                     entry_id,
-                    self._topic,
+                    self.topic,
                 )
                 return
-        await self._retrying("XACK", lambda: self._client.xack(self._topic, self._group, entry_id))
-        (self._metrics.dead_lettered if topic else self._metrics.dropped).inc()
+        await self._retrying("XACK", lambda: self.client.xack(self.topic, self.group, entry_id))
+        (self.metrics.dead_lettered if topic else self.metrics.dropped).inc()
         record = self._history_fields(
             history.DEAD_LETTERED,
             entry_id,
@@ -338,7 +331,7 @@ class Retrier:
         log.warning(
             "%s on %s: gave up after %d deliveries; %s",
             entry_id,
-            self._topic,
+            self.topic,
             decision.attempts,
             f"dead-lettered to {topic!r}" if topic else "dropped (no deadLetterTopic)",
         )
@@ -347,13 +340,13 @@ class Retrier:
         if not self._retention.enabled:
             return
         try:
-            async with asyncio.timeout(self._timeout):
-                pipe = self._client.pipeline(transaction=False)
-                self._retention.append(pipe, self._history, fields, self._clock.now_ms())
+            async with asyncio.timeout(self.call_timeout):
+                pipe = self.client.pipeline(transaction=False)
+                self._retention.append(pipe, self._history_key, fields, self.clock.now_ms())
                 await pipe.execute()
         except _RETRIED as e:
             # History is for people; the decision itself is already carried out.
-            self._metrics.redis_errors.inc()
+            self.metrics.redis_errors.inc()
             log.warning("history of %s not written: %s", entry_id, e)
 
     def _history_fields(
@@ -372,10 +365,10 @@ class Retrier:
         scheduler = entry.metadata.get("scheduler", "")
         return {
             "event": event,
-            "at": str(self._clock.now_ms() if at_ms is None else at_ms),
+            "at": str(self.clock.now_ms() if at_ms is None else at_ms),
             "id": scheduler or entry_id,
             "sid": scheduler if scheduler and not is_stream_id(scheduler) else "",
-            "topic": self._topic,
+            "topic": self.topic,
             "kind": Kind.RETRY.label,
             "due": "" if due_ms is None else str(due_ms),
             "size": str(len(entry.data)),
@@ -393,20 +386,20 @@ class Retrier:
                 next_ms = await self._redeliver_due(push, give_up)
                 backoff.reset()
             except _RETRIED as e:
-                self._metrics.redis_errors.inc()
+                self.metrics.redis_errors.inc()
                 log.warning("retry poller on %s: %s", self._key, e)
-                await self._clock.sleep(backoff.next())
+                await self.clock.sleep(backoff.next())
                 continue
             except Exception:
                 # Must not die: its records would then wait for another stream.
                 log.exception("retry poller on %s failed; going on", self._key)
-                await self._clock.sleep(backoff.next())
+                await self.clock.sleep(backoff.next())
                 continue
             if stop.is_set():
                 return
             wait = self._cap_s
             if next_ms is not None:
-                wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
+                wait = min(wait, max(0.0, (next_ms - self.clock.now_ms()) / 1000))
             if wait > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
@@ -427,12 +420,12 @@ class Retrier:
         if limit <= 0:
             self._starved = True
             return None
-        now = self._clock.now_ms()
-        pipe = self._client.pipeline(transaction=False)
+        now = self.clock.now_ms()
+        pipe = self.client.pipeline(transaction=False)
         pipe.zrangebyscore(self._key, "-inf", now, start=0, num=limit)
         pipe.zrangebyscore(self._key, f"({now}", "+inf", start=0, num=1, withscores=True)
         pipe.eval(RETRY_SWEEP, 2, self._key, self._counts, self._sweep_cursor, SWEEP_STEP)
-        async with asyncio.timeout(self._timeout):
+        async with asyncio.timeout(self.call_timeout):
             due, later, swept = await pipe.execute()
         self._sweep_cursor = text(swept)
         if due and self._closed:
@@ -441,7 +434,7 @@ class Retrier:
             return None
         if due:
             ids = [text(raw) for raw in due]
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self.call_timeout):
                 # Read before the token is taken: for a record of an older version (no
                 # count in it), a reclaim pass that finds no record from here on can only
                 # have listed the entry under this same count.
@@ -458,10 +451,10 @@ class Retrier:
             live = await self._retrying(
                 "XCLAIM",
                 lambda: claim_unchanged(
-                    self._client,
-                    self._topic,
-                    self._group,
-                    self._consumer,
+                    self.client,
+                    self.topic,
+                    self.group,
+                    self.consumer,
                     mine,
                     nonce=nonce,
                     max_attempts=self.policy.max_attempts,
@@ -477,21 +470,21 @@ class Retrier:
         return int(later[0][1]) if later else None
 
     async def _attempts(self, ids: Sequence[str]) -> dict[str, int]:
-        return await delivery_counts(self._client, self._topic, self._group, ids)
+        return await delivery_counts(self.client, self.topic, self.group, ids)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """Run `call` until it works; gives up (CancelledError) once closed."""
 
         async def count(e: BaseException) -> None:
-            self._metrics.redis_errors.inc()
-            log.warning("%s on %s: %s; retrying", what, self._topic, e)
+            self.metrics.redis_errors.inc()
+            log.warning("%s on %s: %s; retrying", what, self.topic, e)
 
         return await retrying(
             call,
             retried=_RETRIED,
             on_error=count,
             stopped=lambda: self._closed,
-            sleep=self._clock.sleep,
+            sleep=self.clock.sleep,
             backoff=REDIS_RECONNECT.backoff(),
-            call_timeout=self._timeout,
+            call_timeout=self.call_timeout,
         )

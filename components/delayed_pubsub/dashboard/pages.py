@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -31,17 +32,15 @@ def form_field(form: FormData, name: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+@dataclass(eq=False, repr=False)
 class Pages:
     """The pages of one app's dashboard, read through `source`, live through `poller`."""
 
-    def __init__(
-        self, source: Source, guard: Guard, poller: Poller, tpl: Jinja2Templates, interval_s: float
-    ) -> None:
-        self._source = source
-        self._guard = guard
-        self._poller = poller
-        self._tpl = tpl
-        self._interval_s = interval_s
+    source: Source
+    guard: Guard
+    poller: Poller
+    tpl: Jinja2Templates
+    interval_s: float
 
     def routes(self) -> list[Route]:
         return [
@@ -57,21 +56,21 @@ class Pages:
 
     def render(self, request: Request, name: str, status: int = 200, **context: Any) -> Response:
         """Template `name` with the base context every page has, and `context`."""
-        self._poller.touch()
-        guard = self._guard
+        self.poller.touch()
+        guard = self.guard
         base = {
-            "app_id": self._source.consumer_id,
-            "shards": self._source.shards,
+            "app_id": self.source.consumer_id,
+            "shards": self.source.shards,
             "actions": guard.enabled,
             "logged_in": guard.logged_in(request),
             "csrf": guard.csrf_for(request),
             "csrf_field": CSRF_FIELD,
             "path": request.url.path,
         }
-        return self._tpl.TemplateResponse(request, name, {**base, **context}, status_code=status)
+        return self.tpl.TemplateResponse(request, name, {**base, **context}, status_code=status)
 
     async def overview(self, request: Request) -> Response:
-        snap = await self._poller.latest()
+        snap = await self.poller.latest()
         # Rendered (and escaped) by the live fragment's own template: inserted as it is.
         live = Markup(snap.parts.get("live-overview", ""))
         return self.render(request, "overview.html", snap=snap, live=live)
@@ -80,10 +79,10 @@ class Pages:
         q = request.query_params.get("q", "").strip()
         after = request.query_params.get("after") or None
         if q:
-            messages = await self._source.search(q, PAGE_SIZE)
+            messages = await self.source.search(q, PAGE_SIZE)
             next_after = None
         else:
-            result = await self._source.pending_page(after, PAGE_SIZE)
+            result = await self.source.pending_page(after, PAGE_SIZE)
             messages, next_after = list(result.messages), result.next_after
         return self.render(
             request,
@@ -96,7 +95,7 @@ class Pages:
 
     async def message(self, request: Request) -> Response:
         id = request.query_params.get("id", "")
-        info = await self._source.message(id) if id else None
+        info = await self.source.message(id) if id else None
         if info is None:
             return self.render(request, "missing.html", status=404, id=id)
         env = info.envelope
@@ -107,25 +106,25 @@ class Pages:
             info=info,
             m=info.message,
             env=env,
-            stream=self._source.stream_of(info.message),
+            stream=self.source.stream_of(info.message),
             metadata=sorted(env.metadata.items()),
             preview=info.preview(4096),
         )
 
     async def schedules(self, request: Request) -> Response:
         cursor = request.query_params.get("cursor") or None
-        result = await self._source.schedules(cursor, PAGE_SIZE)
+        result = await self.source.schedules(cursor, PAGE_SIZE)
         next_url = f"/schedules?{urlencode({'cursor': result.next_cursor})}" if result.next_cursor else None
         return self.render(
             request, "schedules.html", rows=result.rows, next_url=next_url, examined=result.examined
         )
 
     async def dead(self, request: Request) -> Response:
-        letters = await self._source.dead_letters()
+        letters = await self.source.dead_letters()
         return self.render(request, "dead.html", letters=letters[:500], total=len(letters))
 
     async def events(self, request: Request) -> Response:
-        poller, interval_s = self._poller, self._interval_s
+        poller, interval_s = self.poller, self.interval_s
 
         async def stream() -> AsyncIterator[str]:
             # Tells the browser how long to wait before it reconnects after a drop.
@@ -138,7 +137,7 @@ class Pages:
         return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
     async def healthz(self, request: Request) -> Response:
-        poller = self._poller
+        poller = self.poller
         snap = poller.snapshot
         return JSONResponse(
             {
@@ -151,7 +150,7 @@ class Pages:
         )
 
     async def login(self, request: Request) -> Response:
-        guard = self._guard
+        guard = self.guard
         if not guard.enabled:
             return self.render(request, "readonly.html", status=404)
         if request.method == "GET":

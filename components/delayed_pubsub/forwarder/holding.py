@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Final
 
 from delayed_middleware import scripts
@@ -63,29 +63,21 @@ class Job:
         return dropped
 
 
+@dataclass(eq=False, repr=False)
 class Holdings:
     """The entries one forwarder (`consumer`) holds, by id, and the Redis calls that keep,
     check and claim them."""
 
-    def __init__(
-        self,
-        client: RedisPyClient,
-        keys: EngineKeys,
-        config: ForwarderConfig,
-        *,
-        consumer: str,
-        name: str,
-        bounded: Callable[[Awaitable[Any]], Awaitable[Any]],
-    ) -> None:
-        self._redis = client
-        self._keys = keys
-        self._config = config
-        self.consumer = consumer
-        self._name = name
-        self._bounded = bounded
-        # What this forwarder holds: entry id -> the hand-off it is in. Each hand-off
-        # runs as its own task; the keeper keeps their entries ours meanwhile.
-        self.held: dict[str, Job] = {}
+    client: RedisPyClient
+    keys: EngineKeys
+    config: ForwarderConfig
+    _: KW_ONLY
+    consumer: str
+    name: str
+    bounded: Callable[[Awaitable[Any]], Awaitable[Any]]
+    # What this forwarder holds: entry id -> the hand-off it is in. Each hand-off
+    # runs as its own task; the keeper keeps their entries ours meanwhile.
+    held: dict[str, Job] = field(default_factory=dict, init=False)
 
     async def claim_retries(self, room: int) -> tuple[list[tuple[tuple[bytes, Any], int]], float]:
         """Pending entries whose next attempt is due, at most `room`: our own refused ones
@@ -95,11 +87,11 @@ class Holdings:
         # attempt number (it survives restarts and replicas), and XAUTOCLAIM
         # does not return it. Only the oldest batch_size*4 pending entries are
         # looked at per round; they are retried (or dead-lettered) in id order.
-        policy, cfg = self._config.policy, self._config
+        policy, cfg = self.config.policy, self.config
         floor = min(policy.delay_ms(1), cfg.claim_idle_ms)
-        pending: list[dict[str, Any]] = await self._bounded(
-            self._redis.xpending_range(
-                self._keys.outbox, cfg.group, min="-", max="+", count=cfg.batch_size * 4, idle=floor
+        pending: list[dict[str, Any]] = await self.bounded(
+            self.client.xpending_range(
+                self.keys.outbox, cfg.group, min="-", max="+", count=cfg.batch_size * 4, idle=floor
             )
         )
         claims: list[tuple[str, int, int]] = []  # (id, min idle, attempt it will be)
@@ -120,12 +112,12 @@ class Holdings:
         asked = asyncio.get_running_loop().time()
         if not claims:
             return [], asked
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         for entry_id, min_idle, _ in claims:
             # A min idle time per entry: whoever claims first resets it, so a
             # second replica racing for the same entry gets nothing.
-            pipe.xclaim(self._keys.outbox, cfg.group, self.consumer, min_idle, [entry_id])
-        results: list[Any] = await self._bounded(pipe.execute())
+            pipe.xclaim(self.keys.outbox, cfg.group, self.consumer, min_idle, [entry_id])
+        results: list[Any] = await self.bounded(pipe.execute())
         out: list[tuple[tuple[bytes, Any], int]] = []
         for (_, _, attempt), rows in zip(claims, results, strict=True):
             out += [(row, attempt) for row in rows or ()]
@@ -138,9 +130,9 @@ class Holdings:
         kept: set[str] = set()
         for at in range(0, len(held), _HOLD_CHUNK):
             args = [x for i, n in held[at : at + _HOLD_CHUNK] for x in (i, n)]
-            reply: Any = await self._bounded(
-                self._redis.eval(
-                    scripts.OUTBOX_HOLD, 1, self._keys.outbox, self._config.group, self.consumer, *args
+            reply: Any = await self.bounded(
+                self.client.eval(
+                    scripts.OUTBOX_HOLD, 1, self.keys.outbox, self.config.group, self.consumer, *args
                 )
             )
             kept.update(text(i) for i in reply or ())
@@ -151,7 +143,7 @@ class Holdings:
         forwarder holds, so no other replica takes a live holder's entries over; marks
         what was taken over after all (we stalled past claim_idle_ms) as lost."""
         # Loop time, not the injected clock: it is measured against Redis's own idle time.
-        every = self._config.claim_idle_ms / 3000
+        every = self.config.claim_idle_ms / 3000
         while not stopping():
             await asyncio.sleep(every)
             jobs = list({id(j): j for j in self.held.values()}.values())
@@ -161,7 +153,7 @@ class Holdings:
                 kept, asked = await self.hold([(i, j.attempt) for j in jobs for i in j.ids])
             except Exception as e:
                 # Never the keeper's end: each hand-off asks again itself before its next attempt.
-                log.warning("forwarder %s: cannot keep its hand-offs: %s", self._name, e or type(e).__name__)
+                log.warning("forwarder %s: cannot keep its hand-offs: %s", self.name, e or type(e).__name__)
                 continue
             for j in jobs:
                 j.lost.update(i for i in j.ids if i not in kept)
@@ -174,7 +166,7 @@ class Holdings:
         Trusted without asking when confirmed less than claim_idle_ms / 2 ago:
         nobody takes an entry over before it is claim_idle_ms idle. Otherwise
         asked of Redis now (which also resets the idle time)."""
-        if asyncio.get_running_loop().time() - job.confirmed >= self._config.claim_idle_ms / 2000:
+        if asyncio.get_running_loop().time() - job.confirmed >= self.config.claim_idle_ms / 2000:
             kept, asked = await self.hold([(i, job.attempt) for i in job.ids])
             job.lost.update(i for i in job.ids if i not in kept)
             job.confirmed = asked
@@ -183,7 +175,7 @@ class Holdings:
             if lost:
                 log.warning(
                     "forwarder %s: %d hand-off(s) taken over by another replica (%s): not published here",
-                    self._name,
+                    self.name,
                     len(lost),
                     ", ".join(lost[:5]),
                 )

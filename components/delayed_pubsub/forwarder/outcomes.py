@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from delayed_middleware import history
@@ -29,38 +30,27 @@ log = logging.getLogger(__name__)
 Settle = Callable[[Sequence[str], Mapping[str, str] | None], Awaitable[None]]
 
 
+@dataclass(eq=False, repr=False)
 class Outcomes:
     """The endings of one forwarder's hand-offs; settles through `settle` (Forwarder._settle)."""
 
-    def __init__(
-        self,
-        client: RedisPyClient,
-        config: ForwarderConfig,
-        clock: Clock,
-        metrics: ForwarderMetrics | None,
-        *,
-        name: str,
-        consumer_id: str,
-        settle: Settle,
-        hold: Callable[[Sequence[tuple[str, int]]], Awaitable[Any]],
-        bounded: Callable[[Awaitable[Any]], Awaitable[Any]],
-    ) -> None:
-        self._redis = client
-        self._config = config
-        self._clock = clock
-        self._metrics = metrics
-        self._name = name
-        self._consumer_id = consumer_id
-        self._settle = settle
-        self._hold = hold
-        self._bounded = bounded
+    client: RedisPyClient
+    config: ForwarderConfig
+    clock: Clock
+    metrics: ForwarderMetrics | None
+    _: KW_ONLY
+    name: str
+    consumer_id: str
+    settle: Settle
+    hold: Callable[[Sequence[tuple[str, int]]], Awaitable[Any]]
+    bounded: Callable[[Awaitable[Any]], Awaitable[Any]]
 
     def record(self, event: str, job: Job, ids: Sequence[str], reason: str = "") -> dict[str, str]:
         head = job.head
         entries = [e for i, e in zip(job.ids, job.entries, strict=True) if i in ids]
         return {
             "event": event,
-            "at": str(self._clock.now_ms()),
+            "at": str(self.clock.now_ms()),
             "id": head.bulk or head.id,
             "sid": "",
             "topic": head.topic,
@@ -79,16 +69,16 @@ class Outcomes:
         failed = dict(job.failed)
         ok = [i for i in job.ids if i not in failed]
         if ok:
-            await self._settle(ok, self.record(history.HANDED_OFF, job, ok))
-            if self._metrics is not None:
-                self._metrics.handed_off.labels(self._name).inc(len(ok))
+            await self.settle(ok, self.record(history.HANDED_OFF, job, ok))
+            if self.metrics is not None:
+                self.metrics.handed_off.labels(self.name).inc(len(ok))
         if not failed:
             return
         why = next(iter(failed.values()))
         reason = failure_reason(why)
-        if self._metrics is not None:
-            self._metrics.failures.labels(self._name, reason).inc(len(failed))
-        policy = self._config.policy
+        if self.metrics is not None:
+            self.metrics.failures.labels(self.name, reason).inc(len(failed))
+        policy = self.config.policy
         if job.attempt >= policy.max_attempts and policy.dead_letter_topic:
             for i, e in zip(job.ids, job.entries, strict=True):
                 if i in failed:
@@ -96,7 +86,7 @@ class Outcomes:
             return
         log.warning(
             "forwarder %s: %s/%s did not take %d message(s) (attempt %d of %d%s): %s",
-            self._name,
+            self.name,
             job.head.pubsub,
             job.head.topic,
             len(failed),
@@ -108,13 +98,13 @@ class Outcomes:
         # Restart the idle clock now, so the backoff counts from this failure, not
         # from when the entry was read; only where it is still ours (a plain XCLAIM
         # would take back an entry another replica has taken over meanwhile).
-        await self._hold([(i, job.attempt) for i in failed])
+        await self.hold([(i, job.attempt) for i in failed])
 
     async def _dead_letter(self, entry_id: str, entry: OutboxEntry, job: Job, why: str) -> None:
-        topic = self._config.policy.dead_letter_topic
+        topic = self.config.policy.dead_letter_topic
         log.error(
             "forwarder %s: %s/%s refused %s after %d attempts, dead-lettered to %r: %s",
-            self._name,
+            self.name,
             entry.pubsub,
             entry.topic,
             entry.id or entry_id,
@@ -125,19 +115,19 @@ class Outcomes:
         message = StreamEntry(
             entry.data, forwarded_metadata(entry.metadata), entry.content_type, entry.expires_at_ms
         )
-        gave_up = GaveUp(why, job.attempt, entry.topic, self._consumer_id, self._clock.now_ms(), entry.pubsub)
+        gave_up = GaveUp(why, job.attempt, entry.topic, self.consumer_id, self.clock.now_ms(), entry.pubsub)
         # First the dead letter (its own slots), then the settle: a crash in
         # between leaves the entry pending, dead-lettered again on its next try.
-        await self._bounded(write_dead_letter(self._redis, self._consumer_id, topic, message, gave_up))
-        await self._settle([entry_id], self.record(history.DEAD_LETTERED, job, [entry_id], why[:500]))
-        if self._metrics is not None:
-            self._metrics.dead_lettered.labels(self._name).inc()
+        await self.bounded(write_dead_letter(self.client, self.consumer_id, topic, message, gave_up))
+        await self.settle([entry_id], self.record(history.DEAD_LETTERED, job, [entry_id], why[:500]))
+        if self.metrics is not None:
+            self.metrics.dead_lettered.labels(self.name).inc()
 
     async def dead_letter_raw(self, entry_id: str, fields: Mapping[Any, Any], why: str) -> None:
         """A malformed entry: dead-letter its bytes as they are when a topic is set; else drop it, loudly."""
-        topic = self._config.policy.dead_letter_topic
+        topic = self.config.policy.dead_letter_topic
         data = bytes(fields.get(b"data", fields.get("data", b"")) or b"")
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         record = {
             "event": history.DEAD_LETTERED,
             "at": str(now),
@@ -146,10 +136,10 @@ class Outcomes:
         }
         if topic:
             # No target to put it back to: listed by `dead`, skipped by `retry-dead`.
-            gave_up = GaveUp(why, 1, "", self._consumer_id, now)
-            await self._bounded(
-                write_dead_letter(self._redis, self._consumer_id, topic, StreamEntry(data), gave_up)
+            gave_up = GaveUp(why, 1, "", self.consumer_id, now)
+            await self.bounded(
+                write_dead_letter(self.client, self.consumer_id, topic, StreamEntry(data), gave_up)
             )
-        await self._settle([entry_id], record)
-        if self._metrics is not None:
-            self._metrics.dead_lettered.labels(self._name).inc()
+        await self.settle([entry_id], record)
+        if self.metrics is not None:
+            self.metrics.dead_lettered.labels(self.name).inc()

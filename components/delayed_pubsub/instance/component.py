@@ -91,7 +91,7 @@ class Instance:
             metrics,
             self.broker,
             self.engine,
-            fmt=fmt,
+            storage_format=fmt,
             call_timeout_s=call_timeout(settings),
         )
 

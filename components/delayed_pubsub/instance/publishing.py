@@ -50,49 +50,38 @@ _TYPE_CACHE_MS = 60_000
 _TYPE_CACHE_SIZE = 10_000
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Publisher:
     """Publish and BulkPublish of one instance, over its broker and delay engine."""
 
-    def __init__(
-        self,
-        name: str,
-        settings: Settings,
-        client: RedisPyClient,
-        clock: Clock,
-        metrics: InstanceMetrics,
-        broker: Broker,
-        engine: ShardedEngine | None,
-        *,
-        fmt: int,
-        call_timeout_s: float | None,
-    ) -> None:
-        self._name = name
-        self._settings = settings
-        self._client = client
-        self._clock = clock
-        self._metrics = metrics
-        self._broker = broker
-        self._engine = engine
-        self._storage_format = fmt
-        # What one Redis call may take (settings are fixed for the instance's life; None: unbounded).
-        self._call_timeout = call_timeout_s
-        # Topics seen to be streams (or absent), so a delayed publish checks the
-        # target's type once, not per call; bounded, and forgotten after a while
-        # because a key's type can change under us (the fire path parks then).
-        self._stream_topics: dict[str, int] = {}
+    name: str
+    settings: Settings
+    client: RedisPyClient
+    clock: Clock
+    metrics: InstanceMetrics
+    broker: Broker
+    engine: ShardedEngine | None
+    _: dataclasses.KW_ONLY
+    storage_format: int
+    # What one Redis call may take (settings are fixed for the instance's life; None: unbounded).
+    call_timeout_s: float | None
+    # Topics seen to be streams (or absent), so a delayed publish checks the
+    # target's type once, not per call; bounded, and forgotten after a while
+    # because a key's type can change under us (the fire path parks then).
+    _stream_topics: dict[str, int] = dataclasses.field(default_factory=dict, init=False)
 
     def _context(self) -> plan.PlanContext:
         return plan.PlanContext(
-            now_ms=self._clock.now_ms(),
-            pubsub_name=self._name,
-            enabled=self._settings.enable_delayed_messaging,
-            max_delay_ms=self._settings.max_delay_ms,
-            default_target_pubsub=self._settings.default_target_pubsub,
+            now_ms=self.clock.now_ms(),
+            pubsub_name=self.name,
+            enabled=self.settings.enable_delayed_messaging,
+            max_delay_ms=self.settings.max_delay_ms,
+            default_target_pubsub=self.settings.default_target_pubsub,
         )
 
     def _stream_checked(self, topic: str) -> bool:
         """Whether `topic` was seen to be a stream (or absent) lately: no TYPE call needed."""
-        return self._clock.now_ms() - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS
+        return self.clock.now_ms() - self._stream_topics.get(topic, -_TYPE_CACHE_MS) < _TYPE_CACHE_MS
 
     def forget_topic(self, topic: str) -> None:
         """Ask Redis for `topic`'s type again at its next check."""
@@ -102,10 +91,10 @@ class Publisher:
         """FailedPreconditionError unless `topic`'s key is a stream or absent."""
         if self._stream_checked(topic):
             return
-        now = self._clock.now_ms()
+        now = self.clock.now_ms()
         try:
-            async with asyncio.timeout(self._call_timeout):
-                kind = await self._client.type(topic)
+            async with asyncio.timeout(self.call_timeout_s):
+                kind = await self.client.type(topic)
         except (RedisError, TimeoutError) as e:
             raise redis_unavailable(f"checking topic {topic!r}", e) from e
         kind_s = text(kind)
@@ -118,10 +107,10 @@ class Publisher:
         self._stream_topics[topic] = now
 
     def _enabled_engine(self) -> ShardedEngine:
-        if self._engine is None:
+        if self.engine is None:
             # parse_delay refuses delay keys while delayed messaging is off.
             raise DelayedPubSubError("delayed messaging is not enabled on this instance")
-        return self._engine
+        return self.engine
 
     async def schedule(self, envelopes: Sequence[env.Envelope]) -> None:
         """Store delayed envelopes; the one place a publish's Redis failure is retried."""
@@ -138,7 +127,7 @@ class Publisher:
         # client never resends; on Redis Cluster redis-py's client resends the
         # call itself (redisMaxRetries times, connection.py), with the same token.
         token = secrets.token_hex(8)
-        retries = 0 if self._settings.redis_type == "cluster" else max(1, self._settings.max_retries)
+        retries = 0 if self.settings.redis_type == "cluster" else max(1, self.settings.max_retries)
         # Made at the first dropped connection: nearly every call needs none.
         backoff: Backoff | None = None
         try:
@@ -149,7 +138,7 @@ class Publisher:
             # token; a timeout is not (a frozen Redis must fail fast).
             while True:
                 try:
-                    await engine.schedule(envelopes, token=token, timeout_s=self._call_timeout)
+                    await engine.schedule(envelopes, token=token, timeout_s=self.call_timeout_s)
                     break
                 except (PartiallyStoredError, OSError, RedisConnectionError) as e:
                     cause = e.__cause__ if isinstance(e, PartiallyStoredError) else e
@@ -160,7 +149,7 @@ class Publisher:
                 await asyncio.sleep(backoff.next())
         except (RedisError, TimeoutError, OSError) as e:
             raise redis_unavailable(f"scheduling on {engine.keys.stream!r}", e) from e
-        if any(e.due_ms <= self._clock.now_ms() for e in envelopes):
+        if any(e.due_ms <= self.clock.now_ms() for e in envelopes):
             engine.wake()
 
     async def cancel(self, cancels: Sequence[plan.Cancel]) -> None:
@@ -169,7 +158,7 @@ class Publisher:
         engine = self._enabled_engine()
         ids = [c.schedule_id for c in cancels]
         try:
-            async with asyncio.timeout(self._call_timeout):
+            async with asyncio.timeout(self.call_timeout_s):
                 results = await engine.cancel_many(ids)
         except (RedisError, TimeoutError) as e:
             raise redis_unavailable(f"cancelling {len(ids)} id(s) on {engine.keys.stream!r}", e) from e
@@ -188,26 +177,26 @@ class Publisher:
                     stream,
                 )
         if cancelled:
-            self._metrics.cancelled.inc(cancelled)
+            self.metrics.cancelled.inc(cancelled)
             if len(ids) == 1:
                 log.info("cancelled %r on %s", ids[0], stream)
             else:
                 log.info("cancelled %d of %d ids on %s", cancelled, len(ids), stream)
         if cancelled < len(ids):
-            self._metrics.cancel_unknown.inc(len(ids) - cancelled)
+            self.metrics.cancel_unknown.inc(len(ids) - cancelled)
 
     async def publish(
         self, topic: str, data: bytes, metadata: Mapping[str, str], content_type: str = ""
     ) -> None:
         """Store one message on `topic`, or on the delayed topic when its metadata delays it."""
         p = plan.plan_publish(topic, data, metadata, content_type, self._context())
-        refuse_if_pinned(self._storage_format, p.delayed, p.control)
+        refuse_if_pinned(self.storage_format, p.delayed, p.control)
         if p.immediate:
             await self._publish_now(topic, p.immediate[0].entry)
-            self._metrics.published_immediate.inc()
+            self.metrics.published_immediate.inc()
         if p.delayed:
             await self.schedule([d.envelope for d in p.delayed])
-            self._metrics.published_delayed.inc()
+            self.metrics.published_delayed.inc()
         if p.cancels:
             await self.cancel(p.cancels)
         if p.control is not None:
@@ -217,13 +206,13 @@ class Publisher:
         """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see pausing.py."""
         engine = self._enabled_engine()
         try:
-            await control_request(engine, request, self._metrics, log)
+            await control_request(engine, request, self.metrics, log)
         except (RedisError, TimeoutError) as e:
             raise redis_unavailable(f"{type(request).__name__} on {engine.keys.stream!r}", e) from e
 
     async def _publish_now(self, topic: str, entry: StreamEntry) -> None:
         try:
-            await self._broker.publish(topic, entry)
+            await self.broker.publish(topic, entry)
         except DelayedPubSubError as e:
             if is_wrong_type(e):
                 raise FailedPreconditionError(
@@ -243,7 +232,7 @@ class Publisher:
         failed = [FailedEntry(f.entry_id, f.error) for f in p.failed]
         if p.delayed:
             # In the rollback window: each entry that needs the newer format fails alone.
-            keep, withheld = withhold_pinned(self._storage_format, p.delayed)
+            keep, withheld = withhold_pinned(self.storage_format, p.delayed)
             if withheld:
                 failed += withheld
                 p = dataclasses.replace(p, delayed=keep)
@@ -259,14 +248,14 @@ class Publisher:
         if p.immediate:
             now = [BulkEntry(i.entry_id, i.entry) for i in p.immediate]
             try:
-                refused = await self._broker.bulk_publish(topic, now)
+                refused = await self.broker.bulk_publish(topic, now)
             except DelayedPubSubError as err:
                 if not stored_some:
                     raise
                 # The delayed part is stored: report only what failed, so a
                 # retry by daprd or the app does not store it twice.
                 refused = [FailedEntry(i.entry_id, str(err)) for i in now]
-            self._metrics.published_immediate.inc(len(now) - len(refused))
+            self.metrics.published_immediate.inc(len(now) - len(refused))
             failed += refused
         return failed
 
@@ -280,5 +269,5 @@ class Publisher:
             # store those twice.
             stored = err.stored if isinstance(err, PartiallyStoredError) else 0
             failed += [FailedEntry(i, str(err)) for d in delayed[stored:] for i in d.entry_ids]
-        self._metrics.published_delayed.inc(sum(len(d.entry_ids) for d in delayed[:stored]))
+        self.metrics.published_delayed.inc(sum(len(d.entry_ids) for d in delayed[:stored]))
         return stored > 0

@@ -25,9 +25,10 @@ what happened to it is in the history.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import attrgetter
+from typing import Any, ClassVar, Final
 
 from delayed_pubsub.spark import require_extra
 
@@ -74,87 +75,68 @@ class StreamRange(InputPartition):
     end: str
 
 
+@dataclass(frozen=True)
 class _Kind:
     """What differs between the two sources: which key, which rows."""
 
-    name = ""
-    columns: Any = ()
+    name: str
+    columns: Any
+    # Which of a delayed topic's EngineKeys is read (an attrgetter: Spark pickles the readers).
+    key_of: Callable[[EngineKeys], str]
+    batches: Callable[[RedisStreams, StreamRange, int], Iterator[pa.RecordBatch]]
 
-    @staticmethod
-    def key(delayed_topic: str) -> str:
-        raise NotImplementedError
-
-    @staticmethod
-    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
-        raise NotImplementedError
+    def key(self, delayed_topic: str) -> str:
+        return self.key_of(EngineKeys.for_topic(delayed_topic))
 
 
-class _History(_Kind):
-    name = HISTORY_SOURCE
-    columns = HISTORY_COLUMNS
-
-    @staticmethod
-    def key(delayed_topic: str) -> str:
-        return EngineKeys.for_topic(delayed_topic).history
-
-    @staticmethod
-    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
-        for page in redis.read(part.key, part.start, part.end, batch_size):
-            yield history_batch(part.delayed_topic, page)
+def _history_batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+    for page in redis.read(part.key, part.start, part.end, batch_size):
+        yield history_batch(part.delayed_topic, page)
 
 
-class _Pending(_Kind):
-    name = PENDING_SOURCE
-    columns = PENDING_COLUMNS
+def _pending_batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
+    """The envelopes whose id is in the partition's range, each once, even while a
+    compaction pass re-homes them (lua/compact.lua).
 
-    @staticmethod
-    def key(delayed_topic: str) -> str:
-        return EngineKeys.for_topic(delayed_topic).stream
-
-    @staticmethod
-    def batches(redis: RedisStreams, part: StreamRange, batch_size: int) -> Iterator[pa.RecordBatch]:
-        """The envelopes whose id is in the partition's range, each once, even while a
-        compaction pass re-homes them (lua/compact.lua).
-
-        First the range itself: an entry counts under its own id unless it is a genuine
-        copy (moved[origin] == its id), which its origin's owner lists. Then the moved
-        hash: an envelope of this range stored elsewhere now and not met in the range is
-        read at its current place. In that order a move racing the read is met in one of
-        the two, and the ids counted in the first keep the second from listing it again.
-        """
-        keys = EngineKeys.for_topic(part.delayed_topic)
-        lo, hi = parse_id(part.start), parse_id(part.end)
-        # Parked envelopes are rare: skip the per-page lookup when there are none.
-        any_parked = redis.hlen(keys.parked) > 0
-        counted: set[tuple[int, int]] = set()
-        for page in redis.read(part.key, part.start, part.end, batch_size):
-            own = _own_entries(redis, keys, page)
-            counted.update(parse_id(_text(sid)) for sid, _ in own)
-            if own:
-                yield _pending_rows(redis, keys, part.delayed_topic, own, any_parked)
-        for found in redis.hscan(keys.moved, batch_size):
-            wanted: dict[tuple[int, int], tuple[str, str]] = {}
-            for raw_origin, raw_at in found.items():
-                origin = _text(raw_origin)
-                try:
-                    first = parse_id(origin)
-                except ValueError:
-                    continue
-                if lo <= first <= hi and first not in counted:
-                    wanted[first] = (origin, _text(raw_at))
-            if not wanted:
+    First the range itself: an entry counts under its own id unless it is a genuine
+    copy (moved[origin] == its id), which its origin's owner lists. Then the moved
+    hash: an envelope of this range stored elsewhere now and not met in the range is
+    read at its current place. In that order a move racing the read is met in one of
+    the two, and the ids counted in the first keep the second from listing it again.
+    """
+    keys = EngineKeys.for_topic(part.delayed_topic)
+    lo, hi = parse_id(part.start), parse_id(part.end)
+    # Parked envelopes are rare: skip the per-page lookup when there are none.
+    any_parked = redis.hlen(keys.parked) > 0
+    counted: set[tuple[int, int]] = set()
+    for page in redis.read(part.key, part.start, part.end, batch_size):
+        own = _own_entries(redis, keys, page)
+        counted.update(parse_id(_text(sid)) for sid, _ in own)
+        if own:
+            yield _pending_rows(redis, keys, part.delayed_topic, own, any_parked)
+    for found in redis.hscan(keys.moved, batch_size):
+        wanted: dict[tuple[int, int], tuple[str, str]] = {}
+        for raw_origin, raw_at in found.items():
+            origin = _text(raw_origin)
+            try:
+                first = parse_id(origin)
+            except ValueError:
                 continue
-            moved = []
-            got = redis.entries(part.key, [at for _, at in wanted.values()])
-            for (first, (origin, at)), fields in zip(wanted.items(), got, strict=True):
-                if fields is None:
-                    # Moved again or gone since the scan: follow the moved hash.
-                    fields = _current_copy(redis, keys, part.key, origin, at)
-                if fields is not None:
-                    counted.add(first)
-                    moved.append((origin, fields))
-            if moved:
-                yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
+            if lo <= first <= hi and first not in counted:
+                wanted[first] = (origin, _text(raw_at))
+        if not wanted:
+            continue
+        moved = []
+        got = redis.entries(part.key, [at for _, at in wanted.values()])
+        for (first, (origin, at)), fields in zip(wanted.items(), got, strict=True):
+            if fields is None:
+                # Moved again or gone since the scan: follow the moved hash.
+                fields = _current_copy(redis, keys, part.key, origin, at)
+            if fields is not None:
+                counted.add(first)
+                moved.append((origin, fields))
+        if moved:
+            yield _pending_rows(redis, keys, part.delayed_topic, moved, any_parked)
 
 
 def _text(value: Any) -> str:
@@ -216,11 +198,15 @@ def _pending_rows(
     return pending_batch(delayed_topic, decoded, current, parked)
 
 
+_HISTORY_KIND: Final = _Kind(HISTORY_SOURCE, HISTORY_COLUMNS, attrgetter("history"), _history_batches)
+_PENDING_KIND: Final = _Kind(PENDING_SOURCE, PENDING_COLUMNS, attrgetter("stream"), _pending_batches)
+
+
 _ORIGIN = b"origin"
 
 
 def _plan(
-    kind: type[_Kind], options: ReaderOptions, ends: dict[str, tuple[str, str]], *, from_zero: bool = False
+    kind: _Kind, options: ReaderOptions, ends: dict[str, tuple[str, str]], *, from_zero: bool = False
 ) -> list[StreamRange]:
     parts = options.num_partitions or os.cpu_count() or 1
     out = []
@@ -236,7 +222,7 @@ def _plan(
 
 
 class _BatchReader(DataSourceReader):
-    def __init__(self, kind: type[_Kind], options: ReaderOptions) -> None:
+    def __init__(self, kind: _Kind, options: ReaderOptions) -> None:
         self._kind = kind
         self._options = options
 
@@ -264,7 +250,7 @@ class _BatchReader(DataSourceReader):
 class _StreamReader(DataSourceStreamReader):
     """Offsets: {delayed topic: last id read}; ranges (start, end] per micro-batch."""
 
-    def __init__(self, kind: type[_Kind], options: ReaderOptions) -> None:
+    def __init__(self, kind: _Kind, options: ReaderOptions) -> None:
         self._kind = kind
         self._options = options
         self._redis: RedisStreams | None = None
@@ -317,7 +303,7 @@ class _StreamReader(DataSourceStreamReader):
 
 
 class _Source(DataSource):
-    kind: type[_Kind] = _Kind
+    kind: ClassVar[_Kind]
 
     def __init__(self, options: Any) -> None:
         super().__init__(options)
@@ -341,13 +327,13 @@ class _Source(DataSource):
 class PendingDataSource(_Source):
     """`delayed-pending`: one row per envelope on the app's delayed topic(s)."""
 
-    kind = _Pending
+    kind = _PENDING_KIND
 
 
 class HistoryDataSource(_Source):
     """`delayed-history`: one row per lifecycle event of the app's delayed messages."""
 
-    kind = _History
+    kind = _HISTORY_KIND
 
 
 def register(spark: Any) -> None:
