@@ -47,7 +47,7 @@ for sub in ("proto", "middleware", "components", "."):
 import redis.asyncio as aioredis  # noqa: E402
 
 from bench.common import MD, bench_engine, start_serve, stop  # noqa: E402
-from delayed_middleware import scripts  # noqa: E402
+from delayed_middleware import lua_scripts  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
@@ -134,7 +134,7 @@ async def mix_run(
         # Not per message, so kept out of the figure: the scripts (cached once by Redis,
         # loaded before the baseline) and the engine's connection buffers (closed before
         # the measure).
-        for script in (scripts.SCHEDULE, scripts.FIRE, scripts.REFILL, scripts.COMPACT):
+        for script in (lua_scripts.SCHEDULE, lua_scripts.FIRE, lua_scripts.REFILL, lua_scripts.COMPACT):
             await probe.script_load(script)
         before = int((await probe.info("memory"))["used_memory"])
         now = SystemClock().now_ms()

@@ -32,7 +32,7 @@ for sub in ("proto", "middleware", "components"):
 sys.path.insert(0, str(ROOT))
 
 from bench.common import bench_engine  # noqa: E402
-from delayed_middleware import scripts  # noqa: E402
+from delayed_middleware import lua_scripts  # noqa: E402
 from delayed_middleware.clock import ManualClock  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
             plain = read_all(options)
             keys = EngineKeys.for_topic(delayed_topic(APP))
             top: Any = client.xrevrange(keys.stream, count=1)
-            compact = client.register_script(scripts.COMPACT)
+            compact = client.register_script(lua_scripts.COMPACT)
             cursor: Any = b"-"
             while cursor:
                 cursor, _ = compact(keys=keys.script_keys, args=[cursor, top[0][0], 5000, 0])

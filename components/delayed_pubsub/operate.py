@@ -1,4 +1,4 @@
-"""Operator commands: `delayed-pubsub pending|inspect|cancel|dead|retry-dead|history`.
+"""Operator commands: `delayed-pubsub pending|inspect|cancel|pause|resume|dead|retry-dead|history`.
 
 Every command reads Redis with the component's own settings:
 
@@ -56,10 +56,10 @@ from delayed_middleware.inspector import DeadLetterInfo, HistoryPosition, Inspec
 from delayed_middleware.inspector import Progress as ProgressFn
 from delayed_middleware.instants import display_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, consumer_id_problem, delayed_topic, is_stream_id, shard_topics
+from delayed_middleware.lua_scripts import SCHEDULER
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.redis_errors import is_moved
 from delayed_middleware.schedules import EnvelopeRecurrence, schedule_zone
-from delayed_middleware.scripts import SCHEDULER
 from delayed_middleware.zones import local_time, zone
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect

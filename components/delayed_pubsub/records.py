@@ -21,7 +21,7 @@ group or others is refused, logged, and never used.
 
 The record also lists the topics that had open PullMessages streams. daprd
 never re-opens a stream, so after a restart those subscriptions are orphaned
-until daprd restarts: the registry reports them (instance.py).
+until daprd restarts: the registry reports them (instance/registry.py).
 """
 
 from __future__ import annotations

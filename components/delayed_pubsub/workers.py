@@ -574,7 +574,7 @@ async def run_worker(folder: Path, index: int, clock: Clock, parent: int | None 
     """A worker's life: run the background loops of the instances `folder`'s instances file
     names until SIGTERM/SIGINT, or until process `parent` (default: the one that started it)
     is gone; then, as the last of serve's processes, it removes `folder`."""
-    # Imported here: instance.py is heavy, and only this side needs it.
+    # Imported here: the instance package is heavy, and only this side needs it.
     from delayed_pubsub.instance import Instance
 
     # Its modules live as long as the worker: out of the GC's full collections.

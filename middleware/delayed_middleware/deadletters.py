@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.entry import StreamEntry, encode_entry
 from delayed_middleware.keys import EngineKeys, dead_retry_marker, delayed_topic, key_slot
 from delayed_middleware.redis_errors import DUP, script_status
@@ -176,7 +176,7 @@ def _entry_args(move: MoveBack) -> list[Any]:
 
 async def _move_in_one_slot(client: Any, dead: str, destination: str, batch: Sequence[MoveBack]) -> list[str]:
     args = [a for m in batch for a in (m.stream_id, *_entry_args(m))]
-    reply = await client.eval(scripts.RETRY_DEAD, 2, dead, destination, *args)
+    reply = await client.eval(lua_scripts.RETRY_DEAD, 2, dead, destination, *args)
     return [script_status(s) for s in reply]
 
 
@@ -196,7 +196,7 @@ async def _move_across_slots(
         markers = [dead_retry_marker(destination, consumer_id, dead, m.stream_id) for m in live]
         args = [a for m in live for a in _entry_args(m)]
         reply = await client.eval(
-            scripts.RETRY_DEAD_APPEND, 1 + len(live), destination, *markers, RETRY_MARKER_MS, *args
+            lua_scripts.RETRY_DEAD_APPEND, 1 + len(live), destination, *markers, RETRY_MARKER_MS, *args
         )
         appended = {m.stream_id: script_status(s) for m, s in zip(live, reply, strict=True)}
         done = [m.stream_id for m in live if appended[m.stream_id] in (MOVED, DUP)]

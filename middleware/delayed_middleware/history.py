@@ -47,7 +47,7 @@ from typing import Any, Final
 
 from delayed_middleware.aio import text
 from delayed_middleware.kinds import LABELS, Kind
-from delayed_middleware.scripts import HIST_APPEND, HIST_SWEEP
+from delayed_middleware.lua_scripts import HIST_APPEND, HIST_SWEEP
 
 SCHEDULED: Final = "scheduled"
 REPLACED: Final = "replaced"

@@ -18,7 +18,7 @@ from delayed_middleware.history import HistoryRecord, decode_record
 from delayed_middleware.inspection import MessageInfo, Scope, shown
 from delayed_middleware.keys import is_stream_id, shard_id, split_shard_id
 from delayed_middleware.kinds import Kind
-from delayed_middleware.scripts import HIST_WALK
+from delayed_middleware.lua_scripts import HIST_WALK
 from delayed_middleware.stream_walk import stream_position
 
 # inspect shows at most this many of a message's newest records.

@@ -40,8 +40,8 @@ from redis.exceptions import ResponseError
 from delayed_middleware.client import RedisClient
 from delayed_middleware.errors import FailedPreconditionError
 from delayed_middleware.keys import EngineKeys
+from delayed_middleware.lua_scripts import FORMAT
 from delayed_middleware.schedules import CRON_TZ_PREFIX
-from delayed_middleware.scripts import FORMAT
 
 # The component setting that pins (or raises) the format.
 SETTING: Final = "storageFormat"

@@ -11,7 +11,7 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.errors import MalformedEntryError
 from delayed_middleware.outbox import OutboxEntry, decode_outbox_entry, encode_outbox_entry
 
@@ -117,7 +117,7 @@ def test_hold_keeps_only_what_is_still_pending_under_the_holder_at_its_count(
     db.xdel(key, deleted)
     time.sleep(0.2)
     args = [x for i in ids for x in (i, 1)]
-    held = db.eval(scripts.OUTBOX_HOLD, 1, key, group, "a", *args)
+    held = db.eval(lua_scripts.OUTBOX_HOLD, 1, key, group, "a", *args)
     assert [h.decode() for h in held] == [mine]
     pending = {p["message_id"].decode(): p for p in db.xpending_range(key, group, "-", "+", 10)}
     # Its idle time restarted; `other`, read just as long ago and not held, kept its own.

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Final
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.aio import text
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.outbox import OutboxEntry
@@ -132,7 +132,7 @@ class Holdings:
             args = [x for i, n in held[at : at + _HOLD_CHUNK] for x in (i, n)]
             reply: Any = await self.bounded(
                 self.client.eval(
-                    scripts.OUTBOX_HOLD, 1, self.keys.outbox, self.config.group, self.consumer, *args
+                    lua_scripts.OUTBOX_HOLD, 1, self.keys.outbox, self.config.group, self.consumer, *args
                 )
             )
             kept.update(text(i) for i in reply or ())

@@ -203,7 +203,7 @@ class Publisher:
             await self._control(p.control)
 
     async def _control(self, request: Control) -> None:
-        """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see pausing.py."""
+        """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see engine/pause.py."""
         engine = self._enabled_engine()
         try:
             await control_request(engine, request, self.metrics, log)

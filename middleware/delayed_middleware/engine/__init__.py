@@ -25,7 +25,7 @@ Each part is a class given, in its constructor, the shard's state (`core.py`
 ShardState) and the other parts it calls; `builder.py` builds them all.
 Modules, each stating its invariants and crash points:
 
-- `scripts.py`: the typed layer over the Lua scripts (one method per
+- `script_calls.py`: the typed layer over the Lua scripts (one method per
   script); nothing else packs KEYS/ARGV.
 - `replies.py`: what the scripts take and answer (one result dataclass per
   script, and the readers of their raw replies); nothing else reads a reply.

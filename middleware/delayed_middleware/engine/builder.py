@@ -28,7 +28,7 @@ from delayed_middleware.engine.refill import Refiller
 from delayed_middleware.engine.replies import Budget
 from delayed_middleware.engine.retention import HistoryTrimmer
 from delayed_middleware.engine.schedule import Scheduler
-from delayed_middleware.engine.scripts import EngineScripts
+from delayed_middleware.engine.script_calls import EngineScripts
 from delayed_middleware.engine.two_phase import TwoPhaseFire
 from delayed_middleware.entry import Trim
 from delayed_middleware.keys import EngineKeys

@@ -6,7 +6,7 @@ last fire step measured between this replica's clock and the shard's Redis
 TIME; the envelopes that left the stream since compaction last looked. What
 one part keeps for itself (compaction's pass, the time history was last
 trimmed, the wake listener) lives in that part. Every state change of a
-message is one script call (engine.scripts), so a crash of this process at
+message is one script call (engine.script_calls), so a crash of this process at
 any point leaves Redis consistent: see each part's module for its crash points.
 
 Time: a decision (due? expired? lease ended?) is taken on the shard's Redis
@@ -23,12 +23,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from delayed_middleware import scripts as lua
+from delayed_middleware import lua_scripts as lua
 from delayed_middleware.client import RedisClient
 from delayed_middleware.clock import Clock
 from delayed_middleware.engine.config import MARKER_REASON, EngineConfig, FireReport, Recurrence
 from delayed_middleware.engine.replies import Budget
-from delayed_middleware.engine.scripts import EngineScripts
+from delayed_middleware.engine.script_calls import EngineScripts
 from delayed_middleware.entry import Trim
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.instants import format_instant

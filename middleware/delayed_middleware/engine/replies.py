@@ -1,4 +1,4 @@
-"""What the engine's scripts take and answer: the typed arguments and results of engine/scripts.py.
+"""What the engine's scripts take and answer: the typed arguments and results of engine/script_calls.py.
 
 The `read_*` functions read a script's raw reply into its result, slot by
 slot as the script's header (lua/*.lua) lists them.

@@ -16,7 +16,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.envelope import Envelope
@@ -106,7 +106,7 @@ class CompactionPass:
     def __init__(self, client: redis.Redis, chunk: int, app: str = APP) -> None:
         self._client = client
         self._keys = EngineKeys.for_topic(delayed_topic(app))
-        self._script = client.register_script(scripts.COMPACT)
+        self._script = client.register_script(lua_scripts.COMPACT)
         self._chunk = chunk
         self._cursor: str | None = None
         self._end = ""

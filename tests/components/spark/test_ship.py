@@ -13,9 +13,9 @@ from delayed_pubsub.spark.ship import package_zip
 _PROBE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from delayed_middleware import scripts
-assert scripts.__file__.startswith(sys.argv[1]), scripts.__file__
-for text in (scripts.FIRE, scripts.CLAIM, scripts.HIST_WALK):
+from delayed_middleware import lua_scripts
+assert lua_scripts.__file__.startswith(sys.argv[1]), lua_scripts.__file__
+for text in (lua_scripts.FIRE, lua_scripts.CLAIM, lua_scripts.HIST_WALK):
     assert "redis.call" in text and "--!include" not in text
 print("ok")
 """

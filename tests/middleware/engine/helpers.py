@@ -9,7 +9,7 @@ from typing import Any, cast
 import pytest
 import redis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.engine import DelayEngine
 from delayed_middleware.engine.two_phase import TwoPhaseFire
 from delayed_middleware.entry import decode_entry
@@ -30,7 +30,7 @@ def engine_libraries(*names: str) -> str:
         " KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]\n"
         "local MOVED = KEYS[#KEYS]\nlocal BUCKET_PREFIX = ARGV[1]\n"
     )
-    return prelude + "\n".join(scripts.load(n) for n in names)
+    return prelude + "\n".join(lua_scripts.load(n) for n in names)
 
 
 def env(n: int, due: int, topic: str = "orders", sid: str = "", **kw: object) -> Envelope:
@@ -134,7 +134,7 @@ def index_buckets(client: redis.Redis) -> list[tuple[float, list[tuple[bytes, fl
 def raw_schedule(client: redis.Redis, e: Envelope, now: int, nxt: int | str) -> None:
     """The SCHEDULE script alone, with the next due time a replica computed (or '-')."""
     client.eval(
-        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, "nowake", now, 100, 120_000, 1, f"tok-{e.schedule_id}", 1),
         *(encode_envelope(e), e.due_ms, e.schedule_id, e.kind, e.topic, e.size, e.schedule, nxt, "-"),
     )  # fmt: skip
@@ -143,7 +143,7 @@ def raw_schedule(client: redis.Redis, e: Envelope, now: int, nxt: int | str) -> 
 def bare_fire(client: redis.Redis, now: int) -> list[object]:
     """The FIRE script alone: a replica that fires and dies before its REFILL step."""
     args = (KEYS.buckets, now, 500, 2000, 1 << 20, "", "", 100)
-    return list(client.eval(scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys, *args))
+    return list(client.eval(lua_scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys, *args))
 
 
 def two_phase_engines(module: Any, monkeypatch: pytest.MonkeyPatch) -> list[DelayEngine]:

@@ -14,7 +14,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
@@ -66,7 +66,7 @@ _NAN_PUBLISHED = b"\x40" + b"\x80" * 148 + b"\x01"
 def store_raw(client: redis.Redis, raw: bytes, due: int, sid: str, now: int) -> None:
     """SCHEDULE with envelope bytes as written by hand (someone with access to Redis)."""
     client.eval(
-        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, "nowake", now, 100, 120_000, 1, "", 1),
         *(raw, due, sid, 1, "orders", 1, "@every 1s", "-", "-"),
     )  # fmt: skip
@@ -113,7 +113,7 @@ async def test_a_topic_that_is_not_utf8_neither_blocks_the_two_phase_fire_nor_br
     engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(two_phase=True, lease_ms=1_000))
     poison = _raw_topic(encode_envelope(env(0, T0 + 100)), b"\xff\xfeorders")
     redis_client.eval(
-        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
         *(poison, T0 + 100, "", 0, "orders", 1, "", "-", "-"),
     )  # fmt: skip
@@ -179,7 +179,7 @@ async def test_hostile_envelopes_never_make_cancel_or_fire_raise(
         raw = _hostile(rng, rng.choice(bases))
         sid = f"h{i}" if i % 2 else ""
         out = redis_client.eval(
-            scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+            lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
             *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
             *(raw, T0 + 1_000, sid, i % 3 % 2, "orders", 1, "@every 1s", T0 + 2_000, "-"),
         )  # fmt: skip
@@ -216,7 +216,7 @@ async def test_a_cron_envelope_whose_expression_is_not_utf8_does_not_stop_the_ba
     await engine.schedule([named_recurring(f"c{i}", T0 + 1_000, T0, 1_000, i) for i in range(5)])
     bad = encode_envelope(named_recurring("bad", T0 + 1_000, T0, 1_000, 9)) + b"\x62\x02\xff\xfe"
     redis_client.eval(
-        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
         *(bad, T0 + 1_000, "bad", 1, "orders", 1, "@test 1000", T0 + 2_000, "-"),
     )  # fmt: skip

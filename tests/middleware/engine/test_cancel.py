@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
@@ -161,7 +161,7 @@ async def test_the_cancelled_record_sizes_a_hand_written_bulk_body_by_its_entrie
         topic="orders", bulkPublish=True, message=body, scheduleId="b1"
     ).SerializeToString()
     redis_client.eval(
-        scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.SCHEDULE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, "nowake", T0, 100, 120_000, 1, "", 1),
         *(raw, T0 + 1_000, "b1", 0, "orders", 1, "", "-", "-"),
     )  # fmt: skip

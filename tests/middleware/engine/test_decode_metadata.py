@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import redis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 # The decoded envelope's metadata as a flat, key-sorted list, or the error.
 _DECODE = (
-    (scripts.LUA_DIR / "decode.lua").read_text(encoding="utf-8")
+    (lua_scripts.LUA_DIR / "decode.lua").read_text(encoding="utf-8")
     + """
 local ok, env = pcall(decode, ARGV[1])
 if not ok then return {'error', tostring(env)} end

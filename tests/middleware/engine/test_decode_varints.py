@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_pubsub_pb.delayedpubsub.v1 import delayed_pb2
 
 # decode.lua's numeric fields, as the DelayedMessage names them and the Lua table does.
@@ -26,7 +26,7 @@ _FIELDS = (
 
 # The decoded envelope's numbers as exact integers ('%.0f' of Lua's doubles), or the error.
 _DECODE = (
-    scripts.LUA_DIR / "decode.lua"
+    lua_scripts.LUA_DIR / "decode.lua"
 ).read_text(encoding="utf-8") + """
 local ok, env = pcall(decode, ARGV[1])
 if not ok then return {'error', tostring(env)} end

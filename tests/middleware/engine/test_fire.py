@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
@@ -277,7 +277,7 @@ async def test_undecodable_envelope_is_kept_for_inspection_not_fired(
     engine = DelayEngine(aredis(), KEYS, ManualClock(T0))
     # A truncated field, scheduled through the real script as any envelope is.
     redis_client.eval(
-        scripts.SCHEDULE,
+        lua_scripts.SCHEDULE,
         len(KEYS.script_keys),
         *KEYS.script_keys,
         *(KEYS.buckets, KEYS.wake, T0, 0, 1000, 1, "", 1),

@@ -16,7 +16,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.aio import text
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
@@ -94,7 +94,7 @@ async def test_envelopes_no_index_entry_refers_to_fire_once_and_nothing_settled_
     redis_client.hdel(KEYS.moved, at[8])
     # A whole compaction pass now: the copy of 8 is re-homed under its own stream id.
     [(last, _)] = cast("list[tuple[bytes, object]]", redis_client.xrevrange(KEYS.stream, count=1))
-    redis_client.eval(scripts.COMPACT, len(KEYS.script_keys), *KEYS.script_keys, "-", last, 1_000, 0)
+    redis_client.eval(lua_scripts.COMPACT, len(KEYS.script_keys), *KEYS.script_keys, "-", last, 1_000, 0)
     redis_client.hdel(KEYS.moved, at[1])
     redis_client.hdel(KEYS.ids, "c")
     redis_client.hdel(KEYS.ids, "d")

@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from delayed_middleware import scripts
+from delayed_middleware import lua_scripts
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
@@ -43,7 +43,7 @@ async def test_crash_between_fire_and_refill_loses_and_doubles_nothing(
     # A replica fires occurrence 1 and dies before computing the one after next:
     # the bare FIRE script, without the engine's refill step.
     redis_client.eval(
-        scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys,
+        lua_scripts.FIRE, len(KEYS.script_keys), *KEYS.script_keys,
         *(KEYS.buckets, T0 + 1_000, 500, 2000, 1 << 20, "", "", 100),
     )  # fmt: skip
     assert redis_client.zrange(KEYS.refill, 0, -1) == [b"tick"]

@@ -6,7 +6,7 @@ lua/*.lua lists them) and returns a frozen dataclass read from the reply
 layer indexes a raw reply or builds an argument list by hand; the FIRE and
 CLAIM budgets come from one `_batch_args` builder. The script texts
 themselves (with their includes resolved) stay in
-`delayed_middleware.scripts`, which the broker and the benches read too.
+`delayed_middleware.lua_scripts`, which the broker and the benches read too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from delayed_middleware import scripts as lua
+from delayed_middleware import lua_scripts as lua
 from delayed_middleware.aio import text
 from delayed_middleware.client import RedisClient
 from delayed_middleware.engine.replies import (
