@@ -37,15 +37,15 @@ class DeadLetterInfo:
         return len(self.entry.data)
 
 
+@dataclass(eq=False)
 class DeadLetterReader:
     """Dead letters of one app (its consumer group's and its hand-offs')."""
 
-    def __init__(self, scope: Scope) -> None:
-        self._scope = scope
+    scope: Scope
 
     async def dead_letter_topics(self) -> list[str]:
         """The dead-letter topics this app's subscriptions and hand-offs have written to."""
-        members: Any = await self._scope.redis.smembers(dead_letter_topics_key(self._scope.consumer_id))
+        members: Any = await self.scope.redis.smembers(dead_letter_topics_key(self.scope.consumer_id))
         return sorted(shown(m) for m in members)
 
     async def dead_letters(
@@ -55,11 +55,11 @@ class DeadLetterReader:
         topic (a hand-off's target topic)."""
         out: list[DeadLetterInfo] = []
         for dlt in await self.dead_letter_topics():
-            async for rows in self._scope.pages(dlt):
+            async for rows in self.scope.pages(dlt):
                 for raw_id, fields in rows:
                     entry = decode_entry(fields)
                     md = entry.metadata
-                    if md.get(DL_CONSUMER) != self._scope.consumer_id:
+                    if md.get(DL_CONSUMER) != self.scope.consumer_id:
                         continue  # a dead-letter topic may be shared by several apps
                     if source_topic is not None and md.get(DL_SOURCE_TOPIC) != source_topic:
                         continue

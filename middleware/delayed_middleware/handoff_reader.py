@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -16,12 +17,11 @@ from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy, OutboxEntry, 
 from delayed_middleware.redis_errors import is_no_group
 
 
+@dataclass(eq=False)
 class HandoffReader:
     """Every shard's outbox of one app, read as pending messages of kind "handoff"."""
 
-    def __init__(self, scope: Scope) -> None:
-        self._scope = scope
-        self._redis = scope.redis
+    scope: Scope
 
     async def handoffs(
         self, *, policy: HandOffPolicy | None = None, now_ms: int | None = None
@@ -38,8 +38,8 @@ class HandoffReader:
         """
         policy = policy or HandOffPolicy()
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        for shard, keys in enumerate(self._scope.shards):
-            async for rows in self._scope.pages(keys.outbox):
+        for shard, keys in enumerate(self.scope.shards):
+            async for rows in self.scope.pages(keys.outbox):
                 tries = await self._outbox_tries(keys, shown(rows[0][0]), shown(rows[-1][0]), len(rows))
                 for raw_id, fields in rows:
                     message = self._handoff(shard, shown(raw_id), fields, tries, policy, now)
@@ -51,7 +51,7 @@ class HandoffReader:
     ) -> dict[str, tuple[int, int]]:
         """outbox id -> (deliveries, ms since the last one) for the pending entries between two ids."""
         try:
-            pel: Any = await self._redis.xpending_range(
+            pel: Any = await self.scope.redis.xpending_range(
                 keys.outbox, OUTBOX_GROUP, min=first, max=last, count=count
             )
         except ResponseError as e:
@@ -88,21 +88,21 @@ class HandoffReader:
             size=len(entry.data),
             attempts=deliveries,
             published_at_ms=fired_ms,
-            shard=self._scope.label(shard),
+            shard=self.scope.label(shard),
             pubsub=entry.pubsub,
         )
 
     async def info(self, id: str) -> MessageInfo | None:
         """A hand-off waiting in an outbox, by scheduleId or outbox entry id (`<id>@<shard>`)."""
-        named = split_shard_id(id, len(self._scope.shards))
+        named = split_shard_id(id, len(self.scope.shards))
         async for m in self.handoffs():
             if (
                 id in (m.id, m.schedule_id)
                 or (named is not None and (m.shard or 0, m.stream_id) == named)
                 or (is_stream_id(id) and m.stream_id == id)
             ):
-                outbox = self._scope.shards[m.shard or 0].outbox
-                rows: Any = await self._redis.xrange(outbox, m.stream_id, m.stream_id)
+                outbox = self.scope.shards[m.shard or 0].outbox
+                rows: Any = await self.scope.redis.xrange(outbox, m.stream_id, m.stream_id)
                 if not rows:
                     return None
                 entry: OutboxEntry = decode_outbox_entry(rows[0][1])

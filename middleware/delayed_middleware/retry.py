@@ -98,14 +98,7 @@ RETRY_MAX_INTERVAL: Final = "retryMaxInterval"
 RETRY_MULTIPLIER: Final = "retryMultiplier"
 RETRY_JITTER: Final = "retryJitter"
 DEAD_LETTER_TOPIC: Final = "deadLetterTopic"
-KEYS: Final = (
-    MAX_DELIVERY_ATTEMPTS,
-    RETRY_INITIAL_INTERVAL,
-    RETRY_MAX_INTERVAL,
-    RETRY_MULTIPLIER,
-    RETRY_JITTER,
-    DEAD_LETTER_TOPIC,
-)
+
 
 def retry_key(consumer_id: str, topic: str) -> str:
     """The durable retry schedule of one consumer group on one topic (EngineKeys.retry)."""
@@ -201,7 +194,9 @@ class RetryPolicy:
         return replace(policy, max_attempts=None, dead_letter_topic="")
 
 
-def parse_retry_policy(props: Mapping[str, str], base: RetryPolicy, *, component: bool = False) -> RetryPolicy:
+def parse_retry_policy(
+    props: Mapping[str, str], base: RetryPolicy, *, component: bool = False
+) -> RetryPolicy:
     """Read the retry keys from metadata over `base`: for a subscription, the component's policy;
     for the component (`component=True`), its declared defaults.
 
@@ -282,6 +277,8 @@ READERS: Final[Mapping[str, tuple[str, Callable[[str, str], object]]]] = {
     RETRY_JITTER: ("jitter", read_jitter),
     DEAD_LETTER_TOPIC: ("dead_letter_topic", read_dead_letter_topic),
 }
+# The retry keys, in the table's order.
+KEYS: Final = tuple(READERS)
 
 
 def _float(key: str, raw: str, low: float, high: float) -> float:

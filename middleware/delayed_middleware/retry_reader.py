@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from delayed_middleware.entry import StreamEntry, decode_entry
@@ -29,12 +30,11 @@ def retry_message(topic: str, entry_id: str, due: float, entry: StreamEntry, pel
     )
 
 
+@dataclass(eq=False)
 class RetryReader:
     """Failed messages of one app waiting for redelivery: one sorted set by due time per topic."""
 
-    def __init__(self, scope: Scope) -> None:
-        self._scope = scope
-        self._redis = scope.redis
+    scope: Scope
 
     async def retries(
         self, *, topic: str | None = None, due_before_ms: int | None = None
@@ -44,22 +44,22 @@ class RetryReader:
         Their id is the entry's id on its topic, `due` the earliest redelivery,
         `attempts` the deliveries so far (the consumer group's PEL count).
         """
-        page_size = self._scope.page
-        topics: Any = await self._redis.smembers(retry_topics_key(self._scope.consumer_id))
+        page_size = self.scope.page
+        topics: Any = await self.scope.redis.smembers(retry_topics_key(self.scope.consumer_id))
         for name in sorted(shown(t) for t in topics):
             if topic is not None and name != topic:
                 continue
-            key = retry_key(self._scope.consumer_id, name)
+            key = retry_key(self.scope.consumer_id, name)
             high = "+inf" if due_before_ms is None else f"({due_before_ms}"
             offset = 0
             while True:
-                page: Any = await self._redis.zrangebyscore(
+                page: Any = await self.scope.redis.zrangebyscore(
                     key, "-inf", high, start=offset, num=page_size, withscores=True
                 )
                 if not page:
                     break
                 offset += len(page)
-                pipe = self._redis.pipeline(transaction=False)
+                pipe = self.scope.redis.pipeline(transaction=False)
                 for member, _ in page:
                     self.read_retry(pipe, name, shown(member))
                 replies = await pipe.execute(raise_on_error=False)
@@ -75,16 +75,16 @@ class RetryReader:
         """Queues on `pipe` what retry_message reads of a retry: its entry on `topic`, then its
         record in this app's pending entries list (the deliveries so far)."""
         pipe.xrange(topic, entry_id, entry_id)
-        pipe.xpending_range(topic, self._scope.consumer_id, min=entry_id, max=entry_id, count=1)
+        pipe.xpending_range(topic, self.scope.consumer_id, min=entry_id, max=entry_id, count=1)
 
     async def info(self, entry_id: str) -> MessageInfo | None:
         """A failed message waiting for redelivery, by its entry id on its topic."""
-        topics: Any = await self._redis.smembers(retry_topics_key(self._scope.consumer_id))
+        topics: Any = await self.scope.redis.smembers(retry_topics_key(self.scope.consumer_id))
         for name in sorted(shown(t) for t in topics):
-            score = await self._redis.zscore(retry_key(self._scope.consumer_id, name), entry_id)
+            score = await self.scope.redis.zscore(retry_key(self.scope.consumer_id, name), entry_id)
             if score is None:
                 continue
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = self.scope.redis.pipeline(transaction=False)
             self.read_retry(pipe, name, entry_id)
             rows, pel = await pipe.execute()
             if not rows:
