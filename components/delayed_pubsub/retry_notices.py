@@ -27,6 +27,8 @@ log = logging.getLogger("delayed_pubsub.redelivery")
 # Longest the worker's due scan sleeps without looking at the retry schedules: bounds how
 # late a record written by another process or replica is announced.
 SCAN_CAP_S = 1.0
+# Least wait between two scans, however long one took.
+SCAN_FLOOR_S = 0.05
 
 _RETRIED: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError)
 
@@ -157,8 +159,9 @@ class DueScan:
                 await _sleep_or_stop(stop, backoff.next())
                 continue
             # The cap counts from the scan's start: a slow scan (a loaded worker) must not
-            # stretch the time between two looks past SCAN_CAP_S.
-            wait = max(0.0, SCAN_CAP_S - (self._clock.now_ms() - started_ms) / 1000)
+            # stretch the time between two looks past SCAN_CAP_S; a scan that takes longer
+            # than that still leaves Redis SCAN_FLOOR_S between two.
+            wait = max(SCAN_FLOOR_S, SCAN_CAP_S - (self._clock.now_ms() - started_ms) / 1000)
             if next_ms is not None:
                 wait = min(wait, max(0.0, (next_ms - self._clock.now_ms()) / 1000))
             await _sleep_or_stop(stop, wait)

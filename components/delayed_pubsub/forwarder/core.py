@@ -92,7 +92,8 @@ from delayed_pubsub.forwarder.sidecar import Sidecar, SidecarUnavailableError
 from delayed_pubsub.metrics import ForwarderMetrics
 from delayed_pubsub.settings import Settings
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.forwarder")
 
 # How long close() lets the calls already on their way finish (at most handoffTimeout): a call
 # cut off may still be carried out by daprd while its entry stays pending, and whoever takes

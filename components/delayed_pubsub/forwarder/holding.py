@@ -22,7 +22,8 @@ from delayed_middleware.outbox import OutboxEntry
 from delayed_pubsub.connection import RedisPyClient
 from delayed_pubsub.forwarder.config import ForwarderConfig
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.forwarder")
 
 # Entries per OUTBOX_HOLD call: a script must not block Redis for long.
 _HOLD_CHUNK: Final = 100

@@ -25,7 +25,8 @@ from delayed_pubsub.forwarder.holding import Job
 from delayed_pubsub.forwarder.sidecar import failure_reason
 from delayed_pubsub.metrics import ForwarderMetrics
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.forwarder")
 
 Settle = Callable[[Sequence[str], Mapping[str, str] | None], Awaitable[None]]
 

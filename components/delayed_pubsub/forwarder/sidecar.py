@@ -24,7 +24,8 @@ from delayed_pubsub.forwarder.config import ForwarderConfig
 from delayed_pubsub.forwarder.holding import Job
 from delayed_pubsub.metrics import ForwarderMetrics
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.forwarder")
 
 # daprd publishes the bytes as they are (no second CloudEvent around ours).
 RAW_PAYLOAD: Final = "rawPayload"

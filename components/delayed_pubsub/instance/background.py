@@ -28,7 +28,8 @@ from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.retry_notices import DueScan
 from delayed_pubsub.settings import Settings
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.instance")
 
 # Beyond a fire loop's longest pass and sleep, how long it may go without a pass before it counts as stalled.
 STALL_SLACK_S = 10.0

@@ -34,7 +34,8 @@ from delayed_pubsub.retry_notices import RetryNotices
 from delayed_pubsub.settings import Settings
 from delayed_pubsub.subscription import Subscription
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.instance")
 
 
 class Instance:

@@ -40,7 +40,8 @@ from delayed_pubsub.instance.unavailable import redis_unavailable
 from delayed_pubsub.metrics import InstanceMetrics
 from delayed_pubsub.settings import Settings
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.instance")
 
 # A connection that dropped (a lost reply among them): the schedule step is
 # idempotent under its token, so it is retried.
@@ -125,9 +126,11 @@ class Publisher:
         # landed makes the retry a no-op in Redis, so the publish is answered
         # OK and stored once. Retried at one level only: here, where the
         # client never resends; on Redis Cluster redis-py's client resends the
-        # call itself (redisMaxRetries times, connection.py), with the same token.
+        # call itself (redisMaxRetries times, connection.py), with the same
+        # token, so here only when it resends nothing (redisMaxRetries <= 0).
         token = secrets.token_hex(8)
-        retries = 0 if self.settings.redis_type == "cluster" else max(1, self.settings.max_retries)
+        resent_by_client = self.settings.redis_type == "cluster" and self.settings.max_retries > 0
+        retries = 0 if resent_by_client else max(1, self.settings.max_retries)
         # Made at the first dropped connection: nearly every call needs none.
         backoff: Backoff | None = None
         try:

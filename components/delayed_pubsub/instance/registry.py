@@ -29,7 +29,8 @@ from delayed_pubsub.records import InitRecord, RecordRefusedError, RecordStore
 from delayed_pubsub.settings import parse_settings, unknown_keys
 from delayed_pubsub.subscription import Subscription
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.instance")
 
 
 class Instances:

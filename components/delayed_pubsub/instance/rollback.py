@@ -21,7 +21,8 @@ from delayed_pubsub.connection import Connection, call_timeout
 from delayed_pubsub.instance.unavailable import redis_unavailable
 from delayed_pubsub.settings import Settings
 
-log = logging.getLogger(__name__)
+# The name logs have always carried (log queries and alerts key on it), whichever file of the package writes.
+log = logging.getLogger("delayed_pubsub.instance")
 
 
 def needs_current(envelopes: Sequence[env.Envelope], control: Control | None) -> str | None:
