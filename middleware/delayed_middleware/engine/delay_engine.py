@@ -19,7 +19,6 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.engine.builder import EngineOptions, build_engine
 from delayed_middleware.engine.config import EngineConfig
 from delayed_middleware.engine.pause import PauseResult
-from delayed_middleware.envelope import Envelope
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.liveness import Supervised
 
@@ -52,6 +51,9 @@ class DelayEngine:
     ) -> None:
         self.parts = build_engine(client, keys, clock, **options)
         self.state = self.parts.state
+        # Store envelopes durably; returns their ids (schedule.Scheduler.schedule). The
+        # scheduler's own method, not a wrapper: every delayed publish goes through it.
+        self.schedule = self.parts.scheduler.schedule
 
     @property
     def keys(self) -> EngineKeys:
@@ -78,11 +80,6 @@ class DelayEngine:
         """True while a compaction pass is under way (fire steps go on with it)."""
         return self.parts.compactor.compacting
 
-    async def schedule(
-        self, envelopes: Sequence[Envelope], *, token: str | None = None, timeout_s: float | None = None
-    ) -> list[str]:
-        """Store envelopes durably; returns their ids (see schedule.Scheduler.schedule)."""
-        return await self.parts.scheduler.schedule(envelopes, token=token, timeout_s=timeout_s)
 
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""

@@ -103,9 +103,10 @@ class EngineScripts:
             status, m = raw[at], int(raw[at + 1])
             values = [text(v) for v in raw[at + 2 : at + 2 + m]]
             at += 2 + m
-            if script_status(status) == DUP:
+            status = script_status(status)
+            if status == DUP:
                 out.append(ScheduleResult([], dup=True))
-            elif script_status(status) == "err":
+            elif status == "err":
                 out.append(ResponseError(values[0] if values else "SCHEDULE refused the call"))
             else:
                 n = len(c.items)
