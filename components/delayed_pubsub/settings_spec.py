@@ -36,6 +36,8 @@ from typing import Any, Final
 
 import yaml
 
+from delayed_middleware.generated import write_or_check
+
 METADATA_FILE: Final = "metadata.yaml"
 DOCS_PATH: Final = Path("docs") / "component-metadata.md"
 COMPONENT_YAML_PATH: Final = Path("dapr") / "components" / "delayed-pubsub.yaml"
@@ -377,20 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="write the generated files")
     mode.add_argument("--check", action="store_true", help="exit 1 if a generated file is out of date")
     args = parser.parse_args(argv)
-    stale = []
-    for relative, text in generated_files(load_spec()).items():
-        path = args.root / relative
-        if path.exists() and path.read_text(encoding="utf-8") == text:
-            continue
-        if args.write:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {relative}")
-        else:
-            stale.append(str(relative))
-    if stale:
-        print(f"out of date (run with --write): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(args.root, generated_files(load_spec()), write=args.write)
 
 
 if __name__ == "__main__":

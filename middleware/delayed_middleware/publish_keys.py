@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from delayed_middleware import publish_values as values
+from delayed_middleware.generated import write_or_check
 from delayed_middleware.publish_values import Parser
 
 SCHEDULED_SEND_TIME: Final = "scheduledSendTime"
@@ -596,20 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="write the generated tables")
     mode.add_argument("--check", action="store_true", help="exit 1 if a generated table is out of date")
     args = parser.parse_args(argv)
-    stale = []
-    for relative, text in generated_files(args.root).items():
-        path = args.root / relative
-        if path.read_text(encoding="utf-8") == text:
-            continue
-        if args.write:
-            path.write_text(text, encoding="utf-8")
-            print(f"wrote {relative}")
-        else:
-            stale.append(str(relative))
-    if stale:
-        print(f"out of date (run with --write): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(args.root, generated_files(args.root), write=args.write)
 
 
 if __name__ == "__main__":
