@@ -26,13 +26,7 @@ from dataclasses import dataclass, replace
 
 from delayed_middleware import publish_values as values
 from delayed_middleware.control import Control, read_control
-from delayed_middleware.delay import (
-    DISABLED_REASON,
-    MAX_SCHEDULE_ID_LENGTH,
-    Delay,
-    delay_keys_in,
-    parse_delay,
-)
+from delayed_middleware.delay import DISABLED_REASON, Delay, delay_keys_in, parse_delay
 from delayed_middleware.durations import format_go_duration
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.keys import is_delayed_topic, is_engine_key
@@ -55,6 +49,7 @@ from delayed_middleware.publish_keys import (
     PublishKey,
     excludes,
 )
+from delayed_middleware.publish_values import MAX_SCHEDULE_ID_LENGTH
 from delayed_middleware.schedules import Schedule, first_fire, parse_schedule, with_bounds
 from delayed_middleware.target import target_pubsub
 from delayed_middleware.ttl import parse_schedule_ttl, parse_ttl

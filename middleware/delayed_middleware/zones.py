@@ -34,9 +34,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterError, croniter
 
-from delayed_middleware.delay import SCHEDULE_TIME_ZONE
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, MIN_INSTANT_MS
+from delayed_middleware.publish_keys import SCHEDULE_TIME_ZONE
 
 log = logging.getLogger(__name__)
 

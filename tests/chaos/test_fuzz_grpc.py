@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from delayed_middleware.clock import SystemClock
-from delayed_middleware.delay import DELAY_KEYS, TTL, TTL_IN_SECONDS
+from delayed_middleware.publish_keys import DELAY_KEYS, TTL, TTL_IN_SECONDS
 from delayed_pubsub.server import ComponentServer
 from delayed_pubsub.settings import KNOWN_KEYS
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc

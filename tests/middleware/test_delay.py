@@ -10,7 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from delayed_middleware.delay import (
+from delayed_middleware.delay import Delay, parse_delay
+from delayed_middleware.errors import InvalidArgumentError, echo
+from delayed_middleware.instants import format_instant
+from delayed_middleware.publish_keys import (
     DELAY_KEYS,
     DELIVER_AFTER,
     DELIVER_AT,
@@ -25,11 +28,7 @@ from delayed_middleware.delay import (
     TIME_KEYS,
     TTL,
     TTL_IN_SECONDS,
-    Delay,
-    parse_delay,
 )
-from delayed_middleware.errors import InvalidArgumentError, echo
-from delayed_middleware.instants import format_instant
 
 NOW = 1_800_000_000_000  # 2027-01-15T08:00:00Z
 HOUR = 3_600_000

@@ -17,8 +17,8 @@ import grpc.aio
 from dapr.proto.runtime.v1 import dapr_pb2_grpc, pubsub_pb2
 
 from delayed_middleware.clock import Clock
-from delayed_middleware.delay import TTL_IN_SECONDS
 from delayed_middleware.outbox import OutboxEntry
+from delayed_middleware.publish_keys import TTL_IN_SECONDS
 from delayed_middleware.target import forwarded_metadata
 from delayed_pubsub.forwarder.config import ForwarderConfig
 from delayed_pubsub.forwarder.holding import Job
