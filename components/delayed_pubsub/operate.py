@@ -64,6 +64,7 @@ from delayed_middleware.zones import local_time, zone
 from delayed_pubsub.component_file import ComponentFileError, component_properties
 from delayed_pubsub.connection import REDIS_ERRORS, Connection, connect
 from delayed_pubsub.engines import build_engine
+from delayed_pubsub.redis_flags import PASSWORD_ENV, add_redis_flags
 from delayed_pubsub.settings import Settings, parse_settings
 from delayed_pubsub.terminal import printable
 
@@ -72,7 +73,6 @@ EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_REDIS = 3
 
-PASSWORD_ENV = "DELAYED_PUBSUB_REDIS_PASSWORD"
 DEFAULT_LIMIT = 100
 # Scans longer than this many entries show a progress bar (on a terminal).
 PROGRESS_FROM = 2_000
@@ -97,19 +97,7 @@ def connection_arguments() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     conn = common.add_argument_group("connection (one of --component or --redis-host)")
     conn.add_argument("--component", type=Path, metavar="PATH.yaml", help="the component's YAML")
-    conn.add_argument("--redis-host", metavar="HOST:PORT", help="Redis address")
-    conn.add_argument(
-        "--redis-password", help=f"Redis password (default ${PASSWORD_ENV}; the flag shows in ps)"
-    )
-    conn.add_argument("--app-id", help="the consumerID (app id) whose messages to read")
-    conn.add_argument(
-        "--redis-type", choices=["node", "cluster"], help="with --redis-host: the component's redisType"
-    )
-    conn.add_argument(
-        "--delay-shards",
-        metavar="N",
-        help="the component's delayShards (default: the YAML's; 16 on a cluster, else 1)",
-    )
+    add_redis_flags(conn)
     return common
 
 

@@ -30,11 +30,8 @@ from typing import Any, TextIO
 
 from delayed_middleware.errors import DelayedPubSubError
 from delayed_pubsub.component_file import ComponentFileError, component_properties
+from delayed_pubsub.redis_flags import PASSWORD_ENV, add_redis_flags
 from delayed_pubsub.settings import known_keys
-
-# The operator commands' variable (operate.PASSWORD_ENV), named here so that
-# registering `stats` imports nothing more.
-PASSWORD_ENV = "DELAYED_PUBSUB_REDIS_PASSWORD"
 
 FOLLOW_INTERVAL_S = 2
 
@@ -47,17 +44,7 @@ def register(subparsers: Any) -> None:
         description="Reads the app's delayed topic and lifecycle history with Spark and prints pending by "
         "topic and due window, fires and lateness per topic, fires per minute and event counts.",
     )
-    p.add_argument("--redis-host", metavar="H", help="host:port of the component's Redis (its redisHost)")
-    p.add_argument("--redis-password", help=f"Redis password (default ${PASSWORD_ENV}; the flag shows in ps)")
-    p.add_argument("--app-id", metavar="A", required=True, help="the app id (the component's consumerID)")
-    p.add_argument(
-        "--redis-type", choices=["node", "cluster"], help="the component's redisType (default node)"
-    )
-    p.add_argument(
-        "--delay-shards",
-        metavar="N",
-        help="the component's delayShards: how many shard streams to read (default 16 on a cluster, else 1)",
-    )
+    add_redis_flags(p, app_id_required=True)
     p.add_argument(
         "--out", metavar="DIR", type=Path, help="also write the tables as Parquet and PNG charts here"
     )
