@@ -25,182 +25,154 @@ OTHER_TOPICS = "(other)"
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 
+@dataclass(frozen=True)
+class _Families:
+    """Declares the metric families in one registry; each is labelled by component instance first."""
+
+    registry: CollectorRegistry
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, ["instance", *labels], registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, ["instance", *labels], registry=self.registry)
+
+    def histogram(self, name: str, doc: str, *labels: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["instance", *labels], buckets=buckets, registry=self.registry)
+
+
 class Metrics:
     """Every metric family; one per process, handed down to each instance."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        f = _Families(self.registry)
         # Declared by concern; the order is the registry's (and the exposition's) order.
-        self._declare_message_flow(r)
-        self._declare_operations(r)
-        self._declare_health(r)
-        self.forwarder = ForwarderMetrics.register(r)
-        self._declare_liveness(r)
-        self._declare_requests(r)
+        self._declare_message_flow(f)
+        self._declare_operations(f)
+        self._declare_health(f)
+        self.forwarder = ForwarderMetrics.register(self.registry)
+        self._declare_liveness(f)
+        self._declare_requests(f)
 
-    def _declare_message_flow(self, r: CollectorRegistry) -> None:
+    def _declare_message_flow(self, f: _Families) -> None:
         """Messages in and out: published, fired (and how late), pending, delivered, acked, nacked."""
-        self.published = Counter(
+        self.published = f.counter(
             "delayed_pubsub_published_messages",
             "Messages accepted by Publish/BulkPublish; mode=immediate or delayed",
-            ["instance", "mode"],
-            registry=r,
+            "mode",
         )
-        self.fired = Counter(
-            "delayed_pubsub_fired_messages", "Delayed messages moved to their topic", ["instance"], registry=r
-        )
-        self.fire_lateness = Histogram(
+        self.fired = f.counter("delayed_pubsub_fired_messages", "Delayed messages moved to their topic")
+        self.fire_lateness = f.histogram(
             "delayed_pubsub_fire_lateness_seconds",
             "Per fired batch: now minus the earliest due time in it (the batch's latest message)",
-            ["instance"],
             buckets=LATENESS_BUCKETS,
-            registry=r,
         )
-        self.pending = Gauge(
-            "delayed_pubsub_pending_messages",
-            "Delayed messages waiting for their due time",
-            ["instance"],
-            registry=r,
+        self.pending = f.gauge(
+            "delayed_pubsub_pending_messages", "Delayed messages waiting for their due time"
         )
-        self.delivered = Counter(
-            "delayed_pubsub_delivered_messages",
-            "Messages sent to daprd on PullMessages streams",
-            ["instance"],
-            registry=r,
+        self.delivered = f.counter(
+            "delayed_pubsub_delivered_messages", "Messages sent to daprd on PullMessages streams"
         )
-        self.acked = Counter(
-            "delayed_pubsub_acked_messages", "Messages daprd acknowledged", ["instance"], registry=r
-        )
-        self.nacked = Counter(
-            "delayed_pubsub_nacked_messages",
-            "Messages daprd reported failed (redelivered)",
-            ["instance"],
-            registry=r,
+        self.acked = f.counter("delayed_pubsub_acked_messages", "Messages daprd acknowledged")
+        self.nacked = f.counter(
+            "delayed_pubsub_nacked_messages", "Messages daprd reported failed (redelivered)"
         )
 
-    def _declare_operations(self, r: CollectorRegistry) -> None:
+    def _declare_operations(self, f: _Families) -> None:
         """What an operator watches: retries, dead letters, parks, losses, Redis errors, streams, pending per topic."""
-        self.retried = Counter(
+        self.retried = f.counter(
             "delayed_pubsub_retried_messages",
             "Nacked messages scheduled for a later redelivery by the retry policy",
-            ["instance"],
-            registry=r,
         )
-        self.dead_lettered = Counter(
+        self.dead_lettered = f.counter(
             "delayed_pubsub_dead_lettered_messages",
             "Messages that used up maxDeliveryAttempts; outcome=published (to deadLetterTopic) or dropped",
-            ["instance", "outcome"],
-            registry=r,
+            "outcome",
         )
-        self.parked = Counter(
+        self.parked = f.counter(
             "delayed_pubsub_parked_messages",
             "Delayed messages the engine could not deliver and kept for an operator",
-            ["instance"],
-            registry=r,
         )
-        self.lost = Counter(
+        self.lost = f.counter(
             "delayed_pubsub_lost_messages",
             "Pending delayed messages whose envelope was deleted outside the engine (XTRIM, XDEL, a "
             "MAXLEN publish, a release that did not know a moved envelope): reported once and removed",
-            ["instance"],
-            registry=r,
         )
-        self.redis_errors = Counter(
+        self.redis_errors = f.counter(
             "delayed_pubsub_redis_errors",
             "Redis calls that failed (each failed try of a retried call counts)",
-            ["instance"],
-            registry=r,
         )
-        self.subscriptions = Gauge(
-            "delayed_pubsub_open_subscriptions", "Open PullMessages streams", ["instance"], registry=r
-        )
-        self.pending_by_topic = Gauge(
+        self.subscriptions = f.gauge("delayed_pubsub_open_subscriptions", "Open PullMessages streams")
+        self.pending_by_topic = f.gauge(
             "delayed_pubsub_pending_by_topic_messages",
             'Delayed messages waiting, per target topic (the largest topics; the rest as topic="(other)"), '
             "refreshed by a bounded scan",
-            ["instance", "topic"],
-            registry=r,
+            "topic",
         )
 
-    def _declare_health(self, r: CollectorRegistry) -> None:
+    def _declare_health(self, f: _Families) -> None:
         """Restart safety and health (set by the registry and the server's health check)."""
-        self.orphaned_subscriptions = Gauge(
+        self.orphaned_subscriptions = f.gauge(
             "delayed_pubsub_orphaned_subscriptions",
             "Topics whose PullMessages stream a previous process had open and daprd has not re-opened "
             "(daprd never re-opens one: restart daprd)",
-            ["instance"],
-            registry=r,
         )
-        self.redis_up = Gauge(
+        self.redis_up = f.gauge(
             "delayed_pubsub_redis_up",
             "1 if the instance's Redis answered the last health check's PING, else 0",
-            ["instance"],
-            registry=r,
         )
 
-    def _declare_liveness(self, r: CollectorRegistry) -> None:
+    def _declare_liveness(self, f: _Families) -> None:
         """Liveness (delayed_middleware.liveness): every background loop is supervised."""
-        self.fire_loop_up = Gauge(
+        self.fire_loop_up = f.gauge(
             "delayed_pubsub_fire_loop_up",
             "1 while the delay shard's fire loop runs and makes passes; 0 once it ended or stalled "
             "(it is restarted with backoff)",
-            ["instance", "shard"],
-            registry=r,
+            "shard",
         )
-        self.fire_loop_restarts = Counter(
+        self.fire_loop_restarts = f.counter(
             "delayed_pubsub_fire_loop_restarts",
             "Times the delay shard's fire loop ended without a stop and was restarted",
-            ["instance", "shard"],
-            registry=r,
+            "shard",
         )
-        self.loop_restarts = Counter(
+        self.loop_restarts = f.counter(
             "delayed_pubsub_loop_restarts",
             "Times a background loop ended without a stop and was restarted; loop=wake, fetch, ack, "
             "retry, forwarder or gauge",
-            ["instance", "loop"],
-            registry=r,
+            "loop",
         )
-        self.loops_down = Gauge(
+        self.loops_down = f.gauge(
             "delayed_pubsub_loops_down",
             "Background loops of that kind that ended without a stop and wait for their restart",
-            ["instance", "loop"],
-            registry=r,
+            "loop",
         )
 
-    def _declare_requests(self, r: CollectorRegistry) -> None:
+    def _declare_requests(self, f: _Families) -> None:
         """Control requests and admission: cancels, pauses, prefix cancels, refused publishes, TTL expiries."""
-        self.cancels = Counter(
+        self.cancels = f.counter(
             "delayed_pubsub_cancels",
             "scheduleCancel requests; result=cancelled (something pending was withdrawn) or unknown (nothing was)",
-            ["instance", "result"],
-            registry=r,
+            "result",
         )
-        self.refused = Counter(
+        self.refused = f.counter(
             "delayed_pubsub_refused_publishes",
             "Publish/BulkPublish calls refused with RESOURCE_EXHAUSTED: the instance had "
             "maxInflightPublishes calls in flight",
-            ["instance"],
-            registry=r,
         )
-        self.pauses = Counter(
+        self.pauses = f.counter(
             "delayed_pubsub_pauses",
             "schedulePause requests; result=paused, resumed, ended (resumed after its last fire), "
             "unknown (nothing pending under that id) or unchanged (paused or running already)",
-            ["instance", "result"],
-            registry=r,
+            "result",
         )
-        self.prefix_cancelled = Counter(
+        self.prefix_cancelled = f.counter(
             "delayed_pubsub_prefix_cancelled_messages",
             "Pending messages and schedules withdrawn by scheduleCancel with scheduleIdPrefix",
-            ["instance"],
-            registry=r,
         )
-        self.expired = Counter(
+        self.expired = f.counter(
             "delayed_pubsub_expired_messages",
             "Messages dropped unsent because their TTL (ttlInSeconds / ttl) ended before delivery",
-            ["instance"],
-            registry=r,
         )
 
     def for_instance(self, name: str) -> InstanceMetrics:
@@ -352,37 +324,29 @@ class ForwarderMetrics:
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> ForwarderMetrics:
+        f = _Families(registry)
         return cls(
-            handed_off=Counter(
+            handed_off=f.counter(
                 "delayed_pubsub_handed_off_messages",
                 "Due messages published through the sidecar to their targetPubsub",
-                ["instance"],
-                registry=registry,
             ),
-            failures=Counter(
+            failures=f.counter(
                 "delayed_pubsub_handoff_failures",
                 "Failed hand-off attempts (retried); reason=unavailable (not counted as an attempt), "
                 "timeout, unknown_target or refused",
-                ["instance", "reason"],
-                registry=registry,
+                "reason",
             ),
-            dead_lettered=Counter(
+            dead_lettered=f.counter(
                 "delayed_pubsub_handoff_dead_lettered_messages",
                 "Hand-offs given up after the last attempt and written to deadLetterTopic",
-                ["instance"],
-                registry=registry,
             ),
-            expired=Counter(
+            expired=f.counter(
                 "delayed_pubsub_handoff_expired_messages",
                 "Messages bound for a targetPubsub that expired (ttl) before their hand-off",
-                ["instance"],
-                registry=registry,
             ),
-            pending=Gauge(
+            pending=f.gauge(
                 "delayed_pubsub_handoff_pending",
                 "Fired messages waiting in the outbox for the sidecar to accept them (sidecar down, "
                 "target refusing, or in flight); one series per outbox (instance, or instance~shard)",
-                ["instance"],
-                registry=registry,
             ),
         )
