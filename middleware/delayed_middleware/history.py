@@ -124,6 +124,13 @@ class HistoryRecord:
     schedule: str
 
 
+# The history's retention when none is configured, for the engine (EngineConfig) and every other
+# writer (Retention). The component's metadata.yaml declares its historyMaxLen and historyMaxAge
+# defaults as these; tests/components/test_settings_defaults.py fails if the two drift apart.
+HISTORY_MAX_LEN: Final = 1_000_000
+HISTORY_MAX_AGE_MS: Final = 86_400_000
+
+
 @dataclass(frozen=True)
 class Retention:
     """How much history to keep: `historyMaxLen` records (0 = no history at all) and `historyMaxAge`.
@@ -134,8 +141,8 @@ class Retention:
     by age on its own.
     """
 
-    max_len: int = 1_000_000
-    max_age_ms: int = 86_400_000
+    max_len: int = HISTORY_MAX_LEN
+    max_age_ms: int = HISTORY_MAX_AGE_MS
 
     @property
     def enabled(self) -> bool:

@@ -84,7 +84,11 @@ def test_sidecar_address(configured: str, env: dict[str, str], address: str) -> 
 
 def test_config_takes_the_api_token_and_dead_letter_topic() -> None:
     cfg = forwarder_config(
-        dapr_grpc_address="", dead_letter_topic="dlq", claim_idle_ms=60_000, env={"DAPR_API_TOKEN": "s3cret"}
+        dapr_grpc_address="",
+        dead_letter_topic="dlq",
+        claim_idle_ms=60_000,
+        call_timeout_ms=10_000,
+        env={"DAPR_API_TOKEN": "s3cret"},
     )
     assert (cfg.address, cfg.api_token, cfg.policy.dead_letter_topic) == ("127.0.0.1:50001", "s3cret", "dlq")
 

@@ -10,6 +10,7 @@ from typing import Final
 from delayed_middleware.backoff import SIDECAR, BackoffProfile
 from delayed_middleware.history import Retention
 from delayed_middleware.outbox import OUTBOX_GROUP, HandOffPolicy
+from delayed_pubsub.settings import defaults
 
 DEFAULT_DAPR_GRPC_ADDRESS: Final = "127.0.0.1:50001"
 
@@ -42,12 +43,14 @@ class ForwarderConfig:
     # Publish calls in flight at once.
     concurrency: int = 16
     block_ms: int = 1000
-    # One publish call (handoffTimeout); past it the call counts as a failed attempt.
-    call_timeout_s: float = 10.0
+    # One publish call (handoffTimeout, default as metadata.yaml declares it); past it the call
+    # counts as a failed attempt.
+    call_timeout_s: float = field(default_factory=lambda: defaults()["handoff_timeout_ms"] / 1000)
     # Another replica's unacked entries are taken over after this long idle. A
     # live holder resets the idle time of what it holds every claim_idle_ms / 3,
     # so only a holder that is gone (or stalled that long) loses its entries.
-    claim_idle_ms: int = 60_000
+    # (processingTimeout, default as metadata.yaml declares it.)
+    claim_idle_ms: int = field(default_factory=lambda: defaults()["processing_timeout_ms"])
     # Redis calls are bounded as a whole (the client has no socket timeout).
     redis_timeout_s: float = 10.0
     # How long a failed call to the sidecar waits before the next (backoff.SIDECAR by default).
@@ -68,7 +71,7 @@ def forwarder_config(
     dapr_grpc_address: str,
     dead_letter_topic: str,
     claim_idle_ms: int,
-    call_timeout_ms: int = 10_000,
+    call_timeout_ms: int,
     env: Mapping[str, str] | None = None,
     history: Retention | None = None,
     consumer_id: str = "",

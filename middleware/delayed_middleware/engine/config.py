@@ -12,6 +12,7 @@ from typing import Final
 
 from delayed_middleware.backoff import ENGINE_LOOP, BackoffProfile
 from delayed_middleware.envelope import Envelope
+from delayed_middleware.history import HISTORY_MAX_AGE_MS, HISTORY_MAX_LEN
 
 # The next fire time of a recurring envelope strictly after `after_ms`, or None
 # when its schedule has no further fire.
@@ -25,6 +26,9 @@ CANCEL_BATCH = 500
 SPREAD_MEMORY = 4096
 # The metadata key of a marker message (deleteMarkerTTL): why the message will not come.
 MARKER_REASON = "markerReason"
+# deleteMarkerTTL when none is configured: no markers. The component's metadata.yaml declares
+# the same default (tests/components/test_settings_defaults.py holds them together).
+MARKER_TTL_MS: Final = 0
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,14 @@ class EngineConfig:
     # (a partitioned Redis) must not stall the loop forever.
     op_timeout_s: float = 30.0
     # Lifecycle history retention: entries (approximate, 0 = no history) and age.
-    history_max_len: int = 1_000_000
-    history_max_age_ms: int = 86_400_000
+    history_max_len: int = HISTORY_MAX_LEN
+    history_max_age_ms: int = HISTORY_MAX_AGE_MS
     # How long a schedule call's token is remembered (a client's retry after a
     # lost reply must come within it).
     token_window_ms: int = 120_000
     # deleteMarkerTTL: when a cancel or an expiry removes a message, a marker
     # (markerReason Remove / MaxAge) goes on its topic, living this long; 0 = none.
-    marker_ttl_ms: int = 0
+    marker_ttl_ms: int = MARKER_TTL_MS
     # Redis Cluster: fire in three steps (CLAIM, APPEND, RELEASE; see
     # engine.two_phase), since target topics live in other hash slots.
     two_phase: bool = False
