@@ -330,7 +330,7 @@ def test_stats_takes_the_redis_password_from_the_flag_or_the_environment_as_pend
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from delayed_pubsub.operate import PASSWORD_ENV
+    from delayed_pubsub.redis_flags import PASSWORD_ENV
 
     add_history(redis_client, [fired("a", 1_000, n) for n in range(2)])
     base = ("--redis-host", redis_server.address, "--app-id", APP)
