@@ -96,6 +96,8 @@ _REQUEST_KEYS = frozenset(REQUEST_KEYS)
 
 @dataclass(frozen=True)
 class Immediate:
+    """One entry to append to its topic now ('' for a single publish, else its bulk entry id)."""
+
     entry_id: str
     entry: StreamEntry
 
@@ -110,6 +112,8 @@ class Delayed:
 
 @dataclass(frozen=True)
 class Failed:
+    """A bulk entry refused while planning, and why: the request's other entries still go."""
+
     entry_id: str
     error: str
 
@@ -128,6 +132,8 @@ class Cancel:
 
 @dataclass(frozen=True)
 class PublishPlan:
+    """What one Publish or BulkPublish request does, decided before anything touches Redis."""
+
     immediate: tuple[Immediate, ...] = ()
     delayed: tuple[Delayed, ...] = ()
     failed: tuple[Failed, ...] = ()
