@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered, backfilled |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -69,6 +69,9 @@ LOST: Final = "lost"
 # A pending envelope found on the delayed topic with no due-index entry referring to it (left so
 # by a release that did not know the moved hash): put back in the index at its due time.
 RECOVERED: Final = "recovered"
+# An occurrence of a recurring schedule delivered by a backfill (delayed_middleware.backfill); `due`
+# is the occurrence's nominal time.
+BACKFILLED: Final = "backfilled"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -84,6 +87,7 @@ EVENTS: Final = (
     COMPLETED,
     LOST,
     RECOVERED,
+    BACKFILLED,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

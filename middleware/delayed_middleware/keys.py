@@ -391,3 +391,11 @@ def fire_marker_prefix(topic: str, shard_stream: str) -> str:
     publish to it or subscribe to it.
     """
     return "{" + target_tag(topic) + "}:" + shard_stream + "}fired:"
+
+
+def backfill_record(target: str, shard_stream: str, schedule_key: str) -> str:
+    """The record of the occurrences of schedule `schedule_key` (its ids-hash key) that a backfill
+    delivered to `target` (lua/backfill.lua): a sorted set of nominal times, in the target's slot,
+    so one script records an occurrence and appends it; inside the engine's reserved namespace
+    (it contains `-delayed}`). `{<target's tag>}:<shard stream>}backfilled:<schedule key>`."""
+    return "{" + target_tag(target) + "}:" + shard_stream + "}backfilled:" + schedule_key

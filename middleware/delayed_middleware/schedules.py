@@ -43,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -571,6 +571,28 @@ def _bounded_next(
     if schedule.end_ms is not None and due > schedule.end_ms:
         return None
     return due if due <= MAX_INSTANT_MS else None
+
+
+def occurrences(schedule: Schedule, *, origin_ms: int, after_ms: int, key: str = "") -> Iterator[tuple[int, int]]:
+    """(nominal, due) of each occurrence whose nominal time is after ``after_ms``, in order, within the
+    schedule's bounds (``scheduleStart``, ``scheduleEnd``, ``scheduleLimit``, year 9999).
+
+    The calendar a backfill replays (delayed_middleware.backfill): nominal times
+    are the occurrences' identities; ``due`` is when the engine fires each (its
+    jitter, cut as _jittered cuts it), which its ``fired`` history records name.
+    ``origin_ms`` is the acceptance time (an ``@every`` grid's origin without a
+    ``scheduleStart``). Endless for an endless schedule: the caller stops.
+    """
+    nominal = _nominal_after(schedule, origin_ms, after_ms, _cron_any)
+    while nominal is not None:
+        if schedule.last_ms is not None and nominal > schedule.last_ms:
+            return
+        following = _nominal_after(schedule, origin_ms, nominal, _cron_any)
+        due = _jittered(schedule, nominal, following, key) if schedule.jitter_ms else nominal
+        if (schedule.end_ms is not None and due > schedule.end_ms) or due > MAX_INSTANT_MS:
+            return
+        yield nominal, due
+        nominal = following
 
 
 def first_fire(schedule: Schedule, *, now_ms: int, key: str = "") -> int | None:

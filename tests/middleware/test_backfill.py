@@ -1,0 +1,289 @@
+"""Backfill (delayed_middleware.backfill) on a real Redis: a schedule's past occurrences by its own
+calendar (a Berlin cron across both daylight-saving changes, jitter), delivered once however often
+and however many at once, nothing changed by a dry run, refused ranges, pacing, and what it leaves
+out (occurrences the schedule fired itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.backfill import (
+    MAX_OCCURRENCES,
+    SCHEDULE_OCCURRENCE,
+    ScheduleNotFoundError,
+    backfill,
+)
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.history import decode_record
+from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.plan import PlanContext, plan_publish
+from delayed_middleware.schedules import EnvelopeRecurrence
+from delayed_middleware.zones import local_time, parse_time_zone
+from tests.redis_server import stream_entries
+
+KEYS = EngineKeys.for_topic(delayed_topic("app"))
+BERLIN = parse_time_zone("Europe/Berlin")
+
+Make = Callable[[], aioredis.Redis]
+
+
+async def published(
+    aredis: Make, now: str, metadata: Mapping[str, str], body: bytes = b"tick"
+) -> tuple[DelayEngine, ManualClock]:
+    """An engine whose clock reads `now`, with one schedule published through it."""
+    clock = ManualClock(parse_instant(now))
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
+    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+    plan = plan_publish("orders", body, metadata, "", ctx)
+    await engine.schedule([d.envelope for d in plan.delayed])
+    return engine, clock
+
+
+def delivered(client: redis.Redis, topic: str = "orders") -> list[dict[str, str]]:
+    return [dict(decode_entry(f).metadata) for _, f in stream_entries(client, topic)]
+
+
+def events(client: redis.Redis, event: str) -> list[int]:
+    return [
+        r.due_ms or 0
+        for r in (decode_record(i, f) for i, f in stream_entries(client, KEYS.history))
+        if r.event == event
+    ]
+
+
+def ms(text: str) -> int:
+    return parse_instant(text)
+
+
+DAILY_BERLIN = {"schedule": "0 30 2 * * *", "scheduleTimeZone": "Europe/Berlin", "scheduleId": "daily"}
+
+
+async def test_a_berlin_cron_is_replayed_across_both_daylight_saving_changes(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
+    spring = await backfill(
+        aredis(), "app", "daily", ms("2026-03-27T00:00:00Z"), ms("2026-03-31T00:00:00Z"), clock=clock
+    )
+    autumn = await backfill(
+        aredis(), "app", "daily", ms("2026-10-23T00:00:00Z"), ms("2026-10-27T00:00:00Z"), clock=clock
+    )
+    local = [local_time(m, BERLIN) for m in spring.deliver + autumn.deliver]
+    assert local == [
+        "2026-03-27T02:30:00+01:00",
+        "2026-03-28T02:30:00+01:00",
+        # 02:30 does not exist on the spring-forward day: the engine fires at 03:00 CEST.
+        "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:30:00+02:00",
+        "2026-10-23T02:30:00+02:00",
+        "2026-10-24T02:30:00+02:00",
+        # 02:30 happens twice on the fall-back day: one occurrence, the first.
+        "2026-10-25T02:30:00+02:00",
+        "2026-10-26T02:30:00+01:00",
+    ]
+    msgs = delivered(redis_client)
+    assert [m[SCHEDULE_OCCURRENCE] for m in msgs] == [
+        format_instant(m) for m in spring.deliver + autumn.deliver
+    ]
+    assert all(m["scheduler"] == "daily" for m in msgs)
+    # scheduleNext: the occurrence after each, as its fire would have named it.
+    assert [m["scheduleNext"] for m in msgs[:3]] == [format_instant(m) for m in spring.deliver[1:4]]
+    assert events(redis_client, "backfilled") == list(spring.deliver + autumn.deliver)
+    assert spring.delivered == autumn.delivered == 4
+
+
+async def fire_until(engine: DelayEngine, clock: ManualClock, until: str) -> None:
+    """Move the clock from due time to due time, firing each, up to `until`."""
+    end = ms(until)
+    while True:
+        _, head = await engine.fire_due()
+        if head is None or head > end:
+            clock.set(end)
+            return
+        clock.set(max(head, clock.now_ms()))
+
+
+HOURLY_JITTERED = {"schedule": "0 0 * * * *", "scheduleJitter": "10m", "scheduleId": "hourly"}
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+async def test_jittered_occurrences_are_stamped_nominal_and_those_the_schedule_fired_are_left_out(
+    aredis: Make, redis_client: redis.Redis, two_phase: bool
+) -> None:
+    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
+    from delayed_middleware.engine import EngineConfig
+
+    engine = DelayEngine(
+        aredis(), KEYS, clock, recurrence=EnvelopeRecurrence(), config=EngineConfig(two_phase=two_phase)
+    )
+    plan = plan_publish(
+        "orders",
+        b"tick",
+        HOURLY_JITTERED,
+        "",
+        PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True),
+    )
+    await engine.schedule([d.envelope for d in plan.delayed])
+    await fire_until(engine, clock, "2026-11-28T03:15:00Z")
+    fired = events(redis_client, "fired")
+    assert len(fired) == 3 and any(d % 3_600_000 for d in fired), "jitter moved the fires off the hour"
+    redis_client.delete("orders")
+    clock.set(ms("2026-11-28T05:30:00Z"))
+
+    result = await backfill(
+        aredis(), "app", "hourly", ms("2026-11-27T22:00:00Z"), ms("2026-11-28T05:00:00Z"), clock=clock
+    )
+
+    hours = [format_instant(ms(f"2026-11-{d}:00:00.000Z")) for d in ("27T22", "27T23", "28T00")]
+    assert [format_instant(m) for m in result.deliver] == hours
+    assert [m[SCHEDULE_OCCURRENCE] for m in delivered(redis_client)] == hours
+    # 01:00, 02:00 and 03:00 fired (at their jittered times); 04:00 is the schedule's own, pending.
+    assert (result.fired, result.left_to_schedule, result.unverified) == (3, 1, 0)
+    assert len(result.occurrences) == 7
+
+
+async def test_a_dry_run_lists_and_changes_nothing(aredis: Make, redis_client: redis.Redis) -> None:
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
+    before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+    result = await backfill(
+        aredis(),
+        "app",
+        "daily",
+        ms("2026-11-01T00:00:00Z"),
+        ms("2026-11-08T00:00:00Z"),
+        dry_run=True,
+        clock=clock,
+    )
+    assert len(result.deliver) == 7 and result.delivered == 0 and result.dry_run
+    assert {k: redis_client.dump(k) for k in redis_client.keys("*")} == before
+
+
+async def test_twice_delivers_once_and_the_dry_run_then_has_nothing_left(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
+    first = await backfill(
+        aredis(), "app", "daily", ms("2026-11-01T00:00:00Z"), ms("2026-11-08T00:00:00Z"), clock=clock
+    )
+    # Overlapping: three new days, four done already.
+    second = await backfill(
+        aredis(), "app", "daily", ms("2026-11-04T00:00:00Z"), ms("2026-11-11T00:00:00Z"), clock=clock
+    )
+    again = await backfill(
+        aredis(),
+        "app",
+        "daily",
+        ms("2026-11-01T00:00:00Z"),
+        ms("2026-11-11T00:00:00Z"),
+        dry_run=True,
+        clock=clock,
+    )
+    assert (first.delivered, second.delivered, second.already) == (7, 3, 4)
+    assert again.deliver == () and again.already == 10
+    occurrences = [m[SCHEDULE_OCCURRENCE] for m in delivered(redis_client)]
+    assert len(occurrences) == len(set(occurrences)) == 10
+    assert len(events(redis_client, "backfilled")) == 10
+
+
+# An @every grid hangs from its acceptance, and has no occurrence before it, unless it has a start.
+EVERY_MINUTE = {"schedule": "@every 1m", "scheduleId": "m", "scheduleStart": "2026-11-01T00:00:00Z"}
+
+
+async def test_five_backfills_at_once_deliver_each_occurrence_once(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
+    start, end = ms("2026-11-28T11:00:00Z"), ms("2026-11-28T12:00:00Z")
+    clients = [aredis() for _ in range(5)]
+    results = await asyncio.gather(
+        *(backfill(c, "app", "m", start, end, rate=10_000, clock=clock) for c in clients)
+    )
+    occurrences = [m[SCHEDULE_OCCURRENCE] for m in delivered(redis_client)]
+    assert len(occurrences) == len(set(occurrences)) == 60
+    assert sum(r.delivered for r in results) == 60
+    assert sum(r.already for r in results) == 4 * 60
+    assert len(events(redis_client, "backfilled")) == 60
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "words"),
+    [
+        ("2026-11-02T00:00:00Z", "2026-11-01T00:00:00Z", "is not before --to"),
+        ("2026-11-01T00:00:00Z", "2026-11-01T00:00:00Z", "is not before --to"),
+        ("2026-11-01T00:00:00Z", "2026-11-29T00:00:00Z", "is in the future"),
+        # @every 1s over three hours: 10,800 occurrences.
+        ("2026-11-28T08:00:00Z", "2026-11-28T11:00:00Z", f"more than {MAX_OCCURRENCES:,} occurrences"),
+    ],
+)
+async def test_a_range_out_of_bounds_is_refused_and_nothing_is_delivered(
+    aredis: Make, redis_client: redis.Redis, start: str, end: str, words: str
+) -> None:
+    _, clock = await published(
+        aredis, "2026-11-28T12:00:00Z", {**EVERY_MINUTE, "schedule": "@every 1s", "scheduleId": "s"}
+    )
+    with pytest.raises(InvalidArgumentError, match=words):
+        await backfill(aredis(), "app", "s", ms(start), ms(end), clock=clock)
+    assert not redis_client.exists("orders")
+
+
+async def test_unknown_and_one_shot_ids_are_refused(aredis: Make, redis_client: redis.Redis) -> None:
+    _, clock = await published(
+        aredis, "2026-11-28T12:00:00Z", {"scheduledSendDelay": "1h", "scheduleId": "once"}
+    )
+    start, end = ms("2026-11-01T00:00:00Z"), ms("2026-11-02T00:00:00Z")
+    with pytest.raises(ScheduleNotFoundError):
+        await backfill(aredis(), "app", "nobody", start, end, clock=clock)
+    with pytest.raises(InvalidArgumentError, match="not a recurring schedule"):
+        await backfill(aredis(), "app", "once", start, end, clock=clock)
+    assert not redis_client.exists("orders")
+
+
+async def test_the_rate_paces_the_deliveries(aredis: Make, redis_client: redis.Redis) -> None:
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
+    start = ms("2026-11-28T11:30:00Z")
+    t0 = time.monotonic()
+    slow = await backfill(aredis(), "app", "m", start, start + 30 * 60_000, rate=10, clock=clock)
+    slow_s = time.monotonic() - t0
+    redis_client.delete("orders")
+    t0 = time.monotonic()
+    fast = await backfill(aredis(), "app", "m", start - 30 * 60_000, start, rate=10_000, clock=clock)
+    fast_s = time.monotonic() - t0
+    assert slow.delivered == fast.delivered == 30
+    # 30 at 10/s: three chunks, two waits of a second (an order of magnitude, not a tight bound).
+    assert 1.5 <= slow_s < 15
+    assert fast_s < slow_s
+
+
+async def test_a_source_schedule_delivers_the_sample_the_source_held_at_each_occurrence(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    redis_client.xadd(
+        "prices", {"data": b"v1", "metadata": '{"k":"1"}'}, id=f"{ms('2026-11-28T00:30:00Z')}-0"
+    )
+    redis_client.xadd(
+        "prices", {"data": b"v2", "metadata": '{"k":"2"}'}, id=f"{ms('2026-11-28T01:30:00Z')}-0"
+    )
+    meta = {"schedule": "@hourly", "scheduleId": "h", "scheduleSource": "prices"}
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", meta)
+    result = await backfill(
+        aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
+    )
+    # 00:00: the source held nothing yet; an occurrence that delivers nothing is still done.
+    assert result.delivered == 3
+    got = [
+        (decode_entry(f).data, decode_entry(f).metadata) for _, f in stream_entries(redis_client, "orders")
+    ]
+    assert [(d, m["k"], m[SCHEDULE_OCCURRENCE]) for d, m in got] == [
+        (b"v1", "1", "2026-11-28T01:00:00.000Z"),
+        (b"v2", "2", "2026-11-28T02:00:00.000Z"),
+    ]
