@@ -20,7 +20,7 @@ from delayed_middleware.backfill import (
     backfill,
 )
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
@@ -121,8 +121,6 @@ async def test_jittered_occurrences_are_stamped_nominal_and_those_the_schedule_f
     aredis: Make, redis_client: redis.Redis, two_phase: bool
 ) -> None:
     clock = ManualClock(ms("2026-11-28T00:20:00Z"))
-    from delayed_middleware.engine import EngineConfig
-
     engine = DelayEngine(
         aredis(), KEYS, clock, recurrence=EnvelopeRecurrence(), config=EngineConfig(two_phase=two_phase)
     )
@@ -136,7 +134,8 @@ async def test_jittered_occurrences_are_stamped_nominal_and_those_the_schedule_f
     await engine.schedule([d.envelope for d in plan.delayed])
     await fire_until(engine, clock, "2026-11-28T03:15:00Z")
     fired = events(redis_client, "fired")
-    assert len(fired) == 3 and any(d % 3_600_000 for d in fired), "jitter moved the fires off the hour"
+    assert len(fired) == 3
+    assert any(d % 3_600_000 for d in fired), "jitter moved the fires off the hour"
     redis_client.delete("orders")
     clock.set(ms("2026-11-28T05:30:00Z"))
 
@@ -164,7 +163,9 @@ async def test_a_dry_run_lists_and_changes_nothing(aredis: Make, redis_client: r
         dry_run=True,
         clock=clock,
     )
-    assert len(result.deliver) == 7 and result.delivered == 0 and result.dry_run
+    assert len(result.deliver) == 7
+    assert result.delivered == 0
+    assert result.dry_run
     assert {k: redis_client.dump(k) for k in redis_client.keys("*")} == before
 
 
@@ -189,7 +190,8 @@ async def test_twice_delivers_once_and_the_dry_run_then_has_nothing_left(
         clock=clock,
     )
     assert (first.delivered, second.delivered, second.already) == (7, 3, 4)
-    assert again.deliver == () and again.already == 10
+    assert again.deliver == ()
+    assert again.already == 10
     occurrences = [m[SCHEDULE_OCCURRENCE] for m in delivered(redis_client)]
     assert len(occurrences) == len(set(occurrences)) == 10
     assert len(events(redis_client, "backfilled")) == 10
