@@ -1,4 +1,5 @@
-"""The dashboard's actions (cancel, pause, resume, retry or delete a dead letter): POST only, behind the guard.
+"""The dashboard's actions (cancel, pause, resume, retry or delete a dead letter, backfill): POST only,
+behind the guard.
 
 Each action is a runner (form -> (done, text)) wrapped by the one `endpoint`,
 which checks the login and CSRF token and answers in JSON or HTML.
@@ -13,8 +14,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from delayed_middleware import backfill as bf
 from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.engine import pause as pausing
+from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.history import Retention
+from delayed_middleware.instants import parse_instant
 from delayed_pubsub import operate
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
@@ -40,6 +45,7 @@ class Actions:
             Route("/actions/resume", self.endpoint(self.resume), methods=["POST"]),
             Route("/actions/retry-dead", self.endpoint(self.retry_dead), methods=["POST"]),
             Route("/actions/delete-dead", self.endpoint(self.delete_dead), methods=["POST"]),
+            Route("/actions/backfill", self.backfill, methods=["POST"]),
         ]
 
     def endpoint(self, run: Runner) -> Callable[[Request], Awaitable[Response]]:
@@ -98,3 +104,51 @@ class Actions:
         if await self._source.delete_dead(topic, id):
             return True, f"deleted {id} from {topic}"
         return False, f"no dead letter {id} on {topic}"
+
+    async def backfill(self, request: Request) -> Response:
+        """A schedule's past occurrences (delayed_middleware.backfill): without `confirm=yes` a dry
+        run, shown with a button that delivers exactly that range; with it, the delivery."""
+        form = await request.form()
+        if not self._guard.allows(request, form_field(form, CSRF_FIELD)):
+            return PlainTextResponse("forbidden: log in with the dashboard's token", status_code=403)
+        id = form_field(form, "id")
+        dry_run = form_field(form, "confirm") != "yes"
+        status, result, text = 200, None, ""
+        try:
+            result = await self._backfill(form, id, dry_run)
+        except bf.ScheduleNotFoundError:
+            status, text = 404, f"{id}: no pending schedule has this id"
+        except InvalidArgumentError as e:
+            status, text = 400, str(e)
+        if "text/html" not in request.headers.get("accept", ""):
+            body = {"ok": result is not None, "message": text, "result": result and result.as_json()}
+            return JSONResponse(body, status_code=status)
+        return self._pages.render(
+            request, "backfill.html", status=status, result=result, text=text, id=id, form=dict(form)
+        )
+
+    async def _backfill(self, form: FormData, id: str, dry_run: bool) -> bf.BackfillResult:
+        times: list[int] = []
+        for name in ("from", "to"):
+            text = form_field(form, name)
+            try:
+                times.append(parse_instant(text))
+            except ValueError as e:
+                raise InvalidArgumentError(name, text, str(e)) from None
+        rate_text = form_field(form, "rate").removesuffix("/s") or str(bf.DEFAULT_RATE)
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            raise InvalidArgumentError("rate", rate_text, "not a number of occurrences per second") from None
+        settings = self._source.settings
+        return await bf.backfill(
+            self._source.client,
+            settings.consumer_id,
+            id,
+            times[0],
+            times[1],
+            shards=settings.shards,
+            rate=rate,
+            dry_run=dry_run,
+            retention=Retention(settings.history_max_len, settings.history_max_age_ms),
+        )

@@ -1,0 +1,66 @@
+"""The dashboard's backfill action against a real dashboard process, component and Redis: a dry run
+first (nothing delivered, a button that delivers that range), then the delivery, once; refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from delayed_middleware.instants import format_instant
+from tests.components.conftest import Dashboard
+from tests.components.driver import Component, now_ms
+from tests.redis_server import RedisServer, stream_entries
+
+TOKEN = "operator-token-0123456789"
+HEADERS = {"X-Dashboard-Token": TOKEN}
+HOUR = 3_600_000
+
+
+@pytest.fixture
+def conn(redis_server: RedisServer) -> list[str]:
+    return ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1", "--interval", "0.5"]
+
+
+async def post(url: str, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        return await client.post(url, **kwargs)
+
+
+async def test_backfill_shows_the_dry_run_first_then_delivers_once(
+    component: Callable[[str], Component],
+    props: dict[str, str],
+    conn: list[str],
+    dashboard: Callable[..., Dashboard],
+    redis_client: redis.Redis,
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("orders", b"tick", {"schedule": "0 0 * * * *", "scheduleId": "hourly"})
+    end = now_ms() // HOUR * HOUR
+    form = {"id": "hourly", "from": format_instant(end - 3 * HOUR), "to": format_instant(end)}
+    d = dashboard(*conn, "--allow-actions", "--token-env", "DASH_TOKEN", env={"DASH_TOKEN": TOKEN})
+    url = f"{d.url}/actions/backfill"
+
+    page = await post(url, data=form, headers={**HEADERS, "Accept": "text/html"})
+    assert page.status_code == 200, page.text
+    assert "Would deliver 3 of 3 occurrences to orders" in " ".join(page.text.split())
+    assert 'name="confirm" value="yes"' in page.text
+    assert not redis_client.exists("orders")
+
+    done = await post(url, data={**form, "confirm": "yes"}, headers=HEADERS)
+    twice = await post(url, data={**form, "confirm": "yes"}, headers=HEADERS)
+    assert done.json()["result"]["delivered"] == 3
+    assert twice.json()["result"]["delivered"] == 0
+    assert len(stream_entries(redis_client, "orders")) == 3
+
+    future = await post(url, data={**form, "to": format_instant(end + 2 * HOUR)}, headers=HEADERS)
+    assert future.status_code == 400
+    assert "in the future" in future.json()["message"]
+    unknown = await post(url, data={**form, "id": "nobody"}, headers=HEADERS)
+    assert unknown.status_code == 404
+    forbidden = await post(url, data={**form, "confirm": "yes"})
+    assert forbidden.status_code == 403
