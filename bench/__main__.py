@@ -196,6 +196,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="long: fills 1M pending messages",
     ),
     Bench(
+        "backfill",
+        "`delayed-pubsub backfill` of 4,320 occurrences (@every and a zoned cron): wall, CPU, Redis CPU",
+        why_opt_in="a figure for RESULTS.md, not a regression gate",
+    ),
+    Bench(
         "daprd_publish",
         "unary publishes through daprd: ours (plain, delayed) against the built-in pubsub.redis",
         why_opt_in="needs daprd and ghz",

@@ -79,6 +79,8 @@ RECORD_RETENTION_MS: Final = 30 * 86_400_000
 # bytes (an occurrence bigger than that goes alone), so one call holds Redis ~ms.
 CHUNK_OCCURRENCES: Final = 64
 CHUNK_BYTES: Final = 256 * 1024
+# Records per call when the schedule's history is read.
+HISTORY_PAGE: Final = 100
 
 # lua/backfill.lua's statuses besides an error text.
 OK: Final = "ok"
@@ -255,7 +257,9 @@ async def backfill(
     if not rate > 0:
         raise InvalidArgumentError("--rate", str(rate), "must be more than 0 per second")
     check_range(start_ms, end_ms, now_ms)
-    inspector = Inspector(client, consumer_id, shards=shards)
+    # Small pages: the schedule's history is walked along its by-id chain (hist_walk.lua), which
+    # holds its own `backfilled` records too; 100 a call keeps each call ~ms.
+    inspector = Inspector(client, consumer_id, HISTORY_PAGE, shards=shards)
     info = await inspector.get_bounded(id)
     if info is None:
         raise ScheduleNotFoundError(f"{id}: no pending schedule has this id")

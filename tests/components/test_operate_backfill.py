@@ -13,7 +13,7 @@ import redis
 
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
-from tests.components.driver import Component, cli, cluster_conn, now_ms
+from tests.components.driver import DELAY_SHARDS, Component, cli, cluster_conn, cluster_props, now_ms
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster, RedisServer, stream_entries
 
@@ -37,12 +37,18 @@ def occurrences(client: Any, topic: str = "orders") -> list[str]:
     return [decode_entry(f).metadata["scheduleOccurrence"] for _, f in stream_entries(client, topic)]
 
 
-async def test_backfill_json_dry_run_then_twice_delivers_each_hour_once(
-    component: Callable[[str], Component], props: dict[str, str], conn: list[str], redis_client: redis.Redis
-) -> None:
+@pytest.fixture
+async def hourly(component: Callable[[str], Component], props: dict[str, str]) -> Component:
+    """App app1 with the hourly schedule `hourly` on orders (published now)."""
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"tick", HOURLY)
+    return c
+
+
+async def test_backfill_json_dry_run_then_twice_delivers_each_hour_once(
+    hourly: Component, conn: list[str], redis_client: redis.Redis
+) -> None:
     start, end, hours = last_hours(6)
 
     dry = await cli("backfill", *conn, "hourly", "--from", start, "--to", end, "--dry-run", "--json")
@@ -65,12 +71,9 @@ async def test_backfill_json_dry_run_then_twice_delivers_each_hour_once(
 
 
 async def test_backfill_refusals_exit_2_and_an_unknown_id_exits_1(
-    component: Callable[[str], Component], props: dict[str, str], conn: list[str], redis_client: redis.Redis
+    hourly: Component, conn: list[str], redis_client: redis.Redis
 ) -> None:
-    c = component("delayed")
-    await c.init({**props, "enableDelayedMessaging": "true"})
-    await c.publish("orders", b"tick", HOURLY)
-    await c.publish("orders", b"once", {"scheduledSendDelay": "1h", "scheduleId": "once"})
+    await hourly.publish("orders", b"once", {"scheduledSendDelay": "1h", "scheduleId": "once"})
     start, end, _ = last_hours(2)
     future = format_instant(now_ms() + HOUR)
 
@@ -98,13 +101,7 @@ async def test_backfill_on_a_cluster_delivers_once_from_the_schedules_shard(
     folder: Path, cluster: RedisCluster, admin: Any
 ) -> None:
     serve = Serve(folder, "a")
-    props = {
-        "redisHost": cluster.nodes[0].address,
-        "redisType": "cluster",
-        "consumerID": "app1",
-        "enableDelayedMessaging": "true",
-        "delayShards": "6",
-    }
+    props = {**cluster_props(cluster), "delayShards": str(DELAY_SHARDS)}
     start, end, hours = last_hours(12)
     try:
         async with instance(serve, props) as c:

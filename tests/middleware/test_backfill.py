@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import redis
@@ -16,6 +17,7 @@ import redis.asyncio as aioredis
 from delayed_middleware.backfill import (
     MAX_OCCURRENCES,
     SCHEDULE_OCCURRENCE,
+    BackfillResult,
     ScheduleNotFoundError,
     backfill,
 )
@@ -65,19 +67,27 @@ def ms(text: str) -> int:
     return parse_instant(text)
 
 
+async def daily(aredis: Make, clock: ManualClock, start: str, end: str, **kwargs: Any) -> BackfillResult:
+    """Backfill schedule `daily` of app `app` over [start, end) (RFC 3339) at the clock's time."""
+    return await backfill(aredis(), "app", "daily", ms(start), ms(end), clock=clock, **kwargs)
+
+
 DAILY_BERLIN = {"schedule": "0 30 2 * * *", "scheduleTimeZone": "Europe/Berlin", "scheduleId": "daily"}
 
 
-async def test_a_berlin_cron_is_replayed_across_both_daylight_saving_changes(
-    aredis: Make, redis_client: redis.Redis
-) -> None:
+@pytest.fixture
+async def berlin(aredis: Make, redis_client: redis.Redis) -> ManualClock:
+    """Schedule `daily` (02:30 Berlin time) published on 2026-11-28 at noon: the clock, at that time."""
     _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
-    spring = await backfill(
-        aredis(), "app", "daily", ms("2026-03-27T00:00:00Z"), ms("2026-03-31T00:00:00Z"), clock=clock
-    )
-    autumn = await backfill(
-        aredis(), "app", "daily", ms("2026-10-23T00:00:00Z"), ms("2026-10-27T00:00:00Z"), clock=clock
-    )
+    return clock
+
+
+async def test_a_berlin_cron_is_replayed_across_both_daylight_saving_changes(
+    aredis: Make, redis_client: redis.Redis, berlin: ManualClock
+) -> None:
+    clock = berlin
+    spring = await daily(aredis, clock, "2026-03-27T00:00:00Z", "2026-03-31T00:00:00Z")
+    autumn = await daily(aredis, clock, "2026-10-23T00:00:00Z", "2026-10-27T00:00:00Z")
     local = [local_time(m, BERLIN) for m in spring.deliver + autumn.deliver]
     assert local == [
         "2026-03-27T02:30:00+01:00",
@@ -151,18 +161,12 @@ async def test_jittered_occurrences_are_stamped_nominal_and_those_the_schedule_f
     assert len(result.occurrences) == 7
 
 
-async def test_a_dry_run_lists_and_changes_nothing(aredis: Make, redis_client: redis.Redis) -> None:
-    _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
+async def test_a_dry_run_lists_and_changes_nothing(
+    aredis: Make, redis_client: redis.Redis, berlin: ManualClock
+) -> None:
+    clock = berlin
     before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
-    result = await backfill(
-        aredis(),
-        "app",
-        "daily",
-        ms("2026-11-01T00:00:00Z"),
-        ms("2026-11-08T00:00:00Z"),
-        dry_run=True,
-        clock=clock,
-    )
+    result = await daily(aredis, clock, "2026-11-01T00:00:00Z", "2026-11-08T00:00:00Z", dry_run=True)
     assert len(result.deliver) == 7
     assert result.delivered == 0
     assert result.dry_run
@@ -170,25 +174,13 @@ async def test_a_dry_run_lists_and_changes_nothing(aredis: Make, redis_client: r
 
 
 async def test_twice_delivers_once_and_the_dry_run_then_has_nothing_left(
-    aredis: Make, redis_client: redis.Redis
+    aredis: Make, redis_client: redis.Redis, berlin: ManualClock
 ) -> None:
-    _, clock = await published(aredis, "2026-11-28T12:00:00Z", DAILY_BERLIN)
-    first = await backfill(
-        aredis(), "app", "daily", ms("2026-11-01T00:00:00Z"), ms("2026-11-08T00:00:00Z"), clock=clock
-    )
+    clock = berlin
+    first = await daily(aredis, clock, "2026-11-01T00:00:00Z", "2026-11-08T00:00:00Z")
     # Overlapping: three new days, four done already.
-    second = await backfill(
-        aredis(), "app", "daily", ms("2026-11-04T00:00:00Z"), ms("2026-11-11T00:00:00Z"), clock=clock
-    )
-    again = await backfill(
-        aredis(),
-        "app",
-        "daily",
-        ms("2026-11-01T00:00:00Z"),
-        ms("2026-11-11T00:00:00Z"),
-        dry_run=True,
-        clock=clock,
-    )
+    second = await daily(aredis, clock, "2026-11-04T00:00:00Z", "2026-11-11T00:00:00Z")
+    again = await daily(aredis, clock, "2026-11-01T00:00:00Z", "2026-11-11T00:00:00Z", dry_run=True)
     assert (first.delivered, second.delivered, second.already) == (7, 3, 4)
     assert again.deliver == ()
     assert again.already == 10
@@ -288,4 +280,19 @@ async def test_a_source_schedule_delivers_the_sample_the_source_held_at_each_occ
     assert [(d, m["k"], m[SCHEDULE_OCCURRENCE]) for d, m in got] == [
         (b"v1", "1", "2026-11-28T01:00:00.000Z"),
         (b"v2", "2", "2026-11-28T02:00:00.000Z"),
+    ]
+
+
+async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    meta = {**DAILY_BERLIN, "targetPubsub": "kafka"}
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", meta)
+    result = await daily(aredis, clock, "2026-11-01T00:00:00Z", "2026-11-03T00:00:00Z")
+    assert result.delivered == 2
+    assert not redis_client.exists("orders")
+    rows = [f for _, f in stream_entries(redis_client, KEYS.outbox)]
+    assert [(f[b"pubsub"], f[b"topic"], f[b"id"]) for f in rows] == [(b"kafka", b"orders", b"daily")] * 2
+    assert [decode_entry(f).metadata[SCHEDULE_OCCURRENCE] for f in rows] == [
+        format_instant(m) for m in result.deliver
     ]

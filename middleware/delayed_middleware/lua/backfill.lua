@@ -17,44 +17,42 @@
 -- occurrences and a few hundred KB (backfill.CHUNK_*), so one call holds Redis ~ms.
 local TARGET, RECORD = KEYS[1], KEYS[2]
 local RETENTION_MS, N_OCCURRENCES = ARGV[1], ARGV[2]
-local t = redis.call('TYPE', TARGET).ok
-local bad = nil
-if t ~= 'stream' and t ~= 'none' then bad = 'WRONGTYPE: the key is a ' .. t .. ', not a stream' end
-local out, pos = {}, 3
+-- ARGV is read front to back, one value per call.
+local at = 2
+local function arg()
+  at = at + 1
+  return ARGV[at]
+end
+-- The target's verdict, once: nothing here changes its type (an XADD only creates a stream).
+local kind = redis.call('TYPE', TARGET).ok
+local refused = (kind ~= 'stream' and kind ~= 'none') and ('WRONGTYPE: the key is a ' .. kind .. ', not a stream') or nil
+local statuses = {}
 for i = 1, tonumber(N_OCCURRENCES) do
-  local nominal = ARGV[pos]
-  local k = tonumber(ARGV[pos + 1])
-  pos = pos + 2
-  local entries = {}
-  for _ = 1, k do
-    local m = tonumber(ARGV[pos])
-    entries[#entries + 1] = {pos + 1, m}
-    pos = pos + 1 + 2 * m
+  local nominal, xadds = arg(), {}
+  for e = 1, tonumber(arg()) do
+    local xadd = {TARGET, '*'}
+    for _ = 1, 2 * tonumber(arg()) do xadd[#xadd + 1] = arg() end
+    xadds[e] = xadd
   end
-  if bad then
-    out[i] = bad
+  if refused then
+    statuses[i] = refused
   elseif redis.call('ZADD', RECORD, 'NX', nominal, nominal) == 0 then
-    out[i] = 'dup'
+    statuses[i] = 'dup'
   else
-    local done, failed = 0, nil
-    for _, e in ipairs(entries) do
-      local args = {TARGET, '*'}
-      for j = e[1], e[1] + 2 * e[2] - 1 do args[#args + 1] = ARGV[j] end
-      local ok, err = pcall(redis.call, 'XADD', unpack(args))
+    statuses[i] = 'ok'
+    for e, xadd in ipairs(xadds) do
+      local ok, err = pcall(redis.call, 'XADD', unpack(xadd))
       if not ok then
-        failed = tostring(err)
+        -- Nothing of it went out: not recorded, so a later backfill delivers it. After
+        -- its first entry, what went out stays recorded (as a fire's partial append).
+        if e == 1 then
+          redis.call('ZREM', RECORD, nominal)
+          statuses[i] = tostring(err)
+        end
         break
       end
-      done = done + 1
-    end
-    if failed and done == 0 then
-      -- Nothing of it went out: not recorded, so a later backfill delivers it.
-      redis.call('ZREM', RECORD, nominal)
-      out[i] = failed
-    else
-      out[i] = 'ok'
     end
   end
 end
 if redis.call('EXISTS', RECORD) == 1 then redis.call('PEXPIRE', RECORD, RETENTION_MS) end
-return out
+return statuses
