@@ -36,7 +36,7 @@ the same range that much later delivers again. The `backfilled` history records
 go in a second step (a MULTI on the shard's history): a crash between the two
 loses history records, never a delivery or its record.
 
-Bounds (refused with InvalidArgumentError, naming the flag): T1 not before T2,
+Bounds (refused with BackfillRefusedError, naming the flag): T1 not before T2,
 T2 after now, more than MAX_OCCURRENCES occurrences in the range.
 """
 
@@ -52,7 +52,7 @@ from delayed_middleware import history as hist
 from delayed_middleware.clock import Clock, SystemClock
 from delayed_middleware.entry import StreamEntry, decode_metadata, encode_entry
 from delayed_middleware.envelope import Envelope
-from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError
+from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError, echo
 from delayed_middleware.inspection import AnyRedis, MessageInfo, shown
 from delayed_middleware.inspector import Inspector
 from delayed_middleware.instants import format_instant
@@ -91,6 +91,15 @@ _MAX_SEQ: Final = "18446744073709551615"
 
 class ScheduleNotFoundError(DelayedPubSubError):
     """No pending schedule or message has this id."""
+
+
+class BackfillRefusedError(InvalidArgumentError):
+    """A backfill refused as asked (a bad range or rate, an ID that is no pending recurring
+    schedule): names the flag (`--from`, `--to`, `--rate`, `ID`) and its value. An
+    InvalidArgumentError, so it maps to exit code 2 and to a 400 / INVALID_ARGUMENT."""
+
+    def __str__(self) -> str:
+        return f"{self.key} {echo(self.value)}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -162,13 +171,13 @@ class BackfillResult:
 
 
 def check_range(start_ms: int, end_ms: int, now_ms: int) -> None:
-    """Refuse a range a backfill does not take (InvalidArgumentError naming the flag)."""
+    """Refuse a range a backfill does not take (BackfillRefusedError naming the flag)."""
     if start_ms >= end_ms:
-        raise InvalidArgumentError(
+        raise BackfillRefusedError(
             "--from", format_instant(start_ms), f"is not before --to {format_instant(end_ms)}"
         )
     if end_ms > now_ms:
-        raise InvalidArgumentError(
+        raise BackfillRefusedError(
             "--to",
             format_instant(end_ms),
             f"is in the future (now is {format_instant(now_ms)}): a backfill delivers past occurrences only",
@@ -179,7 +188,7 @@ def plan_occurrences(
     schedule: Schedule, *, origin_ms: int, key: str, start_ms: int, end_ms: int, now_ms: int
 ) -> list[Occurrence]:
     """The occurrences with a nominal time in [start, end) and a due time not after now, in order;
-    InvalidArgumentError when there are more than MAX_OCCURRENCES."""
+    BackfillRefusedError when there are more than MAX_OCCURRENCES."""
     found: list[Occurrence] = []
     pending: tuple[int, int] | None = None
     for nominal, due in occurrences(schedule, origin_ms=origin_ms, after_ms=start_ms - 1, key=key):
@@ -194,7 +203,7 @@ def plan_occurrences(
         if pending is not None:
             found.append(Occurrence(pending[0], pending[1], None))
     if len(found) > MAX_OCCURRENCES:
-        raise InvalidArgumentError(
+        raise BackfillRefusedError(
             "--from",
             format_instant(start_ms),
             f"the range to {format_instant(end_ms)} holds more than {MAX_OCCURRENCES:,} occurrences of "
@@ -249,13 +258,13 @@ async def backfill(
 
     Raises:
         ScheduleNotFoundError: nothing pending has this id.
-        InvalidArgumentError: a bad range (check_range, MAX_OCCURRENCES), a rate not > 0,
+        BackfillRefusedError: a bad range (check_range, MAX_OCCURRENCES), a rate not > 0,
             or `id` is not a pending recurring schedule (one-shot, parked, a retry).
     """
     clock = clock or SystemClock()
     now_ms = clock.now_ms()
     if not rate > 0:
-        raise InvalidArgumentError("--rate", str(rate), "must be more than 0 per second")
+        raise BackfillRefusedError("--rate", str(rate), "must be more than 0 per second")
     check_range(start_ms, end_ms, now_ms)
     # Small pages: the schedule's history is walked along its by-id chain (hist_walk.lua), which
     # holds its own `backfilled` records too; 100 a call keeps each call ~ms.
@@ -315,16 +324,16 @@ async def backfill(
 
 
 def _recurring(id: str, info: MessageInfo, now_ms: int) -> Schedule:
-    """The schedule of `info`, or InvalidArgumentError when it is no pending recurring schedule."""
+    """The schedule of `info`, or BackfillRefusedError when it is no pending recurring schedule."""
     env = info.envelope
     if not env.is_recurring or not env.schedule:
-        raise InvalidArgumentError("ID", id, f"is not a recurring schedule (a {info.message.kind} message)")
+        raise BackfillRefusedError("ID", id, f"is not a recurring schedule (a {info.message.kind} message)")
     if info.state == "parked":
-        raise InvalidArgumentError("ID", id, f"is parked ({info.parked_reason}): resolve that first")
+        raise BackfillRefusedError("ID", id, f"is parked ({info.parked_reason}): resolve that first")
     try:
         return parse_stored_schedule(env.schedule, now_ms=now_ms)
     except InvalidArgumentError as e:
-        raise InvalidArgumentError(
+        raise BackfillRefusedError(
             "ID", id, f"its schedule {env.schedule!r} does not parse: {e.reason}"
         ) from None
 

@@ -296,3 +296,50 @@ async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
     assert [decode_entry(f).metadata[SCHEDULE_OCCURRENCE] for f in rows] == [
         format_instant(m) for m in result.deliver
     ]
+
+
+async def test_fires_older_than_the_history_cannot_be_told_and_are_delivered_as_unverified(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
+    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+    meta = {"schedule": "@hourly", "scheduleId": "hourly"}
+    await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", meta, "", ctx).delayed])
+    await fire_until(engine, clock, "2026-11-28T02:30:00Z")
+    window = (ms("2026-11-27T23:00:00Z"), ms("2026-11-28T02:30:00Z"))
+    known = await backfill(aredis(), "app", "hourly", *window, clock=clock, dry_run=True)
+    # 23:00 and 00:00 came before the schedule existed; 01:00 and 02:00 it fired.
+    assert (len(known.deliver), known.fired, known.unverified) == (2, 2, 0)
+    # The history trimmed away (historyMaxLen, historyMaxAge): its fires can no longer be told.
+    redis_client.xtrim(KEYS.history, maxlen=0)
+    blind = await backfill(aredis(), "app", "hourly", *window, clock=clock, dry_run=True)
+    assert (len(blind.deliver), blind.fired, blind.unverified) == (4, 0, 2)
+
+
+async def test_a_paused_period_is_backfilled_once_the_schedule_is_resumed(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
+    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+    meta = {"schedule": "@hourly", "scheduleId": "hourly"}
+    await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", meta, "", ctx).delayed])
+    await fire_until(engine, clock, "2026-11-28T01:30:00Z")
+    await engine.set_paused("hourly", pause=True)
+    clock.set(ms("2026-11-28T05:30:00Z"))
+    window = (ms("2026-11-28T00:00:00Z"), ms("2026-11-28T05:30:00Z"))
+    held = await backfill(aredis(), "app", "hourly", *window, clock=clock, dry_run=True)
+    # Held at 02:00: that occurrence and the later ones are still the schedule's own.
+    assert (len(held.deliver), held.fired, held.left_to_schedule) == (1, 1, 4)
+    await engine.set_paused("hourly", pause=False)
+    resumed = await backfill(aredis(), "app", "hourly", *window, clock=clock)
+    # Resumed, it goes on at 06:00 (the paused fires are skipped): 02:00-05:00 are backfilled.
+    assert [format_instant(m)[11:16] for m in resumed.deliver] == [
+        "00:00",
+        "02:00",
+        "03:00",
+        "04:00",
+        "05:00",
+    ]
+    assert (resumed.fired, resumed.left_to_schedule) == (1, 0)
