@@ -75,10 +75,12 @@ MAX_OCCURRENCES: Final = 10_000
 DEFAULT_RATE: Final = 100.0
 # How long the record of a schedule's backfilled occurrences outlives its last backfill.
 RECORD_RETENTION_MS: Final = 30 * 86_400_000
-# One script call's chunk: at most this many occurrences and about this many argument
-# bytes (an occurrence bigger than that goes alone), so one call holds Redis ~ms.
+# One script call's chunk: at most this many occurrences, and about this many argument bytes
+# and XADDs (a bulk schedule's occurrence is one per entry; an occurrence bigger than that goes
+# alone), so one call holds Redis ~ms.
 CHUNK_OCCURRENCES: Final = 64
 CHUNK_BYTES: Final = 256 * 1024
+CHUNK_ENTRIES: Final = 512
 # Records per call when the schedule's history is read.
 HISTORY_PAGE: Final = 100
 
@@ -484,16 +486,18 @@ async def _samples(
 def _split(
     chunk: Sequence[Occurrence], messages: Sequence[list[_Fields]]
 ) -> Iterable[list[tuple[Occurrence, list[_Fields]]]]:
-    """The chunk in parts of at most about CHUNK_BYTES of arguments (at least one occurrence each)."""
+    """The chunk in parts of at most about CHUNK_BYTES of arguments and CHUNK_ENTRIES XADDs (at
+    least one occurrence each)."""
     part: list[tuple[Occurrence, list[_Fields]]] = []
-    size = 0
+    size = entries = 0
     for o, msgs in zip(chunk, messages, strict=True):
         bytes_ = sum(len(x) for fields in msgs for x in fields)
-        if part and size + bytes_ > CHUNK_BYTES:
+        if part and (size + bytes_ > CHUNK_BYTES or entries + len(msgs) > CHUNK_ENTRIES):
             yield part
-            part, size = [], 0
+            part, size, entries = [], 0, 0
         part.append((o, msgs))
         size += bytes_
+        entries += len(msgs)
     if part:
         yield part
 

@@ -23,12 +23,12 @@ from delayed_middleware.backfill import (
 )
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
-from delayed_middleware.entry import decode_entry
+from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic
-from delayed_middleware.plan import PlanContext, plan_publish
+from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_middleware.zones import local_time, parse_time_zone
 from tests.redis_server import stream_entries
@@ -343,3 +343,39 @@ async def test_a_paused_period_is_backfilled_once_the_schedule_is_resumed(
         "05:00",
     ]
     assert (resumed.fired, resumed.left_to_schedule) == (1, 0)
+
+
+async def test_a_target_that_is_no_stream_fails_each_occurrence_and_records_none(
+    aredis: Make, redis_client: redis.Redis, berlin: ManualClock
+) -> None:
+    redis_client.set("orders", "a string, not a stream")
+    refused = await daily(aredis, berlin, "2026-11-01T00:00:00Z", "2026-11-04T00:00:00Z")
+    assert refused.delivered == 0
+    assert [why.split(":")[0] for _, why in refused.failed] == ["WRONGTYPE"] * 3
+    assert events(redis_client, "backfilled") == []
+    # Fixed, the same range goes out in full: nothing was recorded as delivered.
+    redis_client.delete("orders")
+    fixed = await daily(aredis, berlin, "2026-11-01T00:00:00Z", "2026-11-04T00:00:00Z")
+    assert fixed.delivered == 3
+
+
+async def test_a_bulk_schedule_delivers_every_entry_of_each_occurrence_in_calls_of_bounded_work(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(ms("2026-11-28T12:00:00Z"))
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
+    entries = [(str(i), StreamEntry(f"e{i}".encode(), {"n": str(i)})) for i in range(200)]
+    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+    plan = plan_bulk("orders", entries, {"schedule": "@hourly", "scheduleId": "bulk"}, ctx)
+    await engine.schedule([d.envelope for d in plan.delayed])
+    calls = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    result = await backfill(
+        aredis(), "app", "bulk", ms("2026-11-28T09:00:00Z"), ms("2026-11-28T12:00:00Z"), clock=clock
+    )
+    assert result.delivered == 3
+    got = [decode_entry(f) for _, f in stream_entries(redis_client, "orders")]
+    assert [e.data for e in got] == [f"e{i}".encode() for i in range(200)] * 3
+    assert {e.metadata[SCHEDULE_OCCURRENCE] for e in got[:200]} == {"2026-11-28T09:00:00.000Z"}
+    # 600 XADDs: two script calls (at most CHUNK_ENTRIES each), besides the history's pages.
+    after = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert after - calls == 2
