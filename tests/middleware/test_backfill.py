@@ -27,7 +27,7 @@ from delayed_middleware.entry import StreamEntry, decode_entry
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant, parse_instant
-from delayed_middleware.keys import EngineKeys, delayed_topic
+from delayed_middleware.keys import EngineKeys, backfill_record, delayed_topic, is_engine_key, key_slot
 from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
 from delayed_middleware.schedules import EnvelopeRecurrence
 from delayed_middleware.zones import local_time, parse_time_zone
@@ -379,3 +379,12 @@ async def test_a_bulk_schedule_delivers_every_entry_of_each_occurrence_in_calls_
     # 600 XADDs: two script calls (at most CHUNK_ENTRIES each), besides the history's pages.
     after = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
     assert after - calls == 2
+
+
+@pytest.mark.parametrize("topic", ["orders", "{tenant}orders", "a}b{c", "app-delayed-ish"])
+def test_the_record_lives_in_the_targets_slot_inside_the_engines_namespace(topic: str) -> None:
+    record = backfill_record(topic, KEYS.stream, "daily}{x")
+    assert key_slot(record) == key_slot(topic)
+    assert is_engine_key(record)
+    # Another app's record of the same schedule id is another key.
+    assert record != backfill_record(topic, delayed_topic("app2"), "daily}{x")
