@@ -6,6 +6,7 @@ out (occurrences the schedule fired itself)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +30,7 @@ from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, backfill_record, delayed_topic, is_engine_key, key_slot
 from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
-from delayed_middleware.schedules import EnvelopeRecurrence
+from delayed_middleware.schedules import EnvelopeRecurrence, next_fire, occurrences, parse_stored_schedule
 from delayed_middleware.zones import local_time, parse_time_zone
 from tests.redis_server import stream_entries
 
@@ -388,3 +389,32 @@ def test_the_record_lives_in_the_targets_slot_inside_the_engines_namespace(topic
     assert is_engine_key(record)
     # Another app's record of the same schedule id is another key.
     assert record != backfill_record(topic, delayed_topic("app2"), "daily}{x")
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"schedule": "0 30 2 * * *", "scheduleTimeZone": "Europe/Berlin", "scheduleJitter": "20m"},
+        {"schedule": "0 */5 1-3 * * *", "scheduleTimeZone": "Europe/Berlin", "scheduleJitter": "4m"},
+        {"schedule": "@every 7m", "scheduleStart": "2026-03-01T00:00:00Z", "scheduleJitter": "5m"},
+        {"schedule": "@hourly", "scheduleLimit": "500"},
+    ],
+)
+def test_the_calendar_replayed_is_the_one_the_engine_fires_by(metadata: dict[str, str]) -> None:
+    # Each occurrence's due time is the engine's next fire after the one before: so a `fired`
+    # record (which names the due time) is matched to its occurrence.
+    now = ms("2026-03-02T00:00:00Z")
+    ctx = PlanContext(now_ms=now, pubsub_name="p", enabled=True)
+    env = plan_publish("orders", b"x", {**metadata, "scheduleId": "k"}, "", ctx).delayed[0].envelope
+    schedule = parse_stored_schedule(env.schedule, now_ms=now)
+    # From the first whose due time is the engine's first fire (a nominal time at or just
+    # before now may be due after it, jittered).
+    walk = occurrences(
+        schedule, origin_ms=env.published_at_ms, after_ms=now - schedule.jitter_ms - 1, key="k"
+    )
+    got = list(itertools.islice(itertools.dropwhile(lambda o: o[1] < env.due_ms, walk), 400))
+    due = env.due_ms
+    for nominal, jittered in got:
+        assert jittered == due
+        assert 0 <= jittered - nominal < max(schedule.jitter_ms, 1)
+        due = next_fire(schedule, start_ms=env.published_at_ms, after_ms=due, key="k") or 0
