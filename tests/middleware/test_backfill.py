@@ -73,6 +73,7 @@ async def daily(aredis: Make, clock: ManualClock, start: str, end: str, **kwargs
     return await backfill(aredis(), "app", "daily", ms(start), ms(end), clock=clock, **kwargs)
 
 
+HOURLY = {"schedule": "@hourly", "scheduleId": "hourly"}
 DAILY_BERLIN = {"schedule": "0 30 2 * * *", "scheduleTimeZone": "Europe/Berlin", "scheduleId": "daily"}
 
 
@@ -302,11 +303,7 @@ async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
 async def test_fires_older_than_the_history_cannot_be_told_and_are_delivered_as_unverified(
     aredis: Make, redis_client: redis.Redis
 ) -> None:
-    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
-    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
-    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
-    meta = {"schedule": "@hourly", "scheduleId": "hourly"}
-    await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", meta, "", ctx).delayed])
+    engine, clock = await published(aredis, "2026-11-28T00:20:00Z", HOURLY)
     await fire_until(engine, clock, "2026-11-28T02:30:00Z")
     window = (ms("2026-11-27T23:00:00Z"), ms("2026-11-28T02:30:00Z"))
     known = await backfill(aredis(), "app", "hourly", *window, clock=clock, dry_run=True)
@@ -321,11 +318,7 @@ async def test_fires_older_than_the_history_cannot_be_told_and_are_delivered_as_
 async def test_a_paused_period_is_backfilled_once_the_schedule_is_resumed(
     aredis: Make, redis_client: redis.Redis
 ) -> None:
-    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
-    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
-    ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
-    meta = {"schedule": "@hourly", "scheduleId": "hourly"}
-    await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", meta, "", ctx).delayed])
+    engine, clock = await published(aredis, "2026-11-28T00:20:00Z", HOURLY)
     await fire_until(engine, clock, "2026-11-28T01:30:00Z")
     await engine.set_paused("hourly", pause=True)
     clock.set(ms("2026-11-28T05:30:00Z"))
