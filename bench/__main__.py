@@ -201,6 +201,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a figure for RESULTS.md, not a regression gate",
     ),
     Bench(
+        "drain",
+        "a backlog drained through daprd: ours vs the built-in pubsub.redis (and the fast path), one run",
+        why_opt_in="needs daprd and Go (its HTTP app is built with go build)",
+    ),
+    Bench(
         "daprd_publish",
         "unary publishes through daprd: ours (plain, delayed) against the built-in pubsub.redis",
         why_opt_in="needs daprd and ghz",

@@ -1,0 +1,360 @@
+"""A backlog drained through ONE real daprd: the built-in pubsub.redis against ours, in one run.
+
+Before daprd starts, N entries are written straight to each topic's stream in
+pubsub.redis's own entry format (fields `data` = a CloudEvent, `metadata` = JSON):
+`drain-builtin` (subscribed through the built-in `pubsub`) and `drain-ours`
+(subscribed through our `delayed`). One daprd (1.18, HTTP app channel) loads both
+components on the same Redis; a Go HTTP app (bench/drain_app, answers 200 at once)
+subscribes to both. Each figure is timed from daprd's launch to its last arrival;
+the two backlogs drain side by side on the same daprd.
+
+    .venv/bin/python -m bench drain [--messages 20000] [--fast-path] [--streams K]
+                                    [--ours KEY=VALUE ...]
+
+--fast-path: also N delayed messages published (to our serve, over gRPC, before
+daprd starts) due at the instant daprd is launched, onto `drain-fast`, subscribed
+through the built-in: the fast path of dapr/fastpath/ (fire + the built-in's drain).
+--streams K: ours through K component instances (one socket, one consumer group),
+each subscribed to `drain-ours`: K PullMessages streams share the backlog.
+--ours KEY=VALUE: subscription settings of our component (concurrency, queueDepth, ...).
+
+Besides the times, what explains them: how many deliveries the app held at once
+per route, our component's sent-but-unacked count sampled every 250 ms (its
+Prometheus counters) and the send->ack time it implies (Little's law), daprd's own
+per-message handling time (its ingress latency metric), and each process's CPU.
+
+Needs redis-server, Go (the app is built into ~/.cache on first use) and daprd
+(scripts/daprd.sh finds or builds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+for _sub in ("proto", "middleware", "components", "."):
+    sys.path.insert(0, str(ROOT / _sub))
+
+import grpc  # noqa: E402
+import httpx  # noqa: E402
+import redis  # noqa: E402
+
+from bench.common import MD, PAYLOAD, daprd_heading, start_serve, stop  # noqa: E402
+from bench.delay import bulk_schedule  # noqa: E402
+from bench.deliver import cpu_seconds  # noqa: E402
+from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc  # noqa: E402
+from tests.e2e import harness  # noqa: E402
+from tests.redis_server import RedisServer, free_port  # noqa: E402
+
+APP_ID = "drain-app"
+APP_SOURCE = Path(__file__).resolve().parent / "drain_app"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapr-delayed-pubsub"
+BUILTIN = ("pubsub", "drain-builtin")
+FAST = ("pubsub", "drain-fast")
+OURS_TOPIC = "drain-ours"
+
+
+def app_binary() -> Path:
+    """The Go app, built with `go build` into the cache once per version of its source."""
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in sorted(APP_SOURCE.iterdir()) if p.suffix in (".go", ".mod"))
+    ).hexdigest()[:12]
+    exe = CACHE / f"drain-app-{digest}"
+    if not exe.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["go", "build", "-o", str(exe), "."], cwd=APP_SOURCE, check=True)
+    return exe
+
+
+def write_backlog(client: redis.Redis, topic: str, n: int) -> None:
+    """N CloudEvents on `topic` in pubsub.redis's entry format, pipelined."""
+    for start in range(0, n, 2000):
+        pipe = client.pipeline(transaction=False)
+        for _ in range(start, min(n, start + 2000)):
+            pipe.xadd(topic, {"data": PAYLOAD, "metadata": b"{}"})
+        pipe.execute()
+
+
+async def schedule_fast_path(socket: Path, redis_port: int, n: int) -> int:
+    """N delayed messages onto drain-fast through our serve, all due at one instant; returns it (ms).
+
+    Published as instance "bench" with the app's consumerID: fired entries land where the
+    built-in reads them (dapr/fastpath/). The instant leaves room to store them all first.
+    """
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
+        props = {
+            "redisHost": f"127.0.0.1:{redis_port}",
+            "consumerID": APP_ID,
+            "enableDelayedMessaging": "true",
+        }
+        await stub.Init(
+            pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
+        )
+        due_ms = time.time_ns() // 1_000_000 + 3000 + n // 2
+        await bulk_schedule(stub, FAST[1], [due_ms] * n, PAYLOAD)
+    if time.time_ns() // 1_000_000 >= due_ms:
+        print("WARNING: the fast path's publishes ended after their due time; its figure is off")
+    return due_ms
+
+
+# --- sampling during the drain ------------------------------------------------------
+
+
+def prometheus_sum(text: str, metric: str, match: str = "") -> float:
+    """The sum of a Prometheus metric's samples (lines naming `match`, if given)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(metric) and (line[len(metric)] in " {") and match in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Sampler:
+    """Our component's sent-but-unacked count, every `every_s`, in a thread, until stopped."""
+
+    metrics_port: int
+    every_s: float = 0.25
+    unacked: list[float] = field(default_factory=list)
+    stop_flag: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        with httpx.Client(timeout=2) as http:
+            while not self.stop_flag.wait(self.every_s):
+                try:
+                    text = http.get(f"http://127.0.0.1:{self.metrics_port}/metrics").text
+                except httpx.HTTPError:
+                    continue
+                sent = prometheus_sum(text, "delayed_pubsub_delivered_messages_total")
+                acked = prometheus_sum(text, "delayed_pubsub_acked_messages_total")
+                if sent > acked:
+                    self.unacked.append(sent - acked)
+
+
+def wait_all(app_port: int, routes: Mapping[str, Sequence[str]], n: int, timeout_s: float) -> dict[str, Any]:
+    """/stats once every figure's routes hold `n` arrivals together."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = httpx.get(f"http://127.0.0.1:{app_port}/stats", timeout=5).json()
+        counts = {k: sum(got.get(r, {}).get("count", 0) for r in rs) for k, rs in routes.items()}
+        if all(c >= n for c in counts.values()):
+            return dict(got)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not all arrived within {timeout_s:.0f} s: {counts} of {n}")
+        time.sleep(0.1)
+
+
+def ingress_ms(text: str, component: str) -> tuple[float, float]:
+    """daprd's dapr_component_pubsub_ingress_latencies for one component: (count, mean ms)."""
+    label = f'component="{component}"'
+    count = prometheus_sum(text, "dapr_component_pubsub_ingress_latencies_count", label)
+    total = prometheus_sum(text, "dapr_component_pubsub_ingress_latencies_sum", label)
+    return count, (total / count if count else 0.0)
+
+
+# --- the run ------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    ours: list[str]  # our component instances, each subscribed to drain-ours
+    fast_path: bool
+
+    def subscriptions(self) -> list[tuple[str, str]]:
+        subs = [BUILTIN] + [(name, OURS_TOPIC) for name in self.ours]
+        return subs + ([FAST] if self.fast_path else [])
+
+    def routes(self) -> dict[str, list[str]]:
+        routes = {"built-in": [f"/events/{BUILTIN[0]}/{BUILTIN[1]}"]}
+        routes["ours"] = [f"/events/{name}/{OURS_TOPIC}" for name in self.ours]
+        if self.fast_path:
+            routes["fast path"] = [f"/events/{FAST[0]}/{FAST[1]}"]
+        return routes
+
+
+def write_resources(folder: Path, redis_port: int, layout: Layout, ours_meta: dict[str, str]) -> None:
+    folder.mkdir()
+    host = {"redisHost": f"127.0.0.1:{redis_port}"}
+    (folder / "pubsub.yaml").write_text(harness.component_yaml("pubsub", host, "pubsub.redis"))
+    for name in layout.ours:
+        yaml = harness.component_yaml(name, {**host, **ours_meta}, "pubsub.delayed-pubsub")
+        (folder / f"{name}.yaml").write_text(yaml)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=20_000)
+    ap.add_argument("--fast-path", action="store_true")
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    a = ap.parse_args()
+    ours_meta = dict(kv.split("=", 1) for kv in a.ours)
+    layout = Layout([f"delayed{i}" if i else "delayed" for i in range(a.streams)], a.fast_path)
+    n = a.messages
+    app_exe = app_binary()
+    daprd_path = harness.find_daprd()
+    extra = f", ours: {a.streams} streams {ours_meta or ''}" if a.streams > 1 or ours_meta else ""
+    print(daprd_heading(daprd_path, f"{n}-entry backlogs, HTTP app (Go){extra}"))
+    with tempfile.TemporaryDirectory(prefix="dpsdrain-") as d:
+        run(Path(d), a, layout, ours_meta, app_exe, daprd_path)
+
+
+def run(
+    work: Path,
+    a: argparse.Namespace,
+    layout: Layout,
+    ours_meta: dict[str, str],
+    app_exe: Path,
+    daprd_path: str,
+) -> None:
+    n = a.messages
+    server = RedisServer(work / "redis", appendonly=False)
+    server.start()
+    procs: list[Any] = []
+    sampler: Sampler | None = None
+    try:
+        client = redis.Redis(port=server.port)
+        write_backlog(client, BUILTIN[1], n)
+        write_backlog(client, OURS_TOPIC, n)
+        sockets = work / "sockets"
+        sockets.mkdir()
+        metrics_port = free_port()
+        serve = start_serve(
+            sockets / "delayed-pubsub.sock", work / "serve.log", "--metrics-port", str(metrics_port)
+        )
+        procs.append(serve)
+        app_port = free_port()
+        app = subprocess.Popen(
+            [str(app_exe), str(app_port), *(f"{p}={t}" for p, t in layout.subscriptions())],
+            stdout=subprocess.DEVNULL,
+            stderr=(work / "app.log").open("wb"),
+        )
+        procs.append(app)
+        harness.wait_until_blocking(
+            lambda: httpx.get(f"http://127.0.0.1:{app_port}/healthz", timeout=1).status_code == 200,
+            "the drain app",
+            15,
+        )
+        resources = work / "resources"
+        write_resources(resources, server.port, layout, ours_meta)
+        launch_ms = time.time_ns() // 1_000_000
+        if layout.fast_path:
+            launch_ms = asyncio.run(schedule_fast_path(sockets / "delayed-pubsub.sock", server.port, n))
+            time.sleep(max(0.0, launch_ms / 1000 - time.time()))
+        assert server.proc is not None
+        watched = {"daprd": 0, "serve": serve.pid, "app": app.pid, "redis": server.proc.pid}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items() if pid}
+        ports = harness.DaprdPorts.free()
+        launch_ms = time.time_ns() // 1_000_000
+        # daprd's metrics on: its per-message handling time (ingress latency) is read after the drain.
+        daprd = harness.start_daprd(
+            daprd_path, work, sockets, APP_ID, app_port, resources, ports, extra=["--enable-metrics=true"]
+        )
+        procs.append(daprd)
+        assert daprd.proc is not None
+        watched["daprd"] = daprd.proc.pid
+        sampler = Sampler(metrics_port)
+        threading.Thread(target=sampler.run, daemon=True).start()
+        stats = wait_all(app_port, layout.routes(), n, a.timeout)
+        sampler.stop_flag.set()
+        cpu = {k: cpu_seconds(pid) - cpu0.get(k, 0.0) for k, pid in watched.items()}
+        # daprd records its metrics through a queue: let it catch up before reading them.
+        time.sleep(3)
+        daprd_metrics = httpx.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=5).text
+        figures = report(n, launch_ms, layout, stats, sampler, cpu, daprd_metrics)
+        if a.json:
+            print(json.dumps(figures))
+    finally:
+        if sampler is not None:
+            sampler.stop_flag.set()
+        for p in reversed(procs):
+            if isinstance(p, harness.ManagedProcess):
+                p.stop()
+            else:
+                stop(p)
+        server.stop()
+
+
+def report(
+    n: int,
+    launch_ms: int,
+    layout: Layout,
+    stats: dict[str, Any],
+    sampler: Sampler,
+    cpu: dict[str, float],
+    daprd_metrics: str,
+) -> dict[str, Any]:
+    """Print the figures; return them (seconds per backlog, the app's most held at once per route)."""
+    seconds: dict[str, float] = {}
+    at_once: dict[str, list[int]] = {}
+    print()
+    print(
+        "| backlog | subscribed through | drained (s, from daprd's launch) | msgs/s | app held at once (max) |"
+    )
+    print("|---|---|---|---|---|")
+    through = {
+        "built-in": "pubsub.redis",
+        "ours": f"ours, {len(layout.ours)} stream(s)",
+        "fast path": "pubsub.redis",
+    }
+    for figure, routes in layout.routes().items():
+        rows = [stats[r] for r in routes]
+        first = min(r["first_ms"] for r in rows)
+        last = max(r["last_ms"] for r in rows)
+        seconds[figure] = s = (last - launch_ms) / 1000
+        at_once[figure] = [r["max_at_once"] for r in rows]
+        print(f"| {figure} | {through[figure]} | {s:.2f} (first at {(first - launch_ms) / 1000:.2f}) | "
+              f"{n / s:,.0f} | {'+'.join(map(str, at_once[figure]))} |")  # fmt: skip
+    print()
+    ratio = seconds["built-in"] / seconds["ours"]
+    print(
+        f"ours drains at {ratio:.2f}x the built-in's pace ({seconds['ours']:.2f} s vs {seconds['built-in']:.2f} s)"
+    )
+    if "fast path" in seconds:
+        print(f"fast path: {seconds['fast path']:.2f} s = {seconds['built-in'] / seconds['fast path']:.2f}x "
+              "the built-in's pace (fire included, due at daprd's launch)")  # fmt: skip
+    unacked = sorted(sampler.unacked)
+    if unacked:
+        mean = sum(unacked) / len(unacked)
+        rows = [stats[r] for r in layout.routes()["ours"]]
+        busy_s = (max(r["last_ms"] for r in rows) - min(r["first_ms"] for r in rows)) / 1000
+        print(
+            f"ours, sent and not yet acked (every 250 ms, {len(unacked)} samples): median "
+            f"{unacked[len(unacked) // 2]:.0f}, max {unacked[-1]:.0f}; send->ack ~ {mean / (n / busy_s) * 1000:.1f} ms "
+            f"(mean unacked / rate), {busy_s / n * 1e6:.0f} us per message on the stream(s)"
+        )
+    parts = []
+    for name in ["pubsub", *layout.ours]:
+        count, mean_ms = ingress_ms(daprd_metrics, name)
+        if count:
+            parts.append(f"{name}: {mean_ms:.2f} ms x {count:,.0f}")
+    if parts:
+        print("daprd's handling per message (ingress latency, mean): " + "; ".join(parts))
+    print("CPU seconds from launch to the last arrival: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    return {
+        "seconds": seconds,
+        "ratio": ratio,
+        "app_at_once": at_once,
+        "ours_unacked_max": unacked[-1] if unacked else 0,
+        "cpu_s": cpu,
+    }
+
+
+if __name__ == "__main__":
+    main()

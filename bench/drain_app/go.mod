@@ -1,0 +1,3 @@
+module drainapp
+
+go 1.22
