@@ -11,17 +11,19 @@ the two backlogs drain side by side on the same daprd.
     .venv/bin/python -m bench drain [--messages 20000] [--fast-path] [--streams K]
                                     [--ours KEY=VALUE ...]
 
---fast-path: also N delayed messages published (to our serve, over gRPC, before
-daprd starts) due at the instant daprd is launched, onto `drain-fast`, subscribed
-through the built-in: the fast path of dapr/fastpath/ (fire + the built-in's drain).
+--fast-path: also N delayed messages published to our serve (over gRPC, due at
+once) and fired onto `drain-fast` before daprd starts, subscribed through the
+built-in: the fast path of dapr/fastpath/ (how long the fire took is printed too).
 --streams K: ours through K component instances (one socket, one consumer group),
 each subscribed to `drain-ours`: K PullMessages streams share the backlog.
 --ours KEY=VALUE: subscription settings of our component (concurrency, queueDepth, ...).
 
 Besides the times, what explains them: how many deliveries the app held at once
 per route, our component's sent-but-unacked count sampled every 250 ms (its
-Prometheus counters) and the send->ack time it implies (Little's law), daprd's own
-per-message handling time (its ingress latency metric), and each process's CPU.
+Prometheus counters) and the send->ack time it implies (Little's law), the app's
+answer time and the time from one answer to the next call on a route (on a route
+daprd calls one at a time, the part of each message's round trip that is daprd's and
+the pub/sub's), and each process's CPU.
 
 Needs redis-server, Go (the app is built into ~/.cache on first use) and daprd
 (scripts/daprd.sh finds or builds it).
@@ -88,27 +90,35 @@ def write_backlog(client: redis.Redis, topic: str, n: int) -> None:
         pipe.execute()
 
 
-async def schedule_fast_path(socket: Path, redis_port: int, n: int) -> int:
-    """N delayed messages onto drain-fast through our serve, all due at one instant; returns it (ms).
+async def fire_fast_path(socket: Path, client: redis.Redis, n: int) -> float:
+    """N delayed messages onto drain-fast through our serve, due at once; returns the seconds until
+    all of them have fired (landed on the stream).
 
     Published as instance "bench" with the app's consumerID: fired entries land where the
-    built-in reads them (dapr/fastpath/). The instant leaves room to store them all first.
+    built-in reads them (dapr/fastpath/). They fire before daprd starts, so the fast path's
+    drain is timed like the other backlogs' (a due instant at daprd's launch would need the
+    publishing time guessed beforehand, which a loaded machine makes wrong).
     """
+    t0 = time.perf_counter()
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
         props = {
-            "redisHost": f"127.0.0.1:{redis_port}",
+            "redisHost": f"127.0.0.1:{client.connection_pool.connection_kwargs['port']}",
             "consumerID": APP_ID,
             "enableDelayedMessaging": "true",
         }
         await stub.Init(
             pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
         )
-        due_ms = time.time_ns() // 1_000_000 + 3000 + n // 2
-        await bulk_schedule(stub, FAST[1], [due_ms] * n, PAYLOAD)
-    if time.time_ns() // 1_000_000 >= due_ms:
-        print("WARNING: the fast path's publishes ended after their due time; its figure is off")
-    return due_ms
+        await bulk_schedule(stub, FAST[1], [time.time_ns() // 1_000_000] * n, PAYLOAD)
+    harness.wait_until_blocking(lambda: client.xlen(FAST[1]) >= n, "the fast path's messages to fire", 300)
+    return time.perf_counter() - t0
+
+
+def redis_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per Redis command so far (INFO commandstats)."""
+    stats: dict[str, dict[str, int]] = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
 # --- sampling during the drain ------------------------------------------------------
@@ -158,14 +168,6 @@ def wait_all(app_port: int, routes: Mapping[str, Sequence[str]], n: int, timeout
         time.sleep(0.1)
 
 
-def ingress_ms(text: str, component: str) -> tuple[float, float]:
-    """daprd's dapr_component_pubsub_ingress_latencies for one component: (count, mean ms)."""
-    label = f'component="{component}"'
-    count = prometheus_sum(text, "dapr_component_pubsub_ingress_latencies_count", label)
-    total = prometheus_sum(text, "dapr_component_pubsub_ingress_latencies_sum", label)
-    return count, (total / count if count else 0.0)
-
-
 # --- the run ------------------------------------------------------------------------
 
 
@@ -202,6 +204,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--apart",
+        action="store_true",
+        help="each backlog drained alone, by a daprd of its own (same components and subscriptions), "
+        "one after the other: no drain slows another, and each process's CPU is that backlog's",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args()
     ours_meta = dict(kv.split("=", 1) for kv in a.ours)
@@ -212,7 +220,45 @@ def main() -> None:
     extra = f", ours: {a.streams} streams {ours_meta or ''}" if a.streams > 1 or ours_meta else ""
     print(daprd_heading(daprd_path, f"{n}-entry backlogs, HTTP app (Go){extra}"))
     with tempfile.TemporaryDirectory(prefix="dpsdrain-") as d:
-        run(Path(d), a, layout, ours_meta, app_exe, daprd_path)
+        if a.apart:
+            figures = apart(Path(d), a, layout, ours_meta, app_exe, daprd_path)
+        else:
+            figures = run(Path(d), a, layout, ours_meta, app_exe, daprd_path)
+    if a.json:
+        print(json.dumps(figures))
+
+
+def apart(
+    work: Path,
+    a: argparse.Namespace,
+    layout: Layout,
+    ours_meta: dict[str, str],
+    app_exe: Path,
+    daprd_path: str,
+) -> dict[str, Any]:
+    """Each backlog alone (run(only=...)), then its time and every process's CPU per message side by side."""
+    n = a.messages
+    merged: dict[str, Any] = {"seconds": {}, "app_at_once": {}, "cpu_us": {}, "ours_unacked_max": 0}
+    for figure in layout.routes():
+        print(f"\n## {figure}, alone")
+        folder = work / figure.replace(" ", "-")
+        folder.mkdir()
+        got = run(folder, a, layout, ours_meta, app_exe, daprd_path, only=figure)
+        merged["seconds"][figure] = got["seconds"][figure]
+        merged["app_at_once"][figure] = got["app_at_once"][figure]
+        merged["cpu_us"][figure] = {k: v / n * 1e6 for k, v in got["cpu_s"].items()}
+        merged["ours_unacked_max"] = max(merged["ours_unacked_max"], got["ours_unacked_max"])
+    seconds = merged["seconds"]
+    merged["ratio"] = seconds["built-in"] / seconds["ours"]
+    print("\n## each alone")
+    print("| backlog | drained (s) | msgs/s | CPU per message (us): daprd, serve, app, redis | total |")
+    print("|---|---|---|---|---|")
+    for figure, s in seconds.items():
+        cpu = merged["cpu_us"][figure]
+        parts = ", ".join(f"{cpu[k]:.0f}" for k in ("daprd", "serve", "app", "redis"))
+        print(f"| {figure} | {s:.2f} | {n / s:,.0f} | {parts} | {sum(cpu.values()):.0f} |")
+    print(f"\nalone, ours drains at {merged['ratio']:.2f}x the built-in's pace")
+    return merged
 
 
 def run(
@@ -222,16 +268,21 @@ def run(
     ours_meta: dict[str, str],
     app_exe: Path,
     daprd_path: str,
-) -> None:
+    only: str | None = None,
+) -> dict[str, Any]:
+    """One daprd over the layout; the backlogs of `only` (a figure) or of all; returns the figures."""
     n = a.messages
+    wanted = {k: v for k, v in layout.routes().items() if only in (None, k)}
     server = RedisServer(work / "redis", appendonly=False)
     server.start()
     procs: list[Any] = []
     sampler: Sampler | None = None
     try:
         client = redis.Redis(port=server.port)
-        write_backlog(client, BUILTIN[1], n)
-        write_backlog(client, OURS_TOPIC, n)
+        if "built-in" in wanted:
+            write_backlog(client, BUILTIN[1], n)
+        if "ours" in wanted:
+            write_backlog(client, OURS_TOPIC, n)
         sockets = work / "sockets"
         sockets.mkdir()
         metrics_port = free_port()
@@ -253,33 +304,34 @@ def run(
         )
         resources = work / "resources"
         write_resources(resources, server.port, layout, ours_meta)
-        launch_ms = time.time_ns() // 1_000_000
-        if layout.fast_path:
-            launch_ms = asyncio.run(schedule_fast_path(sockets / "delayed-pubsub.sock", server.port, n))
-            time.sleep(max(0.0, launch_ms / 1000 - time.time()))
+        if "fast path" in wanted:
+            fired_s = asyncio.run(fire_fast_path(sockets / "delayed-pubsub.sock", client, n))
+            print(
+                f"fast path: {n} delayed messages published and fired in {fired_s:.2f} s, before daprd's launch"
+            )
         assert server.proc is not None
         watched = {"daprd": 0, "serve": serve.pid, "app": app.pid, "redis": server.proc.pid}
         cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items() if pid}
+        calls0 = redis_calls(client)
         ports = harness.DaprdPorts.free()
         launch_ms = time.time_ns() // 1_000_000
-        # daprd's metrics on: its per-message handling time (ingress latency) is read after the drain.
-        daprd = harness.start_daprd(
-            daprd_path, work, sockets, APP_ID, app_port, resources, ports, extra=["--enable-metrics=true"]
-        )
+        daprd = harness.start_daprd(daprd_path, work, sockets, APP_ID, app_port, resources, ports)
         procs.append(daprd)
         assert daprd.proc is not None
         watched["daprd"] = daprd.proc.pid
         sampler = Sampler(metrics_port)
         threading.Thread(target=sampler.run, daemon=True).start()
-        stats = wait_all(app_port, layout.routes(), n, a.timeout)
+        stats = wait_all(app_port, wanted, n, a.timeout)
         sampler.stop_flag.set()
         cpu = {k: cpu_seconds(pid) - cpu0.get(k, 0.0) for k, pid in watched.items()}
-        # daprd records its metrics through a queue: let it catch up before reading them.
-        time.sleep(3)
-        daprd_metrics = httpx.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=5).text
-        figures = report(n, launch_ms, layout, stats, sampler, cpu, daprd_metrics)
-        if a.json:
-            print(json.dumps(figures))
+        calls = {k: v - calls0.get(k, 0) for k, v in redis_calls(client).items() if v > calls0.get(k, 0)}
+        figures = report(n, launch_ms, layout, wanted, stats, sampler, cpu)
+        # What each message cost Redis: the pub/subs' reads and acks (the rest is start-up).
+        busy = sorted(calls.items(), key=lambda kv: -kv[1])[:6]
+        per = n * len(wanted)
+        print("Redis calls per message: " + ", ".join(f"{k} {v / per:.2f}" for k, v in busy))
+        figures["redis_calls"] = calls
+        return figures
     finally:
         if sampler is not None:
             sampler.stop_flag.set()
@@ -295,10 +347,10 @@ def report(
     n: int,
     launch_ms: int,
     layout: Layout,
+    wanted: Mapping[str, Sequence[str]],
     stats: dict[str, Any],
     sampler: Sampler,
     cpu: dict[str, float],
-    daprd_metrics: str,
 ) -> dict[str, Any]:
     """Print the figures; return them (seconds per backlog, the app's most held at once per route)."""
     seconds: dict[str, float] = {}
@@ -313,7 +365,7 @@ def report(
         "ours": f"ours, {len(layout.ours)} stream(s)",
         "fast path": "pubsub.redis",
     }
-    for figure, routes in layout.routes().items():
+    for figure, routes in wanted.items():
         rows = [stats[r] for r in routes]
         first = min(r["first_ms"] for r in rows)
         last = max(r["last_ms"] for r in rows)
@@ -322,30 +374,33 @@ def report(
         print(f"| {figure} | {through[figure]} | {s:.2f} (first at {(first - launch_ms) / 1000:.2f}) | "
               f"{n / s:,.0f} | {'+'.join(map(str, at_once[figure]))} |")  # fmt: skip
     print()
-    ratio = seconds["built-in"] / seconds["ours"]
-    print(
-        f"ours drains at {ratio:.2f}x the built-in's pace ({seconds['ours']:.2f} s vs {seconds['built-in']:.2f} s)"
-    )
-    if "fast path" in seconds:
+    ratio = seconds["built-in"] / seconds["ours"] if {"built-in", "ours"} <= set(seconds) else None
+    if ratio is not None:
+        print(f"ours drains at {ratio:.2f}x the built-in's pace "
+              f"({seconds['ours']:.2f} s vs {seconds['built-in']:.2f} s)")  # fmt: skip
+    if {"built-in", "fast path"} <= set(seconds):
         print(f"fast path: {seconds['fast path']:.2f} s = {seconds['built-in'] / seconds['fast path']:.2f}x "
-              "the built-in's pace (fire included, due at daprd's launch)")  # fmt: skip
+              "the built-in's pace (fired before daprd's launch)")  # fmt: skip
     unacked = sorted(sampler.unacked)
-    if unacked:
+    if unacked and "ours" in wanted:
         mean = sum(unacked) / len(unacked)
-        rows = [stats[r] for r in layout.routes()["ours"]]
+        rows = [stats[r] for r in wanted["ours"]]
         busy_s = (max(r["last_ms"] for r in rows) - min(r["first_ms"] for r in rows)) / 1000
         print(
             f"ours, sent and not yet acked (every 250 ms, {len(unacked)} samples): median "
             f"{unacked[len(unacked) // 2]:.0f}, max {unacked[-1]:.0f}; send->ack ~ {mean / (n / busy_s) * 1000:.1f} ms "
             f"(mean unacked / rate), {busy_s / n * 1e6:.0f} us per message on the stream(s)"
         )
-    parts = []
-    for name in ["pubsub", *layout.ours]:
-        count, mean_ms = ingress_ms(daprd_metrics, name)
-        if count:
-            parts.append(f"{name}: {mean_ms:.2f} ms x {count:,.0f}")
-    if parts:
-        print("daprd's handling per message (ingress latency, mean): " + "; ".join(parts))
+    for figure, routes in wanted.items():
+        rows = [stats[r] for r in routes]
+        gaps = sum(r["gaps"] for r in rows)
+        if gaps:
+            answer_us = sum(r["answer_ns"] for r in rows) / sum(r["count"] for r in rows) / 1000
+            gap_us = sum(r["gap_ns"] for r in rows) / gaps / 1000
+            print(
+                f"{figure}: the app answers in {answer_us:.0f} us; from an answer to the next call on the "
+                f"same route (none in flight) {gap_us:.0f} us ({gaps:,} gaps)"
+            )
     print("CPU seconds from launch to the last arrival: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     return {
         "seconds": seconds,

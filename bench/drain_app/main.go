@@ -25,6 +25,14 @@ type routeStats struct {
 	LastMs    int64 `json:"last_ms"`
 	InFlight  int64 `json:"-"`
 	MaxAtOnce int64 `json:"max_at_once"`
+	// Nanoseconds spent answering (request read to response written), summed.
+	AnswerNs int64 `json:"answer_ns"`
+	// Nanoseconds from an answer to the next request on the route while none was in flight,
+	// summed, and how many such gaps: on a route daprd calls one at a time, the time per
+	// message that is daprd's (and its pub/sub's), not the app's.
+	GapNs  int64 `json:"gap_ns"`
+	Gaps   int64 `json:"gaps"`
+	lastAt time.Time
 }
 
 type subscription struct {
@@ -40,11 +48,16 @@ var (
 )
 
 func event(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
 	mu.Lock()
 	s := stats[r.URL.Path]
 	if s == nil {
 		s = &routeStats{}
 		stats[r.URL.Path] = s
+	}
+	if s.InFlight == 0 && !s.lastAt.IsZero() {
+		s.GapNs += start.Sub(s.lastAt).Nanoseconds()
+		s.Gaps++
 	}
 	// Held from the request's start to its answer: more than 1 at once means daprd
 	// called this route concurrently.
@@ -57,14 +70,17 @@ func event(w http.ResponseWriter, r *http.Request) {
 	_, _ = io.Copy(io.Discard, r.Body)
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write([]byte(`{"status":"SUCCESS"}`))
-	now := time.Now().UnixMilli()
+	end := time.Now()
+	now := end.UnixMilli()
 	mu.Lock()
 	if s.Count == 0 {
 		s.FirstMs = now
 	}
 	s.Count++
 	s.LastMs = now
+	s.AnswerNs += end.Sub(start).Nanoseconds()
 	s.InFlight--
+	s.lastAt = end
 	mu.Unlock()
 }
 

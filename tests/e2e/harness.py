@@ -264,16 +264,14 @@ def start_daprd(
     app_port: int,
     resources: Path,
     ports: DaprdPorts,
-    extra: Sequence[str] = (),
 ) -> ManagedProcess:
-    """daprd as harness.daprd_args has it, then `extra` flags (a later flag overrides an earlier one)."""
     env = {**os.environ, "DAPR_COMPONENTS_SOCKETS_FOLDER": str(socket_dir)}
     # Keep daprd from reading or writing the user's ~/.dapr.
     env["HOME"] = str(workdir / "home")
     (workdir / "home").mkdir(exist_ok=True)
     proc = ManagedProcess(
         "daprd",
-        [*daprd_args(daprd, app_id, app_port, resources, ports), *extra],
+        daprd_args(daprd, app_id, app_port, resources, ports),
         workdir / "daprd.log",
         env=env,
         cwd=workdir,
