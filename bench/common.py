@@ -75,6 +75,41 @@ def start_serve(socket: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]
     )
 
 
+def start_http_app(args: list[str], port: int, log: Path, within_s: float = 15) -> subprocess.Popen[bytes]:
+    """A bench's HTTP app (`args`, listening on `port`); returns once its GET /healthz answers 200."""
+    import httpx  # here: most benches have no HTTP app
+
+    from tests.waiting import wait_until_blocking
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        wait_until_blocking(
+            lambda: (
+                proc.poll() is None
+                and httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            ),
+            f"{args[0]} to answer /healthz (log {log})",
+            within_s,
+            tolerate=(httpx.HTTPError,),
+            error=RuntimeError,
+        )
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def stop_all(procs: list[Any]) -> None:
+    """Stop what a bench started, the last started first: a Popen by stop(), anything else
+    (tests.e2e.harness.ManagedProcess, RedisServer) by its own stop()."""
+    for p in reversed(procs):
+        if isinstance(p, subprocess.Popen):
+            stop(p)
+        else:
+            p.stop()
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.common import daprd_heading, start_process, start_serve, stop  # noqa: E402
+from bench.common import daprd_heading, start_process, start_serve, stop_all  # noqa: E402
 from bench.deliver import cpu_seconds  # noqa: E402
 from bench.fastpath import ghz_publish, write_protoset  # noqa: E402
 from bench.grpc_ceiling import ghz_path  # noqa: E402
@@ -131,11 +131,7 @@ def main() -> None:
                     cpu[name]["component"].append(used[component] if component else 0.0)
                     cpu[name]["redis"].append(used["redis"])
         finally:
-            for p in reversed(procs):
-                if isinstance(p, harness.ManagedProcess):
-                    p.stop()
-                else:
-                    stop(p)
+            stop_all(procs)
             server.stop()
     builtin = statistics.median(rps["built-in pubsub.redis, plain"])
     print()

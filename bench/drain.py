@@ -54,7 +54,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from bench.common import MD, PAYLOAD, daprd_heading, start_serve, stop  # noqa: E402
+from bench.common import MD, PAYLOAD, daprd_heading, start_http_app, start_serve, stop_all  # noqa: E402
 from bench.delay import bulk_schedule  # noqa: E402
 from bench.deliver import cpu_seconds  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc  # noqa: E402
@@ -100,16 +100,12 @@ async def fire_fast_path(socket: Path, client: redis.Redis, n: int) -> float:
     publishing time guessed beforehand, which a loaded machine makes wrong).
     """
     t0 = time.perf_counter()
+    redis_host = f"127.0.0.1:{client.connection_pool.connection_kwargs['port']}"
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub = pubsub_pb2_grpc.PubSubStub(channel)  # type: ignore[no-untyped-call]
-        props = {
-            "redisHost": f"127.0.0.1:{client.connection_pool.connection_kwargs['port']}",
-            "consumerID": APP_ID,
-            "enableDelayedMessaging": "true",
-        }
-        await stub.Init(
-            pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
-        )
+        props = {"redisHost": redis_host, "consumerID": APP_ID, "enableDelayedMessaging": "true"}
+        init = pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props))
+        await stub.Init(init, metadata=MD)
         await bulk_schedule(stub, FAST[1], [time.time_ns() // 1_000_000] * n, PAYLOAD)
     harness.wait_until_blocking(lambda: client.xlen(FAST[1]) >= n, "the fast path's messages to fire", 300)
     return time.perf_counter() - t0
@@ -219,31 +215,33 @@ def main() -> None:
     daprd_path = harness.find_daprd()
     extra = f", ours: {a.streams} streams {ours_meta or ''}" if a.streams > 1 or ours_meta else ""
     print(daprd_heading(daprd_path, f"{n}-entry backlogs, HTTP app (Go){extra}"))
+    setup = Setup(a, layout, ours_meta, app_exe, daprd_path)
     with tempfile.TemporaryDirectory(prefix="dpsdrain-") as d:
-        if a.apart:
-            figures = apart(Path(d), a, layout, ours_meta, app_exe, daprd_path)
-        else:
-            figures = run(Path(d), a, layout, ours_meta, app_exe, daprd_path)
+        figures = apart(Path(d), setup) if a.apart else run(Path(d), setup)
     if a.json:
         print(json.dumps(figures))
 
 
-def apart(
-    work: Path,
-    a: argparse.Namespace,
-    layout: Layout,
-    ours_meta: dict[str, str],
-    app_exe: Path,
-    daprd_path: str,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Setup:
+    """What every daprd of one bench run is given."""
+
+    args: argparse.Namespace
+    layout: Layout
+    ours_meta: dict[str, str]
+    app_exe: Path
+    daprd_path: str
+
+
+def apart(work: Path, setup: Setup) -> dict[str, Any]:
     """Each backlog alone (run(only=...)), then its time and every process's CPU per message side by side."""
-    n = a.messages
+    n = setup.args.messages
     merged: dict[str, Any] = {"seconds": {}, "app_at_once": {}, "cpu_us": {}, "ours_unacked_max": 0}
-    for figure in layout.routes():
+    for figure in setup.layout.routes():
         print(f"\n## {figure}, alone")
         folder = work / figure.replace(" ", "-")
         folder.mkdir()
-        got = run(folder, a, layout, ours_meta, app_exe, daprd_path, only=figure)
+        got = run(folder, setup, only=figure)
         merged["seconds"][figure] = got["seconds"][figure]
         merged["app_at_once"][figure] = got["app_at_once"][figure]
         merged["cpu_us"][figure] = {k: v / n * 1e6 for k, v in got["cpu_s"].items()}
@@ -261,16 +259,9 @@ def apart(
     return merged
 
 
-def run(
-    work: Path,
-    a: argparse.Namespace,
-    layout: Layout,
-    ours_meta: dict[str, str],
-    app_exe: Path,
-    daprd_path: str,
-    only: str | None = None,
-) -> dict[str, Any]:
+def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
     """One daprd over the layout; the backlogs of `only` (a figure) or of all; returns the figures."""
+    a, layout = setup.args, setup.layout
     n = a.messages
     wanted = {k: v for k, v in layout.routes().items() if only in (None, k)}
     server = RedisServer(work / "redis", appendonly=False)
@@ -291,19 +282,14 @@ def run(
         )
         procs.append(serve)
         app_port = free_port()
-        app = subprocess.Popen(
-            [str(app_exe), str(app_port), *(f"{p}={t}" for p, t in layout.subscriptions())],
-            stdout=subprocess.DEVNULL,
-            stderr=(work / "app.log").open("wb"),
+        app = start_http_app(
+            [str(setup.app_exe), str(app_port), *(f"{p}={t}" for p, t in layout.subscriptions())],
+            app_port,
+            work / "app.log",
         )
         procs.append(app)
-        harness.wait_until_blocking(
-            lambda: httpx.get(f"http://127.0.0.1:{app_port}/healthz", timeout=1).status_code == 200,
-            "the drain app",
-            15,
-        )
         resources = work / "resources"
-        write_resources(resources, server.port, layout, ours_meta)
+        write_resources(resources, server.port, layout, setup.ours_meta)
         if "fast path" in wanted:
             fired_s = asyncio.run(fire_fast_path(sockets / "delayed-pubsub.sock", client, n))
             print(
@@ -315,7 +301,7 @@ def run(
         calls0 = redis_calls(client)
         ports = harness.DaprdPorts.free()
         launch_ms = time.time_ns() // 1_000_000
-        daprd = harness.start_daprd(daprd_path, work, sockets, APP_ID, app_port, resources, ports)
+        daprd = harness.start_daprd(setup.daprd_path, work, sockets, APP_ID, app_port, resources, ports)
         procs.append(daprd)
         assert daprd.proc is not None
         watched["daprd"] = daprd.proc.pid
@@ -335,11 +321,7 @@ def run(
     finally:
         if sampler is not None:
             sampler.stop_flag.set()
-        for p in reversed(procs):
-            if isinstance(p, harness.ManagedProcess):
-                p.stop()
-            else:
-                stop(p)
+        stop_all(procs)
         server.stop()
 
 

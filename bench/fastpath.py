@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.common import PAYLOAD, daprd_heading, start_serve, stop  # noqa: E402
+from bench.common import PAYLOAD, daprd_heading, start_serve, stop_all  # noqa: E402
 from bench.grpc_ceiling import ghz_path  # noqa: E402
 from tests.e2e import harness  # noqa: E402
 from tests.redis_server import RedisServer, free_port  # noqa: E402
@@ -277,11 +277,7 @@ def main() -> None:
             write_protoset(protoset)
             run(a, exe, protoset, ports.grpc, server.port, app_port)
         finally:
-            for p in reversed(procs):
-                if isinstance(p, harness.ManagedProcess):
-                    p.stop()
-                else:
-                    stop(p)
+            stop_all(procs)
             server.stop()
 
 
