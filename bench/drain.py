@@ -131,9 +131,11 @@ def prometheus_sum(text: str, metric: str, match: str = "") -> float:
 
 @dataclass
 class Sampler:
-    """Our component's sent-but-unacked count, every `every_s`, in a thread, until stopped."""
+    """Our component's sent-but-unacked count, every `every_s`, in a thread, until stopped: the
+    samples from its first send until `total` are acked (zeros in between count too)."""
 
     metrics_port: int
+    total: int
     every_s: float = 0.25
     unacked: list[float] = field(default_factory=list)
     stop_flag: threading.Event = field(default_factory=threading.Event)
@@ -147,7 +149,7 @@ class Sampler:
                     continue
                 sent = prometheus_sum(text, "delayed_pubsub_delivered_messages_total")
                 acked = prometheus_sum(text, "delayed_pubsub_acked_messages_total")
-                if sent > acked:
+                if sent > 0 and acked < self.total:
                     self.unacked.append(sent - acked)
 
 
@@ -268,8 +270,8 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
     server.start()
     procs: list[Any] = []
     sampler: Sampler | None = None
+    client = redis.Redis(port=server.port)
     try:
-        client = redis.Redis(port=server.port)
         if "built-in" in wanted:
             write_backlog(client, BUILTIN[1], n)
         if "ours" in wanted:
@@ -305,7 +307,7 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
         procs.append(daprd)
         assert daprd.proc is not None
         watched["daprd"] = daprd.proc.pid
-        sampler = Sampler(metrics_port)
+        sampler = Sampler(metrics_port, n if "ours" in wanted else 0)
         threading.Thread(target=sampler.run, daemon=True).start()
         stats = wait_all(app_port, wanted, n, a.timeout)
         sampler.stop_flag.set()
@@ -322,6 +324,7 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
         if sampler is not None:
             sampler.stop_flag.set()
         stop_all(procs)
+        client.close()
         server.stop()
 
 
