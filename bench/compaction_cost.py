@@ -59,9 +59,7 @@ def xinfo_us(client: redis.Redis, key: str) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=1_000_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:

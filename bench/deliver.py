@@ -270,9 +270,7 @@ def main() -> None:
             time.sleep(1)
         cpu0 = cpu_seconds(serve.pid)
         t0 = time.time()
-        results = run_streams(
-            socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000
-        )
+        results = run_streams(socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000)
         cpu1 = cpu_seconds(serve.pid)
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes the SVG and exits
@@ -290,8 +288,7 @@ def main() -> None:
         calls = {
             name.removeprefix("cmdstat_").upper(): int(stats[name]["calls"])
             for name in stats
-            if name
-            in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
+            if name in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
         }
         client.close()
     finally:

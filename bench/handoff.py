@@ -74,9 +74,7 @@ async def one_run(port: int, folder: Path, n: int, run: int) -> dict[str, float]
     server.add_insecure_port(f"unix://{socket}")
     await server.start()
     client = aioredis.Redis(host="127.0.0.1", port=port)
-    forwarder = Forwarder(
-        client, keys, SystemClock(), ForwarderConfig(address=f"unix://{socket}"), name="bench"
-    )
+    forwarder = Forwarder(client, keys, SystemClock(), ForwarderConfig(address=f"unix://{socket}"), name="bench")
     cpu, wall = time.process_time(), time.perf_counter()
     forwarder.start()
     await sidecar.all_in.wait()

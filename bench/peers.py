@@ -521,9 +521,7 @@ async def pull_ours(stub: Any, on_message: OnMessage) -> Callable[[], Awaitable[
     return stop_it
 
 
-async def pull_nats(
-    js: Any, on_message: OnMessage, read_errors: Counter[str]
-) -> Callable[[], Awaitable[None]]:
+async def pull_nats(js: Any, on_message: OnMessage, read_errors: Counter[str]) -> Callable[[], Awaitable[None]]:
     """A new durable pull consumer on TOPIC (batches of 100, each message acked); a failed
     read is counted in `read_errors` and read on."""
     import nats.errors
@@ -1047,11 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--quick", action="store_true", help="smaller sizes, <= 10 minutes (default)")
     mode.add_argument("--full", action="store_true", help="the issue's sizes (1M pending)")
     mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--no-write",
-        action="store_true",
-        help="do not append to bench/RESULTS.md; the lateness chart goes to the temp dir",
-    )
+    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md; the lateness chart goes to the temp dir")
     ap.add_argument(
         "--only",
         action="append",

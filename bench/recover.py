@@ -66,15 +66,11 @@ async def main() -> None:
         engine = DelayEngine(aio, KEYS, ManualClock(T0), config=EngineConfig(history_max_len=0))
         n = args.pending
         for start in range(0, n, 500):
-            batch = [
-                dataclasses.replace(env(k, T0 + 10_000 + k), id="") for k in range(start, min(n, start + 500))
-            ]
+            batch = [dataclasses.replace(env(k, T0 + 10_000 + k), id="") for k in range(start, min(n, start + 500))]
             await engine.schedule(batch)
         await sweep(engine, client, f"{n:,} pending, none orphaned")
         # What the previous release leaves: index entries gone, envelopes still in the stream.
-        remove = (
-            engine_libraries("index.lua") + "\nfor i = 2, #ARGV, 2 do remove(ARGV[i], ARGV[i+1]) end return 1"
-        )
+        remove = engine_libraries("index.lua") + "\nfor i = 2, #ARGV, 2 do remove(ARGV[i], ARGV[i+1]) end return 1"
         rows: Any = client.xrange(KEYS.stream, "-", "+")
         ids = [row[0].decode() for row in rows]
         pairs: list[Any] = []

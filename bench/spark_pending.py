@@ -75,11 +75,7 @@ def main() -> None:
         try:
             client = redis.Redis(port=server.port)
             asyncio.run(schedule(server.port, args.envelopes))
-            options = {
-                "redisHost": f"127.0.0.1:{server.port}",
-                "consumerID": APP,
-                "numPartitions": str(args.partitions),
-            }
+            options = {"redisHost": f"127.0.0.1:{server.port}", "consumerID": APP, "numPartitions": str(args.partitions)}
             plain = read_all(options)
             keys = EngineKeys.for_topic(delayed_topic(APP))
             top: Any = client.xrevrange(keys.stream, count=1)
@@ -95,9 +91,7 @@ def main() -> None:
             print("| stream | rows | read s |")
             print("|---|---|---|")
             print(f"| never compacted | {plain[1]:,} | {plain[0]:.2f} |")
-            print(
-                f"| after a pass moved all (moved hash {client.hlen(keys.moved):,}) | {moved[1]:,} | {moved[0]:.2f} |"
-            )
+            print(f"| after a pass moved all (moved hash {client.hlen(keys.moved):,}) | {moved[1]:,} | {moved[0]:.2f} |")
         finally:
             server.stop()
 
