@@ -598,6 +598,35 @@ async def test_instances_on_one_socket_are_isolated(
     db2.close()
 
 
+async def test_two_instances_of_one_app_share_a_topic_as_two_consumers_each_message_once(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # Several component YAMLs of one app (same consumerID) subscribed to one topic are how a
+    # backlog drains faster through daprd (docs/targets.md): one consumer group, one consumer
+    # per stream. Were the two streams one consumer, either could take the other's pending
+    # entries, and closing one would count the other's as its own.
+    a, b = component("delayed"), component("delayed1")
+    await a.init({**props, "consumerID": "shared"})
+    await b.init({**props, "consumerID": "shared"})
+    sa, sb = await a.subscribe("orders"), await b.subscribe("orders")
+    for i in range(40):
+        await a.publish("orders", f"m{i}".encode())
+    got: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while len(got) < 40 and loop.time() < deadline:
+        for stream in (sa, sb):
+            while not stream.received.empty():
+                msg = stream.received.get_nowait()
+                got.append(msg.data)
+                await stream.ack(msg.id)
+        await asyncio.sleep(0.01)
+    assert await sa.nothing_for(0.5) and await sb.nothing_for(0)
+    assert sorted(got) == sorted(f"m{i}".encode() for i in range(40))
+    consumers = {c["name"] for c in redis_client.xinfo_consumers("orders", "shared")}
+    assert len(consumers) == 2, consumers
+
+
 async def test_second_init_replaces_the_first(
     component: Factory, props: dict[str, str], redis_server: RedisServer
 ) -> None:
