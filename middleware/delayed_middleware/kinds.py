@@ -25,3 +25,22 @@ class Kind(enum.IntEnum):
 
 # Every label, in number order (history records are checked against it).
 LABELS: tuple[str, ...] = tuple(k.label for k in Kind)
+
+
+class Catchup(enum.IntEnum):
+    """A recurring schedule's catch-up policy (scheduleCatchup): what fires of the occurrences it
+    missed while nothing ran. The value is DelayedMessage.scheduleCatchup (0, the default, is
+    also what a release without the field does)."""
+
+    ONE = 0
+    ALL = 1
+    NONE = 2
+
+    @property
+    def label(self) -> str:
+        """The text form publishers write: `one`, `all`, `none`."""
+        return self.name.lower()
+
+
+# scheduleCatchupWindow's default: missed occurrences older than this are skipped.
+DEFAULT_CATCHUP_WINDOW_MS = 24 * 3600 * 1000

@@ -237,8 +237,16 @@ async def test_recurring_crash_before_release_fires_the_occurrence_once_then_the
     await survivor.fire_due()
     [(_, a), (_, b)] = rows(admin, "ticks")
     # The first occurrence once, announcing the second; then the second.
-    assert decode_entry(a).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 2_000)}
-    assert decode_entry(b).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 3_000)}
+    assert decode_entry(a).metadata == {
+        "scheduler": "tick",
+        "scheduleNext": format_instant(T0 + 2_000),
+        "scheduleOccurrence": format_instant(T0 + 1_000),
+    }
+    assert decode_entry(b).metadata == {
+        "scheduler": "tick",
+        "scheduleNext": format_instant(T0 + 3_000),
+        "scheduleOccurrence": format_instant(T0 + 2_000),
+    }
     assert admin.zcard(SHARD.inflight) == 0
 
 
