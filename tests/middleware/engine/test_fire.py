@@ -24,6 +24,7 @@ from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope
 from delayed_middleware.inspector import Inspector
+from delayed_middleware.instants import format_instant
 from tests.conftest import small_stream_nodes
 from tests.middleware.engine.helpers import (
     KEYS,
@@ -134,7 +135,12 @@ async def test_bulk_fires_as_one_batch(
         (
             f"ev{i}".encode(),
             "text/plain",
-            {"i": str(i), "scheduler": sid, "scheduleNext": "purge", "scheduleOccurrence": format_instant(T0 + 100)},
+            {
+                "i": str(i),
+                "scheduler": sid,
+                "scheduleNext": "purge",
+                "scheduleOccurrence": format_instant(T0 + 100),
+            },
         )
         for i in range(50)
     ]
