@@ -10,24 +10,28 @@ from __future__ import annotations
 import enum
 
 
-class Kind(enum.IntEnum):
+class _Labelled(enum.IntEnum):
+    """A number stored in the envelope with a text form (its name in lower case)."""
+
+    @property
+    def label(self) -> str:
+        """The text form: `oneshot`, `recurring`, `retry`; `one`, `all`, `none`."""
+        return self.name.lower()
+
+
+class Kind(_Labelled):
     """A delayed message's kind; the value is DelayedMessage.kind, `label` the text form."""
 
     ONESHOT = 0
     RECURRING = 1
     RETRY = 2
 
-    @property
-    def label(self) -> str:
-        """The text form: `oneshot`, `recurring`, `retry`."""
-        return self.name.lower()
-
 
 # Every label, in number order (history records are checked against it).
 LABELS: tuple[str, ...] = tuple(k.label for k in Kind)
 
 
-class Catchup(enum.IntEnum):
+class Catchup(_Labelled):
     """A recurring schedule's catch-up policy (scheduleCatchup): what fires of the occurrences it
     missed while nothing ran. The value is DelayedMessage.scheduleCatchup (0, the default, is
     also what a release without the field does)."""
@@ -35,11 +39,6 @@ class Catchup(enum.IntEnum):
     ONE = 0
     ALL = 1
     NONE = 2
-
-    @property
-    def label(self) -> str:
-        """The text form publishers write: `one`, `all`, `none`."""
-        return self.name.lower()
 
 
 # scheduleCatchupWindow's default: missed occurrences older than this are skipped.

@@ -562,23 +562,15 @@ def _next_occurrence(
 def _bounded_next(
     schedule: Schedule, origin_ms: int, after_ms: int, key: str, cron_next: CronNext
 ) -> int | None:
-    found = _next_occurrence(schedule, origin_ms, after_ms, key, cron_next)
-    if found is None:
-        return None
-    nominal, due = found
-    if schedule.last_ms is not None and nominal > schedule.last_ms:
-        return None
-    if schedule.end_ms is not None and due > schedule.end_ms:
-        return None
-    return due if due <= MAX_INSTANT_MS else None
+    found = _within_bounds(schedule, _next_occurrence(schedule, origin_ms, after_ms, key, cron_next))
+    return None if found is None else found[1]
 
 
 def occurrence_after(
     schedule: Schedule, *, start_ms: int, after_ms: int, key: str = "", cron_next: CronNext = _cron_any
 ) -> tuple[int, int] | None:
     """(nominal, due) of the first occurrence due strictly after ``after_ms``: ``next_fire`` with its nominal time."""
-    found = _next_occurrence(schedule, start_ms, after_ms, key, cron_next)
-    return _within_bounds(schedule, found)
+    return _within_bounds(schedule, _next_occurrence(schedule, start_ms, after_ms, key, cron_next))
 
 
 def occurrence_from(
@@ -597,6 +589,7 @@ def occurrence_from(
 
 
 def _within_bounds(schedule: Schedule, found: tuple[int, int] | None) -> tuple[int, int] | None:
+    """`found` (nominal, due), unless the schedule's limit or end (or year 9999) comes first."""
     if found is None:
         return None
     nominal, due = found
