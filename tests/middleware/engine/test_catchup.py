@@ -231,3 +231,19 @@ async def test_replicas_racing_a_catchup_deliver_each_missed_occurrence_exactly_
     end = clock.now_ms() + MINUTE
     await run_until([engine, *others], clock, end)
     assert occurrences(redis_client, "tick") == [T0 + k * MINUTE for k in range(1, (end - T0) // MINUTE + 1)]
+
+
+@pytest.mark.both_fire_paths
+async def test_a_resumed_jittered_schedule_still_names_nominal_occurrences(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = engine_for(aredis, clock)
+    await publish(engine, clock, {"schedule": "0 * * * * *", "scheduleId": "tick", "scheduleJitter": "40s"})
+    await run_until([engine], clock, T0 + 2 * MINUTE)
+    assert (await engine.set_paused("tick", pause=True)).status == "paused"
+    clock.set(T0 + 10 * MINUTE)
+    assert (await engine.set_paused("tick", pause=False)).status == "resumed"
+    await run_until([engine], clock, T0 + 13 * MINUTE)
+    minute = T0 - 30_000
+    assert occurrences(redis_client, "tick") == [minute + k * MINUTE for k in (1, 2, 11, 12, 13)]
