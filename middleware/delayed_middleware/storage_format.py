@@ -24,7 +24,7 @@ occurrence's nominal time beside its due time in the ids ref (two more parts,
 written only where they differ from the due times: jitter, a paced catch-up;
 an older release reads the first five parts and fires the occurrence all the
 same, and a ref it rewrites without them makes this release stamp that one
-occurrence's `scheduleOccurrence` from its due time, or, jittered, compute it).
+occurrence's `scheduleOccurrence` from its due time: the jittered one, for a jittered schedule).
 
 The rollback window: a version writes the format it finds (or the one the
 `storageFormat` setting names), so an upgrade keeps writing the previous

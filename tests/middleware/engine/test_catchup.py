@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import subprocess
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+from delayed_middleware.aio import text
 from delayed_middleware.catchup import CATCHUP_PACE_MS
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine
@@ -28,6 +32,7 @@ from delayed_middleware.schedules import EnvelopeRecurrence
 from tests.middleware.engine.helpers import KEYS
 from tests.redis_server import stream_entries
 
+ROOT = Path(__file__).resolve().parents[3]
 MINUTE = 60_000
 T0 = parse_instant("2026-11-29T09:00:30Z")
 THREE_DAYS = 3 * 24 * 60
@@ -247,3 +252,43 @@ async def test_a_resumed_jittered_schedule_still_names_nominal_occurrences(
     await run_until([engine], clock, T0 + 13 * MINUTE)
     minute = T0 - 30_000
     assert occurrences(redis_client, "tick") == [minute + k * MINUTE for k in (1, 2, 11, 12, 13)]
+
+
+def previous_release_script(name: str) -> str:
+    """The previous release's (scripts/previous-release) Lua script `name`, includes resolved."""
+    commit = next(
+        line.split()[0]
+        for line in (ROOT / "scripts" / "previous-release").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+
+    def show(file: str) -> str:
+        path = f"{commit}:middleware/delayed_middleware/lua/{file}"
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "show", path], capture_output=True, check=True, text=True
+        ).stdout
+
+    return re.sub(r"^--!include (\S+)$", lambda m: show(m.group(1)), show(name), flags=re.M)
+
+
+async def test_a_rollback_mid_catch_up_fires_on_as_one_and_doubles_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """What this release writes mid catch-up (the policy in the envelope, nominal times in the ids
+    ref, a paced next) is fired by the previous release's FIRE: each occurrence at most once, and
+    the schedule goes on on its grid (it catches up as `one`)."""
+    engine, clock = await outage(aredis, redis_client, {"scheduleCatchup": "all"}, 30)
+    await engine.fire_due()  # the first missed occurrence (09:02), its successor paced
+    assert occurrences(redis_client, "tick") == [T0 + MINUTE, T0 + 2 * MINUTE]
+    assert len(text(redis_client.hget(KEYS.ids, "tick")).split()) == 7
+    old_fire = redis_client.register_script(previous_release_script("fire.lua"))
+    keys = KEYS.script_keys[:10]  # the previous release's FIRE takes the first ten
+    now = clock.now_ms()
+    for _ in range(8):  # the old release's loop, for two minutes from now
+        old_fire(keys=keys, args=[KEYS.buckets, now, 100, 1000, 1 << 20, "", "", 1000, 0, ""])
+        now += 15_000
+    metadata = delivered(redis_client, "tick")
+    nexts = [m["scheduleNext"] for m in metadata]
+    assert len(nexts) == len(set(nexts)), "an occurrence fired twice"
+    # The paced occurrence once (announcing 09:32: no more catch-up), then 09:32 on the grid.
+    assert [parse_instant(n) for n in nexts[2:]] == [T0 + 32 * MINUTE, T0 + 33 * MINUTE]
