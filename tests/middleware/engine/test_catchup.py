@@ -292,3 +292,17 @@ async def test_a_rollback_mid_catch_up_fires_on_as_one_and_doubles_nothing(
     assert len(nexts) == len(set(nexts)), "an occurrence fired twice"
     # The paced occurrence once (announcing 09:32: no more catch-up), then 09:32 on the grid.
     assert [parse_instant(n) for n in nexts[2:]] == [T0 + 32 * MINUTE, T0 + 33 * MINUTE]
+
+
+@pytest.mark.both_fire_paths
+async def test_a_hand_off_to_another_pubsub_carries_the_occurrence(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = engine_for(aredis, clock)
+    await publish(engine, clock, {"schedule": "@every 1m", "scheduleId": "tick", "targetPubsub": "kafka"})
+    await run_until([engine], clock, T0 + 2 * MINUTE)
+    rows = [decode_entry(f) for _, f in stream_entries(redis_client, KEYS.outbox)]
+    assert [r.metadata[SCHEDULE_OCCURRENCE] for r in rows] == [
+        format_instant(T0 + k * MINUTE) for k in (1, 2)
+    ]
