@@ -74,14 +74,24 @@ def occurrences(client: redis.Redis, sid: str) -> list[int]:
     return [parse_instant(m[SCHEDULE_OCCURRENCE]) for m in delivered(client, sid)]
 
 
+async def started(
+    aredis: Callable[[], aioredis.Redis], metadata: Mapping[str, str], until: int
+) -> tuple[DelayEngine, ManualClock]:
+    """A schedule published at T0 by an engine whose clock then runs to `until`, firing on the way."""
+    clock = ManualClock(T0)
+    engine = engine_for(aredis, clock)
+    await publish(engine, clock, metadata)
+    await run_until([engine], clock, until)
+    return engine, clock
+
+
 async def outage(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, metadata: Mapping[str, str], minutes: int
 ) -> tuple[DelayEngine, ManualClock]:
     """A 1-minute schedule fired once at 09:01, then nothing runs for `minutes` minutes."""
-    clock = ManualClock(T0)
-    engine = engine_for(aredis, clock)
-    await publish(engine, clock, {"schedule": "@every 1m", "scheduleId": "tick", **metadata})
-    await run_until([engine], clock, T0 + MINUTE)
+    engine, clock = await started(
+        aredis, {"schedule": "@every 1m", "scheduleId": "tick", **metadata}, T0 + MINUTE
+    )
     assert occurrences(redis_client, "tick") == [T0 + MINUTE]
     clock.set(T0 + MINUTE + minutes * MINUTE + 5_000)
     return engine, clock
@@ -216,10 +226,8 @@ async def test_catchup_window_skips_what_is_older_counts_and_records_it(
 async def test_a_resume_after_pause_skips_what_was_missed_while_paused_whatever_the_policy(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
-    clock = ManualClock(T0)
-    engine = engine_for(aredis, clock)
-    await publish(engine, clock, {"schedule": "@every 1m", "scheduleId": "tick", "scheduleCatchup": "all"})
-    await run_until([engine], clock, T0 + MINUTE)
+    metadata = {"schedule": "@every 1m", "scheduleId": "tick", "scheduleCatchup": "all"}
+    engine, clock = await started(aredis, metadata, T0 + MINUTE)
     assert (await engine.set_paused("tick", pause=True)).status == "paused"
     clock.set(T0 + 60 * MINUTE + 5_000)
     assert (await engine.set_paused("tick", pause=False)).status == "resumed"
@@ -242,10 +250,8 @@ async def test_replicas_racing_a_catchup_deliver_each_missed_occurrence_exactly_
 async def test_a_resumed_jittered_schedule_still_names_nominal_occurrences(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
-    clock = ManualClock(T0)
-    engine = engine_for(aredis, clock)
-    await publish(engine, clock, {"schedule": "0 * * * * *", "scheduleId": "tick", "scheduleJitter": "40s"})
-    await run_until([engine], clock, T0 + 2 * MINUTE)
+    metadata = {"schedule": "0 * * * * *", "scheduleId": "tick", "scheduleJitter": "40s"}
+    engine, clock = await started(aredis, metadata, T0 + 2 * MINUTE)
     assert (await engine.set_paused("tick", pause=True)).status == "paused"
     clock.set(T0 + 10 * MINUTE)
     assert (await engine.set_paused("tick", pause=False)).status == "resumed"
@@ -298,10 +304,9 @@ async def test_a_rollback_mid_catch_up_fires_on_as_one_and_doubles_nothing(
 async def test_a_hand_off_to_another_pubsub_carries_the_occurrence(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
 ) -> None:
-    clock = ManualClock(T0)
-    engine = engine_for(aredis, clock)
-    await publish(engine, clock, {"schedule": "@every 1m", "scheduleId": "tick", "targetPubsub": "kafka"})
-    await run_until([engine], clock, T0 + 2 * MINUTE)
+    await started(
+        aredis, {"schedule": "@every 1m", "scheduleId": "tick", "targetPubsub": "kafka"}, T0 + 2 * MINUTE
+    )
     rows = [decode_entry(f) for _, f in stream_entries(redis_client, KEYS.outbox)]
     assert [r.metadata[SCHEDULE_OCCURRENCE] for r in rows] == [
         format_instant(T0 + k * MINUTE) for k in (1, 2)
