@@ -181,6 +181,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a before/after: run it again on the older tree (PYTHONPATH) in the same sitting",
     ),
     Bench(
+        "catchup_cost",
+        "a 3-day outage of a 1-minute schedule caught up with scheduleCatchup all (4,320 deliveries) vs one",
+        why_opt_in="a one-off measurement kept in bench/RESULTS.md (about a minute of wall time)",
+    ),
+    Bench(
         "burst_profile",
         "where the wall time of a 50k burst goes: per-process CPU and run-queue wait over T -> all fired",
         why_opt_in="a diagnosis, not a figure to track: long (the burst waits for its due time)",

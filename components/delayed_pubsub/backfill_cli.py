@@ -18,6 +18,7 @@ from rich.console import Console
 from delayed_middleware import backfill as bf
 from delayed_middleware.history import Retention
 from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection
 from delayed_pubsub.settings import Settings
@@ -46,7 +47,7 @@ def register(subparsers: Any) -> None:
             "Delivers each occurrence of schedule ID with a nominal time in [--from, --to) (by its own "
             "calendar: zone, bounds, jitter) that it did not fire itself and no backfill delivered "
             f"before, at most {bf.MAX_OCCURRENCES:,} per run; --to must not be in the future. Each "
-            f"message carries `{bf.SCHEDULE_OCCURRENCE}` (the nominal time) and gets a `backfilled` "
+            f"message carries `{SCHEDULE_OCCURRENCE}` (the nominal time) and gets a `backfilled` "
             "history record. Safe to repeat or run at once: each occurrence is delivered once."
         ),
     )

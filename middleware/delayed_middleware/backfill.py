@@ -59,13 +59,11 @@ from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import backfill_record
 from delayed_middleware.lua_scripts import SCHEDULE_NEXT, SCHEDULER, load
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
+from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.schedules import Schedule, occurrences, parse_stored_schedule, schedule_next_value
 
 BACKFILL: Final = load("backfill.lua")
 
-# The metadata key naming an occurrence's nominal time on every message a backfill delivers.
-# One constant: the engine's own deliveries are getting the same key; swap this for theirs.
-SCHEDULE_OCCURRENCE: Final = "scheduleOccurrence"
 # The `reason` of those records.
 REASON: Final = "backfill"
 

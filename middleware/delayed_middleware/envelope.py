@@ -70,6 +70,9 @@ class Envelope:
     delivery_attempt: int = 0
     # @every only: its interval in ms (the fire script computes successors from it).
     every_ms: int = 0
+    # Recurring only: the catch-up policy (kinds.Catchup as int) and window ms (0 = the default).
+    catchup: int = 0
+    catchup_window_ms: int = 0
 
     @property
     def is_bulk(self) -> bool:
@@ -122,6 +125,10 @@ def encode_envelope(env: Envelope) -> bytes:
         msg.deliveryAttempt = env.delivery_attempt
     if env.every_ms:
         msg.everyMs = env.every_ms
+    if env.catchup:
+        msg.scheduleCatchup = env.catchup
+    if env.catchup_window_ms:
+        msg.scheduleCatchupWindowMs = env.catchup_window_ms
     if env.is_bulk:
         msg.bulkPublish = True
         bulk = delayed_pb2.DelayedBulk(
@@ -176,4 +183,6 @@ def decode_envelope(raw: bytes) -> Envelope:
         target_pubsub=msg.targetPubsub,
         delivery_attempt=msg.deliveryAttempt,
         every_ms=msg.everyMs,
+        catchup=msg.scheduleCatchup,
+        catchup_window_ms=msg.scheduleCatchupWindowMs,
     )

@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered, backfilled |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered, backfilled, skipped |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -19,7 +19,7 @@ Each entry is a flat set of string fields:
 | `late`    | fired only: fired-at minus due, ms |
 | `size`    | payload bytes (all entries of a bulk envelope) |
 | `attempt` | delivery attempt the event concerns (1, 2, ...) |
-| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire`; lost: `EnvelopeGone`; recovered: `NotIndexed` ('' otherwise) |
+| `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire`; lost: `EnvelopeGone`; recovered: `NotIndexed`; skipped: `CatchupNone` or `CatchupWindow`, the count and span ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 | `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
 
@@ -72,6 +72,9 @@ RECOVERED: Final = "recovered"
 # An occurrence of a recurring schedule delivered by a backfill (delayed_middleware.backfill); `due`
 # is the occurrence's nominal time.
 BACKFILLED: Final = "backfilled"
+# Missed occurrences of a recurring schedule its catch-up policy did not deliver (engine/catchup.py):
+# `due` is the first one's nominal time, `reason` the policy or window, the count and the span.
+SKIPPED: Final = "skipped"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -88,6 +91,7 @@ EVENTS: Final = (
     LOST,
     RECOVERED,
     BACKFILLED,
+    SKIPPED,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

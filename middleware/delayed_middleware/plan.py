@@ -186,6 +186,8 @@ def _envelope(
         every_ms=(timing.schedule.interval_ms or 0)
         if timing.schedule is not None and timing.schedule.plain
         else 0,
+        catchup=timing.catchup,
+        catchup_window_ms=timing.catchup_window_ms,
     )
 
 

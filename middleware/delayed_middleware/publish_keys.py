@@ -57,13 +57,19 @@ SCHEDULE_START: Final = "scheduleStart"
 SCHEDULE_END: Final = "scheduleEnd"
 SCHEDULE_LIMIT: Final = "scheduleLimit"
 SCHEDULE_JITTER: Final = "scheduleJitter"
+SCHEDULE_CATCHUP: Final = "scheduleCatchup"
+SCHEDULE_CATCHUP_WINDOW: Final = "scheduleCatchupWindow"
 TTL_IN_SECONDS: Final = "ttlInSeconds"
 TTL: Final = "ttl"
 TARGET_PUBSUB: Final = "targetPubsub"
 
+# The metadata key of a delivered message that names its occurrence: the nominal
+# time (RFC 3339 UTC, ms; before jitter) of the occurrence it delivers, the same
+# for every redelivery of that occurrence. Every writer of it imports this name.
+SCHEDULE_OCCURRENCE: Final = "scheduleOccurrence"
 # Keys the component writes on the messages it delivers (not publish keys): a
 # message republished as received carries them, so they are never "unknown".
-DELIVERED_KEYS: Final[tuple[str, ...]] = ("scheduler", "scheduleNext", "deliveryAttempt")
+DELIVERED_KEYS: Final[tuple[str, ...]] = ("scheduler", "scheduleNext", SCHEDULE_OCCURRENCE, "deliveryAttempt")
 
 
 class Group(enum.Enum):
@@ -120,7 +126,15 @@ class PublishKey:
 
 
 _TIME: Final = (SCHEDULED_SEND_TIME, SCHEDULED_SEND_DELAY, DELIVER_AT, DELIVER_AFTER)
-_BOUNDS: Final = (SCHEDULE_TIME_ZONE, SCHEDULE_START, SCHEDULE_END, SCHEDULE_LIMIT, SCHEDULE_JITTER)
+_BOUNDS: Final = (
+    SCHEDULE_TIME_ZONE,
+    SCHEDULE_START,
+    SCHEDULE_END,
+    SCHEDULE_LIMIT,
+    SCHEDULE_JITTER,
+    SCHEDULE_CATCHUP,
+    SCHEDULE_CATCHUP_WINDOW,
+)
 # A control request schedules and times nothing.
 _CONTROL_EXCLUDES: Final = (SCHEDULE, *_TIME, *_BOUNDS, SCHEDULE_SOURCE, SCHEDULE_TTL, TTL, TTL_IN_SECONDS)
 
@@ -353,6 +367,38 @@ TABLE: Final[tuple[PublishKey, ...]] = (
         ),
         example="`5s`",
         does="delay each fire by a fixed offset in [0, jitter), so many schedules do not fire at once",
+    ),
+    PublishKey(
+        SCHEDULE_CATCHUP,
+        Group.BOUND,
+        needs=SCHEDULE,
+        parser=values.catchup,
+        value="`one` (default), `all` or `none`",
+        meaning=(
+            "what a recurring schedule delivers of the occurrences it missed while nothing ran (the "
+            "component or Redis down across at least one whole interval; a merely late occurrence "
+            "always fires): `one` delivers one message for all of them (the oldest within "
+            "`scheduleCatchupWindow`), then goes on from now; `all` delivers each missed occurrence "
+            "once, in order, each with its own `scheduleOccurrence`, paced at 20 a second per "
+            "schedule; `none` delivers none of them and waits for the next occurrence. Skipped "
+            "occurrences are counted in the history (`skipped`). What is missed while paused is "
+            "skipped whatever the policy (`schedulePause`)"
+        ),
+        example="`all`",
+        does="catch-up after an outage: one delivery, every missed occurrence, or none",
+    ),
+    PublishKey(
+        SCHEDULE_CATCHUP_WINDOW,
+        Group.BOUND,
+        needs=SCHEDULE,
+        parser=values.catchup_window_ms,
+        value="Go duration, positive (default `24h`)",
+        meaning=(
+            "missed occurrences older than this (at the time the schedule catches up) are skipped, "
+            "counted and recorded in the history (`skipped`, reason `CatchupWindow`), under `one` and `all`"
+        ),
+        example="`1h`",
+        readme_joins=SCHEDULE_CATCHUP,
     ),
     PublishKey(
         TTL_IN_SECONDS,

@@ -102,6 +102,25 @@ def schedule_id(key: str, value: str) -> str:
     return value
 
 
+# scheduleCatchup's values, in the order of kinds.Catchup (its stored number).
+CATCHUP_POLICIES: Final = ("one", "all", "none")
+
+
+def catchup(key: str, value: str) -> int:
+    """scheduleCatchup: one, all or none (any case), as its kinds.Catchup number."""
+    if value.lower() not in CATCHUP_POLICIES:
+        raise InvalidArgumentError(key, value, 'must be "one", "all" or "none"')
+    return CATCHUP_POLICIES.index(value.lower())
+
+
+def catchup_window_ms(key: str, value: str) -> int:
+    """scheduleCatchupWindow: a positive Go duration, in ms."""
+    ms = _read(key, value, parse_go_duration)
+    if ms <= 0:
+        raise InvalidArgumentError(key, value, "must be a positive duration")
+    return ms
+
+
 def cancel_flag(key: str, value: str) -> bool:
     """scheduleCancel: true (cancel) or false (the key left out), any case."""
     if value.lower() not in ("true", "false"):

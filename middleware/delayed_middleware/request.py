@@ -35,6 +35,8 @@ from delayed_middleware.publish_keys import (
     NOT_ONE_SHOT_KEYS,
     SCHEDULE,
     SCHEDULE_CANCEL,
+    SCHEDULE_CATCHUP,
+    SCHEDULE_CATCHUP_WINDOW,
     SCHEDULE_END,
     SCHEDULE_ID,
     SCHEDULE_JITTER,
@@ -96,6 +98,9 @@ class Timing:
     source: str = ""
     schedule_ttl_ms: int = 0
     target_pubsub: str = ""
+    # scheduleCatchup (a kinds.Catchup number) and scheduleCatchupWindow (ms, 0 = the default).
+    catchup: int = 0
+    catchup_window_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -312,12 +317,31 @@ def _schedule_timing(
         except InvalidArgumentError as err:
             raise InvalidArgumentError(SCHEDULE_SOURCE, source, err.reason) from None
     schedule_ttl = metadata.get(SCHEDULE_TTL)
+    catchup, window = _catchup(metadata, schedule)
     return Timing(
         due_ms,
         schedule_id,
         schedule=schedule if schedule.recurring else None,
         source=source or "",
         schedule_ttl_ms=0 if schedule_ttl is None else parse_schedule_ttl(schedule_ttl) or 0,
+        catchup=catchup,
+        catchup_window_ms=window,
+    )
+
+
+def _catchup(metadata: Mapping[str, str], schedule: Schedule) -> tuple[int, int]:
+    """scheduleCatchup and scheduleCatchupWindow (catchup.py): a recurring schedule's only."""
+    policy, window = metadata.get(SCHEDULE_CATCHUP), metadata.get(SCHEDULE_CATCHUP_WINDOW)
+    for key, value in ((SCHEDULE_CATCHUP, policy), (SCHEDULE_CATCHUP_WINDOW, window)):
+        if value is not None and not schedule.recurring:
+            raise InvalidArgumentError(
+                key,
+                value,
+                "applies to a recurring schedule (@every, cron, @daily, ...), not to a one-shot @at",
+            )
+    return (
+        0 if policy is None else values.catchup(SCHEDULE_CATCHUP, policy),
+        0 if window is None else values.catchup_window_ms(SCHEDULE_CATCHUP_WINDOW, window),
     )
 
 

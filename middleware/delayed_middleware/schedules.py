@@ -562,7 +562,34 @@ def _next_occurrence(
 def _bounded_next(
     schedule: Schedule, origin_ms: int, after_ms: int, key: str, cron_next: CronNext
 ) -> int | None:
-    found = _next_occurrence(schedule, origin_ms, after_ms, key, cron_next)
+    found = _within_bounds(schedule, _next_occurrence(schedule, origin_ms, after_ms, key, cron_next))
+    return None if found is None else found[1]
+
+
+def occurrence_after(
+    schedule: Schedule, *, start_ms: int, after_ms: int, key: str = "", cron_next: CronNext = _cron_any
+) -> tuple[int, int] | None:
+    """(nominal, due) of the first occurrence due strictly after ``after_ms``: ``next_fire`` with its nominal time."""
+    return _within_bounds(schedule, _next_occurrence(schedule, start_ms, after_ms, key, cron_next))
+
+
+def occurrence_from(
+    schedule: Schedule, *, start_ms: int, after_ms: int, key: str = "", cron_next: CronNext = _cron_any
+) -> tuple[int, int] | None:
+    """(nominal, due) of the first occurrence whose NOMINAL time is strictly after ``after_ms``.
+
+    The occurrence after the one at nominal time n is ``occurrence_from(after_ms=n)``:
+    a catch-up walks occurrences by their nominal times, whatever their jitter.
+    """
+    nominal = _nominal_after(schedule, start_ms, after_ms, cron_next)
+    if nominal is None:
+        return None
+    following = _nominal_after(schedule, start_ms, nominal, cron_next) if schedule.jitter_ms else None
+    return _within_bounds(schedule, (nominal, _jittered(schedule, nominal, following, key)))
+
+
+def _within_bounds(schedule: Schedule, found: tuple[int, int] | None) -> tuple[int, int] | None:
+    """`found` (nominal, due), unless the schedule's limit or end (or year 9999) comes first."""
     if found is None:
         return None
     nominal, due = found
@@ -570,7 +597,7 @@ def _bounded_next(
         return None
     if schedule.end_ms is not None and due > schedule.end_ms:
         return None
-    return due if due <= MAX_INSTANT_MS else None
+    return found if due <= MAX_INSTANT_MS else None
 
 
 def occurrences(schedule: Schedule, *, origin_ms: int, after_ms: int, key: str = "") -> Iterator[tuple[int, int]]:
@@ -895,7 +922,8 @@ class NextFireMemo:
         self._max_entries = max_entries
         self._cron: dict[tuple[str, str, int], int | None] = {}
 
-    def _cron_next(self, cron: str, tz: str, after_ms: int) -> int | None:
+    def cron_next(self, cron: str, tz: str, after_ms: int) -> int | None:
+        """A cron's first fire strictly after ``after_ms`` (remembered by the whole second)."""
         after_s = max(after_ms, MIN_INSTANT_MS) // 1000
         key = (cron, tz, after_s)
         if key not in self._cron:
@@ -906,7 +934,7 @@ class NextFireMemo:
 
     def next_fire(self, schedule: Schedule, *, start_ms: int, after_ms: int, key: str = "") -> int | None:
         """Same answer as the module's ``next_fire``."""
-        return next_fire(schedule, start_ms=start_ms, after_ms=after_ms, key=key, cron_next=self._cron_next)
+        return next_fire(schedule, start_ms=start_ms, after_ms=after_ms, key=key, cron_next=self.cron_next)
 
     def following_fire(
         self, schedule: Schedule, *, start_ms: int, due_ms: int, now_ms: int, key: str = ""
@@ -934,22 +962,88 @@ class EnvelopeRecurrence:
         self._memo = NextFireMemo(max_entries)
 
     def __call__(self, envelope: Envelope, after_ms: int) -> int | None:
+        schedule = self.schedule_of(envelope, after_ms)
+        if schedule is None:
+            return None
+        return self._memo.next_fire(
+            schedule, start_ms=envelope.published_at_ms, after_ms=after_ms, key=envelope.schedule_id
+        )
+
+    def occurrences(self, envelope: Envelope, now_ms: int) -> Occurrences | None:
+        """The envelope's occurrences by nominal time (a catch-up walks them), or None as ``__call__``'s."""
+        schedule = self.schedule_of(envelope, now_ms)
+        if schedule is None:
+            return None
+        return Occurrences(schedule, envelope.published_at_ms, envelope.schedule_id, self._memo.cron_next)
+
+    def schedule_of(self, envelope: Envelope, now_ms: int) -> Schedule | None:
+        """The envelope's recurring schedule, parsed (remembered), or None: not recurring or unreadable."""
         expr = envelope.schedule
         if expr not in self._parsed:
             if len(self._parsed) >= self._max_entries:
                 self._parsed.clear()
             try:
                 self._parsed[expr] = parse_stored_schedule(
-                    expr, now_ms=min(max(after_ms, MIN_INSTANT_MS), MAX_INSTANT_MS)
+                    expr, now_ms=min(max(now_ms, MIN_INSTANT_MS), MAX_INSTANT_MS)
                 )
             except InvalidArgumentError:
                 self._parsed[expr] = None
         schedule = self._parsed[expr]
         if schedule is None or not schedule.recurring:
             return None
-        return self._memo.next_fire(
-            schedule, start_ms=envelope.published_at_ms, after_ms=after_ms, key=envelope.schedule_id
+        return schedule
+
+
+@dataclass(frozen=True)
+class Occurrences:
+    """One recurring envelope's occurrences, as (nominal, due) pairs: what a catch-up (catchup.py) walks."""
+
+    schedule: Schedule
+    start_ms: int
+    key: str
+    cron_next: CronNext
+
+    def due_after(self, after_ms: int) -> tuple[int, int] | None:
+        """The first occurrence due strictly after ``after_ms`` (occurrence_after)."""
+        return occurrence_after(
+            self.schedule, start_ms=self.start_ms, after_ms=after_ms, key=self.key, cron_next=self.cron_next
         )
+
+    def nominal_after(self, after_ms: int) -> tuple[int, int] | None:
+        """The first occurrence whose nominal time is strictly after ``after_ms`` (occurrence_from)."""
+        return occurrence_from(
+            self.schedule, start_ms=self.start_ms, after_ms=after_ms, key=self.key, cron_next=self.cron_next
+        )
+
+    def nominal_of(self, due_ms: int) -> int:
+        """The nominal time of the occurrence due at ``due_ms``: the last nominal time at or before it
+        (an occurrence is due in [nominal, nominal + jitter), before the next nominal time)."""
+        if not self.schedule.jitter_ms:
+            return due_ms
+        found = self.nominal_after(due_ms - self.schedule.jitter_ms - 1)
+        nominal = due_ms
+        while found is not None and found[0] <= due_ms:
+            nominal = found[0]
+            found = self.nominal_after(found[0])
+        return nominal
+
+    def count(self, from_ms: int, before_ms: int, limit: int) -> int:
+        """How many occurrences have nominal times in [from_ms, before_ms) (at most ``limit``)."""
+        s = self.schedule
+        if before_ms <= from_ms:
+            return 0
+        if s.kind == "every" and s.interval_ms and s.last_ms is None:
+            first = self.nominal_after(from_ms - 1)
+            if first is None or first[0] >= before_ms:
+                return 0
+            return min(limit, (before_ms - 1 - first[0]) // s.interval_ms + 1)
+        n, cursor = 0, from_ms - 1
+        while n < limit:
+            found = self.nominal_after(cursor)
+            if found is None or found[0] >= before_ms:
+                break
+            n, cursor = n + 1, found[0]
+        return n
 
 
 def schedule_zone(stored: str) -> str:
@@ -957,6 +1051,11 @@ def schedule_zone(stored: str) -> str:
     if not stored.startswith(CRON_TZ_PREFIX):
         return ""
     return stored[len(CRON_TZ_PREFIX) :].split(maxsplit=1)[0] if len(stored) > len(CRON_TZ_PREFIX) else ""
+
+
+def is_jittered(envelope: Envelope) -> bool:
+    """Whether an envelope's stored schedule has scheduleJitter (its due times are not its nominal times)."""
+    return any(o.strip().startswith("jitter=") for o in envelope.schedule.split(";")[1:])
 
 
 def schedule_next_value(next_ms: int | None) -> str:

@@ -16,6 +16,16 @@ Formats (CHANGELOG.md names the releases):
   fires them twice, then drops them), and paused messages (`schedulePause`:
   0.1.0 never resumes them).
 
+Added within format 2 (nothing an older release misreads, so no new format):
+the catch-up policy and window of a recurring schedule (`scheduleCatchup`,
+`scheduleCatchupWindow`: DelayedMessage fields 19 and 20, which an older
+release's decoders skip: it catches such a schedule up as `one`), and an
+occurrence's nominal time beside its due time in the ids ref (two more parts,
+written only where they differ from the due times: jitter, a paced catch-up;
+an older release reads the first five parts and fires the occurrence all the
+same, and a ref it rewrites without them makes this release stamp that one
+occurrence's `scheduleOccurrence` from its due time: the jittered one, for a jittered schedule).
+
 The rollback window: a version writes the format it finds (or the one the
 `storageFormat` setting names), so an upgrade keeps writing the previous
 release's format and a rollback reads all of it. While an app is at an older

@@ -69,6 +69,11 @@ def events(client: redis.Redis, event: str) -> list[str]:
         ({"scheduledSendDelay": "1h", "scheduleLimit": "3"}, "scheduleLimit"),
         ({"scheduleTimeZone": "Europe/London"}, "scheduleTimeZone"),
         ({"schedule": "@at 2031-01-01T00:00:00Z", "scheduleJitter": "1s"}, "scheduleJitter"),
+        ({"schedule": "@every 1m", "scheduleCatchup": "some"}, "scheduleCatchup"),
+        ({"schedule": "@every 1m", "scheduleCatchupWindow": "0s"}, "scheduleCatchupWindow"),
+        ({"schedule": "@daily", "scheduleCatchupWindow": "a day"}, "scheduleCatchupWindow"),
+        ({"schedule": "@at 2031-01-01T00:00:00Z", "scheduleCatchup": "all"}, "scheduleCatchup"),
+        ({"scheduledSendDelay": "1h", "scheduleCatchup": "none"}, "scheduleCatchup"),
         # Names that read a host file or a variant of the zone data, in either key.
         ({"schedule": "@daily", "scheduleTimeZone": "localtime"}, "scheduleTimeZone"),
         ({"schedule": "@daily", "scheduleTimeZone": "right/America/New_York"}, "scheduleTimeZone"),

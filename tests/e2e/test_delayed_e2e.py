@@ -22,7 +22,7 @@ from tests.e2e.harness import (
     rfc3339,
     unique,
 )
-from tests.e2e.user import assert_on_time, header
+from tests.e2e.user import assert_on_time, header, instant_ms
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +51,9 @@ def test_delivered_delayed_message_carries_its_metadata(stack: Stack) -> None:
     assert header(arrival, "customer") == "acme-42"
     assert header(arrival, "deliveryAttempt") == "1"
     assert header(arrival, "scheduleNext") == "purge"
+    # A one-shot's occurrence is its due time (the server's receipt plus the delay).
+    occurrence = instant_ms(header(arrival, "scheduleOccurrence"))
+    assert t0 + 1000 <= occurrence <= arrival["received_ms"]
 
 
 @pytest.mark.parametrize("offset_hours", [0, -5], ids=["zulu", "offset"])

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from delayed_middleware.instants import format_instant
 from tests.e2e.conftest import PUBSUB
 from tests.e2e.harness import LATENESS_TOLERANCE_MS, Stack, carries, dapr_client, now_ms, rfc3339, unique
 from tests.e2e.user import TOPIC, curl_publish, header, instant_ms, ok_arrivals
@@ -40,6 +41,8 @@ def test_http_zone_start_limit_and_jitter_through_query_metadata(stack: Stack) -
         assert fire["received_ms"] >= start + k * 1000, "fired before its occurrence"
         assert fire["received_ms"] - (start + k * 1000) <= 400 + LATENESS_TOLERANCE_MS
         assert header(fire, "scheduler") == schedule_id
+        # Which occurrence it is: its nominal time, before the jitter (a header, as every metadata key).
+        assert header(fire, "scheduleOccurrence") == format_instant(start + k * 1000), fire["headers"]
     # The first names the second's jittered due time; the second (the limit) names none.
     nxt = instant_ms(header(fires[0], "scheduleNext"))
     assert start + 1000 <= nxt < start + 1400

@@ -71,6 +71,8 @@ def test_contract_key_names() -> None:
         "scheduleEnd",
         "scheduleLimit",
         "scheduleJitter",
+        "scheduleCatchup",
+        "scheduleCatchupWindow",
     }
     # The keys that time a one-shot, the Pulsar aliases among them: all gated by enableDelayedMessaging.
     assert TIME_KEYS == ("scheduledSendTime", "scheduledSendDelay", "deliverAt", "deliverAfter")

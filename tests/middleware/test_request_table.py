@@ -16,20 +16,20 @@ NOW = parse_instant("2026-11-26T05:00:00Z")
 CTX = PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=True)
 
 
-def catchup(key: str, value: str) -> str:
-    """scheduleCatchup's parser, as a new key would bring its own: one|all|none."""
+def overlap(key: str, value: str) -> str:
+    """scheduleOverlap's parser, as a new key would bring its own: one|all|none."""
     if value not in ("one", "all", "none"):
         raise InvalidArgumentError(key, value, "must be one, all or none")
     return value
 
 
-# The table with one more row, as adding scheduleCatchup would write it.
-WITH_CATCHUP = (
+# The table with one more row, as adding scheduleOverlap would write it.
+WITH_OVERLAP = (
     *TABLE,
     PublishKey(
-        "scheduleCatchup",
+        "scheduleOverlap",
         Group.PER_SCHEDULE,
-        parser=catchup,
+        parser=overlap,
         needs=SCHEDULE,
         excludes=TIME_KEYS,
         value="`one`, `all` or `none`",
@@ -39,27 +39,27 @@ WITH_CATCHUP = (
 
 
 def test_a_key_added_as_one_row_is_read_by_its_parser_into_the_request() -> None:
-    request = read_publish({"schedule": "@every 1m", "scheduleCatchup": "all"}, CTX, WITH_CATCHUP)
-    assert dict(request.options) == {"scheduleCatchup": "all"}
+    request = read_publish({"schedule": "@every 1m", "scheduleOverlap": "all"}, CTX, WITH_OVERLAP)
+    assert dict(request.options) == {"scheduleOverlap": "all"}
     assert request.timing is not None
     assert request.timing.schedule is not None
     assert request.timing.schedule.interval_ms == 60_000
     # Without the row, the same key is the app's own: read as nothing.
-    assert read_publish({"schedule": "@every 1m", "scheduleCatchup": "all"}, CTX).options == ()
+    assert read_publish({"schedule": "@every 1m", "scheduleOverlap": "all"}, CTX).options == ()
 
 
 @pytest.mark.parametrize(
     ("metadata", "key", "value", "why"),
     [
         (
-            {"schedule": "@every 1m", "scheduleCatchup": "some"},
-            "scheduleCatchup",
+            {"schedule": "@every 1m", "scheduleOverlap": "some"},
+            "scheduleOverlap",
             "some",
             "must be one, all or none",
         ),
-        ({"scheduleCatchup": "all"}, "scheduleCatchup", "all", "only applies with schedule"),
+        ({"scheduleOverlap": "all"}, "scheduleOverlap", "all", "only applies with schedule"),
         (
-            {"scheduleCatchup": "all", "scheduledSendDelay": "5s", "schedule": "@every 1m"},
+            {"scheduleOverlap": "all", "scheduledSendDelay": "5s", "schedule": "@every 1m"},
             "scheduledSendDelay",
             "5s",
             "given together with schedule",
@@ -70,26 +70,26 @@ def test_a_key_added_as_one_row_is_refused_by_its_row_naming_the_key_and_value(
     metadata: dict[str, str], key: str, value: str, why: str
 ) -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        read_publish(metadata, CTX, WITH_CATCHUP)
+        read_publish(metadata, CTX, WITH_OVERLAP)
     assert (err.value.key, err.value.value) == (key, value)
     assert why in err.value.reason
 
 
 def test_a_key_added_as_one_row_excludes_the_keys_its_row_names() -> None:
     # The row without its partner, so that only its excludes can refuse.
-    table = (*TABLE, replace(WITH_CATCHUP[-1], needs=""))
-    assert dict(read_publish({"scheduleCatchup": "none"}, CTX, table).options) == {"scheduleCatchup": "none"}
+    table = (*TABLE, replace(WITH_OVERLAP[-1], needs=""))
+    assert dict(read_publish({"scheduleOverlap": "none"}, CTX, table).options) == {"scheduleOverlap": "none"}
     with pytest.raises(InvalidArgumentError) as err:
-        read_publish({"scheduleCatchup": "all", "scheduledSendDelay": "5s"}, CTX, table)
+        read_publish({"scheduleOverlap": "all", "scheduledSendDelay": "5s"}, CTX, table)
     assert (err.value.key, err.value.value) == ("scheduledSendDelay", "5s")
-    assert "given together with scheduleCatchup='all'" in err.value.reason
+    assert "given together with scheduleOverlap='all'" in err.value.reason
 
 
 def test_a_key_added_as_one_row_needs_delayed_messaging_like_every_delay_key() -> None:
     disabled = PlanContext(now_ms=NOW, pubsub_name="delayed", enabled=False)
     with pytest.raises(InvalidArgumentError) as err:
-        read_publish({"scheduleCatchup": "all"}, disabled, WITH_CATCHUP)
-    assert (err.value.key, err.value.value) == ("scheduleCatchup", "all")
+        read_publish({"scheduleOverlap": "all"}, disabled, WITH_OVERLAP)
+    assert (err.value.key, err.value.value) == ("scheduleOverlap", "all")
     assert "enableDelayedMessaging" in err.value.reason
 
 

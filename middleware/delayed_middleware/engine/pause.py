@@ -34,6 +34,7 @@ from delayed_middleware.engine.cancel import Canceller
 from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.replies import PauseReply
 from delayed_middleware.envelope import RECURRING, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.schedules import is_jittered
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +174,9 @@ class Pauser:
             await self._canceller.cancel(id, reason="resumed after its last fire")
             return PauseReply(ENDED, env.topic)
         after, iso = "-", "-"
-        if not env.every_ms:
-            # A cron ref holds the occurrence after this one too (as SCHEDULE writes it).
+        if not env.every_ms and not is_jittered(env):
+            # A cron ref holds the occurrence after this one too (as SCHEDULE writes it); a
+            # jittered one's waits for REFILL, which learns its nominal time (scheduleOccurrence).
             after, iso = st.next_after(env, nxt)
         return await self._run("resume", id, reason, [ref, str(nxt), after, iso])
 

@@ -17,20 +17,32 @@ down across several fire times) is refilled from the current time: it fires
 once on recovery and continues on its schedule. A schedule that cannot be
 advanced (undecodable, no later time) is withdrawn by REFILL's 'end', a
 compare-and-set too, so a replace that landed meanwhile stands.
+
+Catch-up (scheduleCatchup, catchup.py): an occurrence whose successor has
+passed too was missed; REFILL applies the envelope's policy to it (`one` fires
+it, `all` fires every missed one in turn, paced, `none` skips to the next after
+now) and records what it skipped. Each occurrence's nominal time (before jitter
+and pacing) rides beside its due time in the ids ref, so FIRE stamps
+`scheduleOccurrence` without computing anything.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from delayed_middleware.aio import text
+from delayed_middleware.catchup import Plan, Skip, plan_advance, plan_wait
 from delayed_middleware.engine.config import REFILL_BATCH
 from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.pause import is_paused_ref
 from delayed_middleware.engine.replies import Refill, RefillItem
 from delayed_middleware.envelope import Envelope, EnvelopeDecodeError, decode_envelope
+from delayed_middleware.instants import format_instant
 from delayed_middleware.kinds import Kind
+from delayed_middleware.lua_scripts import PURGE
+from delayed_middleware.schedules import EnvelopeRecurrence, Occurrences
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +83,48 @@ class Refiller:
                     schedule_id=sid,
                     kind=int(Kind.RECURRING),
                     schedule=expr,
+                    catchup=int(text(q.catchup) or 0),
+                    catchup_window_ms=int(text(q.catchup_window) or 0),
                 )
-                nxt, iso = st.next_after(probe, max(due, now))
+                items.append(self._advanced(key, ref, probe, due, now))
             except Exception as exc:
                 log.warning("recurring %r on %s: successor not computed now: %r", q.key, st.keys.stream, exc)
                 continue
-            items.append(RefillItem(key, ref, nxt, iso))
         if items:
-            await st.scripts.refill(items)
+            await st.scripts.refill(items, history=(st.history_len, now))
+
+    def _occurrences(self, env: Envelope, now: int) -> Occurrences | None:
+        """The envelope's occurrences by nominal time, when the recurrence can walk them (the engine's
+        own, EnvelopeRecurrence); None: one injected by a test, which knows due times only."""
+        recurrence = self._state.recurrence
+        if isinstance(recurrence, EnvelopeRecurrence):
+            return recurrence.occurrences(env, now)
+        return None
+
+    def _advanced(self, key: str, ref: str, env: Envelope, due: int, now: int) -> RefillItem:
+        """The REFILL of an envelope a fire step advanced to its occurrence due at `due` (flag i)."""
+        occ = self._occurrences(env, now)
+        if occ is None:
+            nxt, iso = self._state.next_after(env, max(due, now))
+            return RefillItem(key, ref, nxt, iso)
+        plan = plan_advance(occ, env.catchup, env.catchup_window_ms, (ref_nominal(ref, due), due), now)
+        return _item(key, ref, plan)
+
+    def _waited(self, key: str, ref: str, env: Envelope, due: int, now: int) -> RefillItem:
+        """The REFILL of an envelope whose occurrence due at `due` waits (flag u): catch-up applies."""
+        occ = self._occurrences(env, now)
+        if occ is None:
+            nxt, iso = self._state.next_after(env, max(due, now))
+            return RefillItem(key, ref, nxt, iso)
+        nominal = ref_nominal(ref, due, occ)
+        plan = plan_wait(occ, env.catchup, env.catchup_window_ms, (nominal, due), now)
+        if plan is None:
+            return RefillItem(key, ref, "end", "catch-up: no occurrence left within the schedule's bounds")
+        item = _item(key, ref, plan)
+        if plan.current is None and nominal != due:
+            # The nominal time nominal_of found (a ref written without one): kept beside the due time.
+            item = replace(item, current_nominal=str(nominal))
+        return item
 
     async def refill_pending(self, limit: int = 10_000) -> int:
         """Give recurring envelopes waiting for it their next due time; returns how many.
@@ -138,7 +184,10 @@ class Refiller:
                     raise EnvelopeDecodeError(f"envelope {ref.split()[0]} has no data")
                 env = decode_envelope(raw)
                 topic = env.topic
-                nxt, iso = st.next_after(env, max(due, now))
+                waiting = len(ref.split()) >= 5 and ref.split()[4] == "u"
+                item = (self._waited if waiting else self._advanced)(key, ref, env, due, now)
+                if item.next_due == "end":
+                    ending[key] = topic
             except Exception as exc:
                 # EnvelopeDecodeError, ValueError (no later time), or whatever else the
                 # recurrence raises: one schedule the engine cannot advance must not
@@ -148,9 +197,9 @@ class Refiller:
                 log.error(
                     "recurring %r on %s cannot be refilled: %r; cancelling it", key, st.keys.stream, exc
                 )
-                nxt, iso = "end", f"unschedulable: {exc}"
+                item = RefillItem(key, ref, "end", f"unschedulable: {exc}")
                 ending[key] = topic
-            items.append(RefillItem(key, ref, nxt, iso))
+            items.append(item)
         if not items:
             return len(gone)
         results = await st.scripts.refill(items, history=(st.history_len, now))
@@ -162,3 +211,27 @@ class Refiller:
         if ended:
             await st.markers("Remove", ended)
         return len(gone) + sum(1 for r in results if r != 0)
+
+
+def ref_nominal(ref: str, due: int, occ: Occurrences | None = None) -> int:
+    """The nominal time of the occurrence an ids ref names at `due`: the ref's own (its sixth part),
+    else computed from the schedule (`occ`: a ref written without one), else the due time itself."""
+    parts = ref.split()
+    if len(parts) >= 6 and parts[5].isdigit():
+        return int(parts[5])
+    return occ.nominal_of(due) if occ is not None else due
+
+
+def _item(key: str, ref: str, plan: Plan) -> RefillItem:
+    """The REFILL item of a catch-up plan."""
+    nxt, iso, nnom = PURGE, "-", "-"
+    if plan.following is not None:
+        nominal, due = plan.following
+        nxt, iso, nnom = str(due), format_instant(due), str(nominal)
+    cur, cur_nom = "-", "-"
+    if plan.current is not None:
+        cur_nom, cur = str(plan.current[0]), str(plan.current[1])
+    skip: Skip | None = plan.skip
+    if skip is None or skip.count <= 0:
+        return RefillItem(key, ref, nxt, iso, cur, cur_nom, nnom)
+    return RefillItem(key, ref, nxt, iso, cur, cur_nom, nnom, str(skip.first_ms), skip.describe())

@@ -49,6 +49,9 @@ class Refill:
     ref: object
     expression: object
     published: object
+    # The envelope's catch-up policy and window ms (DelayedMessage fields 19, 20).
+    catchup: object = 0
+    catchup_window: object = 0
 
 
 class ScheduleItem(NamedTuple):
@@ -132,6 +135,8 @@ class Claim:
     due: str
     scheduler: str
     schedule_next: str
+    # The scheduleOccurrence its messages carry ('' for a subscriber retry: its entries keep their own).
+    schedule_occurrence: str
     target: str  # the key APPEND writes: the topic, or the outbox
     target_pubsub: str
     topic: str
@@ -219,12 +224,18 @@ class PauseReply:
 
 @dataclass(frozen=True)
 class RefillItem:
-    """One REFILL compare-and-set: the ids-hash key, the ref read, the next due ms (or purge/end) and its text."""
+    """One REFILL compare-and-set: the ids-hash key, the ref read, the next due ms (or purge/end) and its text;
+    a catch-up's changes besides (lua/refill.lua's ARGV group; '-' and '' change nothing)."""
 
     key: str
     ref: str
     next_due: str
     next_iso: str
+    current_due: str = "-"
+    current_nominal: str = "-"
+    next_nominal: str = "-"
+    skipped_from: str = ""
+    skipped_why: str = ""
 
 
 # The fixed head of each reply, slot by slot, as the script's header lists it.
@@ -270,12 +281,12 @@ def _expired(raw: Sequence[Any]) -> tuple[list[tuple[str, str]], Sequence[Any]]:
 
 
 def _refills(raw: Sequence[Any]) -> list[Refill]:
-    """common.lua's REFILLS quads, kept raw where they are not text: Refiller.advance guards each."""
-    return [Refill(*raw[i : i + 4]) for i in range(0, len(raw) - 3, 4)]
+    """common.lua's REFILLS sextets, kept raw where they are not text: Refiller.advance guards each."""
+    return [Refill(*raw[i : i + 6]) for i in range(0, len(raw) - 5, 6)]
 
 
-# CLAIM's per-claim header: 12 values, then `count` (data, metadata, contentType) triples.
-_CLAIM_HEADER = 12
+# CLAIM's per-claim header: 13 values, then `count` (data, metadata, contentType) triples.
+_CLAIM_HEADER = 13
 
 
 def _claims(raw: Sequence[Any]) -> list[Claim]:
@@ -283,20 +294,21 @@ def _claims(raw: Sequence[Any]) -> list[Claim]:
     for _ in range(n):
         head = raw[pos : pos + _CLAIM_HEADER]
         pos += _CLAIM_HEADER
-        count = int(head[11])
+        count = int(head[12])
         try:
             c = Claim(
                 id=text(head[0]),
                 due=text(head[1]),
                 scheduler=text(head[2]),
                 schedule_next=text(head[3]),
-                target=text(head[4]),
-                target_pubsub=text(head[5]),
-                topic=text(head[6]),
-                bulk=text(head[7]) == "1",
-                expires_at=int(head[8]),
-                source=text(head[9]),
-                trim=text(head[10]) == "1",
+                schedule_occurrence=text(head[4]),
+                target=text(head[5]),
+                target_pubsub=text(head[6]),
+                topic=text(head[7]),
+                bulk=text(head[8]) == "1",
+                expires_at=int(head[9]),
+                source=text(head[10]),
+                trim=text(head[11]) == "1",
                 entries=[],
             )
         except UnicodeDecodeError as exc:
@@ -304,7 +316,9 @@ def _claims(raw: Sequence[Any]) -> list[Claim]:
             # taken over (and raise) again at every lease end: the shard stopped firing.
             pos += 3 * count
             why = f"undecodable: not UTF-8: {exc}"
-            out.append(Claim(text(head[0]), text(head[1]), "", "", "", "", "", False, 0, "", False, [], why))
+            out.append(
+                Claim(text(head[0]), text(head[1]), "", "", "", "", "", "", False, 0, "", False, [], why)
+            )
             continue
         for _ in range(count):
             data, md, ct = raw[pos], raw[pos + 1], raw[pos + 2]

@@ -32,7 +32,9 @@ from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.replies import ScheduleCall, ScheduleItem, ScheduleResult
 from delayed_middleware.envelope import Envelope, encode_envelope
 from delayed_middleware.errors import PartiallyStoredError
+from delayed_middleware.kinds import Catchup
 from delayed_middleware.redis_errors import describe
+from delayed_middleware.schedules import is_jittered
 
 
 class Scheduler:
@@ -129,8 +131,10 @@ class Scheduler:
         items = []
         for env, raw in zip(envelopes, encoded, strict=True):
             nxt, iso = "-", "-"
-            # An @every envelope's successors come from the fire step itself.
-            if env.is_recurring and not env.every_ms:
+            # An @every envelope's successors come from the fire step itself (catching up
+            # `all`, from REFILL, as a cron's). A jittered one's first occurrence waits for
+            # REFILL to learn its nominal time too (its scheduleOccurrence).
+            if env.is_recurring and (not env.every_ms or env.catchup == Catchup.ALL) and not is_jittered(env):
                 nxt, iso = self._state.next_after(env, env.due_ms)
             items.append(
                 ScheduleItem(

@@ -194,7 +194,8 @@ class EngineScripts:
         k = self._keys
         args: list[Any] = [k.buckets, k.wake, len(items)]
         for i in items:
-            args += [i.key, i.ref, i.next_due, i.next_iso]
+            args += [i.key, i.ref, i.next_due, i.next_iso, i.current_due, i.current_nominal, i.next_nominal]
+            args += [i.skipped_from, i.skipped_why]
         if history is not None:
             args += list(history)
         return [int(r) for r in await self._refill(keys=k.script_keys, args=args)]

@@ -51,6 +51,8 @@ from delayed_middleware.engine.core import ShardState
 from delayed_middleware.engine.fire import FireStep
 from delayed_middleware.engine.replies import AppendItem, Claim, Refill
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
+from delayed_middleware.lua_scripts import SCHEDULE_NEXT, SCHEDULER
+from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.redis_errors import is_wrong_type
 
 
@@ -208,7 +210,9 @@ class TwoPhaseFire:
             # strict JSON (1e400 loads as inf), else drop it; the data still goes out.
             if isinstance(loaded, dict) and _strict_json(loaded):
                 md = loaded
-        md["scheduler"], md["scheduleNext"] = c.scheduler, c.schedule_next
+        md[SCHEDULER], md[SCHEDULE_NEXT] = c.scheduler, c.schedule_next
+        if c.schedule_occurrence:
+            md[SCHEDULE_OCCURRENCE] = c.schedule_occurrence
         ct = f.get("contentType", b"")
         return [c.fields(f.get("data", b""), json.dumps(md, separators=(",", ":")), ct)]
 

@@ -65,24 +65,39 @@ local function forget(id, env, key)
 end
 
 -- An occurrence's metadata as it goes out, JSON-encoded: the entry's own, with
--- `scheduler` (the schedule's id) and `scheduleNext` (its next time, or '-').
+-- `scheduler` (the schedule's id), `scheduleNext` (its next time, or '-') and
+-- `scheduleOccurrence` (`occ`: the occurrence's nominal time, RFC 3339; nil
+-- leaves the entry's own, as a subscriber retry carries the first delivery's).
 -- nil and why when cjson cannot encode it (1e400 decoded as inf): the caller
 -- parks the envelope, before it has written anything for it.
-local function stamped(md, key, iso)
+local function stamped(md, key, iso, occ)
   md['scheduler'] = key
   md['scheduleNext'] = iso
+  if occ then md['scheduleOccurrence'] = occ end
   local ok, json = pcall(cjson.encode, md)
   if not ok then return nil, 'metadata: ' .. tostring(json) end
   return json
+end
+
+-- The scheduleOccurrence an envelope's messages carry for the occurrence whose
+-- nominal time is `nom` (epoch ms, a decimal string): nil for a subscriber retry
+-- (kind 2), whose messages keep the one their first delivery carried.
+local function occurrence(env, nom)
+  if env.kind == 2 then return nil end
+  local ms = tonumber(nom)
+  if not ms or ms < 0 or ms > MAX_INSTANT_MS then return nil end
+  return iso_ms(ms)
 end
 
 -- Takes the due candidate c = {stream id, due, bucket} into the batch and decides it:
 --   nil                                    the batch is full (work or bytes): c is not taken;
 --   false                                  taken and settled here (gone, undecodable: parked,
 --                                          orphaned, waiting for REFILL, expired);
---   env, key, attempt, iso, next_due       taken: the caller appends (FIRE) or claims (CLAIM)
---                                          it; next_due nil = the last occurrence, iso = the
---                                          scheduleNext its messages carry.
+--   env, key, attempt, iso, next_due,      taken: the caller appends (FIRE) or claims (CLAIM)
+--   occ, nnom                              it; next_due nil = the last occurrence, iso = the
+--                                          scheduleNext its messages carry, occ = their
+--                                          scheduleOccurrence (nil: a retry's own), nnom = the
+--                                          next occurrence's nominal ms ('-': next_due).
 -- `busy`: the batch already holds something (the first envelope always goes).
 local function decide(c, now, max_entries, max_bytes, busy)
   local id, due = c[1], c[2]
@@ -112,9 +127,9 @@ local function decide(c, now, max_entries, max_bytes, busy)
   local key = id
   if env.sid ~= '' then key = env.sid end
   local attempt = math.max(env.attempt, 1)
-  local iso, next_due = 'purge', nil
+  local iso, next_due, nom, nnom = 'purge', nil, due, '-'
   if env.kind == 1 then
-    local step, nxt, niso = recurring_step(env, id, key, due, now)
+    local step, nxt, niso, snom, snnom = recurring_step(env, id, key, due, now)
     if step == 'orphan' then
       -- An envelope nothing refers to any more: nothing to fire, nothing to keep.
       B.deletes[#B.deletes + 1] = id
@@ -122,7 +137,7 @@ local function decide(c, now, max_entries, max_bytes, busy)
     elseif step == 'wait' then
       return false
     end
-    iso, next_due = niso, nxt
+    iso, next_due, nom, nnom = niso, nxt, snom, snnom
   end
   if env.expires > 0 and env.expires <= now then
     forget(id, env, key)
@@ -131,7 +146,7 @@ local function decide(c, now, max_entries, max_bytes, busy)
     B.expired[#B.expired + 1] = env.topic
     return false
   end
-  return env, key, attempt, iso, next_due
+  return env, key, attempt, iso, next_due, occurrence(env, nom), nnom
 end
 
 -- Takes the batch's candidates out of the index and deletes its dropped stream entries.

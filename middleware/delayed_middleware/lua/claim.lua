@@ -15,13 +15,14 @@
 -- gone = index entries whose envelope someone else deleted; now = the time the
 -- batch was decided at (ms; leases are measured on it); the pairs are the
 -- envelopes that expired unfired (for the caller's markers, as FIRE's); each
--- claim is 12 values then its entries: envelope id, occurrence due ms,
--- scheduler (the envelope's key), scheduleNext, append key (the target topic,
+-- claim is 13 values then its entries: envelope id, occurrence due ms,
+-- scheduler (the envelope's key), scheduleNext, scheduleOccurrence ('' for a
+-- subscriber retry: its entries keep their own), append key (the target topic,
 -- or the outbox with a targetPubsub), targetPubsub, topic, bulk (0/1),
 -- expiresAt ms (0 none), scheduleSource (the client reads it: another slot),
 -- trim (1: the caller's trim applies, 0: published through another component),
--- entry count k; then k triples data, metadata JSON (scheduler/scheduleNext
--- set), contentType.
+-- entry count k; then k triples data, metadata JSON (scheduler/scheduleNext/
+-- scheduleOccurrence set), contentType.
 --
 -- The same decisions as FIRE up to the append, in the same code (batch.lua's
 -- decide): a gone or undecodable envelope leaves the index (parked when
@@ -56,7 +57,7 @@ batch_start(tonumber(BUDGET_US))
 
 -- One claim's reply record, or nil and why (metadata cjson cannot encode,
 -- e.g. 1e400 decoded as inf: FIRE parks such an envelope, so CLAIM does too).
-local function record(id, due, env, key, iso)
+local function record(id, due, env, key, iso, occ)
   local target = OUTBOX
   if env.target == '' then target = env.topic end
   local expires = env.expires
@@ -64,9 +65,11 @@ local function record(id, due, env, key, iso)
   local entries = env.entries
   if env.source ~= '' then entries = {} end
   local trim = (env.target == '' and (own_pubsub == '' or env.pubsub == own_pubsub)) and 1 or 0
-  local rec = {id, due, key, iso, target, env.target, env.topic, env.bulk and 1 or 0, expires, env.source, trim, #entries}
+  local rec = {
+    id, due, key, iso, occ or '', target, env.target, env.topic, env.bulk and 1 or 0, expires, env.source, trim, #entries,
+  }
   for _, e in ipairs(entries) do
-    local json, why = stamped(e[2], key, iso)
+    local json, why = stamped(e[2], key, iso, occ)
     if not json then return nil, why end
     rec[#rec + 1] = e[1]
     rec[#rec + 1] = json
@@ -82,6 +85,19 @@ local function emit(rec, due)
   if first == nil or tonumber(due) < first then first = tonumber(due) end
 end
 
+-- The scheduleOccurrence of the claimed occurrence due at `due` of envelope `id`
+-- (key `key`), as CLAIM stamped it: the ids ref keeps its nominal time until
+-- RELEASE advances it (no nominal there: the due time itself).
+local function claimed_occurrence(env, id, key, due)
+  local nom = due
+  local ref = redis.call('HGET', IDS, key)
+  if ref then
+    local rid, rdue, _, _, _, rnom = parse_ref(ref)
+    if rid == id and rdue == due and rnom ~= '-' then nom = rnom end
+  end
+  return occurrence(env, nom)
+end
+
 -- 1. Claims whose lease ended: taken over first, with their recorded occurrence.
 local expired = redis.call('ZRANGEBYSCORE', INFLIGHT, '-inf', now, 'LIMIT', 0, max_env)
 local withdrawn = {
@@ -95,7 +111,7 @@ for _, id in ipairs(expired) do
   local r, due = nil, rec and string.match(rec, '^(%S+)') or '0'
   if rec and env then
     local _, _, iso, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
-    r = record(id, due, env, key, iso)
+    r = record(id, due, env, key, iso, claimed_occurrence(env, id, key, due))
     B.work = B.work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
     B.bytes = B.bytes + env.raw
   end
@@ -108,12 +124,12 @@ end
 for i, c in ipairs(due_candidates(now, max_env - n)) do
   if out_of_time(i) then break end
   local id, due = c[1], c[2]
-  local env, key, _, iso, next_due = decide(c, now, max_entries, max_bytes, n > 0 or #B.taken > 0)
+  local env, key, _, iso, next_due, occ = decide(c, now, max_entries, max_bytes, n > 0 or #B.taken > 0)
   if env == nil then break end
   if env then
     local bad, r = nil, nil
     if env.target == '' then bad = reserved(env.topic) end
-    if not bad then r, bad = record(id, due, env, key, iso) end
+    if not bad then r, bad = record(id, due, env, key, iso, occ) end
     if bad then
       park(id, env, key, due, bad)
     else

@@ -126,55 +126,76 @@ local function every_after(env, after)
   return string.format('%.0f', nxt)
 end
 
+-- The catch-up policies (DelayedMessage.scheduleCatchup, schedules.Catchup) and the
+-- window's default (schedules.DEFAULT_CATCHUP_WINDOW_MS).
+local CATCHUP_ALL, CATCHUP_NONE = 1, 2
+local DEFAULT_CATCHUP_WINDOW_MS = 86400000
+
 -- The recurring decision FIRE and CLAIM share, for envelope `id` (ids-hash key
 -- `key`) whose occurrence due at `due` is being fired at `now`:
---   'orphan'              nothing refers to it any more (replaced or cancelled): drop it unfired;
---   'wait'                its successor is unknown, or has passed too (missed fires): it leaves
---                         the index for the refill set (REFILL_SET) and fires once REFILL is done;
---   'fire', nxt, iso      fire it; nxt = the next due ms (nil: this is the last occurrence),
---                         iso = the scheduleNext its messages carry ('purge' with nil).
--- An @every envelope (every > 0) never waits: its successor is the first grid point after
--- max(due, now), so after an outage the overdue occurrence fires once and the
--- schedule goes on from now on its grid (the missed-fires policy, as REFILL's).
+--   'orphan'                   nothing refers to it any more (replaced or cancelled): drop it unfired;
+--   'wait'                     its successor is unknown, or has passed too (missed fires): it leaves
+--                              the index for the refill set (REFILL_SET) and REFILL (engine/refill.py)
+--                              applies the schedule's catch-up policy before it fires, or not;
+--   'fire', nxt, iso, nom, nn  fire it; nxt = the next due ms (nil: this is the last occurrence),
+--                              iso = the scheduleNext its messages carry ('purge' with nil), nom =
+--                              this occurrence's nominal ms (its scheduleOccurrence), nn = the
+--                              next one's nominal ('-': the same as nxt).
+-- An @every envelope without jitter or bounds is advanced here: its successor is the first
+-- grid point after max(due, now), so after an outage the overdue occurrence fires once and
+-- the schedule goes on from now on its grid (catch-up `one`). When its successor has passed
+-- too and it catches up otherwise (`none`, or `one` past its window) it waits for REFILL as a
+-- cron one does; with `all` it is advanced by REFILL like a cron one (one occurrence at a time).
 local function recurring_step(env, id, key, due, now)
   local ref = redis.call('HGET', IDS, key)
   if not ref or parse_ref(ref) ~= id then return 'orphan' end
-  if env.every > 0 then
-    local nxt = every_after(env, math.max(tonumber(due), now))
-    if nxt == nil then return 'fire', nil, 'purge' end
-    return 'fire', nxt, iso_ms(tonumber(nxt))
+  local _, rdue, rnext, riso, _, rnom, rnnom = parse_ref(ref)
+  local nom = due
+  -- The ref's nominal is this occurrence's only while the ref names this due time.
+  if rnom ~= '-' and rdue == due then nom = rnom end
+  if env.every > 0 and env.catchup ~= CATCHUP_ALL then
+    local d = tonumber(due)
+    local window = env.cwindow > 0 and env.cwindow or DEFAULT_CATCHUP_WINDOW_MS
+    local missed = d + env.every <= now
+    if not (missed and (env.catchup == CATCHUP_NONE or now - tonumber(nom) > window)) then
+      local nxt = every_after(env, math.max(d, now))
+      if nxt == nil then return 'fire', nil, 'purge', nom, '-' end
+      return 'fire', nxt, iso_ms(tonumber(nxt)), nom, '-'
+    end
+    rnext = '-'
   end
-  local _, rdue, rnext, riso = parse_ref(ref)
   -- A ref written by hand may lack a numeric due or next: this occurrence's due
   -- stands in, and an unreadable next waits for REFILL (no nil may reach a command).
   if not tonumber(rdue) then rdue = due end
   local rn = tonumber(rnext)
   if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
-    redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u'))
+    redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u', rnom, '-'))
     redis.call('ZADD', REFILL_SET, rdue, key)
     return 'wait'
   end
-  if rnext == 'purge' then return 'fire', nil, 'purge' end
-  return 'fire', rnext, riso
+  if rnext == 'purge' then return 'fire', nil, 'purge', nom, '-' end
+  return 'fire', rnext, riso, nom, rnnom
 end
 
--- The cron envelopes advance() marked, as quads (ids key, its new ref, schedule
--- expression, acceptance ms): the script returns them, so the calling replica
+-- The cron envelopes advance() marked, as sextets (ids key, its new ref, schedule
+-- expression, acceptance ms, catch-up policy, its window ms): the script returns them, so the calling replica
 -- computes each successor and REFILLs them at once, with no reads of its own.
 local REFILLS = {}
 
 -- After an occurrence fired: the envelope's ref points at its next due time `nxt`
--- (the caller re-indexes it there). A cron envelope also enters the refill set,
+-- (the caller re-indexes it there), whose nominal time is `nnom` ('-' or nil: nxt
+-- itself). A cron envelope (or an @every one catching up `all`) also enters the refill set,
 -- scored by when its successor is needed, and is listed in REFILLS; if the
 -- replica does not REFILL it (it died), whichever replica fires next finds it
 -- there. An @every one needs none. Returns 1 if it was marked for refill, else 0.
-local function advance(env, id, key, nxt)
-  local ref = make_ref(id, nxt, '-', '-', 'i')
+local function advance(env, id, key, nxt, nnom)
+  local ref = make_ref(id, nxt, '-', '-', 'i', nnom, '-')
   redis.call('HSET', IDS, key, ref)
-  if env.every > 0 then return 0 end
+  if env.every > 0 and env.catchup ~= CATCHUP_ALL then return 0 end
   redis.call('ZADD', REFILL_SET, nxt, key)
   local n = #REFILLS
   REFILLS[n + 1], REFILLS[n + 2], REFILLS[n + 3] = key, ref, env.schedule
   REFILLS[n + 4] = string.format('%.0f', env.published)
+  REFILLS[n + 5], REFILLS[n + 6] = env.catchup, string.format('%.0f', env.cwindow)
   return 1
 end

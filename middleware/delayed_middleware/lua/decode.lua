@@ -145,7 +145,8 @@ end
 -- The envelope as a table: topic, entries = {{data, metadata table, content type}, ...},
 -- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
 -- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl,
--- target, attempt, published (acceptance ms), every (@every interval ms, 0 otherwise).
+-- target, attempt, published (acceptance ms), every (@every interval ms, 0 otherwise),
+-- catchup (scheduleCatchup: 0 one, 1 all, 2 none), cwindow (its window ms, 0 = the default).
 local function decode(s)
   local fs, fn, md, np = message(s, 1, #s)
   local env = {
@@ -153,6 +154,7 @@ local function decode(s)
     schedule = fs[12] or '', expires = fn[13] or 0, source = fs[14] or '', sttl = fn[15] or 0,
     target = fs[16] or '', attempt = fn[17] or 0, bulk = (fn[5] or 0) ~= 0, entries = {}, size = 0,
     raw = #s, pairs = np, pubsub = fs[9] or '', published = fn[8] or 0, every = fn[18] or 0,
+    catchup = fn[19] or 0, cwindow = fn[20] or 0,
   }
   if env.topic == '' then error('no topic') end
   local body = fs[2] or ''

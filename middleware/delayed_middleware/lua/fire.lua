@@ -138,7 +138,7 @@ local function xadd_args(env, key, target, trimmed, entry, json, expires)
 end
 
 -- Appends one envelope's messages to `target`; returns how many, and why it stopped early (or nil).
-local function append(env, key, iso, target)
+local function append(env, key, iso, occ, target)
   local entries = env.entries
   if env.source ~= '' then
     entries = sampled(env.source)
@@ -154,7 +154,7 @@ local function append(env, key, iso, target)
   local trimmed = env.target == '' and trim_mode ~= '' and (own_pubsub == '' or env.pubsub == own_pubsub)
   for _, entry in ipairs(entries) do
     -- Guarded like the XADD: nothing may raise after the first write.
-    local json, why = stamped(entry[2], key, iso)
+    local json, why = stamped(entry[2], key, iso, occ)
     if not json then return done, why end
     local ok, err
     if not trimmed and entry[3] == '' and expires <= 0 and env.target == '' then
@@ -177,7 +177,7 @@ for c in due_iter(now, max_env, read_ahead) do
   i = i + 1
   if out_of_time(i) then break end
   local id, due = c[1], c[2]
-  local env, key, attempt, iso, next_due = decide(c, now, max_entries, max_bytes, #B.taken > 0)
+  local env, key, attempt, iso, next_due, occ, nnom = decide(c, now, max_entries, max_bytes, #B.taken > 0)
   if env == nil then break end
   if env then
     -- The outbox is our own stream; a topic must be a stream (or not exist yet).
@@ -189,7 +189,7 @@ for c in due_iter(now, max_env, read_ahead) do
     if bad then
       park(id, env, key, due, bad)
     else
-      local done, failed = append(env, key, iso, target)
+      local done, failed = append(env, key, iso, occ, target)
       appended = appended + done
       if failed and done == 0 then
         park(id, env, key, due, failed)
@@ -198,7 +198,7 @@ for c in due_iter(now, max_env, read_ahead) do
           forget(id, env, key)
         else
           reinserts[#reinserts + 1] = {id, next_due}
-          advance(env, id, key, next_due)
+          advance(env, id, key, next_due, nnom)
         end
         if first == nil or tonumber(due) < first then first = tonumber(due) end
         local lateness = now - tonumber(due)

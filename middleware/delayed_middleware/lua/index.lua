@@ -213,13 +213,21 @@ local function remove_candidates(cs)
 end
 
 -- ids hash values: "<stream id> <due ms> <next ms | - | purge> <next RFC3339 | -> <i | u>"
--- (i: in the index, u: waiting for REFILL). Version 1 wrote "<stream id> <due ms>".
+-- (i: in the index, u: waiting for REFILL), then, only where an occurrence's nominal
+-- time differs from its due time (jitter, a paced catch-up): "<due's nominal ms | ->
+-- <next's nominal ms | ->" ('-': the same as the due time). A release that reads five
+-- parts ignores the two: it fires the occurrence all the same. Version 1 wrote
+-- "<stream id> <due ms>".
 local function parse_ref(v)
   local parts = {}
   for p in string.gmatch(v, '%S+') do parts[#parts + 1] = p end
-  return parts[1], parts[2], parts[3] or '-', parts[4] or '-', parts[5] or 'i'
+  return parts[1], parts[2], parts[3] or '-', parts[4] or '-', parts[5] or 'i', parts[6] or '-', parts[7] or '-'
 end
 
-local function make_ref(id, due, nxt, iso, flag)
-  return id .. ' ' .. due .. ' ' .. nxt .. ' ' .. iso .. ' ' .. flag
+local function make_ref(id, due, nxt, iso, flag, nom, nnom)
+  local ref = id .. ' ' .. due .. ' ' .. nxt .. ' ' .. iso .. ' ' .. flag
+  if (nom and nom ~= '-') or (nnom and nnom ~= '-') then
+    ref = ref .. ' ' .. (nom or '-') .. ' ' .. (nnom or '-')
+  end
+  return ref
 end

@@ -4,11 +4,15 @@
 -- replica's refill changes nothing.
 -- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
 --       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox, 11 moved hash (moved.lua)
--- ARGV: 1 bucket key prefix, 2 wake channel, 3 n, then n groups of 4:
+-- ARGV: 1 bucket key prefix, 2 wake channel, 3 n, then n groups of 9:
 --       envelope id (ids hash key), the ref the replica read, next due ms
 --       ('purge': the schedule ends after the pending occurrence; 'end': withdraw it
 --       now, e.g. its envelope is gone or its schedule cannot be computed), next due
---       RFC3339 ('-' with purge; with 'end': the reason, for its 'cancelled' record);
+--       RFC3339 ('-' with purge; with 'end': the reason, for its 'cancelled' record),
+--       the pending occurrence's new due ms ('-': it stays; a catch-up moved it), its
+--       nominal ms ('-': the ref's own, or its due), the next one's nominal ms ('-':
+--       the next due), the first skipped nominal ms ('': nothing skipped) and the
+--       'skipped' record's reason (engine/catchup.py);
 --       then (optional) history maxlen (0 = off) and now ms, for those records
 -- Returns one result per item: 1 applied, 2 ended, 0 stale (the caller re-reads), -1 the id is gone.
 -- 'end' is a compare-and-set too: a replace that landed after the replica read
@@ -23,12 +27,15 @@ local BUCKET_PREFIX, WAKE_CHANNEL, N_ITEMS =
 --!include history.lua
 --!include common.lua
 local n_items = tonumber(N_ITEMS)
-HIST_MAXLEN, HIST_NOW = tonumber(ARGV[4 + 4 * n_items] or '0'), ARGV[5 + 4 * n_items] or '0'
+local GROUP = 9
+HIST_MAXLEN, HIST_NOW = tonumber(ARGV[4 + GROUP * n_items] or '0'), ARGV[5 + GROUP * n_items] or '0'
 local before = head()
 local earliest = nil
 local out = {}
 for i = 0, n_items - 1 do
-  local key, read, nxt, iso = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
+  local at = 4 + i * GROUP
+  local key, read, nxt, iso = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
+  local cur, cur_nom, nnom, skip_from, skip_why = ARGV[at + 4], ARGV[at + 5], ARGV[at + 6], ARGV[at + 7], ARGV[at + 8]
   local ref = redis.call('HGET', IDS, key)
   if not ref then
     redis.call('ZREM', REFILL_SET, key)
@@ -47,12 +54,29 @@ for i = 0, n_items - 1 do
     end
     out[#out + 1] = 2
   else
-    local sid, due, _, _, flag = parse_ref(ref)
+    local sid, due, _, _, flag, nom = parse_ref(ref)
+    if skip_from ~= '' then
+      -- The catch-up skipped missed occurrences: counted and spanned in the reason.
+      local env = read_envelope(sid)
+      if env then
+        hist('skipped', key, env.sid, env.topic, env.kind, skip_from, '', env.size, 1, skip_why, env.schedule)
+      else
+        hist('skipped', key, '', '', 1, skip_from, '', '', 1, skip_why, '')
+      end
+    end
+    if cur ~= '-' and tonumber(cur) then
+      -- The pending occurrence moves (a catch-up skipped it): out of the index at its old due.
+      if flag ~= 'u' and tonumber(due) then remove(sid, due) end
+      due, flag = cur, 'u'
+    end
+    if cur_nom ~= '-' then nom = cur_nom end
+    if nom == due then nom = '-' end
+    if nnom == nxt then nnom = '-' end
     if flag == 'u' then
       insert(sid, due)
       if earliest == nil or tonumber(due) < earliest then earliest = tonumber(due) end
     end
-    redis.call('HSET', IDS, key, make_ref(sid, due, nxt, iso, 'i'))
+    redis.call('HSET', IDS, key, make_ref(sid, due, nxt, iso, 'i', nom, nnom))
     redis.call('ZREM', REFILL_SET, key)
     out[#out + 1] = 1
   end

@@ -60,7 +60,9 @@ for _ = 1, tonumber(N_OUTCOMES) do
           end
         else
           reinserts[#reinserts + 1] = {id, next_due}
-          refill = refill + advance(env, id, key, next_due)
+          -- The next occurrence's nominal time, as CLAIM read the ref (RELEASE is its first change).
+          local nnom = ref and select(7, parse_ref(ref)) or '-'
+          refill = refill + advance(env, id, key, next_due, nnom)
         end
         hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
         if next_due == '-' and env.kind == 1 and current then completed(key, env, due, attempt) end

@@ -22,6 +22,8 @@ from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import EngineKeys, fire_marker_prefix, is_engine_key, key_slot, shard_topics
+from delayed_middleware.plan import PlanContext, plan_publish
+from delayed_middleware.schedules import EnvelopeRecurrence
 from tests.conftest import SkewedClock
 from tests.redis_server import RedisCluster
 from tests.waiting import wait_until
@@ -237,8 +239,16 @@ async def test_recurring_crash_before_release_fires_the_occurrence_once_then_the
     await survivor.fire_due()
     [(_, a), (_, b)] = rows(admin, "ticks")
     # The first occurrence once, announcing the second; then the second.
-    assert decode_entry(a).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 2_000)}
-    assert decode_entry(b).metadata == {"scheduler": "tick", "scheduleNext": format_instant(T0 + 3_000)}
+    assert decode_entry(a).metadata == {
+        "scheduler": "tick",
+        "scheduleNext": format_instant(T0 + 2_000),
+        "scheduleOccurrence": format_instant(T0 + 1_000),
+    }
+    assert decode_entry(b).metadata == {
+        "scheduler": "tick",
+        "scheduleNext": format_instant(T0 + 3_000),
+        "scheduleOccurrence": format_instant(T0 + 2_000),
+    }
     assert admin.zcard(SHARD.inflight) == 0
 
 
@@ -667,3 +677,41 @@ async def test_fire_decisions_on_cluster_use_each_shards_redis_time_not_the_repl
     assert len(late) == 12
     assert all(lat is not None and 0 <= lat < 10_000 for lat in late)
     assert len({e.keys.stream for e in slow.engines if admin.xlen(e.keys.history)}) > 1
+
+
+async def test_a_jittered_catch_up_taken_over_mid_append_delivers_each_occurrence_once_named(
+    cluster: RedisCluster, admin: redis.cluster.RedisCluster, aclient: acluster.RedisCluster
+) -> None:
+    """scheduleCatchup=all of a jittered cron on the Cluster path: a replica dies after its APPEND,
+    the survivor takes the claim over, and every missed minute arrives once, in order, named by its
+    nominal time (the ids ref keeps it through the takeover)."""
+    minute = 60_000
+    start = T0 - T0 % minute + 30_000
+    clock = ManualClock(start)
+
+    def replica(fault: Callable[[str], Awaitable[None]] | None = None) -> DelayEngine:
+        config = EngineConfig(two_phase=True, lease_ms=LEASE, fire_budget_us=0)
+        return DelayEngine(aclient, SHARD, clock, config=config, fault=fault, recurrence=EnvelopeRecurrence())
+
+    metadata = {
+        "schedule": "0 * * * * *",
+        "scheduleId": "tick",
+        "scheduleJitter": "20s",
+        "scheduleCatchup": "all",
+    }
+    plan = plan_publish("ticks", b"t", metadata, "", PlanContext(now_ms=start, pubsub_name="p", enabled=True))
+    doomed = replica(crash_at("appended:1"))
+    await doomed.schedule([d.envelope for d in plan.delayed])
+    clock.set(start + 30 * minute)  # nothing ran for half an hour: 30 minutes missed
+    with pytest.raises(Crash):
+        await doomed.fire_due()
+    clock.advance(LEASE + 1)
+    survivor = replica()
+    end = clock.now_ms() + 10_000
+    while True:
+        _, head = await survivor.fire_due()
+        if head is None or head > end:
+            break
+        clock.set(max(head, clock.now_ms()))
+    got = [json.loads(f[b"metadata"])["scheduleOccurrence"] for _, f in rows(admin, "ticks")]
+    assert got == [format_instant(start + 30_000 + k * minute) for k in range(30)]

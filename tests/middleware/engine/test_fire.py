@@ -24,6 +24,7 @@ from delayed_middleware.engine import DelayEngine, EngineConfig, FireReport
 from delayed_middleware.entry import Trim, decode_entry
 from delayed_middleware.envelope import BulkEntry, Envelope
 from delayed_middleware.inspector import Inspector
+from delayed_middleware.instants import format_instant
 from tests.conftest import small_stream_nodes
 from tests.middleware.engine.helpers import (
     KEYS,
@@ -54,8 +55,15 @@ async def test_not_before_due_then_exactly_once(
     [(_, fields)] = target(redis_client)
     entry = decode_entry(fields)
     assert entry.data == b'{"n":1}'
-    # The user's keys verbatim, plus what produced it and that nothing follows.
-    assert entry.metadata == {"k": "v1", "cloudevent.id": "1", "scheduler": sid, "scheduleNext": "purge"}
+    # The user's keys verbatim, plus what produced it, that nothing follows and the
+    # occurrence it is (a one-shot's: its due time).
+    assert entry.metadata == {
+        "k": "v1",
+        "cloudevent.id": "1",
+        "scheduler": sid,
+        "scheduleNext": "purge",
+        "scheduleOccurrence": format_instant(T0 + 5_000),
+    }
     # Fired once: the index and the delayed topic no longer hold it.
     assert await engine.fire_due() == (0, None)
     assert len(target(redis_client)) == 1
@@ -124,7 +132,16 @@ async def test_bulk_fires_as_one_batch(
     assert (await engine.fire_due())[0] == 1
     got = [decode_entry(f) for _, f in target(redis_client, "bulk")]
     assert [(e.data, e.content_type, e.metadata) for e in got] == [
-        (f"ev{i}".encode(), "text/plain", {"i": str(i), "scheduler": sid, "scheduleNext": "purge"})
+        (
+            f"ev{i}".encode(),
+            "text/plain",
+            {
+                "i": str(i),
+                "scheduler": sid,
+                "scheduleNext": "purge",
+                "scheduleOccurrence": format_instant(T0 + 100),
+            },
+        )
         for i in range(50)
     ]
 
@@ -193,7 +210,7 @@ async def test_lua_decoder_agrees_with_protobuf(
     await engine.schedule([e])
     assert (await engine.fire_due())[0] == 1
     got = [decode_entry(f) for _, f in target(redis_client, "t")]
-    added = {"scheduler": "sid", "scheduleNext": "purge"}
+    added = {"scheduler": "sid", "scheduleNext": "purge", "scheduleOccurrence": format_instant(T0)}
     if entries:
         expected = [(b.event, {**b.metadata, **added}, b.content_type) for b in entries]
     else:

@@ -50,6 +50,7 @@ async def test_recurring_fires_every_occurrence_once_with_schedule_next(
             "k": "v1",
             "scheduler": rid,
             "scheduleNext": format_instant(T0 + (k + 1) * 1_000),
+            "scheduleOccurrence": format_instant(T0 + k * 1_000),
         }
         assert await engine.pending() == 1
         assert redis_client.zcard(KEYS.refill) == 0
@@ -145,7 +146,12 @@ async def test_schedule_source_delivers_the_latest_message_or_nothing(
     [(_, fields)] = target(redis_client)
     e = decode_entry(fields)
     assert (e.data, e.content_type, e.expires_at_ms) == (b"22C", "text/plain", T0 + 2_000 + 30_000)
-    assert e.metadata == {"unit": "C", "scheduler": rid, "scheduleNext": format_instant(T0 + 3_000)}
+    assert e.metadata == {
+        "unit": "C",
+        "scheduler": rid,
+        "scheduleNext": format_instant(T0 + 3_000),
+        "scheduleOccurrence": format_instant(T0 + 2_000),
+    }
 
 
 def _lua_iso(client: redis.Redis, values: list[int]) -> list[str]:

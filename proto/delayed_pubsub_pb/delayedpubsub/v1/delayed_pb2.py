@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65layedpubsub/v1/delayed.proto\x12\x10\x64\x65layedpubsub.v1\"\xcf\x03\n\x0e\x44\x65layedMessage\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontentType\x18\x03 \x01(\t\x12@\n\x08metadata\x18\x04 \x03(\x0b\x32..delayedpubsub.v1.DelayedMessage.MetadataEntry\x12\x13\n\x0b\x62ulkPublish\x18\x05 \x01(\x08\x12\n\n\x02id\x18\x06 \x01(\t\x12\x11\n\tdueTimeMs\x18\x07 \x01(\x03\x12\x15\n\rpublishedAtMs\x18\x08 \x01(\x03\x12\x12\n\npubsubName\x18\t \x01(\t\x12\x12\n\nscheduleId\x18\n \x01(\t\x12\x0c\n\x04kind\x18\x0b \x01(\x05\x12\x10\n\x08schedule\x18\x0c \x01(\t\x12\x13\n\x0b\x65xpiresAtMs\x18\r \x01(\x03\x12\x16\n\x0escheduleSource\x18\x0e \x01(\t\x12\x15\n\rscheduleTtlMs\x18\x0f \x01(\x03\x12\x14\n\x0ctargetPubsub\x18\x10 \x01(\t\x12\x17\n\x0f\x64\x65liveryAttempt\x18\x11 \x01(\x05\x12\x0f\n\x07\x65veryMs\x18\x12 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x0b\x44\x65layedBulk\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".delayedpubsub.v1.DelayedBulkEntry\"\xbc\x01\n\x10\x44\x65layedBulkEntry\x12\x0f\n\x07\x65ntryId\x18\x01 \x01(\t\x12\r\n\x05\x65vent\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontentType\x18\x03 \x01(\t\x12\x42\n\x08metadata\x18\x04 \x03(\x0b\x32\x30.delayedpubsub.v1.DelayedBulkEntry.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65layedpubsub/v1/delayed.proto\x12\x10\x64\x65layedpubsub.v1\"\x89\x04\n\x0e\x44\x65layedMessage\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontentType\x18\x03 \x01(\t\x12@\n\x08metadata\x18\x04 \x03(\x0b\x32..delayedpubsub.v1.DelayedMessage.MetadataEntry\x12\x13\n\x0b\x62ulkPublish\x18\x05 \x01(\x08\x12\n\n\x02id\x18\x06 \x01(\t\x12\x11\n\tdueTimeMs\x18\x07 \x01(\x03\x12\x15\n\rpublishedAtMs\x18\x08 \x01(\x03\x12\x12\n\npubsubName\x18\t \x01(\t\x12\x12\n\nscheduleId\x18\n \x01(\t\x12\x0c\n\x04kind\x18\x0b \x01(\x05\x12\x10\n\x08schedule\x18\x0c \x01(\t\x12\x13\n\x0b\x65xpiresAtMs\x18\r \x01(\x03\x12\x16\n\x0escheduleSource\x18\x0e \x01(\t\x12\x15\n\rscheduleTtlMs\x18\x0f \x01(\x03\x12\x14\n\x0ctargetPubsub\x18\x10 \x01(\t\x12\x17\n\x0f\x64\x65liveryAttempt\x18\x11 \x01(\x05\x12\x0f\n\x07\x65veryMs\x18\x12 \x01(\x03\x12\x17\n\x0fscheduleCatchup\x18\x13 \x01(\x05\x12\x1f\n\x17scheduleCatchupWindowMs\x18\x14 \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x0b\x44\x65layedBulk\x12\x33\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\".delayedpubsub.v1.DelayedBulkEntry\"\xbc\x01\n\x10\x44\x65layedBulkEntry\x12\x0f\n\x07\x65ntryId\x18\x01 \x01(\t\x12\r\n\x05\x65vent\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63ontentType\x18\x03 \x01(\t\x12\x42\n\x08metadata\x18\x04 \x03(\x0b\x32\x30.delayedpubsub.v1.DelayedBulkEntry.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELAYEDBULKENTRY_METADATAENTRY']._loaded_options = None
   _globals['_DELAYEDBULKENTRY_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_DELAYEDMESSAGE']._serialized_start=53
-  _globals['_DELAYEDMESSAGE']._serialized_end=516
-  _globals['_DELAYEDMESSAGE_METADATAENTRY']._serialized_start=469
-  _globals['_DELAYEDMESSAGE_METADATAENTRY']._serialized_end=516
-  _globals['_DELAYEDBULK']._serialized_start=518
-  _globals['_DELAYEDBULK']._serialized_end=584
-  _globals['_DELAYEDBULKENTRY']._serialized_start=587
-  _globals['_DELAYEDBULKENTRY']._serialized_end=775
-  _globals['_DELAYEDBULKENTRY_METADATAENTRY']._serialized_start=469
-  _globals['_DELAYEDBULKENTRY_METADATAENTRY']._serialized_end=516
+  _globals['_DELAYEDMESSAGE']._serialized_end=574
+  _globals['_DELAYEDMESSAGE_METADATAENTRY']._serialized_start=527
+  _globals['_DELAYEDMESSAGE_METADATAENTRY']._serialized_end=574
+  _globals['_DELAYEDBULK']._serialized_start=576
+  _globals['_DELAYEDBULK']._serialized_end=642
+  _globals['_DELAYEDBULKENTRY']._serialized_start=645
+  _globals['_DELAYEDBULKENTRY']._serialized_end=833
+  _globals['_DELAYEDBULKENTRY_METADATAENTRY']._serialized_start=527
+  _globals['_DELAYEDBULKENTRY_METADATAENTRY']._serialized_end=574
 # @@protoc_insertion_point(module_scope)

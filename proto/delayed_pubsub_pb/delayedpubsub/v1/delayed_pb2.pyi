@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DelayedMessage(_message.Message):
-    __slots__ = ("topic", "message", "contentType", "metadata", "bulkPublish", "id", "dueTimeMs", "publishedAtMs", "pubsubName", "scheduleId", "kind", "schedule", "expiresAtMs", "scheduleSource", "scheduleTtlMs", "targetPubsub", "deliveryAttempt", "everyMs")
+    __slots__ = ("topic", "message", "contentType", "metadata", "bulkPublish", "id", "dueTimeMs", "publishedAtMs", "pubsubName", "scheduleId", "kind", "schedule", "expiresAtMs", "scheduleSource", "scheduleTtlMs", "targetPubsub", "deliveryAttempt", "everyMs", "scheduleCatchup", "scheduleCatchupWindowMs")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class DelayedMessage(_message.Message):
     TARGETPUBSUB_FIELD_NUMBER: _ClassVar[int]
     DELIVERYATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EVERYMS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULECATCHUP_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULECATCHUPWINDOWMS_FIELD_NUMBER: _ClassVar[int]
     topic: str
     message: bytes
     contentType: str
@@ -52,7 +54,9 @@ class DelayedMessage(_message.Message):
     targetPubsub: str
     deliveryAttempt: int
     everyMs: int
-    def __init__(self, topic: _Optional[str] = ..., message: _Optional[bytes] = ..., contentType: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., bulkPublish: _Optional[bool] = ..., id: _Optional[str] = ..., dueTimeMs: _Optional[int] = ..., publishedAtMs: _Optional[int] = ..., pubsubName: _Optional[str] = ..., scheduleId: _Optional[str] = ..., kind: _Optional[int] = ..., schedule: _Optional[str] = ..., expiresAtMs: _Optional[int] = ..., scheduleSource: _Optional[str] = ..., scheduleTtlMs: _Optional[int] = ..., targetPubsub: _Optional[str] = ..., deliveryAttempt: _Optional[int] = ..., everyMs: _Optional[int] = ...) -> None: ...
+    scheduleCatchup: int
+    scheduleCatchupWindowMs: int
+    def __init__(self, topic: _Optional[str] = ..., message: _Optional[bytes] = ..., contentType: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., bulkPublish: _Optional[bool] = ..., id: _Optional[str] = ..., dueTimeMs: _Optional[int] = ..., publishedAtMs: _Optional[int] = ..., pubsubName: _Optional[str] = ..., scheduleId: _Optional[str] = ..., kind: _Optional[int] = ..., schedule: _Optional[str] = ..., expiresAtMs: _Optional[int] = ..., scheduleSource: _Optional[str] = ..., scheduleTtlMs: _Optional[int] = ..., targetPubsub: _Optional[str] = ..., deliveryAttempt: _Optional[int] = ..., everyMs: _Optional[int] = ..., scheduleCatchup: _Optional[int] = ..., scheduleCatchupWindowMs: _Optional[int] = ...) -> None: ...
 
 class DelayedBulk(_message.Message):
     __slots__ = ("entries",)
