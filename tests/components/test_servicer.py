@@ -621,7 +621,8 @@ async def test_two_instances_of_one_app_share_a_topic_as_two_consumers_each_mess
                 got.append(msg.data)
                 await stream.ack(msg.id)
         await asyncio.sleep(0.01)
-    assert await sa.nothing_for(0.5) and await sb.nothing_for(0)
+    assert await sa.nothing_for(0.5)
+    assert await sb.nothing_for(0)
     assert sorted(got) == sorted(f"m{i}".encode() for i in range(40))
     consumers = {c["name"] for c in redis_client.xinfo_consumers("orders", "shared")}
     assert len(consumers) == 2, consumers

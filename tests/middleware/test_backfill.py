@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 
 from delayed_middleware.backfill import (
     MAX_OCCURRENCES,
-    SCHEDULE_OCCURRENCE,
     BackfillResult,
     ScheduleNotFoundError,
     backfill,
@@ -30,6 +29,7 @@ from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, backfill_record, delayed_topic, is_engine_key, key_slot
 from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
+from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.schedules import EnvelopeRecurrence, next_fire, occurrences, parse_stored_schedule
 from delayed_middleware.zones import local_time, parse_time_zone
 from tests.redis_server import stream_entries
