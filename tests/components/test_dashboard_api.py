@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+from openapi_schema_validator import OAS31Validator
 from openapi_spec_validator import validate
 from starlette.routing import BaseRoute, Mount, Route
 
@@ -63,11 +64,31 @@ async def pending_cli(flags: list[str], *extra: str) -> list[dict[str, Any]]:
     return rows
 
 
+SPEC: dict[str, Any] = yaml.safe_load(OPENAPI.read_text())
+
+
+def schema_of(path: str, method: str, status: int) -> dict[str, Any]:
+    """The schema docs/openapi.yaml gives the answer `status` of `method path` (any error: Error)."""
+    error = {"$ref": "#/components/schemas/Error"}
+    for template, ops in SPEC["paths"].items():
+        if re.fullmatch("/api/v1" + re.sub(r"\{\w+\}", ".*", template), path) and method in ops:
+            answer = ops[method]["responses"].get(str(status))
+            assert answer is not None, f"{method} {path}: {status} is not documented"
+            name = answer.get("$ref", "").rpartition("/")[2]
+            answer = SPEC["components"]["responses"].get(name, answer)
+            schema: dict[str, Any] = answer["content"]["application/json"]["schema"]
+            return schema
+    return error
+
+
 async def call(method: str, url: str, **kwargs: Any) -> httpx.Response:
     async with httpx.AsyncClient(timeout=30) as client:
         r = await client.request(method, url, **kwargs)
-    # Whatever the call, never HTML.
+    # Whatever the call, never HTML, and always what docs/openapi.yaml says it answers.
     assert r.headers["content-type"] == "application/json", (url, r.headers["content-type"], r.text[:200])
+    if r.url.path.startswith(api.MOUNT):
+        schema = schema_of(r.url.path, method.lower(), r.status_code)
+        OAS31Validator({**schema, "components": SPEC["components"]}).validate(r.json())
     return r
 
 
@@ -464,3 +485,28 @@ async def test_a_write_wired_at_the_extension_point_is_served_under_the_same_rul
     r = await call("POST", url, json={"id": "known"}, headers=BEARER)
     assert r.json() == {"id": "known", "status": "triggered"}
     assert triggered == ["known"]
+
+
+async def test_a_pause_in_the_rollback_window_is_refused_as_the_cli_refuses_it(
+    seeded: Component, flags: list[str], redis_client: Any, dashboard: Start
+) -> None:
+    # The app's data kept in format 1 (an older release may still read it): a paused message is format 2.
+    redis_client.set("{app1-delayed}:format", "1")
+    assert (await cli("pause", *flags, "hourly")).code == 3
+    d = dashboard(*flags, *ACTIONS, env=ENV)
+    r = await call("POST", f"{d.url}/api/v1/pause", json={"id": "hourly"}, headers=BEARER)
+    status, code, message = error_of(r)
+    assert (status, code) == (409, "failed_precondition")
+    assert "storageFormat" in message
+    # The page's Pause button too (it used to write format 2 data here).
+    async with httpx.AsyncClient() as client:
+        page = await client.post(
+            f"{d.url}/actions/pause", data={"id": "hourly"}, headers={"X-Dashboard-Token": TOKEN}
+        )
+    assert page.status_code == 409
+    assert "storageFormat" in page.text
+    assert next(r for r in await pending_cli(flags) if r["id"] == "hourly")["paused"] is False
+    # A resume writes nothing of format 2: it is answered.
+    assert (await call("POST", f"{d.url}/api/v1/resume", json={"id": "hourly"}, headers=BEARER)).json()[
+        "status"
+    ] == "already"
