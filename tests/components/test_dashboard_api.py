@@ -15,6 +15,7 @@ import uvicorn
 import yaml
 from openapi_schema_validator import OAS31Validator
 from openapi_spec_validator import validate
+from playwright.async_api import Browser
 from starlette.routing import BaseRoute, Mount, Route
 
 from delayed_pubsub.connection import connect
@@ -25,7 +26,7 @@ from delayed_pubsub.dashboard.source import Source
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import Dashboard
 from tests.components.driver import Component, cli
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import free_port
 
 Factory = Callable[[str], Component]
 Start = Callable[..., Dashboard]
@@ -38,8 +39,9 @@ OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 
 
 @pytest.fixture
-def flags(redis_server: RedisServer) -> list[str]:
-    return ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
+def flags(props: dict[str, str]) -> list[str]:
+    """The CLI's (and the dashboard's) flags for the app the component serves."""
+    return ["--redis-host", props["redisHost"], "--app-id", props["consumerID"]]
 
 
 @pytest.fixture
@@ -510,3 +512,31 @@ async def test_a_pause_in_the_rollback_window_is_refused_as_the_cli_refuses_it(
     assert (await call("POST", f"{d.url}/api/v1/resume", json={"id": "hourly"}, headers=BEARER)).json()[
         "status"
     ] == "already"
+
+
+async def test_a_logged_in_page_calls_the_api_with_its_session(
+    seeded: Component, flags: list[str], dashboard: Start, browser: Browser
+) -> None:
+    """What a real browser sends (Referer, Sec-Fetch-Site, the cookie) passes the session rules."""
+    d = dashboard(*flags, *ACTIONS, env=ENV)
+    page = await (await browser.new_context()).new_page()
+    await page.goto(f"{d.url}/pending")
+    fetch = "async ([url, init]) => { const r = await fetch(url, init); return [r.status, await r.json()]; }"
+    status, answer = await page.evaluate(fetch, ["/api/v1/pending?limit=2", {}])
+    assert (status, answer["error"]["code"]) == (401, "unauthenticated")
+    await page.goto(f"{d.url}/login")
+    await page.fill("#token", TOKEN)
+    await page.click("button[type=submit]")
+    await page.goto(f"{d.url}/message?id=order-002")
+    csrf = await page.get_attribute("input[name=csrf]", "value")
+    status, answer = await page.evaluate(fetch, ["/api/v1/pending?limit=2", {}])
+    assert status == 200
+    assert len(answer["items"]) == 2
+    headers: dict[str, str | None] = {"Content-Type": "application/json"}
+    post = {"method": "POST", "headers": headers, "body": '{"id": "order-002"}'}
+    status, answer = await page.evaluate(fetch, ["/api/v1/cancel", post])
+    assert (status, answer["error"]["code"]) == (403, "csrf")
+    headers["X-CSRF-Token"] = csrf
+    status, answer = await page.evaluate(fetch, ["/api/v1/cancel", post])
+    assert (status, answer) == (200, {"id": "order-002", "status": "cancelled"})
+    assert "order-002" not in [r["id"] for r in await pending_cli(flags)]

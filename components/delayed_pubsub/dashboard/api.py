@@ -238,43 +238,6 @@ async def cancel(source: Source, body: Body) -> Answer:
     return {"id": id, "status": "cancelled"}
 
 
-def set_paused(pause: bool) -> WriteRun:
-    """`{"id": ID}` as `delayed-pubsub pause ID` (or `resume`): the status (paused, resumed,
-    already: it was so, ended: its schedule had no fire left and it was cancelled)."""
-
-    async def run(source: Source, body: Body) -> Answer:
-        body.only("id")
-        id = body.text("id")
-        status = await source.set_paused(id, pause)
-        if status not in (pausing.PAUSED, pausing.RESUMED, pausing.ALREADY, pausing.ENDED):
-            raise not_found(id)
-        return {"id": id, "status": status}
-
-    return run
-
-
-@dataclass(frozen=True)
-class Write:
-    """A write endpoint: POST /api/v1/<name>, its JSON body given to `run`."""
-
-    name: str
-    run: WriteRun
-
-
-WRITES: tuple[Write, ...] = (
-    Write("cancel", cancel),
-    Write("pause", set_paused(True)),
-    Write("resume", set_paused(False)),
-    # EXTENSION POINTS: an operation the CLI and the dashboard's actions gain is wired here with one
-    # line (and its path added to docs/openapi.yaml: test_dashboard_api checks both agree). `run` reads
-    # the body with Body's accessors (400 names the field), calls the operation the action calls,
-    # raises not_found(id) for an unknown id, and returns the JSON answer. E.g.:
-    #   Write("trigger", by_id(lambda source, id: source.trigger(id))),
-    #   Write("reschedule", reschedule),  # {"id", "at"}: body.text("at") parsed as the CLI parses it
-    #   Write("backfill", backfill_dry_run),  # {"id", "from", "to", "dryRun": true}
-)
-
-
 def by_id(operation: Callable[[Source, str], Awaitable[str | None]]) -> WriteRun:
     """A write of one `{"id": ID}` whose operation answers a status, or None when the id is unknown."""
 
@@ -287,6 +250,39 @@ def by_id(operation: Callable[[Source, str], Awaitable[str | None]]) -> WriteRun
         return {"id": id, "status": status}
 
     return run
+
+
+def set_paused(pause: bool) -> Callable[[Source, str], Awaitable[str | None]]:
+    """`delayed-pubsub pause ID` (or `resume`): the status (paused, resumed, already: it was so,
+    ended: its schedule had no fire left and it was cancelled), None for an unknown or parked id."""
+
+    async def operation(source: Source, id: str) -> str | None:
+        status = await source.set_paused(id, pause)
+        return status if status in (pausing.PAUSED, pausing.RESUMED, pausing.ALREADY, pausing.ENDED) else None
+
+    return operation
+
+
+@dataclass(frozen=True)
+class Write:
+    """A write endpoint: POST /api/v1/<name>, its JSON body given to `run`."""
+
+    name: str
+    run: WriteRun
+
+
+WRITES: tuple[Write, ...] = (
+    Write("cancel", cancel),
+    Write("pause", by_id(set_paused(True))),
+    Write("resume", by_id(set_paused(False))),
+    # EXTENSION POINTS: an operation the CLI and the dashboard's actions gain is wired here with one
+    # line (and its path added to docs/openapi.yaml: test_dashboard_api checks both agree). `run` reads
+    # the body with Body's accessors (400 names the field), calls the operation the action calls,
+    # raises not_found(id) for an unknown id, and returns the JSON answer. E.g.:
+    #   Write("trigger", by_id(lambda source, id: source.trigger(id))),
+    #   Write("reschedule", reschedule),  # {"id", "at"}: body.text("at") parsed as the CLI parses it
+    #   Write("backfill", backfill_dry_run),  # {"id", "from", "to", "dryRun": true}
+)
 
 
 # --- the app ---------------------------------------------------------------------------
