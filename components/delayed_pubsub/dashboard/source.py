@@ -140,7 +140,13 @@ class Source:
         self.settings = settings
         client: Any = connection.client
         self.client = client
-        self.inspector = Inspector(client, settings.consumer_id, page_size, shards=settings.shards)
+        self.page_size = page_size
+        self.inspector = self.reader(page_size)
+
+    def reader(self, page_size: int) -> Inspector:
+        """An Inspector of this app that reads `page_size` entries a step: a listing that shows
+        fewer than the usual page reads (and decodes) no more than it shows."""
+        return Inspector(self.client, self.settings.consumer_id, page_size, shards=self.settings.shards)
 
     @property
     def shards(self) -> int:
