@@ -386,6 +386,11 @@ def _as_json(m: PendingMessage) -> dict[str, Any]:
     }
 
 
+def pending_json(m: PendingMessage) -> dict[str, Any]:
+    """A pending message as `pending --json` prints it (the dashboard's JSON API answers the same)."""
+    return _as_json(m)
+
+
 def _since(m: PendingMessage) -> str:
     return f" since {display_instant(m.paused_at_ms)}" if m.paused else ""
 
@@ -586,6 +591,15 @@ def operator_engine(connection: Connection, settings: Settings) -> ShardedEngine
     return build_engine(settings, connection.client, SystemClock(), recurrence=EnvelopeRecurrence())
 
 
+async def count_prefix(engine: ShardedEngine, prefix: str) -> int:
+    """How many pending messages and schedules a prefix cancel would cancel now (every shard)."""
+    matching = 0
+    for e in engine.engines:
+        async for keys in scan_prefix(e.redis, e.keys.ids, prefix):
+            matching += len(keys)
+    return matching
+
+
 async def _cancel_prefix(
     connection: Connection, settings: Settings, args: argparse.Namespace, out: Console, err: Console
 ) -> int:
@@ -598,10 +612,7 @@ async def _cancel_prefix(
         )
     engine = operator_engine(connection, settings)
     if not args.yes:
-        matching = 0
-        for e in engine.engines:
-            async for keys in scan_prefix(e.redis, e.keys.ids, prefix):
-                matching += len(keys)
+        matching = await count_prefix(engine, prefix)
         question = (
             f"cancel the {matching} pending messages and schedules of {settings.consumer_id} "
             f"whose id starts with {prefix!r}?"
@@ -634,15 +645,20 @@ async def _resume(
     return await _set_paused(connection, settings, args.ids, False, out)
 
 
+async def refuse_pause_in_rollback_window(connection: Connection, engine: ShardedEngine, what: str) -> None:
+    """FailedPreconditionError while the app's data is kept in an older storage format: a paused
+    message is format 2, so in the rollback window a pause is refused as a publish would be."""
+    fmt = await storage_format.stored_format(connection.client, [e.keys for e in engine.engines])
+    if fmt is not None and fmt < storage_format.CURRENT:
+        raise storage_format.pinned_refusal(fmt, what)
+
+
 async def _set_paused(
     connection: Connection, settings: Settings, ids: Sequence[str], pause: bool, out: Console
 ) -> int:
     engine = operator_engine(connection, settings)
     if pause:
-        # A paused message is format 2: in the rollback window the CLI refuses it as a publish would.
-        fmt = await storage_format.stored_format(connection.client, [e.keys for e in engine.engines])
-        if fmt is not None and fmt < storage_format.CURRENT:
-            raise storage_format.pinned_refusal(fmt, "delayed-pubsub pause")
+        await refuse_pause_in_rollback_window(connection, engine, "delayed-pubsub pause")
     missing = []
     for id in ids:
         result = await engine.set_paused(id, pause=pause, reason=PAUSE_REASON if pause else RESUME_REASON)

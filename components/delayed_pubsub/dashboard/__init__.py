@@ -3,5 +3,6 @@ delayed messages, live by Server-Sent Events, read-only unless actions are allow
 
 Modules: `source` (every Redis read and action, over the operator CLI's Inspector),
 `poller` (one shared snapshot per process), `guard` (token, session, CSRF, Origin),
-`app` (routes and pages), `cli` (the command).
+`pages` and `actions` (the HTML routes), `api` (the same as JSON, /api/v1),
+`app` (puts them together), `cli` (the command).
 """

@@ -29,9 +29,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from delayed_middleware.errors import FailedPreconditionError
 from delayed_middleware.instants import display_instant
 from delayed_pubsub.connection import TRANSIENT_ERRORS
 from delayed_pubsub.dashboard.actions import Actions
+from delayed_pubsub.dashboard.api import MOUNT, Api
 from delayed_pubsub.dashboard.guard import Guard
 from delayed_pubsub.dashboard.pages import Pages
 from delayed_pubsub.dashboard.poller import Poller, Snapshot
@@ -84,7 +86,8 @@ def templates() -> Jinja2Templates:
 
 def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlette:
     """The dashboard for one app (consumerID), every shard of it: its pages (dashboard.pages), its
-    actions when a token is set (dashboard.actions), the shared poller and the security middleware."""
+    actions when a token is set (dashboard.actions), its JSON API (dashboard.api), the shared poller
+    and the security middleware."""
     tpl = templates()
 
     def render_parts(snap: Snapshot) -> Mapping[str, str]:
@@ -98,6 +101,8 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
     routes: list[BaseRoute] = [
         *pages.routes(),
         Mount("/static", StaticFiles(packages=[("delayed_pubsub.dashboard", "static")]), name="static"),
+        # The JSON API (docs/openapi.yaml): the same reads and actions, for scripts.
+        Mount(MOUNT, app=Api(source, guard).app()),
     ]
     if guard.enabled:
         routes += Actions(source, guard, pages).routes()
@@ -112,6 +117,7 @@ def build_app(source: Source, guard: Guard, config: DashboardConfig) -> Starlett
 
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ResponseError: pages.redis_refused,
+        FailedPreconditionError: pages.refused,
         **dict.fromkeys(TRANSIENT_ERRORS, pages.redis_unreachable),
     }
     app = Starlette(

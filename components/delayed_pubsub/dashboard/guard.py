@@ -3,9 +3,10 @@
 Actions (cancel, retry or delete a dead letter) exist only with
 `--allow-actions`. Then a request acts when
 
-- it carries the token itself in the `X-Dashboard-Token` header (scripts: a
-  browser cannot add a custom header to a cross-site request without a CORS
-  preflight, which this app never grants), or
+- it carries the token itself in the `X-Dashboard-Token` header or as
+  `Authorization: Bearer <token>` (scripts: a browser cannot add either header
+  to a cross-site request without a CORS preflight, which this app never
+  grants), or
 - it comes from a browser session that logged in with the token: the session
   cookie (HttpOnly, SameSite=Strict) and the form field `csrf` derived from it
   both check out;
@@ -47,6 +48,15 @@ class Guard:
     def _sign(self, purpose: str, nonce: str) -> str:
         return hmac.new(self._key, f"{purpose}:{nonce}".encode(), hashlib.sha256).hexdigest()
 
+    @staticmethod
+    def presented_token(request: Request) -> str | None:
+        """The token a script sent (X-Dashboard-Token, or Authorization: Bearer), None without one."""
+        header = request.headers.get(TOKEN_HEADER)
+        if header is not None:
+            return header
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        return credentials.strip() if scheme.lower() == "bearer" else None
+
     def token_matches(self, given: str) -> bool:
         return self.token is not None and hmac.compare_digest(given.encode(), self.token.encode())
 
@@ -84,7 +94,7 @@ class Guard:
             referer = request.headers.get("referer")
             if referer is None:
                 # No browser sends a form POST with neither; a script gave the header token.
-                return request.headers.get(TOKEN_HEADER) is not None
+                return self.presented_token(request) is not None
             parts = urlsplit(referer)
             origin = f"{parts.scheme}://{parts.netloc}"
         return origin == own
@@ -93,7 +103,7 @@ class Guard:
         """May this request act? (see the module's docstring)"""
         if not self.enabled or not self.same_origin(request):
             return False
-        header = request.headers.get(TOKEN_HEADER)
+        header = self.presented_token(request)
         if header is not None:
             return self.token_matches(header)
         expected = self.csrf_for(request)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
+from delayed_pubsub.dashboard.api import ApiError, listing_cursor, pending_page
 from delayed_pubsub.dashboard.guard import COOKIE, CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.poller import Poller
 from delayed_pubsub.dashboard.source import Source
@@ -78,12 +79,17 @@ class Pages:
     async def pending(self, request: Request) -> Response:
         q = request.query_params.get("q", "").strip()
         after = request.query_params.get("after") or None
+        next_after = None
         if q:
             messages = await self.source.search(q, PAGE_SIZE)
-            next_after = None
         else:
-            result = await self.source.pending_page(after, PAGE_SIZE)
-            messages, next_after = list(result.messages), result.next_after
+            # The listing /api/v1/pending answers, a page of it: the two never differ.
+            try:
+                cursor = listing_cursor(request.query_params, self.source.shards, name="after")
+            except ApiError as e:
+                return self.render(request, "failed.html", status=e.status, text=e.message)
+            page = await pending_page(self.source, prefix="", cursor=cursor, offset=0, limit=PAGE_SIZE)
+            messages, next_after = [m for _, m in page.items], page.next
         return self.render(
             request,
             "pending.html",
@@ -165,6 +171,10 @@ class Pages:
     async def redis_refused(self, request: Request, exc: Exception) -> Response:
         # A cursor or id Redis cannot parse (a hand-edited URL): the request's fault, shown as such.
         return self.render(request, "failed.html", status=400, text=f"Redis refused the request: {exc}")
+
+    async def refused(self, request: Request, exc: Exception) -> Response:
+        # An action the app's state does not allow now (a pause in the storage format's rollback window).
+        return self.render(request, "failed.html", status=409, text=str(exc))
 
     async def redis_unreachable(self, request: Request, exc: Exception) -> Response:
         return self.render(request, "failed.html", status=503, text=f"Redis is not reachable: {exc}")

@@ -28,7 +28,6 @@ from delayed_middleware.inspector import (
     MessageInfo,
     PendingMessage,
 )
-from delayed_middleware.keys import is_stream_id, split_shard_id
 from delayed_middleware.schedules import schedule_zone
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection
@@ -39,7 +38,6 @@ __all__ = [
     "DeadLetterInfo",
     "MessageInfo",
     "PendingMessage",
-    "PendingPage",
     "ScheduleRow",
     "SchedulesPage",
     "Source",
@@ -70,14 +68,6 @@ class Census:
     parked: int
     undecodable: int
     scanned: int
-
-
-@dataclass(frozen=True)
-class PendingPage:
-    """One page of the pending list, in publication order, and the cursor of the next."""
-
-    messages: tuple[PendingMessage, ...]
-    next_after: str | None
 
 
 @dataclass(frozen=True)
@@ -150,7 +140,13 @@ class Source:
         self.settings = settings
         client: Any = connection.client
         self.client = client
-        self.inspector = Inspector(client, settings.consumer_id, page_size, shards=settings.shards)
+        self.page_size = page_size
+        self.inspector = self.reader(page_size)
+
+    def reader(self, page_size: int) -> Inspector:
+        """An Inspector of this app that reads `page_size` entries a step: a listing that shows
+        fewer than the usual page reads (and decodes) no more than it shows."""
+        return Inspector(self.client, self.settings.consumer_id, page_size, shards=self.settings.shards)
 
     @property
     def shards(self) -> int:
@@ -213,32 +209,6 @@ class Source:
         return await self.inspector.dead_letters()
 
     # --- pages -------------------------------------------------------------------------
-
-    async def pending_page(self, after: str | None, count: int) -> PendingPage:
-        """`count` pending envelopes in publication order (shard by shard) after the cursor
-        `after` (`<stream id>@<shard>`, as next_after names it): one XRANGE per shard read."""
-        shard, start = 0, "-"
-        if after:
-            named = split_shard_id(after, self.shards)
-            if named is not None:
-                shard, start = named[0], "(" + named[1]
-            elif is_stream_id(after):
-                start = "(" + after
-        out: list[PendingMessage] = []
-        last: tuple[int, str] | None = None
-        while shard < self.shards and len(out) < count:
-            want = count - len(out)
-            keys = self.inspector.shards[shard]
-            rows: Any = await self.client.xrange(keys.stream, start, "+", count=want)
-            if rows:
-                last = (shard, _s(rows[-1][0]))
-                start = "(" + last[1]
-                # The Inspector's own page decoder: parked and undecodable ones are left out.
-                out.extend(await self.inspector.decode_page(shard, _named(rows)))
-            if len(rows) < want:
-                shard, start = shard + 1, "-"
-        more = last is not None and len(out) >= count
-        return PendingPage(tuple(out), f"{last[1]}@{last[0]}" if more and last else None)
 
     async def search(self, prefix: str, count: int) -> list[PendingMessage]:
         """Up to `count` pending envelopes whose id or scheduleId starts with `prefix`."""
@@ -384,13 +354,24 @@ class Source:
 
     async def set_paused(self, id: str, pause: bool) -> str:
         """Pause or resume one schedule or pending message as `delayed-pubsub pause`/`resume` do;
-        the outcome (pausing.PAUSED, RESUMED, ALREADY, ENDED, UNKNOWN, PARKED)."""
+        the outcome (pausing.PAUSED, RESUMED, ALREADY, ENDED, UNKNOWN, PARKED). A pause in the
+        storage format's rollback window is refused as the CLI refuses it (FailedPreconditionError)."""
         engine = operate.operator_engine(self.connection, self.settings)
+        if pause:
+            await operate.refuse_pause_in_rollback_window(self.connection, engine, "the dashboard's pause")
         reason = operate.PAUSE_REASON if pause else operate.RESUME_REASON
         result = await engine.set_paused(
             id, pause=pause, reason=reason.replace("delayed-pubsub", "dashboard")
         )
         return result.status
+
+    async def cancel_prefix(self, prefix: str, *, dry_run: bool = False) -> int:
+        """Cancel every pending message and schedule of this app whose id starts with `prefix`, as
+        `delayed-pubsub cancel --prefix` does: how many; with `dry_run`, how many would be."""
+        engine = operate.operator_engine(self.connection, self.settings)
+        if dry_run:
+            return await operate.count_prefix(engine, prefix)
+        return await engine.cancel_prefix(prefix, reason=operate.CANCEL_REASON)
 
     async def _dead_letter(self, topic: str, stream_id: str) -> DeadLetterInfo | None:
         # Only a dead letter of this app, as the listing shows it: never an arbitrary stream entry.
