@@ -41,11 +41,16 @@ PAYLOAD = json.dumps(
 ).encode()
 
 
-def start_process(args: list[str], socket: Path, log: Path, within_s: float = 30) -> subprocess.Popen[bytes]:
-    """Start a server process with our packages importable; return once its socket exists."""
+def start_process(
+    args: list[str], socket: Path, log: Path, within_s: float = 30, python_path: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a server process with our packages (or `python_path`'s) importable; return once its socket exists."""
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            args, env={**os.environ, "PYTHONPATH": PACKAGE_PATH}, stdout=out, stderr=subprocess.STDOUT
+            args,
+            env={**os.environ, "PYTHONPATH": python_path or PACKAGE_PATH},
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + within_s
     while not socket.exists():
@@ -56,8 +61,10 @@ def start_process(args: list[str], socket: Path, log: Path, within_s: float = 30
     return proc
 
 
-def start_serve(socket: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """`delayed-pubsub serve EXTRA` on `socket`, logging warnings to `log`."""
+def start_serve(
+    socket: Path, log: Path, *extra: str, python_path: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`delayed-pubsub serve EXTRA` on `socket`, logging warnings to `log` (another checkout's: `python_path`)."""
     return start_process(
         [
             sys.executable,
@@ -72,6 +79,7 @@ def start_serve(socket: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]
         ],
         socket,
         log,
+        python_path=python_path,
     )
 
 

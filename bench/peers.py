@@ -46,6 +46,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,10 @@ class System:
     def pids(self) -> list[int]:
         raise NotImplementedError
 
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, pid) of each server process, for the burst's per-process core waits."""
+        return [(self.name, pid) for pid in self.pids()]
+
     async def schedule(self, i: int, due: float) -> None:
         """One delayed message, one call, waiting for the server's acknowledgement."""
         raise NotImplementedError
@@ -266,10 +271,14 @@ class System:
 class Ours(System):
     name = "ours"
 
-    def __init__(self, workdir: Path, workers: int | None = None) -> None:
+    def __init__(self, workdir: Path, workers: int | None = None, tree: Path | None = None) -> None:
         self.workdir = workdir
         # serve --workers (None: serve's default).
         self.workers = workers
+        # Another checkout whose serve runs instead of this one's (--base: an A/B in one run).
+        self.tree = tree
+        if tree is not None:
+            self.name = f"base ({tree.name})"
         self.redis = RedisServer(workdir / "redis", appendonly=True)
         self.socket = workdir / "delayed-pubsub.sock"
         self.serve: subprocess.Popen[bytes] | None = None
@@ -280,7 +289,12 @@ class Ours(System):
 
     def _start_serve(self) -> subprocess.Popen[bytes]:
         extra = () if self.workers is None else ("--workers", str(self.workers))
-        return start_serve(self.socket, self.workdir / "serve.log", *extra)
+        path = (
+            None
+            if self.tree is None
+            else os.pathsep.join(str(self.tree / p) for p in ("proto", "middleware", "components"))
+        )
+        return start_serve(self.socket, self.workdir / "serve.log", *extra, python_path=path)
 
     async def _start_component(self) -> None:
         self.serve = self._start_serve()
@@ -315,6 +329,12 @@ class Ours(System):
         assert self.redis.proc is not None
         # serve's worker processes fire: their CPU is the server's too.
         return [self.serve.pid, *children_of(self.serve.pid), self.redis.proc.pid]
+
+    def roles(self) -> list[tuple[str, int]]:
+        assert self.serve is not None
+        assert self.redis.proc is not None
+        workers = [(f"worker {k}", pid) for k, pid in enumerate(children_of(self.serve.pid))]
+        return [("serve (gRPC, delivery)", self.serve.pid), *workers, ("redis-server", self.redis.proc.pid)]
 
     async def schedule(self, i: int, due: float) -> None:
         await self.stub.Publish(
@@ -521,7 +541,9 @@ async def pull_ours(stub: Any, on_message: OnMessage) -> Callable[[], Awaitable[
     return stop_it
 
 
-async def pull_nats(js: Any, on_message: OnMessage, read_errors: Counter[str]) -> Callable[[], Awaitable[None]]:
+async def pull_nats(
+    js: Any, on_message: OnMessage, read_errors: Counter[str]
+) -> Callable[[], Awaitable[None]]:
     """A new durable pull consumer on TOPIC (batches of 100, each message acked); a failed
     read is counted in `read_errors` and read on."""
     import nats.errors
@@ -739,15 +761,18 @@ class Run:
     # The steady workload's arrivals and its subscriber process's loop lag (ms), per system.
     arrivals: dict[str, list[Arrival]] = field(default_factory=dict)
     subscriber_lags: dict[str, list[float]] = field(default_factory=dict)
+    # Every value put, per (workload, unit, system), in order: several rounds (--rounds) or systems (--base).
+    samples: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
 
     def put(self, workload: str, unit: str, system: str, value: float, better: str = "lower") -> None:
+        self.samples.setdefault((workload, unit, system), []).append(value)
         row = next((r for r in self.rows if r.workload == workload), None)
         if row is None:
             row = Row(workload, unit, better=better)
             self.rows.append(row)
         if system == "ours":
             row.ours = value
-        else:
+        elif system == "NATS":
             row.theirs = value
 
 
@@ -829,6 +854,25 @@ async def steady(system: System, run: Run) -> None:
     )
 
 
+def schedstat(pid: int) -> tuple[int, int]:
+    """(ns on a core, ns waiting for one) of every thread of `pid` so far (/proc/<pid>/task/*/schedstat)."""
+    ran = waited = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            on, wait, _ = task.read_text().split()
+            ran, waited = ran + int(on), waited + int(wait)
+    return ran, waited
+
+
+def core_waits(roles: Sequence[tuple[str, int]], before: dict[int, tuple[int, int]], seconds: float) -> str:
+    """What each process did over a window of `seconds`: ms on a core, ms waiting in the run queue."""
+    parts = []
+    for role, pid in roles:
+        ran, waited = (a - b for a, b in zip(schedstat(pid), before.get(pid, (0, 0)), strict=True))
+        parts.append(f"{role} ran {ran / 1e6:.0f} ms, waited {waited / 1e6:.0f} ms")
+    return f"over {seconds:.2f} s: " + "; ".join(parts)
+
+
 async def burst(system: System, run: Run) -> None:
     n = run.sizes.burst
     await system.reset_target()
@@ -849,20 +893,27 @@ async def burst(system: System, run: Run) -> None:
         run.notes.append(f"{system.name}, burst: storing took past the due time; figures include that")
     stop_sub = await system.subscribe(got)
     cpu: list[float] = []
+    # Who waits for a core while the burst fires: the server's processes, and this one (the subscriber).
+    roles = [*system.roles(), ("bench (subscriber)", os.getpid())]
     with cpu_of(system, cpu):
         await asyncio.sleep(max(0.0, due - time.time()))
+        at_due = {pid: schedstat(pid) for _, pid in roles}
         fired_at = None
+        fire_window = ""
         deadline = time.time() + 300
         seen, moved_at = 0, time.time()
         while received < n and time.time() < deadline:
             if fired_at is None and await system.fired() >= n:
                 fired_at = time.time()
+                fire_window = core_waits(roles, at_due, fired_at - due)
             if received != seen:
                 seen, moved_at = received, time.time()
             elif fired_at is not None and time.time() - moved_at > 30:
                 break  # all fired, and the subscriber has stopped receiving: waiting on is no measurement
             await asyncio.sleep(0.05)
     await stop_sub()
+    if fire_window:
+        run.notes.append(f"{system.name}, burst, due -> all fired, {fire_window}")
     if received < n:
         run.notes.append(f"{system.name}, burst: only {received} of {n} received")
     for error, times in getattr(system, "read_errors", Counter()).items():
@@ -960,7 +1011,13 @@ WORKLOADS: list[tuple[str, Callable[[System, Run], Awaitable[None]]]] = [
 
 
 async def run_all(
-    sizes: Sizes, workdir: Path, nats_exe: str, only: Sequence[str] = (), workers: int | None = None
+    sizes: Sizes,
+    workdir: Path,
+    nats_exe: str,
+    only: Sequence[str] = (),
+    workers: int | None = None,
+    rounds: int = 1,
+    base: Path | None = None,
 ) -> Run:
     from tqdm import tqdm
 
@@ -976,30 +1033,32 @@ async def run_all(
     def fresh() -> list[System]:
         nonlocal generation
         generation += 1
-        made: list[System] = [
-            Ours(workdir / f"ours{generation}", workers),
-            Nats(nats_exe, workdir / f"nats{generation}"),
-        ]
-        for s in made:
-            (workdir / f"{s.name.lower()}{generation}").mkdir(parents=True, exist_ok=True)
-        return made
+        dirs = [workdir / f"ours{generation}", workdir / f"base{generation}", workdir / f"nats{generation}"]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        made: list[System] = [Ours(dirs[0], workers)]
+        if base is not None:
+            made.append(Ours(dirs[1], workers, tree=base))
+        return [*made, Nats(nats_exe, dirs[2])]
 
     systems: list[System] = []
-    with tqdm(total=len(workloads) * 2, unit="step", ncols=90) as bar:
+    with tqdm(total=len(workloads) * rounds * (3 if base else 2), unit="step", ncols=90) as bar:
         try:
             for name, workload in workloads:
-                # Memory is measured on servers that hold nothing else (and
-                # restarted with only those messages pending).
-                if not systems or name in FRESH:
-                    for s in systems:
-                        await s.close()
-                    systems = fresh()
-                    for s in systems:
-                        await s.setup()
-                for s in systems:
-                    bar.set_description(f"{name}: {s.name}")
-                    await workload(s, run)
-                    bar.update()
+                for k in range(rounds):
+                    # Memory is measured on servers that hold nothing else (and
+                    # restarted with only those messages pending).
+                    if not systems or name in FRESH:
+                        for s in systems:
+                            await s.close()
+                        systems = fresh()
+                        for s in systems:
+                            await s.setup()
+                    # Rounds alternate the order, so neither system always goes first.
+                    for s in systems if k % 2 == 0 else systems[::-1]:
+                        bar.set_description(f"{name} {k + 1}/{rounds}: {s.name}")
+                        await workload(s, run)
+                        bar.update()
         finally:
             for s in systems:
                 with contextlib.suppress(Exception):
@@ -1037,6 +1096,37 @@ def table(run: Run) -> list[str]:
     return lines
 
 
+def rounds_table(run: Run) -> list[str]:
+    """Every round's value per system, their median, and each system's median ratio to NATS
+    over the rounds (paired: a round's value over NATS's in the same round)."""
+    systems = list(dict.fromkeys(system for _, _, system in run.samples))
+    others = [s for s in systems if s != "NATS"]
+    lines = [
+        "| workload | unit | "
+        + " | ".join(f"{s} (rounds; median)" for s in systems)
+        + " | "
+        + " | ".join(f"{s} / NATS, median of rounds" for s in others)
+        + " |",
+        "|---|---|" + "---|" * (len(systems) + len(others)),
+    ]
+    for workload, unit in dict.fromkeys((w, u) for w, u, _ in run.samples):
+        got = {s: run.samples.get((workload, unit, s), []) for s in systems}
+        cells = [
+            ", ".join(f"{v:,.2f}" for v in got[s])
+            + f"; {statistics.median(got[s]) if got[s] else float('nan'):,.2f}"
+            for s in systems
+        ]
+        nats = got.get("NATS", [])
+        ratios = [
+            f"{statistics.median([a / b for a, b in zip(got[s], nats, strict=False) if b] or [float('nan')]):.2f}"
+            if nats
+            else "-"
+            for s in others
+        ]
+        lines.append(f"| {workload} | {unit} | " + " | ".join(cells + ratios) + " |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="bench peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1045,7 +1135,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--quick", action="store_true", help="smaller sizes, <= 10 minutes (default)")
     mode.add_argument("--full", action="store_true", help="the issue's sizes (1M pending)")
     mode.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md; the lateness chart goes to the temp dir")
+    ap.add_argument(
+        "--no-write",
+        action="store_true",
+        help="do not append to bench/RESULTS.md; the lateness chart goes to the temp dir",
+    )
     ap.add_argument(
         "--only",
         action="append",
@@ -1056,13 +1150,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--workers", type=int, default=None, metavar="N", help="run `serve --workers N` (default: serve's)"
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run each workload R times, alternating the order (medians)",
+    )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run the serve of another checkout (e.g. main's), in the same rounds: an A/B in one run",
+    )
     a = ap.parse_args(argv)
     sizes = FULL if a.full else SMOKE if a.smoke else QUICK
     exe = nats_server_path()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
-        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers))
+        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers, a.rounds, a.base))
     took = time.time() - started
     # --no-write leaves the tree as it was: its chart goes to the temp dir.
     drawn = CHART if not (a.no_write or a.smoke) else Path(tempfile.gettempdir()) / CHART.name
@@ -1075,6 +1183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"took {took / 60:.1f} min"
     )
     lines = table(run) + [f"\n- note: {note}" for note in run.notes]
+    if a.rounds > 1 or a.base is not None:
+        lines = [*rounds_table(run), "", *lines]
     print(head)
     print("\n".join(lines))
     if run.lateness:
