@@ -753,6 +753,8 @@ class Row:
 @dataclass
 class Run:
     sizes: Sizes
+    # The burst with no subscriber (--burst-alone): what the fire takes without the delivery beside it.
+    burst_alone: bool = False
     rows: list[Row] = field(default_factory=list)
     lateness: dict[str, list[float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -891,7 +893,7 @@ async def burst(system: System, run: Run) -> None:
         await system.schedule_many(first, [due] * min(1000, n - first))
     if time.time() > due:
         run.notes.append(f"{system.name}, burst: storing took past the due time; figures include that")
-    stop_sub = await system.subscribe(got)
+    stop_sub = None if run.burst_alone else await system.subscribe(got)
     cpu: list[float] = []
     # Who waits for a core while the burst fires: the server's processes, and this one (the subscriber).
     roles = [*system.roles(), ("bench (subscriber)", os.getpid())]
@@ -906,11 +908,22 @@ async def burst(system: System, run: Run) -> None:
             if fired_at is None and await system.fired() >= n:
                 fired_at = time.time()
                 fire_window = core_waits(roles, at_due, fired_at - due)
+                if stop_sub is None:
+                    break
             if received != seen:
                 seen, moved_at = received, time.time()
             elif fired_at is not None and time.time() - moved_at > 30:
                 break  # all fired, and the subscriber has stopped receiving: waiting on is no measurement
             await asyncio.sleep(0.05)
+    if stop_sub is None:
+        run.put(
+            f"{n // 1000}k due at one instant, no subscriber: T -> all fired",
+            "s",
+            system.name,
+            (fired_at or due) - due,
+        )
+        run.notes.append(f"{system.name}, burst with no subscriber, due -> all fired, {fire_window}")
+        return
     await stop_sub()
     if fire_window:
         run.notes.append(f"{system.name}, burst, due -> all fired, {fire_window}")
@@ -1018,6 +1031,7 @@ async def run_all(
     workers: int | None = None,
     rounds: int = 1,
     base: Path | None = None,
+    burst_alone: bool = False,
 ) -> Run:
     from tqdm import tqdm
 
@@ -1026,7 +1040,7 @@ async def run_all(
     # stamped late, whichever system sent it.
     gc.collect()
     gc.freeze()
-    run = Run(sizes)
+    run = Run(sizes, burst_alone=burst_alone)
     workloads = [(name, w) for name, w in WORKLOADS if not only or name in only]
     generation = 0
 
@@ -1164,13 +1178,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="DIR",
         help="also run the serve of another checkout (e.g. main's), in the same rounds: an A/B in one run",
     )
+    ap.add_argument(
+        "--burst-alone",
+        action="store_true",
+        help="the burst with no subscriber: the fire without the delivery sharing the cores",
+    )
     a = ap.parse_args(argv)
     sizes = FULL if a.full else SMOKE if a.smoke else QUICK
     exe = nats_server_path()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
-        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers, a.rounds, a.base))
+        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers, a.rounds, a.base, a.burst_alone))
     took = time.time() - started
     # --no-write leaves the tree as it was: its chart goes to the temp dir.
     drawn = CHART if not (a.no_write or a.smoke) else Path(tempfile.gettempdir()) / CHART.name
