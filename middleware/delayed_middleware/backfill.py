@@ -43,6 +43,7 @@ T2 after now, more than MAX_OCCURRENCES occurrences in the range.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -263,8 +264,9 @@ async def backfill(
     """
     clock = clock or SystemClock()
     now_ms = clock.now_ms()
-    if not rate > 0:
-        raise BackfillRefusedError("--rate", str(rate), "must be more than 0 per second")
+    # Finite too: the dashboard and JSON API parse it with float(), where "1e999" is infinity.
+    if not 0 < rate < math.inf:
+        raise BackfillRefusedError("--rate", str(rate), "must be a number more than 0 per second")
     check_range(start_ms, end_ms, now_ms)
     # Small pages: the schedule's history is walked along its by-id chain (hist_walk.lua), which
     # holds its own `backfilled` records too; 100 a call keeps each call ~ms.

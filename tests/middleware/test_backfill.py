@@ -411,3 +411,15 @@ def test_the_calendar_replayed_is_the_one_the_engine_fires_by(metadata: dict[str
         assert jittered == due
         assert 0 <= jittered - nominal < max(schedule.jitter_ms, 1)
         due = next_fire(schedule, start_ms=env.published_at_ms, after_ms=due, key="k") or 0
+
+
+@pytest.mark.parametrize("rate", [float("inf"), float("nan"), 0.0, -1.0])
+async def test_a_rate_that_is_no_finite_positive_number_is_refused_naming_it(
+    aredis: Make, redis_client: redis.Redis, rate: float
+) -> None:
+    # The dashboard and the JSON API parse `rate` with float(): "1e999" or "inf" arrive as infinity.
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
+    start = ms("2026-11-28T11:00:00Z")
+    with pytest.raises(InvalidArgumentError, match="--rate"):
+        await backfill(aredis(), "app", "m", start, start + 10 * 60_000, rate=rate, clock=clock)
+    assert not redis_client.exists("orders")
