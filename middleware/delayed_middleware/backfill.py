@@ -43,6 +43,7 @@ T2 after now, more than MAX_OCCURRENCES occurrences in the range.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -106,11 +107,12 @@ class BackfillRefusedError(InvalidArgumentError):
 @dataclass(frozen=True)
 class Occurrence:
     """One occurrence of a schedule: its nominal time (identity), when it was due (jittered), and
-    the due time of the one after it (None: it was the last)."""
+    the due time and nominal time of the one after it (None: it was the last)."""
 
     nominal_ms: int
     due_ms: int
     next_ms: int | None
+    next_nominal_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ def plan_occurrences(
     pending: tuple[int, int] | None = None
     for nominal, due in occurrences(schedule, origin_ms=origin_ms, after_ms=start_ms - 1, key=key):
         if pending is not None:
-            found.append(Occurrence(pending[0], pending[1], due))
+            found.append(Occurrence(pending[0], pending[1], due, nominal))
             pending = None
         if nominal >= end_ms or len(found) > MAX_OCCURRENCES:
             break
@@ -287,7 +289,7 @@ async def backfill(
     started = time.monotonic()
     fired_dues, reach_ms = await _fired(inspector, client, run, start_ms)
     left = [o for o in planned if o.due_ms >= info.message.due_ms]
-    candidates = [o for o in planned if o.due_ms < info.message.due_ms and o.due_ms not in fired_dues]
+    candidates = [o for o in planned if o.due_ms < info.message.due_ms and not _was_fired(o, fired_dues)]
     fired = len(planned) - len(left) - len(candidates)
     base = BackfillResult(
         id=info.message.id,
@@ -358,8 +360,8 @@ def _make_run(
 
 async def _fired(
     inspector: Inspector, client: AnyRedis, run: _Run, start_ms: int
-) -> tuple[set[int], int | None]:
-    """The due times of the schedule's `fired` records from `start_ms` on, and when the shard's
+) -> tuple[list[int], int | None]:
+    """The due times of the schedule's `fired` records from `start_ms` on (sorted), and when the shard's
     history begins (its oldest record's time; None: no history). Read after the schedule's pending
     occurrence was (MessageInfo): every occurrence before that one has its record written by now."""
     dues: set[int] = set()
@@ -372,7 +374,17 @@ async def _fired(
         await records.aclose()
     head: Any = await client.xrange(run.shard_keys.history, "-", "+", count=1)
     reach = int(shown(head[0][0]).partition("-")[0]) if head else None
-    return dues, reach
+    return sorted(dues), reach
+
+
+def _was_fired(o: Occurrence, fired_dues: Sequence[int]) -> bool:
+    """Did the schedule fire occurrence `o`? A `fired` record due in its window [nominal, next
+    nominal) says so. Not its exact due time: a replace of the schedule under the same id may have
+    changed its jitter, and the fires of before name the due times of the jitter of before (each
+    due time lies in its occurrence's window whatever the jitter: schedules._jittered)."""
+    at = bisect.bisect_left(fired_dues, o.nominal_ms)
+    end = math.inf if o.next_nominal_ms is None else o.next_nominal_ms
+    return at < len(fired_dues) and fired_dues[at] < end
 
 
 def _unverified(sent: Iterable[Occurrence], info: MessageInfo, reach_ms: int | None) -> int:

@@ -423,3 +423,30 @@ async def test_a_rate_that_is_no_finite_positive_number_is_refused_naming_it(
     with pytest.raises(InvalidArgumentError, match="--rate"):
         await backfill(aredis(), "app", "m", start, start + 10 * 60_000, rate=rate, clock=clock)
     assert not redis_client.exists("orders")
+
+
+async def test_fires_of_the_schedule_before_a_replace_that_changed_its_jitter_are_not_delivered_again(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(ms("2026-11-28T00:20:00Z"))
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=EnvelopeRecurrence())
+
+    async def publish(metadata: Mapping[str, str]) -> None:
+        ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+        await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", metadata, "", ctx).delayed])
+
+    # Fired on the hour at 01:00, 02:00, 03:00; then the same scheduleId is replaced with jitter.
+    await publish({**HOURLY_JITTERED, "scheduleJitter": "0s"})
+    await fire_until(engine, clock, "2026-11-28T03:15:00Z")
+    assert events(redis_client, "fired") == [ms(f"2026-11-28T0{h}:00:00Z") for h in (1, 2, 3)]
+    await publish(HOURLY_JITTERED)
+    redis_client.delete("orders")
+    clock.set(ms("2026-11-28T03:35:00Z"))
+
+    result = await backfill(
+        aredis(), "app", "hourly", ms("2026-11-28T00:30:00Z"), ms("2026-11-28T03:30:00Z"), clock=clock
+    )
+
+    # Each of those hours was delivered once already, by the schedule itself, under the same id.
+    assert (result.deliver, result.fired) == ((), 3)
+    assert not redis_client.exists("orders")
