@@ -365,7 +365,8 @@ async def _fired(
     history begins (its oldest record's time; None: no history). Read after the schedule's pending
     occurrence was (MessageInfo): every occurrence before that one has its record written by now."""
     dues: set[int] = set()
-    records = inspector.history_forward(id=run.info.message.id, since_ms=start_ms)
+    # From 1970 at the earliest: a history record's time is its stream id, never negative.
+    records = inspector.history_forward(id=run.info.message.id, since_ms=max(0, start_ms))
     try:
         async for _, record in records:
             if record.event == hist.FIRED and record.due_ms is not None:

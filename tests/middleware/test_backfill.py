@@ -433,7 +433,9 @@ async def test_fires_of_the_schedule_before_a_replace_that_changed_its_jitter_ar
 
     async def publish(metadata: Mapping[str, str]) -> None:
         ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
-        await engine.schedule([d.envelope for d in plan_publish("orders", b"tick", metadata, "", ctx).delayed])
+        await engine.schedule(
+            [d.envelope for d in plan_publish("orders", b"tick", metadata, "", ctx).delayed]
+        )
 
     # Fired on the hour at 01:00, 02:00, 03:00; then the same scheduleId is replaced with jitter.
     await publish({**HOURLY_JITTERED, "scheduleJitter": "0s"})
@@ -450,3 +452,17 @@ async def test_fires_of_the_schedule_before_a_replace_that_changed_its_jitter_ar
     # Each of those hours was delivered once already, by the schedule itself, under the same id.
     assert (result.deliver, result.fired) == ((), 3)
     assert not redis_client.exists("orders")
+
+
+async def test_a_range_from_before_1970_is_delivered_not_a_crash(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    # RFC 3339 takes any year from 0001: the history (stream ids) starts at 1970, read from there.
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", {"schedule": "0 0 0 * * *", "scheduleId": "d"})
+    result = await backfill(
+        aredis(), "app", "d", ms("1969-12-30T00:00:00Z"), ms("1970-01-02T00:00:00Z"), clock=clock
+    )
+    days = ["1969-12-30T00:00:00.000Z", "1969-12-31T00:00:00.000Z", "1970-01-01T00:00:00.000Z"]
+    assert result.delivered == 3
+    assert [m[SCHEDULE_OCCURRENCE] for m in delivered(redis_client)] == days
+    assert events(redis_client, "backfilled") == [ms(d) for d in days]
