@@ -62,6 +62,7 @@ from delayed_middleware.keys import backfill_record
 from delayed_middleware.lua_scripts import SCHEDULE_NEXT, SCHEDULER, load
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
+from delayed_middleware.redis_errors import is_wrong_type
 from delayed_middleware.schedules import Schedule, occurrences, parse_stored_schedule, schedule_next_value
 
 BACKFILL: Final = load("backfill.lua")
@@ -486,8 +487,12 @@ async def _samples(
     for due in dues:
         pipe.xrevrange(source, f"{due}-{_MAX_SEQ}", "-", count=1)
     out: list[list[tuple[bytes, Mapping[str, str], str]]] = []
-    for rows in await pipe.execute():
-        if not rows:
+    for rows in await pipe.execute(raise_on_error=False):
+        # A source whose key is no stream (anyone's key) gives nothing, as in a fire
+        # (engine.two_phase): raised, it stopped every backfill of the range at that chunk.
+        if isinstance(rows, BaseException) and not is_wrong_type(rows):
+            raise rows
+        if not rows or isinstance(rows, BaseException):
             out.append([])
             continue
         f = {shown(k): v for k, v in rows[0][1].items()}

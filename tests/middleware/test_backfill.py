@@ -285,6 +285,21 @@ async def test_a_source_schedule_delivers_the_sample_the_source_held_at_each_occ
     ]
 
 
+async def test_a_source_whose_key_is_no_stream_gives_nothing_as_a_fire_and_stops_nothing(
+    aredis: Make, redis_client: redis.Redis
+) -> None:
+    # The source is any key the publisher named (another app's, since turned into a hash).
+    meta = {"schedule": "@hourly", "scheduleId": "h", "scheduleSource": "prices"}
+    _, clock = await published(aredis, "2026-11-28T12:00:00Z", meta)
+    redis_client.hset("prices", "a", "hash, not a stream")
+    result = await backfill(
+        aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
+    )
+    # As a fire of that source: each occurrence is done and delivers nothing.
+    assert (result.delivered, result.failed) == (3, ())
+    assert not redis_client.exists("orders")
+
+
 async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
     aredis: Make, redis_client: redis.Redis
 ) -> None:
