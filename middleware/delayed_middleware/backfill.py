@@ -279,7 +279,10 @@ async def backfill(
         raise ScheduleNotFoundError(f"{id}: no pending schedule has this id")
     schedule = _recurring(id, info, now_ms)
     run = _make_run(client, inspector, info, schedule, clock, retention or hist.Retention())
-    planned = plan_occurrences(
+    # In a thread: a long range of a sparse or zoned cron takes up to seconds of CPU, and the
+    # dashboard runs this in its event loop (its pages and live updates would wait).
+    planned = await asyncio.to_thread(
+        plan_occurrences,
         schedule,
         origin_ms=info.envelope.published_at_ms,
         key=run.key,
