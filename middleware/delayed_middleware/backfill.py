@@ -52,6 +52,7 @@ from typing import Any, Final
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import Clock, SystemClock
+from delayed_middleware.engine.refill import ref_nominal
 from delayed_middleware.entry import StreamEntry, decode_metadata, encode_entry
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError, echo
@@ -291,9 +292,10 @@ async def backfill(
         now_ms=now_ms,
     )
     started = time.monotonic()
+    pending = await _pending_nominal(client, run)
     fired_dues, reach_ms = await _fired(inspector, client, run, start_ms)
-    left = [o for o in planned if o.due_ms >= info.message.due_ms]
-    candidates = [o for o in planned if o.due_ms < info.message.due_ms and not _was_fired(o, fired_dues)]
+    left = [o for o in planned if o.due_ms >= info.message.due_ms or o.nominal_ms >= pending]
+    candidates = [o for o in _not_left(planned, left) if not _was_fired(o, fired_dues)]
     fired = len(planned) - len(left) - len(candidates)
     base = BackfillResult(
         id=info.message.id,
@@ -380,6 +382,23 @@ async def _fired(
     head: Any = await client.xrange(run.shard_keys.history, "-", "+", count=1)
     reach = int(shown(head[0][0]).partition("-")[0]) if head else None
     return sorted(dues), reach
+
+
+def _not_left(planned: Sequence[Occurrence], left: Sequence[Occurrence]) -> list[Occurrence]:
+    """`planned` less `left` (the schedule's own), in order."""
+    mine = {o.nominal_ms for o in left}
+    return [o for o in planned if o.nominal_ms not in mine]
+
+
+async def _pending_nominal(client: AnyRedis, run: _Run) -> int:
+    """The nominal time of the schedule's pending occurrence (its ids ref), read before its history.
+    Not its due time: a paced catch-up (scheduleCatchup `all`) holds a missed occurrence due at a
+    time after now, and fires it and every one after it itself."""
+    m = run.info.message
+    ref: Any = await client.hget(run.shard_keys.ids, run.key)
+    if ref is None or shown(ref).split()[0] != m.stream_id:
+        return m.due_ms
+    return ref_nominal(shown(ref), m.due_ms)
 
 
 def _was_fired(o: Occurrence, fired_dues: Sequence[int]) -> bool:
