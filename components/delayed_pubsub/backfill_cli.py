@@ -46,12 +46,12 @@ def register(subparsers: Any) -> None:
         description=(
             "Delivers each occurrence of schedule ID with a nominal time in [--from, --to) (by its own "
             "calendar: zone, bounds, jitter) that it did not fire itself and no backfill delivered "
-            f"before, at most {bf.MAX_OCCURRENCES:,} per run; --to must not be in the future. Each "
-            f"message carries `{SCHEDULE_OCCURRENCE}` (the nominal time) and gets a `backfilled` "
+            f"before; a range holds at most {bf.MAX_OCCURRENCES:,} occurrences; --to must not be in the future. "
+            f"Each message carries `{SCHEDULE_OCCURRENCE}` (the nominal time) and gets a `backfilled` "
             "history record. Safe to repeat or run at once: each occurrence is delivered once."
         ),
     )
-    p.add_argument("id", metavar="ID", help="scheduleId of a pending recurring schedule")
+    p.add_argument("id", metavar="ID", help="scheduleId (or envelope id) of a pending recurring schedule")
     p.add_argument("--from", dest="start", required=True, metavar="T1", help="RFC 3339 instant (inclusive)")
     p.add_argument("--to", dest="end", required=True, metavar="T2", help="RFC 3339 instant (exclusive)")
     p.add_argument(

@@ -43,6 +43,8 @@ T2 after now, more than MAX_OCCURRENCES occurrences in the range.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -50,6 +52,7 @@ from typing import Any, Final
 
 from delayed_middleware import history as hist
 from delayed_middleware.clock import Clock, SystemClock
+from delayed_middleware.engine.refill import ref_nominal
 from delayed_middleware.entry import StreamEntry, decode_metadata, encode_entry
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import DelayedPubSubError, InvalidArgumentError, echo
@@ -60,6 +63,7 @@ from delayed_middleware.keys import backfill_record
 from delayed_middleware.lua_scripts import SCHEDULE_NEXT, SCHEDULER, load
 from delayed_middleware.outbox import OutboxEntry, encode_outbox_entry
 from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
+from delayed_middleware.redis_errors import is_wrong_type
 from delayed_middleware.schedules import Schedule, occurrences, parse_stored_schedule, schedule_next_value
 
 BACKFILL: Final = load("backfill.lua")
@@ -105,11 +109,12 @@ class BackfillRefusedError(InvalidArgumentError):
 @dataclass(frozen=True)
 class Occurrence:
     """One occurrence of a schedule: its nominal time (identity), when it was due (jittered), and
-    the due time of the one after it (None: it was the last)."""
+    the due time and nominal time of the one after it (None: it was the last)."""
 
     nominal_ms: int
     due_ms: int
     next_ms: int | None
+    next_nominal_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,7 @@ def plan_occurrences(
     pending: tuple[int, int] | None = None
     for nominal, due in occurrences(schedule, origin_ms=origin_ms, after_ms=start_ms - 1, key=key):
         if pending is not None:
-            found.append(Occurrence(pending[0], pending[1], due))
+            found.append(Occurrence(pending[0], pending[1], due, nominal))
             pending = None
         if nominal >= end_ms or len(found) > MAX_OCCURRENCES:
             break
@@ -263,8 +268,9 @@ async def backfill(
     """
     clock = clock or SystemClock()
     now_ms = clock.now_ms()
-    if not rate > 0:
-        raise BackfillRefusedError("--rate", str(rate), "must be more than 0 per second")
+    # Finite too: the dashboard and JSON API parse it with float(), where "1e999" is infinity.
+    if not 0 < rate < math.inf:
+        raise BackfillRefusedError("--rate", str(rate), "must be a number more than 0 per second")
     check_range(start_ms, end_ms, now_ms)
     # Small pages: the schedule's history is walked along its by-id chain (hist_walk.lua), which
     # holds its own `backfilled` records too; 100 a call keeps each call ~ms.
@@ -274,7 +280,10 @@ async def backfill(
         raise ScheduleNotFoundError(f"{id}: no pending schedule has this id")
     schedule = _recurring(id, info, now_ms)
     run = _make_run(client, inspector, info, schedule, clock, retention or hist.Retention())
-    planned = plan_occurrences(
+    # In a thread: a long range of a sparse or zoned cron takes up to seconds of CPU, and the
+    # dashboard runs this in its event loop (its pages and live updates would wait).
+    planned = await asyncio.to_thread(
+        plan_occurrences,
         schedule,
         origin_ms=info.envelope.published_at_ms,
         key=run.key,
@@ -283,9 +292,10 @@ async def backfill(
         now_ms=now_ms,
     )
     started = time.monotonic()
+    pending = await _pending_nominal(client, run)
     fired_dues, reach_ms = await _fired(inspector, client, run, start_ms)
-    left = [o for o in planned if o.due_ms >= info.message.due_ms]
-    candidates = [o for o in planned if o.due_ms < info.message.due_ms and o.due_ms not in fired_dues]
+    left = [o for o in planned if o.due_ms >= info.message.due_ms or o.nominal_ms >= pending]
+    candidates = [o for o in _not_left(planned, left) if not _was_fired(o, fired_dues)]
     fired = len(planned) - len(left) - len(candidates)
     base = BackfillResult(
         id=info.message.id,
@@ -356,12 +366,13 @@ def _make_run(
 
 async def _fired(
     inspector: Inspector, client: AnyRedis, run: _Run, start_ms: int
-) -> tuple[set[int], int | None]:
-    """The due times of the schedule's `fired` records from `start_ms` on, and when the shard's
+) -> tuple[list[int], int | None]:
+    """The due times of the schedule's `fired` records from `start_ms` on (sorted), and when the shard's
     history begins (its oldest record's time; None: no history). Read after the schedule's pending
     occurrence was (MessageInfo): every occurrence before that one has its record written by now."""
     dues: set[int] = set()
-    records = inspector.history_forward(id=run.info.message.id, since_ms=start_ms)
+    # From 1970 at the earliest: a history record's time is its stream id, never negative.
+    records = inspector.history_forward(id=run.info.message.id, since_ms=max(0, start_ms))
     try:
         async for _, record in records:
             if record.event == hist.FIRED and record.due_ms is not None:
@@ -370,7 +381,34 @@ async def _fired(
         await records.aclose()
     head: Any = await client.xrange(run.shard_keys.history, "-", "+", count=1)
     reach = int(shown(head[0][0]).partition("-")[0]) if head else None
-    return dues, reach
+    return sorted(dues), reach
+
+
+def _not_left(planned: Sequence[Occurrence], left: Sequence[Occurrence]) -> list[Occurrence]:
+    """`planned` less `left` (the schedule's own), in order."""
+    mine = {o.nominal_ms for o in left}
+    return [o for o in planned if o.nominal_ms not in mine]
+
+
+async def _pending_nominal(client: AnyRedis, run: _Run) -> int:
+    """The nominal time of the schedule's pending occurrence (its ids ref), read before its history.
+    Not its due time: a paced catch-up (scheduleCatchup `all`) holds a missed occurrence due at a
+    time after now, and fires it and every one after it itself."""
+    m = run.info.message
+    ref: Any = await client.hget(run.shard_keys.ids, run.key)
+    if ref is None or shown(ref).split()[0] != m.stream_id:
+        return m.due_ms
+    return ref_nominal(shown(ref), m.due_ms)
+
+
+def _was_fired(o: Occurrence, fired_dues: Sequence[int]) -> bool:
+    """Did the schedule fire occurrence `o`? A `fired` record due in its window [nominal, next
+    nominal) says so. Not its exact due time: a replace of the schedule under the same id may have
+    changed its jitter, and the fires of before name the due times of the jitter of before (each
+    due time lies in its occurrence's window whatever the jitter: schedules._jittered)."""
+    at = bisect.bisect_left(fired_dues, o.nominal_ms)
+    end = math.inf if o.next_nominal_ms is None else o.next_nominal_ms
+    return at < len(fired_dues) and fired_dues[at] < end
 
 
 def _unverified(sent: Iterable[Occurrence], info: MessageInfo, reach_ms: int | None) -> int:
@@ -471,8 +509,12 @@ async def _samples(
     for due in dues:
         pipe.xrevrange(source, f"{due}-{_MAX_SEQ}", "-", count=1)
     out: list[list[tuple[bytes, Mapping[str, str], str]]] = []
-    for rows in await pipe.execute():
-        if not rows:
+    for rows in await pipe.execute(raise_on_error=False):
+        # A source whose key is no stream (anyone's key) gives nothing, as in a fire
+        # (engine.two_phase): raised, it stopped every backfill of the range at that chunk.
+        if isinstance(rows, BaseException) and not is_wrong_type(rows):
+            raise rows
+        if not rows or isinstance(rows, BaseException):
             out.append([])
             continue
         f = {shown(k): v for k, v in rows[0][1].items()}
