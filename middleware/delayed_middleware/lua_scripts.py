@@ -59,6 +59,8 @@ CANCEL: Final = load("cancel.lua")
 REFILL: Final = load("refill.lua")
 # schedulePause: hold or resume one pending message or schedule (engine/pause.py).
 PAUSE: Final = load("pause.lua")
+# scheduleTrigger / scheduleReschedule: fire now, or move, one entry (engine/timecontrol.py).
+TIMECONTROL: Final = load("timecontrol.lua")
 # Re-homes long-waiting envelopes to the delayed topic's tail (frees sparse stream nodes).
 COMPACT: Final = load("compact.lua")
 # Puts back in the due index the pending envelopes no index entry refers to (engine/recovery.py).
