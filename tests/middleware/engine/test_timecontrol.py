@@ -7,7 +7,7 @@ new time or answers `fired` after the old one; a recurring schedule cannot be re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import redis
@@ -34,7 +34,7 @@ def make(aredis: Callable[[], aioredis.Redis], clock: ManualClock) -> DelayEngin
     return DelayEngine(aredis(), KEYS, clock, recurrence=every)
 
 
-def metadata(client: redis.Redis, topic: str = "orders") -> list[dict[str, str]]:
+def metadata(client: redis.Redis, topic: str = "orders") -> list[Mapping[str, str]]:
     return [decode_entry(f).metadata for _, f in target(client, topic)]
 
 
@@ -98,7 +98,8 @@ async def test_a_trigger_racing_a_cancel_leaves_it_delivered_or_cancelled_never_
             # The cancel answered OK: nothing may go out, whatever the trigger said.
             assert delivered == []
         else:
-            assert triggered.status == TRIGGERED and delivered == [round]
+            assert triggered.status == TRIGGERED
+            assert delivered == [round]
 
 
 async def test_a_triggered_schedule_delivers_one_extra_occurrence_and_keeps_its_grid(
