@@ -114,8 +114,10 @@ async def test_a_triggered_schedule_on_a_cluster_delivers_an_extra_stamped_occur
     clock.set(T0 + 400)
     assert (await engine.trigger("tick")).status == TRIGGERED
     assert (await engine.trigger("nope")).status == UNKNOWN
-    [(_, fields)] = admin.xrange("orders")
-    md = decode_entry(dict(fields)).metadata  # type: ignore[arg-type]
+    rows = admin.xrange("orders")
+    assert rows
+    assert len(rows) == 1
+    md = decode_entry(dict(rows[0][1])).metadata  # type: ignore[arg-type]
     assert md["scheduler"] == "tick"
     assert md[OCCURRENCE_KEY] == format_instant(T0 + 400)
     assert md["scheduleNext"] == format_instant(T0 + 1_000)
