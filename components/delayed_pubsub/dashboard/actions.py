@@ -1,5 +1,5 @@
-"""The dashboard's actions (cancel, pause, resume, retry or delete a dead letter, backfill): POST only,
-behind the guard.
+"""The dashboard's actions (cancel, pause, resume, trigger, reschedule, retry or delete a dead letter,
+backfill): POST only, behind the guard.
 
 Each action is a runner (form -> (done, text)) wrapped by the one `endpoint`,
 which checks the login and CSRF token and answers in JSON or HTML.
@@ -7,6 +7,7 @@ which checks the login and CSRF token and answers in JSON or HTML.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import FormData
@@ -20,7 +21,9 @@ from delayed_middleware.engine import pause as pausing
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import Retention
 from delayed_middleware.instants import parse_instant
-from delayed_pubsub import operate
+from delayed_middleware.instants import format_instant
+from delayed_middleware.publish_values import reschedule_to
+from delayed_pubsub import operate, operate_time
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
 from delayed_pubsub.dashboard.source import Source
@@ -43,6 +46,8 @@ class Actions:
             Route("/actions/cancel", self.endpoint(self.cancel), methods=["POST"]),
             Route("/actions/pause", self.endpoint(self.pause), methods=["POST"]),
             Route("/actions/resume", self.endpoint(self.resume), methods=["POST"]),
+            Route("/actions/trigger", self.endpoint(self.trigger), methods=["POST"]),
+            Route("/actions/reschedule", self.endpoint(self.reschedule), methods=["POST"]),
             Route("/actions/retry-dead", self.endpoint(self.retry_dead), methods=["POST"]),
             Route("/actions/delete-dead", self.endpoint(self.delete_dead), methods=["POST"]),
             Route("/actions/backfill", self.backfill, methods=["POST"]),
@@ -83,6 +88,24 @@ class Actions:
         if status == pausing.ENDED:
             return True, f"{id}: its schedule has no fire left after now; cancelled"
         return False, f"{id} is not pending (unknown, already fired, cancelled or parked)"
+
+    async def trigger(self, form: FormData) -> Outcome:
+        id = form_field(form, "id")
+        result = await self._source.trigger(id)
+        if result.done:
+            return True, f"triggered {id} at {format_instant(result.at_ms)}"
+        return False, f"{id}: {operate_time.WHY_NOT.get(result.status, result.detail)}"
+
+    async def reschedule(self, form: FormData) -> Outcome:
+        id, when = form_field(form, "id"), form_field(form, "when").strip()
+        try:
+            absolute, ms = reschedule_to("when", when)
+        except InvalidArgumentError as e:
+            return False, str(e)
+        result = await self._source.reschedule(id, ms if absolute else int(time.time() * 1000) + ms)
+        if result.done:
+            return True, f"rescheduled {id} to {format_instant(result.at_ms)}"
+        return False, f"{id}: {operate_time.WHY_NOT.get(result.status, result.detail)}"
 
     async def retry_dead(self, form: FormData) -> Outcome:
         topic, id = form_field(form, "topic"), form_field(form, "id")
