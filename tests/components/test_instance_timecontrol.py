@@ -1,12 +1,11 @@
 """scheduleTrigger and scheduleReschedule through the component, driven over gRPC (a real unix
 socket) as daprd drives it, on a real Redis: what a subscriber receives and when, what the history
-and the metrics say, FAILED_PRECONDITION for a move that came after the fire, and INVALID_ARGUMENT
-naming key and value for bad input, with nothing changed."""
+and the metrics say, FAILED_PRECONDITION for a move that came after the fire, INVALID_ARGUMENT for
+a recurring one. (Bad values: the control keys' table in test_instance_pause.py.)"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -16,15 +15,14 @@ from delayed_middleware.history import decode_record
 from delayed_middleware.instants import parse_instant
 from delayed_pubsub.server import ComponentServer
 from tests.components.driver import Component
+from tests.components.test_operate_pause import app
 from tests.redis_server import stream_entries
 
 HISTORY = "{app1-delayed}:history"
 IDS = "{app1-delayed}:ids"
 
 
-@pytest.fixture
-def delayed_props(props: dict[str, str]) -> dict[str, str]:
-    return {**props, "enableDelayedMessaging": "true"}
+__all__ = ["app"]  # the fixture: an instance with delayed messaging on (test_operate_pause.py)
 
 
 def sample(server: ComponentServer, **labels: str) -> float:
@@ -40,12 +38,10 @@ def events(client: redis.Redis, id: str) -> list[str]:
 
 async def test_a_triggered_one_shot_arrives_now_once_and_the_body_sent_is_ignored(
     server: ComponentServer,
-    component: Callable[[str], Component],
-    delayed_props: dict[str, str],
+    app: Component,
     redis_client: redis.Redis,
 ) -> None:
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = app
     stream = await c.subscribe("orders")
     await c.publish("orders", b"order", {"scheduledSendDelay": "1h", "scheduleId": "o-1"})
     started = time.monotonic()
@@ -67,10 +63,9 @@ async def test_a_triggered_one_shot_arrives_now_once_and_the_body_sent_is_ignore
 
 
 async def test_a_triggered_schedule_delivers_an_extra_occurrence_stamped_with_its_time(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    app: Component, redis_client: redis.Redis
 ) -> None:
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = app
     stream = await c.subscribe("ticks")
     await c.publish("ticks", b"tick", {"schedule": "@every 1h", "scheduleId": "hourly"})
     before = redis_client.hget(IDS, "hourly")
@@ -90,15 +85,11 @@ async def test_a_triggered_schedule_delivers_an_extra_occurrence_stamped_with_it
 
 
 async def test_a_rescheduled_one_shot_arrives_at_its_new_time(
-    server: ComponentServer,
-    component: Callable[[str], Component],
-    delayed_props: dict[str, str],
-    redis_client: redis.Redis,
+    server: ComponentServer, app: Component, redis_client: redis.Redis
 ) -> None:
-    c = component("delayed")
-    await c.init(delayed_props)
-    stream = await c.subscribe("orders")
+    c = app
     await c.publish("orders", b"late", {"scheduledSendDelay": "1h", "scheduleId": "m"})
+    stream = await c.subscribe("orders")
     started = time.monotonic()
     await c.publish("orders", b"", {"scheduleReschedule": "1500ms", "scheduleId": "m"})
     assert await stream.nothing_for(1.0)
@@ -120,10 +111,9 @@ async def test_a_rescheduled_one_shot_arrives_at_its_new_time(
 
 
 async def test_rescheduling_a_recurring_schedule_is_refused_and_changes_nothing(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    app: Component, redis_client: redis.Redis
 ) -> None:
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = app
     await c.publish("ticks", b"tick", {"schedule": "@every 1h", "scheduleId": "hourly"})
     before = (redis_client.hgetall(IDS), redis_client.xlen(HISTORY))
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -132,49 +122,3 @@ async def test_rescheduling_a_recurring_schedule_is_refused_and_changes_nothing(
     assert "scheduleReschedule" in (err.value.details() or "")
     assert "10m" in (err.value.details() or "")
     assert (redis_client.hgetall(IDS), redis_client.xlen(HISTORY)) == before
-
-
-@pytest.mark.parametrize(
-    ("metadata", "key", "value"),
-    [
-        ({"scheduleTrigger": "true"}, "scheduleTrigger", "true"),
-        ({"scheduleTrigger": "yes", "scheduleId": "x"}, "scheduleTrigger", "yes"),
-        ({"scheduleTrigger": "false", "scheduleId": "x"}, "scheduleTrigger", "false"),
-        ({"scheduleReschedule": "soon", "scheduleId": "x"}, "scheduleReschedule", "soon"),
-        ({"scheduleReschedule": "-5s", "scheduleId": "x"}, "scheduleReschedule", "-5s"),
-        ({"scheduleReschedule": "2h"}, "scheduleReschedule", "2h"),
-        (
-            {"scheduleTrigger": "true", "scheduleReschedule": "2h", "scheduleId": "x"},
-            "scheduleReschedule",
-            "2h",
-        ),
-        ({"scheduleTrigger": "true", "scheduleCancel": "true", "scheduleId": "x"}, "scheduleCancel", "true"),
-        ({"scheduleReschedule": "2h", "scheduleCancel": "true", "scheduleId": "x"}, "scheduleCancel", "true"),
-        ({"scheduleTrigger": "true", "schedulePause": "true", "scheduleId": "x"}, "schedulePause", "true"),
-        (
-            {"scheduleTrigger": "true", "scheduleId": "x", "scheduledSendDelay": "5s"},
-            "scheduledSendDelay",
-            "5s",
-        ),
-        ({"scheduleReschedule": "2h", "scheduleId": "x", "schedule": "@every 1s"}, "schedule", "@every 1s"),
-        ({"scheduleTrigger": "true", "scheduleId": "x\x01"}, "scheduleId", "x\\x01"),
-    ],
-)
-async def test_bad_trigger_and_reschedule_values_are_refused_naming_key_and_value(
-    component: Callable[[str], Component],
-    delayed_props: dict[str, str],
-    redis_client: redis.Redis,
-    metadata: dict[str, str],
-    key: str,
-    value: str,
-) -> None:
-    c = component("delayed")
-    await c.init(delayed_props)
-    await c.publish("orders", b"x", {"scheduledSendDelay": "1h", "scheduleId": "x"})
-    before = (redis_client.hgetall(IDS), redis_client.xlen(HISTORY), redis_client.exists("orders"))
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await c.publish("orders", b"body", metadata)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert key in (err.value.details() or "")
-    assert value in (err.value.details() or "")
-    assert (redis_client.hgetall(IDS), redis_client.xlen(HISTORY), redis_client.exists("orders")) == before

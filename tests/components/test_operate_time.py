@@ -6,28 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import pytest
 import redis
 
 from delayed_middleware.history import decode_record
 from delayed_middleware.instants import format_instant, parse_instant
 from tests.components.driver import Component, cli
-from tests.redis_server import RedisServer, stream_entries
+from tests.components.test_operate_pause import app, conn
+from tests.redis_server import stream_entries
 
 Factory = Callable[[str], Component]
 HISTORY = "{app1-delayed}:history"
 
 
-@pytest.fixture
-def conn(redis_server: RedisServer) -> list[str]:
-    return ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
-
-
-@pytest.fixture
-async def app(component: Factory, props: dict[str, str]) -> Component:
-    c = component("delayed")
-    await c.init({**props, "enableDelayedMessaging": "true"})
-    return c
+__all__ = ["app", "conn"]  # the fixtures of the operator CLI's tests (test_operate_pause.py)
 
 
 def records(client: redis.Redis, id: str) -> list[tuple[str, str]]:

@@ -35,6 +35,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from delayed_middleware.engine.core import ShardState
+
+# UNKNOWN (nothing pending under that id) and PARKED (held for a bad target): as a pause says them;
+# an occurrence in flight (Cluster) is waited for as a pause waits.
+from delayed_middleware.engine.pause import BUSY_RETRY_S, PARKED, UNKNOWN
 from delayed_middleware.engine.replies import AppendItem, Claim, TimeControlReply
 from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
@@ -45,18 +49,28 @@ OCCURRENCE_KEY: Final = "scheduleOccurrence"
 
 TRIGGERED: Final = "triggered"
 RESCHEDULED: Final = "rescheduled"
-UNKNOWN: Final = "unknown"
 # Nothing pending, and its newest history record is `fired`: it already went out.
 FIRED: Final = "fired"
-PARKED: Final = "parked"
 EXPIRED: Final = "expired"
 # Reschedule of a recurring schedule: refused.
 RECURRING: Final = "recurring"
 # An extra occurrence APPEND could not write (its target is not a stream).
 FAILED: Final = "failed"
 
-# How often a trigger retries while an occurrence of its schedule is in flight (Cluster).
-BUSY_RETRY_S = 0.05
+__all__ = [
+    "EXPIRED",
+    "FAILED",
+    "FIRED",
+    "OCCURRENCE_KEY",
+    "PARKED",
+    "RECURRING",
+    "RESCHEDULED",
+    "TRIGGERED",
+    "UNKNOWN",
+    "Sampler",
+    "TimeController",
+    "TimeResult",
+]
 
 # Reads a scheduleSource's latest entry as claim `c` delivers it (two_phase.TwoPhaseFire.sample).
 Sampler = Callable[[str, Claim], Awaitable[list[list[str | bytes]]]]
