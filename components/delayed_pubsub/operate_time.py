@@ -24,7 +24,7 @@ from rich.console import Console
 from delayed_middleware.durations import parse_go_duration
 from delayed_middleware.engine import timecontrol as tc
 from delayed_middleware.engine.timecontrol import TimeResult
-from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.instants import MAX_INSTANT_MS, format_instant, parse_instant
 from delayed_pubsub import operate
 from delayed_pubsub.connection import Connection
 from delayed_pubsub.settings import Settings
@@ -108,6 +108,8 @@ def due_from(at: str | None, in_: str | None, now_ms: int) -> int:
         raise operate.UsageError(f"{flag} {value!r}: {e}") from None
     if ms < 0:
         raise operate.UsageError(f"--in {in_!r}: must not be negative")
+    if now_ms + ms > MAX_INSTANT_MS:
+        raise operate.UsageError(f"--in {in_!r}: ends after {format_instant(MAX_INSTANT_MS)}")
     return now_ms + ms
 
 

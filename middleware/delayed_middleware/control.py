@@ -24,7 +24,9 @@ from typing import Final
 
 from delayed_middleware import publish_values as values
 from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING
+from delayed_middleware.durations import format_go_duration
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.instants import MAX_INSTANT_MS, format_instant
 from delayed_middleware.publish_keys import (
     CONTROL_KEYS,
     SCHEDULE_CANCEL,
@@ -96,10 +98,13 @@ def is_control(metadata: Mapping[str, str]) -> bool:
     return not _CONTROL.isdisjoint(metadata)
 
 
-def read_control(metadata: Mapping[str, str], *, enabled: bool, now_ms: int = 0) -> Control | None:
+def read_control(
+    metadata: Mapping[str, str], *, enabled: bool, now_ms: int = 0, max_delay_ms: int | None = None
+) -> Control | None:
     """The control request `metadata` asks for, or None when it has no control key.
 
-    `now_ms`: the time a scheduleReschedule duration counts from.
+    `now_ms`: the time a scheduleReschedule duration counts from; `max_delay_ms`: the
+    component's maximum delay, which a reschedule may not exceed (as scheduledSendTime).
 
     Raises InvalidArgumentError (key and value named) for a bad value, a missing
     partner key, a key that makes no sense beside it, or delayed messaging off.
@@ -121,13 +126,15 @@ def read_control(metadata: Mapping[str, str], *, enabled: bool, now_ms: int = 0)
                 timing, metadata[timing], f"given with {key}: a {key} request schedules nothing, leave it out"
             )
     if key in (SCHEDULE_TRIGGER, SCHEDULE_RESCHEDULE):
-        return _time_control(key, metadata, now_ms)
+        return _time_control(key, metadata, now_ms, max_delay_ms)
     if SCHEDULE_PAUSE in metadata:
         return _pause(metadata)
     return _cancel_prefix(metadata)
 
 
-def _time_control(key: str, metadata: Mapping[str, str], now_ms: int) -> Trigger | Reschedule:
+def _time_control(
+    key: str, metadata: Mapping[str, str], now_ms: int, max_delay_ms: int | None
+) -> Trigger | Reschedule:
     """scheduleTrigger or scheduleReschedule (the timing keys were refused before)."""
     value = metadata[key]
     parsed = values.trigger_flag(key, value) if key == SCHEDULE_TRIGGER else values.reschedule_to(key, value)
@@ -144,7 +151,18 @@ def _time_control(key: str, metadata: Mapping[str, str], now_ms: int) -> Trigger
         return Trigger(schedule_id)
     assert isinstance(parsed, tuple)
     absolute, ms = parsed
-    return Reschedule(schedule_id, ms if absolute else now_ms + ms, value)
+    # A past instant fires at once, as a past scheduledSendTime does.
+    due = max(ms if absolute else now_ms + ms, now_ms)
+    if due > MAX_INSTANT_MS:
+        raise InvalidArgumentError(key, value, f"ends after {format_instant(MAX_INSTANT_MS)}")
+    if max_delay_ms is not None and due - now_ms > max_delay_ms:
+        raise InvalidArgumentError(
+            key,
+            value,
+            f"is {format_go_duration(due - now_ms)} from now, "
+            f"more than the maximum delay of {format_go_duration(max_delay_ms)}",
+        )
+    return Reschedule(schedule_id, due, value)
 
 
 def _pause(metadata: Mapping[str, str]) -> Pause:

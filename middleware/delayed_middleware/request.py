@@ -389,6 +389,10 @@ def read_publish(
     (plain_cancel is a shortcut for the commonest cancel that planning takes
     before this; it answers as this does.)
     """
-    if (control := read_control(metadata, enabled=ctx.enabled, now_ms=ctx.now_ms)) is not None:
+    if (
+        control := read_control(
+            metadata, enabled=ctx.enabled, now_ms=ctx.now_ms, max_delay_ms=ctx.max_delay_ms
+        )
+    ) is not None:
         return Request(control=control)
     return read_request(metadata, ctx, table)

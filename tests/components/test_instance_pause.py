@@ -162,6 +162,7 @@ async def test_a_prefix_cancel_withdraws_exactly_the_matching_ids_and_counts_the
         ({"scheduleReschedule": "soon", "scheduleId": "x"}, "scheduleReschedule", "soon"),
         ({"scheduleReschedule": "-5s", "scheduleId": "x"}, "scheduleReschedule", "-5s"),
         ({"scheduleReschedule": "2h"}, "scheduleReschedule", "2h"),
+        ({"scheduleReschedule": "100000000h", "scheduleId": "x"}, "scheduleReschedule", "100000000h"),
         (
             {"scheduleTrigger": "true", "scheduleReschedule": "2h", "scheduleId": "x"},
             "scheduleReschedule",

@@ -16,13 +16,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from delayed_middleware import backfill as bf
+from delayed_middleware.control import Reschedule, read_control
 from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.engine import pause as pausing
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import Retention
 from delayed_middleware.instants import parse_instant
 from delayed_middleware.instants import format_instant
-from delayed_middleware.publish_values import reschedule_to
+from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
 from delayed_pubsub import operate, operate_time
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
@@ -99,10 +100,14 @@ class Actions:
     async def reschedule(self, form: FormData) -> Outcome:
         id, when = form_field(form, "id"), form_field(form, "when").strip()
         try:
-            absolute, ms = reschedule_to("when", when)
+            # Read as the publish key is: the same grammar and bounds.
+            request = read_control(
+                {SCHEDULE_RESCHEDULE: when, SCHEDULE_ID: id}, enabled=True, now_ms=int(time.time() * 1000)
+            )
         except InvalidArgumentError as e:
             return False, str(e)
-        result = await self._source.reschedule(id, ms if absolute else int(time.time() * 1000) + ms)
+        assert isinstance(request, Reschedule)
+        result = await self._source.reschedule(id, request.due_ms)
         if result.done:
             return True, f"rescheduled {id} to {format_instant(result.at_ms)}"
         return False, f"{id}: {operate_time.WHY_NOT.get(result.status, result.detail)}"
