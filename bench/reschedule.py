@@ -7,7 +7,8 @@ minute); M of them are moved one call each (DelayEngine.reschedule, as the compo
 scheduleReschedule publish and the CLI one command), each to a time in the next hour (half earlier,
 half later), c calls in flight at once. Per mode: wall seconds and µs per call; this process's CPU
 per call; Redis CPU per call (INFO used_cpu_user+sys, the whole server) and the script's own time
-(commandstats, TIMECONTROL's EVALSHA usec per call). The peer in the same run: the same M ids
+(commandstats, TIMECONTROL's EVALSHA usec per call), and the Redis commands each script call ran
+(commandstats: a count the machine's load does not change). The peer in the same run: the same M ids
 cancelled one call each (Canceller.cancel, scheduleCancel's path), on a fresh fill. Each run checks
 the moves: every moved id waits at its new time, the index holds N.
 """
@@ -63,8 +64,9 @@ async def redis_cpu(client: aioredis.Redis) -> float:
 
 async def timed(
     client: aioredis.Redis, m: int, concurrency: int, call: Callable[[int], Awaitable[bool]]
-) -> tuple[float, float, float, float]:
-    """(wall s, this process's CPU s, Redis CPU s, script µs per call) of m calls, c at a time."""
+) -> tuple[float, float, float, float, float]:
+    """(wall s, this process's CPU s, Redis CPU s, script µs per call, Redis commands the script ran
+    per call) of m calls, c at a time."""
     await client.config_resetstat()
     cpu0, rcpu0, t0 = time.process_time(), await redis_cpu(client), time.perf_counter()
     done = 0
@@ -74,13 +76,19 @@ async def timed(
     wall = time.perf_counter() - t0
     cpu, rcpu = time.process_time() - cpu0, await redis_cpu(client) - rcpu0
     assert done == m, (done, m)
-    stats = (await client.info("commandstats"))["cmdstat_evalsha"]
-    return wall, cpu, rcpu, float(stats["usec_per_call"])
+    stats = await client.info("commandstats")
+    # Commands the scripts ran (every command but the EVALSHA calls and INFO/CONFIG of this bench).
+    inner = sum(
+        int(v["calls"])
+        for k, v in stats.items()
+        if k not in ("cmdstat_evalsha", "cmdstat_info", "cmdstat_config|resetstat")
+    )
+    return wall, cpu, rcpu, float(stats["cmdstat_evalsha"]["usec_per_call"]), inner / m
 
 
 async def one_run(
     port: int, n: int, m: int, concurrency: int
-) -> dict[str, tuple[float, float, float, float]]:
+) -> dict[str, tuple[float, float, float, float, float]]:
     client = aioredis.Redis(port=port, max_connections=max(concurrency * 2, 10))
     engine = bench_engine(client, SystemClock(), {"consumerID": "bench"})
     out = {}
@@ -136,11 +144,13 @@ async def main() -> None:
                     cpu = [1e6 * r[mode][1] / args.moves for r in runs]
                     rcpu = [1e6 * r[mode][2] / args.moves for r in runs]
                     script = [r[mode][3] for r in runs]
+                    commands = statistics.median(r[mode][4] for r in runs)
                     print(
                         f"  {mode:<14} wall {', '.join(f'{w:.2f}' for w in walls)} s "
                         f"(median {statistics.median(per):.0f} µs/call); client CPU "
                         f"{statistics.median(cpu):.0f} µs/call; Redis CPU {', '.join(f'{x:.1f}' for x in rcpu)} "
-                        f"µs/call; script {', '.join(f'{x:.1f}' for x in script)} µs/call"
+                        f"µs/call; script {', '.join(f'{x:.1f}' for x in script)} µs/call; "
+                        f"{commands:.1f} commands/call"
                     )
         finally:
             server.stop()
