@@ -244,3 +244,37 @@ async def test_unknown_ids_change_nothing(
     assert (await engine.reschedule("nope", T0)).status == UNKNOWN
     assert [r.event for r in history(redis_client)] == ["scheduled"]
     assert await engine.pending() == 1
+
+
+async def test_a_triggered_schedule_with_a_source_delivers_the_sources_latest_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(1, 10_000, sid="s", schedule_source="sensor")])
+    # An empty source: nothing, as at a fire.
+    assert (await engine.trigger("s")).status == TRIGGERED
+    assert target(redis_client) == []
+    redis_client.xadd("sensor", {"data": b'{"n":41}', "metadata": '{"unit":"C"}'})
+    redis_client.xadd("sensor", {"data": b'{"n":42}', "metadata": '{"unit":"F"}'})
+    clock.set(T0 + 7)
+    assert (await engine.trigger("s")).status == TRIGGERED
+    assert payloads(redis_client) == [42]
+    [md] = metadata(redis_client)
+    assert md["unit"] == "F"
+    assert md["scheduler"] == "s"
+    assert md[OCCURRENCE_KEY] == format_instant(T0 + 7)
+
+
+async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(5, 10_000, sid="h", target_pubsub="kafka")])
+    assert (await engine.trigger("h")).status == TRIGGERED
+    assert target(redis_client) == []
+    [(_, fields)] = target(redis_client, KEYS.outbox)
+    assert fields[b"pubsub"] == b"kafka"
+    assert fields[b"topic"] == b"orders"
+    assert fields[b"id"] == b"h"
