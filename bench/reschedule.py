@@ -9,7 +9,8 @@ half later), c calls in flight at once. Per mode: wall seconds and µs per call;
 per call; Redis CPU per call (INFO used_cpu_user+sys, the whole server) and the script's own time
 (commandstats, TIMECONTROL's EVALSHA usec per call), and the Redis commands each script call ran
 (commandstats: a count the machine's load does not change). The peer in the same run: the same M ids
-cancelled one call each (Canceller.cancel, scheduleCancel's path), on a fresh fill. Each run checks
+cancelled one call each (Canceller.cancel, scheduleCancel's path), on a fresh fill; and the floor, a
+script that does nothing, called as often (what a script call costs Redis under the same load). Each run checks
 the moves: every moved id waits at its new time, the index holds N.
 """
 
@@ -115,6 +116,14 @@ async def one_run(
         return await engine.cancel(f"r:{i}")
 
     out["peer: cancel"] = await timed(client, m, concurrency, cancel)
+
+    # The floor under the same load: a script call that does nothing (EVALSHA's own cost).
+    empty = client.register_script("return 1")
+
+    async def nothing(i: int) -> bool:
+        return bool(await empty(keys=[e.keys.ids], args=[i]))
+
+    out["floor: empty script"] = await timed(client, m, concurrency, nothing)
     await client.aclose()
     return out
 
