@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from delayed_middleware import publish_values as values
-from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING
-from delayed_middleware.durations import format_go_duration
+from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING, due_within
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.instants import MAX_INSTANT_MS, format_instant
 from delayed_middleware.publish_keys import (
@@ -151,18 +150,11 @@ def _time_control(
         return Trigger(schedule_id)
     assert isinstance(parsed, tuple)
     absolute, ms = parsed
-    # A past instant fires at once, as a past scheduledSendTime does.
-    due = max(ms if absolute else now_ms + ms, now_ms)
+    due = ms if absolute else now_ms + ms
     if due > MAX_INSTANT_MS:
         raise InvalidArgumentError(key, value, f"ends after {format_instant(MAX_INSTANT_MS)}")
-    if max_delay_ms is not None and due - now_ms > max_delay_ms:
-        raise InvalidArgumentError(
-            key,
-            value,
-            f"is {format_go_duration(due - now_ms)} from now, "
-            f"more than the maximum delay of {format_go_duration(max_delay_ms)}",
-        )
-    return Reschedule(schedule_id, due, value)
+    # As scheduledSendTime: a past instant fires at once; the maximum delay holds.
+    return Reschedule(schedule_id, due_within(key, value, due, now_ms, max_delay_ms), value)
 
 
 def _pause(metadata: Mapping[str, str]) -> Pause:
