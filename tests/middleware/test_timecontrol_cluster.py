@@ -41,18 +41,20 @@ async def test_a_trigger_or_reschedule_landing_in_flight_never_delivers_twice(
     aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
 ) -> None:
     clock = ManualClock(T0)
-    claimed, go_on = asyncio.Event(), asyncio.Event()
-
-    async def hold_after_claim(point: str) -> None:
-        if point == "claimed":
-            claimed.set()
-            await go_on.wait()
-
     engine = sharded(aclient, clock)
     await engine.schedule([msg("a", T0 + 1_000)])
     clock.set(T0 + 1_000)
-    fire = asyncio.create_task(fire_all(sharded(aclient, clock, hold_after_claim)))
-    await asyncio.wait_for(claimed.wait(), 10)
+    # A replica that claimed the occurrence and holds it, not yet appended, until `go_on`.
+    points: asyncio.Queue[str] = asyncio.Queue()
+    go_on = asyncio.Event()
+
+    async def fault(point: str) -> None:
+        await points.put(point)
+        if point == "claimed":
+            await go_on.wait()
+
+    fire = asyncio.create_task(fire_all(sharded(aclient, clock, fault)))
+    assert await asyncio.wait_for(points.get(), 10) == "claimed"
     # In flight: a reschedule answers at once that it fired; a trigger waits for RELEASE.
     assert (await engine.reschedule("a", T0 + 600_000)).status == FIRED
     trigger = asyncio.create_task(engine.trigger("a"))
