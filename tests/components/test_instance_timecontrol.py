@@ -91,11 +91,14 @@ async def test_a_rescheduled_one_shot_arrives_at_its_new_time(
     await c.publish("orders", b"late", {"scheduledSendDelay": "1h", "scheduleId": "m"})
     stream = await c.subscribe("orders")
     started = time.monotonic()
+    moved_to = time.time_ns() // 1_000_000 + 1_500
     await c.publish("orders", b"", {"scheduleReschedule": "1500ms", "scheduleId": "m"})
     assert await stream.nothing_for(1.0)
     msg = await stream.next(within=2)
     assert 1.3 < time.monotonic() - started < 3.0
     assert msg.data == b"late"
+    # Its occurrence is its new time (a move, not a copy of the old one).
+    assert abs(parse_instant(msg.metadata["scheduleOccurrence"]) - moved_to) < 1_000
     await stream.ack(msg.id)
     assert events(redis_client, "m") == ["scheduled", "rescheduled", "fired"]
     assert sample(server, op="reschedule", result="rescheduled") == 1

@@ -21,8 +21,7 @@ from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.engine import pause as pausing
 from delayed_middleware.errors import InvalidArgumentError
 from delayed_middleware.history import Retention
-from delayed_middleware.instants import parse_instant
-from delayed_middleware.instants import format_instant
+from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
 from delayed_pubsub import operate, operate_time
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard

@@ -28,7 +28,6 @@ only).
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,12 +39,12 @@ from delayed_middleware.engine.core import ShardState
 # an occurrence in flight (Cluster) is waited for as a pause waits.
 from delayed_middleware.engine.pause import BUSY_RETRY_S, PARKED, UNKNOWN
 from delayed_middleware.engine.replies import AppendItem, Claim, TimeControlReply
-from delayed_middleware.instants import format_instant
 from delayed_middleware.keys import fire_marker_prefix, is_delayed_topic, is_engine_key
+from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 
 # The metadata key a triggered occurrence carries: the trigger's time, RFC 3339 UTC
-# with milliseconds. One constant, shared with every fire's stamp once they carry it.
-OCCURRENCE_KEY: Final = "scheduleOccurrence"
+# with milliseconds (every fire stamps its occurrence's nominal time under it).
+OCCURRENCE_KEY: Final = SCHEDULE_OCCURRENCE
 
 TRIGGERED: Final = "triggered"
 RESCHEDULED: Final = "rescheduled"
@@ -148,7 +147,8 @@ class TimeController:
             return "reserved: an engine key or a delayed topic"
         entries = c.entries
         if c.source:
-            entries = [_with_occurrence(fields, c.due) for fields in await self._sample(c.source, c)]
+            # Stamped as the claim says (scheduler, scheduleNext, scheduleOccurrence = the trigger's time).
+            entries = await self._sample(c.source, c)
         if not entries:
             return ""  # scheduleSource with an empty source: nothing, as at a fire
         mode, threshold = st.trim_args(st.clock.now_ms())
@@ -161,14 +161,3 @@ class TimeController:
             trim=("" if c.target_pubsub else mode, threshold),
         )
         return "" if status in ("ok", "dup") else status
-
-
-def _with_occurrence(fields: list[str | bytes], due: str) -> list[str | bytes]:
-    """A sampled entry's fields with OCCURRENCE_KEY added to its metadata (the script stamped the rest)."""
-    out = list(fields)
-    for i in range(0, len(out) - 1, 2):
-        if out[i] == "metadata":
-            md = json.loads(out[i + 1])
-            md[OCCURRENCE_KEY] = format_instant(int(due))
-            out[i + 1] = json.dumps(md, separators=(",", ":"))
-    return out

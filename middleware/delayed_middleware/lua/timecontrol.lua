@@ -14,7 +14,7 @@
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
 --   'extra'      trigger of a recurring schedule: followed by one claim record in
---                CLAIM's format (claim.lua: 12 values, then (data, metadata, contentType)
+--                CLAIM's format (claim.lua: 13 values, then (data, metadata, contentType)
 --                triples), which the caller APPENDs; the schedule itself is unchanged
 --   'unknown'    nothing pending under that id
 --   'fired'      nothing pending, and its newest history record is `fired`: it went out
@@ -120,13 +120,14 @@ local entries = env.entries
 if env.source ~= '' then entries = {} end
 local own = OWN_PUBSUB or ''
 local trim = (env.target == '' and (own == '' or env.pubsub == own)) and 1 or 0
-local out = {'extra', topic, now_s, sid, now_s, key, next_iso, target, env.target, topic, env.bulk and 1 or 0,
-  expires, env.source, trim, #entries}
+local occurrence = iso_ms(now)
+local out = {'extra', topic, now_s, sid, now_s, key, next_iso, occurrence, target, env.target, topic,
+  env.bulk and 1 or 0, expires, env.source, trim, #entries}
 for _, e in ipairs(entries) do
   local md = e[2]
   md['scheduler'] = key
   md['scheduleNext'] = next_iso
-  md[OCCURRENCE_KEY] = iso_ms(now)
+  md[OCCURRENCE_KEY] = occurrence
   local ok, json = pcall(cjson.encode, md)
   if not ok then return {'parked', topic, now_s} end
   out[#out + 1] = e[1]

@@ -50,6 +50,8 @@ async def test_a_triggered_one_shot_is_delivered_once_now_and_gone(
     await drain(engine)
     assert payloads(redis_client) == [1]
     assert metadata(redis_client)[0]["scheduler"] == "a"
+    # The fire stamps its occurrence's time: the trigger's.
+    assert metadata(redis_client)[0][OCCURRENCE_KEY] == format_instant(T0 + 5)
     # Gone: nothing fires at its old time, and a second trigger finds it fired.
     clock.set(T0 + 3_600_000)
     await drain(engine)
