@@ -465,28 +465,28 @@ async def served() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
 async def test_a_write_wired_at_the_extension_point_is_served_under_the_same_rules(
     served: Callable[[Any], Awaitable[str]],
 ) -> None:
-    triggered: list[str] = []
+    nudged: list[str] = []
 
-    async def trigger(source: Source, id: str) -> str | None:
+    async def nudge(source: Source, id: str) -> str | None:
         if id != "known":
             return None
-        triggered.append(id)
-        return "triggered"
+        nudged.append(id)
+        return "nudged"
 
-    # The one line an operation is wired with.
-    wired = (*api.WRITES, api.Write("trigger", api.by_id(trigger)))
+    # The one line an operation is wired with (a made-up one: trigger and reschedule are wired for real).
+    wired = (*api.WRITES, api.Write("nudge", api.by_id(nudge)))
     on, off = await served(_app(TOKEN, wired)), await served(_app(None, wired))
-    url = f"{on}/v1/trigger"
+    url = f"{on}/v1/nudge"
     assert error_of(await call("POST", url, json={"id": "known"}))[:2] == (401, "unauthenticated")
-    assert error_of(await call("POST", f"{off}/v1/trigger", json={"id": "known"}))[:2] == (
+    assert error_of(await call("POST", f"{off}/v1/nudge", json={"id": "known"}))[:2] == (
         403,
         "actions_disabled",
     )
     assert error_of(await call("POST", url, json={"id": "other"}, headers=BEARER))[:2] == (404, "not_found")
     assert error_of(await call("POST", url, json={"id": ""}, headers=BEARER))[:2] == (400, "bad_parameter")
     r = await call("POST", url, json={"id": "known"}, headers=BEARER)
-    assert r.json() == {"id": "known", "status": "triggered"}
-    assert triggered == ["known"]
+    assert r.json() == {"id": "known", "status": "nudged"}
+    assert nudged == ["known"]
 
 
 async def test_a_pause_in_the_rollback_window_is_refused_as_the_cli_refuses_it(

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
+import httpx
 from playwright.async_api import Browser, expect
 
 from delayed_middleware.instants import parse_instant
+from tests.components import test_dashboard_api as api_tests
 from tests.components.driver import Component, cli
 from tests.components.test_dashboard import (
     ACTIONS,
@@ -22,8 +25,9 @@ from tests.components.test_dashboard import (
     post,
     waiting,
 )
+from tests.components.test_dashboard_api import flags, seeded
 
-__all__ = ["conn", "waiting"]  # fixtures shared with the dashboard's other tests
+__all__ = ["conn", "flags", "seeded", "waiting"]  # fixtures shared with the dashboard's other tests
 
 
 async def test_trigger_now_from_the_message_page_delivers_it(
@@ -83,3 +87,41 @@ async def test_no_trigger_or_reschedule_without_allow_actions(
         )
         assert r.status_code in (404, 405), (path, r.status_code)
     assert "bill-2" in await pending_ids(conn)
+
+
+async def test_trigger_and_reschedule_through_the_json_api(
+    seeded: Component, flags: list[str], dashboard: Start
+) -> None:
+    d = dashboard(*flags, *api_tests.ACTIONS, env=api_tests.ENV)
+
+    async def post(name: str, body: dict[str, Any]) -> httpx.Response:
+        # api_tests.call checks every answer against docs/openapi.yaml.
+        return await api_tests.call("POST", f"{d.url}/api/v1/{name}", json=body, headers=api_tests.BEARER)
+
+    r = await post("reschedule", {"id": "order-001", "at": "2045-11-05T13:15:30Z"})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "rescheduled"
+    assert r.json()["at"] == "2045-11-05T13:15:30.000Z"
+    rows = {row["id"]: row for row in await api_tests.pending_cli(flags)}
+    assert parse_instant(rows["order-001"]["due"]) == parse_instant("2045-11-05T13:15:30Z")
+    r = await post("trigger", {"id": "order-002"})
+    assert (r.status_code, r.json()["status"], r.json()["topic"]) == (200, "triggered", "orders")
+    deadline = time.monotonic() + 10
+    while "order-002" in {row["id"] for row in await api_tests.pending_cli(flags)}:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
+    # It fired: moving it is a conflict; triggering it again finds nothing.
+    assert api_tests.error_of(await post("reschedule", {"id": "order-002", "at": "1h"}))[:2] == (
+        409,
+        "failed_precondition",
+    )
+    assert api_tests.error_of(await post("trigger", {"id": "order-002"}))[:2] == (404, "not_found")
+    for body, field in (
+        ({"id": "order-003", "at": "soon"}, "at"),
+        ({"id": "order-003"}, "at"),
+        ({"id": "hourly", "at": "5m"}, "id"),
+        ({"id": "order-003", "at": "5m", "force": True}, "force"),
+    ):
+        status, code, message = api_tests.error_of(await post("reschedule", body))
+        assert (status, code) == (400, "bad_parameter"), (body, message)
+        assert field in message, (body, message)
