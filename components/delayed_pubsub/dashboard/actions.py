@@ -20,10 +20,10 @@ from delayed_middleware.control import Reschedule, read_control
 from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.engine import pause as pausing
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.history import Retention
-from delayed_middleware.instants import format_instant, parse_instant
+from delayed_middleware.instants import format_instant
 from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
 from delayed_pubsub import operate, operate_time
+from delayed_pubsub.dashboard.backfill_request import run_backfill
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
 from delayed_pubsub.dashboard.source import Source
@@ -155,27 +155,5 @@ class Actions:
         )
 
     async def _backfill(self, form: FormData, id: str, dry_run: bool) -> bf.BackfillResult:
-        times: list[int] = []
-        for name in ("from", "to"):
-            text = form_field(form, name)
-            try:
-                times.append(parse_instant(text))
-            except ValueError as e:
-                raise InvalidArgumentError(name, text, str(e)) from None
-        rate_text = form_field(form, "rate").removesuffix("/s") or str(bf.DEFAULT_RATE)
-        try:
-            rate = float(rate_text)
-        except ValueError:
-            raise InvalidArgumentError("rate", rate_text, "not a number of occurrences per second") from None
-        settings = self._source.settings
-        return await bf.backfill(
-            self._source.client,
-            settings.consumer_id,
-            id,
-            times[0],
-            times[1],
-            shards=settings.shards,
-            rate=rate,
-            dry_run=dry_run,
-            retention=Retention(settings.history_max_len, settings.history_max_age_ms),
-        )
+        start, end, rate = (form_field(form, name) for name in ("from", "to", "rate"))
+        return await run_backfill(self._source, id, start, end, rate, dry_run=dry_run)

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from delayed_middleware import backfill as bf
 from delayed_middleware.control import Reschedule, read_control
 from delayed_middleware.engine import pause as pausing
 from delayed_middleware.engine import timecontrol
@@ -40,6 +41,7 @@ from delayed_middleware.keys import is_stream_id, split_shard_id
 from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
 from delayed_pubsub import operate, operate_time
 from delayed_pubsub.connection import REDIS_ERRORS
+from delayed_pubsub.dashboard.backfill_request import run_backfill
 from delayed_pubsub.dashboard.guard import Guard
 from delayed_pubsub.dashboard.source import MessageInfo, PendingMessage, Source
 
@@ -209,8 +211,8 @@ class Body:
             raise bad_parameter(name, value, "give a non-empty string")
         return value
 
-    def flag(self, name: str) -> bool:
-        value = self.fields.get(name, False)
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.fields.get(name, default)
         if not isinstance(value, bool):
             raise bad_parameter(name, value, "give true or false")
         return value
@@ -303,6 +305,26 @@ async def reschedule(source: Source, body: Body) -> Answer:
     return operate_time.outcome_json(id, result)
 
 
+async def backfill(source: Source, body: Body) -> Answer:
+    """`{"id", "from", "to", "rate"?, "dryRun"?}` as `delayed-pubsub backfill ID --from --to --rate`,
+    the dashboard's backfill action's parsing. A dry run unless `"dryRun": false`: a script that
+    forgets the field lists what it would deliver and delivers nothing."""
+    body.only("id", "from", "to", "rate", "dryRun")
+    id, dry_run = body.text("id"), body.flag("dryRun", default=True)
+    rate = body.fields.get("rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float, str))):
+        raise bad_parameter("rate", rate, 'give a number of occurrences per second (e.g. 10 or "10/s")')
+    try:
+        result = await run_backfill(
+            source, id, body.text("from"), body.text("to"), "" if rate is None else str(rate), dry_run=dry_run
+        )
+    except bf.ScheduleNotFoundError:
+        raise not_found(id, "no pending schedule has this id") from None
+    except InvalidArgumentError as e:
+        raise bad_parameter(e.key, e.value, e.reason) from None
+    return result.as_json()
+
+
 @dataclass(frozen=True)
 class Write:
     """A write endpoint: POST /api/v1/<name>, its JSON body given to `run`."""
@@ -317,11 +339,12 @@ WRITES: tuple[Write, ...] = (
     Write("resume", by_id(set_paused(False))),
     Write("trigger", trigger),
     Write("reschedule", reschedule),
+    Write("backfill", backfill),
     # EXTENSION POINTS: an operation the CLI and the dashboard's actions gain is wired here with one
     # line (and its path added to docs/openapi.yaml: test_dashboard_api checks both agree). `run` reads
     # the body with Body's accessors (400 names the field), calls the operation the action calls,
     # raises not_found(id) for an unknown id, and returns the JSON answer. E.g.:
-    #   Write("backfill", backfill_dry_run),  # {"id", "from", "to", "dryRun": true}
+    #   Write("purge", purge),  # {"id"}
 )
 
 
