@@ -70,7 +70,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
     client = aioredis.Redis(port=port)
     settings = parse_settings({"redisHost": f"127.0.0.1:{port}", "consumerID": "bench"})
     sub = Broker(client, settings, SystemClock()).subscription(TOPIC, "stages")
-    calls = sub._calls  # noqa: SLF001
+    calls = sub._calls
     await calls.create_group()
     out: dict[str, float] = {}
     raw_replies: list[Any] = []
@@ -114,7 +114,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
     flat = dict(fields)
 
     async def push(i: int) -> None:
-        sub._push(ids[i], flat, 1, False)  # noqa: SLF001
+        sub._push(ids[i], flat, 1, False)
 
     push_us = await per_message(n, push)
     out["window: _push (decode_entry included)"] = push_us
@@ -127,10 +127,10 @@ async def stages(port: int, n: int) -> dict[str, float]:
     pair_us = await per_message(n, hand_out_and_ack)
     acked_again = [f"{i}-0" for i in range(n, 2 * n)]
     for i in acked_again:
-        sub._push(i, flat, 1, False)  # noqa: SLF001
+        sub._push(i, flat, 1, False)
 
     async def ack_only(i: int) -> None:
-        sub._unacked[acked_again[i]] = 1  # noqa: SLF001  # as deliveries() leaves it
+        sub._unacked[acked_again[i]] = 1  # as deliveries() leaves it
         sub.ack_nowait(acked_again[i])
 
     ack_us = await per_message(n, ack_only)
