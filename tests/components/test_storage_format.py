@@ -14,11 +14,13 @@ import pytest
 import redis
 import redis.cluster
 
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.envelope import decode_envelope
 from delayed_middleware.keys import shard_topics
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, cli, cluster_props
 from tests.conftest import small_stream_nodes
-from tests.redis_server import RedisCluster, RedisServer
+from tests.redis_server import RedisCluster, RedisServer, stream_entries
 from tests.waiting import wait_until
 
 FORMAT = "{app1-delayed}:format"
@@ -39,6 +41,26 @@ NEW_FORMAT_PUBLISHES = [
     {"schedule": "@every 1h", "scheduleStart": "2099-01-01T00:00:00Z"},
     {"schedule": "@every 1h", "scheduleJitter": "5s"},
 ]
+# What needs format 3: a catch-up policy other than the default, or any window (release 0.2.0
+# skips fields 19 and 20, so it would catch `all` up as `one` and `none` with one delivery).
+CATCHUP_PUBLISHES = [
+    {"schedule": "@every 1h", "scheduleCatchup": "all"},
+    {"schedule": "@every 1h", "scheduleCatchup": "NONE"},
+    {"schedule": "0 0 5 * * *", "scheduleCatchupWindow": "1h"},
+    {"schedule": "@every 1h", "scheduleCatchupWindow": "24h"},
+]
+
+
+def release_2_data(client: redis.Redis) -> None:
+    """What release 0.2.0 leaves: engine data and its format key, 2."""
+    client.set(FORMAT, "2")
+    client.xadd(HISTORY, {"event": "scheduled", "id": "old-1"})
+
+
+def catchups_stored(client: redis.Redis) -> list[tuple[int, int]]:
+    """(policy, window ms) of each envelope on the delayed topic with either field written."""
+    envelopes = [decode_envelope(decode_entry(f).data) for _, f in stream_entries(client, "app1-delayed")]
+    return [(e.catchup, e.catchup_window_ms) for e in envelopes if e.catchup or e.catchup_window_ms]
 
 
 @pytest.fixture
@@ -66,10 +88,11 @@ async def test_a_fresh_app_starts_at_the_newest_format_and_takes_every_option(
 ) -> None:
     c = component("delayed")
     await c.init(delayed_props)
-    assert redis_client.get(FORMAT) == b"2"
-    for n, md in enumerate(NEW_FORMAT_PUBLISHES):
+    assert redis_client.get(FORMAT) == b"3"
+    for n, md in enumerate(NEW_FORMAT_PUBLISHES + CATCHUP_PUBLISHES):
         await c.publish("ticks", b"x", {**md, "scheduleId": f"s{n}"})
     await c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "s0"})
+    assert sorted(catchups_stored(redis_client)) == [(0, 3_600_000), (0, 86_400_000), (1, 0), (2, 0)]
 
 
 async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_cannot_hold(
@@ -85,6 +108,10 @@ async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, md
         assert "storageFormat: 2" in (err.details() or ""), err.details()
         assert snapshot(redis_client) == before, f"{md} stored something"
+    for n, md in enumerate(CATCHUP_PUBLISHES):
+        err = await refused(c.publish("ticks", b"x", {**md, "scheduleId": f"c{n}"}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, md
+        assert "storageFormat: 3" in (err.details() or ""), err.details()
     # What the previous release can read is taken as before.
     await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleId": "plain"})
     await c.publish("ticks", b"x", {"scheduledSendDelay": "1h", "scheduleId": "once"})
@@ -130,6 +157,137 @@ async def test_raising_the_setting_is_one_change_and_lowering_it_is_refused(
     assert snapshot(redis_client) == before
 
 
+async def test_an_app_of_release_2_stays_at_format_2_and_refuses_each_catch_up_key(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    release_2_data(redis_client)
+    c = component("delayed")
+    await c.init(delayed_props)
+    assert redis_client.get(FORMAT) == b"2"
+    await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleId": "plain"})
+    for n, md in enumerate(CATCHUP_PUBLISHES):
+        # A new schedule, and a replace of a pending one: neither stores anything.
+        for sid in (f"c{n}", "plain"):
+            before = snapshot(redis_client)
+            err = await refused(c.publish("ticks", b"x", {**md, "scheduleId": sid}))
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, md
+            details = err.details() or ""
+            assert "storageFormat: 3" in details and "format 2 (release 0.2.0)" in details, details
+            assert snapshot(redis_client) == before, f"{md} stored something"
+    # What format 2 holds is taken: zones, bounds, jitter, a pause, the default catch-up said aloud.
+    for n, md in enumerate(NEW_FORMAT_PUBLISHES):
+        await c.publish("ticks", b"x", {**md, "scheduleId": f"s{n}"})
+    await c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "s0"})
+    await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleCatchup": "one", "scheduleId": "one"})
+    # A bulk fails only the entries that need format 3, whether the key is an entry's or the request's.
+    entry = pubsub_pb2.BulkMessageEntry
+    reply = await c.bulk_publish(
+        "ticks",
+        [
+            entry(entry_id="a", event=b"a", metadata={"schedule": "@every 1h", "scheduleId": "ba"}),
+            entry(entry_id="b", event=b"b", metadata={**CATCHUP_PUBLISHES[0], "scheduleId": "bb"}),
+            entry(entry_id="c", event=b"c", metadata={**CATCHUP_PUBLISHES[2], "scheduleId": "bc"}),
+        ],
+    )
+    assert sorted((f.entry_id, "storageFormat: 3" in f.error) for f in reply.failed_entries) == [
+        ("b", True),
+        ("c", True),
+    ]
+    reply = await c.bulk_publish(
+        "ticks", [entry(entry_id="d", event=b"d"), entry(entry_id="e", event=b"e")], CATCHUP_PUBLISHES[1]
+    )
+    assert sorted(f.entry_id for f in reply.failed_entries) == ["d", "e"]
+    ids = {k.decode() for k in redis_client.hkeys("{app1-delayed}:ids")}  # type: ignore[union-attr]
+    assert ids == {"plain", "one", "ba"} | {f"s{n}" for n in range(len(NEW_FORMAT_PUBLISHES))}
+    assert catchups_stored(redis_client) == [], "format 2 data holds a catch-up field"
+
+
+@pytest.mark.parametrize(
+    ("md", "key"),
+    [
+        ({"scheduleCatchup": "some"}, "scheduleCatchup"),
+        ({"scheduleCatchupWindow": "-1h"}, "scheduleCatchupWindow"),
+        ({"scheduleCatchupWindow": "a day"}, "scheduleCatchupWindow"),
+    ],
+)
+async def test_at_format_2_a_bad_catch_up_value_is_invalid_argument_not_a_format_refusal(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    md: dict[str, str],
+    key: str,
+) -> None:
+    """A value no format could take is the publisher's mistake: it is named as such, so raising
+    storageFormat is never the advice for it."""
+    release_2_data(redis_client)
+    c = component("delayed")
+    await c.init(delayed_props)
+    before = snapshot(redis_client)
+    err = await refused(c.publish("ticks", b"x", {"schedule": "@every 1h", **md}))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    details = err.details() or ""
+    assert key in details and md[key] in details and "storageFormat" not in details, details
+    # A catch-up key on a one-shot is a mistake too, whatever the format.
+    err = await refused(c.publish("ticks", b"x", {"scheduledSendDelay": "1h", "scheduleCatchup": "all"}))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert snapshot(redis_client) == before
+
+
+async def test_raising_format_2_to_3_takes_the_catch_up_keys_and_lowering_it_again_is_refused(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    release_2_data(redis_client)
+    c = component("delayed")
+    await c.init(delayed_props)
+    await c.init({**delayed_props, "storageFormat": "3"})
+    assert redis_client.get(FORMAT) == b"3"
+    for n, md in enumerate(CATCHUP_PUBLISHES):
+        await c.publish("ticks", b"x", {**md, "scheduleId": f"c{n}"})
+    assert sorted(catchups_stored(redis_client)) == [(0, 3_600_000), (0, 86_400_000), (1, 0), (2, 0)]
+    before = snapshot(redis_client)
+    for lower in ("2", "1"):
+        err = await refused(c.init({**delayed_props, "storageFormat": lower}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot be lowered" in (err.details() or ""), err.details()
+    assert snapshot(redis_client) == before
+
+
+async def test_raising_to_3_is_refused_while_a_replica_of_release_2_is_connected(
+    component: Callable[[str], Component],
+    delayed_props: dict[str, str],
+    redis_client: redis.Redis,
+    redis_server: RedisServer,
+) -> None:
+    """Release 0.2.0 names its connections `delayed-pubsub-f2:<consumerID>`: it reads format 2, not
+    3. A new app whose 0.2.0 replica is already connected starts in format 2."""
+    release_2_data(redis_client)
+    c = component("delayed")
+    await c.init(delayed_props)
+    old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub-f2:app1")
+    old.ping()
+    old_of_new_app = redis.Redis(port=redis_server.port, client_name="delayed-pubsub-f2:app2")
+    old_of_new_app.ping()
+    try:
+        before = snapshot(redis_client)
+        err = await refused(c.init({**delayed_props, "storageFormat": "3"}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "delayed-pubsub-f2:app1" in (err.details() or ""), err.details()
+        assert snapshot(redis_client) == before
+        # Keeping format 2 is no raise: taken.
+        await c.init({**delayed_props, "storageFormat": "2"})
+        await component("fresh").init({**delayed_props, "consumerID": "app2"})
+        assert redis_client.get("{app2-delayed}:format") == b"2"
+    finally:
+        old.close()
+        old_of_new_app.close()
+    await wait_until(
+        lambda: all(cl["name"] != "delayed-pubsub-f2:app1" for cl in redis_client.client_list()),
+        "the 0.2.0 replica's connection closed",
+    )
+    await c.init({**delayed_props, "storageFormat": "3"})
+    assert redis_client.get(FORMAT) == b"3"
+
+
 @pytest.mark.parametrize("stored", [b"99", b"two"])
 async def test_a_format_this_version_does_not_know_refuses_init_and_changes_nothing(
     component: Callable[[str], Component],
@@ -147,7 +305,7 @@ async def test_a_format_this_version_does_not_know_refuses_init_and_changes_noth
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = err.details() or ""
     assert stored.decode() in details, details
-    assert "formats 1 to 2" in details, details
+    assert "formats 1 to 3" in details, details
     assert snapshot(redis_client) == before
 
 
