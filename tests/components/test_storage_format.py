@@ -172,7 +172,8 @@ async def test_an_app_of_release_2_stays_at_format_2_and_refuses_each_catch_up_k
             err = await refused(c.publish("ticks", b"x", {**md, "scheduleId": sid}))
             assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, md
             details = err.details() or ""
-            assert "storageFormat: 3" in details and "format 2 (release 0.2.0)" in details, details
+            assert "storageFormat: 3" in details, details
+            assert "format 2 (release 0.2.0)" in details, details
             assert snapshot(redis_client) == before, f"{md} stored something"
     # What format 2 holds is taken: zones, bounds, jitter, a pause, the default catch-up said aloud.
     for n, md in enumerate(NEW_FORMAT_PUBLISHES):
@@ -226,7 +227,9 @@ async def test_at_format_2_a_bad_catch_up_value_is_invalid_argument_not_a_format
     err = await refused(c.publish("ticks", b"x", {"schedule": "@every 1h", **md}))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     details = err.details() or ""
-    assert key in details and md[key] in details and "storageFormat" not in details, details
+    assert key in details, details
+    assert md[key] in details, details
+    assert "storageFormat" not in details, details
     # A catch-up key on a one-shot is a mistake too, whatever the format.
     err = await refused(c.publish("ticks", b"x", {"scheduledSendDelay": "1h", "scheduleCatchup": "all"}))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()

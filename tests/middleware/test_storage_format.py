@@ -41,10 +41,8 @@ def test_needs_format_names_the_format_a_published_envelope_needs(
 ) -> None:
     envelope = _planned(metadata)
     need = storage_format.needs_format(envelope)
-    if needs is None:
-        assert need is None
-    else:
-        assert need is not None and need[0] == needs and why in need[1], need
+    assert (need[0] if need else None) == needs, need
+    assert why in (need[1] if need else ""), need
     # What it judges is what is stored: the same answer after a round trip through the bytes.
     assert storage_format.needs_format(decode_envelope(encode_envelope(envelope))) == need
 
@@ -63,7 +61,8 @@ def test_the_default_catch_up_writes_neither_envelope_field(catchup: dict[str, s
 
 def test_the_refusal_names_the_format_needed_and_the_setting() -> None:
     at_2 = str(storage_format.pinned_refusal(2, "scheduleCatchup", storage_format.CATCHUP))
-    assert "format 3 (release 0.3.0)" in at_2 and "format 2 (release 0.2.0)" in at_2, at_2
+    assert "format 3 (release 0.3.0)" in at_2, at_2
+    assert "format 2 (release 0.2.0)" in at_2, at_2
     assert "storageFormat: 3" in at_2, at_2
     at_1 = str(storage_format.pinned_refusal(1, "scheduleJitter", storage_format.ZONES_BOUNDS_JITTER))
     assert "storageFormat: 2" in at_1, at_1
