@@ -28,8 +28,8 @@ HISTORY = "{app1-delayed}:history"
 MOVED = "{app1-delayed}:moved"
 
 
-def previous_release_data(client: redis.Redis | redis.cluster.RedisCluster, history: str) -> None:
-    """What the previous release (0.1.0) leaves: engine data (a history record) and no format key."""
+def release_1_data(client: redis.Redis | redis.cluster.RedisCluster, history: str) -> None:
+    """What release 0.1.0 leaves: engine data (a history record) and no format key."""
     client.xadd(history, {"event": "scheduled", "id": "old-1"})
 
 
@@ -98,7 +98,7 @@ async def test_a_fresh_app_starts_at_the_newest_format_and_takes_every_option(
 async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_cannot_hold(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    previous_release_data(redis_client, HISTORY)
+    release_1_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     assert redis_client.get(FORMAT) == b"1"
@@ -140,7 +140,7 @@ async def test_an_upgraded_app_stays_in_the_previous_format_and_refuses_what_it_
 async def test_raising_the_setting_is_one_change_and_lowering_it_is_refused(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    previous_release_data(redis_client, HISTORY)
+    release_1_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     assert redis_client.get(FORMAT) == b"1"
@@ -320,7 +320,7 @@ async def test_no_compaction_moves_envelopes_in_the_rollback_window(
     does not know a moved envelope and would report it lost)."""
 
     async def compacted(app: str, **settings: str) -> bool:
-        previous_release_data(redis_client, "{" + app + "-delayed}:history")
+        release_1_data(redis_client, "{" + app + "-delayed}:history")
         c = component(app)
         sink = f"sink-{app}"
         with small_stream_nodes(redis_client, 10):
@@ -359,7 +359,7 @@ async def test_on_redis_cluster_every_shard_records_its_format_and_any_one_unkno
     props = {**cluster_props(cluster), "delayShards": "6"}
     shards = shard_topics("app1", 6)
     # Shard 3 alone has data of the previous release: the app is in its format.
-    previous_release_data(admin, "{" + shards[3] + "}:history")
+    release_1_data(admin, "{" + shards[3] + "}:history")
     await component("delayed").init(props)
     assert [admin.get("{" + s + "}:format") for s in shards] == [b"1"] * 6
     admin.set("{" + shards[5] + "}:format", "99")
@@ -375,7 +375,7 @@ async def test_the_operator_cli_pauses_nothing_in_the_rollback_window(
     redis_client: redis.Redis,
     redis_server: RedisServer,
 ) -> None:
-    previous_release_data(redis_client, HISTORY)
+    release_1_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     await c.publish("ticks", b"t", {"schedule": "@every 1h", "scheduleId": "tick"})
@@ -400,7 +400,7 @@ async def test_raising_is_refused_while_a_replica_of_an_older_release_is_connect
     """A replica of release 0.1.0 names its connections `delayed-pubsub:<consumerID>` and cannot
     read format 2: while one is open, raising the format is refused and changes nothing; a new
     app whose 0.1.0 replica is already connected starts in format 1."""
-    previous_release_data(redis_client, HISTORY)
+    release_1_data(redis_client, HISTORY)
     c = component("delayed")
     await c.init(delayed_props)
     old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app1")
