@@ -83,6 +83,29 @@ async def refused(call: object) -> grpc.aio.AioRpcError:
     return err.value
 
 
+@pytest.fixture
+async def at_format_2(
+    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+) -> Component:
+    """The component Init'ed on an app of release 0.2.0, which stays at format 2."""
+    release_2_data(redis_client)
+    c = component("delayed")
+    await c.init(delayed_props)
+    return c
+
+
+async def lowering_is_refused(
+    c: Component, props: dict[str, str], client: redis.Redis, *formats: str
+) -> None:
+    """Init with each of `formats` (below the stored one) is refused, changing nothing."""
+    before = snapshot(client)
+    for lower in formats:
+        err = await refused(c.init({**props, "storageFormat": lower}))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot be lowered" in (err.details() or ""), err.details()
+    assert snapshot(client) == before
+
+
 async def test_a_fresh_app_starts_at_the_newest_format_and_takes_every_option(
     component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
@@ -150,19 +173,13 @@ async def test_raising_the_setting_is_one_change_and_lowering_it_is_refused(
     # Once raised, the setting may be removed: the stored format stays.
     await c.init(delayed_props)
     await c.publish("ticks", b"", {"schedulePause": "true", "scheduleId": "j"})
-    before = snapshot(redis_client)
-    err = await refused(c.init({**delayed_props, "storageFormat": "1"}))
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "cannot be lowered" in (err.details() or ""), err.details()
-    assert snapshot(redis_client) == before
+    await lowering_is_refused(c, delayed_props, redis_client, "1")
 
 
 async def test_an_app_of_release_2_stays_at_format_2_and_refuses_each_catch_up_key(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    at_format_2: Component, delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    release_2_data(redis_client)
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = at_format_2
     assert redis_client.get(FORMAT) == b"2"
     await c.publish("ticks", b"x", {"schedule": "@every 1h", "scheduleId": "plain"})
     for n, md in enumerate(CATCHUP_PUBLISHES):
@@ -212,17 +229,11 @@ async def test_an_app_of_release_2_stays_at_format_2_and_refuses_each_catch_up_k
     ],
 )
 async def test_at_format_2_a_bad_catch_up_value_is_invalid_argument_not_a_format_refusal(
-    component: Callable[[str], Component],
-    delayed_props: dict[str, str],
-    redis_client: redis.Redis,
-    md: dict[str, str],
-    key: str,
+    at_format_2: Component, redis_client: redis.Redis, md: dict[str, str], key: str
 ) -> None:
     """A value no format could take is the publisher's mistake: it is named as such, so raising
     storageFormat is never the advice for it."""
-    release_2_data(redis_client)
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = at_format_2
     before = snapshot(redis_client)
     err = await refused(c.publish("ticks", b"x", {"schedule": "@every 1h", **md}))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -237,58 +248,15 @@ async def test_at_format_2_a_bad_catch_up_value_is_invalid_argument_not_a_format
 
 
 async def test_raising_format_2_to_3_takes_the_catch_up_keys_and_lowering_it_again_is_refused(
-    component: Callable[[str], Component], delayed_props: dict[str, str], redis_client: redis.Redis
+    at_format_2: Component, delayed_props: dict[str, str], redis_client: redis.Redis
 ) -> None:
-    release_2_data(redis_client)
-    c = component("delayed")
-    await c.init(delayed_props)
+    c = at_format_2
     await c.init({**delayed_props, "storageFormat": "3"})
     assert redis_client.get(FORMAT) == b"3"
     for n, md in enumerate(CATCHUP_PUBLISHES):
         await c.publish("ticks", b"x", {**md, "scheduleId": f"c{n}"})
     assert sorted(catchups_stored(redis_client)) == [(0, 3_600_000), (0, 86_400_000), (1, 0), (2, 0)]
-    before = snapshot(redis_client)
-    for lower in ("2", "1"):
-        err = await refused(c.init({**delayed_props, "storageFormat": lower}))
-        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "cannot be lowered" in (err.details() or ""), err.details()
-    assert snapshot(redis_client) == before
-
-
-async def test_raising_to_3_is_refused_while_a_replica_of_release_2_is_connected(
-    component: Callable[[str], Component],
-    delayed_props: dict[str, str],
-    redis_client: redis.Redis,
-    redis_server: RedisServer,
-) -> None:
-    """Release 0.2.0 names its connections `delayed-pubsub-f2:<consumerID>`: it reads format 2, not
-    3. A new app whose 0.2.0 replica is already connected starts in format 2."""
-    release_2_data(redis_client)
-    c = component("delayed")
-    await c.init(delayed_props)
-    old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub-f2:app1")
-    old.ping()
-    old_of_new_app = redis.Redis(port=redis_server.port, client_name="delayed-pubsub-f2:app2")
-    old_of_new_app.ping()
-    try:
-        before = snapshot(redis_client)
-        err = await refused(c.init({**delayed_props, "storageFormat": "3"}))
-        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "delayed-pubsub-f2:app1" in (err.details() or ""), err.details()
-        assert snapshot(redis_client) == before
-        # Keeping format 2 is no raise: taken.
-        await c.init({**delayed_props, "storageFormat": "2"})
-        await component("fresh").init({**delayed_props, "consumerID": "app2"})
-        assert redis_client.get("{app2-delayed}:format") == b"2"
-    finally:
-        old.close()
-        old_of_new_app.close()
-    await wait_until(
-        lambda: all(cl["name"] != "delayed-pubsub-f2:app1" for cl in redis_client.client_list()),
-        "the 0.2.0 replica's connection closed",
-    )
-    await c.init({**delayed_props, "storageFormat": "3"})
-    assert redis_client.get(FORMAT) == b"3"
+    await lowering_is_refused(c, delayed_props, redis_client, "2", "1")
 
 
 @pytest.mark.parametrize("stored", [b"99", b"two"])
@@ -391,40 +359,51 @@ async def test_the_operator_cli_pauses_nothing_in_the_rollback_window(
     assert (paused.code, paused.out.strip()) == (0, "paused tick"), paused.err
 
 
+@pytest.mark.parametrize(
+    ("stored", "old_name", "raise_to"),
+    [(1, "delayed-pubsub", 2), (1, "delayed-pubsub", 3), (2, "delayed-pubsub-f2", 3)],
+)
 async def test_raising_is_refused_while_a_replica_of_an_older_release_is_connected(
     component: Callable[[str], Component],
     delayed_props: dict[str, str],
     redis_client: redis.Redis,
     redis_server: RedisServer,
+    stored: int,
+    old_name: str,
+    raise_to: int,
 ) -> None:
-    """A replica of release 0.1.0 names its connections `delayed-pubsub:<consumerID>` and cannot
-    read format 2: while one is open, raising the format is refused and changes nothing; a new
-    app whose 0.1.0 replica is already connected starts in format 1."""
-    release_1_data(redis_client, HISTORY)
+    """Release 0.1.0 names its connections `delayed-pubsub:<consumerID>` (it reads format 1), 0.2.0
+    `delayed-pubsub-f2:<consumerID>` (formats 1 and 2): while one of the app's is open, raising the
+    format past what it reads is refused and changes nothing, and a new app whose older replica is
+    already connected starts in that release's format. Another app's old replica is no reason to refuse."""
+    if stored == 1:
+        release_1_data(redis_client, HISTORY)
+    else:
+        release_2_data(redis_client)
     c = component("delayed")
     await c.init(delayed_props)
-    old = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app1")
+    old = redis.Redis(port=redis_server.port, client_name=f"{old_name}:app1")
     old.ping()
-    # Another app's old replica is no reason to refuse.
-    other = redis.Redis(port=redis_server.port, client_name="delayed-pubsub:app2")
+    other = redis.Redis(port=redis_server.port, client_name=f"{old_name}:app2")
     other.ping()
     try:
         before = snapshot(redis_client)
-        err = await refused(c.init({**delayed_props, "storageFormat": "2"}))
+        err = await refused(c.init({**delayed_props, "storageFormat": str(raise_to)}))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
         details = err.details() or ""
-        assert "delayed-pubsub:app1" in details, details
-        assert "delayed-pubsub:app2" not in details, details
+        assert f"{old_name}:app1" in details, details
+        assert f"{old_name}:app2" not in details, details
         assert snapshot(redis_client) == before
-        redis_client.delete(FORMAT, HISTORY)
-        await component("fresh").init(delayed_props)
-        assert redis_client.get(FORMAT) == b"1"
+        # Keeping the stored format is no raise: taken.
+        await c.init({**delayed_props, "storageFormat": str(stored)})
+        await component("fresh").init({**delayed_props, "consumerID": "app2"})
+        assert redis_client.get("{app2-delayed}:format") == str(stored).encode()
     finally:
         old.close()
+        other.close()
     await wait_until(
-        lambda: all(cl["name"] != "delayed-pubsub:app1" for cl in redis_client.client_list()),
+        lambda: all(cl["name"] != f"{old_name}:app1" for cl in redis_client.client_list()),
         "the old replica's connection closed",
     )
-    await c.init({**delayed_props, "storageFormat": "2"})
-    assert redis_client.get(FORMAT) == b"2"
-    other.close()
+    await c.init({**delayed_props, "storageFormat": str(raise_to)})
+    assert redis_client.get(FORMAT) == str(raise_to).encode()

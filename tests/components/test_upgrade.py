@@ -172,6 +172,17 @@ async def running(
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
 
 
+async def start_schedules(c: Component, one_shots: list[pubsub_pb2.BulkMessageEntry], schedules: int) -> None:
+    """One-shots due across the whole run, and `schedules` `@every` schedules (every-0, every-1, ...)."""
+    assert not (await c.bulk_publish("work", one_shots)).failed_entries
+    for n in range(schedules):
+        await c.publish(
+            "work",
+            json.dumps({"id": f"every-{n}", "due": 0}).encode(),
+            {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
+        )
+
+
 async def refused_init(folder: Path, props: dict[str, str], *names: str, root: Path = ROOT) -> None:
     """A replica of the release at `root` started with `props` is refused at Init (FAILED_PRECONDITION),
     the refusal naming each of `names`."""
@@ -215,13 +226,7 @@ async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing
     # 1. The previous release: one-shots due over the whole run, recurring schedules, a message
     # that fails once (a retry in backoff) and one that always fails (a dead letter).
     async with running(folder, "old1", props, app, root=previous_tree) as c:
-        assert not (await c.bulk_publish("work", one_shots)).failed_entries
-        for n in range(3):
-            await c.publish(
-                "work",
-                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
-                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
-            )
+        await start_schedules(c, one_shots, 3)
         assert not (await c.bulk_publish("flaky", [_entry("flaky", t0 + 1_000)])).failed_entries
         assert not (await c.bulk_publish("doomed", [_entry("doomed", t0 + 1_000)])).failed_entries
         await wait_until(lambda: app.seen["flaky"] == 1, "the flaky message's first delivery")
@@ -319,13 +324,7 @@ async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
         return len(app.count("once-"))
 
     async with running(folder, "old1", props, app, root=previous_tree) as c:
-        assert not (await c.bulk_publish("work", one_shots)).failed_entries
-        for n in range(3):
-            await c.publish(
-                "work",
-                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
-                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
-            )
+        await start_schedules(c, one_shots, 3)
         await wait_until(lambda: acked() >= 10, "one-shots fired by the previous release")
     assert [admin.get(k) for k in formats] == [None] * 4
     async with running(folder, "new1", props, app) as c:
@@ -450,13 +449,7 @@ async def test_from_release_2_upgrade_rollback_and_raising_to_format_3_lose_noth
 
     # 1. Release 0.2.0: a fresh app in its format, 2.
     async with running(folder, "old1", props, app, root=release_2_tree) as c:
-        assert not (await c.bulk_publish("work", one_shots)).failed_entries
-        for n in range(2):
-            await c.publish(
-                "work",
-                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
-                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
-            )
+        await start_schedules(c, one_shots, 2)
         await wait_until(lambda: len(app.count("once-")) >= 10, "one-shots fired by 0.2.0")
     assert redis_client.get(FORMAT) == b"2"
 
