@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from delayed_middleware import lua_scripts
 from delayed_middleware.aio import text
 from delayed_middleware.catchup import CATCHUP_PACE_MS
 from delayed_middleware.clock import ManualClock
@@ -274,20 +274,7 @@ def previous_release_script(name: str, version: str = "0.2.0") -> str:
             ["git", "-C", str(ROOT), "show", path], capture_output=True, check=True, text=True
         ).stdout
 
-    seen: set[str] = set()
-
-    def expand(file: str) -> str:
-        # As that release's lua_scripts.load: nested includes, each library once.
-        def include(m: re.Match[str]) -> str:
-            lib = m.group(1)
-            if lib in seen:
-                return ""
-            seen.add(lib)
-            return expand(lib)
-
-        return re.sub(r"^--!include (\S+)$", include, show(file), flags=re.M)
-
-    return expand(name)
+    return lua_scripts.resolve(name, show)
 
 
 async def test_a_rollback_mid_catch_up_fires_on_as_one_and_doubles_nothing(
