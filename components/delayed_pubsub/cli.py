@@ -44,7 +44,7 @@ def package_version() -> str:
 
 
 def version_text() -> str:
-    """`0.2.0 (storage format 2; reads formats 1 to 2)`: the release and the storage formats it
+    """`0.3.0 (storage format 3; reads formats 1 to 3)`: the release and the storage formats it
     writes and reads (CHANGELOG.md, docs/operations.md#upgrading-and-rolling-back)."""
     return (
         f"{package_version()} (storage format {storage_format.CURRENT}; "
