@@ -36,24 +36,28 @@ from delayed_middleware.schedules import Occurrences
 # second: at least the 10 a second promised, with room for a late fire loop). 4,320 missed
 # occurrences (3 days of a 1-minute schedule) take 3.6 minutes.
 CATCHUP_PACE_MS: Final = 50
-# Skipped occurrences of a cron are counted by stepping through them, at most this many.
+# Skipped occurrences of a cron are counted by stepping through them, at most this many, and for
+# at most COUNT_BUDGET_S (a REFILL plans in the engine's event loop: ~80 us a cron step, so 100,000
+# steps, a per-second cron down for 28 hours, held it ~8 s). Beyond either the record says "N+".
 COUNT_LIMIT: Final = 100_000
+COUNT_BUDGET_S: Final = 0.02
 
 Occurrence = tuple[int, int]  # (nominal ms, due ms)
 
 
 @dataclass(frozen=True)
 class Skip:
-    """What a plan skips: how many occurrences (at least, when it reaches COUNT_LIMIT), from which nominal time."""
+    """What a plan skips: how many occurrences (at least, unless `complete`), from which nominal time."""
 
     count: int
     first_ms: int
     last_before_ms: int
     reason: str  # "CatchupNone" | "CatchupWindow"
+    complete: bool = True
 
     def describe(self) -> str:
         """The history record's reason: the policy or window, the count, the nominal span."""
-        more = "+" if self.count >= COUNT_LIMIT else ""
+        more = "" if self.complete else "+"
         return (
             f"{self.reason}: {self.count}{more} missed occurrences from {format_instant(self.first_ms)} "
             f"to before {format_instant(self.last_before_ms)}"
@@ -72,6 +76,12 @@ class Plan:
     current: Occurrence | None
     following: Occurrence | None
     skip: Skip | None = None
+
+
+def _skip(occ: Occurrences, first_ms: int, before_ms: int, reason: str) -> Skip:
+    """The occurrences with nominal times in [first_ms, before_ms), skipped for `reason`, counted."""
+    count, complete = occ.count(first_ms, before_ms, COUNT_LIMIT, COUNT_BUDGET_S)
+    return Skip(count, first_ms, before_ms, reason, complete)
 
 
 def window_of(window_ms: int) -> int:
@@ -102,7 +112,7 @@ def plan_advance(occ: Occurrences, policy: int, window_ms: int, current: Occurre
         # Older than the window by now (a catch-up that outlives its window): skipped.
         later = occ.nominal_after(floor - 1)
         before = later[0] if later is not None else floor
-        skip = Skip(occ.count(nxt[0], before, COUNT_LIMIT), nxt[0], before, "CatchupWindow")
+        skip = _skip(occ, nxt[0], before, "CatchupWindow")
         nxt = later
     return Plan(None, paced(nxt, due, now), skip)
 
@@ -118,7 +128,7 @@ def plan_wait(occ: Occurrences, policy: int, window_ms: int, current: Occurrence
         return Plan(None, nxt)
     if policy == Catchup.NONE:
         first = occ.nominal_after(now)
-        skipped = Skip(occ.count(nominal, now + 1, COUNT_LIMIT), nominal, now + 1, "CatchupNone")
+        skipped = _skip(occ, nominal, now + 1, "CatchupNone")
         if first is None:
             return None
         return Plan(first, occ.nominal_after(first[0]), skipped)
@@ -128,7 +138,7 @@ def plan_wait(occ: Occurrences, policy: int, window_ms: int, current: Occurrence
     if nominal < floor:
         later = occ.nominal_after(floor - 1)
         before = later[0] if later is not None and later[0] <= now else now + 1
-        skip = Skip(occ.count(nominal, before, COUNT_LIMIT), nominal, before, "CatchupWindow")
+        skip = _skip(occ, nominal, before, "CatchupWindow")
         if later is None:
             return None
         start = later
