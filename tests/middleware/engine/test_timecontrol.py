@@ -24,7 +24,7 @@ from delayed_middleware.engine.timecontrol import (
     UNKNOWN,
 )
 from delayed_middleware.entry import decode_entry
-from delayed_middleware.instants import format_instant
+from delayed_middleware.instants import format_instant, parse_instant
 from tests.middleware.engine.helpers import KEYS, T0, drain, env, every, history, payloads, recurring, target
 
 pytestmark = pytest.mark.both_fire_paths
@@ -186,6 +186,27 @@ async def test_reschedule_moves_a_one_shot_later_and_earlier(
     moved = [r for r in history(redis_client, "rescheduled") if r.id == "l"]
     assert moved[0].due_ms == T0 + 90_000
     assert moved[0].reason == f"op from {format_instant(T0 + 10_000)}"
+
+
+@pytest.mark.parametrize("past", ["1900-01-01T00:00:00Z", "2026-01-01T00:00:00Z"])
+async def test_a_reschedule_into_the_past_fires_now_and_names_now_its_occurrence(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, past: str
+) -> None:
+    # As a past scheduledSendTime: delivered at once. The CLI's --at and any caller of the engine
+    # pass the instant as given; one before 1970 fired without scheduleOccurrence, its history
+    # naming a due time in 1900.
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([env(1, T0 + 60_000, sid="p")])
+    got = await engine.reschedule("p", parse_instant(past))
+    assert (got.status, got.at_ms) == (RESCHEDULED, T0)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    assert metadata(redis_client)[0][OCCURRENCE_KEY] == format_instant(T0)
+    [moved] = history(redis_client, "rescheduled")
+    assert moved.due_ms == T0
+    [fired] = history(redis_client, "fired")
+    assert fired.due_ms == T0
 
 
 async def test_a_reschedule_racing_the_fire_fires_once_and_answers_what_happened(
