@@ -115,7 +115,8 @@ class TimeController:
         got = await self._until_settled("reschedule", id, reason, due_ms)
         if got.status == "moved":
             self._state.wake.set()
-            return TimeResult(RESCHEDULED, got.topic, due_ms)
+            # A past time moved it to now (the script's clock).
+            return TimeResult(RESCHEDULED, got.topic, max(due_ms, got.now_ms))
         return TimeResult(got.status, got.topic)
 
     async def _until_settled(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:

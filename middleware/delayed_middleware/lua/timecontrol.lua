@@ -93,6 +93,8 @@ end
 
 if OP == 'reschedule' then
   if env.kind == 1 then return {'recurring', topic, now_s} end
+  -- A past time is now, as a past scheduledSendTime (one before 1970 had no scheduleOccurrence).
+  if tonumber(NEW_DUE) < now then NEW_DUE = now_s end
   move(NEW_DUE)
   local from = tonumber(due) and iso_ms(tonumber(due)) or due
   hist('rescheduled', key, env.sid, topic, env.kind, NEW_DUE, '', env.size, attempt, REASON .. ' from ' .. from, env.schedule)
