@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import redis
@@ -305,8 +306,8 @@ async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
     assert fields[b"id"] == b"h"
 
 
-# The two-step trigger of a schedule (the script decides, then APPEND delivers) has two known windows,
-# documented in engine/timecontrol.py. Kept here as strict xfails: whoever closes one (a single-node
+# The two-step trigger of a schedule (the script decides, then APPEND delivers) has a known window,
+# documented in engine/timecontrol.py, kept here as a strict xfail: whoever closes it (a single-node
 # trigger that appends in its own script, as FIRE does) sees it pass.
 @pytest.mark.xfail(strict=True, reason="known: a cancel between the trigger's script and its APPEND")
 async def test_a_cancel_answered_before_a_triggered_occurrence_is_appended_stops_it(
@@ -327,7 +328,6 @@ async def test_a_cancel_answered_before_a_triggered_occurrence_is_appended_stops
     assert payloads(redis_client) == []
 
 
-@pytest.mark.xfail(strict=True, reason="known: the triggered record is written before the APPEND")
 async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a_retry_delivers_once(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -346,3 +346,26 @@ async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a
     assert (await engine.trigger("tick")).status == TRIGGERED  # the caller, unanswered, retries
     assert payloads(redis_client) == [7]
     assert len(history(redis_client, "triggered")) == 1, "a triggered record without a delivery"
+
+
+async def test_a_triggered_occurrences_append_whose_reply_was_lost_is_delivered_once_and_answered(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(7, 10_000, sid="tick")])
+    scripts = engine.state.scripts
+    append = scripts.append
+    lost = [True]
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        got = await append(*args, **kwargs)
+        if lost.pop() if lost else False:
+            raise redis.exceptions.ConnectionError("the reply was lost after the write landed")
+        return got
+
+    monkeypatch.setattr(scripts, "append", reply_lost)
+    # Answered (an error would have the publisher trigger again: a second delivery).
+    assert (await engine.trigger("tick")).status == TRIGGERED
+    assert payloads(redis_client) == [7]
+    assert len(history(redis_client, "triggered")) == 1
