@@ -15,9 +15,11 @@ One Lua script (lua/timecontrol.lua), atomic against the fire step, decides:
   Rescheduling a recurring schedule is refused (`recurring`): publish it again.
 
 Crash points: a one-shot's move is one script, nothing is left half-done. An
-extra occurrence's `triggered` record is written before its APPEND: a crash
-between the two leaves the record without the delivery, and the caller without
-an answer (it may trigger again). Redis Cluster: an occurrence in flight (claimed,
+extra occurrence's `triggered` record is written after its APPEND (TIMECONTROL
+'record'): a crash before the APPEND leaves nothing, and the caller, unanswered,
+triggers again once; a reply lost after the APPEND landed is sent again under the
+same fire marker (`dup`). A crash after the APPEND, before the answer, leaves the
+delivery, and a caller who triggers again gets a second one. Redis Cluster: an occurrence in flight (claimed,
 not yet released) answers `busy`, and the caller waits for RELEASE, as a pause
 does; a one-shot in flight is reported `fired` to a reschedule at once.
 Known window: a cancel landing between a recurring trigger's script and its
@@ -28,10 +30,14 @@ only).
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from delayed_middleware.engine.core import ShardState
 
@@ -71,6 +77,8 @@ __all__ = [
     "TimeResult",
 ]
 
+log = logging.getLogger(__name__)
+
 # Reads a scheduleSource's latest entry as claim `c` delivers it (two_phase.TwoPhaseFire.sample).
 Sampler = Callable[[str, Claim], Awaitable[list[list[str | bytes]]]]
 
@@ -107,6 +115,7 @@ class TimeController:
             failed = await self._deliver(got.claim)
             if failed:
                 return TimeResult(FAILED, got.topic, got.now_ms, failed)
+            await self._record(id, reason, got.now_ms)
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
         return TimeResult(got.status, got.topic)
 
@@ -118,6 +127,25 @@ class TimeController:
             # A past time moved it to now (the script's clock).
             return TimeResult(RESCHEDULED, got.topic, max(due_ms, got.now_ms))
         return TimeResult(got.status, got.topic)
+
+    async def _record(self, id: str, reason: str, at_ms: int) -> None:
+        """The extra occurrence's `triggered` history record, once it went out. A failure here is
+        logged, not raised: the occurrence was delivered, and an error would have the caller
+        trigger again (a second delivery) for a missing record."""
+        st = self._state
+        try:
+            await st.scripts.timecontrol(
+                "record",
+                id,
+                reason,
+                now=st.decide_at()[1],
+                history_len=st.history_len,
+                pubsub_name=st.pubsub_name,
+                occurrence_key=OCCURRENCE_KEY,
+                due_ms=at_ms,
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("trigger of %r on %s delivered, its history record not written: %r", id, st.keys.stream, exc)
 
     async def _until_settled(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:
         st = self._state
@@ -155,10 +183,16 @@ class TimeController:
         mode, threshold = st.trim_args(st.clock.now_ms())
         # Its own marker (not a fire's `<id>:<due>`): two triggers in one millisecond are two occurrences.
         marker = f"{fire_marker_prefix(c.target, st.keys.stream)}{c.id}:t{c.due}:{secrets.token_hex(4)}"
-        [status] = await st.scripts.append(
-            c.target,
-            [AppendItem(marker, c.trim, entries)],
-            marker_ttl_ms=st.config.fire_marker_ttl_ms,
-            trim=("" if c.target_pubsub else mode, threshold),
-        )
+        item = AppendItem(marker, c.trim, entries)
+        trim = ("" if c.target_pubsub else mode, threshold)
+        try:
+            [status] = await st.scripts.append(
+                c.target, [item], marker_ttl_ms=st.config.fire_marker_ttl_ms, trim=trim
+            )
+        except (RedisConnectionError, OSError):
+            # A reply lost after the write landed: sent again under the same marker, it answers
+            # `dup` (the caller, answered an error, would trigger again: a second delivery).
+            [status] = await st.scripts.append(
+                c.target, [item], marker_ttl_ms=st.config.fire_marker_ttl_ms, trim=trim
+            )
         return "" if status in ("ok", "dup") else status

@@ -9,7 +9,7 @@
 --       recurring envelope's id without one), 6 reason (history), 7 wake channel,
 --       8 the firing component's name ('' = any: as FIRE's trim rule),
 --       9 the occurrence metadata key (stamped on a triggered extra occurrence),
---       10 with 'reschedule': the new due ms
+--       10 with 'reschedule': the new due ms; with 'record': the trigger's time (ms)
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
@@ -22,6 +22,8 @@
 --   'parked'     held for a bad target
 --   'expired'    its TTL ended: the fire step drops it, it is not delivered
 --   'recurring'  reschedule of a recurring schedule (refused: publish it again)
+--   'recorded'   'record': the `triggered` history record of an extra occurrence, written
+--                by the caller once its APPEND went out (never for one that did not)
 --
 -- Exactly once: a one-shot moves inside the due index, in one atomic step
 -- against FIRE and CLAIM: either they took it first (it fired: 'fired' or 'busy')
@@ -60,6 +62,21 @@ local function absent()
     end
   end
   return {'unknown', '', now_s}
+end
+
+if OP == 'record' then
+  -- An extra occurrence went out: its record, at the trigger's time. Written after the APPEND,
+  -- so a crash before it leaves no `triggered` without a delivery (the caller's retry is the one).
+  HIST_NOW = NEW_DUE
+  local r = redis.call('HGET', IDS, key)
+  local e = r and read_envelope((parse_ref(r)))
+  if e then
+    hist('triggered', key, e.sid, e.topic, e.kind, NEW_DUE, '', e.size, math.max(e.attempt, 1), REASON, e.schedule)
+  else
+    -- Cancelled or replaced meanwhile (the known window): the record all the same.
+    hist('triggered', key, '', '', 1, NEW_DUE, '', '', 1, REASON, '')
+  end
+  return {'recorded', '', now_s}
 end
 
 local ref = redis.call('HGET', IDS, key)
@@ -136,5 +153,4 @@ for _, e in ipairs(entries) do
   out[#out + 1] = json
   out[#out + 1] = e[3]
 end
-hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
 return out
