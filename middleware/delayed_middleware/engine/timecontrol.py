@@ -132,35 +132,30 @@ class TimeController:
         """The extra occurrence's `triggered` history record, once it went out. A failure here is
         logged, not raised: the occurrence was delivered, and an error would have the caller
         trigger again (a second delivery) for a missing record."""
-        st = self._state
         try:
-            await st.scripts.timecontrol(
-                "record",
-                id,
-                reason,
-                now=st.decide_at()[1],
-                history_len=st.history_len,
-                pubsub_name=st.pubsub_name,
-                occurrence_key=OCCURRENCE_KEY,
-                due_ms=at_ms,
-            )
+            await self._script("record", id, reason, at_ms)
         except (RedisError, OSError) as exc:
-            log.warning("trigger of %r on %s delivered, its history record not written: %r", id, st.keys.stream, exc)
+            stream = self._state.keys.stream
+            log.warning("trigger of %r on %s delivered, its history record not written: %r", id, stream, exc)
+
+    async def _script(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:
+        st = self._state
+        return await st.scripts.timecontrol(
+            op,
+            id,
+            reason,
+            now=st.decide_at()[1],
+            history_len=st.history_len,
+            pubsub_name=st.pubsub_name,
+            occurrence_key=OCCURRENCE_KEY,
+            due_ms=due_ms,
+        )
 
     async def _until_settled(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:
         st = self._state
         deadline = asyncio.get_running_loop().time() + 2 * st.config.lease_ms / 1000 + 5
         while True:
-            got = await st.scripts.timecontrol(
-                op,
-                id,
-                reason,
-                now=st.decide_at()[1],
-                history_len=st.history_len,
-                pubsub_name=st.pubsub_name,
-                occurrence_key=OCCURRENCE_KEY,
-                due_ms=due_ms,
-            )
+            got = await self._script(op, id, reason, due_ms)
             if got.status != "busy":
                 return got
             if asyncio.get_running_loop().time() > deadline:

@@ -306,6 +306,13 @@ async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
     assert fields[b"id"] == b"h"
 
 
+async def a_schedule(aredis: Callable[[], aioredis.Redis]) -> DelayEngine:
+    """An engine with the schedule `tick` (every 10 s, payload 7), nothing fired yet."""
+    engine = make(aredis, ManualClock(T0))
+    await engine.schedule([recurring(7, 10_000, sid="tick")])
+    return engine
+
+
 # The two-step trigger of a schedule (the script decides, then APPEND delivers) has a known window,
 # documented in engine/timecontrol.py, kept here as a strict xfail: whoever closes it (a single-node
 # trigger that appends in its own script, as FIRE does) sees it pass.
@@ -313,9 +320,7 @@ async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
 async def test_a_cancel_answered_before_a_triggered_occurrence_is_appended_stops_it(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualClock(T0)
-    engine = make(aredis, clock)
-    await engine.schedule([recurring(7, 10_000, sid="tick")])
+    engine = await a_schedule(aredis)
     deliver = TimeController._deliver
 
     async def cancel_first(self: TimeController, c: Claim) -> str:
@@ -328,21 +333,31 @@ async def test_a_cancel_answered_before_a_triggered_occurrence_is_appended_stops
     assert payloads(redis_client) == []
 
 
+def append_fails(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine, *, landed: bool, times: int) -> None:
+    """The engine's next `times` APPENDs fail with a dropped connection: before the write, or after it
+    `landed` (the reply lost)."""
+    scripts = engine.state.scripts
+    append = scripts.append
+    left = [times]
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        got = await append(*args, **kwargs) if landed or not left[0] else None
+        if left[0]:
+            left[0] -= 1
+            raise redis.exceptions.ConnectionError(f"Redis went away (landed: {landed})")
+        return got
+
+    monkeypatch.setattr(scripts, "append", failing)
+
+
 async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a_retry_delivers_once(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualClock(T0)
-    engine = make(aredis, clock)
-    await engine.schedule([recurring(7, 10_000, sid="tick")])
-    deliver = TimeController._deliver
-
-    async def crash(self: TimeController, c: Claim) -> str:
-        raise redis.exceptions.ConnectionError("the component stopped here")
-
-    monkeypatch.setattr(TimeController, "_deliver", crash)
+    engine = await a_schedule(aredis)
+    append_fails(monkeypatch, engine, landed=False, times=2)  # the first try and its one resend
     with pytest.raises(redis.exceptions.ConnectionError):
         await engine.trigger("tick")
-    monkeypatch.setattr(TimeController, "_deliver", deliver)
+    assert payloads(redis_client) == []
     assert (await engine.trigger("tick")).status == TRIGGERED  # the caller, unanswered, retries
     assert payloads(redis_client) == [7]
     assert len(history(redis_client, "triggered")) == 1, "a triggered record without a delivery"
@@ -351,20 +366,8 @@ async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a
 async def test_a_triggered_occurrences_append_whose_reply_was_lost_is_delivered_once_and_answered(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = ManualClock(T0)
-    engine = make(aredis, clock)
-    await engine.schedule([recurring(7, 10_000, sid="tick")])
-    scripts = engine.state.scripts
-    append = scripts.append
-    lost = [True]
-
-    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
-        got = await append(*args, **kwargs)
-        if lost.pop() if lost else False:
-            raise redis.exceptions.ConnectionError("the reply was lost after the write landed")
-        return got
-
-    monkeypatch.setattr(scripts, "append", reply_lost)
+    engine = await a_schedule(aredis)
+    append_fails(monkeypatch, engine, landed=True, times=1)
     # Answered (an error would have the publisher trigger again: a second delivery).
     assert (await engine.trigger("tick")).status == TRIGGERED
     assert payloads(redis_client) == [7]
