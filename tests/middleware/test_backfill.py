@@ -6,9 +6,13 @@ out (occurrences the schedule fired itself)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +36,11 @@ from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
 from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.schedules import EnvelopeRecurrence, next_fire, occurrences, parse_stored_schedule
 from delayed_middleware.zones import local_time, parse_time_zone
+from tests.components.serve import ROOT
+from tests.components.test_upgrade import previous_release
+from tests.middleware.engine.helpers import two_phase_engines
 from tests.redis_server import stream_entries
+from tests.waiting import wait_until
 
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
 BERLIN = parse_time_zone("Europe/Berlin")
@@ -71,6 +79,15 @@ def ms(text: str) -> int:
 async def daily(aredis: Make, clock: ManualClock, start: str, end: str, **kwargs: Any) -> BackfillResult:
     """Backfill schedule `daily` of app `app` over [start, end) (RFC 3339) at the clock's time."""
     return await backfill(aredis(), "app", "daily", ms(start), ms(end), clock=clock, **kwargs)
+
+
+@pytest.fixture(params=("fire", "two-phase"))
+def fire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both fire paths: on "two-phase" every engine this module builds fires through CLAIM, APPEND
+    and RELEASE (Redis Cluster's path)."""
+    if request.param == "two-phase":
+        two_phase_engines(sys.modules[__name__], monkeypatch)
+    return str(request.param)
 
 
 HOURLY = {"schedule": "@hourly", "scheduleId": "hourly"}
@@ -274,8 +291,17 @@ async def test_a_source_schedule_delivers_the_sample_the_source_held_at_each_occ
     result = await backfill(
         aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
     )
-    # 00:00: the source held nothing yet; an occurrence that delivers nothing is still done.
-    assert result.delivered == 3
+    # 00:00: the source held nothing yet: delivers nothing, counted apart, recorded nowhere.
+    assert (result.delivered, result.empty, result.deliver) == (
+        2,
+        1,
+        (ms("2026-11-28T01:00:00Z"), ms("2026-11-28T02:00:00Z")),
+    )
+    assert result.as_json()["empty"] == 1
+    assert events(redis_client, "backfilled") == list(result.deliver)
+    assert redis_client.zrange(backfill_record("orders", KEYS.stream, "h"), 0, -1) == [
+        str(m).encode() for m in result.deliver
+    ]
     got = [
         (decode_entry(f).data, decode_entry(f).metadata) for _, f in stream_entries(redis_client, "orders")
     ]
@@ -295,9 +321,10 @@ async def test_a_source_whose_key_is_no_stream_gives_nothing_as_a_fire_and_stops
     result = await backfill(
         aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
     )
-    # As a fire of that source: each occurrence is done and delivers nothing.
-    assert (result.delivered, result.failed) == (3, ())
+    # As a fire of that source: each occurrence delivers nothing (empty), and fails nothing.
+    assert (result.delivered, result.empty, result.failed) == (0, 3, ())
     assert not redis_client.exists("orders")
+    assert events(redis_client, "backfilled") == []
 
 
 async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
@@ -544,16 +571,16 @@ async def test_a_catch_up_in_progress_keeps_the_occurrences_it_will_fire(
     assert sorted(hours) == [f"2026-11-28T0{h}:00:00.000Z" for h in range(1, 6)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a paced catch-up's `fired` records name its paced due times, not the occurrences: "
-    "the history cannot tell which occurrence fired (needs the nominal time in the record)",
-)
 async def test_a_finished_catch_up_leaves_nothing_to_backfill(
-    aredis: Make, redis_client: redis.Redis
+    aredis: Make, redis_client: redis.Redis, fire_path: str
 ) -> None:
     engine, clock = await caught_up_to_0200(aredis)
     await fire_until(engine, clock, "2026-11-28T05:31:00Z")
+    # The paced fires' records name their occurrences (`occ`), their due times being after 05:30;
+    # 02:00 fired at its own due time (no `occ`).
+    records = [decode_record(i, f) for i, f in stream_entries(redis_client, KEYS.history)]
+    named = sorted(r.occurrence_ms for r in records if r.event == "fired" and r.occurrence_ms is not None)
+    assert named == [ms(f"2026-11-28T0{h}:00:00Z") for h in range(3, 6)]
     result = await backfill(
         aredis(),
         "app",
@@ -564,3 +591,71 @@ async def test_a_finished_catch_up_leaves_nothing_to_backfill(
         dry_run=True,
     )
     assert result.deliver == ()
+
+
+@pytest.mark.parametrize("withdraw", ["cancelled", "replaced"])
+async def test_a_schedule_cancelled_or_replaced_mid_backfill_stops_it(
+    aredis: Make, redis_client: redis.Redis, withdraw: str
+) -> None:
+    engine, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
+    start = ms("2026-11-28T11:00:00Z")
+    # 2/s: chunks of 2, half a second apart between chunks; 20 occurrences would take ~10 s.
+    run = asyncio.create_task(backfill(aredis(), "app", "m", start, start + 20 * 60_000, rate=2, clock=clock))
+    await wait_until(lambda: redis_client.xlen("orders") >= 2)
+    if withdraw == "cancelled":
+        assert await engine.cancel("m")
+    else:
+        ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+        plan = plan_publish("orders", b"new", {**EVERY_MINUTE, "schedule": "@every 2m"}, "", ctx)
+        await engine.schedule([d.envelope for d in plan.delayed])
+    at_withdrawal = redis_client.xlen("orders")
+    result = await asyncio.wait_for(run, 10)
+    # Checked before each chunk: at most the chunk in flight (2) goes out after the withdrawal.
+    assert result.stopped == withdraw
+    assert result.as_json()["stopped"] == withdraw
+    assert result.delivered == redis_client.xlen("orders") <= at_withdrawal + 2
+    assert result.delivered < 20
+    assert events(redis_client, "backfilled") == list(result.deliver)
+
+
+@pytest.fixture
+def previous_history(tmp_path: Path) -> Iterator[Any]:
+    """The previous release's history module (its history.py, from this repository's history:
+    standard library imports only)."""
+    commit, _ = previous_release()
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{commit}:middleware/delayed_middleware/history.py"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    (tmp_path / "previous_history.py").write_bytes(source)
+    spec = importlib.util.spec_from_file_location("previous_history", tmp_path / "previous_history.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+async def test_the_previous_release_reads_a_fired_record_naming_its_occurrence(
+    aredis: Make, redis_client: redis.Redis, previous_history: Any
+) -> None:
+    # A rollback reads the records this release wrote: the history is a flat field set, and the
+    # previous release's reader ignores `occ`.
+    engine, clock = await caught_up_to_0200(aredis)
+    await fire_until(engine, clock, "2026-11-28T05:31:00Z")
+    rows = stream_entries(redis_client, KEYS.history)
+    assert any(b"occ" in f for _, f in rows)
+    for i, f in rows:
+        now, then = decode_record(i, f), previous_history.decode_record(i, f)
+        assert (then.event, then.id, then.due_ms, then.at_ms, then.lateness_ms) == (
+            now.event,
+            now.id,
+            now.due_ms,
+            now.at_ms,
+            now.lateness_ms,
+        )

@@ -25,6 +25,10 @@ from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
 from delayed_pubsub.dashboard.source import Source
 
+# The longest backfill the dashboard delivers (its occurrences / rate, seconds): it runs inside the
+# HTTP request, so a longer one is refused (400 naming `rate`) and left to the CLI.
+BACKFILL_MAX_SECONDS = 30.0
+
 # What an action did: (done, the message for the operator).
 Outcome = tuple[bool, str]
 Runner = Callable[[FormData], Awaitable[Outcome]]
@@ -151,4 +155,5 @@ class Actions:
             rate=rate,
             dry_run=dry_run,
             retention=Retention(settings.history_max_len, settings.history_max_age_ms),
+            max_seconds=BACKFILL_MAX_SECONDS,
         )
