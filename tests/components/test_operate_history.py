@@ -19,7 +19,7 @@ from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from tests.components.conftest import history_fields, run_cli, write_history
 from tests.components.driver import Component
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, stream_entries
 
 Factory = Callable[[str], Component]
 HISTORY = EngineKeys.for_topic(delayed_topic("app1")).history
@@ -87,6 +87,7 @@ def test_history_limit_0_json_streams_every_record_in_bounded_memory(
         "attempt": 1,
         "reason": "",
         "schedule": None,
+        "occurrence": None,
     }
     assert result.err == ""  # stdout is the JSON, nothing else anywhere
     assert result.peak_rss_mb < RSS_BOUND_MB, result.peak_rss_mb
@@ -320,7 +321,7 @@ async def test_history_json_names_the_occurrence_of_a_jittered_fire(
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"tick", {"schedule": "@every 2s", "scheduleJitter": "1s", "scheduleId": "j"})
     deadline = time.monotonic() + 30
-    while len(redis_client.xrange("orders")) < 2:
+    while len(stream_entries(redis_client, "orders")) < 2:
         assert time.monotonic() < deadline, "the schedule did not fire twice within 30 s"
         await asyncio.sleep(0.2)
     result = run_cli("history", *conn(redis_server, "--id", "j", "--json"))
@@ -333,5 +334,7 @@ async def test_history_json_names_the_occurrence_of_a_jittered_fire(
     for r in named:
         assert 0 < parse_instant(r["due"]) - parse_instant(r["occurrence"]) < 1000, r
     # The metadata each fire stamped names the same occurrence.
-    stamped = {decode_entry(f).metadata["scheduleOccurrence"] for _, f in redis_client.xrange("orders")}
+    stamped = {
+        decode_entry(f).metadata["scheduleOccurrence"] for _, f in stream_entries(redis_client, "orders")
+    }
     assert {r["occurrence"] for r in named} <= stamped
