@@ -196,6 +196,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="long: fills 1M pending messages",
     ),
     Bench(
+        "reschedule",
+        "scheduleReschedule's cost: 10,000 moves of pending one-shots, against 10,000 cancels, 1 and 50 in flight",
+        why_opt_in="a few minutes: 3 runs of 10,000 moves and 10,000 cancels at each concurrency",
+    ),
+    Bench(
         "dashboard",
         "the dashboard's CPU and Redis commands per page refresh and per live tick over 1M pending",
         why_opt_in="long: fills 1M pending messages",

@@ -217,6 +217,36 @@ def run_streams(
     return results
 
 
+def start_spy(pid: int, out: Path, native: bool) -> subprocess.Popen[bytes]:
+    """py-spy record of `pid` into `out` (raw folded stacks if it ends in .txt, else an SVG), or,
+    if `out` ends in .perf, `perf record` (CPU samples of every thread, C and kernel frames included:
+    py-spy samples a thread that waits for a core as busy, and the machine is shared)."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if out.suffix == ".perf":
+        args = ["perf", "record", "-F", "999", "-g", "-p", str(pid), "-o", str(out)]
+    else:
+        args = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--output",
+            str(out),
+            "--rate",
+            "500" if native else "200",
+            *(["--native"] if native else ["--nonblocking"]),
+            *(["--format", "raw"] if out.suffix == ".txt" else []),
+        ]
+    spy = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    return spy
+
+
+def stop_spy(spy: subprocess.Popen[bytes]) -> None:
+    spy.send_signal(2)  # SIGINT: py-spy writes its output and exits
+    spy.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=100_000)
@@ -233,6 +263,10 @@ def main() -> None:
         help="the subscriber acks each message this long after it arrives (daprd waits for the app)",
     )
     ap.add_argument("--profile", type=Path, help="write a py-spy flame graph (SVG) of the serve process here")
+    ap.add_argument("--profile-bare", type=Path, help="the same for the bare server (with --ceiling)")
+    ap.add_argument(
+        "--native", action="store_true", help="profile with py-spy --native at 500 Hz (grpc's C parts show)"
+    )
     ap.add_argument(
         "--ceiling",
         action="store_true",
@@ -250,31 +284,13 @@ def main() -> None:
         preload(redis_server.port, a.messages + a.expired, a.expired)
         asyncio.run(init(socket_path, redis_server.port, a.concurrency, a.queue_depth))
         if a.profile:
-            exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-            spy = subprocess.Popen(
-                [
-                    exe,
-                    "record",
-                    "--pid",
-                    str(serve.pid),
-                    "--output",
-                    str(a.profile),
-                    "--rate",
-                    "200",
-                    "--nonblocking",
-                    *(["--format", "raw"] if a.profile.suffix == ".txt" else []),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(1)
+            spy = start_spy(serve.pid, a.profile, a.native)
         cpu0 = cpu_seconds(serve.pid)
         t0 = time.time()
         results = run_streams(socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000)
         cpu1 = cpu_seconds(serve.pid)
         if spy is not None:
-            spy.send_signal(2)  # SIGINT: py-spy writes the SVG and exits
-            spy.wait(timeout=60)
+            stop_spy(spy)
         client = redis.Redis(port=redis_server.port)
         deadline = time.monotonic() + 10
         while True:  # the last acks land
@@ -332,6 +348,7 @@ def main() -> None:
             bare_sock,
             work / "bare.log",
         )
+        bare_spy = start_spy(bare.pid, a.profile_bare, a.native) if a.profile_bare else None
         try:
             b0 = cpu_seconds(bare.pid)
             bare_results = run_streams(
@@ -339,6 +356,8 @@ def main() -> None:
             )
             b1 = cpu_seconds(bare.pid)
         finally:
+            if bare_spy is not None:
+                stop_spy(bare_spy)
             stop(bare)
         got = [r for r in bare_results if r.ids]
         n = sum(len(r.ids) for r in got)

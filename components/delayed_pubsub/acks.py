@@ -157,4 +157,9 @@ class AckBatcher:
 
     async def _xack(self, ids: Sequence[str]) -> Any:
         calls = self._calls
-        return await calls.client.xack(calls.topic, calls.group, *ids)
+        if not calls.lean:
+            return await calls.client.xack(calls.topic, calls.group, *ids)
+        (reply,) = await calls.round_trip(("XACK", calls.topic, calls.group, *ids))
+        if isinstance(reply, Exception):
+            raise reply
+        return reply

@@ -15,7 +15,7 @@ import prometheus_client
 
 from delayed_middleware import storage_format
 from delayed_middleware.clock import SystemClock
-from delayed_pubsub import backfill_cli, logs, operate
+from delayed_pubsub import backfill_cli, logs, operate, operate_time
 from delayed_pubsub.dashboard import cli as dashboard_cli
 from delayed_pubsub.health_http import HealthHttpServer
 from delayed_pubsub.heap import freeze_startup_heap
@@ -44,7 +44,7 @@ def package_version() -> str:
 
 
 def version_text() -> str:
-    """`0.2.0 (storage format 2; reads formats 1 to 2)`: the release and the storage formats it
+    """`0.3.0 (storage format 3; reads formats 1 to 3)`: the release and the storage formats it
     writes and reads (CHANGELOG.md, docs/operations.md#upgrading-and-rolling-back)."""
     return (
         f"{package_version()} (storage format {storage_format.CURRENT}; "
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--log-format", default="text", choices=["text", "json"])
     operate.register(commands)
     backfill_cli.register(commands)
+    operate_time.register(commands)
     spark_cli.register(commands)
     dashboard_cli.register(commands)
     return parser

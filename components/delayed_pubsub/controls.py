@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from delayed_middleware.control import CancelPrefix, Control, Pause
+from delayed_middleware.control import CancelPrefix, Control, Pause, Reschedule, Trigger
 from delayed_middleware.engine import ShardedEngine
 from delayed_middleware.engine import pause as pausing
 from delayed_pubsub.metrics import InstanceMetrics
+from delayed_pubsub.timecontrols import time_control_request
 
 # The history `reason` of a publisher's pause and resume (the CLI writes its own).
 PAUSE_REASON = "schedulePause"
@@ -24,8 +25,11 @@ CANCEL_REASON = "Remove"
 async def control_request(
     engine: ShardedEngine, request: Control, metrics: InstanceMetrics, log: logging.Logger
 ) -> None:
-    """Pause, resume or cancel by prefix; logs and counts the outcome."""
+    """Pause, resume, cancel by prefix, trigger or reschedule; logs and counts the outcome."""
     stream = engine.keys.stream
+    if isinstance(request, (Trigger, Reschedule)):
+        await time_control_request(engine, request, metrics, log)
+        return
     if isinstance(request, Pause):
         result = await engine.set_paused(request.schedule_id, pause=request.pause, reason=PAUSE_REASON)
         # Parked: held for a bad target, nothing to pause or resume, as for an unknown id.

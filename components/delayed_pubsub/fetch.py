@@ -48,6 +48,20 @@ BLOCK_MS = 1000
 Push = Callable[[str, Any, int, bool], None]
 
 
+def _parsed(reply: Any) -> Any:
+    """A raw XREADGROUP reply (RESP3: {stream: [[id, [field, value, ...]], ...]}; RESP2:
+    [[stream, [...]], ...]) in the shape redis-py's callback gives: [[stream, [(id, {field:
+    value})]]]. An entry deleted while pending has no fields: left out, as the read of
+    new entries (">") never returns one."""
+    if not reply:
+        return []
+    streams = reply.items() if isinstance(reply, dict) else reply
+    return [
+        (name, [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in items if f is not None])
+        for name, items in streams
+    ]
+
+
 class Fetcher:
     """One subscription's fetch loop (`run`), reading as `consumer` of `group` on `topic`."""
 
@@ -71,11 +85,12 @@ class Fetcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         """The fetch loop (a Supervised body)."""
-        window, acks = self._window, self._acks
+        window, acks, retry = self._window, self._acks, self._retry
         next_reclaim = 0.0
         reclaim_every = self._settings.redeliver_interval_ms / 1000
         backoff = REDIS_RECONNECT.backoff()
         lingered = False
+        loop = asyncio.get_running_loop()
         # Whether this read fills slots that acks freed: then it carries those acks.
         waited = False
         while not window.closed and not stop.is_set():
@@ -88,13 +103,13 @@ class Fetcher:
                 # meanwhile is read at once, not after the last write of the one
                 # before. Otherwise wait for the buffer to empty: the read then fills
                 # more slots at once, and carries the acks that came meanwhile.
-                free = window.room()
+                free, low_water = window.read_room(loop.time(), retry is None or not retry.wants_room)
                 ready = len(window.ready)
-                if window.paused or free <= 0 or (ready and (free < window.low_water or free <= ready)):
+                if window.paused or free <= 0 or (ready and (free < low_water or free <= ready)):
                     acks.reading_soon = waited = not window.paused
                     await self._wait_fetch()
                     continue
-                if free < window.low_water and window.unacked and not lingered:
+                if free < low_water and window.unacked and not lingered:
                     # Under load acks come in a stream: a moment's wait lets one
                     # read fill half the window. A slow subscriber costs 2 ms.
                     lingered = waited = acks.reading_soon = True
@@ -154,10 +169,17 @@ class Fetcher:
         batch, landed = acks.take()
 
         async def call() -> Any:
-            pipe = c.client.pipeline(transaction=False)
-            pipe.xack(c.topic, c.group, *batch)
-            pipe.xreadgroup(c.group, c.consumer, {c.topic: ">"}, count=count)
-            acked, read = await pipe.execute(raise_on_error=False)
+            if c.lean:
+                acked, read = await c.round_trip(
+                    ("XACK", c.topic, c.group, *batch),
+                    ("XREADGROUP", "GROUP", c.group, c.consumer, "COUNT", count, "STREAMS", c.topic, ">"),
+                )
+                read = read if isinstance(read, Exception) else _parsed(read)
+            else:
+                pipe = c.client.pipeline(transaction=False)
+                pipe.xack(c.topic, c.group, *batch)
+                pipe.xreadgroup(c.group, c.consumer, {c.topic: ">"}, count=count)
+                acked, read = await pipe.execute(raise_on_error=False)
             if isinstance(read, Exception):
                 raise read  # retried as a plain read's error is (XACK is idempotent)
             if isinstance(acked, redis.exceptions.ResponseError):

@@ -166,6 +166,13 @@ class Metrics:
             "unknown (nothing pending under that id) or unchanged (paused or running already)",
             "result",
         )
+        self.time_controls = f.counter(
+            "delayed_pubsub_time_controls",
+            "scheduleTrigger and scheduleReschedule requests by op (trigger, reschedule); result=triggered, "
+            "rescheduled, unknown (nothing pending under that id), fired (it went out already) or refused",
+            "op",
+            "result",
+        )
         self.prefix_cancelled = f.counter(
             "delayed_pubsub_prefix_cancelled_messages",
             "Pending messages and schedules withdrawn by scheduleCancel with scheduleIdPrefix",
@@ -205,6 +212,7 @@ class Metrics:
             loops_down=self.loops_down,
             refused=self.refused.labels(name),
             pauses=self.pauses,
+            time_controls=self.time_controls,
             prefix_cancelled=self.prefix_cancelled.labels(name),
         )
 
@@ -246,6 +254,8 @@ class InstanceMetrics:
     refused: Counter | None = None
     # schedulePause results (a family labelled by instance and result), scheduleIdPrefix cancels.
     pauses: Counter | None = None
+    # scheduleTrigger / scheduleReschedule results (labelled by instance, op and result).
+    time_controls: Counter | None = None
     prefix_cancelled: Counter | None = None
 
     def loop_state(self, loop: str) -> StateHook:

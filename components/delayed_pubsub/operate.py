@@ -647,10 +647,10 @@ async def _resume(
 
 async def refuse_pause_in_rollback_window(connection: Connection, engine: ShardedEngine, what: str) -> None:
     """FailedPreconditionError while the app's data is kept in an older storage format: a paused
-    message is format 2, so in the rollback window a pause is refused as a publish would be."""
+    message is format 2, so below it a pause is refused as a publish would be."""
     fmt = await storage_format.stored_format(connection.client, [e.keys for e in engine.engines])
-    if fmt is not None and fmt < storage_format.CURRENT:
-        raise storage_format.pinned_refusal(fmt, what)
+    if fmt is not None and fmt < storage_format.PAUSE:
+        raise storage_format.pinned_refusal(fmt, what, storage_format.PAUSE)
 
 
 async def _set_paused(

@@ -133,6 +133,9 @@ class Retrier:
         self._sweep_cursor = "0"
         # The poller left due records for want of room: room_freed() wakes it.
         self._starved = False
+        # Due retries were left for want of room, and none claimed since: the stream reads
+        # nothing ahead meanwhile (Window.read_room), so the slots acks free go to them.
+        self.wants_room = False
         self._poller: Supervised | None = None
         self._closed = False
         self._cap_s = NOTICED_POLL_CAP_S if self.notices is not None else POLL_CAP_S
@@ -418,8 +421,9 @@ class Retrier:
         # Redis, for a later poll or another stream of the group.
         limit = POLL_BATCH if self.room is None else min(POLL_BATCH, self.room())
         if limit <= 0:
-            self._starved = True
+            self._starved = self.wants_room = True
             return None
+        self.wants_room = False
         now = self.clock.now_ms()
         pipe = self.client.pipeline(transaction=False)
         pipe.zrangebyscore(self._key, "-inf", now, start=0, num=limit)

@@ -282,6 +282,10 @@ class Subscription:
         if self._unacked.pop(entry_id, None) is None:
             log.debug("ack of %r, which this stream does not hold; ignored", entry_id)
             return False
+        window = self._window
+        window.acked_in_turn += 1
+        if window.acked_in_turn >= window.concurrency:
+            window.turned(asyncio.get_running_loop().time())
         self._acks.queue(entry_id)
         self._slot_freed()
         return True
@@ -328,15 +332,17 @@ class Subscription:
         window.can_send.set()
 
     def _slot_freed(self) -> None:
-        window = self._window
+        window, retry = self._window, self.retry
         if self._ready:
             window.can_send.set()
-        if self.retry is not None:
-            self.retry.room_freed()
+        if retry is not None:
+            retry.room_freed()
         # Wake the fetch loop once half the window is free, or at the first free
         # slot (it then lingers a moment for more acks), or when nothing is in flight.
-        free = window.room()
-        if free >= window.low_water or free == 1 or not self._unacked:
+        free, low_water = window.read_room(
+            asyncio.get_running_loop().time(), retry is None or not retry.wants_room
+        )
+        if free >= low_water or free == 1 or not self._unacked:
             window.can_fetch.set()
 
     def _expire(self, entry_id: str) -> None:

@@ -7,6 +7,10 @@ control request stores no message, so no other planning applies):
   (``false``) the pending message or schedule of that id. No body is needed.
 - ``scheduleIdPrefix: P`` with ``scheduleCancel: true``: cancel every pending
   message and schedule whose id starts with ``P``.
+- ``scheduleTrigger: true`` with ``scheduleId``: deliver that pending message, or
+  one extra occurrence of that schedule, now (engine/timecontrol.py).
+- ``scheduleReschedule: <RFC 3339 | Go duration>`` with ``scheduleId``: move that
+  pending one-shot to another time. A body sent with either is ignored.
 
 Pure: every bad value raises InvalidArgumentError naming the key and the value,
 before anything is stored or changed.
@@ -19,14 +23,17 @@ from dataclasses import dataclass
 from typing import Final
 
 from delayed_middleware import publish_values as values
-from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING
+from delayed_middleware.delay import ENABLE_DELAYED_MESSAGING, due_within
 from delayed_middleware.errors import InvalidArgumentError
+from delayed_middleware.instants import MAX_INSTANT_MS, format_instant
 from delayed_middleware.publish_keys import (
     CONTROL_KEYS,
     SCHEDULE_CANCEL,
     SCHEDULE_ID,
     SCHEDULE_ID_PREFIX,
     SCHEDULE_PAUSE,
+    SCHEDULE_RESCHEDULE,
+    SCHEDULE_TRIGGER,
     excludes,
 )
 
@@ -37,6 +44,8 @@ __all__ = [
     "CancelPrefix",
     "Control",
     "Pause",
+    "Reschedule",
+    "Trigger",
     "is_control",
     "read_control",
 ]
@@ -59,7 +68,28 @@ class CancelPrefix:
     prefix: str
 
 
-Control = Pause | CancelPrefix
+@dataclass(frozen=True)
+class Trigger:
+    """scheduleTrigger: deliver the pending message, or one extra occurrence of the schedule, now."""
+
+    schedule_id: str
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """scheduleReschedule: move the pending one-shot `schedule_id` to `due_ms` (epoch ms).
+
+    `value` is the text given (a refusal of a recurring schedule names it)."""
+
+    schedule_id: str
+    due_ms: int
+    value: str
+
+
+Control = Pause | CancelPrefix | Trigger | Reschedule
+
+# The control keys, in the order read_control names the one a request is read by.
+_READ_ORDER: Final = (SCHEDULE_TRIGGER, SCHEDULE_RESCHEDULE, SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX)
 
 
 def is_control(metadata: Mapping[str, str]) -> bool:
@@ -67,15 +97,20 @@ def is_control(metadata: Mapping[str, str]) -> bool:
     return not _CONTROL.isdisjoint(metadata)
 
 
-def read_control(metadata: Mapping[str, str], *, enabled: bool) -> Control | None:
+def read_control(
+    metadata: Mapping[str, str], *, enabled: bool, now_ms: int = 0, max_delay_ms: int | None = None
+) -> Control | None:
     """The control request `metadata` asks for, or None when it has no control key.
+
+    `now_ms`: the time a scheduleReschedule duration counts from; `max_delay_ms`: the
+    component's maximum delay, which a reschedule may not exceed (as scheduledSendTime).
 
     Raises InvalidArgumentError (key and value named) for a bad value, a missing
     partner key, a key that makes no sense beside it, or delayed messaging off.
     """
     if not is_control(metadata):
         return None
-    key = SCHEDULE_PAUSE if SCHEDULE_PAUSE in metadata else SCHEDULE_ID_PREFIX
+    key = next(k for k in _READ_ORDER if k in metadata)
     if not enabled:
         raise InvalidArgumentError(
             key,
@@ -89,9 +124,37 @@ def read_control(metadata: Mapping[str, str], *, enabled: bool) -> Control | Non
             raise InvalidArgumentError(
                 timing, metadata[timing], f"given with {key}: a {key} request schedules nothing, leave it out"
             )
+    if key in (SCHEDULE_TRIGGER, SCHEDULE_RESCHEDULE):
+        return _time_control(key, metadata, now_ms, max_delay_ms)
     if SCHEDULE_PAUSE in metadata:
         return _pause(metadata)
     return _cancel_prefix(metadata)
+
+
+def _time_control(
+    key: str, metadata: Mapping[str, str], now_ms: int, max_delay_ms: int | None
+) -> Trigger | Reschedule:
+    """scheduleTrigger or scheduleReschedule (the timing keys were refused before)."""
+    value = metadata[key]
+    parsed = values.trigger_flag(key, value) if key == SCHEDULE_TRIGGER else values.reschedule_to(key, value)
+    for other in (SCHEDULE_CANCEL, SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX, SCHEDULE_TRIGGER, SCHEDULE_RESCHEDULE):
+        if other != key and other in metadata:
+            raise InvalidArgumentError(
+                other, metadata[other], f"given with {key}: give one of them, not both"
+            )
+    schedule_id = metadata.get(SCHEDULE_ID, "")
+    if not schedule_id:
+        raise InvalidArgumentError(key, value, "needs scheduleId: the id of the pending message or schedule")
+    values.schedule_id(SCHEDULE_ID, schedule_id)
+    if key == SCHEDULE_TRIGGER:
+        return Trigger(schedule_id)
+    assert isinstance(parsed, tuple)
+    absolute, ms = parsed
+    due = ms if absolute else now_ms + ms
+    if due > MAX_INSTANT_MS:
+        raise InvalidArgumentError(key, value, f"ends after {format_instant(MAX_INSTANT_MS)}")
+    # As scheduledSendTime: a past instant fires at once; the maximum delay holds.
+    return Reschedule(schedule_id, due_within(key, value, due, now_ms, max_delay_ms), value)
 
 
 def _pause(metadata: Mapping[str, str]) -> Pause:

@@ -135,6 +135,12 @@ def parse_delay(
         delay_ms = values.go_delay_ms(key, value) if key == DELIVER_AFTER else values.delay_ms(key, value)
         due_ms = now_ms + delay_ms
 
+    return Delay(due_ms=due_within(key, value, due_ms, now_ms, max_delay_ms), schedule_id=schedule_id)
+
+
+def due_within(key: str, value: str, due_ms: int, now_ms: int, max_delay_ms: int | None) -> int:
+    """`due_ms` (the time `value` of `key` names) as a delay keeps it: a past instant is now,
+    and one further than `max_delay_ms` from now is refused naming key and value."""
     # A past instant is not an error: clocks differ, and "deliver at once" is
     # what the publisher would want from a time that has already come.
     due_ms = max(due_ms, now_ms)
@@ -145,7 +151,7 @@ def parse_delay(
             f"is {format_go_duration(due_ms - now_ms)} from now, "
             f"more than the maximum delay of {format_go_duration(max_delay_ms)}",
         )
-    return Delay(due_ms=due_ms, schedule_id=schedule_id)
+    return due_ms
 
 
 def delay_keys_in(metadata: Mapping[str, str]) -> list[str]:

@@ -9,7 +9,7 @@ Each entry is a flat set of string fields:
 
 | field     | meaning |
 |-----------|---------|
-| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered, backfilled, skipped |
+| `event`   | scheduled, replaced, cancelled, fired, parked, expired, retried, deadlettered, handedoff, paused, resumed, completed, lost, recovered, backfilled, skipped, triggered, rescheduled |
 | `at`      | when it happened, epoch ms (Redis server clock for script-written events) |
 | `id`      | the envelope id: its scheduleId when one was given, else its stream id on the delayed topic |
 | `sid`     | the scheduleId given by the publisher ('' when none) |
@@ -76,6 +76,11 @@ BACKFILLED: Final = "backfilled"
 # Missed occurrences of a recurring schedule its catch-up policy did not deliver (engine/catchup.py):
 # `due` is the first one's nominal time, `reason` the policy or window, the count and the span.
 SKIPPED: Final = "skipped"
+# scheduleTrigger: delivered now (a one-shot's `fired` record follows; a schedule's extra
+# occurrence has none). scheduleReschedule: moved; `due` is the new time, `reason` ends
+# with "from <the old due, RFC 3339>".
+TRIGGERED: Final = "triggered"
+RESCHEDULED: Final = "rescheduled"
 EVENTS: Final = (
     SCHEDULED,
     REPLACED,
@@ -93,6 +98,8 @@ EVENTS: Final = (
     RECOVERED,
     BACKFILLED,
     SKIPPED,
+    TRIGGERED,
+    RESCHEDULED,
 )
 
 # A record's `kind`: a Kind label (delayed_middleware.kinds).

@@ -17,6 +17,7 @@ Key layout: see delayed_middleware.keys.EngineKeys.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import cache
 from importlib.resources import files
 from typing import Final
@@ -31,11 +32,15 @@ _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 @cache
 def load(name: str) -> str:
     """The text of lua/NAME with its includes resolved (each library once)."""
+    return resolve(name, lambda file: (LUA_DIR / file).read_text(encoding="utf-8"))
+
+
+def resolve(name: str, read: Callable[[str], str]) -> str:
+    """Script `name` with its `--!include` lines resolved, each library once, files read by `read`
+    (a test reads an earlier release's from git)."""
     seen: set[str] = set()
 
     def expand(file: str) -> str:
-        text = (LUA_DIR / file).read_text(encoding="utf-8")
-
         def include(m: re.Match[str]) -> str:
             lib = m.group(1)
             if lib in seen:
@@ -43,7 +48,7 @@ def load(name: str) -> str:
             seen.add(lib)
             return expand(lib)
 
-        return _INCLUDE.sub(include, text)
+        return _INCLUDE.sub(include, read(file))
 
     return expand(name)
 
@@ -59,6 +64,8 @@ CANCEL: Final = load("cancel.lua")
 REFILL: Final = load("refill.lua")
 # schedulePause: hold or resume one pending message or schedule (engine/pause.py).
 PAUSE: Final = load("pause.lua")
+# scheduleTrigger / scheduleReschedule: fire now, or move, one entry (engine/timecontrol.py).
+TIMECONTROL: Final = load("timecontrol.lua")
 # Re-homes long-waiting envelopes to the delayed topic's tail (frees sparse stream nodes).
 COMPACT: Final = load("compact.lua")
 # Puts back in the due index the pending envelopes no index entry refers to (engine/recovery.py).

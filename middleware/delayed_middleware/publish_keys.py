@@ -49,6 +49,8 @@ SCHEDULE_ID: Final = "scheduleId"
 SCHEDULE_CANCEL: Final = "scheduleCancel"
 SCHEDULE_PAUSE: Final = "schedulePause"
 SCHEDULE_ID_PREFIX: Final = "scheduleIdPrefix"
+SCHEDULE_TRIGGER: Final = "scheduleTrigger"
+SCHEDULE_RESCHEDULE: Final = "scheduleReschedule"
 SCHEDULE_SOURCE: Final = "scheduleSource"
 SCHEDULE_TTL: Final = "scheduleTTL"
 # A recurring schedule's zone, bounds and jitter (schedules.py, zones.py).
@@ -260,6 +262,42 @@ TABLE: Final[tuple[PublishKey, ...]] = (
             "with `scheduleCancel: true` (instead of `scheduleId`): cancel every pending message and "
             "schedule whose id starts with it"
         ),
+    ),
+    PublishKey(
+        SCHEDULE_TRIGGER,
+        Group.CONTROL,
+        parser=values.trigger_flag,
+        needs=SCHEDULE_ID,
+        excludes=(
+            *_CONTROL_EXCLUDES,
+            SCHEDULE_CANCEL,
+            SCHEDULE_PAUSE,
+            SCHEDULE_ID_PREFIX,
+            SCHEDULE_RESCHEDULE,
+        ),
+        value="`true`",
+        meaning=(
+            "with `scheduleId`: deliver that pending message now (it is then gone), or one extra "
+            "occurrence of that schedule now (its next occurrence stays); no body needed "
+            "([below](#trigger-now-and-reschedule))"
+        ),
+        example="`true`",
+        does="with `scheduleId` (no body needed): deliver it now; a schedule keeps its next occurrence",
+    ),
+    PublishKey(
+        SCHEDULE_RESCHEDULE,
+        Group.CONTROL,
+        parser=values.reschedule_to,
+        needs=SCHEDULE_ID,
+        # With scheduleTrigger: refused by its row (a request is read by scheduleTrigger first).
+        excludes=(*_CONTROL_EXCLUDES, SCHEDULE_CANCEL, SCHEDULE_PAUSE, SCHEDULE_ID_PREFIX),
+        value="RFC 3339 instant, or Go duration from now",
+        meaning=(
+            "with `scheduleId`: move that pending one-shot message to this time without sending its "
+            "body again; `FAILED_PRECONDITION` when it already fired ([below](#trigger-now-and-reschedule))"
+        ),
+        example="`2045-11-05T08:15:30Z` / `2h`",
+        does="with `scheduleId` (no body needed): move the pending message to another time",
     ),
     PublishKey(
         SCHEDULE_SOURCE,

@@ -135,6 +135,28 @@ def pause_flag(key: str, value: str) -> bool:
     return value.lower() == "true"
 
 
+def trigger_flag(key: str, value: str) -> bool:
+    """scheduleTrigger: true, any case (there is nothing to say with false)."""
+    if value.lower() != "true":
+        raise InvalidArgumentError(key, value, 'must be "true" (deliver the message or one occurrence now)')
+    return True
+
+
+def reschedule_to(key: str, value: str) -> tuple[bool, int]:
+    """scheduleReschedule: an RFC 3339 instant (True, epoch ms) or a Go duration from now (False, ms)."""
+    try:
+        return True, parse_instant(value)
+    except ValueError:
+        pass
+    try:
+        ms = parse_go_duration(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            key, value, "must be an RFC 3339 instant (2026-11-29T09:00:00Z) or a Go duration (90s, 1h30m)"
+        ) from None
+    return False, _not_negative(key, value, ms)
+
+
 def target_name(key: str, value: str) -> str:
     """A Dapr pub/sub component name."""
     if not value.strip():

@@ -383,11 +383,16 @@ def read_publish(
 ) -> Request:
     """Read one Publish's metadata: a cancel, a control request, or a message's timing and TTL.
 
-    The control keys (schedulePause, scheduleIdPrefix) are read first: a
+    The control keys (schedulePause, scheduleIdPrefix, scheduleTrigger,
+    scheduleReschedule) are read first: a
     control request stores no message, so no other key applies to it.
     (plain_cancel is a shortcut for the commonest cancel that planning takes
     before this; it answers as this does.)
     """
-    if (control := read_control(metadata, enabled=ctx.enabled)) is not None:
+    if (
+        control := read_control(
+            metadata, enabled=ctx.enabled, now_ms=ctx.now_ms, max_delay_ms=ctx.max_delay_ms
+        )
+    ) is not None:
         return Request(control=control)
     return read_request(metadata, ctx, table)

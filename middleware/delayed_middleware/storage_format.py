@@ -16,11 +16,15 @@ Formats (CHANGELOG.md names the releases):
   fires them twice, then drops them), and paused messages (`schedulePause`:
   0.1.0 never resumes them).
 
+- 3: adds the catch-up policy and window of a recurring schedule
+  (`scheduleCatchup` other than `one`, any `scheduleCatchupWindow`:
+  DelayedMessage fields 19 and 20). Release 0.2.0's decoders skip them, so it
+  would catch an `all` schedule up as `one` (missed occurrences never
+  delivered) and a `none` schedule up with the one delivery the user said to
+  skip. The default (`one`, 24h) stores neither field, so it stays format 1.
+
 Added within format 2 (nothing an older release misreads, so no new format):
-the catch-up policy and window of a recurring schedule (`scheduleCatchup`,
-`scheduleCatchupWindow`: DelayedMessage fields 19 and 20, which an older
-release's decoders skip: it catches such a schedule up as `one`), and an
-occurrence's nominal time beside its due time in the ids ref (two more parts,
+an occurrence's nominal time beside its due time in the ids ref (two more parts,
 written only where they differ from the due times: jitter, a paced catch-up;
 an older release reads the first five parts and fires the occurrence all the
 same, and a ref it rewrites without them makes this release stamp that one
@@ -34,8 +38,9 @@ a release without it matches a backfill against the due time's window, as before
 The rollback window: a version writes the format it finds (or the one the
 `storageFormat` setting names), so an upgrade keeps writing the previous
 release's format and a rollback reads all of it. While an app is at an older
-format than the newest, what needs the newer one is refused
-(FailedPreconditionError naming the setting) and compaction does not run.
+format than the newest, what needs a newer one is refused
+(FailedPreconditionError naming the setting and the format it needs:
+`needs_format`) and, below format 2, compaction does not run.
 Raising the setting raises the stored format; lowering it below the stored
 one is refused. A version that finds a format newer than it knows refuses to
 start, and changes nothing.
@@ -53,6 +58,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from delayed_middleware.client import RedisClient
+from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import FailedPreconditionError
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.lua_scripts import FORMAT
@@ -61,10 +67,17 @@ from delayed_middleware.schedules import CRON_TZ_PREFIX
 # The component setting that pins (or raises) the format.
 SETTING: Final = "storageFormat"
 # The newest format this version writes, and the oldest it reads.
-CURRENT: Final = 2
+CURRENT: Final = 3
 OLDEST: Final = 1
 # The release that first wrote each format (CHANGELOG.md).
-RELEASES: Final[dict[int, str]] = {1: "0.1.0", 2: "0.2.0"}
+RELEASES: Final[dict[int, str]] = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0"}
+# The format each stored feature needs (the oldest format whose release reads it right):
+# compaction's re-homed envelopes (the `moved` hash) and a paused message need 2; a schedule's
+# time zone, bounds and jitter need 2 (needs_format); its catch-up policy and window need 3.
+COMPACTION: Final = 2
+PAUSE: Final = 2
+ZONES_BOUNDS_JITTER: Final = 2
+CATCHUP: Final = 3
 # The name of every Redis connection of this release (CLIENT SETNAME), `<CLIENT_NAME>:<consumerID>`:
 # it says which formats the process reads, so a replica about to raise the format finds the
 # replicas that could not read it. Release 0.1.0 named its connections `delayed-pubsub:<consumerID>`.
@@ -248,20 +261,27 @@ async def _call(client: RedisClient, keys: EngineKeys, want: int, timeout_s: flo
     return ShardFormat(keys.stream, text or None, int(data) > 0)
 
 
-def needs_current(schedule: str) -> str | None:
-    """Why an envelope's stored schedule needs format 2 (a time zone, bounds or jitter), else None."""
-    if schedule.startswith(CRON_TZ_PREFIX):
-        return "a schedule with a time zone (scheduleTimeZone or CRON_TZ=)"
-    if ";" in schedule:
-        return "a schedule with scheduleStart, scheduleEnd, scheduleLimit or scheduleJitter"
+def needs_format(envelope: Envelope) -> tuple[int, str] | None:
+    """The newest format an envelope needs beyond format 1, and why; None when format 1 holds it.
+
+    The one table of what needs which format on the publish path (a pause and compaction are
+    PAUSE and COMPACTION). Strings and ints only: it costs the publish path no Redis call.
+    """
+    if envelope.catchup or envelope.catchup_window_ms:
+        return CATCHUP, "a schedule with scheduleCatchup (all or none) or scheduleCatchupWindow"
+    if envelope.schedule.startswith(CRON_TZ_PREFIX):
+        return ZONES_BOUNDS_JITTER, "a schedule with a time zone (scheduleTimeZone or CRON_TZ=)"
+    if ";" in envelope.schedule:
+        return ZONES_BOUNDS_JITTER, "a schedule with scheduleStart, scheduleEnd, scheduleLimit or scheduleJitter"
     return None
 
 
-def pinned_refusal(fmt: int, what: str) -> FailedPreconditionError:
-    """The refusal of `what` while an app's data is at the older format `fmt` (the rollback window)."""
+def pinned_refusal(fmt: int, what: str, needs: int) -> FailedPreconditionError:
+    """The refusal of `what`, which needs format `needs`, while an app's data is at the older format
+    `fmt` (the rollback window)."""
     return FailedPreconditionError(
-        f"{what} needs storage {describe(CURRENT)}, but this app's delayed data is kept in "
+        f"{what} needs storage {describe(needs)} or newer, but this app's delayed data is kept in "
         f"{describe(fmt)} so that release {RELEASES.get(fmt, '?')} can still read it (the rollback window). "
-        f"Once no replica runs an older release, set {SETTING}: {CURRENT} on the component "
+        f"Once no replica runs an older release, set {SETTING}: {needs} on the component "
         "(docs/operations.md, Upgrading and rolling back)"
     )

@@ -20,6 +20,7 @@ from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry
 from delayed_middleware.errors import BackendUnavailableError, DelayedPubSubError
 from delayed_middleware.retry import RetryPolicy, retry_key
 from delayed_pubsub.broker import Broker, BulkEntry
+from delayed_pubsub.calls import SubscriptionCalls
 from delayed_pubsub.metrics import Metrics
 from delayed_pubsub.redelivery import Retrier
 from delayed_pubsub.settings import Settings, parse_settings
@@ -1052,7 +1053,10 @@ async def test_a_nack_of_a_delivery_another_stream_has_taken_over_redelivers_not
 
 
 async def test_under_a_backlog_acks_ride_on_the_reads_that_refill_their_slots(
-    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # concurrency 10 (the default): a read refills half the window, and the acks that
     # freed those slots go in the same round trip, not in an XACK of their own.
@@ -1072,6 +1076,14 @@ async def test_under_a_backlog_acks_ride_on_the_reads_that_refill_their_slots(
 
     for name in ("pipeline", "xack", "xreadgroup"):
         setattr(aclient, name, counting(name))
+    # The delivery path's own pipeline (one round trip however many commands it sends).
+    real_round_trip = SubscriptionCalls.round_trip
+
+    def round_trip(calls: SubscriptionCalls, *commands: tuple[Any, ...]) -> Any:
+        round_trips["round_trip"] += 1
+        return real_round_trip(calls, *commands)
+
+    monkeypatch.setattr(SubscriptionCalls, "round_trip", round_trip)
     await sub.start()
     try:
         # A subscriber that takes a moment per message, as daprd calling an app does.
@@ -1081,6 +1093,60 @@ async def test_under_a_backlog_acks_ride_on_the_reads_that_refill_their_slots(
     # A read of half the window (0.2 per message) and an XACK every 2 ms of its own were
     # 0.45 round trips per message; carried acks make it one round trip per read.
     assert sum(round_trips.values()) <= 0.3 * n, dict(round_trips)
+
+
+def xreadgroup_calls(redis_client: redis.Redis) -> int:
+    stats: Any = redis_client.info("commandstats")
+    return int(stats.get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
+async def test_a_subscriber_that_keeps_pace_gets_a_window_read_ahead_and_a_slow_one_does_not(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # concurrency 10: a subscriber acking at once turns its window in a few ms, so each read
+    # brings a whole window (read ahead of the slots in use): ~0.1 reads per message, not the
+    # 0.2 of reading half a window at a time. Never more than three windows held, one with daprd.
+    s = settings(redis_server, processingTimeout="10s")
+    fast, n = Broker(aclient, s, SystemClock()).subscription("orders", "fast"), 1000
+    backlog(redis_client, n)
+    reads_before = xreadgroup_calls(redis_client)
+    most_held = most_out = 0
+    await fast.start()
+    try:
+        it = fast.deliveries()
+        for _ in range(n):
+            d = await next_delivery(it)
+            most_held = max(most_held, fast.buffered + fast.in_flight)
+            most_out = max(most_out, fast.in_flight)
+            fast.ack_nowait(d.id)
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
+    finally:
+        await fast.close()
+    reads = xreadgroup_calls(redis_client) - reads_before
+    assert reads <= 0.13 * n, reads
+    assert most_out <= 10, (most_out, most_held)
+    assert most_held <= 30, (most_out, most_held)
+
+    # A subscriber that holds its one message reads nothing ahead: the next entry goes to
+    # the other stream of the group.
+    s = settings(redis_server, concurrency="1", processingTimeout="10s")
+    for i in range(2):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"slow{i}".encode())))  # type: ignore[arg-type]
+    a, b = (
+        Broker(aclient, s, SystemClock()).subscription("orders", "a"),
+        Broker(aclient, s, SystemClock()).subscription("orders", "b"),
+    )
+    await a.start()
+    try:
+        first = await next_delivery(a.deliveries())
+        await asyncio.sleep(0.2)  # a's fetch loop has had every chance to read ahead
+        await b.start()
+        second = await next_delivery(b.deliveries())
+        assert {first.entry.data, second.entry.data} == {b"slow0", b"slow1"}
+        assert a.buffered == 0
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_a_wide_window_buffers_no_more_than_one_queue_depth_so_nothing_ages_into_a_second_delivery(
@@ -1127,7 +1193,10 @@ async def test_a_wide_window_buffers_no_more_than_one_queue_depth_so_nothing_age
 
 
 async def test_acks_whose_call_failed_are_sent_again_at_once_and_their_futures_resolve(
-    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+    aclient: aioredis.Redis,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A reply redis-py cannot parse is not retried: the batch of acks that call carried
     # must go back to the queue, not wait on the wire list until close() while its
@@ -1158,6 +1227,16 @@ async def test_acks_whose_call_failed_are_sent_again_at_once_and_their_futures_r
 
     acks_given: list[asyncio.Future[None]] = []
     aclient.pipeline = pipeline  # type: ignore[method-assign,assignment]
+    # The delivery path's own pipeline on a plain node: the same garbled reply, once.
+    real_round_trip = SubscriptionCalls.round_trip
+
+    async def round_trip(calls: SubscriptionCalls, *commands: tuple[Any, ...]) -> Any:
+        if acks_given and not broken and any(c[0] == "XACK" for c in commands):
+            broken.append(1)
+            raise redis.exceptions.InvalidResponse("Protocol Error: injected")
+        return await real_round_trip(calls, *commands)
+
+    monkeypatch.setattr(SubscriptionCalls, "round_trip", round_trip)
     await sub.start()
     try:
         it = sub.deliveries()
@@ -1170,3 +1249,34 @@ async def test_acks_whose_call_failed_are_sent_again_at_once_and_their_futures_r
     finally:
         await sub.close()
     assert broken, "the garbled reply was never injected"
+
+
+async def test_a_retry_falling_due_during_a_fast_backlog_is_delivered_before_the_backlog_ends(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    # A subscriber acking at once reads ahead; a due retry must still get the slots acks
+    # free (the stream stops reading ahead while one waits), not wait for the backlog to end.
+    n = 4000
+    sub = Broker(aclient, settings(redis_server, processingTimeout="10s"), SystemClock()).subscription(
+        "orders", "c1"
+    )
+    sub.retry = retrier(
+        aclient, sub.consumer, RetryPolicy(active=True, initial_ms=50, max_ms=50, multiplier=1.0, jitter=0.0)
+    )
+    backlog(redis_client, n)
+    await sub.start()
+    order: list[tuple[str, int]] = []
+    try:
+        it = sub.deliveries()
+        first = await next_delivery(it)
+        sub.nack(first.id)
+        while not any(attempt == 2 for _, attempt in order) and len(order) < n:
+            d = await next_delivery(it)
+            order.append((d.id, d.attempt))
+            sub.ack_nowait(d.id)
+    finally:
+        await sub.close()
+    again = [i for i, (entry_id, attempt) in enumerate(order) if attempt == 2]
+    assert again, "the nacked message came back only after the backlog"
+    assert order[again[0]][0] == first.id
+    assert again[0] < n - 500, again[0]

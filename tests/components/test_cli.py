@@ -16,4 +16,4 @@ async def test_version_prints_the_version_pyproject_declares_and_its_storage_for
     result = await cli("--version")
 
     assert result.code == 0, result.err
-    assert result.out.strip() == f"delayed-pubsub {declared} (storage format 2; reads formats 1 to 2)"
+    assert result.out.strip() == f"delayed-pubsub {declared} (storage format 3; reads formats 1 to 3)"

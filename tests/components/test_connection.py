@@ -62,7 +62,7 @@ async def test_a_full_pool_makes_callers_wait_instead_of_failing(
         results = await asyncio.gather(*hold, *shorts, return_exceptions=True)
         assert [r for r in results if isinstance(r, BaseException)] == []
         assert redis_client.xlen("s") == 20
-        clients = [c for c in redis_client.client_list() if c["name"] == "delayed-pubsub-f2"]
+        clients = [c for c in redis_client.client_list() if c["name"] == "delayed-pubsub-f3"]
         assert len(clients) <= 2
     finally:
         await conn.aclose()
@@ -295,7 +295,7 @@ async def test_pool_size_holds_under_tls_with_client_certificates_and_sentinel(
         got.append(msg.data)
         await streams[0].ack(msg.id)
     assert got.count(b"later") == 1
-    short = [cl for cl in admin.client_list() if cl["name"] == "delayed-pubsub-f2:app1"]
+    short = [cl for cl in admin.client_list() if cl["name"] == "delayed-pubsub-f3:app1"]
     assert len(short) <= 3
     admin.close()
 

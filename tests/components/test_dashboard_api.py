@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from openapi_spec_validator import validate
 from playwright.async_api import Browser
 from starlette.routing import BaseRoute, Mount, Route
 
+from delayed_middleware.instants import format_instant
 from delayed_pubsub.connection import connect
 from delayed_pubsub.dashboard import api
 from delayed_pubsub.dashboard.app import DashboardConfig, build_app
@@ -35,6 +37,7 @@ TOKEN = "api-operator-token-0123456789"
 ACTIONS = ("--allow-actions", "--token-env", "DASH_TOKEN")
 ENV = {"DASH_TOKEN": TOKEN}
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
+HOUR = 3_600_000
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 
 
@@ -465,28 +468,28 @@ async def served() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
 async def test_a_write_wired_at_the_extension_point_is_served_under_the_same_rules(
     served: Callable[[Any], Awaitable[str]],
 ) -> None:
-    triggered: list[str] = []
+    nudged: list[str] = []
 
-    async def trigger(source: Source, id: str) -> str | None:
+    async def nudge(source: Source, id: str) -> str | None:
         if id != "known":
             return None
-        triggered.append(id)
-        return "triggered"
+        nudged.append(id)
+        return "nudged"
 
-    # The one line an operation is wired with.
-    wired = (*api.WRITES, api.Write("trigger", api.by_id(trigger)))
+    # The one line an operation is wired with (a made-up one: trigger and reschedule are wired for real).
+    wired = (*api.WRITES, api.Write("nudge", api.by_id(nudge)))
     on, off = await served(_app(TOKEN, wired)), await served(_app(None, wired))
-    url = f"{on}/v1/trigger"
+    url = f"{on}/v1/nudge"
     assert error_of(await call("POST", url, json={"id": "known"}))[:2] == (401, "unauthenticated")
-    assert error_of(await call("POST", f"{off}/v1/trigger", json={"id": "known"}))[:2] == (
+    assert error_of(await call("POST", f"{off}/v1/nudge", json={"id": "known"}))[:2] == (
         403,
         "actions_disabled",
     )
     assert error_of(await call("POST", url, json={"id": "other"}, headers=BEARER))[:2] == (404, "not_found")
     assert error_of(await call("POST", url, json={"id": ""}, headers=BEARER))[:2] == (400, "bad_parameter")
     r = await call("POST", url, json={"id": "known"}, headers=BEARER)
-    assert r.json() == {"id": "known", "status": "triggered"}
-    assert triggered == ["known"]
+    assert r.json() == {"id": "known", "status": "nudged"}
+    assert nudged == ["known"]
 
 
 async def test_a_pause_in_the_rollback_window_is_refused_as_the_cli_refuses_it(
@@ -540,3 +543,56 @@ async def test_a_logged_in_page_calls_the_api_with_its_session(
     status, answer = await page.evaluate(fetch, ["/api/v1/cancel", post])
     assert (status, answer) == (200, {"id": "order-002", "status": "cancelled"})
     assert "order-002" not in [r["id"] for r in await pending_cli(flags)]
+
+
+async def test_backfill_is_a_dry_run_unless_asked_and_delivers_once(
+    component: Factory, props: dict[str, str], flags: list[str], dashboard: Start, redis_client: Any
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("ticks", b"tick", {"schedule": "0 0 * * * *", "scheduleId": "hourly"})
+    end = int(time.time()) // 3600 * 3_600_000
+    body = {"id": "hourly", "from": format_instant(end - 3 * HOUR), "to": format_instant(end), "rate": "50/s"}
+    d = dashboard(*flags, *ACTIONS, env=ENV)
+    url = f"{d.url}/api/v1/backfill"
+
+    listed = (await call("POST", url, json=body, headers=BEARER)).json()
+    assert (listed["dryRun"], listed["delivered"], len(listed["deliver"])) == (True, 0, 3)
+    assert listed["deliver"] == [format_instant(end - k * HOUR) for k in (3, 2, 1)]
+    assert not redis_client.exists("ticks"), "a dry run delivered"
+    # 3 occurrences at 0.05/s (~60 s) would hold the request past its 30 s bound: left to the CLI.
+    slow = error_of(await call("POST", url, json={**body, "rate": "0.05/s", "dryRun": False}, headers=BEARER))
+    assert slow[:2] == (400, "bad_parameter"), slow
+    assert slow[2].startswith("rate="), slow
+    assert "delayed-pubsub backfill" in slow[2], slow
+    assert not redis_client.exists("ticks"), "a refused backfill delivered"
+
+    done = (await call("POST", url, json={**body, "dryRun": False}, headers=BEARER)).json()
+    again = (await call("POST", url, json={**body, "dryRun": False}, headers=BEARER)).json()
+    assert (done["delivered"], again["delivered"], again["alreadyBackfilled"]) == (3, 0, 3)
+    assert redis_client.xlen("ticks") == 3
+
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"to": format_instant(end + 2 * HOUR)}, "to"),
+        ({"from": "yesterday"}, "from"),
+        ({"from": body["to"]}, "from"),
+        ({"rate": 0}, "rate"),
+        ({"rate": "fast"}, "rate"),
+        ({"rate": True}, "rate"),
+        ({"dryRun": "no"}, "dryRun"),
+        ({"id": ""}, "id"),
+        ({"since": "x"}, "since"),
+    ]
+    for change, field in changes:
+        status, code, message = error_of(await call("POST", url, json={**body, **change}, headers=BEARER))
+        assert (status, code) == (400, "bad_parameter"), (change, message)
+        assert message.startswith(f"{field}="), message
+    assert error_of(await call("POST", url, json={**body, "id": "nobody"}, headers=BEARER))[:2] == (
+        404,
+        "not_found",
+    )
+    assert error_of(await call("POST", url, json=body))[:2] == (401, "unauthenticated")
+    read_only = dashboard(*flags)
+    r = await call("POST", f"{read_only.url}/api/v1/backfill", json={**body, "dryRun": False})
+    assert error_of(r)[:2] == (403, "actions_disabled")
+    assert redis_client.xlen("ticks") == 3

@@ -155,6 +155,29 @@ async def test_a_prefix_cancel_withdraws_exactly_the_matching_ids_and_counts_the
             "Europe/Paris",
         ),
         ({"scheduleCancel": "true", "scheduleIdPrefix": "a", "scheduleLimit": "3"}, "scheduleLimit", "3"),
+        # scheduleTrigger and scheduleReschedule (tests/components/test_instance_timecontrol.py)
+        ({"scheduleTrigger": "true"}, "scheduleTrigger", "true"),
+        ({"scheduleTrigger": "yes", "scheduleId": "x"}, "scheduleTrigger", "yes"),
+        ({"scheduleTrigger": "false", "scheduleId": "x"}, "scheduleTrigger", "false"),
+        ({"scheduleReschedule": "soon", "scheduleId": "x"}, "scheduleReschedule", "soon"),
+        ({"scheduleReschedule": "-5s", "scheduleId": "x"}, "scheduleReschedule", "-5s"),
+        ({"scheduleReschedule": "2h"}, "scheduleReschedule", "2h"),
+        ({"scheduleReschedule": "100000000h", "scheduleId": "x"}, "scheduleReschedule", "100000000h"),
+        (
+            {"scheduleTrigger": "true", "scheduleReschedule": "2h", "scheduleId": "x"},
+            "scheduleReschedule",
+            "2h",
+        ),
+        ({"scheduleTrigger": "true", "scheduleCancel": "true", "scheduleId": "x"}, "scheduleCancel", "true"),
+        ({"scheduleReschedule": "2h", "scheduleCancel": "true", "scheduleId": "x"}, "scheduleCancel", "true"),
+        ({"scheduleTrigger": "true", "schedulePause": "true", "scheduleId": "x"}, "schedulePause", "true"),
+        (
+            {"scheduleTrigger": "true", "scheduleId": "x", "scheduledSendDelay": "5s"},
+            "scheduledSendDelay",
+            "5s",
+        ),
+        ({"scheduleReschedule": "2h", "scheduleId": "x", "schedule": "@every 1s"}, "schedule", "@every 1s"),
+        ({"scheduleTrigger": "true", "scheduleId": "x\x01"}, "scheduleId", "x\\x01"),
     ],
 )
 async def test_bad_control_values_are_refused_naming_key_and_value_and_nothing_changes(

@@ -1,9 +1,9 @@
-"""Upgrade from the previous release, roll back to it, upgrade again, then leave the rollback window:
-real `delayed-pubsub serve` processes of both releases (the previous one installed from this
-repository's history, scripts/previous-release) on one real Redis, driven over gRPC as daprd drives
-them. Every message is delivered (acked) once and never early, recurring schedules stay on their grid,
-a retry in backoff and a dead letter cross the versions, and what the previous release cannot read
-is neither written in the window nor lost after it."""
+"""Upgrade from an earlier release (0.2.0, and 0.1.0 straight to this one), roll back to it, upgrade
+again, then leave the rollback window: real `delayed-pubsub serve` processes of both releases (the
+earlier one installed from this repository's history, scripts/previous-release) on one real Redis,
+driven over gRPC as daprd drives them. Every message is delivered (acked) once and never early,
+recurring schedules stay on their grid, a retry in backoff and a dead letter cross the versions, and
+what the earlier release cannot read is neither written in the window nor lost after it."""
 
 from __future__ import annotations
 
@@ -43,24 +43,24 @@ EVERY_MS = 2_000
 BATCH, TAIL_EVERY = 1_100, 55
 
 
-def previous_release() -> tuple[str, str]:
-    """(commit, version) of the previous release, as scripts/previous-release names it."""
+def release_commit(version: str) -> str:
+    """The commit of release `version`, as scripts/previous-release names it."""
     for line in PREVIOUS_RELEASE.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            commit, version = line.split()
-            return commit, version
-    raise AssertionError(f"{PREVIOUS_RELEASE} names no release")
+            commit, named = line.split()
+            if named == version:
+                return commit
+    raise AssertionError(f"{PREVIOUS_RELEASE} names no release {version}")
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=False)
 
 
-@pytest.fixture(scope="module")
-def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The previous release's packages (proto, middleware, components), from this repository's
+def release_tree(tmp_path_factory: pytest.TempPathFactory, version: str) -> Path:
+    """Release `version`'s packages (proto, middleware, components), from this repository's
     history; fetched from origin when the clone lacks it (a shallow CI clone). Never skipped."""
-    commit, version = previous_release()
+    commit = release_commit(version)
     if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
         fetched = _git("fetch", "-q", "origin", commit)
         if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode:
@@ -76,6 +76,18 @@ def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(tree, filter="data")
     return tree
+
+
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Release 0.1.0 (storage format 1, no format key): an upgrade straight from it stays in format 1."""
+    return release_tree(tmp_path_factory, "0.1.0")
+
+
+@pytest.fixture(scope="module")
+def release_2_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Release 0.2.0 (storage format 2), the release before this one."""
+    return release_tree(tmp_path_factory, "0.2.0")
 
 
 @dataclass
@@ -160,18 +172,36 @@ async def running(
         assert "Traceback" not in log, f"{name}:\n{log[-4000:]}"
 
 
-async def refused_to_raise(folder: Path, props: dict[str, str]) -> None:
-    """A replica of this release started with storageFormat 2 while 0.1.0 runs: its Init is refused,
-    naming the old replica's connections."""
-    raiser = Serve(folder, "raiser")
+async def start_schedules(c: Component, one_shots: list[pubsub_pb2.BulkMessageEntry], schedules: int) -> None:
+    """One-shots due across the whole run, and `schedules` `@every` schedules (every-0, every-1, ...)."""
+    assert not (await c.bulk_publish("work", one_shots)).failed_entries
+    for n in range(schedules):
+        await c.publish(
+            "work",
+            json.dumps({"id": f"every-{n}", "due": 0}).encode(),
+            {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
+        )
+
+
+async def refused_init(folder: Path, props: dict[str, str], *names: str, root: Path = ROOT) -> None:
+    """A replica of the release at `root` started with `props` is refused at Init (FAILED_PRECONDITION),
+    the refusal naming each of `names`."""
+    raiser = Serve(folder, "raiser", root=root)
     try:
         async with grpc.aio.insecure_channel(f"unix://{raiser.socket}") as ch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await Component(ch, "delayed").init({**props, "storageFormat": "2"})
+                await Component(ch, "delayed").init(props)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "delayed-pubsub:app1" in (err.value.details() or ""), err.value.details()
+        for name in names:
+            assert name in (err.value.details() or ""), err.value.details()
     finally:
         raiser.stop()
+
+
+async def refused_to_raise(folder: Path, props: dict[str, str]) -> None:
+    """A replica of this release started with storageFormat 2 while 0.1.0 runs: its Init is refused,
+    naming the old replica's connections."""
+    await refused_init(folder, {**props, "storageFormat": "2"}, "delayed-pubsub:app1")
 
 
 async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing(
@@ -196,13 +226,7 @@ async def test_upgrade_rollback_within_the_window_and_upgrade_again_lose_nothing
     # 1. The previous release: one-shots due over the whole run, recurring schedules, a message
     # that fails once (a retry in backoff) and one that always fails (a dead letter).
     async with running(folder, "old1", props, app, root=previous_tree) as c:
-        assert not (await c.bulk_publish("work", one_shots)).failed_entries
-        for n in range(3):
-            await c.publish(
-                "work",
-                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
-                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
-            )
+        await start_schedules(c, one_shots, 3)
         assert not (await c.bulk_publish("flaky", [_entry("flaky", t0 + 1_000)])).failed_entries
         assert not (await c.bulk_publish("doomed", [_entry("doomed", t0 + 1_000)])).failed_entries
         await wait_until(lambda: app.seen["flaky"] == 1, "the flaky message's first delivery")
@@ -300,13 +324,7 @@ async def test_on_redis_cluster_upgrade_rollback_and_upgrade_again_lose_nothing(
         return len(app.count("once-"))
 
     async with running(folder, "old1", props, app, root=previous_tree) as c:
-        assert not (await c.bulk_publish("work", one_shots)).failed_entries
-        for n in range(3):
-            await c.publish(
-                "work",
-                json.dumps({"id": f"every-{n}", "due": 0}).encode(),
-                {"schedule": f"@every {EVERY_MS // 1000}s", "scheduleId": f"every-{n}"},
-            )
+        await start_schedules(c, one_shots, 3)
         await wait_until(lambda: acked() >= 10, "one-shots fired by the previous release")
     assert [admin.get(k) for k in formats] == [None] * 4
     async with running(folder, "new1", props, app) as c:
@@ -408,3 +426,89 @@ async def test_a_rollback_outside_the_window_loses_nothing_once_this_release_run
     recovered = [f for _, f in history if f[b"event"] == b"recovered"]
     assert len(recovered) == tail
     assert redis_client.xlen("app1-delayed") == 0, "copies left on the delayed topic"
+
+
+CATCHUP_ALL = {"schedule": "@every 1s", "scheduleCatchup": "all"}
+
+
+async def test_from_release_2_upgrade_rollback_and_raising_to_format_3_lose_nothing(
+    release_2_tree: Path,
+    folder: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    nodes_of_ten: None,
+) -> None:
+    """0.2.0 writes format 2. After the upgrade the app stays there: compaction runs (0.2.0 reads
+    what it re-homes), a jittered schedule is taken, a catch-up policy (format 3) is refused. 0.2.0
+    runs again on all of it and delivers the re-homed tail; while it runs, raising to 3 is refused.
+    Raised to 3, the catch-up keys are taken, and 0.2.0 then refuses Init, changing nothing."""
+    props = {**props_for(redis_server), "processingTimeout": "1s", "redeliverInterval": "300ms"}
+    app = App()
+    t0 = int(time.time() * 1000)
+    one_shots = [_entry(f"once-{i}", t0 + 1_500 + i * 150) for i in range(100)]
+
+    # 1. Release 0.2.0: a fresh app in its format, 2.
+    async with running(folder, "old1", props, app, root=release_2_tree) as c:
+        await start_schedules(c, one_shots, 2)
+        await wait_until(lambda: len(app.count("once-")) >= 10, "one-shots fired by 0.2.0")
+    assert redis_client.get(FORMAT) == b"2"
+
+    # 2. Upgrade: format 2 kept. What format 2 holds is taken, compaction included; catch-up is not.
+    async with running(folder, "new1", props, app) as c:
+        assert redis_client.get(FORMAT) == b"2"
+        for md in (CATCHUP_ALL, {"schedule": "@every 1s", "scheduleCatchupWindow": "1h"}):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.publish("work", b"{}", {**md, "scheduleId": "catchup"})
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "storageFormat: 3" in (err.value.details() or ""), err.value.details()
+        assert not redis_client.hexists("{app1-delayed}:ids", "catchup")
+        await c.publish(
+            "work",
+            json.dumps({"id": "jit", "due": 0}).encode(),
+            {"schedule": "@every 1s", "scheduleJitter": "300ms", "scheduleId": "jit"},
+        )
+        now = int(time.time() * 1000)
+        assert not (await c.bulk_publish("work", _batch("a-", now, now + 9_000))).failed_entries
+        await wait_until(lambda: bool(redis_client.exists(MOVED)), "compaction at format 2")
+        await wait_until(lambda: app.count("jit")["jit"] >= 1, "the jittered schedule under this release")
+
+    # 3. Roll back to 0.2.0: it reads everything, the re-homed tail and the jittered schedule
+    # included. While it runs, a replica of this release cannot raise the format to 3.
+    async with running(folder, "old2", props, app, root=release_2_tree):
+        jit_before = app.count("jit")["jit"]
+        await refused_init(folder, {**props, "storageFormat": "3"}, "delayed-pubsub-f2:app1")
+        assert redis_client.get(FORMAT) == b"2"
+        await wait_until(lambda: sum(app.count("a-").values()) == BATCH, "batch a's re-homed tail", 30)
+        await wait_until(lambda: app.count("jit")["jit"] > jit_before, "the jittered schedule under 0.2.0")
+
+    # 4. Upgrade again and leave the window: the catch-up policy is taken.
+    async with running(folder, "new2", {**props, "storageFormat": "3"}, app) as c:
+        assert redis_client.get(FORMAT) == b"3"
+        await c.publish(
+            "work", json.dumps({"id": "catchup", "due": 0}).encode(), {**CATCHUP_ALL, "scheduleId": "catchup"}
+        )
+        await wait_until(lambda: app.count("catchup")["catchup"] >= 1, "the catch-up schedule")
+        await wait_until(lambda: len(app.count("once-")) == len(one_shots), "every one-shot", 20)
+        last_run_start = int(time.time() * 1000)
+        await wait_until(
+            lambda: all(
+                any(at > last_run_start for n, _, at in app.acked if n == f"every-{k}") for k in range(2)
+            ),
+            "every schedule firing after the last upgrade",
+        )
+
+    # 5. 0.2.0 on format 3: refused at Init, nothing changed.
+    before = {k: redis_client.dump(k) for k in (FORMAT, "{app1-delayed}:ids", "app1-delayed")}
+    await refused_init(folder, props, "format 3", root=release_2_tree)
+    assert {k: redis_client.dump(k) for k in before} == before
+
+    assert not app.early, app.early
+    counts = Counter(n for n, _, _ in app.acked)
+    twice = {n: k for n, k in counts.items() if k > 1 and n.startswith(("once-", "a-"))}
+    assert not twice, f"delivered more than once: {twice}"
+    assert set(app.count("once-")) == {e.entry_id for e in one_shots}
+    assert set(app.count("a-")) == {f"a-{i}" for i in range(BATCH)}
+    for k in range(2):
+        dues = [parse_instant(md["scheduleNext"]) - EVERY_MS for n, md, _ in app.acked if n == f"every-{k}"]
+        assert len(dues) == len(set(dues)), f"every-{k}: an occurrence delivered twice"
+        assert all((d - dues[0]) % EVERY_MS == 0 for d in dues), f"every-{k} left its grid: {dues}"

@@ -1,5 +1,5 @@
-"""The dashboard's actions (cancel, pause, resume, retry or delete a dead letter, backfill): POST only,
-behind the guard.
+"""The dashboard's actions (cancel, pause, resume, trigger, reschedule, retry or delete a dead letter,
+backfill): POST only, behind the guard.
 
 Each action is a runner (form -> (done, text)) wrapped by the one `endpoint`,
 which checks the login and CSRF token and answers in JSON or HTML.
@@ -7,6 +7,7 @@ which checks the login and CSRF token and answers in JSON or HTML.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import FormData
@@ -15,19 +16,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from delayed_middleware import backfill as bf
+from delayed_middleware.control import Reschedule, read_control
 from delayed_middleware.deadletters import GONE, MOVED
 from delayed_middleware.engine import pause as pausing
 from delayed_middleware.errors import InvalidArgumentError
-from delayed_middleware.history import Retention
-from delayed_middleware.instants import parse_instant
-from delayed_pubsub import operate
+from delayed_middleware.instants import format_instant
+from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
+from delayed_pubsub import operate, operate_time
+from delayed_pubsub.dashboard.backfill_request import run_backfill
 from delayed_pubsub.dashboard.guard import CSRF_FIELD, Guard
 from delayed_pubsub.dashboard.pages import Pages, form_field
 from delayed_pubsub.dashboard.source import Source
-
-# The longest backfill the dashboard delivers (its occurrences / rate, seconds): it runs inside the
-# HTTP request, so a longer one is refused (400 naming `rate`) and left to the CLI.
-BACKFILL_MAX_SECONDS = 30.0
 
 # What an action did: (done, the message for the operator).
 Outcome = tuple[bool, str]
@@ -47,6 +46,8 @@ class Actions:
             Route("/actions/cancel", self.endpoint(self.cancel), methods=["POST"]),
             Route("/actions/pause", self.endpoint(self.pause), methods=["POST"]),
             Route("/actions/resume", self.endpoint(self.resume), methods=["POST"]),
+            Route("/actions/trigger", self.endpoint(self.trigger), methods=["POST"]),
+            Route("/actions/reschedule", self.endpoint(self.reschedule), methods=["POST"]),
             Route("/actions/retry-dead", self.endpoint(self.retry_dead), methods=["POST"]),
             Route("/actions/delete-dead", self.endpoint(self.delete_dead), methods=["POST"]),
             Route("/actions/backfill", self.backfill, methods=["POST"]),
@@ -87,6 +88,28 @@ class Actions:
         if status == pausing.ENDED:
             return True, f"{id}: its schedule has no fire left after now; cancelled"
         return False, f"{id} is not pending (unknown, already fired, cancelled or parked)"
+
+    async def trigger(self, form: FormData) -> Outcome:
+        id = form_field(form, "id")
+        result = await self._source.trigger(id)
+        if result.done:
+            return True, f"triggered {id} at {format_instant(result.at_ms)}"
+        return False, f"{id}: {operate_time.WHY_NOT.get(result.status, result.detail)}"
+
+    async def reschedule(self, form: FormData) -> Outcome:
+        id, when = form_field(form, "id"), form_field(form, "when").strip()
+        try:
+            # Read as the publish key is: the same grammar and bounds.
+            request = read_control(
+                {SCHEDULE_RESCHEDULE: when, SCHEDULE_ID: id}, enabled=True, now_ms=int(time.time() * 1000)
+            )
+        except InvalidArgumentError as e:
+            return False, str(e)
+        assert isinstance(request, Reschedule)
+        result = await self._source.reschedule(id, request.due_ms)
+        if result.done:
+            return True, f"rescheduled {id} to {format_instant(result.at_ms)}"
+        return False, f"{id}: {operate_time.WHY_NOT.get(result.status, result.detail)}"
 
     async def retry_dead(self, form: FormData) -> Outcome:
         topic, id = form_field(form, "topic"), form_field(form, "id")
@@ -132,28 +155,5 @@ class Actions:
         )
 
     async def _backfill(self, form: FormData, id: str, dry_run: bool) -> bf.BackfillResult:
-        times: list[int] = []
-        for name in ("from", "to"):
-            text = form_field(form, name)
-            try:
-                times.append(parse_instant(text))
-            except ValueError as e:
-                raise InvalidArgumentError(name, text, str(e)) from None
-        rate_text = form_field(form, "rate").removesuffix("/s") or str(bf.DEFAULT_RATE)
-        try:
-            rate = float(rate_text)
-        except ValueError:
-            raise InvalidArgumentError("rate", rate_text, "not a number of occurrences per second") from None
-        settings = self._source.settings
-        return await bf.backfill(
-            self._source.client,
-            settings.consumer_id,
-            id,
-            times[0],
-            times[1],
-            shards=settings.shards,
-            rate=rate,
-            dry_run=dry_run,
-            retention=Retention(settings.history_max_len, settings.history_max_age_ms),
-            max_seconds=BACKFILL_MAX_SECONDS,
-        )
+        start, end, rate = (form_field(form, name) for name in ("from", "to", "rate"))
+        return await run_backfill(self._source, id, start, end, rate, dry_run=dry_run)

@@ -17,6 +17,7 @@ Every answer is JSON, errors as `{"error": {"code": ..., "message": ...}}`.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +30,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from delayed_middleware import backfill as bf
+from delayed_middleware.control import Reschedule, read_control
 from delayed_middleware.engine import pause as pausing
+from delayed_middleware.engine import timecontrol
 from delayed_middleware.errors import FailedPreconditionError, InvalidArgumentError
 from delayed_middleware.history_reader import HistoryPosition
 from delayed_middleware.instants import display_instant
 from delayed_middleware.keys import is_stream_id, split_shard_id
-from delayed_pubsub import operate
+from delayed_middleware.publish_keys import SCHEDULE_ID, SCHEDULE_RESCHEDULE
+from delayed_pubsub import operate, operate_time
 from delayed_pubsub.connection import REDIS_ERRORS
+from delayed_pubsub.dashboard.backfill_request import run_backfill
 from delayed_pubsub.dashboard.guard import Guard
 from delayed_pubsub.dashboard.source import MessageInfo, PendingMessage, Source
 
@@ -205,8 +211,8 @@ class Body:
             raise bad_parameter(name, value, "give a non-empty string")
         return value
 
-    def flag(self, name: str) -> bool:
-        value = self.fields.get(name, False)
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.fields.get(name, default)
         if not isinstance(value, bool):
             raise bad_parameter(name, value, "give true or false")
         return value
@@ -266,6 +272,59 @@ def set_paused(pause: bool) -> Callable[[Source, str], Awaitable[str | None]]:
     return operation
 
 
+async def trigger(source: Source, body: Body) -> Answer:
+    """`{"id": ID}` as `delayed-pubsub trigger ID`: delivered now (a schedule: one extra occurrence)."""
+    body.only("id")
+    id = body.text("id")
+    result = await source.trigger(id)
+    if not result.done:
+        raise not_found(id, operate_time.WHY_NOT.get(result.status, result.detail or result.status))
+    return operate_time.outcome_json(id, result)
+
+
+async def reschedule(source: Source, body: Body) -> Answer:
+    """`{"id": ID, "at": RFC 3339 | Go duration}` as `delayed-pubsub reschedule ID`: read as the
+    publish key scheduleReschedule is (the same grammar and bounds)."""
+    body.only("id", "at")
+    id, at = body.text("id"), body.text("at")
+    try:
+        request = read_control(
+            {SCHEDULE_RESCHEDULE: at, SCHEDULE_ID: id}, enabled=True, now_ms=int(time.time() * 1000)
+        )
+    except InvalidArgumentError as e:
+        field = "id" if e.key == SCHEDULE_ID else "at"
+        raise bad_parameter(field, e.value, e.reason) from None
+    assert isinstance(request, Reschedule)
+    result = await source.reschedule(id, request.due_ms)
+    if result.status == timecontrol.RECURRING:
+        raise bad_parameter("id", id, operate_time.WHY_NOT[timecontrol.RECURRING])
+    if result.status == timecontrol.FIRED:
+        raise ApiError(409, "failed_precondition", f"{id}: already fired")
+    if not result.done:
+        raise not_found(id, operate_time.WHY_NOT.get(result.status, result.detail or result.status))
+    return operate_time.outcome_json(id, result)
+
+
+async def backfill(source: Source, body: Body) -> Answer:
+    """`{"id", "from", "to", "rate"?, "dryRun"?}` as `delayed-pubsub backfill ID --from --to --rate`,
+    the dashboard's backfill action's parsing. A dry run unless `"dryRun": false`: a script that
+    forgets the field lists what it would deliver and delivers nothing."""
+    body.only("id", "from", "to", "rate", "dryRun")
+    id, dry_run = body.text("id"), body.flag("dryRun", default=True)
+    rate = body.fields.get("rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float, str))):
+        raise bad_parameter("rate", rate, 'give a number of occurrences per second (e.g. 10 or "10/s")')
+    try:
+        result = await run_backfill(
+            source, id, body.text("from"), body.text("to"), "" if rate is None else str(rate), dry_run=dry_run
+        )
+    except bf.ScheduleNotFoundError:
+        raise not_found(id, "no pending schedule has this id") from None
+    except InvalidArgumentError as e:
+        raise bad_parameter(e.key, e.value, e.reason) from None
+    return result.as_json()
+
+
 @dataclass(frozen=True)
 class Write:
     """A write endpoint: POST /api/v1/<name>, its JSON body given to `run`."""
@@ -278,13 +337,14 @@ WRITES: tuple[Write, ...] = (
     Write("cancel", cancel),
     Write("pause", by_id(set_paused(True))),
     Write("resume", by_id(set_paused(False))),
+    Write("trigger", trigger),
+    Write("reschedule", reschedule),
+    Write("backfill", backfill),
     # EXTENSION POINTS: an operation the CLI and the dashboard's actions gain is wired here with one
     # line (and its path added to docs/openapi.yaml: test_dashboard_api checks both agree). `run` reads
     # the body with Body's accessors (400 names the field), calls the operation the action calls,
     # raises not_found(id) for an unknown id, and returns the JSON answer. E.g.:
-    #   Write("trigger", by_id(lambda source, id: source.trigger(id))),
-    #   Write("reschedule", reschedule),  # {"id", "at"}: body.text("at") parsed as the CLI parses it
-    #   Write("backfill", backfill_dry_run),  # {"id", "from", "to", "dryRun": true}
+    #   Write("purge", purge),  # {"id"}
 )
 
 

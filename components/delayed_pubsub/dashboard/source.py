@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from delayed_middleware.engine.pause import paused_at_ms
+from delayed_middleware.engine.timecontrol import TimeResult
 from delayed_middleware.envelope import EnvelopeDecodeError, decode_envelope
 from delayed_middleware.history import HistoryRecord
 from delayed_middleware.inspector import (
@@ -29,7 +30,7 @@ from delayed_middleware.inspector import (
     PendingMessage,
 )
 from delayed_middleware.schedules import schedule_zone
-from delayed_pubsub import operate
+from delayed_pubsub import operate, operate_time
 from delayed_pubsub.connection import Connection
 from delayed_pubsub.settings import Settings
 
@@ -372,6 +373,17 @@ class Source:
         if dry_run:
             return await operate.count_prefix(engine, prefix)
         return await engine.cancel_prefix(prefix, reason=operate.CANCEL_REASON)
+
+    async def trigger(self, id: str) -> TimeResult:
+        """Trigger one pending message or schedule as `delayed-pubsub trigger` does."""
+        reason = operate_time.TRIGGER_REASON.replace("delayed-pubsub", "dashboard")
+        [result] = await operate_time.trigger_ids(self.connection, self.settings, [id], reason=reason)
+        return result
+
+    async def reschedule(self, id: str, due_ms: int) -> TimeResult:
+        """Move one pending one-shot as `delayed-pubsub reschedule` does."""
+        reason = operate_time.RESCHEDULE_REASON.replace("delayed-pubsub", "dashboard")
+        return await operate_time.reschedule_id(self.connection, self.settings, id, due_ms, reason=reason)
 
     async def _dead_letter(self, topic: str, stream_id: str) -> DeadLetterInfo | None:
         # Only a dead letter of this app, as the listing shows it: never an arbitrary stream entry.

@@ -140,8 +140,8 @@ def sharded_engine(
 
     On Redis Cluster the fire is two-phase (target topics live in other hash
     slots than the shard); on a single node or Sentinel it is one script.
-    Below the newest storage format compaction is off: the envelopes it
-    re-homes are lost to the previous release. At the newest, each shard's
+    Below storage format 2 compaction is off: the envelopes it re-homes are
+    lost to release 0.1.0. From format 2 on, each shard's
     fire loop starts with a sweep that re-indexes the envelopes such a release
     left out of the due index (engine/recovery.py).
     """
@@ -156,7 +156,7 @@ def sharded_engine(
 
         return hook
 
-    pinned = fmt < storage_format.CURRENT
+    pinned = fmt < storage_format.COMPACTION
     return build_engine(
         settings,
         connection.client,

@@ -1,8 +1,9 @@
 """The storage format an instance keeps, and what the rollback window refuses.
 
 Below the newest format (storage_format.settle_format, once per Init) the app is
-in the rollback window: publishes needing the newer format are refused, checked
-by a string per envelope so the window costs the publish path no Redis call.
+in the rollback window: publishes needing a newer format than the app's are
+refused, checked by a string and two ints per envelope (storage_format.needs_format)
+so the window costs the publish path no Redis call.
 """
 
 from __future__ import annotations
@@ -25,40 +26,42 @@ from delayed_pubsub.settings import Settings
 log = logging.getLogger("delayed_pubsub.instance")
 
 
-def needs_current(envelopes: Sequence[env.Envelope], control: Control | None) -> str | None:
-    """What in a planned publish the previous release's storage format cannot hold, if anything."""
-    if isinstance(control, Pause) and control.pause:
-        return "schedulePause: true (a paused message)"
+def newer_need(
+    fmt: int, envelopes: Sequence[env.Envelope], control: Control | None
+) -> tuple[int, str] | None:
+    """The format a planned publish needs beyond `fmt`, and why, if any (storage_format.needs_format)."""
+    if isinstance(control, Pause) and control.pause and fmt < storage_format.PAUSE:
+        return storage_format.PAUSE, "schedulePause: true (a paused message)"
     for e in envelopes:
-        why = storage_format.needs_current(e.schedule)
-        if why is not None:
-            return why
+        need = storage_format.needs_format(e)
+        if need is not None and need[0] > fmt:
+            return need
     return None
 
 
 def refuse_if_pinned(fmt: int, delayed: Sequence[plan.Delayed], control: Control | None) -> None:
-    """In the rollback window, the refusal of a publish that needs the newer format."""
+    """In the rollback window, the refusal of a publish that needs a newer format."""
     if fmt < storage_format.CURRENT:
-        why = needs_current([d.envelope for d in delayed], control)
-        if why is not None:
-            raise storage_format.pinned_refusal(fmt, why)
+        need = newer_need(fmt, [d.envelope for d in delayed], control)
+        if need is not None:
+            raise storage_format.pinned_refusal(fmt, need[1], need[0])
 
 
 def withhold_pinned(
     fmt: int, delayed: Sequence[plan.Delayed]
 ) -> tuple[tuple[plan.Delayed, ...], list[FailedEntry]]:
     """A bulk's delayed part split into what may be stored and the failed entries of what
-    needs the newer format (each entry fails alone); all of it outside the rollback window."""
+    needs a newer format (each entry fails alone); all of it outside the rollback window."""
     if fmt >= storage_format.CURRENT:
         return tuple(delayed), []
     keep: list[plan.Delayed] = []
     failed: list[FailedEntry] = []
     for d in delayed:
-        why = storage_format.needs_current(d.envelope.schedule)
-        if why is None:
+        need = newer_need(fmt, [d.envelope], None)
+        if need is None:
             keep.append(d)
         else:
-            refusal = str(storage_format.pinned_refusal(fmt, why))
+            refusal = str(storage_format.pinned_refusal(fmt, need[1], need[0]))
             failed += [FailedEntry(i, refusal) for i in d.entry_ids]
     return tuple(keep), failed
 
@@ -79,11 +82,11 @@ async def settle_format(connection: Connection, settings: Settings) -> int:
         raise redis_unavailable(f"reading the storage format of {keys[0].stream!r}", e) from e
     if fmt < storage_format.CURRENT:
         log.warning(
-            "%r: delayed data kept in storage %s (the rollback window): compaction is off and "
-            "publishes needing %s are refused; set %s: %d once no replica runs an older release",
+            "%r: delayed data kept in storage %s (the rollback window):%s publishes needing a newer "
+            "format are refused; set %s: %d once no replica runs an older release",
             keys[0].stream,
             storage_format.describe(fmt),
-            storage_format.describe(storage_format.CURRENT),
+            " compaction is off and" if fmt < storage_format.COMPACTION else "",
             storage_format.SETTING,
             storage_format.CURRENT,
         )

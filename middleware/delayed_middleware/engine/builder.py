@@ -29,6 +29,7 @@ from delayed_middleware.engine.replies import Budget
 from delayed_middleware.engine.retention import HistoryTrimmer
 from delayed_middleware.engine.schedule import Scheduler
 from delayed_middleware.engine.script_calls import EngineScripts
+from delayed_middleware.engine.timecontrol import TimeController
 from delayed_middleware.engine.two_phase import TwoPhaseFire
 from delayed_middleware.entry import Trim
 from delayed_middleware.keys import EngineKeys
@@ -56,6 +57,7 @@ class EngineParts:
     trimmer: HistoryTrimmer
     loop: FireLoop
     pauser: Pauser
+    timecontrol: TimeController
 
 
 class EngineOptions(TypedDict, total=False):
@@ -112,4 +114,6 @@ def build_engine(
         trimmer=trimmer,
         loop=FireLoop(state, firer, trimmer, recoverer, on_listener_state=options.get("on_listener_state")),
         pauser=Pauser(state, canceller),
+        # A triggered schedule's scheduleSource is read as the Cluster fire reads it (another slot).
+        timecontrol=TimeController(state, TwoPhaseFire(state).sample),
     )

@@ -19,6 +19,7 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.engine.builder import EngineOptions, build_engine
 from delayed_middleware.engine.config import EngineConfig
 from delayed_middleware.engine.pause import PauseResult
+from delayed_middleware.engine.timecontrol import TimeResult
 from delayed_middleware.keys import EngineKeys
 from delayed_middleware.liveness import Supervised
 
@@ -80,7 +81,6 @@ class DelayEngine:
         """True while a compaction pass is under way (fire steps go on with it)."""
         return self.parts.compactor.compacting
 
-
     async def cancel(self, id: str, *, reason: str = "Remove") -> bool:
         """Withdraw a pending message or schedule by scheduleId or envelope id; True if one was there."""
         return await self.parts.canceller.cancel(id, reason=reason)
@@ -92,6 +92,14 @@ class DelayEngine:
     async def set_paused(self, id: str, *, pause: bool, reason: str = "") -> PauseResult:
         """Pause (True) or resume (False) one pending message or schedule by id (see engine.pause)."""
         return await self.parts.pauser.set_paused(id, pause=pause, reason=reason)
+
+    async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
+        """Deliver one pending message, or one extra occurrence of a schedule, now (see engine.timecontrol)."""
+        return await self.parts.timecontrol.trigger(id, reason=reason)
+
+    async def reschedule(self, id: str, due_ms: int, *, reason: str = "") -> TimeResult:
+        """Move one pending one-shot to `due_ms` (see engine.timecontrol)."""
+        return await self.parts.timecontrol.reschedule(id, due_ms, reason=reason)
 
     async def cancel_prefix(self, prefix: str, *, reason: str = "Remove") -> int:
         """Cancel every pending message and schedule whose id starts with `prefix`; how many."""

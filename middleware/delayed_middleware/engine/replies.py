@@ -223,6 +223,17 @@ class PauseReply:
 
 
 @dataclass(frozen=True)
+class TimeControlReply:
+    """TIMECONTROL's reply (lua/timecontrol.lua): its status, the message's topic, the time it
+    decided at (ms), and with 'extra' the claim record of the extra occurrence to APPEND."""
+
+    status: str
+    topic: str
+    now_ms: int
+    claim: Claim | None = None
+
+
+@dataclass(frozen=True)
 class RefillItem:
     """One REFILL compare-and-set: the ids-hash key, the ref read, the next due ms (or purge/end) and its text;
     a catch-up's changes besides (lua/refill.lua's ARGV group; '-' and '' change nothing)."""
@@ -351,3 +362,10 @@ def read_release(raw: Sequence[Any]) -> ReleaseResult:
 def read_pause(raw: Sequence[Any]) -> PauseReply:
     """PAUSE's reply: {status, topic}."""
     return PauseReply(text(raw[0]), text(raw[1]) if len(raw) > 1 else "")
+
+
+def read_timecontrol(raw: Sequence[Any]) -> TimeControlReply:
+    """TIMECONTROL's reply: {status, topic, now}, then with 'extra' one claim record."""
+    status, now = text(raw[0]), int(raw[2])
+    claim = _claims([1, *raw[3:]])[0] if status == "extra" else None
+    return TimeControlReply(status, topic(raw[1]), now, claim)

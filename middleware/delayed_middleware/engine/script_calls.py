@@ -33,10 +33,12 @@ from delayed_middleware.engine.replies import (
     ScheduleCall,
     ScheduleItem,
     ScheduleResult,
+    TimeControlReply,
     read_claim,
     read_fire,
     read_pause,
     read_release,
+    read_timecontrol,
     topic,
 )
 from delayed_middleware.keys import EngineKeys
@@ -61,6 +63,7 @@ class EngineScripts:
         self._compact = client.register_script(lua.COMPACT)
         self._recover = client.register_script(lua.RECOVER)
         self._pause = client.register_script(lua.PAUSE)
+        self._timecontrol = client.register_script(lua.TIMECONTROL)
 
     async def pause(
         self, op: str, id: str, reason: str, extra: Sequence[str], *, now: int, history_len: int
@@ -69,6 +72,25 @@ class EngineScripts:
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, *extra]
         return read_pause(await self._pause(keys=self._keys_for_writes, args=args))
+
+    async def timecontrol(
+        self,
+        op: str,
+        id: str,
+        reason: str,
+        *,
+        now: int | str,
+        history_len: int,
+        pubsub_name: str,
+        occurrence_key: str,
+        due_ms: int | None = None,
+    ) -> TimeControlReply:
+        """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py)."""
+        k = self._keys
+        args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, pubsub_name, occurrence_key]
+        if due_ms is not None:
+            args.append(due_ms)
+        return read_timecontrol(await self._timecontrol(keys=self._keys_for_writes, args=args))
 
     async def schedule(
         self, items: Sequence[ScheduleItem], *, now: int, token: str, history_len: int, token_window_ms: int

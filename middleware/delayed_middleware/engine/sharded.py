@@ -27,6 +27,7 @@ from delayed_middleware.backoff import SHARD_LOOP
 from delayed_middleware.engine.config import SPREAD_MEMORY
 from delayed_middleware.engine.delay_engine import DelayEngine
 from delayed_middleware.engine.pause import PauseResult
+from delayed_middleware.engine.timecontrol import TimeResult
 from delayed_middleware.envelope import Envelope
 from delayed_middleware.errors import InvalidArgumentError, PartiallyStoredError
 from delayed_middleware.keys import EngineKeys, is_stream_id, shard_id, shard_index, split_shard_id
@@ -180,6 +181,16 @@ class ShardedEngine:
         """As DelayEngine.set_paused, on the shard that holds `id` (see cancel)."""
         shard, local = await self._locate(id)
         return await self.engines[shard].set_paused(local, pause=pause, reason=reason)
+
+    async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
+        """As DelayEngine.trigger, on the shard that holds `id` (see cancel)."""
+        shard, local = await self._locate(id)
+        return await self.engines[shard].trigger(local, reason=reason)
+
+    async def reschedule(self, id: str, due_ms: int, *, reason: str = "") -> TimeResult:
+        """As DelayEngine.reschedule, on the shard that holds `id` (see cancel)."""
+        shard, local = await self._locate(id)
+        return await self.engines[shard].reschedule(local, due_ms, reason=reason)
 
     async def cancel_prefix(self, prefix: str, *, reason: str = "Remove") -> int:
         """As DelayEngine.cancel_prefix, over every shard; the total cancelled."""

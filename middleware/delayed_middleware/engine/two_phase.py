@@ -181,6 +181,10 @@ class TwoPhaseFire:
             raise TimeoutError(f"an APPEND of {st.keys.stream} was cancelled")
         return outcomes
 
+    async def sample(self, source: str, c: Claim) -> list[list[str | bytes]]:
+        """scheduleSource's latest entry as claim `c` delivers it (a triggered occurrence's too)."""
+        return await self._sampled(source, c)
+
     async def _sampled(self, source: str, c: Claim) -> list[list[str | bytes]]:
         """scheduleSource: the source topic's latest entry, read now (it lives in another slot)."""
         if is_delayed_topic(source) or is_engine_key(source):

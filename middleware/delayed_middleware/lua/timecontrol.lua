@@ -1,0 +1,138 @@
+-- TIMECONTROL: trigger now, or reschedule, one pending message or schedule (scheduleTrigger,
+-- scheduleReschedule; engine/timecontrol.py).
+-- KEYS: 1 delayed stream, 2 index top, 3 ids hash, 4 bucket seq, 5 pending count,
+--       6 history, 7 parked, 8 call tokens, 9 refill, 10 outbox; on Redis Cluster's
+--       two-phase fire also 11 in-flight zset, 12 claims hash; the last key is the
+--       moved hash (moved.lua): 11 on a single node, 13 on Cluster
+-- ARGV: 1 bucket key prefix, 2 now ms ('' = the Redis server's TIME, as FIRE's),
+--       3 history maxlen, 4 'trigger' | 'reschedule', 5 the id (scheduleId, or a
+--       recurring envelope's id without one), 6 reason (history), 7 wake channel,
+--       8 the firing component's name ('' = any: as FIRE's trim rule),
+--       9 the occurrence metadata key (stamped on a triggered extra occurrence),
+--       10 with 'reschedule': the new due ms
+-- Returns {status, topic, now ms, ...}: status
+--   'moved'      a one-shot: trigger put it in the due index at now (the fire step
+--                delivers it, exactly once, as any due message); reschedule at ARGV[10]
+--   'extra'      trigger of a recurring schedule: followed by one claim record in
+--                CLAIM's format (claim.lua: 13 values, then (data, metadata, contentType)
+--                triples), which the caller APPENDs; the schedule itself is unchanged
+--   'unknown'    nothing pending under that id
+--   'fired'      nothing pending, and its newest history record is `fired`: it went out
+--   'busy'       Cluster: an occurrence is in flight (CLAIM..RELEASE); the caller retries
+--   'parked'     held for a bad target
+--   'expired'    its TTL ended: the fire step drops it, it is not delivered
+--   'recurring'  reschedule of a recurring schedule (refused: publish it again)
+--
+-- Exactly once: a one-shot moves inside the due index, in one atomic step
+-- against FIRE and CLAIM: either they took it first (it fired: 'fired' or 'busy')
+-- or it waits at its new time and fires there once. A trigger never appends a
+-- one-shot itself, so a trigger racing its own fire cannot deliver it twice.
+-- A paused one-shot: reschedule keeps it paused at its new due (resume puts it
+-- back there); trigger delivers it (it is a one-shot: delivered once and gone).
+-- A recurring schedule's extra occurrence is one APPEND of its messages (the
+-- caller's, with its own fire marker): the schedule keeps its ref, index entry
+-- and pause, so its next occurrence stays where it was.
+local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local CLAIMS
+if #KEYS >= 13 then CLAIMS = KEYS[12] end
+local MOVED = KEYS[#KEYS]
+local BUCKET_PREFIX, NOW_ARG, HIST_LEN, OP, ID, REASON, WAKE_CHANNEL, OWN_PUBSUB, OCCURRENCE_KEY, NEW_DUE =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+--!include index.lua
+--!include decode.lua
+--!include history.lua
+--!include common.lua
+
+local now = decision_now(NOW_ARG)
+local now_s = string.format('%.0f', now)
+HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), now_s
+local key = ID
+
+-- Nothing pending under `key`: 'fired' when its newest record says it went out.
+local function absent()
+  local newest = redis.call('HGET', HISTORY .. '-ids', key)
+  if newest then
+    local rows = redis.call('XRANGE', HISTORY, newest, newest)
+    local f = rows[1] and rows[1][2] or {}
+    for j = 1, #f, 2 do
+      if f[j] == 'event' and f[j + 1] == 'fired' then return {'fired', '', now_s} end
+    end
+  end
+  return {'unknown', '', now_s}
+end
+
+local ref = redis.call('HGET', IDS, key)
+if not ref then return absent() end
+local sid, due, nxt, iso, flag = parse_ref(ref)
+if redis.call('HEXISTS', PARKED, sid) == 1 then return {'parked', '', now_s} end
+local env = read_envelope(sid)
+if not env then return {'unknown', '', now_s} end
+local topic = env.topic
+local attempt = math.max(env.attempt, 1)
+if CLAIMS and redis.call('HEXISTS', CLAIMS, sid) == 1 then
+  -- In flight: a one-shot is being delivered (it fired); a recurring one is
+  -- mid-occurrence and its ref changes at RELEASE: the caller retries after it.
+  if env.kind ~= 1 and OP == 'reschedule' then return {'fired', topic, now_s} end
+  return {'busy', topic, now_s}
+end
+if env.expires > 0 and env.expires <= now then return {'expired', topic, now_s} end
+
+-- Moves a one-shot's index entry from its due to `at` (a paused one stays out of the index).
+local function move(at)
+  local before = head()
+  if flag == 'i' and tonumber(due) then remove(sid, due) end
+  if flag == 'p' then
+    redis.call('HSET', IDS, key, make_ref(sid, at, nxt, iso, 'p'))
+  else
+    insert(sid, at)
+    redis.call('HSET', IDS, key, make_ref(sid, at, nxt, iso, 'i'))
+    if before == nil or tonumber(before) > tonumber(at) then redis.call('PUBLISH', WAKE_CHANNEL, at) end
+  end
+end
+
+if OP == 'reschedule' then
+  if env.kind == 1 then return {'recurring', topic, now_s} end
+  move(NEW_DUE)
+  local from = tonumber(due) and iso_ms(tonumber(due)) or due
+  hist('rescheduled', key, env.sid, topic, env.kind, NEW_DUE, '', env.size, attempt, REASON .. ' from ' .. from, env.schedule)
+  return {'moved', topic, now_s}
+end
+
+-- trigger
+if env.kind ~= 1 then
+  -- Delivered once and gone: a paused one-shot (out of the index) goes back in, unpaused.
+  if flag == 'p' then flag, iso = 'x', '-' end
+  move(now_s)
+  hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
+  return {'moved', topic, now_s}
+end
+
+-- A recurring schedule: one extra occurrence, its messages as a fire stamps them.
+-- scheduleNext: its pending occurrence ('-' while paused: none is scheduled).
+local next_iso = '-'
+if flag ~= 'p' and tonumber(due) then next_iso = iso_ms(tonumber(due)) end
+local target = OUTBOX
+if env.target == '' then target = topic end
+local expires = env.expires
+if env.sttl > 0 then expires = now + env.sttl end
+local entries = env.entries
+if env.source ~= '' then entries = {} end
+local own = OWN_PUBSUB or ''
+local trim = (env.target == '' and (own == '' or env.pubsub == own)) and 1 or 0
+local occurrence = iso_ms(now)
+local out = {'extra', topic, now_s, sid, now_s, key, next_iso, occurrence, target, env.target, topic,
+  env.bulk and 1 or 0, expires, env.source, trim, #entries}
+for _, e in ipairs(entries) do
+  local md = e[2]
+  md['scheduler'] = key
+  md['scheduleNext'] = next_iso
+  md[OCCURRENCE_KEY] = occurrence
+  local ok, json = pcall(cjson.encode, md)
+  if not ok then return {'parked', topic, now_s} end
+  out[#out + 1] = e[1]
+  out[#out + 1] = json
+  out[#out + 1] = e[3]
+end
+hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
+return out

@@ -1,0 +1,282 @@
+"""Trigger now and reschedule against a real Redis, on both fire paths: a triggered one-shot is
+delivered once and gone, even racing its own fire or a cancel; a triggered schedule delivers one
+extra occurrence (stamped scheduler / scheduleNext / scheduleOccurrence) and keeps its grid and its
+pause; a reschedule moves a one-shot later or earlier, and racing its fire either fires once at the
+new time or answers `fired` after the old one; a recurring schedule cannot be rescheduled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine.timecontrol import (
+    FIRED,
+    OCCURRENCE_KEY,
+    RECURRING,
+    RESCHEDULED,
+    TRIGGERED,
+    UNKNOWN,
+)
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.instants import format_instant
+from tests.middleware.engine.helpers import KEYS, T0, drain, env, every, history, payloads, recurring, target
+
+pytestmark = pytest.mark.both_fire_paths
+
+
+def make(aredis: Callable[[], aioredis.Redis], clock: ManualClock) -> DelayEngine:
+    return DelayEngine(aredis(), KEYS, clock, recurrence=every)
+
+
+def metadata(client: redis.Redis, topic: str = "orders") -> list[Mapping[str, str]]:
+    return [decode_entry(f).metadata for _, f in target(client, topic)]
+
+
+async def test_a_triggered_one_shot_is_delivered_once_now_and_gone(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([env(1, T0 + 3_600_000, sid="a")])
+    clock.set(T0 + 5)
+    got = await engine.trigger("a", reason="test")
+    assert (got.status, got.topic, got.at_ms) == (TRIGGERED, "orders", T0 + 5)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    assert metadata(redis_client)[0]["scheduler"] == "a"
+    # The fire stamps its occurrence's time: the trigger's.
+    assert metadata(redis_client)[0][OCCURRENCE_KEY] == format_instant(T0 + 5)
+    # Gone: nothing fires at its old time, and a second trigger finds it fired.
+    clock.set(T0 + 3_600_000)
+    await drain(engine)
+    assert payloads(redis_client) == [1]
+    assert (await engine.trigger("a")).status == FIRED
+    assert await engine.pending() == 0
+    [rec] = history(redis_client, "triggered")
+    assert (rec.id, rec.at_ms, rec.reason) == ("a", T0 + 5, "test")
+    [fired] = history(redis_client, "fired")
+    assert fired.due_ms == T0 + 5
+
+
+async def test_a_trigger_racing_the_fire_step_delivers_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    for round in range(20):
+        redis_client.flushall()
+        clock = ManualClock(T0 + 1_000)
+        engines = [make(aredis, clock) for _ in range(3)]
+        await engines[0].schedule([env(round, T0 + 1_000, sid="r")])
+
+        async def fire(e: DelayEngine) -> None:
+            await drain(e)
+
+        results = await asyncio.gather(
+            engines[0].trigger("r"), engines[1].trigger("r"), fire(engines[1]), fire(engines[2])
+        )
+        await drain(engines[0])
+        assert payloads(redis_client) == [round]
+        statuses = {r.status for r in results[:2]}
+        assert statuses <= {TRIGGERED, FIRED}
+
+
+async def test_a_trigger_racing_a_cancel_leaves_it_delivered_or_cancelled_never_both(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    for round in range(20):
+        redis_client.flushall()
+        clock = ManualClock(T0)
+        a, b = make(aredis, clock), make(aredis, clock)
+        await a.schedule([env(round, T0 + 60_000, sid="c")])
+        triggered, cancelled = await asyncio.gather(a.trigger("c"), b.cancel("c"))
+        await drain(a)
+        delivered = payloads(redis_client)
+        if cancelled:
+            # The cancel answered OK: nothing may go out, whatever the trigger said.
+            assert delivered == []
+        else:
+            assert triggered.status == TRIGGERED
+            assert delivered == [round]
+
+
+async def test_a_triggered_schedule_delivers_one_extra_occurrence_and_keeps_its_grid(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(7, 10_000, sid="tick")])
+    clock.set(T0 + 10_000)
+    await drain(engine)
+    clock.set(T0 + 12_345)
+    got = await engine.trigger("tick")
+    assert got.status == TRIGGERED
+    md = metadata(redis_client)
+    assert len(md) == 2
+    assert md[1]["scheduler"] == "tick"
+    assert md[1]["scheduleNext"] == format_instant(T0 + 20_000)
+    assert md[1][OCCURRENCE_KEY] == format_instant(T0 + 12_345) == "2027-01-15T08:00:12.345Z"
+    # The grid stands: the next occurrence is at 20 s, then 30 s.
+    clock.set(T0 + 19_999)
+    await drain(engine)
+    assert len(payloads(redis_client)) == 2
+    clock.set(T0 + 20_000)
+    await drain(engine)
+    assert payloads(redis_client) == [7, 7, 7]
+    assert [r.event for r in history(redis_client) if r.event in ("triggered", "fired")] == [
+        "fired",
+        "triggered",
+        "fired",
+    ]
+
+
+async def test_a_triggered_paused_schedule_delivers_once_and_stays_paused(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(3, 10_000, sid="p")])
+    assert (await engine.set_paused("p", pause=True)).status == "paused"
+    clock.set(T0 + 1_000)
+    assert (await engine.trigger("p")).status == TRIGGERED
+    assert payloads(redis_client) == [3]
+    assert metadata(redis_client)[0]["scheduleNext"] == "-"
+    for t in (10_000, 20_000, 30_000):
+        clock.set(T0 + t)
+        await drain(engine)
+    assert payloads(redis_client) == [3]
+    assert (await engine.set_paused("p", pause=True)).status == "already"
+
+
+async def test_a_triggered_paused_one_shot_is_delivered_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([env(4, T0 + 60_000, sid="q")])
+    await engine.set_paused("q", pause=True)
+    assert (await engine.trigger("q")).status == TRIGGERED
+    await drain(engine)
+    assert payloads(redis_client) == [4]
+    assert (await engine.set_paused("q", pause=False)).status == UNKNOWN
+
+
+async def test_reschedule_moves_a_one_shot_later_and_earlier(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([env(1, T0 + 10_000, sid="l"), env(2, T0 + 50_000, sid="e")])
+    assert (await engine.reschedule("l", T0 + 90_000, reason="op")).status == RESCHEDULED
+    got = await engine.reschedule("e", T0 + 5_000)
+    assert (got.status, got.at_ms) == (RESCHEDULED, T0 + 5_000)
+    clock.set(T0 + 5_000)
+    await drain(engine)
+    assert payloads(redis_client) == [2]
+    clock.set(T0 + 50_000)
+    await drain(engine)
+    assert payloads(redis_client) == [2]
+    clock.set(T0 + 90_000)
+    await drain(engine)
+    assert payloads(redis_client) == [2, 1]
+    moved = [r for r in history(redis_client, "rescheduled") if r.id == "l"]
+    assert moved[0].due_ms == T0 + 90_000
+    assert moved[0].reason == f"op from {format_instant(T0 + 10_000)}"
+
+
+async def test_a_reschedule_racing_the_fire_fires_once_and_answers_what_happened(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    for round in range(25):
+        redis_client.flushall()
+        clock = ManualClock(T0 + 1_000)
+        a, b = make(aredis, clock), make(aredis, clock)
+        await a.schedule([env(round, T0 + 1_000, sid="x")])
+        moved, _ = await asyncio.gather(a.reschedule("x", T0 + 500_000), drain(b))
+        if moved.status == RESCHEDULED:
+            # Moved first: nothing went out at the old time; it fires once at the new one.
+            assert payloads(redis_client) == []
+            clock.set(T0 + 500_000)
+            await drain(b)
+        else:
+            assert moved.status == FIRED
+        assert payloads(redis_client) == [round]
+
+
+async def test_a_reschedule_racing_a_cancel_never_revives_it(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    for _ in range(20):
+        redis_client.flushall()
+        clock = ManualClock(T0)
+        a, b = make(aredis, clock), make(aredis, clock)
+        await a.schedule([env(1, T0 + 60_000, sid="y")])
+        moved, cancelled = await asyncio.gather(a.reschedule("y", T0 + 1_000), b.cancel("y"))
+        assert cancelled
+        assert moved.status in (RESCHEDULED, UNKNOWN)
+        clock.set(T0 + 120_000)
+        await drain(a)
+        assert payloads(redis_client) == []
+        assert await a.pending() == 0
+
+
+async def test_a_recurring_schedule_cannot_be_rescheduled(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(1, 10_000, sid="r")])
+    before = redis_client.hget(KEYS.ids, "r")
+    assert (await engine.reschedule("r", T0 + 1)).status == RECURRING
+    assert redis_client.hget(KEYS.ids, "r") == before
+    assert history(redis_client, "rescheduled") == []
+
+
+async def test_unknown_ids_change_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([env(1, T0 + 10_000, sid="k")])
+    assert (await engine.trigger("nope")).status == UNKNOWN
+    assert (await engine.reschedule("nope", T0)).status == UNKNOWN
+    assert [r.event for r in history(redis_client)] == ["scheduled"]
+    assert await engine.pending() == 1
+
+
+async def test_a_triggered_schedule_with_a_source_delivers_the_sources_latest_message(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(1, 10_000, sid="s", schedule_source="sensor")])
+    # An empty source: nothing, as at a fire.
+    assert (await engine.trigger("s")).status == TRIGGERED
+    assert target(redis_client) == []
+    redis_client.xadd("sensor", {"data": b'{"n":41}', "metadata": '{"unit":"C"}'})
+    redis_client.xadd("sensor", {"data": b'{"n":42}', "metadata": '{"unit":"F"}'})
+    clock.set(T0 + 7)
+    assert (await engine.trigger("s")).status == TRIGGERED
+    assert payloads(redis_client) == [42]
+    [md] = metadata(redis_client)
+    assert md["unit"] == "F"
+    assert md["scheduler"] == "s"
+    assert md[OCCURRENCE_KEY] == format_instant(T0 + 7)
+
+
+async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    clock = ManualClock(T0)
+    engine = make(aredis, clock)
+    await engine.schedule([recurring(5, 10_000, sid="h", target_pubsub="kafka")])
+    assert (await engine.trigger("h")).status == TRIGGERED
+    assert target(redis_client) == []
+    [(_, fields)] = target(redis_client, KEYS.outbox)
+    assert fields[b"pubsub"] == b"kafka"
+    assert fields[b"topic"] == b"orders"
+    assert fields[b"id"] == b"h"

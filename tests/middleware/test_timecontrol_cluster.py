@@ -1,0 +1,128 @@
+"""Trigger and reschedule on a real 3-master Redis Cluster with several shard streams (the two-phase
+fire): a triggered one-shot is delivered once even racing replicas that fire it; a trigger or a
+reschedule landing while its occurrence is in flight (claimed, not yet appended) waits or answers
+`fired`, never delivering twice; a reschedule racing the fire is exactly once and its answer says
+what happened; a schedule's extra occurrence reaches its topic in another slot, stamped."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio.cluster as acluster
+import redis.cluster
+
+from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine.timecontrol import FIRED, OCCURRENCE_KEY, RESCHEDULED, TRIGGERED, UNKNOWN
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.instants import format_instant
+from tests.middleware.test_pause_cluster import T0, aclient, delivered, fire_all, msg, sharded
+
+__all__ = ["aclient"]  # the fixture, shared with the pause tests
+
+
+async def test_a_triggered_one_shot_on_a_cluster_is_delivered_once_racing_its_fire(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    for round in range(10):
+        admin.flushall()
+        clock = ManualClock(T0 + 1_000)
+        engines = [sharded(aclient, clock) for _ in range(3)]
+        sid = f"o-{round}"
+        await engines[0].schedule([msg(sid, T0 + 1_000 if round % 2 else T0 + 60_000)])
+        got = await asyncio.gather(
+            engines[0].trigger(sid), engines[1].trigger(sid), fire_all(engines[1]), fire_all(engines[2])
+        )
+        await fire_all(engines[0])
+        assert delivered(admin) == [sid]
+        assert {got[0].status, got[1].status} <= {TRIGGERED, FIRED}
+
+
+async def test_a_trigger_or_reschedule_landing_in_flight_never_delivers_twice(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    engine = sharded(aclient, clock)
+    await engine.schedule([msg("a", T0 + 1_000)])
+    clock.set(T0 + 1_000)
+    # A replica that claimed the occurrence and holds it, not yet appended, until `go_on`.
+    points: asyncio.Queue[str] = asyncio.Queue()
+    go_on = asyncio.Event()
+
+    async def fault(point: str) -> None:
+        await points.put(point)
+        if point == "claimed":
+            await go_on.wait()
+
+    fire = asyncio.create_task(fire_all(sharded(aclient, clock, fault)))
+    assert await asyncio.wait_for(points.get(), 10) == "claimed"
+    # In flight: a reschedule answers at once that it fired; a trigger waits for RELEASE.
+    assert (await engine.reschedule("a", T0 + 600_000)).status == FIRED
+    trigger = asyncio.create_task(engine.trigger("a"))
+    await asyncio.sleep(0.3)
+    assert not trigger.done()
+    go_on.set()
+    await fire
+    assert (await trigger).status == FIRED
+    clock.set(T0 + 600_000)
+    await fire_all(engine)
+    assert delivered(admin) == ["a"]
+
+
+async def test_a_reschedule_racing_the_fire_on_a_cluster_is_exactly_once(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    outcomes = set()
+    for round in range(12):
+        admin.flushall()
+        clock = ManualClock(T0 + 1_000)
+        a, b = sharded(aclient, clock), sharded(aclient, clock)
+        sid = f"r-{round}"
+        await a.schedule([msg(sid, T0 + 1_000)])
+        moved, _ = await asyncio.gather(a.reschedule(sid, T0 + 90_000), fire_all(b))
+        outcomes.add(moved.status)
+        if moved.status == RESCHEDULED:
+            assert delivered(admin) == []
+            clock.set(T0 + 90_000)
+            await fire_all(b)
+        else:
+            assert moved.status == FIRED
+        assert delivered(admin) == [sid]
+    assert outcomes <= {RESCHEDULED, FIRED}
+
+
+async def test_a_reschedule_racing_a_cancel_on_a_cluster_never_revives_it(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    for round in range(8):
+        admin.flushall()
+        clock = ManualClock(T0)
+        a, b = sharded(aclient, clock), sharded(aclient, clock)
+        sid = f"c-{round}"
+        await a.schedule([msg(sid, T0 + 60_000)])
+        moved, cancelled = await asyncio.gather(a.reschedule(sid, T0 + 1_000), b.cancel(sid))
+        assert cancelled
+        assert moved.status in (RESCHEDULED, UNKNOWN)
+        clock.set(T0 + 120_000)
+        await fire_all(a)
+        assert delivered(admin) == []
+
+
+async def test_a_triggered_schedule_on_a_cluster_delivers_an_extra_stamped_occurrence(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    engine = sharded(aclient, clock)
+    await engine.schedule([msg("tick", T0 + 1_000, recurring=True)])
+    clock.set(T0 + 400)
+    assert (await engine.trigger("tick")).status == TRIGGERED
+    assert (await engine.trigger("nope")).status == UNKNOWN
+    rows = admin.xrange("orders")
+    assert rows
+    assert len(rows) == 1
+    md = decode_entry(dict(rows[0][1])).metadata  # type: ignore[arg-type]
+    assert md["scheduler"] == "tick"
+    assert md[OCCURRENCE_KEY] == format_instant(T0 + 400)
+    assert md["scheduleNext"] == format_instant(T0 + 1_000)
+    clock.set(T0 + 1_000)
+    await fire_all(engine)
+    assert delivered(admin) == ["tick", "tick"]
