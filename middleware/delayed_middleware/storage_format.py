@@ -32,7 +32,7 @@ occurrence's `scheduleOccurrence` from its due time: the jittered one, for a jit
 and the `occ` field of a `fired` history record (the occurrence's nominal time, written only
 where it differs from `due`): the history is a flat field set whose readers ignore fields they
 do not know (release 0.1.0's history.decode_record and 0.2.0's decode_record / record_problem;
-tests/middleware/test_backfill.py reads such records with the previous release's reader), and
+tests/middleware/test_backfill.py reads such records with both releases' readers), and
 a release without it matches a backfill against the due time's window, as before.
 
 The rollback window: a version writes the format it finds (or the one the

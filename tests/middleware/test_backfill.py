@@ -6,13 +6,12 @@ out (occurrences the schedule fired itself)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
-import subprocess
+import json
+import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -36,8 +35,7 @@ from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
 from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.schedules import EnvelopeRecurrence, next_fire, occurrences, parse_stored_schedule
 from delayed_middleware.zones import local_time, parse_time_zone
-from tests.components.serve import ROOT
-from tests.components.test_upgrade import previous_release
+from tests.components.test_upgrade import release_tree
 from tests.middleware.engine.helpers import two_phase_engines
 from tests.redis_server import stream_entries
 from tests.waiting import wait_until
@@ -618,44 +616,46 @@ async def test_a_schedule_cancelled_or_replaced_mid_backfill_stops_it(
     assert events(redis_client, "backfilled") == list(result.deliver)
 
 
-@pytest.fixture
-def previous_history(tmp_path: Path) -> Iterator[Any]:
-    """The previous release's history module (its history.py, from this repository's history:
-    standard library imports only)."""
-    commit, _ = previous_release()
-    source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{commit}:middleware/delayed_middleware/history.py"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    (tmp_path / "previous_history.py").write_bytes(source)
-    spec = importlib.util.spec_from_file_location("previous_history", tmp_path / "previous_history.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+# Run by a release's own Python package: each history entry (JSON lines of [stream id, fields]) as
+# that release's decode_record reads it, and (where it has one) its record_problem's verdict.
+READ_WITH_RELEASE = """
+import json, sys
+from delayed_middleware import history
+assert history.__file__.startswith(sys.argv[1]), history.__file__  # that release's, not this one's
+for line in sys.stdin:
+    i, f = json.loads(line)
+    r = history.decode_record(i, f)
+    problem = history.record_problem(f) if hasattr(history, "record_problem") else None
+    print(json.dumps([r.event, r.id, r.due_ms, r.at_ms, r.lateness_ms, problem]))
+"""
 
 
-async def test_the_previous_release_reads_a_fired_record_naming_its_occurrence(
-    aredis: Make, redis_client: redis.Redis, previous_history: Any
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.0"])
+async def test_an_earlier_release_reads_a_fired_record_naming_its_occurrence(
+    aredis: Make, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory, version: str
 ) -> None:
-    # A rollback reads the records this release wrote: the history is a flat field set, and the
-    # previous release's reader ignores `occ`.
+    # A rollback reads the records this release wrote: the history is a flat field set, and an
+    # earlier release's reader (its own package, from this repository's history) ignores `occ`.
+    tree = release_tree(tmp_path_factory, version)
     engine, clock = await caught_up_to_0200(aredis)
     await fire_until(engine, clock, "2026-11-28T05:31:00Z")
     rows = stream_entries(redis_client, KEYS.history)
     assert any(b"occ" in f for _, f in rows)
-    for i, f in rows:
-        now, then = decode_record(i, f), previous_history.decode_record(i, f)
-        assert (then.event, then.id, then.due_ms, then.at_ms, then.lateness_ms) == (
-            now.event,
-            now.id,
-            now.due_ms,
-            now.at_ms,
-            now.lateness_ms,
-        )
+    lines = "".join(
+        json.dumps([str(i), {k.decode(): v.decode() for k, v in f.items()}]) + "\n" for i, f in rows
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        READ_WITH_RELEASE,
+        str(tree),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(tree / "middleware")},
+    )
+    out, err = await proc.communicate(lines.encode())
+    assert proc.returncode == 0, err.decode()
+    then = [json.loads(line) for line in out.decode().splitlines()]
+    now = [decode_record(i, f) for i, f in rows]
+    assert then == [[r.event, r.id, r.due_ms, r.at_ms, r.lateness_ms, None] for r in now]
