@@ -2,9 +2,10 @@
 
 Delivers the occurrences a pending recurring schedule would have had in [T1, T2)
 (delayed_middleware.backfill says what, and what it leaves out). Run by
-operate.run like every operator command: exit 0 done, 1 the ID was not found,
-2 a refused range, rate or ID (one-shot, parked), 3 Redis unreachable or an occurrence
-refused by its target (left for a later run).
+operate.run like every operator command: exit 0 done, 1 the ID was not found, or
+the schedule was cancelled or replaced while the backfill ran (it stopped before its
+next chunk; `--json`'s `stopped` says which), 2 a refused range, rate or ID (one-shot,
+parked), 3 Redis unreachable or an occurrence refused by its target (left for a later run).
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ async def run_backfill(
     else:
         _print(result, out)
     # An occurrence its target refused (a key that is no stream) is left for a later run: say so.
-    return operate.EXIT_REDIS if result.failed else operate.EXIT_OK
+    if result.failed:
+        return operate.EXIT_REDIS
+    # Stopped: the schedule it backfilled is gone (cancelled) or another one now (replaced).
+    return operate.EXIT_NOT_FOUND if result.stopped else operate.EXIT_OK
 
 
 def _print(result: bf.BackfillResult, out: Console) -> None:
@@ -115,6 +119,10 @@ def _print(result: bf.BackfillResult, out: Console) -> None:
             f"{result.unverified} of them were due while the schedule existed but before its oldest "
             "history record: whether it fired them is not known (see docs/operations.md)"
         )
+    if result.empty:
+        lines.append(f"{result.empty} delivered nothing: its scheduleSource held no entry at their due time")
+    if result.stopped:
+        lines.append(f"stopped: the schedule was {result.stopped} while the backfill ran")
     for ms, why in result.failed:
         lines.append(f"failed {format_instant(ms)}: {why}")
     out.file.write("\n".join(printable(line) for line in lines) + "\n")

@@ -893,6 +893,8 @@ def history_json(cursor: str, r: hist.HistoryRecord) -> dict[str, Any]:
         "attempt": r.attempt,
         "reason": r.reason,
         "schedule": r.schedule or None,
+        # A fire's occurrence when it is not `due` (jittered, paced); null: `due` is its own.
+        "occurrence": display_instant(r.occurrence_ms) or None,
     }
 
 

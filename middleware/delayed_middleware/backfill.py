@@ -17,15 +17,22 @@ time is in [T1, T2):
 - and one `backfilled` history record each (`due` = the nominal time).
 
 What it leaves out:
-- occurrences the schedule fired itself (its `fired` history records name the
-  occurrence's due time). The history is read as far as it reaches: an
+- occurrences the schedule fired itself: its `fired` history records name the
+  occurrence (`occ`, written when a fire's due time is not the nominal one:
+  jitter, a paced catch-up), else their due time is the occurrence's window (a
+  record of a release before `occ`: its due time may be jittered). The history is read as far as it reaches: an
   occurrence due after the schedule was accepted but before the history's
   oldest record may have been fired with its record trimmed since; it is
   delivered, and counted as `unverified` (the dry run shows how many);
 - occurrences at or after the schedule's pending one (it fires those itself,
   or skips them as missed: a later backfill then finds them);
 - occurrences after now (a jittered due time not yet reached);
-- occurrences a backfill delivered before (the record below).
+- occurrences a backfill delivered before (the record below);
+- with `scheduleSource`, occurrences whose source held nothing at their due
+  time (or was trimmed since): counted as `empty`, not recorded (EMPTY).
+
+A backfill stops before its next chunk when the schedule was cancelled or
+replaced since it began (`stopped`): a chunk already sent still goes out.
 
 Exactly once across backfills: each occurrence enters a per-schedule record
 (keys.backfill_record: a sorted set of nominal times in the target's slot) in
@@ -89,6 +96,15 @@ HISTORY_PAGE: Final = 100
 # lua/backfill.lua's statuses besides an error text.
 OK: Final = "ok"
 DUP: Final = "dup"
+# Not a script status: an occurrence whose `scheduleSource` held nothing at its due time (or was
+# trimmed since) delivers nothing, as its fire would have. Not recorded: a later backfill looks
+# again (and finds the same: entries added since have later ids), so it is never counted as
+# backfilled before, and writes no `backfilled` record.
+EMPTY: Final = "empty"
+# Why a backfill stopped before the end (BackfillResult.stopped): the schedule's ids ref no longer
+# names the envelope it started with, checked before each chunk.
+CANCELLED: Final = "cancelled"
+REPLACED: Final = "replaced"
 
 _MAX_SEQ: Final = "18446744073709551615"
 
@@ -131,6 +147,10 @@ class BackfillResult:
     unverified: in `deliver`, due after the schedule's acceptance but before the
         history's oldest record: whether the schedule fired them is unknown.
     failed: (nominal ms, why) of occurrences the target refused (not recorded).
+    empty: occurrences of a `scheduleSource` schedule whose source held nothing at their due
+        time: nothing delivered, nothing recorded (a dry run does not read the source).
+    stopped: '' when it ran to the end; `cancelled` or `replaced` when the schedule was while it
+        ran (checked before each chunk: the chunk in flight then still goes out).
     """
 
     id: str
@@ -148,6 +168,8 @@ class BackfillResult:
     unverified: int = 0
     failed: tuple[tuple[int, str], ...] = ()
     elapsed_s: float = 0.0
+    empty: int = 0
+    stopped: str = ""
 
     @property
     def destination(self) -> str:
@@ -171,6 +193,8 @@ class BackfillResult:
             "leftToSchedule": self.left_to_schedule,
             "unverified": self.unverified,
             "failed": [{"occurrence": format_instant(ms), "error": why} for ms, why in self.failed],
+            "empty": self.empty,
+            "stopped": self.stopped or None,
             "elapsedSeconds": round(self.elapsed_s, 3),
         }
 
@@ -249,6 +273,7 @@ async def backfill(
     clock: Clock | None = None,
     retention: hist.Retention | None = None,
     progress: Callable[[int, int], None] | None = None,
+    max_seconds: float | None = None,
 ) -> BackfillResult:
     """Deliver (or, `dry_run`, list) the occurrences of schedule `id` in [start_ms, end_ms).
 
@@ -260,6 +285,8 @@ async def backfill(
         retention: the component's history settings (historyMaxLen, historyMaxAge):
             the `backfilled` records are bound by them; max_len 0 writes none.
         progress: called with (done, total) after each chunk.
+        max_seconds: refuse (BackfillRefusedError naming `rate`) a delivery whose occurrences at
+            `rate` take longer than this (the dashboard: it runs inside an HTTP request).
 
     Raises:
         ScheduleNotFoundError: nothing pending has this id.
@@ -293,9 +320,9 @@ async def backfill(
     )
     started = time.monotonic()
     pending = await _pending_nominal(client, run)
-    fired_dues, reach_ms = await _fired(inspector, client, run, start_ms)
+    fires, reach_ms = await _fired(inspector, client, run, start_ms)
     left = [o for o in planned if o.due_ms >= info.message.due_ms or o.nominal_ms >= pending]
-    candidates = [o for o in _not_left(planned, left) if not _was_fired(o, fired_dues)]
+    candidates = [o for o in _not_left(planned, left) if not fires.fired(o)]
     fired = len(planned) - len(left) - len(candidates)
     base = BackfillResult(
         id=info.message.id,
@@ -320,15 +347,26 @@ async def backfill(
             unverified=_unverified(todo, info, reach_ms),
             elapsed_s=time.monotonic() - started,
         )
-    statuses = await _deliver(run, todo, rate, progress)
-    sent = [o for o in todo if statuses[o.nominal_ms] == OK]
+    if max_seconds is not None and len(todo) / rate > max_seconds:
+        raise BackfillRefusedError(
+            "rate",
+            f"{rate:g}",
+            f"{len(todo):,} occurrences in [{format_instant(start_ms)}, {format_instant(end_ms)}) take "
+            f"~{len(todo) / rate:,.0f} s at this rate, more than {max_seconds:g} s: give a higher rate "
+            "or a shorter range, or run `delayed-pubsub backfill` from the command line",
+        )
+    statuses, stopped = await _deliver(run, todo, rate, progress)
+    sent = [o for o in todo if statuses.get(o.nominal_ms) == OK]
+    settled = (OK, DUP, EMPTY, None)
     return replace(
         base,
         deliver=tuple(o.nominal_ms for o in sent),
         delivered=len(sent),
         already=len(done) + sum(1 for s in statuses.values() if s == DUP),
         unverified=_unverified(sent, info, reach_ms),
-        failed=tuple((o.nominal_ms, s) for o in todo if (s := statuses[o.nominal_ms]) not in (OK, DUP)),
+        failed=tuple((o.nominal_ms, s) for o in todo if (s := statuses.get(o.nominal_ms)) not in settled),
+        empty=sum(1 for s in statuses.values() if s == EMPTY),
+        stopped=stopped,
         elapsed_s=time.monotonic() - started,
     )
 
@@ -364,24 +402,42 @@ def _make_run(
     return _Run(client, info, shard_keys, key, target, record, schedule, retention, clock)
 
 
-async def _fired(
-    inspector: Inspector, client: AnyRedis, run: _Run, start_ms: int
-) -> tuple[list[int], int | None]:
-    """The due times of the schedule's `fired` records from `start_ms` on (sorted), and when the shard's
-    history begins (its oldest record's time; None: no history). Read after the schedule's pending
-    occurrence was (MessageInfo): every occurrence before that one has its record written by now."""
+@dataclass(frozen=True)
+class _Fires:
+    """What the schedule's `fired` records say it fired: the occurrences they name (`occ`, or a
+    `due` written with none: a fire at its nominal time), and the due times of records from
+    releases before `occ` (a due time that may be jittered: matched by window)."""
+
+    named: frozenset[int]
+    unnamed_dues: tuple[int, ...]
+
+    def fired(self, o: Occurrence) -> bool:
+        return o.nominal_ms in self.named or _was_fired(o, self.unnamed_dues)
+
+
+async def _fired(inspector: Inspector, client: AnyRedis, run: _Run, start_ms: int) -> tuple[_Fires, int | None]:
+    """The schedule's `fired` records from `start_ms` on, and when the shard's history begins (its
+    oldest record's time; None: no history). Read after the schedule's pending occurrence was
+    (MessageInfo): every occurrence before that one has its record written by now."""
+    named: set[int] = set()
     dues: set[int] = set()
     # From 1970 at the earliest: a history record's time is its stream id, never negative.
     records = inspector.history_forward(id=run.info.message.id, since_ms=max(0, start_ms))
     try:
         async for _, record in records:
-            if record.event == hist.FIRED and record.due_ms is not None:
+            if record.event != hist.FIRED or record.due_ms is None:
+                continue
+            if record.occurrence_ms is not None:
+                # Jittered or paced: `due` lies anywhere (a catch-up's, after the span).
+                named.add(record.occurrence_ms)
+            else:
+                # Its nominal time, or (an older release's record) a due time in its window.
                 dues.add(record.due_ms)
     finally:
         await records.aclose()
     head: Any = await client.xrange(run.shard_keys.history, "-", "+", count=1)
     reach = int(shown(head[0][0]).partition("-")[0]) if head else None
-    return sorted(dues), reach
+    return _Fires(frozenset(named), tuple(sorted(dues))), reach
 
 
 def _not_left(planned: Sequence[Occurrence], left: Sequence[Occurrence]) -> list[Occurrence]:
@@ -427,14 +483,21 @@ async def _recorded(client: AnyRedis, record: str, planned: Sequence[Occurrence]
 
 async def _deliver(
     run: _Run, todo: Sequence[Occurrence], rate: float, progress: Callable[[int, int], None] | None
-) -> dict[int, str]:
-    """Deliver `todo` in chunks paced to `rate` per second; each occurrence's status."""
+) -> tuple[dict[int, str], str]:
+    """Deliver `todo` in chunks paced to `rate` per second; each occurrence's status (none for those
+    not reached), and why it stopped early ('' when it did not)."""
     statuses: dict[int, str] = {}
     per_chunk = max(1, min(CHUNK_OCCURRENCES, int(rate)))
     started = time.monotonic()
     for i in range(0, len(todo), per_chunk):
+        # Between chunks, not in the script: the ids ref lives in the shard's slot, the target in
+        # its own (Cluster). A cancel or replace is so seen within one chunk.
+        stopped = await _withdrawn(run)
+        if stopped:
+            return statuses, stopped
         chunk = todo[i : i + per_chunk]
         messages = await _messages(run, chunk)
+        statuses.update({o.nominal_ms: EMPTY for o, msgs in zip(chunk, messages, strict=True) if not msgs})
         for part in _split(chunk, messages):
             got = await _call(run, part)
             statuses.update(got)
@@ -447,7 +510,16 @@ async def _deliver(
         if wait > 0 and done < len(todo):
             # Wall-clock pacing (Redis's load), whatever clock the occurrences are judged by.
             await asyncio.sleep(wait)
-    return statuses
+    return statuses, ""
+
+
+async def _withdrawn(run: _Run) -> str:
+    """'' while the schedule's ids ref still names the envelope this backfill started with, else why
+    not: `cancelled` (no ref) or `replaced` (another envelope under its id)."""
+    ref: Any = await run.client.hget(run.shard_keys.ids, run.key)
+    if ref is None:
+        return CANCELLED
+    return "" if shown(ref).split()[0] == run.info.message.stream_id else REPLACED
 
 
 # One occurrence's messages: each the flat field/value list of one XADD.
@@ -531,6 +603,8 @@ def _split(
     part: list[tuple[Occurrence, list[_Fields]]] = []
     size = entries = 0
     for o, msgs in zip(chunk, messages, strict=True):
+        if not msgs:
+            continue  # an empty source's occurrence: nothing to deliver or record (EMPTY)
         bytes_ = sum(len(x) for fields in msgs for x in fields)
         if part and (size + bytes_ > CHUNK_BYTES or entries + len(msgs) > CHUNK_ENTRIES):
             yield part

@@ -22,6 +22,7 @@ Each entry is a flat set of string fields:
 | `reason`  | parked / expired / cancelled / deadlettered / paused / resumed: why; completed: `NoNextFire`; lost: `EnvelopeGone`; recovered: `NotIndexed`; skipped: `CatchupNone` or `CatchupWindow`, the count and span ('' otherwise) |
 | `schedule`| the schedule expression of a recurring envelope ('' otherwise) |
 | `prev`    | the entry id of the previous record of the same `id` when `id` is not a stream id ('' otherwise, and on the first) |
+| `occ`     | fired only, optional: the nominal time (epoch ms) of the occurrence it delivered, written only when it differs from `due` (a jittered or paced fire); absent: `due` is the occurrence's (or the record predates the field) |
 
 Fields may be added later; readers must ignore unknown ones.
 
@@ -104,6 +105,10 @@ EVENTS: Final = (
 # A record's `kind`: a Kind label (delayed_middleware.kinds).
 KINDS: Final = LABELS
 
+# The optional field of a `fired` record naming its occurrence's nominal time (lua/history.lua
+# writes it only when it differs from `due`); not in FIELDS: a record without it is complete.
+OCCURRENCE: Final = "occ"
+
 FIELDS: Final = (
     "event",
     "at",
@@ -137,6 +142,8 @@ class HistoryRecord:
     attempt: int
     reason: str
     schedule: str
+    # `occ`: the nominal time of the occurrence a `fired` record delivered, when not its `due`.
+    occurrence_ms: int | None = None
 
 
 # The history's retention when none is configured, for the engine (EngineConfig) and every other
@@ -246,6 +253,7 @@ def decode_record(stream_id: str | bytes, fields: Mapping[bytes, bytes] | Mappin
         attempt=_int(f.get("attempt", ""), 1) or 1,
         reason=f.get("reason", ""),
         schedule=f.get("schedule", ""),
+        occurrence_ms=_int(f.get(OCCURRENCE, ""), None),
     )
 
 

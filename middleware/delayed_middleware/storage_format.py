@@ -28,7 +28,12 @@ an occurrence's nominal time beside its due time in the ids ref (two more parts,
 written only where they differ from the due times: jitter, a paced catch-up;
 an older release reads the first five parts and fires the occurrence all the
 same, and a ref it rewrites without them makes this release stamp that one
-occurrence's `scheduleOccurrence` from its due time: the jittered one, for a jittered schedule).
+occurrence's `scheduleOccurrence` from its due time: the jittered one, for a jittered schedule),
+and the `occ` field of a `fired` history record (the occurrence's nominal time, written only
+where it differs from `due`): the history is a flat field set whose readers ignore fields they
+do not know (release 0.1.0's history.decode_record and 0.2.0's decode_record / record_problem;
+tests/middleware/test_backfill.py reads such records with both releases' readers), and
+a release without it matches a backfill against the due time's window, as before.
 
 The rollback window: a version writes the format it finds (or the one the
 `storageFormat` setting names), so an upgrade keeps writing the previous

@@ -560,6 +560,12 @@ async def test_backfill_is_a_dry_run_unless_asked_and_delivers_once(
     assert (listed["dryRun"], listed["delivered"], len(listed["deliver"])) == (True, 0, 3)
     assert listed["deliver"] == [format_instant(end - k * HOUR) for k in (3, 2, 1)]
     assert not redis_client.exists("ticks"), "a dry run delivered"
+    # 3 occurrences at 0.05/s (~60 s) would hold the request past its 30 s bound: left to the CLI.
+    slow = error_of(await call("POST", url, json={**body, "rate": "0.05/s", "dryRun": False}, headers=BEARER))
+    assert slow[:2] == (400, "bad_parameter"), slow
+    assert slow[2].startswith("rate="), slow
+    assert "delayed-pubsub backfill" in slow[2], slow
+    assert not redis_client.exists("ticks"), "a refused backfill delivered"
 
     done = (await call("POST", url, json={**body, "dryRun": False}, headers=BEARER)).json()
     again = (await call("POST", url, json={**body, "dryRun": False}, headers=BEARER)).json()

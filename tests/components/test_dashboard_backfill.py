@@ -30,20 +30,27 @@ async def post(url: str, **kwargs: Any) -> httpx.Response:
         return await client.post(url, **kwargs)
 
 
-async def test_backfill_shows_the_dry_run_first_then_delivers_once(
+@pytest.fixture
+async def hourly(
     component: Callable[[str], Component],
     props: dict[str, str],
     conn: list[str],
     dashboard: Callable[..., Dashboard],
-    redis_client: redis.Redis,
-) -> None:
+) -> tuple[int, str]:
+    """Schedule `hourly` published through a component, and a dashboard with actions on: (the last
+    whole hour, the backfill action's URL)."""
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
     await c.publish("orders", b"tick", {"schedule": "0 0 * * * *", "scheduleId": "hourly"})
-    end = now_ms() // HOUR * HOUR
-    form = {"id": "hourly", "from": format_instant(end - 3 * HOUR), "to": format_instant(end)}
     d = dashboard(*conn, "--allow-actions", "--token-env", "DASH_TOKEN", env={"DASH_TOKEN": TOKEN})
-    url = f"{d.url}/actions/backfill"
+    return now_ms() // HOUR * HOUR, f"{d.url}/actions/backfill"
+
+
+async def test_backfill_shows_the_dry_run_first_then_delivers_once(
+    hourly: tuple[int, str], redis_client: redis.Redis
+) -> None:
+    end, url = hourly
+    form = {"id": "hourly", "from": format_instant(end - 3 * HOUR), "to": format_instant(end)}
 
     page = await post(url, data=form, headers={**HEADERS, "Accept": "text/html"})
     assert page.status_code == 200, page.text
@@ -64,3 +71,30 @@ async def test_backfill_shows_the_dry_run_first_then_delivers_once(
     assert unknown.status_code == 404
     forbidden = await post(url, data={**form, "confirm": "yes"})
     assert forbidden.status_code == 403
+
+
+async def test_a_backfill_longer_than_the_request_may_take_is_refused_and_left_to_the_cli(
+    hourly: tuple[int, str], redis_client: redis.Redis
+) -> None:
+    end, url = hourly
+    # 3 occurrences at 0.05/s: ~60 s, past the dashboard's 30 s bound (it runs inside the request).
+    form = {
+        "id": "hourly",
+        "from": format_instant(end - 3 * HOUR),
+        "to": format_instant(end),
+        "rate": "0.05/s",
+    }
+
+    slow = await post(url, data={**form, "confirm": "yes"}, headers=HEADERS)
+    assert slow.status_code == 400, slow.text
+    message = slow.json()["message"]
+    assert message.startswith("rate '0.05'"), message
+    assert "3 occurrences in" in message
+    assert "delayed-pubsub backfill" in message
+    assert not redis_client.exists("orders")
+    # The dry run changes nothing: still shown, whatever the rate.
+    dry = await post(url, data=form, headers=HEADERS)
+    assert dry.status_code == 200
+    assert len(dry.json()["result"]["deliver"]) == 3
+    quick = await post(url, data={**form, "rate": "1/s", "confirm": "yes"}, headers=HEADERS)
+    assert quick.json()["result"]["delivered"] == 3

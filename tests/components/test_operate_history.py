@@ -12,13 +12,14 @@ from typing import Any
 
 import redis
 
+from delayed_middleware.entry import decode_entry
 from delayed_middleware.history import EVENTS, Retention
 from delayed_middleware.inspector import HISTORY_SLACK_MS
-from delayed_middleware.instants import format_instant
+from delayed_middleware.instants import format_instant, parse_instant
 from delayed_middleware.keys import EngineKeys, delayed_topic, shard_topics
 from tests.components.conftest import history_fields, run_cli, write_history
 from tests.components.driver import Component
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, stream_entries
 
 Factory = Callable[[str], Component]
 HISTORY = EngineKeys.for_topic(delayed_topic("app1")).history
@@ -86,6 +87,7 @@ def test_history_limit_0_json_streams_every_record_in_bounded_memory(
         "attempt": 1,
         "reason": "",
         "schedule": None,
+        "occurrence": None,
     }
     assert result.err == ""  # stdout is the JSON, nothing else anywhere
     assert result.peak_rss_mb < RSS_BOUND_MB, result.peak_rss_mb
@@ -310,3 +312,29 @@ async def test_history_of_a_schedule_id_reads_its_own_records_not_the_whole_hist
             assert events == ["scheduled"] + ["fired"] * (len(events) - 2) + ["cancelled"], events
         # One XRANGE per record of tick and a few more: not a page of the other 40,000.
         assert reads <= 2 * len(events) + 6, (flags, reads)
+
+
+async def test_history_json_names_the_occurrence_of_a_jittered_fire(
+    component: Factory, props: dict[str, str], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    c = component("delayed")
+    await c.init({**props, "enableDelayedMessaging": "true"})
+    await c.publish("orders", b"tick", {"schedule": "@every 2s", "scheduleJitter": "1s", "scheduleId": "j"})
+    deadline = time.monotonic() + 30
+    while len(stream_entries(redis_client, "orders")) < 2:
+        assert time.monotonic() < deadline, "the schedule did not fire twice within 30 s"
+        await asyncio.sleep(0.2)
+    result = run_cli("history", *conn(redis_server, "--id", "j", "--json"))
+    assert result.code == 0, result.err
+    fired = [r for r in result.json() if r["event"] == "fired"]
+    assert len(fired) >= 2, result.json()
+    # Due up to 1 s after its occurrence's nominal time (a 1 ms jitter of 0 writes no `occurrence`).
+    named = [r for r in fired if r["occurrence"] is not None]
+    assert named, fired
+    for r in named:
+        assert 0 < parse_instant(r["due"]) - parse_instant(r["occurrence"]) < 1000, r
+    # The metadata each fire stamped names the same occurrence.
+    stamped = {
+        decode_entry(f).metadata["scheduleOccurrence"] for _, f in stream_entries(redis_client, "orders")
+    }
+    assert {r["occurrence"] for r in named} <= stamped

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,7 +35,10 @@ from delayed_middleware.plan import PlanContext, plan_bulk, plan_publish
 from delayed_middleware.publish_keys import SCHEDULE_OCCURRENCE
 from delayed_middleware.schedules import EnvelopeRecurrence, next_fire, occurrences, parse_stored_schedule
 from delayed_middleware.zones import local_time, parse_time_zone
+from tests.components.test_upgrade import release_tree
+from tests.middleware.engine.helpers import two_phase_engines
 from tests.redis_server import stream_entries
+from tests.waiting import wait_until
 
 KEYS = EngineKeys.for_topic(delayed_topic("app"))
 BERLIN = parse_time_zone("Europe/Berlin")
@@ -71,6 +77,15 @@ def ms(text: str) -> int:
 async def daily(aredis: Make, clock: ManualClock, start: str, end: str, **kwargs: Any) -> BackfillResult:
     """Backfill schedule `daily` of app `app` over [start, end) (RFC 3339) at the clock's time."""
     return await backfill(aredis(), "app", "daily", ms(start), ms(end), clock=clock, **kwargs)
+
+
+@pytest.fixture(params=("fire", "two-phase"))
+def fire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both fire paths: on "two-phase" every engine this module builds fires through CLAIM, APPEND
+    and RELEASE (Redis Cluster's path)."""
+    if request.param == "two-phase":
+        two_phase_engines(sys.modules[__name__], monkeypatch)
+    return str(request.param)
 
 
 HOURLY = {"schedule": "@hourly", "scheduleId": "hourly"}
@@ -274,8 +289,17 @@ async def test_a_source_schedule_delivers_the_sample_the_source_held_at_each_occ
     result = await backfill(
         aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
     )
-    # 00:00: the source held nothing yet; an occurrence that delivers nothing is still done.
-    assert result.delivered == 3
+    # 00:00: the source held nothing yet: delivers nothing, counted apart, recorded nowhere.
+    assert (result.delivered, result.empty, result.deliver) == (
+        2,
+        1,
+        (ms("2026-11-28T01:00:00Z"), ms("2026-11-28T02:00:00Z")),
+    )
+    assert result.as_json()["empty"] == 1
+    assert events(redis_client, "backfilled") == list(result.deliver)
+    assert redis_client.zrange(backfill_record("orders", KEYS.stream, "h"), 0, -1) == [
+        str(m).encode() for m in result.deliver
+    ]
     got = [
         (decode_entry(f).data, decode_entry(f).metadata) for _, f in stream_entries(redis_client, "orders")
     ]
@@ -295,9 +319,10 @@ async def test_a_source_whose_key_is_no_stream_gives_nothing_as_a_fire_and_stops
     result = await backfill(
         aredis(), "app", "h", ms("2026-11-28T00:00:00Z"), ms("2026-11-28T03:00:00Z"), clock=clock
     )
-    # As a fire of that source: each occurrence is done and delivers nothing.
-    assert (result.delivered, result.failed) == (3, ())
+    # As a fire of that source: each occurrence delivers nothing (empty), and fails nothing.
+    assert (result.delivered, result.empty, result.failed) == (0, 3, ())
     assert not redis_client.exists("orders")
+    assert events(redis_client, "backfilled") == []
 
 
 async def test_a_target_pubsub_schedule_is_backfilled_into_its_outbox(
@@ -544,16 +569,16 @@ async def test_a_catch_up_in_progress_keeps_the_occurrences_it_will_fire(
     assert sorted(hours) == [f"2026-11-28T0{h}:00:00.000Z" for h in range(1, 6)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a paced catch-up's `fired` records name its paced due times, not the occurrences: "
-    "the history cannot tell which occurrence fired (needs the nominal time in the record)",
-)
 async def test_a_finished_catch_up_leaves_nothing_to_backfill(
-    aredis: Make, redis_client: redis.Redis
+    aredis: Make, redis_client: redis.Redis, fire_path: str
 ) -> None:
     engine, clock = await caught_up_to_0200(aredis)
     await fire_until(engine, clock, "2026-11-28T05:31:00Z")
+    # The paced fires' records name their occurrences (`occ`), their due times being after 05:30;
+    # 02:00 fired at its own due time (no `occ`).
+    records = [decode_record(i, f) for i, f in stream_entries(redis_client, KEYS.history)]
+    named = sorted(r.occurrence_ms for r in records if r.event == "fired" and r.occurrence_ms is not None)
+    assert named == [ms(f"2026-11-28T0{h}:00:00Z") for h in range(3, 6)]
     result = await backfill(
         aredis(),
         "app",
@@ -564,3 +589,73 @@ async def test_a_finished_catch_up_leaves_nothing_to_backfill(
         dry_run=True,
     )
     assert result.deliver == ()
+
+
+@pytest.mark.parametrize("withdraw", ["cancelled", "replaced"])
+async def test_a_schedule_cancelled_or_replaced_mid_backfill_stops_it(
+    aredis: Make, redis_client: redis.Redis, withdraw: str
+) -> None:
+    engine, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
+    start = ms("2026-11-28T11:00:00Z")
+    # 2/s: chunks of 2, half a second apart between chunks; 20 occurrences would take ~10 s.
+    run = asyncio.create_task(backfill(aredis(), "app", "m", start, start + 20 * 60_000, rate=2, clock=clock))
+    await wait_until(lambda: redis_client.xlen("orders") >= 2)
+    if withdraw == "cancelled":
+        assert await engine.cancel("m")
+    else:
+        ctx = PlanContext(now_ms=clock.now_ms(), pubsub_name="p", enabled=True)
+        plan = plan_publish("orders", b"new", {**EVERY_MINUTE, "schedule": "@every 2m"}, "", ctx)
+        await engine.schedule([d.envelope for d in plan.delayed])
+    at_withdrawal = redis_client.xlen("orders")
+    result = await asyncio.wait_for(run, 10)
+    # Checked before each chunk: at most the chunk in flight (2) goes out after the withdrawal.
+    assert result.stopped == withdraw
+    assert result.as_json()["stopped"] == withdraw
+    assert result.delivered == redis_client.xlen("orders") <= at_withdrawal + 2
+    assert result.delivered < 20
+    assert events(redis_client, "backfilled") == list(result.deliver)
+
+
+# Run by a release's own Python package: each history entry (JSON lines of [stream id, fields]) as
+# that release's decode_record reads it, and (where it has one) its record_problem's verdict.
+READ_WITH_RELEASE = """
+import json, sys
+from delayed_middleware import history
+assert history.__file__.startswith(sys.argv[1]), history.__file__  # that release's, not this one's
+for line in sys.stdin:
+    i, f = json.loads(line)
+    r = history.decode_record(i, f)
+    problem = history.record_problem(f) if hasattr(history, "record_problem") else None
+    print(json.dumps([r.event, r.id, r.due_ms, r.at_ms, r.lateness_ms, problem]))
+"""
+
+
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.0"])
+async def test_an_earlier_release_reads_a_fired_record_naming_its_occurrence(
+    aredis: Make, redis_client: redis.Redis, tmp_path_factory: pytest.TempPathFactory, version: str
+) -> None:
+    # A rollback reads the records this release wrote: the history is a flat field set, and an
+    # earlier release's reader (its own package, from this repository's history) ignores `occ`.
+    tree = release_tree(tmp_path_factory, version)
+    engine, clock = await caught_up_to_0200(aredis)
+    await fire_until(engine, clock, "2026-11-28T05:31:00Z")
+    rows = stream_entries(redis_client, KEYS.history)
+    assert any(b"occ" in f for _, f in rows)
+    lines = "".join(
+        json.dumps([str(i), {k.decode(): v.decode() for k, v in f.items()}]) + "\n" for i, f in rows
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        READ_WITH_RELEASE,
+        str(tree),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(tree / "middleware")},
+    )
+    out, err = await proc.communicate(lines.encode())
+    assert proc.returncode == 0, err.decode()
+    then = [json.loads(line) for line in out.decode().splitlines()]
+    now = [decode_record(i, f) for i, f in rows]
+    assert then == [[r.event, r.id, r.due_ms, r.at_ms, r.lateness_ms, None] for r in now]

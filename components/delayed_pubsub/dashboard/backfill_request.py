@@ -10,6 +10,10 @@ from delayed_middleware.history import Retention
 from delayed_middleware.instants import parse_instant
 from delayed_pubsub.dashboard.source import Source
 
+# The longest backfill delivered over HTTP (its occurrences / rate, seconds): it runs inside the
+# request, so a longer one is refused (400 naming `rate`) and left to the CLI.
+MAX_SECONDS = 30.0
+
 # backfill.BackfillRefusedError names the CLI's flags; a form or a JSON body has these fields.
 FIELD_OF_FLAG = {"--from": "from", "--to": "to", "--rate": "rate", "ID": "id"}
 
@@ -55,6 +59,7 @@ async def run_backfill(
             rate=rate,
             dry_run=dry_run,
             retention=Retention(settings.history_max_len, settings.history_max_age_ms),
+            max_seconds=MAX_SECONDS,
         )
     except bf.BackfillRefusedError as e:
         raise field_error(e) from None

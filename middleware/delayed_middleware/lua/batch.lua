@@ -94,10 +94,11 @@ end
 --   false                                  taken and settled here (gone, undecodable: parked,
 --                                          orphaned, waiting for REFILL, expired);
 --   env, key, attempt, iso, next_due,      taken: the caller appends (FIRE) or claims (CLAIM)
---   occ, nnom                              it; next_due nil = the last occurrence, iso = the
+--   occ, nnom, nom                         it; next_due nil = the last occurrence, iso = the
 --                                          scheduleNext its messages carry, occ = their
 --                                          scheduleOccurrence (nil: a retry's own), nnom = the
---                                          next occurrence's nominal ms ('-': next_due).
+--                                          next occurrence's nominal ms ('-': next_due), nom =
+--                                          this one's nominal ms (its `fired` record's `occ`).
 -- `busy`: the batch already holds something (the first envelope always goes).
 local function decide(c, now, max_entries, max_bytes, busy)
   local id, due = c[1], c[2]
@@ -146,7 +147,7 @@ local function decide(c, now, max_entries, max_bytes, busy)
     B.expired[#B.expired + 1] = env.topic
     return false
   end
-  return env, key, attempt, iso, next_due, occurrence(env, nom), nnom
+  return env, key, attempt, iso, next_due, occurrence(env, nom), nnom, nom
 end
 
 -- Takes the batch's candidates out of the index and deletes its dropped stream entries.

@@ -177,7 +177,7 @@ for c in due_iter(now, max_env, read_ahead) do
   i = i + 1
   if out_of_time(i) then break end
   local id, due = c[1], c[2]
-  local env, key, attempt, iso, next_due, occ, nnom = decide(c, now, max_entries, max_bytes, #B.taken > 0)
+  local env, key, attempt, iso, next_due, occ, nnom, nom = decide(c, now, max_entries, max_bytes, #B.taken > 0)
   if env == nil then break end
   if env then
     -- The outbox is our own stream; a topic must be a stream (or not exist yet).
@@ -202,7 +202,8 @@ for c in due_iter(now, max_env, read_ahead) do
         end
         if first == nil or tonumber(due) < first then first = tonumber(due) end
         local lateness = now - tonumber(due)
-        hist('fired', key, env.sid, env.topic, env.kind, due, lateness, env.size, attempt, failed or '', env.schedule)
+        hist('fired', key, env.sid, env.topic, env.kind, due, lateness, env.size, attempt, failed or '', env.schedule,
+          nom)
         -- A recurring schedule's last occurrence (its end or limit reached): its own record.
         if next_due == nil and env.kind == 1 then completed(key, env, due, attempt) end
         fired = fired + 1

@@ -75,16 +75,27 @@ end
 
 -- Returns the record's entry id (nil when the history is off). The fire
 -- path's writer: one XADD with literal arguments, and for an indexed id an
--- HGET and an HSET besides.
-local function hist(event, id, sid, topic, kind, due, late, size, attempt, reason, schedule)
+-- HGET and an HSET besides. `occ` (optional): the nominal time (epoch ms) of
+-- the occurrence a `fired` record delivered; written as the field `occ` only
+-- when it differs from `due` (jittered or paced), so the common record keeps
+-- the stream node's shared field names (history.py: absent = `due`).
+local function hist(event, id, sid, topic, kind, due, late, size, attempt, reason, schedule, occ)
   if HIST_MAXLEN == 0 then return nil end
   local indexed = hist_indexed(id)
   local index = HIST_KEY .. '-ids'
   local prev = indexed and redis.call('HGET', index, id) or ''
-  local entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
-    'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
-    'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
-    'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
+  local entry
+  if occ == nil or tostring(occ) == tostring(due) then
+    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
+      'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
+      'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
+      'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
+  else
+    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
+      'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
+      'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
+      'attempt', attempt, 'reason', reason, 'schedule', schedule, 'occ', occ, 'prev', prev)
+  end
   return hist_linked(index, id, indexed, prev, entry)
 end
 

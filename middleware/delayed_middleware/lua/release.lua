@@ -51,6 +51,13 @@ for _ = 1, tonumber(N_OUTCOMES) do
         local ref = nil
         if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', IDS, key) end
         local current = ref and parse_ref(ref) == id
+        -- The occurrence's nominal time for its `fired` record, as CLAIM stamped it (the ref's
+        -- while it names this due time; else the due time itself), read before advance() moves it.
+        local nom = due
+        if current then
+          local _, rdue, _, _, _, rnom = parse_ref(ref)
+          if rdue == due and rnom ~= '-' then nom = rnom end
+        end
         if next_due == '-' or (env.kind == 1 and not current) then
           -- The last occurrence, or a schedule replaced or cancelled in flight.
           delete_envelopes({id})
@@ -64,7 +71,8 @@ for _ = 1, tonumber(N_OUTCOMES) do
           local nnom = ref and select(7, parse_ref(ref)) or '-'
           refill = refill + advance(env, id, key, next_due, nnom)
         end
-        hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule)
+        hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule,
+          nom)
         if next_due == '-' and env.kind == 1 and current then completed(key, env, due, attempt) end
         fired = fired + 1
       end
