@@ -101,6 +101,9 @@ def build_engine(
     refiller = Refiller(state)
     compactor = Compactor(state)
     firer = Firer(state, fire_path(state), refiller, compactor)
+    # A single node appends a triggered schedule's extra occurrence in TIMECONTROL itself;
+    # the two-phase path (Cluster: the target is in another slot) APPENDs it as a second step.
+    two_phase = isinstance(firer.path, TwoPhaseFire)
     recoverer = Recoverer(state)
     trimmer = HistoryTrimmer(state)
     return EngineParts(
@@ -115,5 +118,5 @@ def build_engine(
         loop=FireLoop(state, firer, trimmer, recoverer, on_listener_state=options.get("on_listener_state")),
         pauser=Pauser(state, canceller),
         # A triggered schedule's scheduleSource is read as the Cluster fire reads it (another slot).
-        timecontrol=TimeController(state, TwoPhaseFire(state).sample),
+        timecontrol=TimeController(state, TwoPhaseFire(state).sample, two_phase=two_phase),
     )

@@ -225,12 +225,14 @@ class PauseReply:
 @dataclass(frozen=True)
 class TimeControlReply:
     """TIMECONTROL's reply (lua/timecontrol.lua): its status, the message's topic, the time it
-    decided at (ms), and with 'extra' the claim record of the extra occurrence to APPEND."""
+    decided at (ms), and with 'extra' the claim record of the extra occurrence to APPEND;
+    with 'failed', why it was not delivered."""
 
     status: str
     topic: str
     now_ms: int
     claim: Claim | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -368,4 +370,5 @@ def read_timecontrol(raw: Sequence[Any]) -> TimeControlReply:
     """TIMECONTROL's reply: {status, topic, now}, then with 'extra' one claim record."""
     status, now = text(raw[0]), int(raw[2])
     claim = _claims([1, *raw[3:]])[0] if status == "extra" else None
-    return TimeControlReply(status, topic(raw[1]), now, claim)
+    detail = text(raw[3]) if status == "failed" else ""
+    return TimeControlReply(status, topic(raw[1]), now, claim, detail)

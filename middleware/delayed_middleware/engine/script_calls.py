@@ -84,12 +84,15 @@ class EngineScripts:
         pubsub_name: str,
         occurrence_key: str,
         due_ms: int | None = None,
+        trim: tuple[str, int | str] = ("", ""),
+        append_here: bool = False,
     ) -> TimeControlReply:
-        """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py)."""
+        """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py).
+        `append_here` (a single node): a schedule's extra occurrence is appended in the script,
+        trimmed by `trim` (FIRE's trim mode and threshold)."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, pubsub_name, occurrence_key]
-        if due_ms is not None:
-            args.append(due_ms)
+        args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0)
         return read_timecontrol(await self._timecontrol(keys=self._keys_for_writes, args=args))
 
     async def schedule(

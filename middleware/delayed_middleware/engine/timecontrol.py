@@ -7,24 +7,27 @@ One Lua script (lua/timecontrol.lua), atomic against the fire step, decides:
   delivers any due message. Racing its own fire, either FIRE (or CLAIM) took it
   first and the move answers `fired`, or it waits at its new time: never both.
   A triggered one-shot leaves a `triggered` record, then the fire step's `fired`.
-- a recurring schedule, triggered, delivers one extra occurrence now: the script
-  returns its messages stamped as a fire stamps them (`scheduler`,
-  `scheduleNext` = its pending occurrence, and OCCURRENCE_KEY = the trigger's
-  time) and this part APPENDs them (lua/append.lua) under a fire marker of their
-  own; the schedule's ref, index entry and pause are untouched, so its grid is.
+- a recurring schedule, triggered, delivers one extra occurrence now, stamped as
+  a fire stamps them (`scheduler`, `scheduleNext` = its pending occurrence, and
+  OCCURRENCE_KEY = the trigger's time). On a single node the script appends it
+  itself (lua/target_append.lua, FIRE's append) with its `triggered` record: one
+  atomic step, so a cancel is answered before it (nothing goes out) or after.
+  On Cluster (the target is in another slot) the script returns the messages and
+  this part APPENDs them (lua/append.lua) under a fire marker of their own. The
+  schedule's ref, index entry and pause are untouched, so its grid is.
   Rescheduling a recurring schedule is refused (`recurring`): publish it again.
 
-Crash points: a one-shot's move is one script, nothing is left half-done. An
-extra occurrence's `triggered` record is written after its APPEND (TIMECONTROL
+Crash points: a one-shot's move, and a single node's extra occurrence, are one
+script each: nothing is left half-done. On Cluster, an extra occurrence's `triggered` record is written after its APPEND (TIMECONTROL
 'record'): a crash before the APPEND leaves nothing, and the caller, unanswered,
 triggers again once; a reply lost after the APPEND landed is sent again under the
 same fire marker (`dup`). A crash after the APPEND, before the answer, leaves the
 delivery, and a caller who triggers again gets a second one. Redis Cluster: an occurrence in flight (claimed,
 not yet released) answers `busy`, and the caller waits for RELEASE, as a pause
 does; a one-shot in flight is reported `fired` to a reschedule at once.
-Known window: a cancel landing between a recurring trigger's script and its
-APPEND does not stop that extra occurrence (a cancel stops claimed occurrences
-only).
+Known window (Cluster only): a cancel landing between a recurring trigger's
+script and its APPEND does not stop that extra occurrence (a cancel stops
+claimed occurrences only).
 """
 
 from __future__ import annotations
@@ -101,9 +104,10 @@ class TimeResult:
 class TimeController:
     """trigger and reschedule on one shard."""
 
-    def __init__(self, state: ShardState, sample: Sampler) -> None:
+    def __init__(self, state: ShardState, sample: Sampler, *, two_phase: bool) -> None:
         self._state = state
         self._sample = sample
+        self._two_phase = two_phase
 
     async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
         """Deliver `id` now (see the module docstring); waits while an occurrence is in flight."""
@@ -111,6 +115,10 @@ class TimeController:
         if got.status == "moved":
             self._state.wake.set()
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
+        if got.status == "appended":
+            return TimeResult(TRIGGERED, got.topic, got.now_ms)
+        if got.status == "failed":
+            return TimeResult(FAILED, got.topic, got.now_ms, got.detail)
         if got.status == "extra" and got.claim is not None:
             failed = await self._deliver(got.claim)
             if failed:
@@ -149,6 +157,8 @@ class TimeController:
             pubsub_name=st.pubsub_name,
             occurrence_key=OCCURRENCE_KEY,
             due_ms=due_ms,
+            trim=st.trim_args(st.clock.now_ms()),
+            append_here=not self._two_phase,
         )
 
     async def _until_settled(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:

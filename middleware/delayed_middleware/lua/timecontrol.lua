@@ -9,11 +9,19 @@
 --       recurring envelope's id without one), 6 reason (history), 7 wake channel,
 --       8 the firing component's name ('' = any: as FIRE's trim rule),
 --       9 the occurrence metadata key (stamped on a triggered extra occurrence),
---       10 with 'reschedule': the new due ms; with 'record': the trigger's time (ms)
+--       10 with 'reschedule': the new due ms; with 'record': the trigger's time (ms); else '',
+--       11 trim mode, 12 trim threshold (as FIRE's ARGV[6..7]), 13 '1': a single node's
+--       fire path, whose extra occurrence is appended here, trimmed as a fire's ('0': the
+--       two-phase path's 'extra')
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
---   'extra'      trigger of a recurring schedule: followed by one claim record in
+--   'appended'   trigger of a recurring schedule, ARGV[13] '1' (a single node): its extra occurrence
+--                went out here (target_append.lua, as FIRE appends) with its `triggered`
+--                record, in this one atomic step; the schedule itself is unchanged
+--   'failed'     the same, not delivered: followed by why (bad target, XADD refused)
+--   'extra'      the same, ARGV[13] '0': Redis Cluster's two-phase fire (the target is
+--                in another slot): followed by one claim record in
 --                CLAIM's format (claim.lua: 13 values, then (data, metadata, contentType)
 --                triples), which the caller APPENDs; the schedule itself is unchanged
 --   'unknown'    nothing pending under that id
@@ -31,9 +39,12 @@
 -- one-shot itself, so a trigger racing its own fire cannot deliver it twice.
 -- A paused one-shot: reschedule keeps it paused at its new due (resume puts it
 -- back there); trigger delivers it (it is a one-shot: delivered once and gone).
--- A recurring schedule's extra occurrence is one APPEND of its messages (the
--- caller's, with its own fire marker): the schedule keeps its ref, index entry
--- and pause, so its next occurrence stays where it was.
+-- A recurring schedule's extra occurrence: on a single node its messages are
+-- appended here, so a cancel is answered either before (nothing goes out) or
+-- after (it went out); on Cluster it is one APPEND by the caller (its own fire
+-- marker), and a cancel answered between the two does not stop it. Either way
+-- the schedule keeps its ref, index entry and pause, so its next occurrence stays
+-- where it was.
 local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local CLAIMS
@@ -45,8 +56,14 @@ local BUCKET_PREFIX, NOW_ARG, HIST_LEN, OP, ID, REASON, WAKE_CHANNEL, OWN_PUBSUB
 --!include decode.lua
 --!include history.lua
 --!include common.lua
+--!include batch.lua
 
 local now = decision_now(NOW_ARG)
+-- The locals target_append.lua expects, as FIRE sets them.
+local trim_mode, trim_at = ARGV[11] or '', ARGV[12] or ''
+if trim_mode == 'MINAGE' then trim_mode, trim_at = 'MINID', string.format('%.0f-1', now - tonumber(trim_at)) end
+local own_pubsub = OWN_PUBSUB or ''
+--!include target_append.lua
 local now_s = string.format('%.0f', now)
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), now_s
 local key = ID
@@ -140,6 +157,19 @@ if env.source ~= '' then entries = {} end
 local own = OWN_PUBSUB or ''
 local trim = (env.target == '' and (own == '' or env.pubsub == own)) and 1 or 0
 local occurrence = iso_ms(now)
+if ARGV[13] == '1' then
+  -- A single node: appended here, as FIRE appends an occurrence (same checks, stamps, trim).
+  local target, bad = OUTBOX, nil
+  if env.target == '' then
+    target = topic
+    bad = bad_target(target)
+  end
+  if bad then return {'failed', topic, now_s, bad} end
+  local done, failed = append(env, key, next_iso, occurrence, target)
+  if failed and done == 0 then return {'failed', topic, now_s, failed} end
+  hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
+  return {'appended', topic, now_s}
+end
 local out = {'extra', topic, now_s, sid, now_s, key, next_iso, occurrence, target, env.target, topic,
   env.bulk and 1 or 0, expires, env.source, trim, #entries}
 for _, e in ipairs(entries) do
