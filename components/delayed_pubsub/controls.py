@@ -23,12 +23,12 @@ CANCEL_REASON = "Remove"
 
 
 async def control_request(
-    engine: ShardedEngine, request: Control, metrics: InstanceMetrics, log: logging.Logger
+    engine: ShardedEngine, request: Control, metrics: InstanceMetrics, log: logging.Logger, data: bytes = b""
 ) -> None:
     """Pause, resume, cancel by prefix, trigger or reschedule; logs and counts the outcome."""
     stream = engine.keys.stream
     if isinstance(request, (Trigger, Reschedule)):
-        await time_control_request(engine, request, metrics, log)
+        await time_control_request(engine, request, metrics, log, data)
         return
     if isinstance(request, Pause):
         result = await engine.set_paused(request.schedule_id, pause=request.pause, reason=PAUSE_REASON)

@@ -11,6 +11,8 @@ move something that already went out), and so is one of a recurring schedule
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 from delayed_middleware.control import Reschedule, Trigger
@@ -26,14 +28,35 @@ TRIGGER_REASON = "scheduleTrigger"
 RESCHEDULE_REASON = "scheduleReschedule"
 
 
+def request_identity(data: bytes) -> str:
+    """A trigger publish's identity: its CloudEvent id (daprd's envelope keeps it across
+    daprd's own retries of one publish), hashed to a bounded size; '' when the data is not a
+    CloudEvent (a raw payload): then every publish is a new trigger."""
+    if not data.startswith(b"{"):
+        return ""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return ""
+    id = event.get("id") if isinstance(event, dict) and "specversion" in event else None
+    if not isinstance(id, str) or not id:
+        return ""
+    return hashlib.sha256(id.encode()).hexdigest()[:32]
+
+
 async def time_control_request(
-    engine: ShardedEngine, request: Trigger | Reschedule, metrics: InstanceMetrics, log: logging.Logger
+    engine: ShardedEngine,
+    request: Trigger | Reschedule,
+    metrics: InstanceMetrics,
+    log: logging.Logger,
+    data: bytes = b"",
 ) -> None:
-    """Trigger or reschedule one id; logs and counts the outcome, raises the refusals."""
+    """Trigger or reschedule one id; logs and counts the outcome, raises the refusals.
+    `data`: the publish's data, whose CloudEvent id makes a retried trigger deliver once."""
     stream = engine.keys.stream
     id = request.schedule_id
     if isinstance(request, Trigger):
-        op, result = "trigger", await engine.trigger(id, reason=TRIGGER_REASON)
+        op, result = "trigger", await engine.trigger(id, reason=TRIGGER_REASON, request=request_identity(data))
     else:
         op = "reschedule"
         result = await engine.reschedule(id, request.due_ms, reason=RESCHEDULE_REASON)

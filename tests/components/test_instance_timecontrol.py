@@ -5,6 +5,7 @@ a recurring one. (Bad values: the control keys' table in test_instance_pause.py.
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -125,3 +126,27 @@ async def test_rescheduling_a_recurring_schedule_is_refused_and_changes_nothing(
     assert "scheduleReschedule" in (err.value.details() or "")
     assert "10m" in (err.value.details() or "")
     assert (redis_client.hgetall(IDS), redis_client.xlen(HISTORY)) == before
+
+
+def cloud_event(id: str) -> bytes:
+    """The data daprd publishes: its CloudEvent envelope, the same on each of its retries of one publish."""
+    return json.dumps({"specversion": "1.0", "id": id, "source": "app", "type": "t", "data": ""}).encode()
+
+
+async def test_a_trigger_publish_retried_with_its_cloudevent_id_delivers_once(app: Component) -> None:
+    c = app
+    stream = await c.subscribe("ticks")
+    await c.publish("ticks", b"tick", {"schedule": "@every 1h", "scheduleId": "hourly"})
+    trigger = {"scheduleTrigger": "true", "scheduleId": "hourly"}
+    # daprd resends one publish after a timeout: both answered OK, one extra occurrence.
+    await c.publish("ticks", cloud_event("ce-1"), trigger)
+    await c.publish("ticks", cloud_event("ce-1"), trigger)
+    msg = await stream.next(within=2)
+    await stream.ack(msg.id)
+    assert await stream.nothing_for(1.0)
+    # Another publish (another CloudEvent id) is another occurrence.
+    await c.publish("ticks", cloud_event("ce-2"), trigger)
+    msg = await stream.next(within=2)
+    await stream.ack(msg.id)
+    assert msg.data == b"tick"
+    await stream.close()

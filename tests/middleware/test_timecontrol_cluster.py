@@ -126,3 +126,17 @@ async def test_a_triggered_schedule_on_a_cluster_delivers_an_extra_stamped_occur
     clock.set(T0 + 1_000)
     await fire_all(engine)
     assert delivered(admin) == ["tick", "tick"]
+
+
+async def test_a_trigger_request_sent_again_on_a_cluster_delivers_once(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    engine = sharded(aclient, clock)
+    await engine.schedule([msg("tick", T0 + 60_000, recurring=True)])
+    # The same publish retried (same CloudEvent id): both answered OK, one extra occurrence.
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert delivered(admin) == ["tick"]
+    assert (await engine.trigger("tick", request="ce-2")).status == TRIGGERED
+    assert delivered(admin) == ["tick", "tick"]

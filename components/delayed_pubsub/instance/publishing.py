@@ -203,13 +203,14 @@ class Publisher:
         if p.cancels:
             await self.cancel(p.cancels)
         if p.control is not None:
-            await self._control(p.control)
+            await self._control(p.control, data)
 
-    async def _control(self, request: Control) -> None:
-        """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see engine/pause.py."""
+    async def _control(self, request: Control, data: bytes) -> None:
+        """Execute a schedulePause or a scheduleIdPrefix cancel (control.py); see engine/pause.py.
+        `data` identifies a trigger request (its CloudEvent id): a retry of it delivers once."""
         engine = self._enabled_engine()
         try:
-            await control_request(engine, request, self.metrics, log)
+            await control_request(engine, request, self.metrics, log, data)
         except (RedisError, TimeoutError) as e:
             raise redis_unavailable(f"{type(request).__name__} on {engine.keys.stream!r}", e) from e
 

@@ -93,9 +93,10 @@ class DelayEngine:
         """Pause (True) or resume (False) one pending message or schedule by id (see engine.pause)."""
         return await self.parts.pauser.set_paused(id, pause=pause, reason=reason)
 
-    async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
-        """Deliver one pending message, or one extra occurrence of a schedule, now (see engine.timecontrol)."""
-        return await self.parts.timecontrol.trigger(id, reason=reason)
+    async def trigger(self, id: str, *, reason: str = "", request: str = "") -> TimeResult:
+        """Deliver one pending message, or one extra occurrence of a schedule, now (see engine.timecontrol);
+        `request`: the request's identity, a retry of which delivers nothing more."""
+        return await self.parts.timecontrol.trigger(id, reason=reason, request=request)
 
     async def reschedule(self, id: str, due_ms: int, *, reason: str = "") -> TimeResult:
         """Move one pending one-shot to `due_ms` (see engine.timecontrol)."""

@@ -86,13 +86,15 @@ class EngineScripts:
         due_ms: int | None = None,
         trim: tuple[str, int | str] = ("", ""),
         append_here: bool = False,
+        request: str = "",
     ) -> TimeControlReply:
         """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py).
         `append_here` (a single node): a schedule's extra occurrence is appended in the script,
-        trimmed by `trim` (FIRE's trim mode and threshold)."""
+        trimmed by `trim` (FIRE's trim mode and threshold). `request`: a trigger's identity
+        (a retry of it answers 'again'; '' = none)."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, pubsub_name, occurrence_key]
-        args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0)
+        args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0, request)
         return read_timecontrol(await self._timecontrol(keys=self._keys_for_writes, args=args))
 
     async def schedule(

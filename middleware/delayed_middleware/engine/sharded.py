@@ -182,10 +182,10 @@ class ShardedEngine:
         shard, local = await self._locate(id)
         return await self.engines[shard].set_paused(local, pause=pause, reason=reason)
 
-    async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
+    async def trigger(self, id: str, *, reason: str = "", request: str = "") -> TimeResult:
         """As DelayEngine.trigger, on the shard that holds `id` (see cancel)."""
         shard, local = await self._locate(id)
-        return await self.engines[shard].trigger(local, reason=reason)
+        return await self.engines[shard].trigger(local, reason=reason, request=request)
 
     async def reschedule(self, id: str, due_ms: int, *, reason: str = "") -> TimeResult:
         """As DelayEngine.reschedule, on the shard that holds `id` (see cancel)."""

@@ -109,9 +109,13 @@ class TimeController:
         self._sample = sample
         self._two_phase = two_phase
 
-    async def trigger(self, id: str, *, reason: str = "") -> TimeResult:
-        """Deliver `id` now (see the module docstring); waits while an occurrence is in flight."""
-        got = await self._until_settled("trigger", id, reason, None)
+    async def trigger(self, id: str, *, reason: str = "", request: str = "") -> TimeResult:
+        """Deliver `id` now (see the module docstring); waits while an occurrence is in flight.
+        `request`: the trigger request's identity; sent again (a retry after a lost answer), it
+        is answered as the first and delivers nothing more ('' = every call is a new trigger)."""
+        got = await self._until_settled("trigger", id, reason, None, request)
+        if got.status == "again":
+            return TimeResult(TRIGGERED, got.topic, got.now_ms)
         if got.status == "moved":
             self._state.wake.set()
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
@@ -123,7 +127,7 @@ class TimeController:
             failed = await self._deliver(got.claim)
             if failed:
                 return TimeResult(FAILED, got.topic, got.now_ms, failed)
-            await self._record(id, reason, got.now_ms)
+            await self._record(id, reason, got.now_ms, request)
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
         return TimeResult(got.status, got.topic)
 
@@ -136,17 +140,17 @@ class TimeController:
             return TimeResult(RESCHEDULED, got.topic, max(due_ms, got.now_ms))
         return TimeResult(got.status, got.topic)
 
-    async def _record(self, id: str, reason: str, at_ms: int) -> None:
+    async def _record(self, id: str, reason: str, at_ms: int, request: str) -> None:
         """The extra occurrence's `triggered` history record, once it went out. A failure here is
         logged, not raised: the occurrence was delivered, and an error would have the caller
         trigger again (a second delivery) for a missing record."""
         try:
-            await self._script("record", id, reason, at_ms)
+            await self._script("record", id, reason, at_ms, request)
         except (RedisError, OSError) as exc:
             stream = self._state.keys.stream
             log.warning("trigger of %r on %s delivered, its history record not written: %r", id, stream, exc)
 
-    async def _script(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:
+    async def _script(self, op: str, id: str, reason: str, due_ms: int | None, request: str = "") -> TimeControlReply:
         st = self._state
         return await st.scripts.timecontrol(
             op,
@@ -159,13 +163,16 @@ class TimeController:
             due_ms=due_ms,
             trim=st.trim_args(st.clock.now_ms()),
             append_here=not self._two_phase,
+            request=request,
         )
 
-    async def _until_settled(self, op: str, id: str, reason: str, due_ms: int | None) -> TimeControlReply:
+    async def _until_settled(
+        self, op: str, id: str, reason: str, due_ms: int | None, request: str = ""
+    ) -> TimeControlReply:
         st = self._state
         deadline = asyncio.get_running_loop().time() + 2 * st.config.lease_ms / 1000 + 5
         while True:
-            got = await self._script(op, id, reason, due_ms)
+            got = await self._script(op, id, reason, due_ms, request)
             if got.status != "busy":
                 return got
             if asyncio.get_running_loop().time() > deadline:

@@ -12,7 +12,8 @@
 --       10 with 'reschedule': the new due ms; with 'record': the trigger's time (ms); else '',
 --       11 trim mode, 12 trim threshold (as FIRE's ARGV[6..7]), 13 '1': a single node's
 --       fire path, whose extra occurrence is appended here, trimmed as a fire's ('0': the
---       two-phase path's 'extra')
+--       two-phase path's 'extra'), 14 with 'trigger' and 'record': the request's identity
+--       ('' = none: every call is a new trigger)
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
@@ -30,6 +31,7 @@
 --   'parked'     held for a bad target
 --   'expired'    its TTL ended: the fire step drops it, it is not delivered
 --   'recurring'  reschedule of a recurring schedule (refused: publish it again)
+--   'again'      trigger: this request (ARGV[14]) was carried out before: its answer again
 --   'recorded'   'record': the `triggered` history record of an extra occurrence, written
 --                by the caller once its APPEND went out (never for one that did not)
 --
@@ -68,6 +70,21 @@ local now_s = string.format('%.0f', now)
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), now_s
 local key = ID
 
+-- A trigger request's identity (a CloudEvent id: stable across daprd's retries of one
+-- publish), kept in CALLS beside SCHEDULE's call tokens and forgotten with them (by
+-- SCHEDULE, after its token window): a retry after a lost answer is answered as the
+-- first, and delivers nothing more. Scored by the Redis clock, as SCHEDULE's tokens.
+local request = ''
+if (OP == 'trigger' or OP == 'record') and (ARGV[14] or '') ~= '' then request = 'trigger:' .. key .. ':' .. ARGV[14] end
+if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) then return {'again', '', now_s} end
+local function answered(reply)
+  if request ~= '' then
+    local t = redis.call('TIME')
+    redis.call('ZADD', CALLS, 'NX', string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)), request)
+  end
+  return reply
+end
+
 -- Nothing pending under `key`: 'fired' when its newest record says it went out.
 local function absent()
   local newest = redis.call('HGET', HISTORY .. '-ids', key)
@@ -93,7 +110,7 @@ if OP == 'record' then
     -- Cancelled or replaced meanwhile (the known window): the record all the same.
     hist('triggered', key, '', '', 1, NEW_DUE, '', '', 1, REASON, '')
   end
-  return {'recorded', '', now_s}
+  return answered({'recorded', '', now_s})
 end
 
 local ref = redis.call('HGET', IDS, key)
@@ -141,7 +158,7 @@ if env.kind ~= 1 then
   if flag == 'p' then flag, iso = 'x', '-' end
   move(now_s)
   hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
-  return {'moved', topic, now_s}
+  return answered({'moved', topic, now_s})
 end
 
 -- A recurring schedule: one extra occurrence, its messages as a fire stamps them.
@@ -168,7 +185,7 @@ if ARGV[13] == '1' then
   local done, failed = append(env, key, next_iso, occurrence, target)
   if failed and done == 0 then return {'failed', topic, now_s, failed} end
   hist('triggered', key, env.sid, topic, env.kind, now_s, '', env.size, attempt, REASON, env.schedule)
-  return {'appended', topic, now_s}
+  return answered({'appended', topic, now_s})
 end
 local out = {'extra', topic, now_s, sid, now_s, key, next_iso, occurrence, target, env.target, topic,
   env.bulk and 1 or 0, expires, env.source, trim, #entries}

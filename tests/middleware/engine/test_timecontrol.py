@@ -389,3 +389,39 @@ async def test_a_triggered_occurrences_append_whose_reply_was_lost_is_delivered_
     assert (await engine.trigger("tick")).status == TRIGGERED
     assert payloads(redis_client) == [7]
     assert len(history(redis_client, "triggered")) == 1
+
+
+async def test_a_trigger_request_sent_again_delivers_once_and_both_are_answered(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    engine = await a_schedule(aredis)
+    # daprd's retry of one publish (same CloudEvent id): answered OK, nothing more goes out.
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert payloads(redis_client) == [7]
+    assert len(history(redis_client, "triggered")) == 1
+    # Another request is another occurrence.
+    assert (await engine.trigger("tick", request="ce-2")).status == TRIGGERED
+    assert payloads(redis_client) == [7, 7]
+
+
+async def test_a_trigger_whose_answer_was_lost_is_retried_without_a_second_occurrence(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis)
+    scripts = engine.state.scripts
+    timecontrol = scripts.timecontrol
+    lost = [True]
+
+    async def answer_lost(*args: Any, **kwargs: Any) -> Any:
+        got = await timecontrol(*args, **kwargs)
+        if lost[0] and kwargs.get("request"):
+            lost[0] = False
+            raise redis.exceptions.ConnectionError("Redis went away after the script ran")
+        return got
+
+    monkeypatch.setattr(scripts, "timecontrol", answer_lost)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await engine.trigger("tick", request="ce-1")
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED  # the publisher's retry
+    assert payloads(redis_client) == [7]
