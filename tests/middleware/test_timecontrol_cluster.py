@@ -12,6 +12,7 @@ import redis.asyncio.cluster as acluster
 import redis.cluster
 
 from delayed_middleware.clock import ManualClock
+from delayed_middleware.engine import ShardedEngine
 from delayed_middleware.engine.timecontrol import FIRED, OCCURRENCE_KEY, RESCHEDULED, TRIGGERED, UNKNOWN
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
@@ -107,12 +108,18 @@ async def test_a_reschedule_racing_a_cancel_on_a_cluster_never_revives_it(
         assert delivered(admin) == []
 
 
+async def a_schedule(aclient: acluster.RedisCluster, clock: ManualClock, due: int) -> ShardedEngine:
+    """The recurring schedule `tick`, its first occurrence at `due`."""
+    engine = sharded(aclient, clock)
+    await engine.schedule([msg("tick", due, recurring=True)])
+    return engine
+
+
 async def test_a_triggered_schedule_on_a_cluster_delivers_an_extra_stamped_occurrence(
     aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
 ) -> None:
     clock = ManualClock(T0)
-    engine = sharded(aclient, clock)
-    await engine.schedule([msg("tick", T0 + 1_000, recurring=True)])
+    engine = await a_schedule(aclient, clock, T0 + 1_000)
     clock.set(T0 + 400)
     assert (await engine.trigger("tick")).status == TRIGGERED
     assert (await engine.trigger("nope")).status == UNKNOWN
@@ -131,9 +138,7 @@ async def test_a_triggered_schedule_on_a_cluster_delivers_an_extra_stamped_occur
 async def test_a_trigger_request_sent_again_on_a_cluster_delivers_once(
     aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
 ) -> None:
-    clock = ManualClock(T0)
-    engine = sharded(aclient, clock)
-    await engine.schedule([msg("tick", T0 + 60_000, recurring=True)])
+    engine = await a_schedule(aclient, ManualClock(T0), T0 + 60_000)
     # The same publish retried (same CloudEvent id): both answered OK, one extra occurrence.
     assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
     assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
