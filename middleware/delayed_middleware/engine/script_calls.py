@@ -87,14 +87,15 @@ class EngineScripts:
         trim: tuple[str, int | str] = ("", ""),
         append_here: bool = False,
         request: str = "",
+        token_window_ms: int = 0,
     ) -> TimeControlReply:
         """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py).
         `append_here` (a single node): a schedule's extra occurrence is appended in the script,
         trimmed by `trim` (FIRE's trim mode and threshold). `request`: a trigger's identity
-        (a retry of it answers 'again'; '' = none)."""
+        (a retry of it answers 'again'; '' = none), forgotten after `token_window_ms`."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, pubsub_name, occurrence_key]
-        args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0, request)
+        args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0, request, token_window_ms)
         return read_timecontrol(await self._timecontrol(keys=self._keys_for_writes, args=args))
 
     async def schedule(

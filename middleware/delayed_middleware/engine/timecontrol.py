@@ -164,6 +164,7 @@ class TimeController:
             trim=st.trim_args(st.clock.now_ms()),
             append_here=not self._two_phase,
             request=request,
+            token_window_ms=st.config.token_window_ms,
         )
 
     async def _until_settled(

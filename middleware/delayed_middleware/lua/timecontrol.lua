@@ -13,7 +13,8 @@
 --       11 trim mode, 12 trim threshold (as FIRE's ARGV[6..7]), 13 '1': a single node's
 --       fire path, whose extra occurrence is appended here, trimmed as a fire's ('0': the
 --       two-phase path's 'extra'), 14 with 'trigger' and 'record': the request's identity
---       ('' = none: every call is a new trigger)
+--       ('' = none: every call is a new trigger), 15 the token window ms (identities older
+--       than it are forgotten, a bounded number per call, as SCHEDULE forgets its tokens)
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
@@ -80,7 +81,15 @@ if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) th
 local function answered(reply)
   if request ~= '' then
     local t = redis.call('TIME')
-    redis.call('ZADD', CALLS, 'NX', string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)), request)
+    local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    redis.call('ZADD', CALLS, 'NX', string.format('%.0f', server_ms), request)
+    -- An app that triggers often and schedules seldom must not grow CALLS for good:
+    -- forget what is older than the window here too, a bounded number per call.
+    local window = tonumber(ARGV[15] or '0') or 0
+    if window > 0 then
+      local old = redis.call('ZCOUNT', CALLS, '-inf', server_ms - window)
+      if old > 0 then redis.call('ZREMRANGEBYRANK', CALLS, 0, math.min(old, 100) - 1) end
+    end
   end
   return reply
 end

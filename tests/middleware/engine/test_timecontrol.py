@@ -405,6 +405,25 @@ async def test_a_trigger_request_sent_again_delivers_once_and_both_are_answered(
     assert payloads(redis_client) == [7, 7]
 
 
+async def test_trigger_identities_older_than_the_token_window_are_forgotten_by_later_triggers(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    # An app that triggers often and schedules seldom: the identities kept to answer retries
+    # must not pile up for good (only SCHEDULE forgot them before).
+    engine = await a_schedule(aredis)
+    for i in range(150):
+        assert (await engine.trigger("tick", request=f"ce-{i}")).status == TRIGGERED
+    members: list[bytes] = redis_client.zrange(KEYS.calls, 0, -1)  # type: ignore[assignment]
+    assert len([m for m in members if m.startswith(b"trigger:")]) == 150
+    # All of them fall out of the window (their scores, on the Redis clock, are made old).
+    redis_client.zadd(KEYS.calls, dict.fromkeys(members, 1), xx=True)
+    await engine.trigger("tick", request="ce-new")
+    await engine.trigger("tick", request="ce-newer")
+    after: list[bytes] = redis_client.zrange(KEYS.calls, 0, -1)  # type: ignore[assignment]
+    left = {m for m in after if m.startswith(b"trigger:")}
+    assert left == {b"trigger:tick:ce-new", b"trigger:tick:ce-newer"}
+
+
 async def test_a_trigger_whose_answer_was_lost_is_retried_without_a_second_occurrence(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
