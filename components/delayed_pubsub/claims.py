@@ -3,7 +3,8 @@
 Every delivery is a claim that bumps the entry's delivery count in the group's PEL, and
 every claim here names the count its caller read: of two streams racing for one entry
 (a reclaim pass, a retry poller, a nack's redelivery), exactly one wins. The scripts are
-in delayed_pubsub/lua (CLAIM_UNCHANGED, NACK_HOLD).
+in delayed_pubsub/lua (CLAIM_UNCHANGED, NACK_HOLD, and GIVE_BACK, which undoes the bump
+of what a closing stream read and never sent).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from typing import Any, NamedTuple
 
 from delayed_middleware.aio import text
 from delayed_middleware.keys import claim_memo_key
-from delayed_pubsub.lua import CLAIM_UNCHANGED, NACK_HOLD
+from delayed_pubsub.lua import CLAIM_UNCHANGED, GIVE_BACK, NACK_HOLD
+
+# How many entries one GIVE_BACK call gives back: one script must not hold Redis long.
+GIVE_BACK_BATCH = 100
 
 # How long a conditional claim's memo lives (lua/claim_unchanged.lua): a repeat of the
 # call after a lost reply comes within the call timeout and a few backoff steps.
@@ -104,3 +108,17 @@ async def delivery_counts(client: Any, topic: str, group: str, ids: Sequence[str
         for row in rows:
             counts[text(row["message_id"])] = int(row["times_delivered"])
     return counts
+
+
+async def give_back(
+    client: Any, topic: str, group: str, consumer: str, counts: Sequence[tuple[str, int]], idle_ms: int
+) -> int:
+    """Give back entries `consumer` read or claimed and never sent, each at the delivery count
+    in `counts` minus one (the one our read or claim added) and idle `idle_ms`, so that any
+    stream's next reclaim pass delivers them as the attempt they were; only those still ours
+    under that count (GIVE_BACK). One call per GIVE_BACK_BATCH entries; returns how many."""
+    given = 0
+    for start in range(0, len(counts), GIVE_BACK_BATCH):
+        args = [a for entry_id, n in counts[start : start + GIVE_BACK_BATCH] for a in (entry_id, n)]
+        given += int(await client.eval(GIVE_BACK, 1, topic, group, consumer, idle_ms, *args))
+    return given

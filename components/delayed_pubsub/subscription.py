@@ -22,7 +22,7 @@ from delayed_middleware.entry import decode_entry
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.acks import AckBatcher
 from delayed_pubsub.calls import SubscriptionCalls
-from delayed_pubsub.claims import nack_hold
+from delayed_pubsub.claims import give_back, nack_hold
 from delayed_pubsub.connection import REDIS_ERRORS, RedisPyClient, call_timeout
 from delayed_pubsub.fetch import BLOCK_MS, Fetcher
 from delayed_pubsub.lua import DELETE_IDLE_CONSUMER
@@ -148,10 +148,12 @@ class Subscription:
         self._acks.wake()
 
     async def close(self) -> None:
-        """Stop fetching and sending, XACK what was acked, and remove our consumer if it holds nothing.
+        """Stop fetching and sending, XACK what was acked, give back what was never sent, and
+        remove our consumer if it holds nothing.
 
-        Whatever was fetched and not acked stays pending in Redis, and comes
-        back after processingTimeout.
+        Whatever was sent and not acked stays pending in Redis, and comes back after
+        processingTimeout. What waited in the buffer, never sent, is given back at the
+        delivery count it had before we read it, idle enough for any stream to take it at once.
         """
         if self._shut:
             return
@@ -170,6 +172,7 @@ class Subscription:
             if last:
                 await asyncio.wait_for(client.xack(self.topic, group, *last), timeout=2)
                 self._metrics.acked.inc(len(last))
+            await self._give_back()
             await asyncio.wait_for(
                 client.eval(DELETE_IDLE_CONSUMER, 1, self.topic, group, self.consumer),
                 timeout=2,
@@ -180,6 +183,23 @@ class Subscription:
             log.info("closing consumer %s of %s: %s", self.consumer, self.topic, e)
         finally:
             self._acks.forget()
+
+    async def _give_back(self) -> None:
+        """Give back the entries read or claimed and never sent (GIVE_BACK): each read bumped
+        the entry's delivery count, and counted toward maxDeliveryAttempts an entry buffered by
+        two streams that closed in turn (two rolling restarts) would be dead-lettered unseen."""
+        window = self._window
+        unsent = [(d.id, d.attempt) for d in window.ready] + window.unsent
+        window.ready.clear()
+        window.unsent = []
+        if not unsent:
+            return
+        c = self._calls
+        given = await asyncio.wait_for(
+            give_back(c.client, c.topic, c.group, c.consumer, unsent, self._settings.processing_timeout_ms),
+            timeout=2,
+        )
+        log.info("%s on %s: gave back %d of %d unsent entries", self.consumer, self.topic, given, len(unsent))
 
     @property
     def closed(self) -> bool:
@@ -258,7 +278,9 @@ class Subscription:
             )
         except asyncio.CancelledError:
             if self._window.closed:
-                return False  # closing: it stays pending and comes back after processingTimeout
+                # Closing: back in the buffer, never sent, so close() gives it back.
+                self._ready.appendleft(delivery)
+                return False
             raise
         if fields is not None:
             return True
@@ -315,9 +337,11 @@ class Subscription:
     def _push(self, entry_id: str, fields: Any, attempt: int, requeue: bool = False) -> None:
         """Queue a delivery read or claimed from Redis (`requeue`: even if we saw the id before)."""
         window = self._window
-        if window.closed:
-            return
         if entry_id in self._owned and not requeue:
+            return
+        if window.closed:
+            # Read or claimed as the stream closed: never sent, close() gives it back.
+            window.unsent.append((entry_id, attempt))
             return
         # Decoded before it counts as ours: if that fails, our own reclaim pass
         # must still be able to pick it up.

@@ -62,6 +62,9 @@ class Window:
         # redelivered, or acked and not yet XACKed): a reclaim pass must not hand
         # these out a second time.
         self.owned: set[str] = set()
+        # Read or claimed after the stream closed, never buffered: (id, attempt), given back
+        # with what the buffer holds when the stream closes (Subscription.close).
+        self.unsent: list[tuple[str, int]] = []
         self.can_send = asyncio.Event()
         self.can_fetch = asyncio.Event()
         # Read when at least half the window is free (or nothing is in flight),

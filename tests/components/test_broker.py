@@ -1280,3 +1280,88 @@ async def test_a_retry_falling_due_during_a_fast_backlog_is_delivered_before_the
     assert again, "the nacked message came back only after the backlog"
     assert order[again[0]][0] == first.id
     assert again[0] < n - 500, again[0]
+
+
+async def test_entries_left_unsent_in_the_buffers_of_closed_streams_are_not_dead_lettered(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """maxDeliveryAttempts 2. Two streams in turn read a window of a 20-entry backlog into their
+    buffers, hand one message to the app (which never answers) and close, as daprd ends a stream
+    on a rolling restart. A third stream then gets every message: what waited unsent in the
+    closed streams' buffers was never delivered, so it is delivered now, not dead-lettered; only
+    a message the app was sent twice and never answered reaches the dead-letter topic."""
+    backlog(redis_client, 20)
+    backlog_data = [f"m{i}".encode() for i in range(20)]
+    policy = RetryPolicy(
+        active=True, initial_ms=3_600_000, max_ms=3_600_000, multiplier=2.0, jitter=0.0,
+        max_attempts=2, dead_letter_topic="dlq",
+    )  # fmt: skip
+    s = settings(redis_server, concurrency="5", queueDepth="10")
+    sent: Counter[bytes] = Counter()  # the app's deliveries, by payload
+
+    def stream(name: str) -> Subscription:
+        sub = Broker(aclient, s, SystemClock()).subscription("orders", name)
+        sub.retry = retrier(aclient, sub.consumer, policy)
+        return sub
+
+    async def one_sent_then_closed(sub: Subscription) -> None:
+        await sub.start()
+        try:
+            sent[(await next_delivery(sub.deliveries())).entry.data] += 1
+            await wait_until(lambda: sub.buffered > 0)  # the rest of the window, never sent
+        finally:
+            await sub.close()
+        # The restart takes longer than processingTimeout: the next stream's first reclaim
+        # pass takes over what this one held.
+        await asyncio.sleep(0.5)
+
+    await one_sent_then_closed(stream("first"))
+    await one_sent_then_closed(stream("second"))
+    last = stream("third")
+
+    async def ack_all() -> None:
+        async for d in last.deliveries():
+            sent[d.entry.data] += 1
+            last.ack_nowait(d.id)
+
+    await last.start()
+    app = asyncio.create_task(ack_all())
+    try:
+        # Nothing pending: each message was acked or dead-lettered.
+        await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0, within_s=10)
+    finally:
+        app.cancel()
+        await last.close()
+    letters: Any = redis_client.xrange("dlq")
+    dead = [decode_entry(fields).data for _, fields in letters]
+    assert sorted(set(backlog_data) - set(sent)) == []  # never sent to the app
+    assert {m: sent[m] for m in dead} == dict.fromkeys(dead, 2)
+
+
+async def test_a_closing_stream_gives_back_unsent_entries_but_not_one_taken_over_meanwhile(
+    aclient: aioredis.Redis, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A stream reads five entries, sends one, and closes. The one sent stays pending at one
+    delivery; of the four never sent, the one another consumer took over meanwhile stays with it
+    at its count, and the other three go back to no delivery, idle past processingTimeout (400ms)
+    so that any stream's next reclaim pass takes them at once."""
+    backlog(redis_client, 5)
+    sub = Broker(aclient, settings(redis_server, concurrency="5"), SystemClock()).subscription("orders", "c1")
+    await sub.start()
+    try:
+        sent = (await next_delivery(sub.deliveries())).id
+        await wait_until(lambda: sub.buffered == 4)
+        unsent = sorted(_s(r["message_id"]) for r in redis_client.xpending_range("orders", "app1", "-", "+", 10))
+        unsent.remove(sent)
+        redis_client.xclaim("orders", "app1", "other", 0, [unsent[0]])  # a takeover: count 2
+    finally:
+        await sub.close()
+    rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 10)
+    pel = {_s(r["message_id"]): (_s(r["consumer"]), r["times_delivered"]) for r in rows}
+    assert pel == {
+        sent: (sub.consumer, 1),
+        unsent[0]: ("other", 2),
+        **dict.fromkeys(unsent[1:], (sub.consumer, 0)),
+    }
+    idle = {_s(r["message_id"]): r["time_since_delivered"] for r in rows}
+    assert all(idle[i] >= 400 for i in unsent[1:])

@@ -29,6 +29,8 @@ DELETE_IDLE_CONSUMER: Final = load("delete_idle_consumer.lua")
 # Conditional redelivery (reclaim pass, retry poller) and a nack's hold, each on the topic key alone.
 CLAIM_UNCHANGED: Final = load("claim_unchanged.lua")
 NACK_HOLD: Final = load("nack_hold.lua")
+# A closing stream's buffered, never-sent entries, given back at the count they had before.
+GIVE_BACK: Final = load("give_back.lua")
 # A retry record with the delivery count it is about, and the taking of due records.
 RETRY_RECORD: Final = load("retry_record.lua")
 RETRY_TAKE: Final = load("retry_take.lua")
