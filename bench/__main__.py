@@ -211,6 +211,11 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a figure for RESULTS.md, not a regression gate",
     ),
     Bench(
+        "deliver_stages",
+        "CPU per delivered message, stage by stage below gRPC (Redis round trip, decode, window, response)",
+        why_opt_in="a breakdown of deliver's figure: run it beside `deliver --ceiling`",
+    ),
+    Bench(
         "drain",
         "a backlog drained through daprd: ours vs the built-in pubsub.redis (and the fast path), one run",
         why_opt_in="needs daprd and Go (its HTTP app is built with go build)",

@@ -18,10 +18,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "both_fire_paths: run once through FIRE (one node) and once through CLAIM, APPEND and"
         " RELEASE (Redis Cluster's path): both must give users the same results",
     )
+    config.addinivalue_line(
+        "markers",
+        "two_phase_path: run only through Redis Cluster's path (a step the single node does not have)",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.definition.get_closest_marker("both_fire_paths"):
+    if metafunc.definition.get_closest_marker("two_phase_path"):
+        metafunc.parametrize("fire_path", ["two-phase"], indirect=True)
+    elif metafunc.definition.get_closest_marker("both_fire_paths"):
         metafunc.parametrize("fire_path", FIRE_PATHS, indirect=True)
 
 

@@ -343,11 +343,6 @@ async def test_nothing_of_a_triggered_occurrence_goes_out_after_a_cancel_was_ans
     assert payloads(redis_client) == seen[0]
 
 
-def two_phase_only(fire_path: str) -> None:
-    if fire_path != "two-phase":
-        pytest.skip("a single node appends in the trigger's own script: there is no second step to fail")
-
-
 def append_fails(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine, *, landed: bool, times: int) -> None:
     """The engine's next `times` APPENDs fail with a dropped connection: before the write, or after it
     `landed` (the reply lost)."""
@@ -365,10 +360,11 @@ def append_fails(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine, *, landed
     monkeypatch.setattr(scripts, "append", failing)
 
 
+# Cluster's path only: a single node appends in the trigger's own script (no second step to fail).
+@pytest.mark.two_phase_path
 async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a_retry_delivers_once(
-    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, fire_path: str
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    two_phase_only(fire_path)
     engine = await a_schedule(aredis)
     append_fails(monkeypatch, engine, landed=False, times=2)  # the first try and its one resend
     with pytest.raises(redis.exceptions.ConnectionError):
@@ -379,10 +375,11 @@ async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a
     assert len(history(redis_client, "triggered")) == 1, "a triggered record without a delivery"
 
 
+# Cluster's path only: a single node appends in the trigger's own script (no second step to fail).
+@pytest.mark.two_phase_path
 async def test_a_triggered_occurrences_append_whose_reply_was_lost_is_delivered_once_and_answered(
-    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, fire_path: str
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    two_phase_only(fire_path)
     engine = await a_schedule(aredis)
     append_fails(monkeypatch, engine, landed=True, times=1)
     # Answered (an error would have the publisher trigger again: a second delivery).
