@@ -14,6 +14,14 @@ local function decision_now(arg)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Call tokens (SCHEDULE's) and trigger identities (TIMECONTROL's) share one sorted set
+-- scored by the Redis clock: forget those older than `window_ms`, at most `most` per call
+-- (more than the call adds, so the set cannot grow under steady load).
+local function forget_tokens(calls, server_ms, window_ms, most)
+  local old = redis.call('ZCOUNT', calls, '-inf', server_ms - window_ms)
+  if old > 0 then redis.call('ZREMRANGEBYRANK', calls, 0, math.min(old, most) - 1) end
+end
+
 -- Envelopes read ahead by read_ahead (stream id -> the entry's fields), or nil
 -- when read-ahead is off (the default; FIRE turns it on); what it read and
 -- how many of those were used, so it turns itself off where it does not pay.

@@ -39,12 +39,8 @@ local BUCKET_PREFIX, WAKE_CHANNEL, NOW_MS, HIST_LEN, TOKEN_WINDOW_MS, N_CALLS =
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), NOW_MS
 -- Tokens age by the Redis clock, the one clock every replica shares: a
 -- replica whose clock runs ahead must not forget the others' tokens.
-local t = redis.call('TIME')
-local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- Forget tokens older than the window, a bounded number per call, but more than
--- this call adds, so the set cannot grow under steady coalesced load.
-local old = redis.call('ZCOUNT', CALLS, '-inf', server_ms - tonumber(TOKEN_WINDOW_MS))
-if old > 0 then redis.call('ZREMRANGEBYRANK', CALLS, 0, math.min(old, 100 + 2 * N_CALLS) - 1) end
+local server_ms = decision_now('')
+forget_tokens(CALLS, server_ms, tonumber(TOKEN_WINDOW_MS), 100 + 2 * N_CALLS)
 local before = head()
 local earliest = nil
 

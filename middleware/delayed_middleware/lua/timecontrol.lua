@@ -80,16 +80,11 @@ if (OP == 'trigger' or OP == 'record') and (ARGV[14] or '') ~= '' then request =
 if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) then return {'again', '', now_s} end
 local function answered(reply)
   if request ~= '' then
-    local t = redis.call('TIME')
-    local server_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local server_ms = decision_now('')
     redis.call('ZADD', CALLS, 'NX', string.format('%.0f', server_ms), request)
-    -- An app that triggers often and schedules seldom must not grow CALLS for good:
-    -- forget what is older than the window here too, a bounded number per call.
+    -- An app that triggers often and schedules seldom must not grow CALLS for good.
     local window = tonumber(ARGV[15] or '0') or 0
-    if window > 0 then
-      local old = redis.call('ZCOUNT', CALLS, '-inf', server_ms - window)
-      if old > 0 then redis.call('ZREMRANGEBYRANK', CALLS, 0, math.min(old, 100) - 1) end
-    end
+    if window > 0 then forget_tokens(CALLS, server_ms, window, 100) end
   end
   return reply
 end
