@@ -232,6 +232,7 @@ NOT_BENCHMARKS: dict[str, str] = {
     "__init__": "the package",
     "__main__": "this registry and runner",
     "common": "what the benchmarks share: payload, call metadata, serve as a process",
+    "bare_pubsub": "the bare Python pluggable component `drain --bare` runs (the floor of a stream)",
 }
 
 BY_NAME = {b.name: b for b in BENCHES}

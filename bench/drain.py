@@ -9,7 +9,7 @@ subscribes to both. Each figure is timed from daprd's launch to its last arrival
 the two backlogs drain side by side on the same daprd.
 
     .venv/bin/python -m bench drain [--messages 20000] [--fast-path] [--streams K]
-                                    [--ours KEY=VALUE ...]
+                                    [--ours KEY=VALUE ...] [--bare] [--bare-go] [--no-ours]
 
 --fast-path: also N delayed messages published to our serve (over gRPC, due at
 once) and fired onto `drain-fast` before daprd starts, subscribed through the
@@ -17,9 +17,13 @@ built-in: the fast path of dapr/fastpath/ (how long the fire took is printed too
 --streams K: ours through K component instances (one socket, one consumer group),
 each subscribed to `drain-ours`: K PullMessages streams share the backlog.
 --ours KEY=VALUE: subscription settings of our component (concurrency, queueDepth, ...).
+--bare / --bare-go: also the floor of a pluggable stream, `drain-bare` / `drain-bare-go` through a
+bare component in Python on grpc.aio (bench/bare_pubsub.py) / in Go (bench/bare_go) that sends N
+messages from memory and drops the acks: the best pace any component in that language can reach
+through daprd's pluggable path. --no-ours leaves ours out.
 
 Besides the times, what explains them: how many deliveries the app held at once
-per route, our component's sent-but-unacked count sampled every 250 ms (its
+per route, our component's sent-but-unacked count sampled once a second (its
 Prometheus counters) and the send->ack time it implies (Little's law), the app's
 answer time and the time from one answer to the next call on a route (on a route
 daprd calls one at a time, the part of each message's round trip that is daprd's and
@@ -63,22 +67,47 @@ from tests.redis_server import RedisServer, free_port  # noqa: E402
 
 APP_ID = "drain-app"
 APP_SOURCE = Path(__file__).resolve().parent / "drain_app"
+BARE_GO_SOURCE = Path(__file__).resolve().parent / "bare_go"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dapr-delayed-pubsub"
 BUILTIN = ("pubsub", "drain-builtin")
 FAST = ("pubsub", "drain-fast")
 OURS_TOPIC = "drain-ours"
+# The bare components: figure -> (component name, its type's socket name, topic).
+BARE = {
+    "bare Python": ("bare", "bare-pubsub", "drain-bare"),
+    "bare Go": ("barego", "bare-go", "drain-bare-go"),
+}
+
+
+def go_binary(source: Path, name: str) -> Path:
+    """A Go program of the bench, built with `go build` into the cache once per version of its source."""
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in sorted(source.iterdir()) if p.suffix in (".go", ".mod", ".sum"))
+    ).hexdigest()[:12]
+    exe = CACHE / f"{name}-{digest}"
+    if not exe.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["go", "build", "-o", str(exe), "."], cwd=source, check=True)
+    return exe
 
 
 def app_binary() -> Path:
-    """The Go app, built with `go build` into the cache once per version of its source."""
-    digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in sorted(APP_SOURCE.iterdir()) if p.suffix in (".go", ".mod"))
-    ).hexdigest()[:12]
-    exe = CACHE / f"drain-app-{digest}"
-    if not exe.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["go", "build", "-o", str(exe), "."], cwd=APP_SOURCE, check=True)
-    return exe
+    """The Go app."""
+    return go_binary(APP_SOURCE, "drain-app")
+
+
+def start_bare(figure: str, sockets: Path, n: int, log: Path) -> subprocess.Popen[bytes]:
+    """The bare component of `figure`, sending `n` messages on its stream (0: none, when its backlog
+    is not the one timed), once its socket is there."""
+    socket = sockets / f"{BARE[figure][1]}.sock"
+    if figure == "bare Python":
+        args = [sys.executable, "-m", "bench.bare_pubsub", str(socket), str(n)]
+    else:
+        args = [str(go_binary(BARE_GO_SOURCE, "bare-go")), str(socket), str(n)]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out)
+    harness.wait_until_blocking(lambda: socket.exists(), f"{figure}'s socket", 30)
+    return proc
 
 
 def write_backlog(client: redis.Redis, topic: str, n: int) -> None:
@@ -132,11 +161,15 @@ def prometheus_sum(text: str, metric: str, match: str = "") -> float:
 @dataclass
 class Sampler:
     """Our component's sent-but-unacked count, every `every_s`, in a thread, until stopped: the
-    samples from its first send until `total` are acked (zeros in between count too)."""
+    samples from its first send until `total` are acked (zeros in between count too).
+
+    Once a second: a scrape costs serve ~10 ms of CPU (its metrics merged and rendered) with
+    the GIL held, and at 4 a second it was ~10 % of serve's CPU in a drain (py-spy), counted
+    in serve's CPU per message and slowing its loop."""
 
     metrics_port: int
     total: int
-    every_s: float = 0.25
+    every_s: float = 1.0
     unacked: list[float] = field(default_factory=list)
     stop_flag: threading.Event = field(default_factory=threading.Event)
 
@@ -171,16 +204,21 @@ def wait_all(app_port: int, routes: Mapping[str, Sequence[str]], n: int, timeout
 
 @dataclass
 class Layout:
-    ours: list[str]  # our component instances, each subscribed to drain-ours
+    ours: list[str]  # our component instances, each subscribed to drain-ours (none: ours left out)
     fast_path: bool
+    bare: list[str] = field(default_factory=list)  # figures of BARE
 
     def subscriptions(self) -> list[tuple[str, str]]:
         subs = [BUILTIN] + [(name, OURS_TOPIC) for name in self.ours]
+        subs += [(BARE[figure][0], BARE[figure][2]) for figure in self.bare]
         return subs + ([FAST] if self.fast_path else [])
 
     def routes(self) -> dict[str, list[str]]:
         routes = {"built-in": [f"/events/{BUILTIN[0]}/{BUILTIN[1]}"]}
-        routes["ours"] = [f"/events/{name}/{OURS_TOPIC}" for name in self.ours]
+        if self.ours:
+            routes["ours"] = [f"/events/{name}/{OURS_TOPIC}" for name in self.ours]
+        for figure in self.bare:
+            routes[figure] = [f"/events/{BARE[figure][0]}/{BARE[figure][2]}"]
         if self.fast_path:
             routes["fast path"] = [f"/events/{FAST[0]}/{FAST[1]}"]
         return routes
@@ -193,6 +231,9 @@ def write_resources(folder: Path, redis_port: int, layout: Layout, ours_meta: di
     for name in layout.ours:
         yaml = harness.component_yaml(name, {**host, **ours_meta}, "pubsub.delayed-pubsub")
         (folder / f"{name}.yaml").write_text(yaml)
+    for figure in layout.bare:
+        name, kind, _ = BARE[figure]
+        (folder / f"{name}.yaml").write_text(harness.component_yaml(name, {}, f"pubsub.{kind}"))
 
 
 def main() -> None:
@@ -201,6 +242,11 @@ def main() -> None:
     ap.add_argument("--fast-path", action="store_true")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--ours", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--bare", action="store_true", help="also the bare Python component (bench/bare_pubsub.py)"
+    )
+    ap.add_argument("--bare-go", action="store_true", help="also the bare Go component (bench/bare_go)")
+    ap.add_argument("--no-ours", action="store_true", help="leave our component out")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument(
         "--apart",
@@ -211,7 +257,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args()
     ours_meta = dict(kv.split("=", 1) for kv in a.ours)
-    layout = Layout([f"delayed{i}" if i else "delayed" for i in range(a.streams)], a.fast_path)
+    ours = [] if a.no_ours else [f"delayed{i}" if i else "delayed" for i in range(a.streams)]
+    bare = [f for f, wanted in (("bare Python", a.bare), ("bare Go", a.bare_go)) if wanted]
+    layout = Layout(ours, a.fast_path, bare)
     n = a.messages
     app_exe = app_binary()
     daprd_path = harness.find_daprd()
@@ -249,15 +297,19 @@ def apart(work: Path, setup: Setup) -> dict[str, Any]:
         merged["cpu_us"][figure] = {k: v / n * 1e6 for k, v in got["cpu_s"].items()}
         merged["ours_unacked_max"] = max(merged["ours_unacked_max"], got["ours_unacked_max"])
     seconds = merged["seconds"]
-    merged["ratio"] = seconds["built-in"] / seconds["ours"]
+    merged["ratios"] = ratios = {f: seconds["built-in"] / s for f, s in seconds.items() if f != "built-in"}
+    merged["ratio"] = ratios.get("ours")
     print("\n## each alone")
-    print("| backlog | drained (s) | msgs/s | CPU per message (us): daprd, serve, app, redis | total |")
+    names = list(merged["cpu_us"]["built-in"])
+    print(f"| backlog | drained (s) | msgs/s | CPU per message (us): {', '.join(names)} | total |")
     print("|---|---|---|---|---|")
     for figure, s in seconds.items():
         cpu = merged["cpu_us"][figure]
-        parts = ", ".join(f"{cpu[k]:.0f}" for k in ("daprd", "serve", "app", "redis"))
+        parts = ", ".join(f"{cpu[k]:.0f}" for k in names)
         print(f"| {figure} | {s:.2f} | {n / s:,.0f} | {parts} | {sum(cpu.values()):.0f} |")
-    print(f"\nalone, ours drains at {merged['ratio']:.2f}x the built-in's pace")
+    print()
+    for figure, r in ratios.items():
+        print(f"alone, {figure} drains at {r:.2f}x the built-in's pace")
     return merged
 
 
@@ -274,7 +326,7 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
     try:
         if "built-in" in wanted:
             write_backlog(client, BUILTIN[1], n)
-        if "ours" in wanted:
+        if "ours" in wanted and layout.ours:
             write_backlog(client, OURS_TOPIC, n)
         sockets = work / "sockets"
         sockets.mkdir()
@@ -283,6 +335,10 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
             sockets / "delayed-pubsub.sock", work / "serve.log", "--metrics-port", str(metrics_port)
         )
         procs.append(serve)
+        bares = {}
+        for figure in layout.bare:
+            bares[figure] = start_bare(figure, sockets, n if figure in wanted else 0, work / "bare.log")
+            procs.append(bares[figure])
         app_port = free_port()
         app = start_http_app(
             [str(setup.app_exe), str(app_port), *(f"{p}={t}" for p, t in layout.subscriptions())],
@@ -299,6 +355,7 @@ def run(work: Path, setup: Setup, only: str | None = None) -> dict[str, Any]:
             )
         assert server.proc is not None
         watched = {"daprd": 0, "serve": serve.pid, "app": app.pid, "redis": server.proc.pid}
+        watched |= {figure: proc.pid for figure, proc in bares.items()}
         cpu0 = {k: cpu_seconds(pid) for k, pid in watched.items() if pid}
         calls0 = redis_calls(client)
         ports = harness.DaprdPorts.free()
@@ -349,6 +406,7 @@ def report(
         "built-in": "pubsub.redis",
         "ours": f"ours, {len(layout.ours)} stream(s)",
         "fast path": "pubsub.redis",
+        **{figure: f"pubsub.{kind}" for figure, (_, kind, _) in BARE.items()},
     }
     for figure, routes in wanted.items():
         rows = [stats[r] for r in routes]
@@ -363,6 +421,10 @@ def report(
     if ratio is not None:
         print(f"ours drains at {ratio:.2f}x the built-in's pace "
               f"({seconds['ours']:.2f} s vs {seconds['built-in']:.2f} s)")  # fmt: skip
+    for figure in BARE:
+        if {"built-in", figure} <= set(seconds):
+            print(f"{figure}: {seconds[figure]:.2f} s = {seconds['built-in'] / seconds[figure]:.2f}x "
+                  "the built-in's pace (the floor of a pluggable stream)")  # fmt: skip
     if {"built-in", "fast path"} <= set(seconds):
         print(f"fast path: {seconds['fast path']:.2f} s = {seconds['built-in'] / seconds['fast path']:.2f}x "
               "the built-in's pace (fired before daprd's launch)")  # fmt: skip
@@ -372,7 +434,7 @@ def report(
         rows = [stats[r] for r in wanted["ours"]]
         busy_s = (max(r["last_ms"] for r in rows) - min(r["first_ms"] for r in rows)) / 1000
         print(
-            f"ours, sent and not yet acked (every 250 ms, {len(unacked)} samples): median "
+            f"ours, sent and not yet acked (every {sampler.every_s:g} s, {len(unacked)} samples): median "
             f"{unacked[len(unacked) // 2]:.0f}, max {unacked[-1]:.0f}; send->ack ~ {mean / (n / busy_s) * 1000:.1f} ms "
             f"(mean unacked / rate), {busy_s / n * 1e6:.0f} us per message on the stream(s)"
         )
