@@ -217,8 +217,8 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench(
         "drain",
-        "a backlog drained through daprd: ours vs the built-in pubsub.redis (and the fast path), one run",
-        why_opt_in="needs daprd and Go (its HTTP app is built with go build)",
+        "a backlog drained through daprd: ours vs the built-in pubsub.redis (and the fast path, bare components)",
+        why_opt_in="needs daprd and Go (its HTTP app and bare Go component are built with go build)",
     ),
     Bench(
         "daprd_publish",
