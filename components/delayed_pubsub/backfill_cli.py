@@ -27,15 +27,12 @@ from delayed_pubsub.terminal import printable
 
 
 def rate_per_second(text: str) -> float:
-    """`--rate`: `N/s` or `N`, occurrences per second, more than 0."""
-    number = text.strip().removesuffix("/s")
+    """`--rate`: `N/s` or `N` occurrences per second (backfill.parse_rate), refused as argparse
+    refuses an argument: `argument --rate: '<text>': <why> (e.g. 100/s)`, exit code 2."""
     try:
-        rate = float(number)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 100/s)") from None
-    if not rate > 0 or rate != rate or rate == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a rate above 0, e.g. 100/s")
-    return rate
+        return bf.parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e} (e.g. 100/s)") from None
 
 
 def register(subparsers: Any) -> None:

@@ -199,6 +199,28 @@ class BackfillResult:
         }
 
 
+def parse_rate(text: str) -> float:
+    """A rate as the CLI's `--rate`, the dashboard's form and the JSON API give it: `N/s` or `N`
+    occurrences per second (blanks around it ignored), finite and more than 0 (check_rate).
+
+    Raises:
+        ValueError: its message the reason alone; the caller names the flag or field and the value.
+    """
+    try:
+        rate = float(text.strip().removesuffix("/s"))
+    except ValueError:
+        raise ValueError("not a number of occurrences per second") from None
+    return check_rate(rate)
+
+
+def check_rate(rate: float) -> float:
+    """`rate`, if it is a number of occurrences per second a backfill takes: more than 0 and finite
+    (float() reads "1e999" and "inf" as infinity); ValueError with the reason otherwise."""
+    if not 0 < rate < math.inf:
+        raise ValueError("must be a number more than 0 per second")
+    return rate
+
+
 def check_range(start_ms: int, end_ms: int, now_ms: int) -> None:
     """Refuse a range a backfill does not take (BackfillRefusedError naming the flag)."""
     if start_ms >= end_ms:
@@ -295,9 +317,10 @@ async def backfill(
     """
     clock = clock or SystemClock()
     now_ms = clock.now_ms()
-    # Finite too: the dashboard and JSON API parse it with float(), where "1e999" is infinity.
-    if not 0 < rate < math.inf:
-        raise BackfillRefusedError("--rate", str(rate), "must be a number more than 0 per second")
+    try:
+        check_rate(rate)
+    except ValueError as e:
+        raise BackfillRefusedError("--rate", str(rate), str(e)) from None
     check_range(start_ms, end_ms, now_ms)
     # Small pages: the schedule's history is walked along its by-id chain (hist_walk.lua), which
     # holds its own `backfilled` records too; 100 a call keeps each call ~ms.

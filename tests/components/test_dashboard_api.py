@@ -587,6 +587,8 @@ async def test_backfill_is_a_dry_run_unless_asked_and_delivers_once(
         status, code, message = error_of(await call("POST", url, json={**body, **change}, headers=BEARER))
         assert (status, code) == (400, "bad_parameter"), (change, message)
         assert message.startswith(f"{field}="), message
+    fast = error_of(await call("POST", url, json={**body, "rate": "fast"}, headers=BEARER))
+    assert fast[2] == "rate='fast': not a number of occurrences per second", fast
     assert error_of(await call("POST", url, json={**body, "id": "nobody"}, headers=BEARER))[:2] == (
         404,
         "not_found",

@@ -96,5 +96,7 @@ async def test_a_backfill_longer_than_the_request_may_take_is_refused_and_left_t
     dry = await post(url, data=form, headers=HEADERS)
     assert dry.status_code == 200
     assert len(dry.json()["result"]["deliver"]) == 3
+    zero = await post(url, data={**form, "rate": "0/s", "confirm": "yes"}, headers=HEADERS)
+    assert (zero.status_code, zero.json()["message"]) == (400, "rate '0/s': must be a number more than 0 per second")
     quick = await post(url, data={**form, "rate": "1/s", "confirm": "yes"}, headers=HEADERS)
     assert quick.json()["result"]["delivered"] == 3

@@ -92,7 +92,7 @@ async def test_backfill_refusals_exit_2_and_an_unknown_id_exits_1(
     assert "is not before --to" in backwards.err
     bad_rate = await cli("backfill", *conn, "hourly", "--from", start, "--to", end, "--rate", "0/s")
     assert bad_rate.code == 2
-    assert "--rate" in bad_rate.err
+    assert "argument --rate: '0/s': must be a number more than 0 per second (e.g. 100/s)" in bad_rate.err
     assert not redis_client.exists("orders")
 
 

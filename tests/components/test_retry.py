@@ -962,6 +962,60 @@ async def test_a_delivery_whose_process_is_killed_counts_toward_the_maximum(
     assert_dead_lettered_once_within_the_limit(redis_client, seen, n)
 
 
+async def test_entries_a_killed_serve_read_ahead_and_never_sent_come_back_one_attempt_higher(
+    folder: Path, component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    """The stated bound of RELIABILITY.md D16: a `serve` process killed with -9 while entries it
+    read ahead wait unsent in its buffer leaves them one attempt higher (their read bumped the
+    delivery count, and nothing gives them back): the next stream delivers them as attempt 2,
+    though the app never saw attempt 1. Held by the app or never read, the attempt is right."""
+    window = 5
+    for i in range(300):
+        redis_client.xadd("orders", encode_entry(StreamEntry(f"m{i}".encode())))  # type: ignore[arg-type]
+    seen: set[str] = set()
+    held: set[str] = set()
+    unsent: set[str] = set()
+    first = Serve(folder, "killed")
+    try:
+        async with instance(first, {**props, "concurrency": str(window)}) as killed:
+            stream = await killed.subscribe("orders")
+            # The app acks two windows as they come (the stream then reads ahead of its window), then
+            # holds the next window: what the stream read beyond it waits unsent in its buffer.
+            # Again until the read-ahead came (a slow turn, on a loaded machine, reads none).
+            for _ in range(20):
+                for _ in range(2 * window):
+                    msg = await stream.next(within=10)
+                    seen.add(msg.id)
+                    await stream.ack(msg.id)
+                held = set()
+                for _ in range(window):
+                    held.add((await stream.next(within=10)).id)
+                seen |= held
+                assert await stream.nothing_for(0.3)  # the window is full: nothing more is sent
+                rows: Any = redis_client.xpending_range("orders", "app1", "-", "+", 1000)
+                unsent = {r["message_id"].decode() for r in rows} - seen
+                if unsent:
+                    break
+                for msg_id in held:
+                    await stream.ack(msg_id)
+            assert unsent, "the stream never read ahead of its window"
+            first.kill9()
+    finally:
+        first.stop()
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    attempts: dict[str, str] = {}
+    while not unsent | held <= attempts.keys():
+        msg = await stream.next(within=10)
+        attempts[msg.id] = msg.metadata["deliveryAttempt"]
+        await stream.ack(msg.id)
+    # Sent once and held: its second delivery. Never sent: a second delivery too, by the count.
+    assert {attempts[i] for i in held} == {"2"}
+    assert {attempts[i] for i in unsent} == {"2"}
+    assert {a for i, a in attempts.items() if i not in seen} - {"2"} <= {"1"}
+
+
 async def test_a_dead_letter_that_cannot_be_written_for_a_while_is_written_once_by_the_streams_racing_for_it(
     component: Factory, props: dict[str, str], redis_client: redis.Redis
 ) -> None:

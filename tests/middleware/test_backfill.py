@@ -23,6 +23,7 @@ from delayed_middleware.backfill import (
     BackfillResult,
     ScheduleNotFoundError,
     backfill,
+    parse_rate,
 )
 from delayed_middleware.clock import ManualClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
@@ -453,11 +454,40 @@ def test_the_calendar_replayed_is_the_one_the_engine_fires_by(metadata: dict[str
         due = next_fire(schedule, start_ms=env.published_at_ms, after_ms=due, key="k") or 0
 
 
+@pytest.mark.parametrize(
+    ("text", "rate"), [("100/s", 100.0), ("100", 100.0), (" 2.5/s ", 2.5), ("0.05/s", 0.05), ("1_000", 1000.0)]
+)
+def test_a_rate_reads_as_n_per_second_with_or_without_its_unit(text: str, rate: float) -> None:
+    assert parse_rate(text) == rate
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("fast", "not a number of occurrences per second"),
+        ("", "not a number of occurrences per second"),
+        ("/s", "not a number of occurrences per second"),
+        ("100/sec", "not a number of occurrences per second"),
+        ("0/s", "must be a number more than 0 per second"),
+        ("-1", "must be a number more than 0 per second"),
+        ("nan", "must be a number more than 0 per second"),
+        ("inf", "must be a number more than 0 per second"),
+        ("1e999/s", "must be a number more than 0 per second"),
+    ],
+)
+def test_a_rate_that_is_no_finite_positive_number_of_occurrences_per_second_is_refused(
+    text: str, why: str
+) -> None:
+    # The reason alone: the CLI and the dashboard each name their flag or field and the value.
+    with pytest.raises(ValueError, match=f"^{why}$"):
+        parse_rate(text)
+
+
 @pytest.mark.parametrize("rate", [float("inf"), float("nan"), 0.0, -1.0])
 async def test_a_rate_that_is_no_finite_positive_number_is_refused_naming_it(
     aredis: Make, redis_client: redis.Redis, rate: float
 ) -> None:
-    # The dashboard and the JSON API parse `rate` with float(): "1e999" or "inf" arrive as infinity.
+    # A caller of backfill() that did not read the rate with parse_rate.
     _, clock = await published(aredis, "2026-11-28T12:00:00Z", EVERY_MINUTE)
     start = ms("2026-11-28T11:00:00Z")
     with pytest.raises(InvalidArgumentError, match="--rate"):

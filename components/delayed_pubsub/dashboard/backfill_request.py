@@ -25,19 +25,19 @@ def field_error(e: InvalidArgumentError) -> InvalidArgumentError:
 
 
 def parse_range(from_text: str, to_text: str, rate_text: str) -> tuple[int, int, float]:
-    """(from ms, to ms, rate per second): instants in RFC 3339, the rate a number with an optional
-    `/s` (empty: the default rate); InvalidArgumentError naming the field otherwise."""
+    """(from ms, to ms, rate per second): instants in RFC 3339, the rate as backfill.parse_rate reads
+    it (empty: the default rate); InvalidArgumentError naming the field otherwise (for the rate a
+    BackfillRefusedError, worded as the backfill's own refusals are)."""
     times: list[int] = []
     for name, text in (("from", from_text), ("to", to_text)):
         try:
             times.append(parse_instant(text))
         except ValueError as e:
             raise InvalidArgumentError(name, text, str(e)) from None
-    rate_text = rate_text.removesuffix("/s") or str(bf.DEFAULT_RATE)
     try:
-        rate = float(rate_text)
-    except ValueError:
-        raise InvalidArgumentError("rate", rate_text, "not a number of occurrences per second") from None
+        rate = bf.parse_rate(rate_text) if rate_text else bf.DEFAULT_RATE
+    except ValueError as e:
+        raise bf.BackfillRefusedError("rate", rate_text, str(e)) from None
     return times[0], times[1], rate
 
 
