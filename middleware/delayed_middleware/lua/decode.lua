@@ -108,8 +108,12 @@ end
 -- nearly all of them, skip the varint call. With `spans`, nothing is copied or
 -- decoded: fs[n] is where bytes field n starts and the fifth result (a table
 -- only then) where it ends, and the map is skipped (cancel.lua's peek).
+-- Field numbers 1-20 (DelayedMessage's) land in the array parts of fs and fn,
+-- sized up front: no table grows (rehashes) while an envelope is read.
 local function message(s, from, to, spans)
-  local fs, fn, md, pos, pairs_read = {}, {}, {}, from, 0
+  local fs = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
+  local fn = {nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil}
+  local md, pos, pairs_read = {}, from, 0
   -- Only spans need their ends: the fire path decodes without this table.
   local fe = spans and {} or nil
   while pos <= to do

@@ -28,6 +28,8 @@ local BUCKET_PREFIX, NOW_ARG, HIST_LEN, N_OUTCOMES =
 --!include inflight.lua
 local now = decision_now(NOW_ARG)
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
+-- A record per released message: the history is trimmed once, at the end (history.lua).
+HIST_TRIM_AT_END = true
 local released, parked, refill, fired = 0, 0, 0, 0
 -- Recurring envelopes re-enter the index together at the end (index.lua insert_many).
 local reinserts = {}
@@ -81,6 +83,7 @@ for _ = 1, tonumber(N_OUTCOMES) do
   end
 end
 insert_many(reinserts)
+hist_trim()
 local out = {released, parked, refill, fired, next_wakeup() or ''}
 for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out

@@ -114,3 +114,24 @@ async def test_history_records_written_before_the_history_was_turned_off_still_a
         await asyncio.gather(task, return_exceptions=True)
     rows: Any = redis_client.xrange(KEYS.history)
     assert [kept for kept, _ in rows] == [f"{now - 60_000}-0".encode()]
+
+
+@pytest.mark.both_fire_paths
+async def test_the_history_stays_trimmed_to_its_length_while_batches_fire(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A fire batch writes a `fired` record per message and trims the history once, at its end:
+    after each batch the history is as short as trimming each record would have left it."""
+    with small_stream_nodes(redis_client, 10):
+        config = EngineConfig(history_max_len=100, batch_size=300)
+        engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=config)
+        await engine.schedule([env(n, T0) for n in range(1000)])
+        batches = 0
+        while (await engine.fire_due())[0]:
+            batches += 1
+            # Approximate trimming frees whole nodes (10 records): never a node above the setting.
+            assert 100 <= redis_client.xlen(KEYS.history) < 110
+    assert batches >= 3
+    assert sorted(payloads(redis_client)) == list(range(1000))
+    # The newest records are the last batch's, and the history is still linked and readable.
+    assert history(redis_client)[-1].event == "fired"
