@@ -81,7 +81,8 @@ end
 -- sizes, attempt and maxlen); anything else is handed to Redis as it is.
 local HIST_TEXTS = {}
 local function hist_text(v)
-  if type(v) ~= 'number' then return v end
+  -- (NaN cannot be a table key: it goes to Redis as it is.)
+  if type(v) ~= 'number' or v ~= v then return v end
   local t = HIST_TEXTS[v]
   if t == nil then
     t = v

@@ -19,6 +19,7 @@ from tests.middleware.engine.helpers import (
     KEYS,
     T0,
     drain,
+    engine_libraries,
     env,
     history,
     payloads,
@@ -135,3 +136,27 @@ async def test_the_history_stays_trimmed_to_its_length_while_batches_fire(
     assert sorted(payloads(redis_client)) == list(range(1000))
     # The newest records are the last batch's, and the history is still linked and readable.
     assert history(redis_client)[-1].event == "fired"
+
+
+def test_numbers_in_records_read_as_redis_would_have_printed_them(redis_client: redis.Redis) -> None:
+    """history.lua prints a record's numbers itself (once per call): each is the text Redis makes
+    of the same Lua number, integral or not, small or past what '%d' could print alike."""
+    libs = engine_libraries("index.lua", "decode.lua", "history.lua", "common.lua")
+    body = """
+local out = {}
+for i, v in ipairs(ARGV) do
+  local n = tonumber(v)
+  redis.call('SET', KEYS[1], n)
+  local theirs = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], hist_text(n))
+  local mine = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], hist_text(n))
+  out[#out + 1] = {mine, theirs, redis.call('GET', KEYS[1])}
+end
+return out
+"""
+    values = ["0", "1", "-5", "90", "1800000001000", "99999999999999", "1e14", "999999999999999", "1e15", "-1e15",
+              "9007199254740993", "1.5", "-0.25", "1e300"]  # fmt: skip
+    got = redis_client.eval(libs + "\n" + body, 1, "{test}:n", *values)
+    assert [(mine, theirs) for mine, theirs, _ in got] == [(theirs, theirs) for _, theirs, _ in got]
+    assert [again for _, _, again in got] == [mine for mine, _, _ in got]  # the kept text, the same
