@@ -100,7 +100,10 @@ end
 -- Epoch ms as RFC 3339 UTC with milliseconds, byte-equal to instants.format_instant
 -- (Hinnant's days-to-civil; floors, so years before 1970 work too). `ms` is an
 -- integral number within years 0001-9999 (exact as a double: < 2^53).
+-- The last one is kept: a burst of occurrences due at one instant formats it once.
+local ISO_LAST_MS, ISO_LAST = nil, nil
 local function iso_ms(ms)
+  if ms == ISO_LAST_MS then return ISO_LAST end
   local floor = math.floor
   local days = floor(ms / 86400000)
   local rem = ms - days * 86400000
@@ -115,8 +118,9 @@ local function iso_ms(ms)
   local y = yoe + era * 400
   if m <= 2 then y = y + 1 end
   local s = floor(rem / 1000)
-  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ',
+  ISO_LAST_MS, ISO_LAST = ms, string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ',
     y, m, d, floor(s / 3600), floor(s / 60) % 60, s % 60, rem % 1000)
+  return ISO_LAST
 end
 
 -- The last instant formatable (instants.MAX_INSTANT_MS, 9999-12-31T23:59:59.999Z).

@@ -99,6 +99,14 @@ local function map_entry(s, from, to)
   return k, v
 end
 
+-- DelayedMessage's fields by number, as the keys decode() gives them: the
+-- length-delimited ones (text, '' when absent; 2 is the payload, or a bulk's
+-- entries, 3 its content type) and the varints (0 when absent). 4 is the map.
+local TEXT_FIELDS = {[1] = 'topic', [2] = 'body', [3] = 'ct', [6] = 'id', [9] = 'pubsub', [10] = 'sid',
+  [12] = 'schedule', [14] = 'source', [16] = 'target'}
+local VARINT_FIELDS = {[5] = 'bulk', [7] = 'due', [8] = 'published', [11] = 'kind', [13] = 'expires', [15] = 'sttl',
+  [17] = 'attempt', [18] = 'every', [19] = 'catchup', [20] = 'cwindow'}
+
 -- One message in s[from..to]: its bytes fields by number (strings), its varint
 -- fields by number, the map at field 4 and how many map entries it read (what
 -- firing the message costs grows with it). Two tables, not one checked per
@@ -107,9 +115,13 @@ end
 -- last one wins, as protobuf's parser does). Single-byte keys and lengths,
 -- nearly all of them, skip the varint call. With `spans`, nothing is copied or
 -- decoded: fs[n] is where bytes field n starts and the fifth result (a table
--- only then) where it ends, and the map is skipped (cancel.lua's peek).
-local function message(s, from, to, spans)
-  local fs, fn, md, pos, pairs_read = {}, {}, {}, from, 0
+-- only then) where it ends, and the map is skipped (cancel.lua's peek). With
+-- `env` (decode()'s envelope), DelayedMessage's fields are written into it by
+-- name instead (TEXT_FIELDS, VARINT_FIELDS; others are skipped) and fs and fn
+-- are `env`: no table per wire type, none that grows.
+local function message(s, from, to, spans, env)
+  local fs, fn, md, pos, pairs_read = env, env, {}, from, 0
+  if not env then fs, fn = {}, {} end
   -- Only spans need their ends: the fire path decodes without this table.
   local fe = spans and {} or nil
   while pos <= to do
@@ -128,13 +140,24 @@ local function message(s, from, to, spans)
         local k, v = map_entry(s, pos, e)
         md[k] = v
         pairs_read = pairs_read + 1
-      else
+      elseif not env then
         fs[n], fn[n] = sub(s, pos, e), nil
+      elseif TEXT_FIELDS[n] then
+        env[TEXT_FIELDS[n]] = sub(s, pos, e)
+      elseif VARINT_FIELDS[n] then
+        env[VARINT_FIELDS[n]] = 0
       end
       pos = e + 1
     elseif wt == 0 then
-      fn[n], pos = varint(s, pos)
-      fs[n] = nil
+      local v
+      v, pos = varint(s, pos)
+      if not env then
+        fn[n], fs[n] = v, nil
+      elseif VARINT_FIELDS[n] then
+        env[VARINT_FIELDS[n]] = v
+      elseif TEXT_FIELDS[n] then
+        env[TEXT_FIELDS[n]] = ''
+      end
     else
       pos = skip(wt, s, pos)
     end
@@ -146,20 +169,20 @@ end
 -- size (payload bytes), raw (envelope bytes), pairs (metadata entries of all its
 -- messages), pubsub (the component it was published through), bulk, id, due, sid, kind, schedule, expires, source, sttl,
 -- target, attempt, published (acceptance ms), every (@every interval ms, 0 otherwise),
--- catchup (scheduleCatchup: 0 one, 1 all, 2 none), cwindow (its window ms, 0 = the default).
+-- catchup (scheduleCatchup: 0 one, 1 all, 2 none), cwindow (its window ms, 0 = the default);
+-- body and ct: the raw fields 2 and 3.
 local function decode(s)
-  local fs, fn, md, np = message(s, 1, #s)
   local env = {
-    topic = fs[1] or '', id = fs[6] or '', due = fn[7] or 0, sid = fs[10] or '', kind = fn[11] or 0,
-    schedule = fs[12] or '', expires = fn[13] or 0, source = fs[14] or '', sttl = fn[15] or 0,
-    target = fs[16] or '', attempt = fn[17] or 0, bulk = (fn[5] or 0) ~= 0, entries = {}, size = 0,
-    raw = #s, pairs = np, pubsub = fs[9] or '', published = fn[8] or 0, every = fn[18] or 0,
-    catchup = fn[19] or 0, cwindow = fn[20] or 0,
+    topic = '', body = '', ct = '', id = '', due = 0, sid = '', kind = 0, schedule = '', expires = 0, source = '',
+    sttl = 0, target = '', attempt = 0, bulk = 0, entries = {}, size = 0, raw = #s, pairs = 0, pubsub = '',
+    published = 0, every = 0, catchup = 0, cwindow = 0,
   }
+  local _, _, md, np = message(s, 1, #s, nil, env)
+  env.pairs, env.bulk = np, env.bulk ~= 0
   if env.topic == '' then error('no topic') end
-  local body = fs[2] or ''
+  local body = env.body
   if not env.bulk then
-    env.entries[1] = {body, md, fs[3] or ''}
+    env.entries[1] = {body, md, env.ct}
     env.size = #body
     return env
   end

@@ -50,6 +50,8 @@ local now = decision_now(NOW_ARG)
 -- envelope is read at its own id, with no HGET each.
 MOVED_NONE = redis.call('EXISTS', MOVED) == 0
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
+-- A record per fired message: the history is trimmed once, at the end (history.lua).
+HIST_TRIM_AT_END = true
 local max_env, max_entries, max_bytes = tonumber(MAX_ENVELOPES), tonumber(MAX_WORK), tonumber(MAX_BYTES)
 local trim_mode, trim_at = TRIM_MODE, TRIM_AT
 -- MINAGE: streamTTL with the threshold on this decision's time (Redis TIME
@@ -111,6 +113,7 @@ for c in due_iter(now, max_env, read_ahead) do
 end
 batch_finish()
 insert_many(reinserts)
+hist_trim()
 local pending = tonumber(redis.call('GET', PENDING) or '0')
 -- Refills nobody completed (occurrences already due whose successor nobody
 -- computed: their replica stopped between its FIRE and its REFILL, or they

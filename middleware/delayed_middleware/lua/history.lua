@@ -18,6 +18,8 @@
 -- every script that writes history keeps its KEYS.
 local HIST_MAXLEN, HIST_NOW = 0, '0'
 local HIST_KEY = HISTORY
+-- (nil where a test runs the libraries without keys)
+local HIST_INDEX = HISTORY and HISTORY .. '-ids'
 local KIND_NAMES = {[0] = 'oneshot', [1] = 'recurring', [2] = 'retry'}
 
 local function hist_indexed(id)
@@ -63,7 +65,7 @@ end
 -- through hist_append.lua, UNCANCEL), linked into the by-id index after
 -- `prev` (nil: the id's newest record). Returns the entry id.
 local function hist_fields(id, fields, prev)
-  local index = HIST_KEY .. '-ids'
+  local index = HIST_INDEX
   local indexed = hist_indexed(id)
   if prev == nil then prev = indexed and redis.call('HGET', index, id) or '' end
   local args = {HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*'}
@@ -72,6 +74,30 @@ local function hist_fields(id, fields, prev)
   args[#args + 1] = prev
   return hist_linked(index, id, indexed, prev, redis.call('XADD', unpack(args)))
 end
+
+-- Numbers as the record's text, as Redis would print them ('%.17g': glibc's
+-- float printer, most of a record's argument cost): integral ones with '%d',
+-- the same digits, each printed once per call (a batch repeats its lateness,
+-- sizes, attempt and maxlen); anything else is handed to Redis as it is.
+local HIST_TEXTS = {}
+local function hist_text(v)
+  -- (NaN cannot be a table key: it goes to Redis as it is.)
+  if type(v) ~= 'number' or v ~= v then return v end
+  local t = HIST_TEXTS[v]
+  if t == nil then
+    t = v
+    if v == math.floor(v) and v > -1e15 and v < 1e15 then t = string.format('%d', v) end
+    HIST_TEXTS[v] = t
+  end
+  return t
+end
+
+-- Set by a script that writes a record per message (FIRE, RELEASE): its
+-- records are appended untrimmed and hist_trim() trims the history once, at
+-- its end, as the last record's MAXLEN ~ would have (approximate trimming
+-- drops whole nodes while the rest still holds HIST_MAXLEN: the same nodes).
+local HIST_TRIM_AT_END = false
+local HIST_UNTRIMMED = false
 
 -- Returns the record's entry id (nil when the history is off). The fire
 -- path's writer: one XADD with literal arguments, and for an indexed id an
@@ -82,21 +108,37 @@ end
 local function hist(event, id, sid, topic, kind, due, late, size, attempt, reason, schedule, occ)
   if HIST_MAXLEN == 0 then return nil end
   local indexed = hist_indexed(id)
-  local index = HIST_KEY .. '-ids'
+  local index = HIST_INDEX
   local prev = indexed and redis.call('HGET', index, id) or ''
+  local kn = KIND_NAMES[kind] or 'oneshot'
+  due, late, size, attempt = hist_text(due), hist_text(late), hist_text(size), hist_text(attempt)
   local entry
-  if occ == nil or tostring(occ) == tostring(due) then
-    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
+  if occ ~= nil and occ ~= due and tostring(occ) ~= tostring(due) then
+    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', hist_text(HIST_MAXLEN), '*',
       'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
-      'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
-      'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
-  else
-    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', HIST_MAXLEN, '*',
-      'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
-      'kind', KIND_NAMES[kind] or 'oneshot', 'due', due, 'late', late, 'size', size,
+      'kind', kn, 'due', due, 'late', late, 'size', size,
       'attempt', attempt, 'reason', reason, 'schedule', schedule, 'occ', occ, 'prev', prev)
+  elseif HIST_TRIM_AT_END then
+    entry = redis.call('XADD', HIST_KEY, '*',
+      'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
+      'kind', kn, 'due', due, 'late', late, 'size', size,
+      'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
+    HIST_UNTRIMMED = true
+  else
+    entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', hist_text(HIST_MAXLEN), '*',
+      'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
+      'kind', kn, 'due', due, 'late', late, 'size', size,
+      'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
   end
   return hist_linked(index, id, indexed, prev, entry)
+end
+
+-- The trim hist() left to the end of a HIST_TRIM_AT_END script (one XTRIM, nothing if no record was left untrimmed).
+local function hist_trim()
+  if HIST_UNTRIMMED then
+    redis.call('XTRIM', HIST_KEY, 'MAXLEN', '~', hist_text(HIST_MAXLEN))
+    HIST_UNTRIMMED = false
+  end
 end
 
 -- A recurring schedule fired its last occurrence (its scheduleEnd or scheduleLimit

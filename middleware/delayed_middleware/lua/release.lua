@@ -28,9 +28,13 @@ local BUCKET_PREFIX, NOW_ARG, HIST_LEN, N_OUTCOMES =
 --!include inflight.lua
 local now = decision_now(NOW_ARG)
 HIST_MAXLEN, HIST_NOW = tonumber(HIST_LEN), string.format('%.0f', now)
+-- A record per released message: the history is trimmed once, at the end (history.lua).
+HIST_TRIM_AT_END = true
 local released, parked, refill, fired = 0, 0, 0, 0
 -- Recurring envelopes re-enter the index together at the end (index.lua insert_many).
 local reinserts = {}
+-- Stream entries of the envelopes done with, deleted together at the end.
+local deletes = {}
 local pos = 5
 for _ = 1, tonumber(N_OUTCOMES) do
   local id, outcome = ARGV[pos], ARGV[pos + 1]
@@ -59,8 +63,9 @@ for _ = 1, tonumber(N_OUTCOMES) do
           if rdue == due and rnom ~= '-' then nom = rnom end
         end
         if next_due == '-' or (env.kind == 1 and not current) then
-          -- The last occurrence, or a schedule replaced or cancelled in flight.
-          delete_envelopes({id})
+          -- The last occurrence, or a schedule replaced or cancelled in flight (its
+          -- stream entry goes with the others at the end: one XDEL for the release).
+          deletes[#deletes + 1] = id
           if current then
             redis.call('HDEL', IDS, key)
             redis.call('ZREM', REFILL_SET, key)
@@ -81,6 +86,8 @@ for _ = 1, tonumber(N_OUTCOMES) do
   end
 end
 insert_many(reinserts)
+delete_envelopes(deletes)
+hist_trim()
 local out = {released, parked, refill, fired, next_wakeup() or ''}
 for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out

@@ -37,6 +37,6 @@ redis.call('XDEL', HIST_KEY, RECORD_ID)
 -- The new record takes the old one's place in its id's chain when the old one
 -- was the newest; else it follows the newest, and the chain's link to the
 -- deleted record is found missing by the reader, which scans from there.
-if hist_indexed(id) and redis.call('HGET', HIST_KEY .. '-ids', id) ~= RECORD_ID then prev = nil end
+if hist_indexed(id) and redis.call('HGET', HIST_INDEX, id) ~= RECORD_ID then prev = nil end
 hist_fields(id, fields, prev)
 return 1

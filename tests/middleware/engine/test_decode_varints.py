@@ -77,3 +77,32 @@ def test_an_eleven_byte_varint_is_refused(redis_client: redis.Redis) -> None:
     got = _lua_decode(redis_client, raw)
     assert got[0] == b"error"
     assert b"longer than 10 bytes" in got[1]
+
+
+def _field(number: int, value: int | bytes) -> bytes:
+    """One field (number < 16) on the wire: a one-byte key, then a one-byte varint or a short length-delimited value."""
+    if isinstance(value, int):
+        return bytes([number << 3 | 0, value])
+    return bytes([number << 3 | 2, len(value)]) + value
+
+
+def test_a_field_seen_again_with_the_other_wire_type_clears_the_first(redis_client: redis.Redis) -> None:
+    """The last occurrence of a field wins, and one of the wrong wire type leaves the field empty:
+    a due time sent as bytes reads as 0, a payload sent as a varint as empty, a repeated time as its last."""
+    raw = (
+        _field(1, b"orders")
+        + _field(2, b"payload")
+        + _field(7, 5)  # due
+        + _field(7, b"x")  # due again, as bytes: cleared
+        + _field(8, 6)  # published
+        + _field(8, 9)  # published again: the last wins
+        + _field(13, b"y")  # expires as bytes: stays 0
+        + _field(15, 3)  # schedule TTL
+        + _field(2, 1)  # the payload again, as a varint: cleared
+    )
+    got = _lua_decode(redis_client, raw)
+    assert [g.decode() for g in got] == ["0", "9", "0", "3", "0", "0", "orders", ""]
+    # A topic sent last as a varint is no topic: the envelope is undecodable.
+    got = _lua_decode(redis_client, raw + _field(1, 4))
+    assert got[0] == b"error"
+    assert b"no topic" in got[1]

@@ -458,3 +458,27 @@ async def test_a_test_marked_for_both_fire_paths_fires_through_each(
     assert payloads(redis_client) == [1]
     expected = ["claimed", "appended:1", "released"] if fire_path == "two-phase" else []
     assert points == expected
+
+
+@pytest.mark.both_fire_paths
+async def test_messages_of_one_batch_each_carry_their_own_occurrence_and_lateness(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """One batch fires messages due at different instants, several at the same one: each carries
+    the occurrence it is (its own due time), and its `fired` record its own lateness and size,
+    however the batch reuses what it formatted for the message before."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    dues = [T0 + 10, T0 + 20, T0 + 20, T0 + 10, T0 + 30, T0 + 10]
+    await engine.schedule([env(n, due) for n, due in enumerate(dues)])
+    clock.set(T0 + 100)
+    assert (await engine.fire_due())[0] == len(dues)
+    got = {
+        json.loads(e.data)["n"]: e.metadata["scheduleOccurrence"]
+        for e in (decode_entry(f) for _, f in target(redis_client))
+    }
+    assert got == {n: format_instant(due) for n, due in enumerate(dues)}
+    fired = history(redis_client, "fired")
+    assert sorted((r.due_ms, r.lateness_ms, r.size_bytes, r.attempt) for r in fired) == sorted(
+        (due, T0 + 100 - due, len(b'{"n":0}'), 1) for due in dues
+    )

@@ -19,6 +19,7 @@ from tests.middleware.engine.helpers import (
     KEYS,
     T0,
     drain,
+    engine_libraries,
     env,
     history,
     payloads,
@@ -114,3 +115,48 @@ async def test_history_records_written_before_the_history_was_turned_off_still_a
         await asyncio.gather(task, return_exceptions=True)
     rows: Any = redis_client.xrange(KEYS.history)
     assert [kept for kept, _ in rows] == [f"{now - 60_000}-0".encode()]
+
+
+@pytest.mark.both_fire_paths
+async def test_the_history_stays_trimmed_to_its_length_while_batches_fire(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """A fire batch writes a `fired` record per message and trims the history once, at its end:
+    after each batch the history is as short as trimming each record would have left it."""
+    with small_stream_nodes(redis_client, 10):
+        config = EngineConfig(history_max_len=100, batch_size=300)
+        engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=config)
+        await engine.schedule([env(n, T0) for n in range(1000)])
+        batches = 0
+        while (await engine.fire_due())[0]:
+            batches += 1
+            # Approximate trimming frees whole nodes (10 records): never a node above the setting.
+            assert 100 <= redis_client.xlen(KEYS.history) < 110
+    assert batches >= 3
+    assert sorted(payloads(redis_client)) == list(range(1000))
+    # The newest records are the last batch's, and the history is still linked and readable.
+    assert history(redis_client)[-1].event == "fired"
+
+
+def test_numbers_in_records_read_as_redis_would_have_printed_them(redis_client: redis.Redis) -> None:
+    """history.lua prints a record's numbers itself (once per call): each is the text Redis makes
+    of the same Lua number, integral or not, small or past what '%d' could print alike."""
+    libs = engine_libraries("index.lua", "decode.lua", "history.lua", "common.lua")
+    body = """
+local out = {}
+for i, v in ipairs(ARGV) do
+  local n = tonumber(v)
+  redis.call('SET', KEYS[1], n)
+  local theirs = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], hist_text(n))
+  local mine = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], hist_text(n))
+  out[#out + 1] = {mine, theirs, redis.call('GET', KEYS[1])}
+end
+return out
+"""
+    values = ["0", "1", "-5", "90", "1800000001000", "99999999999999", "1e14", "999999999999999", "1e15", "-1e15",
+              "9007199254740993", "1.5", "-0.25", "1e300"]  # fmt: skip
+    got = redis_client.eval(libs + "\n" + body, 1, "{test}:n", *values)
+    assert [(mine, theirs) for mine, theirs, _ in got] == [(theirs, theirs) for _, theirs, _ in got]
+    assert [again for _, _, again in got] == [mine for mine, _, _ in got]  # the kept text, the same
