@@ -7,8 +7,9 @@ for a core does not count, so a loaded machine matters less). The stages, per me
   - the Redis round trip that XACKs the acks that freed slots and reads the entries that
     refill them (one per `batch` messages): redis-py's pipeline, and the subscription's own
     (SubscriptionCalls.round_trip, raw replies);
-  - decode: the reply into ids and StreamEntry (decode_entry; after: the raw reply's
-    fields paired first);
+  - decode: the reply into ids and StreamEntry (the subscription's EntryReader over each
+    entry's raw field list; before the second cut: the fields paired into a dict first, and
+    decode_entry parsing every entry's metadata);
   - the window's bookkeeping: _push (owned, buffer), deliveries() handing it out,
     ack_nowait (slot freed, ack queued);
   - building the PullMessagesResponse, and its serialisation (grpc.aio calls
@@ -42,7 +43,7 @@ for sub in ("proto", "middleware", "components", "."):
 from bench.common import PAYLOAD  # noqa: E402
 from delayed_middleware.aio import text  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry  # noqa: E402
+from delayed_middleware.entry import StreamEntry, encode_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.fetch import _parsed  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
@@ -102,10 +103,10 @@ async def stages(port: int, n: int) -> dict[str, float]:
     async def decode(i: int) -> None:
         for _s, items in _parsed(raw_replies[i]):
             for raw_id, f in items:
-                entries.append((text(raw_id), decode_entry(f)))
+                entries.append((text(raw_id), sub._decode(f)))
 
     count = sum(len(items) for r in raw_replies for _s, items in _parsed(r))
-    out["decode (pair fields, text(id), decode_entry)"] = (
+    out["decode (text(id), EntryReader over the raw fields)"] = (
         await per_message(len(raw_replies), decode) * len(raw_replies) / count
     )
 
@@ -117,7 +118,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
         sub._push(ids[i], flat, 1, False)
 
     push_us = await per_message(n, push)
-    out["window: _push (decode_entry included)"] = push_us
+    out["window: _push (EntryReader included)"] = push_us
     it = sub.deliveries()
     # Handed out and acked in turn (the window holds `concurrency`): the pair, then acks alone.
     async def hand_out_and_ack(i: int) -> None:
