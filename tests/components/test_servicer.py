@@ -334,34 +334,15 @@ async def test_nack_redelivers_same_entry_after_redeliver_interval(
     third = await stream.next(within=3)
     assert third.metadata["deliveryAttempt"] == "3"
     await stream.ack(third.id)
-    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
-
-
-async def test_messages_with_the_same_metadata_each_carry_their_own_delivery_attempt(
-    component: Factory, props: dict[str, str], redis_client: redis.Redis
-) -> None:
-    # The stream decodes a metadata field it has seen before once (the map is shared by the
-    # entries that carry it): a redelivery's deliveryAttempt must not reach the others.
-    c = component("delayed")
-    await c.init({**props, "redeliverInterval": "200ms", "processingTimeout": "60s"})
-    stream = await c.subscribe("orders")
-    for data in (b"a", b"b"):
-        await c.publish("orders", data, {"k": "v", "deliveryAttempt": "9"})
-    got = [await stream.next(), await stream.next()]
-    await stream.nack(got[0].id)
-    await stream.ack(got[1].id)
-    again = await stream.next(within=3)
-    await stream.ack(again.id)
-    await c.publish("orders", b"c", {"k": "v", "deliveryAttempt": "9"})
-    last = await stream.next()
-    await stream.ack(last.id)
-    seen = [(m.data, dict(m.metadata)) for m in (*got, again, last)]
-    assert seen == [
-        (b"a", {"k": "v", "deliveryAttempt": "1"}),
-        (b"b", {"k": "v", "deliveryAttempt": "1"}),
-        (b"a", {"k": "v", "deliveryAttempt": "2"}),
-        (b"c", {"k": "v", "deliveryAttempt": "1"}),
-    ]
+    # The stream parses a metadata field it has seen before once, and the entries that carry
+    # it share the map: another message with the same metadata (a deliveryAttempt of the
+    # publisher's own in it too) carries its own attempt, not the redelivery's.
+    await c.publish("orders", b"steady", {"k": "v", "deliveryAttempt": "9"})
+    await c.publish("orders", b"steady", {"k": "v", "deliveryAttempt": "9"})
+    for _ in range(2):
+        other = await stream.next()
+        assert (other.data, dict(other.metadata)) == (b"steady", {"k": "v", "deliveryAttempt": "1"})
+        await stream.ack(other.id)
     await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)
 
 
