@@ -12,8 +12,9 @@ for a core does not count, so a loaded machine matters less). The stages, per me
     decode_entry parsing every entry's metadata);
   - the window's bookkeeping: _push (owned, buffer), deliveries() handing it out,
     ack_nowait (slot freed, ack queued);
-  - building the PullMessagesResponse, and its serialisation (grpc.aio calls
-    SerializeToString for us);
+  - building the PullMessagesResponse and its serialisation: the message built and
+    SerializeToString (before the second cut; grpc.aio called it for us), and the bytes
+    built by hand (wire.Responses, as the handler does now);
   - the ack as grpc.aio hands it over: PullMessagesRequest.FromString and its fields.
 What is left of a delivered message's CPU in bench/deliver.py (the event loop's wake-ups
 between the fetch loop, the ack loop, the ack pump and the handler; grpc's send) is that
@@ -47,6 +48,8 @@ from delayed_middleware.entry import StreamEntry, encode_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.fetch import _parsed  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
+from delayed_pubsub.window import Delivery  # noqa: E402
+from delayed_pubsub.wire import Responses  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -59,6 +62,29 @@ async def per_message(n: int, body: Callable[[int], Awaitable[None]]) -> float:
     for i in range(n):
         await body(i)
     return (time.process_time() - t) / n * 1e6
+
+
+async def response_stages(n: int, ids: list[str], one: StreamEntry) -> dict[str, float]:
+    """Building and serialising the PullMessagesResponse of each of n messages, both ways."""
+    out: dict[str, float] = {}
+    response = pubsub_pb2.PullMessagesResponse
+
+    async def build(i: int) -> None:
+        msg = response(
+            data=one.data, topic_name=TOPIC, metadata=one.metadata, content_type=one.content_type, id=ids[i]
+        )
+        msg.metadata["deliveryAttempt"] = "1"
+        msg.SerializeToString()
+
+    out["build + serialise PullMessagesResponse (message)"] = await per_message(n, build)
+    by_hand = Responses(TOPIC)
+    deliveries = [Delivery(ids[i], TOPIC, one, 1) for i in range(n)]
+
+    async def serialise(i: int) -> None:
+        by_hand(deliveries[i])
+
+    out["build + serialise PullMessagesResponse (wire.Responses)"] = await per_message(n, serialise)
+    return out
 
 
 async def stages(port: int, n: int) -> dict[str, float]:
@@ -137,17 +163,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
     ack_us = await per_message(n, ack_only)
     out["window: deliveries() hands one out"] = pair_us - ack_us
     out["window: ack_nowait"] = ack_us
-    response = pubsub_pb2.PullMessagesResponse
-    one = entries[0][1]
-
-    async def build(i: int) -> None:
-        msg = response(
-            data=one.data, topic_name=TOPIC, metadata=one.metadata, content_type=one.content_type, id=ids[i]
-        )
-        msg.metadata["deliveryAttempt"] = "1"
-        msg.SerializeToString()
-
-    out["build + serialise PullMessagesResponse"] = await per_message(n, build)
+    out.update(await response_stages(n, ids, entries[0][1]))
     raw_ack = pubsub_pb2.PullMessagesRequest(ack_message_id="1795932911677-0").SerializeToString()
 
     async def ack_in(_: int) -> None:
