@@ -7,12 +7,14 @@ for a core does not count, so a loaded machine matters less). The stages, per me
   - the Redis round trip that XACKs the acks that freed slots and reads the entries that
     refill them (one per `batch` messages): redis-py's pipeline, and the subscription's own
     (SubscriptionCalls.round_trip, raw replies);
-  - decode: the reply into ids and StreamEntry (decode_entry; after: the raw reply's
-    fields paired first);
+  - decode: the reply into ids and StreamEntry (the subscription's EntryReader over each
+    entry's raw field list; before the second cut: the fields paired into a dict first, and
+    decode_entry parsing every entry's metadata);
   - the window's bookkeeping: _push (owned, buffer), deliveries() handing it out,
     ack_nowait (slot freed, ack queued);
-  - building the PullMessagesResponse, and its serialisation (grpc.aio calls
-    SerializeToString for us);
+  - building the PullMessagesResponse and its serialisation: the message built and
+    SerializeToString (before the second cut; grpc.aio called it for us), and the bytes
+    built by hand (wire.Responses, as the handler does now);
   - the ack as grpc.aio hands it over: PullMessagesRequest.FromString and its fields.
 What is left of a delivered message's CPU in bench/deliver.py (the event loop's wake-ups
 between the fetch loop, the ack loop, the ack pump and the handler; grpc's send) is that
@@ -42,10 +44,12 @@ for sub in ("proto", "middleware", "components", "."):
 from bench.common import PAYLOAD  # noqa: E402
 from delayed_middleware.aio import text  # noqa: E402
 from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.entry import StreamEntry, decode_entry, encode_entry  # noqa: E402
+from delayed_middleware.entry import StreamEntry, encode_entry  # noqa: E402
 from delayed_pubsub.broker import Broker  # noqa: E402
 from delayed_pubsub.fetch import _parsed  # noqa: E402
 from delayed_pubsub.settings import parse_settings  # noqa: E402
+from delayed_pubsub.window import Delivery  # noqa: E402
+from delayed_pubsub.wire import Responses  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -58,6 +62,29 @@ async def per_message(n: int, body: Callable[[int], Awaitable[None]]) -> float:
     for i in range(n):
         await body(i)
     return (time.process_time() - t) / n * 1e6
+
+
+async def response_stages(n: int, ids: list[str], one: StreamEntry) -> dict[str, float]:
+    """Building and serialising the PullMessagesResponse of each of n messages, both ways."""
+    out: dict[str, float] = {}
+    response = pubsub_pb2.PullMessagesResponse
+
+    async def build(i: int) -> None:
+        msg = response(
+            data=one.data, topic_name=TOPIC, metadata=one.metadata, content_type=one.content_type, id=ids[i]
+        )
+        msg.metadata["deliveryAttempt"] = "1"
+        msg.SerializeToString()
+
+    out["build + serialise PullMessagesResponse (message)"] = await per_message(n, build)
+    by_hand = Responses(TOPIC)
+    deliveries = [Delivery(ids[i], TOPIC, one, 1) for i in range(n)]
+
+    async def serialise(i: int) -> None:
+        by_hand(deliveries[i])
+
+    out["build + serialise PullMessagesResponse (wire.Responses)"] = await per_message(n, serialise)
+    return out
 
 
 async def stages(port: int, n: int) -> dict[str, float]:
@@ -102,10 +129,10 @@ async def stages(port: int, n: int) -> dict[str, float]:
     async def decode(i: int) -> None:
         for _s, items in _parsed(raw_replies[i]):
             for raw_id, f in items:
-                entries.append((text(raw_id), decode_entry(f)))
+                entries.append((text(raw_id), sub._decode(f)))
 
     count = sum(len(items) for r in raw_replies for _s, items in _parsed(r))
-    out["decode (pair fields, text(id), decode_entry)"] = (
+    out["decode (text(id), EntryReader over the raw fields)"] = (
         await per_message(len(raw_replies), decode) * len(raw_replies) / count
     )
 
@@ -117,7 +144,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
         sub._push(ids[i], flat, 1, False)
 
     push_us = await per_message(n, push)
-    out["window: _push (decode_entry included)"] = push_us
+    out["window: _push (EntryReader included)"] = push_us
     it = sub.deliveries()
     # Handed out and acked in turn (the window holds `concurrency`): the pair, then acks alone.
     async def hand_out_and_ack(i: int) -> None:
@@ -136,17 +163,7 @@ async def stages(port: int, n: int) -> dict[str, float]:
     ack_us = await per_message(n, ack_only)
     out["window: deliveries() hands one out"] = pair_us - ack_us
     out["window: ack_nowait"] = ack_us
-    response = pubsub_pb2.PullMessagesResponse
-    one = entries[0][1]
-
-    async def build(i: int) -> None:
-        msg = response(
-            data=one.data, topic_name=TOPIC, metadata=one.metadata, content_type=one.content_type, id=ids[i]
-        )
-        msg.metadata["deliveryAttempt"] = "1"
-        msg.SerializeToString()
-
-    out["build + serialise PullMessagesResponse"] = await per_message(n, build)
+    out.update(await response_stages(n, ids, entries[0][1]))
     raw_ack = pubsub_pb2.PullMessagesRequest(ack_message_id="1795932911677-0").SerializeToString()
 
     async def ack_in(_: int) -> None:

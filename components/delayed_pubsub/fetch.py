@@ -50,16 +50,14 @@ Push = Callable[[str, Any, int, bool], None]
 
 def _parsed(reply: Any) -> Any:
     """A raw XREADGROUP reply (RESP3: {stream: [[id, [field, value, ...]], ...]}; RESP2:
-    [[stream, [...]], ...]) in the shape redis-py's callback gives: [[stream, [(id, {field:
-    value})]]]. An entry deleted while pending has no fields: left out, as the read of
-    new entries (">") never returns one."""
+    [[stream, [...]], ...]) in the shape redis-py's callback gives, [[stream, [(id, fields)]]],
+    but each entry's fields left as the reply's flat [field, value, ...] list (decode_entry
+    reads it as it is: no dict per entry). An entry deleted while pending has no fields: left
+    out, as the read of new entries (">") never returns one."""
     if not reply:
         return []
     streams = reply.items() if isinstance(reply, dict) else reply
-    return [
-        (name, [(i, dict(zip(f[::2], f[1::2], strict=True))) for i, f in items if f is not None])
-        for name, items in streams
-    ]
+    return [(name, [(i, f) for i, f in items if f is not None]) for name, items in streams]
 
 
 class Fetcher:

@@ -175,7 +175,8 @@ class _Registrar:
     wrapped once as it is registered, so that no interceptor runs on every call.
 
     Unary methods answer a malformed request INVALID_ARGUMENT; streaming methods other than
-    the servicer's own (PullMessages counts itself) count as open streams for admission control.
+    the servicer's own (PullMessages counts itself) count as open streams for admission control,
+    and the servicer's own sends the responses it serialised itself as they are.
     """
 
     def __init__(self, server: grpc.aio.Server, admission: AdmissionControl, counted: bool) -> None:
@@ -198,7 +199,20 @@ class _Registrar:
             return _answer_malformed(handler)
         if self._counted and (handler.request_streaming or handler.response_streaming):
             return _counted_stream(handler, self._admission)
+        if handler.response_streaming and handler.response_serializer is not None:
+            return _passing_bytes(handler)
         return handler
+
+
+def _passing_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` (the servicer's PullMessages) with a serializer that sends a response already
+    serialised (bytes: delayed_pubsub.wire) as it is, and serialises any other as before."""
+    serialize = handler.response_serializer
+
+    def serializer(response: Any) -> bytes:
+        return response if type(response) is bytes else serialize(response)  # type: ignore[misc]
+
+    return handler._replace(response_serializer=serializer)  # type: ignore[attr-defined,no-any-return]
 
 
 def _counted_stream(

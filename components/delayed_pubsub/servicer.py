@@ -28,7 +28,7 @@ from delayed_pubsub.admission import AdmissionControl
 from delayed_pubsub.broker import BulkEntry
 from delayed_pubsub.instance import Instance, Instances
 from delayed_pubsub.subscription import Subscription
-from delayed_pubsub.window import DELIVERY_ATTEMPT
+from delayed_pubsub.wire import Responses
 from delayed_pubsub_pb.dapr.proto.components.v1 import common_pb2, pubsub_pb2, pubsub_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,6 @@ _STATUS: tuple[tuple[type[DelayedPubSubError], grpc.StatusCode], ...] = (
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DelayedPubSubError, grpc.StatusCode.INTERNAL),
 )
-
-
-# deliveryAttempt values as strings, made once.
-_ATTEMPTS = tuple(str(i) for i in range(8))
 
 
 def status_code(error: DelayedPubSubError) -> grpc.StatusCode:
@@ -197,7 +193,9 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
         self,
         request_iterator: AsyncIterator[pubsub_pb2.PullMessagesRequest],
         context: Context,
-    ) -> AsyncIterator[pubsub_pb2.PullMessagesResponse]:
+    ) -> AsyncIterator[bytes]:
+        """daprd's stream: each PullMessagesResponse, serialised, as the subscription hands the
+        message out; daprd's acks and nacks read meanwhile (_pump_acks)."""
         # A stream is held by gRPC but is no queue: admission control leaves it out
         # until the call's task ends, however it ends.
         task = asyncio.current_task()
@@ -209,20 +207,12 @@ class PubSubServicer(pubsub_pb2_grpc.PubSubServicer):
             return
         instance, sub = opened
         acks = asyncio.create_task(_pump_acks(request_iterator, sub), name=f"acks {sub.consumer}")
-        response = pubsub_pb2.PullMessagesResponse
+        # Each message serialised by hand (wire.py); server.py registers this stream with
+        # a serializer that passes bytes through.
+        response = Responses(sub.topic)
         try:
             async for d in sub.deliveries():
-                # The entry's metadata goes straight into the message's map, and
-                # deliveryAttempt after it: no merged copy per message.
-                msg = response(
-                    data=d.entry.data,
-                    topic_name=d.topic,
-                    metadata=d.entry.metadata,
-                    content_type=d.entry.content_type,
-                    id=d.id,
-                )
-                msg.metadata[DELIVERY_ATTEMPT] = _ATTEMPTS[d.attempt] if d.attempt < 8 else str(d.attempt)
-                yield msg
+                yield response(d)
         finally:
             acks.cancel()
             with contextlib.suppress(asyncio.CancelledError):

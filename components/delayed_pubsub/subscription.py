@@ -18,7 +18,7 @@ from typing import Any
 from delayed_middleware.aio import raise_if_stopped
 from delayed_middleware.backoff import REDIS_RECONNECT
 from delayed_middleware.clock import Clock
-from delayed_middleware.entry import decode_entry
+from delayed_middleware.entry import EntryReader
 from delayed_middleware.liveness import Supervised
 from delayed_pubsub.acks import AckBatcher
 from delayed_pubsub.calls import SubscriptionCalls
@@ -88,6 +88,8 @@ class Subscription:
             timeout=None if base is None else base + BLOCK_MS / 1000,
         )
         self._acks = AckBatcher(self._calls)
+        # What the fetch loop and retries read, decoded (the same metadata parsed once).
+        self._decode = EntryReader()
         self._fetcher: Supervised | None = None
         self._acker: Supervised | None = None
         # Built by start(), once `retry` is known.
@@ -235,10 +237,14 @@ class Subscription:
         window = self._window
         ready, unacked, delivered = self._ready, self._unacked, self._metrics.delivered
         can_send, can_fetch = window.can_send, window.can_fetch
+        ready_at, loop = self._ready_at, asyncio.get_running_loop()
+        # A delivery that waited in the buffer this long (s) is checked before it goes out.
+        check_after = self._settings.processing_timeout_ms / 2000
         while not window.closed:
             if ready and not window.paused and len(unacked) < limit:
                 delivery = ready.popleft()
-                if not await self._still_ours(delivery):
+                waited = loop.time() - ready_at.pop(delivery.id, 0.0)
+                if 0 < check_after <= waited and not await self._still_ours(delivery):
                     self._slot_freed()
                     continue
                 if expired(delivery.entry, self._clock):
@@ -257,8 +263,9 @@ class Subscription:
             await can_send.wait()
 
     async def _still_ours(self, delivery: Delivery) -> bool:
-        """Whether a buffered delivery may be handed out: yes at once if it waited less than
-        half processingTimeout; else only if nobody has taken it over meanwhile.
+        """Whether a delivery that waited in the buffer for half processingTimeout or more
+        (deliveries() asks only then) may be handed out: only if nobody has taken it over
+        meanwhile.
 
         An entry waiting in the buffer sits in our PEL going idle; past processingTimeout
         another stream's reclaim pass may deliver it, and handing out our copy as well
@@ -266,10 +273,6 @@ class Subscription:
         (every delivery bumps the count) and resets its idle time, so no reclaim pass takes
         it while the subscriber works on it.
         """
-        timeout_ms = self._settings.processing_timeout_ms
-        waited = asyncio.get_running_loop().time() - self._ready_at.pop(delivery.id, 0.0)
-        if timeout_ms <= 0 or waited * 1000 < timeout_ms / 2:
-            return True
         try:
             c = self._calls
             _, fields = await c.retrying(
@@ -345,7 +348,7 @@ class Subscription:
             return
         # Decoded before it counts as ours: if that fails, our own reclaim pass
         # must still be able to pick it up.
-        entry = decode_entry(fields)
+        entry = self._decode(fields)
         self._owned.add(entry_id)
         if expired(entry, self._clock):
             # Its TTL ended in the stream or while waiting for a redelivery.

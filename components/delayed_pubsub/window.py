@@ -24,8 +24,11 @@ from delayed_middleware.clock import Clock
 from delayed_middleware.entry import StreamEntry
 
 DELIVERY_ATTEMPT = "deliveryAttempt"
-# A subscriber that acks a whole window within this long gets two more windows read ahead.
+# A subscriber that acks a whole window within this long gets more windows read ahead.
 READ_AHEAD_PACE_S = 0.04
+# How many windows ahead of the slots in use the fetch loop reads for such a subscriber
+# (at most one queueDepth).
+READ_AHEAD_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -71,15 +74,16 @@ class Window:
         # so one XREADGROUP fills many slots instead of one read per ack.
         self.low_water = max(1, min(concurrency // 2, queue_depth))
         # While the subscriber acks a whole window within READ_AHEAD_PACE_S, the fetch loop
-        # reads up to two more windows ahead (at most one queueDepth): each read then brings
-        # a window, not the half that acks freed, and a busy stream makes half the Redis round
-        # trips per message (each ~150-250 us of CPU). What it reads ahead waits a few ms at
-        # that pace, so other streams of the group wait no longer for it; a slower subscriber
-        # (or one that stops acking) reads no further than its free slots, as before.
-        self.read_ahead = min(2 * concurrency, queue_depth)
-        # Then a read waits for a window's worth of free slots, and the buffer still holds up
-        # to a window while it is on the wire: the stream is never left waiting for it.
-        self.read_low_water = max(self.low_water, min(concurrency, queue_depth))
+        # reads up to READ_AHEAD_WINDOWS more windows ahead (at most one queueDepth): each read
+        # then brings two windows, not the half window that acks freed, and a busy stream makes
+        # a quarter of the Redis round trips per message (each ~150-250 us of CPU). What it
+        # reads ahead waits a few ms at that pace, so other streams of the group wait no longer
+        # for it; a slower subscriber (or one that stops acking) reads no further than its free
+        # slots, as before.
+        self.read_ahead = min(READ_AHEAD_WINDOWS * concurrency, queue_depth)
+        # Then a read waits until all but a window of that is free, and the buffer still holds
+        # up to a window while it is on the wire: the stream is never left waiting for it.
+        self.read_low_water = max(self.low_water, min((READ_AHEAD_WINDOWS - 1) * concurrency, queue_depth))
         self.acked_in_turn = 0
         self._turn_started = 0.0
         self._fast_until = 0.0
@@ -90,8 +94,8 @@ class Window:
 
     def read_room(self, now: float, ahead: bool = True) -> tuple[int, int]:
         """Entries the fetch loop may read now (`now`: loop time), and how many make a read
-        worth it: room() and low_water, or, while the subscriber keeps pace, two windows more
-        and a whole window. Not `ahead` (due retries wait for room): room() alone, so the
+        worth it: room() and low_water, or, while the subscriber keeps pace, READ_AHEAD_WINDOWS
+        windows more and all of them but one. Not `ahead` (due retries wait for room): room() alone, so the
         retries get the slots acks free, as before read-ahead."""
         room = self.concurrency - len(self.unacked) - len(self.ready)
         if ahead and now < self._fast_until:

@@ -12,7 +12,7 @@ instant (pubsub.redis readers ignore the field).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 DATA = "data"
@@ -65,27 +65,79 @@ def decode_metadata(raw: bytes | str | None) -> dict[str, str]:
     return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
 
 
-def decode_entry(fields: Mapping[bytes, bytes] | Mapping[str, bytes]) -> StreamEntry:
-    """Read an entry written by us or by pubsub.redis.
+Fields = Mapping[bytes, bytes] | Mapping[str, bytes] | list[bytes]
+
+_KEYS: dict[bytes | str, str] = {DATA: DATA, METADATA: METADATA, CONTENT_TYPE: CONTENT_TYPE, EXPIRES_AT: EXPIRES_AT}
+_KEYS.update({k.encode(): k for k in (DATA, METADATA, CONTENT_TYPE, EXPIRES_AT)})
+
+
+def decode_entry(fields: Fields) -> StreamEntry:
+    """Read an entry written by us or by pubsub.redis: its fields as a mapping, or as the
+    flat [field, value, ...] list of a raw reply.
 
     Malformed metadata is dropped rather than refused, as pubsub.redis does: the
     data must still reach the subscriber.
     """
-    norm = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
-    data = norm.get(DATA, b"")
-    metadata = decode_metadata(norm.get(METADATA))
-    content_type = norm.get(CONTENT_TYPE, b"").decode(errors="replace")
+    return _decode(fields, decode_metadata)
+
+
+def _decode(fields: Fields, metadata_of: Callable[[bytes | str | None], Mapping[str, str]]) -> StreamEntry:
+    data: bytes = b""
+    raw_metadata: bytes | str | None = None
+    content_type = expiry = b""
+    pairs = zip(fields[::2], fields[1::2], strict=False) if isinstance(fields, list) else fields.items()
+    keys = _KEYS
+    for key, value in pairs:
+        name = keys.get(key)
+        if name is DATA:
+            data = value
+        elif name is METADATA:
+            raw_metadata = value
+        elif name is CONTENT_TYPE:
+            content_type = value
+        elif name is EXPIRES_AT:
+            expiry = value
     expires_at_ms = 0
-    raw_expiry = norm.get(EXPIRES_AT)
-    if raw_expiry:
+    if expiry:
         try:
-            expires_at_ms = int(raw_expiry)
+            expires_at_ms = int(expiry)
         except ValueError:
             # Unreadable expiry: deliver rather than drop; losing data is worse.
             expires_at_ms = 0
     return StreamEntry(
-        data=bytes(data), metadata=metadata, content_type=content_type, expires_at_ms=expires_at_ms
+        bytes(data), metadata_of(raw_metadata), content_type.decode(errors="replace"), expires_at_ms
     )
+
+
+# Distinct metadata fields an EntryReader keeps decoded before it starts afresh.
+READER_CACHE = 256
+
+
+class EntryReader:
+    """decode_entry for a stream read entry after entry (a subscription's reads).
+
+    A metadata field's bytes seen before (publishers send the same metadata with most of
+    their messages) reuse the map decoded then: one JSON parse per distinct metadata,
+    not per entry. Such a map is shared by the entries that carry it: StreamEntry.metadata
+    is a read-only Mapping, and nothing may change it in place.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[bytes | str, dict[str, str]] = {}
+
+    def __call__(self, fields: Fields) -> StreamEntry:
+        return _decode(fields, self._metadata)
+
+    def _metadata(self, raw: bytes | str | None) -> Mapping[str, str]:
+        if not raw:
+            return {}
+        maps = self._maps
+        found = maps.get(raw)
+        if found is None:
+            if len(maps) >= READER_CACHE:
+                maps.clear()
+            found = maps[raw] = decode_metadata(raw)
+        return found
 
 
 @dataclass(frozen=True)
