@@ -111,7 +111,8 @@ def descendants(pid: int) -> list[int]:
         cur = todo.pop()
         out.append(cur)
         for task in Path(f"/proc/{cur}/task").glob("*/children"):
-            todo.extend(int(c) for c in task.read_text().split())
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                todo.extend(int(c) for c in task.read_text().split())
     return out
 
 
@@ -119,10 +120,8 @@ def component_cpu_seconds(pid: int) -> float:
     """CPU of the component: serve and its worker processes (their utime + stime; one gone meanwhile counts 0)."""
     total = 0.0
     for proc in descendants(pid):
-        try:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             total += cpu_seconds(proc)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
     return total
 
 
@@ -323,7 +322,9 @@ def main() -> None:
         settle(serve.pid)
         cpu0, serve0 = component_cpu_seconds(serve.pid), cpu_seconds(serve.pid)
         t0 = time.time()
-        results = run_streams(socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000)
+        results = run_streams(
+            socket_path, a.streams, a.messages, 3.0 if a.streams > 1 else 5.0, work, a.app_ms / 1000
+        )
         cpu1, serve1 = component_cpu_seconds(serve.pid), cpu_seconds(serve.pid)
         if spy is not None:
             stop_spy(spy)
@@ -340,7 +341,8 @@ def main() -> None:
         calls = {
             name.removeprefix("cmdstat_").upper(): int(stats[name]["calls"])
             for name in stats
-            if name in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
+            if name
+            in ("cmdstat_xreadgroup", "cmdstat_xack", "cmdstat_xpending", "cmdstat_xclaim", "cmdstat_evalsha")
         }
         client.close()
     finally:
