@@ -194,3 +194,30 @@ async def test_a_lowered_history_length_is_reached_by_the_next_batch(
         assert (await lowered.fire_due())[0] == 20
         assert redis_client.xlen(KEYS.history) <= 102
     assert sorted(payloads(redis_client)) == list(range(1520))
+
+
+@pytest.mark.two_phase_path
+async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_again(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """RELEASE raises after it released a message (here: the history key is not a stream, so the
+    first record fails; Redis keeps what the script wrote before it). The released message's
+    envelope goes with it: no orphan sweep finds it later, once its fire marker has expired,
+    and delivers it a second time."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(fire_marker_ttl_ms=250))
+    await engine.schedule([env(n, T0) for n in range(3)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await engine.fire_due()
+    redis_client.delete(KEYS.history)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]  # appended before RELEASE
+    clock.set(T0 + 60_000)  # past every lease: the two not released are, by the next step
+    await drain(engine)
+    await asyncio.sleep(0.3)  # then the fire markers expire
+    await engine.recover_orphans()
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]
+    assert history(redis_client, "recovered") == []
+
