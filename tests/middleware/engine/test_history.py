@@ -221,3 +221,22 @@ async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_ag
     assert sorted(payloads(redis_client)) == [0, 1, 2]
     assert history(redis_client, "recovered") == []
 
+
+
+async def test_a_fire_step_that_fails_midway_delivers_nothing_twice(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """FIRE raises after it appended a message (here: the history key is not a stream, so the
+    first record fails; Redis keeps what the script wrote before it): the next steps and the
+    orphan sweep do not deliver that message again."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await engine.schedule([env(n, T0) for n in range(3)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await engine.fire_due()
+    redis_client.delete(KEYS.history)
+    await engine.recover_orphans()
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]
