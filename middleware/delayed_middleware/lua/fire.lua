@@ -73,8 +73,8 @@ batch_start(tonumber(BUDGET_US or '0'))
 -- and their envelopes a span at a time (common.lua's read_ahead).
 AHEAD = {}
 local i = 0
--- The candidate in hand until its append (false once it is appended or done
--- with), and the lengths of B.taken, B.deletes and reinserts before decide() took it.
+-- The candidate in hand until something of it is appended (false then, or once
+-- it is done with), and the lengths of B.taken, B.deletes and reinserts before decide() took it.
 local held, held_taken, held_deletes, held_reinserts = false, 0, 0, 0
 -- The batch's walk. What it leaves to the end (index removals, deletes,
 -- reinserts, the history's trim) is done even when it raises midway, as far as
@@ -100,7 +100,8 @@ local function fire_all()
         park(id, env, key, due, bad)
       else
         local done, failed = append(env, key, iso, occ, target)
-        held = false
+        -- Something went out: from here on it is finished, whatever raises.
+        if done > 0 then held = false end
         appended = appended + done
         if failed and done == 0 then
           park(id, env, key, due, failed)

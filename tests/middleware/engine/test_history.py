@@ -196,6 +196,17 @@ async def test_a_lowered_history_length_is_reached_by_the_next_batch(
     assert sorted(payloads(redis_client)) == list(range(1520))
 
 
+async def _fire_failing_at_the_first_record(engine: DelayEngine, redis_client: redis.Redis) -> None:
+    """Three messages due now, fired by a step that raises at its first history record (the key is
+    not a stream: Redis keeps what the script wrote before the error); the key is then repaired."""
+    await engine.schedule([env(n, T0) for n in range(3)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await engine.fire_due()
+    redis_client.delete(KEYS.history)
+
+
 @pytest.mark.two_phase_path
 async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_again(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
@@ -206,12 +217,7 @@ async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_ag
     and delivers it a second time."""
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(fire_marker_ttl_ms=250))
-    await engine.schedule([env(n, T0) for n in range(3)])
-    redis_client.delete(KEYS.history)
-    redis_client.set(KEYS.history, "not a stream")
-    with pytest.raises(Exception, match="WRONGTYPE"):
-        await engine.fire_due()
-    redis_client.delete(KEYS.history)
+    await _fire_failing_at_the_first_record(engine, redis_client)
     assert sorted(payloads(redis_client)) == [0, 1, 2]  # appended before RELEASE
     clock.set(T0 + 60_000)  # past every lease: the two not released are, by the next step
     await drain(engine)
@@ -231,12 +237,7 @@ async def test_a_fire_step_that_fails_midway_delivers_nothing_twice(
     orphan sweep do not deliver that message again."""
     clock = ManualClock(T0)
     engine = DelayEngine(aredis(), KEYS, clock)
-    await engine.schedule([env(n, T0) for n in range(3)])
-    redis_client.delete(KEYS.history)
-    redis_client.set(KEYS.history, "not a stream")
-    with pytest.raises(Exception, match="WRONGTYPE"):
-        await engine.fire_due()
-    redis_client.delete(KEYS.history)
+    await _fire_failing_at_the_first_record(engine, redis_client)
     await engine.recover_orphans()
     await drain(engine)
     assert sorted(payloads(redis_client)) == [0, 1, 2]
