@@ -216,12 +216,12 @@ async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_ag
     envelope goes with it: no orphan sweep finds it later, once its fire marker has expired,
     and delivers it a second time."""
     clock = ManualClock(T0)
-    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(fire_marker_ttl_ms=250))
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(fire_marker_ttl_ms=1_000))
     await _fire_failing_at_the_first_record(engine, redis_client)
     assert sorted(payloads(redis_client)) == [0, 1, 2]  # appended before RELEASE
     clock.set(T0 + 60_000)  # past every lease: the two not released are, by the next step
     await drain(engine)
-    await asyncio.sleep(0.3)  # then the fire markers expire
+    await asyncio.sleep(1.1)  # then the fire markers expire
     await engine.recover_orphans()
     await drain(engine)
     assert sorted(payloads(redis_client)) == [0, 1, 2]
