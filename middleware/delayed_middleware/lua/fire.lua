@@ -73,47 +73,68 @@ batch_start(tonumber(BUDGET_US or '0'))
 -- and their envelopes a span at a time (common.lua's read_ahead).
 AHEAD = {}
 local i = 0
-for c in due_iter(now, max_env, read_ahead) do
-  i = i + 1
-  if out_of_time(i) then break end
-  local id, due = c[1], c[2]
-  local env, key, attempt, iso, next_due, occ, nnom, nom = decide(c, now, max_entries, max_bytes, #B.taken > 0)
-  if env == nil then break end
-  if env then
-    -- The outbox is our own stream; a topic must be a stream (or not exist yet).
-    local target, bad = OUTBOX, nil
-    if env.target == '' then
-      target = env.topic
-      bad = bad_target(target)
-    end
-    if bad then
-      park(id, env, key, due, bad)
-    else
-      local done, failed = append(env, key, iso, occ, target)
-      appended = appended + done
-      if failed and done == 0 then
-        park(id, env, key, due, failed)
+-- The candidate in hand until something of it is appended (false then, or once
+-- it is done with), and the lengths of B.taken, B.deletes and reinserts before decide() took it.
+local held, held_taken, held_deletes, held_reinserts = false, 0, 0, 0
+-- The batch's walk. What it leaves to the end (index removals, deletes,
+-- reinserts, the history's trim) is done even when it raises midway, as far as
+-- it got (Redis keeps what a script wrote before its error): a message appended
+-- and left in the index, or its envelope on the stream, would fire again. A
+-- candidate not yet appended when it raised stays where it was, for the next step.
+local function fire_all()
+  for c in due_iter(now, max_env, read_ahead) do
+    i = i + 1
+    if out_of_time(i) then break end
+    held, held_taken, held_deletes, held_reinserts = true, #B.taken, #B.deletes, #reinserts
+    local id, due = c[1], c[2]
+    local env, key, attempt, iso, next_due, occ, nnom, nom = decide(c, now, max_entries, max_bytes, #B.taken > 0)
+    if env == nil then break end
+    if env then
+      -- The outbox is our own stream; a topic must be a stream (or not exist yet).
+      local target, bad = OUTBOX, nil
+      if env.target == '' then
+        target = env.topic
+        bad = bad_target(target)
+      end
+      if bad then
+        park(id, env, key, due, bad)
       else
-        if next_due == nil then
-          forget(id, env, key)
+        local done, failed = append(env, key, iso, occ, target)
+        -- Something went out: from here on it is finished, whatever raises.
+        if done > 0 then held = false end
+        appended = appended + done
+        if failed and done == 0 then
+          park(id, env, key, due, failed)
         else
-          reinserts[#reinserts + 1] = {id, next_due}
-          advance(env, id, key, next_due, nnom)
+          if next_due == nil then
+            forget(id, env, key)
+          else
+            reinserts[#reinserts + 1] = {id, next_due}
+            advance(env, id, key, next_due, nnom)
+          end
+          if first == nil or tonumber(due) < first then first = tonumber(due) end
+          local lateness = now - tonumber(due)
+          hist('fired', key, env.sid, env.topic, env.kind, due, lateness, env.size, attempt, failed or '', env.schedule,
+            nom)
+          -- A recurring schedule's last occurrence (its end or limit reached): its own record.
+          if next_due == nil and env.kind == 1 then completed(key, env, due, attempt) end
+          fired = fired + 1
         end
-        if first == nil or tonumber(due) < first then first = tonumber(due) end
-        local lateness = now - tonumber(due)
-        hist('fired', key, env.sid, env.topic, env.kind, due, lateness, env.size, attempt, failed or '', env.schedule,
-          nom)
-        -- A recurring schedule's last occurrence (its end or limit reached): its own record.
-        if next_due == nil and env.kind == 1 then completed(key, env, due, attempt) end
-        fired = fired + 1
       end
     end
+    held = false
+  end
+end
+local ok, err = pcall(fire_all)
+if not ok and held then
+  for _, t in ipairs({{B.taken, held_taken}, {B.deletes, held_deletes}, {reinserts, held_reinserts}}) do
+    for k = #t[1], t[2] + 1, -1 do t[1][k] = nil end
   end
 end
 batch_finish()
 insert_many(reinserts)
 hist_trim()
+if not ok then error(err, 0) end
 local pending = tonumber(redis.call('GET', PENDING) or '0')
 -- Refills nobody completed (occurrences already due whose successor nobody
 -- computed: their replica stopped between its FIRE and its REFILL, or they

@@ -93,11 +93,13 @@ local function hist_text(v)
 end
 
 -- Set by a script that writes a record per message (FIRE, RELEASE): its
--- records are appended untrimmed and hist_trim() trims the history once, at
--- its end, as the last record's MAXLEN ~ would have (approximate trimming
--- drops whole nodes while the rest still holds HIST_MAXLEN: the same nodes).
+-- records are appended untrimmed and hist_trim() trims the history at its end,
+-- as the records' own MAXLEN ~ would have (approximate trimming drops whole
+-- nodes while the rest still holds HIST_MAXLEN: the same nodes). HIST_UNTRIMMED
+-- counts those records: one trim evicts at most Redis's LIMIT (by default 100
+-- nodes' worth), and each record's own trim could evict that much.
 local HIST_TRIM_AT_END = false
-local HIST_UNTRIMMED = false
+local HIST_UNTRIMMED = 0
 
 -- Returns the record's entry id (nil when the history is off). The fire
 -- path's writer: one XADD with literal arguments, and for an indexed id an
@@ -123,7 +125,7 @@ local function hist(event, id, sid, topic, kind, due, late, size, attempt, reaso
       'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
       'kind', kn, 'due', due, 'late', late, 'size', size,
       'attempt', attempt, 'reason', reason, 'schedule', schedule, 'prev', prev)
-    HIST_UNTRIMMED = true
+    HIST_UNTRIMMED = HIST_UNTRIMMED + 1
   else
     entry = redis.call('XADD', HIST_KEY, 'MAXLEN', '~', hist_text(HIST_MAXLEN), '*',
       'event', event, 'at', HIST_NOW, 'id', id, 'sid', sid, 'topic', topic,
@@ -133,12 +135,17 @@ local function hist(event, id, sid, topic, kind, due, late, size, attempt, reaso
   return hist_linked(index, id, indexed, prev, entry)
 end
 
--- The trim hist() left to the end of a HIST_TRIM_AT_END script (one XTRIM, nothing if no record was left untrimmed).
+-- The trims hist() left to the end of a HIST_TRIM_AT_END script: one XTRIM, and
+-- another while the last evicted something, up to one per untrimmed record (a
+-- batch that outgrows one trim's LIMIT, or a historyMaxLen lowered while full,
+-- is trimmed as far as its records' own trims would have reached). Nothing if no
+-- record was left untrimmed. In a steady state: two XTRIMs, the second evicts nothing.
 local function hist_trim()
-  if HIST_UNTRIMMED then
-    redis.call('XTRIM', HIST_KEY, 'MAXLEN', '~', hist_text(HIST_MAXLEN))
-    HIST_UNTRIMMED = false
+  local len = hist_text(HIST_MAXLEN)
+  for _ = 1, HIST_UNTRIMMED do
+    if redis.call('XTRIM', HIST_KEY, 'MAXLEN', '~', len) == 0 then break end
   end
+  HIST_UNTRIMMED = 0
 end
 
 -- A recurring schedule fired its last occurrence (its scheduleEnd or scheduleLimit

@@ -35,59 +35,67 @@ local released, parked, refill, fired = 0, 0, 0, 0
 local reinserts = {}
 -- Stream entries of the envelopes done with, deleted together at the end.
 local deletes = {}
-local pos = 5
-for _ = 1, tonumber(N_OUTCOMES) do
-  local id, outcome = ARGV[pos], ARGV[pos + 1]
-  pos = pos + 2
-  if redis.call('ZREM', INFLIGHT, id) == 1 then
-    local rec = redis.call('HGET', CLAIMS, id)
-    redis.call('HDEL', CLAIMS, id)
-    local env, why = read_envelope(id)
-    if why == 'gone' then forget_move(id) end
-    if rec and env then
-      local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
-      local attempt = math.max(env.attempt, 1)
-      if outcome ~= 'ok' and outcome ~= 'dup' then
-        redis.call('HSET', PARKED, id, outcome)
-        parked = parked + 1
-        hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, outcome, env.schedule)
-      else
-        local ref = nil
-        if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', IDS, key) end
-        local current = ref and parse_ref(ref) == id
-        -- The occurrence's nominal time for its `fired` record, as CLAIM stamped it (the ref's
-        -- while it names this due time; else the due time itself), read before advance() moves it.
-        local nom = due
-        if current then
-          local _, rdue, _, _, _, rnom = parse_ref(ref)
-          if rdue == due and rnom ~= '-' then nom = rnom end
-        end
-        if next_due == '-' or (env.kind == 1 and not current) then
-          -- The last occurrence, or a schedule replaced or cancelled in flight (its
-          -- stream entry goes with the others at the end: one XDEL for the release).
-          deletes[#deletes + 1] = id
-          if current then
-            redis.call('HDEL', IDS, key)
-            redis.call('ZREM', REFILL_SET, key)
-          end
+-- One outcome after the other; what they leave to the end (reinserts, deletes, the
+-- history's trim) is done even when one raises midway (Redis keeps what a script
+-- wrote before its error): a released envelope left on the stream would be found
+-- by RECOVER as an orphan and fired again once its fire marker expired.
+local function release_all()
+  local pos = 5
+  for _ = 1, tonumber(N_OUTCOMES) do
+    local id, outcome = ARGV[pos], ARGV[pos + 1]
+    pos = pos + 2
+    if redis.call('ZREM', INFLIGHT, id) == 1 then
+      local rec = redis.call('HGET', CLAIMS, id)
+      redis.call('HDEL', CLAIMS, id)
+      local env, why = read_envelope(id)
+      if why == 'gone' then forget_move(id) end
+      if rec and env then
+        local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
+        local attempt = math.max(env.attempt, 1)
+        if outcome ~= 'ok' and outcome ~= 'dup' then
+          redis.call('HSET', PARKED, id, outcome)
+          parked = parked + 1
+          hist('parked', key, env.sid, env.topic, env.kind, due, '', env.size, attempt, outcome, env.schedule)
         else
-          reinserts[#reinserts + 1] = {id, next_due}
-          -- The next occurrence's nominal time, as CLAIM read the ref (RELEASE is its first change).
-          local nnom = ref and select(7, parse_ref(ref)) or '-'
-          refill = refill + advance(env, id, key, next_due, nnom)
+          local ref = nil
+          if env.sid ~= '' or env.kind == 1 then ref = redis.call('HGET', IDS, key) end
+          local current = ref and parse_ref(ref) == id
+          -- The occurrence's nominal time for its `fired` record, as CLAIM stamped it (the ref's
+          -- while it names this due time; else the due time itself), read before advance() moves it.
+          local nom = due
+          if current then
+            local _, rdue, _, _, _, rnom = parse_ref(ref)
+            if rdue == due and rnom ~= '-' then nom = rnom end
+          end
+          if next_due == '-' or (env.kind == 1 and not current) then
+            -- The last occurrence, or a schedule replaced or cancelled in flight (its
+            -- stream entry goes with the others at the end: one XDEL for the release).
+            deletes[#deletes + 1] = id
+            if current then
+              redis.call('HDEL', IDS, key)
+              redis.call('ZREM', REFILL_SET, key)
+            end
+          else
+            reinserts[#reinserts + 1] = {id, next_due}
+            -- The next occurrence's nominal time, as CLAIM read the ref (RELEASE is its first change).
+            local nnom = ref and select(7, parse_ref(ref)) or '-'
+            refill = refill + advance(env, id, key, next_due, nnom)
+          end
+          hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule,
+            nom)
+          if next_due == '-' and env.kind == 1 and current then completed(key, env, due, attempt) end
+          fired = fired + 1
         end
-        hist('fired', key, env.sid, env.topic, env.kind, due, now - tonumber(due), env.size, attempt, '', env.schedule,
-          nom)
-        if next_due == '-' and env.kind == 1 and current then completed(key, env, due, attempt) end
-        fired = fired + 1
       end
+      released = released + 1
     end
-    released = released + 1
   end
 end
+local ok, err = pcall(release_all)
 insert_many(reinserts)
 delete_envelopes(deletes)
 hist_trim()
+if not ok then error(err, 0) end
 local out = {released, parked, refill, fired, next_wakeup() or ''}
 for _, v in ipairs(REFILLS) do out[#out + 1] = v end
 return out

@@ -160,3 +160,84 @@ return out
     got = redis_client.eval(libs + "\n" + body, 1, "{test}:n", *values)
     assert [(mine, theirs) for mine, theirs, _ in got] == [(theirs, theirs) for _, theirs, _ in got]
     assert [again for _, _, again in got] == [mine for mine, _, _ in got]  # the kept text, the same
+
+
+@pytest.mark.both_fire_paths
+async def test_the_history_stays_at_its_length_when_a_batch_outgrows_one_trims_reach(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """One approximate trim evicts at most 100 nodes' worth of records (Redis's default LIMIT): a
+    batch that writes more records than that (here nodes of 2, a limit of 200, batches of 300)
+    must still leave the history at its length, not one batch's excess longer after each."""
+    with small_stream_nodes(redis_client, 2):
+        config = EngineConfig(history_max_len=100, batch_size=300)
+        engine = DelayEngine(aredis(), KEYS, ManualClock(T0), config=config)
+        await engine.schedule([env(n, T0) for n in range(1500)])
+        while (await engine.fire_due())[0]:
+            assert redis_client.xlen(KEYS.history) <= 102
+    assert sorted(payloads(redis_client)) == list(range(1500))
+
+
+@pytest.mark.both_fire_paths
+async def test_a_lowered_history_length_is_reached_by_the_next_batch(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """historyMaxLen lowered while the history is full: the next batch trims it to the new length,
+    as far as each of its records' own trims would reach (here 20 records, each up to 200)."""
+    with small_stream_nodes(redis_client, 2):
+        full = DelayEngine(aredis(), KEYS, ManualClock(T0), config=EngineConfig(history_max_len=100_000))
+        await full.schedule([env(n, T0 if n < 1500 else T0 + 1000) for n in range(1520)])
+        await drain(full)
+        assert redis_client.xlen(KEYS.history) >= 3000  # a `scheduled` and a `fired` record each
+        config = EngineConfig(history_max_len=100)
+        lowered = DelayEngine(aredis(), KEYS, ManualClock(T0 + 1000), config=config)
+        assert (await lowered.fire_due())[0] == 20
+        assert redis_client.xlen(KEYS.history) <= 102
+    assert sorted(payloads(redis_client)) == list(range(1520))
+
+
+async def _fire_failing_at_the_first_record(engine: DelayEngine, redis_client: redis.Redis) -> None:
+    """Three messages due now, fired by a step that raises at its first history record (the key is
+    not a stream: Redis keeps what the script wrote before the error); the key is then repaired."""
+    await engine.schedule([env(n, T0) for n in range(3)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await engine.fire_due()
+    redis_client.delete(KEYS.history)
+
+
+@pytest.mark.two_phase_path
+async def test_a_release_that_fails_midway_leaves_nothing_it_released_to_fire_again(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """RELEASE raises after it released a message (here: the history key is not a stream, so the
+    first record fails; Redis keeps what the script wrote before it). The released message's
+    envelope goes with it: no orphan sweep finds it later, once its fire marker has expired,
+    and delivers it a second time."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(fire_marker_ttl_ms=1_000))
+    await _fire_failing_at_the_first_record(engine, redis_client)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]  # appended before RELEASE
+    clock.set(T0 + 60_000)  # past every lease: the two not released are, by the next step
+    await drain(engine)
+    await asyncio.sleep(1.1)  # then the fire markers expire
+    await engine.recover_orphans()
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]
+    assert history(redis_client, "recovered") == []
+
+
+
+async def test_a_fire_step_that_fails_midway_delivers_nothing_twice(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """FIRE raises after it appended a message (here: the history key is not a stream, so the
+    first record fails; Redis keeps what the script wrote before it): the next steps and the
+    orphan sweep do not deliver that message again."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock)
+    await _fire_failing_at_the_first_record(engine, redis_client)
+    await engine.recover_orphans()
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]
