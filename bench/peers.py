@@ -641,7 +641,8 @@ async def _subscribe_and_report(system: str, address: str, conn: Connection) -> 
 
     lags: list[float] = []
     prober = asyncio.create_task(probe_lag(lags))
-    if system == "ours":
+    # Ours and --base's serve (named "base (<tree>)") both listen on a unix socket.
+    if system != "NATS":
         channel = grpc.aio.insecure_channel(f"unix://{address}")
         stop_sub = await pull_ours(pubsub_pb2_grpc.PubSubStub(channel), got)  # type: ignore[no-untyped-call]
 
