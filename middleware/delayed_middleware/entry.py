@@ -111,6 +111,10 @@ def _decode(fields: Fields, metadata_of: Callable[[bytes | str | None], Mapping[
 
 # Distinct metadata fields an EntryReader keeps decoded before it starts afresh.
 READER_CACHE = 256
+# Metadata fields longer than this (bytes) are parsed every time, never kept: the cache then
+# holds at most about READER_CACHE times this, not READER_CACHE payloads of any size
+# (a message may be 64 MiB) alive after their entries are gone.
+READER_CACHE_FIELD = 4096
 
 
 class EntryReader:
@@ -118,8 +122,9 @@ class EntryReader:
 
     A metadata field's bytes seen before (publishers send the same metadata with most of
     their messages) reuse the map decoded then: one JSON parse per distinct metadata,
-    not per entry. Such a map is shared by the entries that carry it: StreamEntry.metadata
-    is a read-only Mapping, and nothing may change it in place.
+    not per entry (for fields up to READER_CACHE_FIELD bytes; longer ones are parsed each
+    time). Such a map is shared by the entries that carry it: StreamEntry.metadata is a
+    read-only Mapping, and nothing may change it in place.
     """
 
     def __init__(self) -> None:
@@ -131,6 +136,8 @@ class EntryReader:
     def _metadata(self, raw: bytes | str | None) -> Mapping[str, str]:
         if not raw:
             return {}
+        if len(raw) > READER_CACHE_FIELD:
+            return decode_metadata(raw)
         maps = self._maps
         found = maps.get(raw)
         if found is None:
