@@ -12,6 +12,7 @@ instant (pubsub.redis readers ignore the field).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,7 +63,21 @@ def decode_metadata(raw: bytes | str | None) -> dict[str, str]:
         return {}
     if not isinstance(parsed, dict):
         return {}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    if _SURROGATE_BYTES.search(raw) if isinstance(raw, bytes) else _SURROGATE_TEXT.search(raw):
+        # A lone surrogate (an escape such as "\ud800", or its bytes) is no UTF-8 text: the
+        # message could not be sent with it. U+FFFD instead, as pubsub.redis (Go) reads it.
+        lone = _LONE_SURROGATE.sub
+        return {lone("\ufffd", k): lone("\ufffd", v) for k, v in metadata.items()}
+    return metadata
+
+
+# What a metadata field that yields a lone surrogate contains (a false alarm only costs a
+# look at decode_metadata's result): an escape of one, or one as bytes (json.loads reads
+# bytes with surrogatepass) or text.
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE_TEXT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes] | list[bytes]

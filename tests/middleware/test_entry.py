@@ -25,6 +25,10 @@ def test_round_trip() -> None:
         (b'["a"]', {}),
         (b"1" * 5000, {}),  # past Python's int digit limit
         (b'{"n":1,"l":[1],"s":"x"}', {"n": "1", "l": "[1]", "s": "x"}),
+        # Lone surrogates (escaped, or as bytes) are no UTF-8 text: U+FFFD, as Go's JSON reads them.
+        (b'{"k":"a\\ud800b","\\uDFFF":"v","p":"\\ud83d\\ude00"}', {"k": "a\ufffdb", "\ufffd": "v", "p": "\U0001f600"}),
+        (b'{"k":"\xed\xa0\x80"}', {"k": "\ufffd"}),
+        (b'{"k":"\\\\ud800"}', {"k": "\\ud800"}),  # an escaped backslash: no surrogate
     ],
 )
 def test_malformed_metadata_is_dropped_and_the_data_kept(raw: bytes, metadata: dict[str, str]) -> None:
