@@ -13,8 +13,8 @@ a serializer that passes bytes through (server.py). The wire format, field by fi
     }
 
 a map being repeated entries {string key = 1; string value = 2}. Empty fields are left out,
-as protobuf does. A string that is no UTF-8 (a lone surrogate from a JSON escape) raises
-UnicodeEncodeError here as it does in the message's constructor.
+as protobuf does. A string that is no UTF-8 (a lone surrogate) raises UnicodeEncodeError here
+as it does in the message's constructor; decode_metadata reads those in metadata as U+FFFD.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ instant (pubsub.redis readers ignore the field).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,7 +63,31 @@ def decode_metadata(raw: bytes | str | None) -> dict[str, str]:
         return {}
     if not isinstance(parsed, dict):
         return {}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in parsed.items()}
+    if _may_hold_surrogates(raw):
+        # A lone surrogate (an escape such as "\ud800", or its bytes) is no UTF-8 text: the
+        # message could not be sent with it. U+FFFD instead, as pubsub.redis (Go) reads it.
+        lone = _LONE_SURROGATE.sub
+        return {lone("\ufffd", k): lone("\ufffd", v) for k, v in metadata.items()}
+    return metadata
+
+
+# What a metadata field that yields a lone surrogate contains (a false alarm only costs a
+# look at decode_metadata's result): an escape of one, or one as bytes (json.loads reads
+# bytes with surrogatepass) or text.
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogates(raw: bytes | str) -> bool:
+    if isinstance(raw, bytes):
+        # Two one-byte tests first (memchr): a regex search scans much slower, and most
+        # fields (written with ensure_ascii=False) have no backslash nor 0xED byte.
+        return (b"\\" in raw or b"\xed" in raw) and _SURROGATE_BYTES.search(raw) is not None
+    return _SURROGATE_TEXT.search(raw) is not None
+
+
+_SURROGATE_TEXT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 Fields = Mapping[bytes, bytes] | Mapping[str, bytes] | list[bytes]
@@ -111,6 +136,10 @@ def _decode(fields: Fields, metadata_of: Callable[[bytes | str | None], Mapping[
 
 # Distinct metadata fields an EntryReader keeps decoded before it starts afresh.
 READER_CACHE = 256
+# Metadata fields longer than this (bytes) are parsed every time, never kept: the cache then
+# holds at most about READER_CACHE times this, not READER_CACHE payloads of any size
+# (a message may be 64 MiB) alive after their entries are gone.
+READER_CACHE_FIELD = 4096
 
 
 class EntryReader:
@@ -118,8 +147,9 @@ class EntryReader:
 
     A metadata field's bytes seen before (publishers send the same metadata with most of
     their messages) reuse the map decoded then: one JSON parse per distinct metadata,
-    not per entry. Such a map is shared by the entries that carry it: StreamEntry.metadata
-    is a read-only Mapping, and nothing may change it in place.
+    not per entry (for fields up to READER_CACHE_FIELD bytes; longer ones are parsed each
+    time). Such a map is shared by the entries that carry it: StreamEntry.metadata is a
+    read-only Mapping, and nothing may change it in place.
     """
 
     def __init__(self) -> None:
@@ -131,6 +161,8 @@ class EntryReader:
     def _metadata(self, raw: bytes | str | None) -> Mapping[str, str]:
         if not raw:
             return {}
+        if len(raw) > READER_CACHE_FIELD:
+            return decode_metadata(raw)
         maps = self._maps
         found = maps.get(raw)
         if found is None:

@@ -781,3 +781,27 @@ async def test_the_largest_accepted_numbers_work_end_to_end(
         got.append(msg.data)
         await stream.ack(msg.id)
     assert sorted(got) == [b"now", b"soon"]
+
+
+async def test_metadata_with_a_lone_surrogate_escape_is_delivered_with_the_rest(
+    component: Factory, props: dict[str, str], redis_client: redis.Redis
+) -> None:
+    # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 string holds: read as it is,
+    # the message could not be sent, and the stream failed, over again each time the entry
+    # was reclaimed (never delivered). It goes out with U+FFFD in its place, as pubsub.redis
+    # (Go's JSON) reads it, and the messages behind it follow.
+    c = component("delayed")
+    await c.init(props)
+    stream = await c.subscribe("orders")
+    redis_client.xadd("orders", {"data": b"odd", "metadata": b'{"k":"a\\ud800b","\\udfff":"v","ok":"\\ud83d\\ude00"}'})
+    await c.publish("orders", b"next", {"k": "v"})
+    got = []
+    for _ in range(2):
+        msg = await stream.next()
+        got.append((msg.data, dict(msg.metadata)))
+        await stream.ack(msg.id)
+    assert got == [
+        (b"odd", {"k": "a\ufffdb", "\ufffd": "v", "ok": "\U0001f600", "deliveryAttempt": "1"}),
+        (b"next", {"k": "v", "deliveryAttempt": "1"}),
+    ]
+    await wait_until(lambda: redis_client.xpending("orders", "app1")["pending"] == 0)

@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import redis
 
 from tests.e2e.conftest import APP_ID, PUBSUB, PUBSUB_B
 from tests.e2e.harness import REDELIVER_INTERVAL_S, Stack, carries, dapr_client, unique
@@ -103,3 +104,19 @@ def test_sdk_publish_event(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Non
         client.publish_event(PUBSUB, "sdk", json.dumps({"id": marker}), data_content_type="application/json")
     [got] = stack.wait_arrivals(carries(marker), 1, timeout=15)
     assert got["data"] == {"id": marker}
+
+
+def test_metadata_with_a_lone_surrogate_escape_reaches_the_app_through_daprd(stack: Stack) -> None:
+    # An entry written by hand (or another client) whose metadata JSON escapes a lone surrogate:
+    # the message goes to daprd with U+FFFD in its place, which Go's protobuf accepts as UTF-8.
+    first = unique("raw")
+    assert stack.publish(PUBSUB, "raw", first.encode(), metadata={"rawPayload": "true"}).status_code == 204
+    stack.wait_arrivals(carries(first), 1, timeout=15)
+    marker = unique("raw")
+    client = redis.Redis(port=stack.redis_port)
+    try:
+        client.xadd("raw", {"data": marker.encode(), "metadata": b'{"rawPayload":"true","k":"a\\ud800b"}'})
+    finally:
+        client.close()
+    [got] = stack.wait_arrivals(carries(marker), 1, timeout=15)
+    assert base64.b64decode(got["data_base64"]) == marker.encode()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import tracemalloc
+
 import pytest
 
 from delayed_middleware.entry import READER_CACHE, EntryReader, StreamEntry, decode_entry, encode_entry
@@ -22,6 +25,10 @@ def test_round_trip() -> None:
         (b'["a"]', {}),
         (b"1" * 5000, {}),  # past Python's int digit limit
         (b'{"n":1,"l":[1],"s":"x"}', {"n": "1", "l": "[1]", "s": "x"}),
+        # Lone surrogates (escaped, or as bytes) are no UTF-8 text: U+FFFD, as Go's JSON reads them.
+        (b'{"k":"a\\ud800b","\\uDFFF":"v","p":"\\ud83d\\ude00"}', {"k": "a\ufffdb", "\ufffd": "v", "p": "\U0001f600"}),
+        (b'{"k":"\xed\xa0\x80"}', {"k": "\ufffd"}),
+        (b'{"k":"\\\\ud800"}', {"k": "\\ud800"}),  # an escaped backslash: no surrogate
     ],
 )
 def test_malformed_metadata_is_dropped_and_the_data_kept(raw: bytes, metadata: dict[str, str]) -> None:
@@ -70,3 +77,22 @@ def test_a_reader_past_its_cache_of_distinct_metadata_still_decodes_every_entry(
     read = EntryReader()
     sent = [StreamEntry(b"x", {"n": str(i % (READER_CACHE + 7))}) for i in range(3 * READER_CACHE)]
     assert [read(flat(e)) for e in sent] == sent
+
+
+def test_a_reader_keeps_no_big_metadata_alive_once_its_entries_are_gone() -> None:
+    # Metadata of 256 KiB, distinct per message (an id in it): once the entries are handled and
+    # dropped, the reader holds none of it (before: its 256-map cache kept the raw field and the
+    # map of each, 32 MiB here, up to 256 x 64 MiB per stream).
+    read = EntryReader()
+    blob = "x" * 2**18
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(64):
+            entry = read([b"data", b"x", b"metadata", json.dumps({"n": str(i), "blob": blob}).encode()])
+            assert entry.metadata["n"] == str(i)
+            del entry
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 2**20, held
