@@ -271,8 +271,16 @@ class System:
 class Ours(System):
     name = "ours"
 
-    def __init__(self, workdir: Path, workers: int | None = None, tree: Path | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        workers: int | None = None,
+        tree: Path | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.workdir = workdir
+        # Component metadata given with --ours (e.g. historyMaxLen=0), over the bench's own.
+        self.settings = settings or {}
         # serve --workers (None: serve's default).
         self.workers = workers
         # Another checkout whose serve runs instead of this one's (--base: an A/B in one run).
@@ -305,6 +313,7 @@ class Ours(System):
             "consumerID": CONSUMER_ID,
             "enableDelayedMessaging": "true",
             "concurrency": "100",
+            **self.settings,
         }
         await self.stub.Init(
             pubsub_pb2.PubSubInitRequest(metadata=common_pb2.MetadataRequest(properties=props)), metadata=MD
@@ -1044,6 +1053,7 @@ async def run_all(
     rounds: int = 1,
     base: Path | None = None,
     burst_alone: bool = False,
+    settings: dict[str, str] | None = None,
 ) -> Run:
     from tqdm import tqdm
 
@@ -1062,9 +1072,9 @@ async def run_all(
         dirs = [workdir / f"ours{generation}", workdir / f"base{generation}", workdir / f"nats{generation}"]
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
-        made: list[System] = [Ours(dirs[0], workers)]
+        made: list[System] = [Ours(dirs[0], workers, settings=settings)]
         if base is not None:
-            made.append(Ours(dirs[1], workers, tree=base))
+            made.append(Ours(dirs[1], workers, tree=base, settings=settings))
         return [*made, Nats(nats_exe, dirs[2])]
 
     systems: list[System] = []
@@ -1195,13 +1205,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="the burst with no subscriber: the fire without the delivery sharing the cores",
     )
+    ap.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="component metadata for our Init (repeatable), e.g. historyMaxLen=0 for the fire without history",
+    )
     a = ap.parse_args(argv)
+    bad = [kv for kv in a.ours if "=" not in kv]
+    if bad:
+        ap.error(f"--ours wants KEY=VALUE, got {bad[0]!r}")
+    settings = dict(kv.split("=", 1) for kv in a.ours)
     sizes = FULL if a.full else SMOKE if a.smoke else QUICK
     exe = nats_server_path()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="dps-peers-") as d:
-        run = asyncio.run(run_all(sizes, Path(d), exe, a.only, a.workers, a.rounds, a.base, a.burst_alone))
+        run = asyncio.run(
+            run_all(sizes, Path(d), exe, a.only, a.workers, a.rounds, a.base, a.burst_alone, settings)
+        )
     took = time.time() - started
     # --no-write leaves the tree as it was: its chart goes to the temp dir.
     drawn = CHART if not (a.no_write or a.smoke) else Path(tempfile.gettempdir()) / CHART.name
