@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.peers import Ours, children_of
+from bench.common import children_of
+from bench.peers import Ours
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -61,6 +61,23 @@ def start_process(
     return proc
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (serve's workers), from /proc: the children of each
+    of its threads (a child started from another thread is listed under that thread); [] once
+    it is gone."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
 def start_serve(
     socket: Path, log: Path, *extra: str, python_path: str | None = None
 ) -> subprocess.Popen[bytes]:

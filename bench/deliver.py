@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
-from bench.common import MD, PAYLOAD, start_process, start_serve, stop  # noqa: E402
+from bench.common import MD, PAYLOAD, children_of, start_process, start_serve, stop  # noqa: E402
 from delayed_middleware.entry import StreamEntry, encode_entry  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
     common_pb2,
@@ -104,22 +104,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def descendants(pid: int) -> list[int]:
-    """pid and every process under it (serve's workers), from /proc's children lists."""
-    out, todo = [], [pid]
-    while todo:
-        cur = todo.pop()
-        out.append(cur)
-        for task in Path(f"/proc/{cur}/task").glob("*/children"):
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                todo.extend(int(c) for c in task.read_text().split())
-    return out
-
-
 def component_cpu_seconds(pid: int) -> float:
     """CPU of the component: serve and its worker processes (their utime + stime; one gone meanwhile counts 0)."""
     total = 0.0
-    for proc in descendants(pid):
+    for proc in (pid, *children_of(pid)):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             total += cpu_seconds(proc)
     return total

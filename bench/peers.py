@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("proto", "middleware", "components", "."):
     sys.path.insert(0, str(ROOT / sub))
 
-from bench.common import MD, probe_lag, start_serve, stop  # noqa: E402
+from bench.common import MD, children_of, probe_lag, start_serve, stop  # noqa: E402
 from bench.deliver import cpu_seconds  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_pubsub_pb.dapr.proto.components.v1 import (  # noqa: E402
@@ -119,14 +119,6 @@ def body(i: int, due: float) -> bytes:
 
 def due_of(data: bytes) -> float:
     return int(data.split(b":", 1)[0]) / 1000
-
-
-def children_of(pid: int) -> list[int]:
-    """The pids of `pid`'s child processes (serve's workers), from /proc."""
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def rss_bytes(pid: int) -> int:

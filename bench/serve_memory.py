@@ -29,6 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import children_of  # noqa: E402
 from tests.e2e import harness  # noqa: E402
 from tests.redis_server import RedisServer, free_port  # noqa: E402
 
@@ -43,14 +44,6 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def children(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found += [int(c) for c in text]
-    return found
-
-
 class Sampler(threading.Thread):
     """Peak RSS of serve and of its heaviest worker, and the last sample."""
 
@@ -62,7 +55,7 @@ class Sampler(threading.Thread):
         self.done = threading.Event()
 
     def sample(self) -> tuple[float, list[float]]:
-        return rss_mib(self.pid), [rss_mib(c) for c in children(self.pid)]
+        return rss_mib(self.pid), [rss_mib(c) for c in children_of(self.pid)]
 
     def run(self) -> None:
         while not self.done.is_set():
