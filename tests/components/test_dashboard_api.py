@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from delayed_pubsub.dashboard.guard import Guard
 from delayed_pubsub.dashboard.source import Source
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import Dashboard
-from tests.components.driver import Component, cli
+from tests.components.driver import Component, Hourly, cli
 from tests.redis_server import free_port
 
 Factory = Callable[[str], Component]
@@ -550,8 +549,10 @@ async def test_backfill_is_a_dry_run_unless_asked_and_delivers_once(
 ) -> None:
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
-    await c.publish("ticks", b"tick", {"schedule": "0 0 * * * *", "scheduleId": "hourly"})
-    end = int(time.time()) // 3600 * 3_600_000
+    # Its own next fire is half an hour away: it cannot go out during the test.
+    cron = Hourly.away_from_now()
+    await c.publish("ticks", b"tick", {"schedule": cron.cron, "scheduleId": "hourly"})
+    end = cron.last()
     body = {"id": "hourly", "from": format_instant(end - 3 * HOUR), "to": format_instant(end), "rate": "50/s"}
     d = dashboard(*flags, *ACTIONS, env=ENV)
     url = f"{d.url}/api/v1/backfill"

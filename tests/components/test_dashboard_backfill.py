@@ -12,7 +12,7 @@ import redis
 
 from delayed_middleware.instants import format_instant
 from tests.components.conftest import Dashboard
-from tests.components.driver import Component, now_ms
+from tests.components.driver import Component, Hourly
 from tests.redis_server import RedisServer, stream_entries
 
 TOKEN = "operator-token-0123456789"
@@ -37,13 +37,14 @@ async def hourly(
     conn: list[str],
     dashboard: Callable[..., Dashboard],
 ) -> tuple[int, str]:
-    """Schedule `hourly` published through a component, and a dashboard with actions on: (the last
-    whole hour, the backfill action's URL)."""
+    """Schedule `hourly` published through a component, and a dashboard with actions on: (its last
+    occurrence, the backfill action's URL). Its own next fire is half an hour away."""
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
-    await c.publish("orders", b"tick", {"schedule": "0 0 * * * *", "scheduleId": "hourly"})
+    cron = Hourly.away_from_now()
+    await c.publish("orders", b"tick", {"schedule": cron.cron, "scheduleId": "hourly"})
     d = dashboard(*conn, "--allow-actions", "--token-env", "DASH_TOKEN", env={"DASH_TOKEN": TOKEN})
-    return now_ms() // HOUR * HOUR, f"{d.url}/actions/backfill"
+    return cron.last(), f"{d.url}/actions/backfill"
 
 
 async def test_backfill_shows_the_dry_run_first_then_delivers_once(

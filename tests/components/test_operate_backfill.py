@@ -13,12 +13,11 @@ import redis
 
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
-from tests.components.driver import DELAY_SHARDS, Component, cli, cluster_conn, cluster_props, now_ms
+from tests.components.driver import DELAY_SHARDS, Component, Hourly, cli, cluster_conn, cluster_props, now_ms
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster, RedisServer, stream_entries
 
 HOUR = 3_600_000
-HOURLY = {"schedule": "0 0 * * * *", "scheduleId": "hourly"}
 
 
 @pytest.fixture
@@ -26,11 +25,10 @@ def conn(redis_server: RedisServer) -> list[str]:
     return ["--redis-host", f"127.0.0.1:{redis_server.port}", "--app-id", "app1"]
 
 
-def last_hours(n: int) -> tuple[str, str, list[str]]:
-    """--from and --to of the last `n` whole hours, and the occurrences of an hourly cron in them."""
-    end = now_ms() // HOUR * HOUR
-    hours = [format_instant(end - k * HOUR) for k in range(n, 0, -1)]
-    return format_instant(end - n * HOUR), format_instant(end), hours
+def last_hours(hourly: Hourly, n: int) -> tuple[str, str, list[str]]:
+    """--from and --to around `hourly`'s last `n` occurrences, and those occurrences."""
+    start, end, hours = hourly.window(n)
+    return format_instant(start), format_instant(end), [format_instant(h) for h in hours]
 
 
 def occurrences(client: Any, topic: str = "orders") -> list[str]:
@@ -38,18 +36,20 @@ def occurrences(client: Any, topic: str = "orders") -> list[str]:
 
 
 @pytest.fixture
-async def hourly(component: Callable[[str], Component], props: dict[str, str]) -> Component:
-    """App app1 with the hourly schedule `hourly` on orders (published now)."""
+async def hourly(component: Callable[[str], Component], props: dict[str, str]) -> tuple[Component, Hourly]:
+    """App app1 with the hourly schedule `hourly` on orders (published now; its own next fire is half an
+    hour away)."""
     c = component("delayed")
     await c.init({**props, "enableDelayedMessaging": "true"})
-    await c.publish("orders", b"tick", HOURLY)
-    return c
+    cron = Hourly.away_from_now()
+    await c.publish("orders", b"tick", {"schedule": cron.cron, "scheduleId": "hourly"})
+    return c, cron
 
 
 async def test_backfill_json_dry_run_then_twice_delivers_each_hour_once(
-    hourly: Component, conn: list[str], redis_client: redis.Redis
+    hourly: tuple[Component, Hourly], conn: list[str], redis_client: redis.Redis
 ) -> None:
-    start, end, hours = last_hours(6)
+    start, end, hours = last_hours(hourly[1], 6)
 
     dry = await cli("backfill", *conn, "hourly", "--from", start, "--to", end, "--dry-run", "--json")
     assert dry.code == 0, dry.err
@@ -71,10 +71,11 @@ async def test_backfill_json_dry_run_then_twice_delivers_each_hour_once(
 
 
 async def test_backfill_refusals_exit_2_and_an_unknown_id_exits_1(
-    hourly: Component, conn: list[str], redis_client: redis.Redis
+    hourly: tuple[Component, Hourly], conn: list[str], redis_client: redis.Redis
 ) -> None:
-    await hourly.publish("orders", b"once", {"scheduledSendDelay": "1h", "scheduleId": "once"})
-    start, end, _ = last_hours(2)
+    component, cron = hourly
+    await component.publish("orders", b"once", {"scheduledSendDelay": "1h", "scheduleId": "once"})
+    start, end, _ = last_hours(cron, 2)
     future = format_instant(now_ms() + HOUR)
 
     unknown = await cli("backfill", *conn, "nobody", "--from", start, "--to", end)
@@ -102,11 +103,12 @@ async def test_backfill_on_a_cluster_delivers_once_from_the_schedules_shard(
 ) -> None:
     serve = Serve(folder, "a")
     props = {**cluster_props(cluster), "delayShards": str(DELAY_SHARDS)}
-    start, end, hours = last_hours(12)
+    cron = Hourly.away_from_now()
+    start, end, hours = last_hours(cron, 12)
     try:
         async with instance(serve, props) as c:
             for n in range(4):
-                await c.publish(f"t{n}", b"tick", {**HOURLY, "scheduleId": f"hourly-{n}"})
+                await c.publish(f"t{n}", b"tick", {"schedule": cron.cron, "scheduleId": f"hourly-{n}"})
             conn = cluster_conn(cluster)
             for n in range(4):
                 result = await cli("backfill", *conn, f"hourly-{n}", "--from", start, "--to", end, "--json")
