@@ -22,6 +22,7 @@ from tests.components.driver import cluster_props, engine_left
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster
 from tests.waiting import wait_until
+from tests.wallclock import steady_zones
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +30,16 @@ ZONES = ("America/New_York", "Asia/Kathmandu", "Australia/Sydney", "Europe/Londo
 
 
 def schedules(n: int, limit: int) -> list[pubsub_pb2.BulkMessageEntry]:
+    # Within hours of a zone's fall-back its every-second cron may wait out the repeated hour:
+    # that zone sits the run out (Asia/Kathmandu has no daylight saving, so one always remains).
+    zones = steady_zones(ZONES)
     return [
         pubsub_pb2.BulkMessageEntry(
             entry_id=str(i),
             event=b"tick",
             metadata={
                 "schedule": "* * * * * *",
-                "scheduleTimeZone": ZONES[i % len(ZONES)],
+                "scheduleTimeZone": zones[i % len(zones)],
                 "scheduleLimit": str(limit),
                 "scheduleId": f"z{i}",
             },

@@ -22,6 +22,7 @@ from playwright.async_api import Browser, Dialog, Page, expect
 from tests.components.conftest import Dashboard
 from tests.components.driver import Component, cli
 from tests.redis_server import RedisCluster, RedisServer, free_port
+from tests.wallclock import hour_away
 
 Factory = Callable[[str], Component]
 Start = Callable[..., Dashboard]
@@ -147,10 +148,12 @@ async def test_overview_counts_match_pending_json(
 async def test_schedules_show_their_zone_and_paused_state(
     waiting: Component, conn: list[str], dashboard: Start, browser: Browser
 ) -> None:
+    # Daily at an hour half a day away: a fire between `pending` and the page would move its due.
+    daily = f"0 0 {hour_away('America/New_York')} * * *"
     await waiting.publish(
         "reports",
         b"ny",
-        {"schedule": "0 0 9 * * *", "scheduleTimeZone": "America/New_York", "scheduleId": "ny-morning"},
+        {"schedule": daily, "scheduleTimeZone": "America/New_York", "scheduleId": "ny-morning"},
     )
     await waiting.publish("reports", b"h", {"schedule": "@every 1h", "scheduleId": "held"})
     await waiting.publish("reports", b"", {"scheduleId": "held", "schedulePause": "true"})

@@ -17,6 +17,7 @@ from delayed_middleware.instants import parse_instant
 from delayed_pubsub_pb.dapr.proto.components.v1 import pubsub_pb2
 from tests.components.driver import Component, cli
 from tests.redis_server import RedisServer, stream_entries
+from tests.wallclock import hour_away
 
 HISTORY = "{app1-delayed}:history"
 
@@ -117,7 +118,7 @@ async def test_bad_zone_bound_and_jitter_values_are_invalid_argument_naming_the_
         {"schedule": "@every 1s", "scheduleStart": "9999-12-31T23:59:50Z", "scheduleLimit": "1000000"},
         {"schedule": "@every 8760h", "scheduleLimit": "1000000"},
         {"schedule": "@every 1m", "scheduleTimeZone": "UTC"},
-        {"schedule": "@at 2031-01-01T00:00:00Z", "scheduleTimeZone": "UTC"},
+        {"schedule": "@at 2099-01-01T00:00:00Z", "scheduleTimeZone": "UTC"},
         {"schedule": "0 5 * * * *", "scheduleTimeZone": "US/Eastern", "scheduleJitter": "59m59s"},
         {"schedule": "CRON_TZ=Etc/GMT+5 @daily", "scheduleJitter": "23h"},
     ],
@@ -227,11 +228,13 @@ async def test_pending_and_inspect_show_the_zone_and_the_next_fire_in_utc_and_in
 ) -> None:
     c = component("delayed")
     await c.init(delayed_props)
+    # Daily at an hour half a day away: a fire between the three commands would move its due.
+    hour = hour_away("America/New_York")
     await c.publish(
         "reports",
         b"r",
         {
-            "schedule": "0 0 9 * * *",
+            "schedule": f"0 0 {hour} * * *",
             "scheduleTimeZone": "America/New_York",
             "scheduleId": "ny",
             "scheduleLimit": "3",
@@ -241,9 +244,9 @@ async def test_pending_and_inspect_show_the_zone_and_the_next_fire_in_utc_and_in
     rows = {r["id"]: r for r in (await cli("pending", *conn, "--json")).json()}
     ny = rows["ny"]
     assert ny["timeZone"] == "America/New_York"
-    # `due` stays UTC; `dueLocal` is the same instant at 09:00 New York time.
+    # `due` stays UTC; `dueLocal` is the same instant at that hour of New York time.
     assert ny["due"].endswith("Z")
-    assert ny["dueLocal"][11:19] == "09:00:00"
+    assert ny["dueLocal"][11:19] == f"{hour:02d}:00:00"
     assert ny["dueLocal"][19:] in ("-05:00", "-04:00")
     assert parse_instant(ny["dueLocal"]) == parse_instant(ny["due"])
     assert (rows["utc"]["timeZone"], rows["utc"]["dueLocal"]) == (None, None)
