@@ -11,12 +11,47 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 
 def _now() -> datetime:
     return datetime.fromtimestamp(time.time(), UTC)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+HOUR_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class Hourly:
+    """An hourly cron whose minute is half an hour away from now, for tests that publish a schedule on
+    the real clock and then work on its past occurrences. Its own next fire is half an hour off, so it
+    cannot go out during the test (a `0 0 * * * *` one did, in a run that crossed the top of the hour)."""
+
+    minute: int
+
+    @classmethod
+    def away_from_now(cls) -> Hourly:
+        return cls((_now_ms() // 60_000 + 30) % 60)
+
+    @property
+    def cron(self) -> str:
+        return f"0 {self.minute} * * * *"
+
+    def last(self) -> int:
+        """Its latest occurrence before now, in ms."""
+        offset = self.minute * 60_000
+        return (_now_ms() - offset) // HOUR_MS * HOUR_MS + offset
+
+    def window(self, n: int) -> tuple[int, int, list[int]]:
+        """[start, end) around its last `n` occurrences, and those occurrences (oldest first)."""
+        end = self.last()
+        return end - n * HOUR_MS, end, [end - k * HOUR_MS for k in range(n, 0, -1)]
 
 
 def hour_away(zone: str = "UTC", hours: int = 12) -> int:

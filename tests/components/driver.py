@@ -191,36 +191,6 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-HOUR_MS = 3_600_000
-
-
-@dataclass(frozen=True)
-class Hourly:
-    """An hourly cron whose minute is half an hour away from now, for tests that publish a schedule on
-    the real clock and then work on its past occurrences. Its own next fire is half an hour off, so it
-    cannot go out during the test (a `0 0 * * * *` one did, in a run that crossed the top of the hour)."""
-
-    minute: int
-
-    @classmethod
-    def away_from_now(cls) -> Hourly:
-        return cls((now_ms() // 60_000 + 30) % 60)
-
-    @property
-    def cron(self) -> str:
-        return f"0 {self.minute} * * * *"
-
-    def last(self) -> int:
-        """Its latest occurrence before now, in ms."""
-        offset = self.minute * 60_000
-        return (now_ms() - offset) // HOUR_MS * HOUR_MS + offset
-
-    def window(self, n: int) -> tuple[int, int, list[int]]:
-        """[start, end) around its last `n` occurrences, and those occurrences (oldest first)."""
-        end = self.last()
-        return end - n * HOUR_MS, end, [end - k * HOUR_MS for k in range(n, 0, -1)]
-
-
 def delayed_entries(n: int, first_due: int, spread_ms: int) -> list[pubsub_pb2.BulkMessageEntry]:
     """n messages, each its own envelope, due evenly over [first_due, first_due + spread_ms)."""
     return [

@@ -26,8 +26,9 @@ from delayed_pubsub.dashboard.guard import Guard
 from delayed_pubsub.dashboard.source import Source
 from delayed_pubsub.settings import parse_settings
 from tests.components.conftest import Dashboard
-from tests.components.driver import Component, Hourly, cli
+from tests.components.driver import Component, cli
 from tests.redis_server import free_port
+from tests.wallclock import Hourly
 
 Factory = Callable[[str], Component]
 Start = Callable[..., Dashboard]

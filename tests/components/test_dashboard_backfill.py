@@ -12,8 +12,9 @@ import redis
 
 from delayed_middleware.instants import format_instant
 from tests.components.conftest import Dashboard
-from tests.components.driver import Component, Hourly
+from tests.components.driver import Component
 from tests.redis_server import RedisServer, stream_entries
+from tests.wallclock import Hourly
 
 TOKEN = "operator-token-0123456789"
 HEADERS = {"X-Dashboard-Token": TOKEN}

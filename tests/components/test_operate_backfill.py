@@ -13,9 +13,10 @@ import redis
 
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
-from tests.components.driver import DELAY_SHARDS, Component, Hourly, cli, cluster_conn, cluster_props, now_ms
+from tests.components.driver import DELAY_SHARDS, Component, cli, cluster_conn, cluster_props, now_ms
 from tests.components.serve import Serve, instance
 from tests.redis_server import RedisCluster, RedisServer, stream_entries
+from tests.wallclock import Hourly
 
 HOUR = 3_600_000
 
