@@ -178,8 +178,13 @@ local function recurring_step(env, id, key, due, now)
   end
   -- A ref written by hand may lack a numeric due or next: this occurrence's due
   -- stands in, and an unreadable next waits for REFILL (no nil may reach a command).
-  if not tonumber(rdue) then rdue = due end
+  -- Nor a time that is no instant: tonumber reads 'nan', 'inf' and '1e999', which
+  -- Redis then refuses as a score (ZADD), after this batch's appends: a next of
+  -- them stopped the schedule for good, a due of them blocked the shard's firing.
+  local rd = tonumber(rdue)
+  if not (rd and math.abs(rd) <= MAX_INSTANT_MS) then rdue = due end
   local rn = tonumber(rnext)
+  if rn and not (math.abs(rn) <= MAX_INSTANT_MS) then rn = nil end
   if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
     redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u', rnom, '-'))
     redis.call('ZADD', REFILL_SET, rdue, key)

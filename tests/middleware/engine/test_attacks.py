@@ -368,3 +368,39 @@ async def test_a_source_entry_anyone_wrote_does_not_block_the_two_phase_fire(
     assert sorted(e.metadata.get("scheduler", "") for e in rows if e.data != b"21C") == ["g1", "g2", "g3"]
     assert any(e.data == b"21C" for e in rows)
     assert redis_client.zcard(KEYS.inflight) == 0
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize(
+    "ref",
+    ["{due} nan - i", "{due} inf - i", "{due} 1e999 - i", "nan - - i", "-inf - - i", "{due} {nxt} - i nan -"],
+    ids=["next-nan", "next-inf", "next-1e999", "due-nan-waiting", "due-minus-inf-waiting", "nominal-nan"],
+)
+async def test_a_cron_ref_whose_times_are_no_instants_neither_blocks_the_shard_nor_stops_the_schedule(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, ref: str
+) -> None:
+    """An ids ref written by hand whose due or next time Lua's tonumber reads as NaN or infinity:
+    Redis refuses it as a score (ZADD) after the batch's appends (Redis keeps them). A next of
+    them raised in advance(): the occurrence went out, its schedule left the index for good
+    (no `fired` record, nothing to fire it again); `inf` was re-indexed at infinity and every
+    step raised after its script. A due of them raised before any append, at the same
+    candidate in every step: nothing on the shard fired any more. Such a time is unknown: the
+    occurrence waits for REFILL, which gives the schedule its next time, and it goes on. A NaN
+    nominal time was stamped as scheduleOccurrence `-9223372036854775808-...`."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every, config=EngineConfig(lease_ms=1_000))
+    await engine.schedule([named_recurring("cron", T0 + 1_000, T0, 1_000, 0)])
+    await engine.schedule([env(n, T0 + 1_000) for n in range(1, 4)])
+    stream_id = cast("bytes", redis_client.hget(KEYS.ids, "cron")).decode().split()[0]
+    redis_client.hset(KEYS.ids, "cron", f"{stream_id} {ref.format(due=T0 + 1_000, nxt=T0 + 2_000)}")
+    for step in range(4):
+        clock.set(T0 + 1_000 + step * 1_000)
+        await drain(engine)
+    got = [decode_entry(f) for _, f in target(redis_client)]
+    assert sorted(e.data for e in got)[-3:] == [b'{"n":1}', b'{"n":2}', b'{"n":3}']
+    assert len(got) - 3 >= 3  # the schedule fires on, once per step at most
+    assert len(history(redis_client, "fired")) == len(got)
+    assert await engine.pending() == 1
+    assert cast("bytes", redis_client.hget(KEYS.ids, "cron")).split()[1] == str(T0 + 5_000).encode()
+    stamped = [e.metadata["scheduleOccurrence"] for e in got if "scheduleOccurrence" in e.metadata]
+    assert all(o.startswith("2027-") for o in stamped), stamped
