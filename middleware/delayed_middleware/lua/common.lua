@@ -47,8 +47,9 @@ local function read_ahead(cs)
     local id = c[1]
     if AHEAD[id] == nil then
       local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
-      ms, seq = tonumber(ms), tonumber(seq)
-      if ms then
+      -- (Past 19 digits XRANGE may refuse it: read_envelope's is_stream_id.)
+      if ms and #ms <= 19 and #seq <= 19 then
+        ms, seq = tonumber(ms), tonumber(seq)
         n = n + 1
         if not lo or ms < lo_ms or (ms == lo_ms and seq < lo_seq) then lo, lo_ms, lo_seq = id, ms, seq end
         if not hi or ms > hi_ms or (ms == hi_ms and seq > hi_seq) then hi, hi_ms, hi_seq = id, ms, seq end
@@ -63,7 +64,17 @@ local function read_ahead(cs)
   end
 end
 
+-- Whether `v` is a stream id as XRANGE takes it (ms-seq, each below 2^64).
+local function is_stream_id(v)
+  local ms, seq = string.match(v, '^(%d+)%-(%d+)$')
+  return ms ~= nil and #ms <= 19 and #seq <= 19
+end
+
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
+-- An index member or a move written by hand may name no stream id at all, which XRANGE
+-- refuses (ms-seq, each below 2^64): raised before any write, at the same candidate
+-- in every step, that blocked the shard's firing. Such a member names no envelope
+-- (gone); such a move is forgotten and the envelope read where it was stored first.
 local function read_envelope(id)
   local f = AHEAD and AHEAD[id]
   if f then
@@ -71,6 +82,11 @@ local function read_envelope(id)
     AHEAD_USED = AHEAD_USED + 1
   else
     local at = stored_at(id)
+    if at ~= id and not is_stream_id(at) then
+      forget_move(id)
+      at = id
+    end
+    if not is_stream_id(at) then return nil, 'gone' end
     local e = redis.call('XRANGE', STREAM, at, at)[1]
     if not e then return nil, 'gone' end
     f = e[2]

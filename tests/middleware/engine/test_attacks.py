@@ -404,3 +404,36 @@ async def test_a_cron_ref_whose_times_are_no_instants_neither_blocks_the_shard_n
     assert cast("bytes", redis_client.hget(KEYS.ids, "cron")).split()[1] == str(T0 + 5_000).encode()
     stamped = [e.metadata["scheduleOccurrence"] for e in got if "scheduleOccurrence" in e.metadata]
     assert all(o.startswith("2027-") for o in stamped), stamped
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize(
+    "written", ["member:garbage", "member:99999999999999999999-0", "member:1-x", "move:garbage", "move:1-1-1"]
+)
+async def test_an_index_member_or_move_naming_no_stream_id_does_not_block_the_shard(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, written: str
+) -> None:
+    """An index member, or a moved-hash entry, written by hand that is no stream id (XRANGE
+    refuses it: `Invalid stream ID`). FIRE and CLAIM read it before writing anything for it and
+    raised, at the same candidate in every step: nothing on the shard fired any more. Such a
+    member names no envelope (it leaves the index with a `lost` record); such a move is
+    forgotten and the envelope read where it was stored, and fired once."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(lease_ms=1_000))
+    ids = await engine.schedule([env(n, T0 + 1_000) for n in range(4)])
+    kind, value = written.split(":", 1)
+    if kind == "member":
+        bucket = cast("bytes", redis_client.zrange(KEYS.due, 0, 0)[0]).decode()
+        redis_client.zadd(f"{KEYS.buckets}{bucket}", {value: T0})
+    else:
+        redis_client.hset(KEYS.moved, ids[0], value)
+    for step in range(3):
+        clock.set(T0 + 1_000 + step * 2_000)
+        await drain(engine)
+    assert sorted(decode_entry(f).data for _, f in target(redis_client)) == [
+        f'{{"n":{n}}}'.encode() for n in range(4)
+    ]
+    assert index_buckets(redis_client) == []
+    assert redis_client.exists(KEYS.moved, KEYS.inflight, KEYS.claims) == 0
+    assert target(redis_client, KEYS.stream) == []
+    assert [r.id for r in history(redis_client, "lost")] == ([value] if kind == "member" else [])
