@@ -241,3 +241,35 @@ async def test_a_fire_step_that_fails_midway_delivers_nothing_twice(
     await engine.recover_orphans()
     await drain(engine)
     assert sorted(payloads(redis_client)) == [0, 1, 2]
+
+
+@pytest.mark.both_fire_paths
+async def test_a_claim_or_fire_that_fails_behind_taken_messages_doubles_and_leaks_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The history key is not a stream, so a step raises at the first record it writes: here an
+    expired message due behind four others of the batch (Redis keeps what the script wrote
+    before). FIRE has delivered the four by then and finishes them; CLAIM has put them in
+    flight (still indexed, no APPEND follows) and raises at every step, lease ends included.
+    Once the key is repaired each message goes out once, the expired one never, and nothing
+    stays in flight, claimed, indexed or stored."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(lease_ms=1_000))
+    await engine.schedule([env(n, T0 + 1_000 + n) for n in range(4)])
+    await engine.schedule([env(9, T0 + 1_500, sid="late", expires_at_ms=T0 + 1_200)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+    for step in range(3):
+        clock.set(T0 + 2_000 + step * 2_000)
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            await engine.fire_due()
+        got = payloads(redis_client)
+        assert sorted(set(got)) == sorted(got)
+    redis_client.delete(KEYS.history)
+    clock.set(T0 + 8_000)
+    await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2, 3]
+    assert [r.id for r in history(redis_client, "expired")] == ["late"]
+    assert await engine.pending() == 0
+    assert redis_client.exists(KEYS.inflight, KEYS.claims, KEYS.ids, KEYS.due) == 0
+    assert redis_client.xlen(KEYS.stream) == 0
