@@ -30,6 +30,7 @@ from tests.middleware.engine.helpers import (
     history,
     index_buckets,
     named_recurring,
+    payloads,
     recurring,
     target,
 )
@@ -437,3 +438,45 @@ async def test_an_index_member_or_move_naming_no_stream_id_does_not_block_the_sh
     assert redis_client.exists(KEYS.moved, KEYS.inflight, KEYS.claims) == 0
     assert target(redis_client, KEYS.stream) == []
     assert [r.id for r in history(redis_client, "lost")] == ([value] if kind == "member" else [])
+
+
+class _Crash(Exception):
+    """Stands for the replica dying at a fault point."""
+
+
+@pytest.mark.two_phase_path
+@pytest.mark.parametrize("torn", ["", "x", "1 2", "1 2 3"])
+async def test_a_torn_claim_record_parks_its_envelope_and_the_shard_fires_on(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, torn: str
+) -> None:
+    """Redis Cluster's path: a replica dies after CLAIM, and a claim record is then torn (written
+    by hand: no due time, or no scheduler). The takeover read it with nil fields, which reached a
+    command: every CLAIM raised before claiming anything due, and nothing on the shard fired any
+    more. Which occurrence was claimed is unknown and nothing was appended: the envelope parks
+    (kept, listed, recorded), its lease ends once, and the rest goes out once each."""
+    armed = [True]
+
+    async def replica_dies_and_the_record_tears(at: str) -> None:
+        if at == "claimed" and armed and armed.pop():
+            first = cast("list[bytes]", redis_client.zrange(KEYS.inflight, 0, 0))[0]
+            redis_client.hset(KEYS.claims, first, torn)
+            raise _Crash(at)
+
+    clock = ManualClock(T0)
+    config = EngineConfig(two_phase=True, lease_ms=1_000)
+    engine = DelayEngine(aredis(), KEYS, clock, config=config, fault=replica_dies_and_the_record_tears)
+    ids = await engine.schedule([env(n, T0) for n in range(4)])
+    with pytest.raises(_Crash):
+        await engine.fire_due()
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    clock.set(T0 + 3_000)
+    await drain(engine)
+    parked = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.parked).items()}
+    [(torn_id, reason)] = parked.items()
+    assert reason == "torn claim record"
+    n = ids.index(torn_id)
+    assert sorted(payloads(redis_client)) == [m for m in range(4) if m != n]
+    assert [r.id for r in history(redis_client, "parked")] == [torn_id]
+    assert redis_client.exists(KEYS.inflight, KEYS.claims) == 0
+    assert [i for i, _ in target(redis_client, KEYS.stream)] == [torn_id]
