@@ -52,8 +52,9 @@ local function release_all()
       if rec and env then
         local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
         if not key then
-          -- A torn claim record (written by hand): which occurrence was claimed is unknown, and
-          -- nothing was appended (CLAIM). The envelope parks: kept, listed, recorded.
+          -- A torn claim record (written by hand): which occurrence was claimed is unknown (CLAIM's
+          -- takeover appends nothing for it). The envelope parks: kept, listed, recorded, never
+          -- appended again (also when a stalled replica appended it before the record tore).
           due, key, outcome = string.match(rec, '^%S*'), env.sid ~= '' and env.sid or id, 'torn claim record'
         end
         local attempt = math.max(env.attempt, 1)
