@@ -472,7 +472,8 @@ async def test_a_torn_claim_record_parks_its_envelope_and_the_shard_fires_on(
     await drain(engine)
     clock.set(T0 + 3_000)
     await drain(engine)
-    parked = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.parked).items()}
+    got = cast("dict[bytes, bytes]", redis_client.hgetall(KEYS.parked))
+    parked = {k.decode(): v.decode() for k, v in got.items()}
     [(torn_id, reason)] = parked.items()
     assert reason == "torn claim record"
     n = ids.index(torn_id)
