@@ -1,6 +1,6 @@
 """Redis's cost per fired message: 50,000 one-shots due at one instant, fired by the engine.
 
-    .venv/bin/python bench/fire_cost.py [--messages 50000] [--aof] [--runs 3] [--history-off] [--loop]
+    .venv/bin/python bench/fire_cost.py [--messages 50000] [--aof] [--runs 3] [--history-off] [--loop] [--two-phase]
 
 A private redis-server (AOF off, or everysec with --aof). The messages (100 B
 payload, one metadata key, no scheduleId) are scheduled through the engine,
@@ -12,7 +12,8 @@ FIRE script's own EVALSHA included). --history-off: `historyMaxLen: 0`, what
 the lifecycle history costs the fire path. Run it on another checkout with
 PYTHONPATH set to its proto, middleware and components for a before/after pair.
 --loop: fired by the engine's run loop instead of
-fire_due called in turn.
+fire_due called in turn. --two-phase: through Redis Cluster's path (CLAIM, APPEND,
+RELEASE), on the same single node.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ async def fire_by_loop(engine: Any, client: aioredis.Redis, n: int) -> int:
 
 
 async def run(
-    port: int, n: int, history: bool = True, loop: bool = False
+    port: int, n: int, history: bool = True, loop: bool = False, two_phase: bool = False
 ) -> tuple[float, float, float, float]:
     client = aioredis.Redis(port=port)
     clock = ManualClock(T0)
     props = {"consumerID": "bench"} | ({} if history else {"historyMaxLen": "0"})
-    engine = bench_engine(client, clock, props)
+    engine = bench_engine(client, clock, props, config={"two_phase": True} if two_phase else None)
     await schedule_due(
         engine, n, False, {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     )
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument(
         "--loop", action="store_true", help="fire with the engine's run loop, not fire_due in turn"
     )
+    parser.add_argument("--two-phase", action="store_true", help="CLAIM, APPEND and RELEASE instead of FIRE")
     args = parser.parse_args()
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="bench-firecost-") as d:
@@ -95,12 +97,13 @@ def main() -> None:
             server.start()
             try:
                 wall, us, py, per = asyncio.run(
-                    run(server.port, args.messages, not args.history_off, args.loop)
+                    run(server.port, args.messages, not args.history_off, args.loop, args.two_phase)
                 )
             finally:
                 server.stop()
         aof = ("AOF everysec" if args.aof else "AOF off") + (", history off" if args.history_off else "")
         aof += ", run loop" if args.loop else ""
+        aof += ", two-phase" if args.two_phase else ""
         print(
             f"fired {args.messages} ({aof}): {wall:.2f} s wall, {us:.1f} us Redis CPU/msg, {py:.1f} us engine CPU/msg, "
             f"{per:.2f} Redis commands/msg"

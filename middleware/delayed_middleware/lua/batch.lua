@@ -85,7 +85,8 @@ end
 local function occurrence(env, nom)
   if env.kind == 2 then return nil end
   local ms = tonumber(nom)
-  if not ms or ms < 0 or ms > MAX_INSTANT_MS then return nil end
+  -- (Written so that NaN, from a ref written by hand, fails too.)
+  if not (ms and ms >= 0 and ms <= MAX_INSTANT_MS) then return nil end
   return iso_ms(ms)
 end
 

@@ -109,14 +109,18 @@ for _, id in ipairs(expired) do
   local env = read_envelope(id)
   redis.call('ZADD', INFLIGHT, now + lease, id)
   local r, due = nil, rec and string.match(rec, '^(%S+)') or '0'
-  if rec and env then
-    local _, _, iso, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
+  -- A torn record (written by hand) may name no due time, or no scheduler: read as
+  -- they were, nil reached a command and every step raised here, before any due
+  -- message was claimed: nothing on the shard fired any more.
+  if not tonumber(due) then due = '0' end
+  local _, _, iso, key = string.match(rec or '', '^(%S+) (%S+) (%S+) (.*)$')
+  if key and env then
     r = record(id, due, env, key, iso, claimed_occurrence(env, id, key, due))
     B.work = B.work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
     B.bytes = B.bytes + env.raw
   end
   -- Withdrawn (cancelled, replaced) while in flight, or a torn record: the
-  -- caller releases it with nothing to append.
+  -- caller releases it with nothing to append (RELEASE parks an envelope with a torn record).
   emit(r or record(id, due, withdrawn, id, '-'), due)
 end
 

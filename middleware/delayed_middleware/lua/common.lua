@@ -47,8 +47,9 @@ local function read_ahead(cs)
     local id = c[1]
     if AHEAD[id] == nil then
       local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
-      ms, seq = tonumber(ms), tonumber(seq)
-      if ms then
+      -- (Past 19 digits XRANGE may refuse it: read_envelope's is_stream_id.)
+      if ms and #ms <= 19 and #seq <= 19 then
+        ms, seq = tonumber(ms), tonumber(seq)
         n = n + 1
         if not lo or ms < lo_ms or (ms == lo_ms and seq < lo_seq) then lo, lo_ms, lo_seq = id, ms, seq end
         if not hi or ms > hi_ms or (ms == hi_ms and seq > hi_seq) then hi, hi_ms, hi_seq = id, ms, seq end
@@ -63,7 +64,17 @@ local function read_ahead(cs)
   end
 end
 
+-- Whether `v` is a stream id as XRANGE takes it (ms-seq, each below 2^64).
+local function is_stream_id(v)
+  local ms, seq = string.match(v, '^(%d+)%-(%d+)$')
+  return ms ~= nil and #ms <= 19 and #seq <= 19
+end
+
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
+-- An index member or a move written by hand may name no stream id at all, which XRANGE
+-- refuses (ms-seq, each below 2^64): raised before any write, at the same candidate
+-- in every step, that blocked the shard's firing. Such a member names no envelope
+-- (gone); such a move is forgotten and the envelope read where it was stored first.
 local function read_envelope(id)
   local f = AHEAD and AHEAD[id]
   if f then
@@ -71,7 +82,18 @@ local function read_envelope(id)
     AHEAD_USED = AHEAD_USED + 1
   else
     local at = stored_at(id)
-    local e = redis.call('XRANGE', STREAM, at, at)[1]
+    if at ~= id and not is_stream_id(at) then
+      forget_move(id)
+      at = id
+    end
+    -- Checked only once XRANGE refused it: the pcall costs nothing, the check ~0.3 us a read.
+    -- Refused for another reason (the stream is not one), it raises as it did, unchanged.
+    local ok, got = pcall(redis.call, 'XRANGE', STREAM, at, at)
+    if not ok then
+      if is_stream_id(at) then redis.call('XRANGE', STREAM, at, at) end
+      return nil, 'gone'
+    end
+    local e = got[1]
     if not e then return nil, 'gone' end
     f = e[2]
   end
@@ -178,8 +200,13 @@ local function recurring_step(env, id, key, due, now)
   end
   -- A ref written by hand may lack a numeric due or next: this occurrence's due
   -- stands in, and an unreadable next waits for REFILL (no nil may reach a command).
-  if not tonumber(rdue) then rdue = due end
+  -- Nor a time that is no instant: tonumber reads 'nan', 'inf' and '1e999', which
+  -- Redis then refuses as a score (ZADD), after this batch's appends: a next of
+  -- them stopped the schedule for good, a due of them blocked the shard's firing.
+  local rd = tonumber(rdue)
+  if not (rd and math.abs(rd) <= MAX_INSTANT_MS) then rdue = due end
   local rn = tonumber(rnext)
+  if rn and not (math.abs(rn) <= MAX_INSTANT_MS) then rn = nil end
   if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
     redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u', rnom, '-'))
     redis.call('ZADD', REFILL_SET, rdue, key)

@@ -51,6 +51,12 @@ local function release_all()
       if why == 'gone' then forget_move(id) end
       if rec and env then
         local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
+        if not key then
+          -- A torn claim record (written by hand): which occurrence was claimed is unknown (CLAIM's
+          -- takeover appends nothing for it). The envelope parks: kept, listed, recorded, never
+          -- appended again (also when a stalled replica appended it before the record tore).
+          due, key, outcome = string.match(rec, '^%S*'), env.sid ~= '' and env.sid or id, 'torn claim record'
+        end
         local attempt = math.max(env.attempt, 1)
         if outcome ~= 'ok' and outcome ~= 'dup' then
           redis.call('HSET', PARKED, id, outcome)

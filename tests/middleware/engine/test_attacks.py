@@ -30,6 +30,7 @@ from tests.middleware.engine.helpers import (
     history,
     index_buckets,
     named_recurring,
+    payloads,
     recurring,
     target,
 )
@@ -368,3 +369,115 @@ async def test_a_source_entry_anyone_wrote_does_not_block_the_two_phase_fire(
     assert sorted(e.metadata.get("scheduler", "") for e in rows if e.data != b"21C") == ["g1", "g2", "g3"]
     assert any(e.data == b"21C" for e in rows)
     assert redis_client.zcard(KEYS.inflight) == 0
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize(
+    "ref",
+    ["{due} nan - i", "{due} inf - i", "{due} 1e999 - i", "nan - - i", "-inf - - i", "{due} {nxt} - i nan -"],
+    ids=["next-nan", "next-inf", "next-1e999", "due-nan-waiting", "due-minus-inf-waiting", "nominal-nan"],
+)
+async def test_a_cron_ref_whose_times_are_no_instants_neither_blocks_the_shard_nor_stops_the_schedule(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, ref: str
+) -> None:
+    """An ids ref written by hand whose due or next time Lua's tonumber reads as NaN or infinity:
+    Redis refuses it as a score (ZADD) after the batch's appends (Redis keeps them). A next of
+    them raised in advance(): the occurrence went out, its schedule left the index for good
+    (no `fired` record, nothing to fire it again); `inf` was re-indexed at infinity and every
+    step raised after its script. A due of them raised before any append, at the same
+    candidate in every step: nothing on the shard fired any more. Such a time is unknown: the
+    occurrence waits for REFILL, which gives the schedule its next time, and it goes on. A NaN
+    nominal time was stamped as scheduleOccurrence `-9223372036854775808-...`."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every, config=EngineConfig(lease_ms=1_000))
+    await engine.schedule([named_recurring("cron", T0 + 1_000, T0, 1_000, 0)])
+    await engine.schedule([env(n, T0 + 1_000) for n in range(1, 4)])
+    stream_id = cast("bytes", redis_client.hget(KEYS.ids, "cron")).decode().split()[0]
+    redis_client.hset(KEYS.ids, "cron", f"{stream_id} {ref.format(due=T0 + 1_000, nxt=T0 + 2_000)}")
+    for step in range(4):
+        clock.set(T0 + 1_000 + step * 1_000)
+        await drain(engine)
+    got = [decode_entry(f) for _, f in target(redis_client)]
+    assert sorted(e.data for e in got)[-3:] == [b'{"n":1}', b'{"n":2}', b'{"n":3}']
+    assert len(got) - 3 >= 3  # the schedule fires on, once per step at most
+    assert len(history(redis_client, "fired")) == len(got)
+    assert await engine.pending() == 1
+    assert cast("bytes", redis_client.hget(KEYS.ids, "cron")).split()[1] == str(T0 + 5_000).encode()
+    stamped = [e.metadata["scheduleOccurrence"] for e in got if "scheduleOccurrence" in e.metadata]
+    assert all(o.startswith("2027-") for o in stamped), stamped
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize(
+    "written", ["member:garbage", "member:99999999999999999999-0", "member:1-x", "move:garbage", "move:1-1-1"]
+)
+async def test_an_index_member_or_move_naming_no_stream_id_does_not_block_the_shard(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, written: str
+) -> None:
+    """An index member, or a moved-hash entry, written by hand that is no stream id (XRANGE
+    refuses it: `Invalid stream ID`). FIRE and CLAIM read it before writing anything for it and
+    raised, at the same candidate in every step: nothing on the shard fired any more. Such a
+    member names no envelope (it leaves the index with a `lost` record); such a move is
+    forgotten and the envelope read where it was stored, and fired once."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(lease_ms=1_000))
+    ids = await engine.schedule([env(n, T0 + 1_000) for n in range(4)])
+    kind, value = written.split(":", 1)
+    if kind == "member":
+        bucket = cast("bytes", redis_client.zrange(KEYS.due, 0, 0)[0]).decode()
+        redis_client.zadd(f"{KEYS.buckets}{bucket}", {value: T0})
+    else:
+        redis_client.hset(KEYS.moved, ids[0], value)
+    for step in range(3):
+        clock.set(T0 + 1_000 + step * 2_000)
+        await drain(engine)
+    assert sorted(decode_entry(f).data for _, f in target(redis_client)) == [
+        f'{{"n":{n}}}'.encode() for n in range(4)
+    ]
+    assert index_buckets(redis_client) == []
+    assert redis_client.exists(KEYS.moved, KEYS.inflight, KEYS.claims) == 0
+    assert target(redis_client, KEYS.stream) == []
+    assert [r.id for r in history(redis_client, "lost")] == ([value] if kind == "member" else [])
+
+
+class _Crash(Exception):
+    """Stands for the replica dying at a fault point."""
+
+
+@pytest.mark.two_phase_path
+@pytest.mark.parametrize("torn", ["", "x", "1 2", "1 2 3"])
+async def test_a_torn_claim_record_parks_its_envelope_and_the_shard_fires_on(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, torn: str
+) -> None:
+    """Redis Cluster's path: a replica dies after CLAIM, and a claim record is then torn (written
+    by hand: no due time, or no scheduler). The takeover read it with nil fields, which reached a
+    command: every CLAIM raised before claiming anything due, and nothing on the shard fired any
+    more. Which occurrence was claimed is unknown and nothing was appended: the envelope parks
+    (kept, listed, recorded), its lease ends once, and the rest goes out once each."""
+    armed = [True]
+
+    async def replica_dies_and_the_record_tears(at: str) -> None:
+        if at == "claimed" and armed and armed.pop():
+            first = cast("list[bytes]", redis_client.zrange(KEYS.inflight, 0, 0))[0]
+            redis_client.hset(KEYS.claims, first, torn)
+            raise _Crash(at)
+
+    clock = ManualClock(T0)
+    config = EngineConfig(two_phase=True, lease_ms=1_000)
+    engine = DelayEngine(aredis(), KEYS, clock, config=config, fault=replica_dies_and_the_record_tears)
+    ids = await engine.schedule([env(n, T0) for n in range(4)])
+    with pytest.raises(_Crash):
+        await engine.fire_due()
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    clock.set(T0 + 3_000)
+    await drain(engine)
+    got = cast("dict[bytes, bytes]", redis_client.hgetall(KEYS.parked))
+    parked = {k.decode(): v.decode() for k, v in got.items()}
+    [(torn_id, reason)] = parked.items()
+    assert reason == "torn claim record"
+    n = ids.index(torn_id)
+    assert sorted(payloads(redis_client)) == [m for m in range(4) if m != n]
+    assert [r.id for r in history(redis_client, "parked")] == [torn_id]
+    assert redis_client.exists(KEYS.inflight, KEYS.claims) == 0
+    assert [i for i, _ in target(redis_client, KEYS.stream)] == [torn_id]

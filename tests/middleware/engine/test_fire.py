@@ -410,6 +410,42 @@ async def test_fire_refused_for_memory_changes_nothing_then_fires_each_once(
     assert await engine.pending() == 0
 
 
+@pytest.mark.two_phase_path
+async def test_an_append_refused_for_memory_after_its_claim_loses_and_doubles_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """Redis Cluster's path: memory runs out (noeviction) between CLAIM and APPEND, so every
+    APPEND is refused at its first write (its marker) and the step raises with the batch in
+    flight. Once memory is back, the claims are taken over when their lease ends and each
+    message, on two targets, goes out once; nothing stays in flight."""
+    full = [True]
+
+    async def memory_runs_out(at: str) -> None:
+        if at == "claimed" and full and full.pop():
+            redis_client.config_set("maxmemory-policy", "noeviction")
+            redis_client.config_set("maxmemory", 1)
+
+    clock = ManualClock(T0)
+    config = EngineConfig(two_phase=True, lease_ms=1_000)
+    engine = DelayEngine(aredis(), KEYS, clock, config=config, fault=memory_runs_out)
+    await engine.schedule([env(n, T0, topic=f"t{n % 2}") for n in range(6)])
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            await engine.fire_due()
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    assert redis_client.zcard(KEYS.inflight) == 6
+    assert redis_client.exists("t0", "t1") == 0
+    await drain(engine)  # the lease runs: nothing to take over yet
+    assert redis_client.zcard(KEYS.inflight) == 6
+    clock.set(T0 + 1_000)
+    await drain(engine)
+    assert (sorted(payloads(redis_client, "t0")), sorted(payloads(redis_client, "t1"))) == ([0, 2, 4], [1, 3, 5])
+    assert redis_client.exists(KEYS.inflight, KEYS.claims, KEYS.parked) == 0
+    assert len(history(redis_client, "fired")) == 6
+    assert await engine.pending() == 0
+
+
 @pytest.mark.both_fire_paths
 async def test_trim_maxlen_applies_to_target(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis

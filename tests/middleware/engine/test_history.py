@@ -4,6 +4,7 @@ trimmed to its length and aged out by its age."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,8 @@ import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock, SystemClock
 from delayed_middleware.engine import DelayEngine, EngineConfig
+from delayed_middleware.entry import decode_entry
+from delayed_middleware.instants import format_instant
 from tests.conftest import small_stream_nodes
 from tests.middleware.engine.helpers import (
     KEYS,
@@ -21,8 +24,11 @@ from tests.middleware.engine.helpers import (
     drain,
     engine_libraries,
     env,
+    every,
     history,
     payloads,
+    recurring,
+    target,
 )
 
 
@@ -241,3 +247,50 @@ async def test_a_fire_step_that_fails_midway_delivers_nothing_twice(
     await engine.recover_orphans()
     await drain(engine)
     assert sorted(payloads(redis_client)) == [0, 1, 2]
+
+
+@pytest.mark.both_fire_paths
+async def test_a_claim_or_fire_that_fails_behind_taken_messages_doubles_and_leaks_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis
+) -> None:
+    """The history key is not a stream, so a step raises at the first record it writes: here an
+    expired message due behind four others of the batch and a recurring schedule (Redis keeps
+    what the script wrote before). FIRE has delivered the first by then and finishes it (a
+    recurring one is advanced and re-indexed); CLAIM has put them in flight (still indexed,
+    no APPEND follows) and raises at every step, lease ends included. Once the key is repaired
+    each message goes out once, each occurrence of the schedule at most once, the expired one
+    never, and nothing stays in flight, claimed or stored but the schedule, which goes on."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, recurrence=every, config=EngineConfig(lease_ms=1_000))
+    await engine.schedule([env(n, T0 + 1_000 + n) for n in range(4)])
+    await engine.schedule([recurring(7, 1_000, sid="rec")])
+    await engine.schedule([env(9, T0 + 1_500, sid="late", expires_at_ms=T0 + 1_200)])
+    redis_client.delete(KEYS.history)
+    redis_client.set(KEYS.history, "not a stream")
+
+    def delivered() -> tuple[list[int], list[str]]:
+        got = [decode_entry(f) for _, f in target(redis_client)]
+        occurrences = [e.metadata["scheduleOccurrence"] for e in got if e.metadata.get("scheduler") == "rec"]
+        return sorted(json.loads(e.data)["n"] for e in got if e.metadata.get("scheduler") != "rec"), occurrences
+
+    for step in range(3):
+        clock.set(T0 + 2_000 + step * 2_000)
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            await engine.fire_due()
+        once, occurrences = delivered()
+        assert sorted(set(once)) == once
+        assert sorted(set(occurrences)) == sorted(occurrences)
+    redis_client.delete(KEYS.history)
+    clock.set(T0 + 8_000)
+    await drain(engine)
+    once, occurrences = delivered()
+    assert once == [0, 1, 2, 3]
+    # Its first occurrence, overdue, once; the ones missed meanwhile skipped (catch-up `one`).
+    assert occurrences == [format_instant(T0 + 1_000)]
+    assert [r.id for r in history(redis_client, "expired")] == ["late"]
+    assert await engine.pending() == 1  # the schedule, at its next occurrence
+    assert redis_client.exists(KEYS.inflight, KEYS.claims) == 0
+    assert redis_client.xlen(KEYS.stream) == 1
+    clock.set(T0 + 9_000)
+    await drain(engine)
+    assert delivered()[1] == [format_instant(T0 + 1_000), format_instant(T0 + 9_000)]
