@@ -121,7 +121,7 @@ if OP == 'record' then
   if e then
     hist('triggered', key, e.sid, e.topic, e.kind, NEW_DUE, '', e.size, math.max(e.attempt, 1), REASON, e.schedule)
   else
-    -- Cancelled or replaced meanwhile (the known window): the record all the same.
+    -- Cancelled or replaced after its APPEND went out (or a replace meanwhile): the record all the same.
     hist('triggered', key, '', '', 1, NEW_DUE, '', '', 1, REASON, '')
   end
   return answered({'recorded', '', now_s})
