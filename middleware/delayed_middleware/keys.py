@@ -189,6 +189,15 @@ class EngineKeys:
         return self.history + "-ids"
 
     @property
+    def triggers(self) -> str:
+        """Redis Cluster's two-phase fire: sorted set of the extra occurrences a trigger decided and
+        has not yet appended, member `<envelope id> t<trigger ms>:<token>` (the end of its fire
+        marker), score its Redis time (ms), so a cancel stops them (lua/timecontrol.lua, lua/cancel.lua).
+        Derived from the claims hash's name, never passed as a key: the scripts append `-triggers`,
+        in its slot. Short-lived: swept by age and expiring when idle; release 0.2.0 never reads it."""
+        return self.claims + "-triggers"
+
+    @property
     def two_phase_keys(self) -> list[str]:
         """KEYS of CLAIM and RELEASE (and of SCHEDULE and CANCEL on Cluster): the engine's
         keys, then in-flight and claims, then the moved hash (always the last key)."""

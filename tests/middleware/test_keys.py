@@ -149,12 +149,14 @@ def test_engine_keys_keep_the_names_a_deployment_has_stored() -> None:
     assert keys.retry("orders") == "{app-delayed}:retry:orders"
     assert keys.retry_counts("orders") == "{app-delayed}:retry-n:orders"
     assert keys.history_index == "{app-delayed}:history-ids"
+    assert keys.triggers == "{app-delayed}:claims-triggers"
     # One slot: a script may touch any of them together on Redis Cluster.
     names = [
         *dataclasses.astuple(keys),
         keys.retry("orders"),
         keys.retry_counts("orders"),
         keys.history_index,
+        keys.triggers,
     ]
     assert {key_slot(k) for k in names} == {key_slot("app-delayed")}
     assert keys.script_keys == [
@@ -199,6 +201,7 @@ def app_keys(consumer_id: str, shards: int) -> dict[str, set[str]]:
             families.setdefault(f.name, set()).add(getattr(keys, f.name))
         families.setdefault("bucket", set()).update(keys.buckets + b for b in BUCKET_IDS)
         families.setdefault("history_index", set()).add(keys.history_index)
+        families.setdefault("triggers", set()).add(keys.triggers)
         families.setdefault("retry_due", set()).add(retry_due_channel(consumer_id))
         for topic in SUBSCRIBED:
             families.setdefault("retry", set()).add(keys.retry(topic))
@@ -308,7 +311,13 @@ def test_every_key_of_an_accepted_id_hashes_with_its_shard_on_redis_cluster(cons
         return
     for stream in shard_topics(consumer_id, MAX_SHARDS):
         keys = EngineKeys.for_topic(stream)
-        names = [*dataclasses.astuple(keys), keys.history_index, keys.retry("x}y"), keys.retry_counts("{a}")]
+        names = [
+            *dataclasses.astuple(keys),
+            keys.history_index,
+            keys.triggers,
+            keys.retry("x}y"),
+            keys.retry_counts("{a}"),
+        ]
         assert {key_slot(k) for k in names} == {key_slot(stream)}
         # The tag is the stream's whole name: what Redis hashes is what a reader derives.
         assert {hash_tag(k) for k in names[1:]} == {stream}

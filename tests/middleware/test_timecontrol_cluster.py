@@ -7,6 +7,7 @@ what happened; a schedule's extra occurrence reaches its topic in another slot, 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import redis.asyncio.cluster as acluster
 import redis.cluster
@@ -145,3 +146,29 @@ async def test_a_trigger_request_sent_again_on_a_cluster_delivers_once(
     assert delivered(admin) == ["tick"]
     assert (await engine.trigger("tick", request="ce-2")).status == TRIGGERED
     assert delivered(admin) == ["tick", "tick"]
+
+
+async def test_a_cancel_answered_while_a_trigger_is_being_delivered_stops_it_on_a_cluster(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    clock = ManualClock(T0)
+    triggerer = await a_schedule(aclient, clock, T0 + 60_000)
+    canceller = sharded(aclient, clock)
+    shard = triggerer.shard_of("tick")
+    timecontrol = shard.state.scripts.timecontrol
+    answers: list[bool] = []
+
+    async def cancel_after_the_script(*args: Any, **kwargs: Any) -> Any:
+        got = await timecontrol(*args, **kwargs)
+        # The trigger decided (its occurrence's messages are in hand); another replica's cancel lands.
+        answers.append(await canceller.cancel("tick"))
+        return got
+
+    shard.state.scripts.timecontrol = cancel_after_the_script  # type: ignore[method-assign]
+    assert (await triggerer.trigger("tick")).status == UNKNOWN  # as a trigger after the cancel
+    assert answers == [True]
+    assert delivered(admin) == []
+    assert admin.exists(shard.state.keys.triggers) == 0
+    clock.set(T0 + 120_000)
+    await fire_all(triggerer)
+    assert delivered(admin) == []

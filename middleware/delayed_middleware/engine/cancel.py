@@ -13,7 +13,11 @@ the APPEND writes nothing and RELEASE records nothing more. Found set
 already, APPEND got there first: the one-shot went out, the cancel answers
 False and UNCANCEL turns its `cancelled` record into the `fired` one. A
 replace (SCHEDULE of a pending scheduleId) stops the old envelope's
-occurrence the same way, best effort.
+occurrence the same way, best effort. A schedule's extra occurrence that a
+trigger decided but has not appended (engine/timecontrol.py; registered in
+keys.EngineKeys.triggers) is named and stopped the same way, its due being
+the end of its own marker, `t<trigger ms>:<token>`; CANCEL removes its
+registration.
 
 Crash point left open: the canceller dying between its CANCEL and its SET
 while the claiming replica lives; that one occurrence may go out, and the

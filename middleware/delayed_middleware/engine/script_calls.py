@@ -88,14 +88,19 @@ class EngineScripts:
         append_here: bool = False,
         request: str = "",
         token_window_ms: int = 0,
+        trigger_token: str = "",
+        keep_trigger_ms: int = 0,
     ) -> TimeControlReply:
         """TIMECONTROL (lua/timecontrol.lua): trigger or reschedule one entry (engine/timecontrol.py).
         `append_here` (a single node): a schedule's extra occurrence is appended in the script,
         trimmed by `trim` (FIRE's trim mode and threshold). `request`: a trigger's identity
-        (a retry of it answers 'again'; '' = none), forgotten after `token_window_ms`."""
+        (a retry of it answers 'again'; '' = none), forgotten after `token_window_ms`.
+        `trigger_token` (two-phase path): an 'extra' occurrence is registered under it, for a
+        cancel to stop, and swept after `keep_trigger_ms` (keys.EngineKeys.triggers)."""
         k = self._keys
         args: list[Any] = [k.buckets, now, history_len, op, id, reason, k.wake, pubsub_name, occurrence_key]
         args += ("" if due_ms is None else due_ms, *trim, 1 if append_here else 0, request, token_window_ms)
+        args += (trigger_token, keep_trigger_ms)
         return read_timecontrol(await self._timecontrol(keys=self._keys_for_writes, args=args))
 
     async def schedule(

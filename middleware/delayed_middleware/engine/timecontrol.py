@@ -14,20 +14,28 @@ One Lua script (lua/timecontrol.lua), atomic against the fire step, decides:
   atomic step, so a cancel is answered before it (nothing goes out) or after.
   On Cluster (the target is in another slot) the script returns the messages and
   this part APPENDs them (lua/append.lua) under a fire marker of their own. The
-  schedule's ref, index entry and pause are untouched, so its grid is.
+  script registers that marker beside the claims (keys.EngineKeys.triggers), where
+  a cancel finds it as it finds a claimed occurrence and sets it first (engine/
+  cancel.py): a cancel answered OK before the APPEND stops the extra occurrence,
+  and the trigger answers `unknown`, as a trigger of the cancelled schedule would.
+  The schedule's ref, index entry and pause are untouched, so its grid is.
   Rescheduling a recurring schedule is refused (`recurring`): publish it again.
 
 Crash points: a one-shot's move, and a single node's extra occurrence, are one
-script each: nothing is left half-done. On Cluster, an extra occurrence's `triggered` record is written after its APPEND (TIMECONTROL
-'record'): a crash before the APPEND leaves nothing, and the caller, unanswered,
-triggers again once; a reply lost after the APPEND landed is sent again under the
-same fire marker (`dup`). A crash after the APPEND, before the answer, leaves the
-delivery, and a caller who triggers again gets a second one. Redis Cluster: an occurrence in flight (claimed,
+script each: nothing is left half-done. On Cluster, an extra occurrence's `triggered`
+record is written after its APPEND (TIMECONTROL 'record'): a crash before the APPEND
+leaves only its registration, and the caller, unanswered, triggers again once; a reply
+lost after the APPEND landed is sent again under the same fire marker (`dup`, and the
+marker's value tells this APPEND's from a cancel's). A crash after the APPEND, before
+the answer, leaves the delivery, and a caller who triggers again gets a second one.
+A registration is removed once its APPEND is settled; one a crash left blocks nothing
+(a cancel sets a marker no APPEND will use) and is swept after 2 leases. So that a
+cancel always finds the registration of an APPEND still to come, a trigger does not
+APPEND later than one lease after its script answered: past it, it sets its own
+marker instead (nothing goes out, unless a cancel or its own first try set it first)
+and raises TimeoutError. Redis Cluster: an occurrence in flight (claimed,
 not yet released) answers `busy`, and the caller waits for RELEASE, as a pause
 does; a one-shot in flight is reported `fired` to a reschedule at once.
-Known window (Cluster only): a cancel landing between a recurring trigger's
-script and its APPEND does not stop that extra occurrence (a cancel stops
-claimed occurrences only).
 """
 
 from __future__ import annotations
@@ -113,7 +121,9 @@ class TimeController:
         """Deliver `id` now (see the module docstring); waits while an occurrence is in flight.
         `request`: the trigger request's identity; sent again (a retry after a lost answer), it
         is answered as the first and delivers nothing more ('' = every call is a new trigger)."""
-        got = await self._until_settled("trigger", id, reason, None, request)
+        # Two-phase path: the extra occurrence's marker token, registered by the script.
+        token = secrets.token_hex(4) if self._two_phase else ""
+        got = await self._until_settled("trigger", id, reason, None, request, token)
         if got.status == "again":
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
         if got.status == "moved":
@@ -124,12 +134,34 @@ class TimeController:
         if got.status == "failed":
             return TimeResult(FAILED, got.topic, got.now_ms, got.detail)
         if got.status == "extra" and got.claim is not None:
-            failed = await self._deliver(got.claim)
-            if failed:
-                return TimeResult(FAILED, got.topic, got.now_ms, failed)
-            await self._record(id, reason, got.now_ms, request)
-            return TimeResult(TRIGGERED, got.topic, got.now_ms)
+            return await self._extra(id, reason, got, got.claim, request, token)
         return TimeResult(got.status, got.topic)
+
+    async def _extra(
+        self, id: str, reason: str, got: TimeControlReply, c: Claim, request: str, token: str
+    ) -> TimeResult:
+        """Cluster: APPEND the extra occurrence the script decided, then its `triggered` record."""
+        deadline = asyncio.get_running_loop().time() + self._state.config.lease_ms / 1000
+        # An error leaves the registration (the APPEND may still land): the sweep takes it.
+        failed = await self._deliver(c, token, deadline)
+        await self._unregister(c, token)
+        if failed is None:
+            # A cancel answered before the APPEND stopped it: as a trigger after that cancel.
+            log.info("trigger of %r on %s stopped by a cancel before it went out", id, self._state.keys.stream)
+            return TimeResult(UNKNOWN, got.topic)
+        if failed:
+            return TimeResult(FAILED, got.topic, got.now_ms, failed)
+        await self._record(id, reason, got.now_ms, request)
+        return TimeResult(TRIGGERED, got.topic, got.now_ms)
+
+    async def _unregister(self, c: Claim, token: str) -> None:
+        """Remove the extra occurrence's registration (keys.EngineKeys.triggers), its APPEND settled;
+        a failure leaves it to the script's sweep."""
+        st = self._state
+        try:
+            await st.redis.zrem(st.keys.triggers, f"{c.id} t{c.due}:{token}")
+        except (RedisError, OSError) as exc:
+            log.warning("trigger on %s: its registration stays until swept: %r", st.keys.stream, exc)
 
     async def reschedule(self, id: str, due_ms: int, *, reason: str = "") -> TimeResult:
         """Move the pending one-shot `id` to `due_ms` (see the module docstring)."""
@@ -150,7 +182,9 @@ class TimeController:
             stream = self._state.keys.stream
             log.warning("trigger of %r on %s delivered, its history record not written: %r", id, stream, exc)
 
-    async def _script(self, op: str, id: str, reason: str, due_ms: int | None, request: str = "") -> TimeControlReply:
+    async def _script(
+        self, op: str, id: str, reason: str, due_ms: int | None, request: str = "", token: str = ""
+    ) -> TimeControlReply:
         st = self._state
         return await st.scripts.timecontrol(
             op,
@@ -165,23 +199,27 @@ class TimeController:
             append_here=not self._two_phase,
             request=request,
             token_window_ms=st.config.token_window_ms,
+            trigger_token=token,
+            # Two leases: a trigger APPENDs within one of its script's answer (see _append).
+            keep_trigger_ms=2 * st.config.lease_ms,
         )
 
     async def _until_settled(
-        self, op: str, id: str, reason: str, due_ms: int | None, request: str = ""
+        self, op: str, id: str, reason: str, due_ms: int | None, request: str = "", token: str = ""
     ) -> TimeControlReply:
         st = self._state
         deadline = asyncio.get_running_loop().time() + 2 * st.config.lease_ms / 1000 + 5
         while True:
-            got = await self._script(op, id, reason, due_ms, request)
+            got = await self._script(op, id, reason, due_ms, request, token)
             if got.status != "busy":
                 return got
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{id!r} on {st.keys.stream}: an occurrence stayed in flight")
             await asyncio.sleep(BUSY_RETRY_S)
 
-    async def _deliver(self, c: Claim) -> str:
-        """APPEND one extra occurrence under a marker of its own; '' when written, else why not."""
+    async def _deliver(self, c: Claim, token: str, deadline: float) -> str | None:
+        """APPEND one extra occurrence under its registered marker: '' when written, None when a
+        cancel stopped it first, else why not."""
         st = self._state
         if c.bad:
             return c.bad
@@ -194,18 +232,32 @@ class TimeController:
         if not entries:
             return ""  # scheduleSource with an empty source: nothing, as at a fire
         mode, threshold = st.trim_args(st.clock.now_ms())
-        # Its own marker (not a fire's `<id>:<due>`): two triggers in one millisecond are two occurrences.
-        marker = f"{fire_marker_prefix(c.target, st.keys.stream)}{c.id}:t{c.due}:{secrets.token_hex(4)}"
+        # Its own marker (not a fire's `<id>:<due>`): two triggers in one millisecond are two
+        # occurrences. The script registered its end, `t<due>:<token>`, for a cancel to set it.
+        marker = f"{fire_marker_prefix(c.target, st.keys.stream)}{c.id}:t{c.due}:{token}"
         item = AppendItem(marker, c.trim, entries)
         trim = ("" if c.target_pubsub else mode, threshold)
         try:
-            [status] = await st.scripts.append(
-                c.target, [item], marker_ttl_ms=st.config.fire_marker_ttl_ms, trim=trim
-            )
+            status = await self._append(c.target, item, trim, deadline)
         except (RedisConnectionError, OSError):
             # A reply lost after the write landed: sent again under the same marker, it answers
             # `dup` (the caller, answered an error, would trigger again: a second delivery).
-            [status] = await st.scripts.append(
-                c.target, [item], marker_ttl_ms=st.config.fire_marker_ttl_ms, trim=trim
-            )
-        return "" if status in ("ok", "dup") else status
+            status = await self._append(c.target, item, trim, deadline)
+        if status == "dup":
+            # Set before: by this APPEND's first try (its reply lost), or by a cancel first.
+            value = await st.redis.get(marker)
+            return "" if value in (b"1", "1") else None
+        return "" if status == "ok" else status
+
+    async def _append(self, target: str, item: AppendItem, trim: tuple[str, str], deadline: float) -> str:
+        """One APPEND of the extra occurrence `item`, unless its deadline passed: then its
+        registration may be swept, and a cancel would no longer find it, so its marker is set
+        instead (an APPEND still on its way writes nothing); TimeoutError if that set it."""
+        st = self._state
+        ttl = st.config.fire_marker_ttl_ms
+        if asyncio.get_running_loop().time() > deadline:
+            if await st.redis.set(item.marker, "late", nx=True, px=ttl):
+                raise TimeoutError(f"a trigger on {st.keys.stream} took over a lease to APPEND: not delivered")
+            return "dup"
+        [status] = await st.scripts.append(target, [item], marker_ttl_ms=ttl, trim=trim)
+        return str(status)

@@ -12,7 +12,10 @@
 -- envelope id, occurrence due ms (as claimed), the key APPEND writes (topic or
 -- outbox), kind, and the entry id of its `cancelled` history record ('' none). The caller sets that occurrence's fire marker (NX, in the
 -- target's slot): an APPEND after it writes nothing; if APPEND set it first,
--- the occurrence went out before this cancel.
+-- the occurrence went out before this cancel. A recurring schedule's extra
+-- occurrence that a trigger decided but has not settled (TIMECONTROL's triggers
+-- set) is named the same way, its due being `t<trigger ms>:<token>` (the end of
+-- its marker); this removes its registration.
 -- Bounded: the caller sends at most a few hundred ids per call.
 --
 -- Cost: a bulk of cancels is the common case (100k in a few seconds), so an id
@@ -25,8 +28,10 @@
 local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 -- In-flight and claims: passed on Redis Cluster only (13 keys); nil otherwise.
-local INFLIGHT, CLAIMS
+local INFLIGHT, CLAIMS, TRIGGERS
 if #KEYS >= 13 then INFLIGHT, CLAIMS = KEYS[11], KEYS[12] end
+-- TIMECONTROL's triggers set, beside the claims hash (keys.EngineKeys.triggers).
+if CLAIMS then TRIGGERS = CLAIMS .. '-triggers' end
 local MOVED = KEYS[#KEYS]
 local BUCKET_PREFIX, NOW_MS, HIST_LEN, REASON, N_IDS =
   ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -98,13 +103,39 @@ local inflight = {}
 
 -- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
 -- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
+-- Registered triggers (TIMECONTROL), envelope id -> its members: read once per call, and
+-- only where a trigger is unsettled (the set is small: swept by age, gone when idle).
+local triggered = nil
+local function triggers_of(id)
+  if triggered == nil then
+    triggered = {}
+    for _, m in ipairs(redis.call('ZRANGE', TRIGGERS, 0, -1)) do
+      local of = string.match(m, '^(%S+) ')
+      if of then
+        triggered[of] = triggered[of] or {}
+        table.insert(triggered[of], m)
+      end
+    end
+  end
+  local marks = triggered[id]
+  triggered[id] = nil
+  return marks or {}
+end
+
 local function note_inflight(pos, id, topic, target, kind, hid)
   if not CLAIMS or topic == '' then return end
-  local rec = redis.call('HGET', CLAIMS, id)
-  if not rec then return end
   local key = OUTBOX
   if target == '' then key = topic end
-  for _, v in ipairs({pos, id, string.match(rec, '^(%S+)'), key, kind, hid or ''}) do inflight[#inflight + 1] = v end
+  local dues = {}
+  local rec = redis.call('HGET', CLAIMS, id)
+  if rec then dues[1] = string.match(rec, '^(%S+)') end
+  for _, m in ipairs(triggers_of(id)) do
+    dues[#dues + 1] = string.match(m, ' (%S+)$')
+    redis.call('ZREM', TRIGGERS, m)
+  end
+  for _, due in ipairs(dues) do
+    for _, v in ipairs({pos, id, due, key, kind, hid or ''}) do inflight[#inflight + 1] = v end
+  end
 end
 
 local function flush()

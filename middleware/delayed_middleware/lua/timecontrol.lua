@@ -14,7 +14,9 @@
 --       fire path, whose extra occurrence is appended here, trimmed as a fire's ('0': the
 --       two-phase path's 'extra'), 14 with 'trigger' and 'record': the request's identity
 --       ('' = none: every call is a new trigger), 15 the token window ms (identities older
---       than it are forgotten, a bounded number per call, as SCHEDULE forgets its tokens)
+--       than it are forgotten, a bounded number per call, as SCHEDULE forgets its tokens),
+--       16 with 'trigger' on the two-phase path: the extra occurrence's token (its fire marker
+--       ends in `t<now ms>:<token>`), 17 how long (ms, Redis clock) a registration is kept
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
@@ -25,7 +27,8 @@
 --   'extra'      the same, ARGV[13] '0': Redis Cluster's two-phase fire (the target is
 --                in another slot): followed by one claim record in
 --                CLAIM's format (claim.lua: 13 values, then (data, metadata, contentType)
---                triples), which the caller APPENDs; the schedule itself is unchanged
+--                triples), which the caller APPENDs; the schedule itself is unchanged.
+--                The occurrence is registered in the triggers set (below) until then
 --   'unknown'    nothing pending under that id
 --   'fired'      nothing pending, and its newest history record is `fired`: it went out
 --   'busy'       Cluster: an occurrence is in flight (CLAIM..RELEASE); the caller retries
@@ -45,13 +48,20 @@
 -- A recurring schedule's extra occurrence: on a single node its messages are
 -- appended here, so a cancel is answered either before (nothing goes out) or
 -- after (it went out); on Cluster it is one APPEND by the caller (its own fire
--- marker), and a cancel answered between the two does not stop it. Either way
--- the schedule keeps its ref, index entry and pause, so its next occurrence stays
--- where it was.
+-- marker), and this script registers it in the triggers set (`<claims>-triggers`,
+-- a sorted set beside the claims hash: member `<envelope id> t<now>:<token>`,
+-- score its Redis time), where CANCEL finds it as it finds a claimed occurrence:
+-- a cancel answered between the two sets that marker first, and the APPEND
+-- writes nothing. The caller removes the registration once its APPEND is settled;
+-- one left by a crash is swept here after ARGV[17] ms (and the set expires when
+-- no trigger comes). Either way the schedule keeps its ref, index entry and pause,
+-- so its next occurrence stays where it was.
 local STREAM, INDEX_TOP, IDS, BUCKET_SEQ, PENDING, HISTORY, PARKED, CALLS, REFILL_SET, OUTBOX =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
-local CLAIMS
+local CLAIMS, TRIGGERS
 if #KEYS >= 13 then CLAIMS = KEYS[12] end
+-- The triggers set: derived from the claims hash's name, in its slot (keys.EngineKeys.triggers).
+if CLAIMS then TRIGGERS = CLAIMS .. '-triggers' end
 local MOVED = KEYS[#KEYS]
 local BUCKET_PREFIX, NOW_ARG, HIST_LEN, OP, ID, REASON, WAKE_CHANNEL, OWN_PUBSUB, OCCURRENCE_KEY, NEW_DUE =
   ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
@@ -111,7 +121,7 @@ if OP == 'record' then
   if e then
     hist('triggered', key, e.sid, e.topic, e.kind, NEW_DUE, '', e.size, math.max(e.attempt, 1), REASON, e.schedule)
   else
-    -- Cancelled or replaced meanwhile (the known window): the record all the same.
+    -- Cancelled or replaced after its APPEND went out (or a replace meanwhile): the record all the same.
     hist('triggered', key, '', '', 1, NEW_DUE, '', '', 1, REASON, '')
   end
   return answered({'recorded', '', now_s})
@@ -203,5 +213,15 @@ for _, e in ipairs(entries) do
   out[#out + 1] = e[1]
   out[#out + 1] = json
   out[#out + 1] = e[3]
+end
+if TRIGGERS and (ARGV[16] or '') ~= '' then
+  -- Registered for CANCEL (see above); older registrations (a caller that died) are swept.
+  local keep = tonumber(ARGV[17] or '') or 0
+  local server_ms = decision_now('')
+  if keep > 0 then
+    redis.call('ZREMRANGEBYSCORE', TRIGGERS, '-inf', string.format('(%.0f', server_ms - keep))
+  end
+  redis.call('ZADD', TRIGGERS, string.format('%.0f', server_ms), sid .. ' t' .. now_s .. ':' .. ARGV[16])
+  if keep > 0 then redis.call('PEXPIRE', TRIGGERS, string.format('%.0f', keep)) end
 end
 return out

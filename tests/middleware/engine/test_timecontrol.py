@@ -15,7 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from delayed_middleware.clock import ManualClock
-from delayed_middleware.engine import DelayEngine
+from delayed_middleware.engine import DelayEngine, EngineConfig
 from delayed_middleware.engine.timecontrol import (
     FIRED,
     OCCURRENCE_KEY,
@@ -31,8 +31,10 @@ from tests.middleware.engine.helpers import KEYS, T0, drain, env, every, history
 pytestmark = pytest.mark.both_fire_paths
 
 
-def make(aredis: Callable[[], aioredis.Redis], clock: ManualClock) -> DelayEngine:
-    return DelayEngine(aredis(), KEYS, clock, recurrence=every)
+def make(aredis: Callable[[], aioredis.Redis], clock: ManualClock, config: EngineConfig | None = None) -> DelayEngine:
+    if config is None:
+        return DelayEngine(aredis(), KEYS, clock, recurrence=every)
+    return DelayEngine(aredis(), KEYS, clock, recurrence=every, config=config)
 
 
 def metadata(client: redis.Redis, topic: str = "orders") -> list[Mapping[str, str]]:
@@ -304,9 +306,15 @@ async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
     assert fields[b"id"] == b"h"
 
 
-async def a_schedule(aredis: Callable[[], aioredis.Redis]) -> DelayEngine:
+# Redis Cluster's engine (EngineConfig.two_phase): its scripts get the in-flight keys, so a cancel
+# finds what a trigger registered (a `both_fire_paths` engine on one node takes the two-phase fire
+# path with the single node's key layout).
+CLUSTER = EngineConfig(two_phase=True)
+
+
+async def a_schedule(aredis: Callable[[], aioredis.Redis], config: EngineConfig | None = None) -> DelayEngine:
     """An engine with the schedule `tick` (every 10 s, payload 7), nothing fired yet."""
-    engine = make(aredis, ManualClock(T0))
+    engine = make(aredis, ManualClock(T0), config)
     await engine.schedule([recurring(7, 10_000, sid="tick")])
     return engine
 
@@ -316,14 +324,10 @@ async def test_nothing_of_a_triggered_occurrence_goes_out_after_a_cancel_was_ans
     redis_client: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
     fire_path: str,
-    request: pytest.FixtureRequest,
 ) -> None:
-    if fire_path == "two-phase":
-        # Cluster: the target is in another slot, so the APPEND stays a second step after the script.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="Cluster: a cancel between the trigger's script and its APPEND")
-        )
-    engine = await a_schedule(aredis)
+    # Cluster: the target is in another slot, so the APPEND stays a second step after the script,
+    # and the cancel stops the occurrence the script registered (keys.EngineKeys.triggers).
+    engine = await a_schedule(aredis, CLUSTER if fire_path == "two-phase" else None)
     scripts = engine.state.scripts
     timecontrol = scripts.timecontrol
     seen: list[list[int]] = []
@@ -337,10 +341,17 @@ async def test_nothing_of_a_triggered_occurrence_goes_out_after_a_cancel_was_ans
         return got
 
     monkeypatch.setattr(scripts, "timecontrol", cancel_after_the_script)
-    await engine.trigger("tick")
+    got = await engine.trigger("tick")
     # Once the cancel was answered OK, nothing more may go out (single node: the trigger's script
     # already appended it, atomically with its decision).
     assert payloads(redis_client) == seen[0]
+    if fire_path == "two-phase":
+        # Answered as a trigger after the cancel: nothing pending under that id, nothing went out.
+        assert (seen[0], got.status) == ([], UNKNOWN)
+        assert history(redis_client, "triggered") == []
+        assert redis_client.exists(KEYS.triggers) == 0
+    else:
+        assert (seen[0], got.status) == ([7], TRIGGERED)
 
 
 def append_fails(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine, *, landed: bool, times: int) -> None:
@@ -365,7 +376,7 @@ def append_fails(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine, *, landed
 async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a_retry_delivers_once(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = await a_schedule(aredis)
+    engine = await a_schedule(aredis, CLUSTER)
     append_fails(monkeypatch, engine, landed=False, times=2)  # the first try and its one resend
     with pytest.raises(redis.exceptions.ConnectionError):
         await engine.trigger("tick")
@@ -380,12 +391,74 @@ async def test_a_trigger_lost_before_its_append_leaves_no_triggered_record_and_a
 async def test_a_triggered_occurrences_append_whose_reply_was_lost_is_delivered_once_and_answered(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = await a_schedule(aredis)
+    engine = await a_schedule(aredis, CLUSTER)
     append_fails(monkeypatch, engine, landed=True, times=1)
     # Answered (an error would have the publisher trigger again: a second delivery).
     assert (await engine.trigger("tick")).status == TRIGGERED
     assert payloads(redis_client) == [7]
     assert len(history(redis_client, "triggered")) == 1
+    assert redis_client.exists(KEYS.triggers) == 0, "its registration outlived its APPEND"
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_whose_process_died_before_its_append_blocks_nothing_and_is_swept(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, CLUSTER)
+    scripts = engine.state.scripts
+    append = scripts.append
+
+    async def gone(*args: Any, **kwargs: Any) -> Any:
+        raise asyncio.CancelledError  # the trigger's process stops after its script answered
+
+    monkeypatch.setattr(scripts, "append", gone)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.trigger("tick")
+    assert redis_client.zcard(KEYS.triggers) == 1
+    assert 0 < redis_client.pttl(KEYS.triggers) <= 2 * CLUSTER.lease_ms, "a crash's registration kept for good"
+    monkeypatch.setattr(scripts, "append", append)
+    # Another replica's trigger is not held up by it.
+    assert (await engine.trigger("tick")).status == TRIGGERED
+    assert payloads(redis_client) == [7]
+    # A registration older than two leases (Redis clock) is swept by the next trigger.
+    left: list[bytes] = redis_client.zrange(KEYS.triggers, 0, -1)  # type: ignore[assignment]
+    redis_client.zadd(KEYS.triggers, dict.fromkeys(left, 1), xx=True)
+    assert (await engine.trigger("tick")).status == TRIGGERED
+    assert redis_client.exists(KEYS.triggers) == 0
+    # And a cancel still works (and, with a registration left, stops nothing that went out).
+    monkeypatch.setattr(scripts, "append", gone)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.trigger("tick")
+    assert await engine.cancel("tick")
+    assert redis_client.exists(KEYS.triggers) == 0
+    assert payloads(redis_client) == [7, 7]
+    assert (await engine.trigger("tick")).status == UNKNOWN
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_that_cannot_append_within_a_lease_sets_its_marker_and_delivers_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past a lease its registration may be swept, so a cancel would not find it: the trigger fences.
+    engine = await a_schedule(aredis, EngineConfig(two_phase=True, lease_ms=200))
+    scripts = engine.state.scripts
+    append = scripts.append
+    sent: list[tuple[str, Any, Any]] = []
+
+    async def slow_then_lost(target: str, items: Any, **kwargs: Any) -> Any:
+        sent.append((target, items, kwargs))
+        await asyncio.sleep(0.3)
+        raise redis.exceptions.ConnectionError("Redis went away before the write")
+
+    monkeypatch.setattr(scripts, "append", slow_then_lost)
+    with pytest.raises(TimeoutError):
+        await engine.trigger("tick")
+    [(topic, items, kwargs)] = sent
+    assert redis_client.get(items[0].marker) == b"late"
+    # The first try, arriving now, writes nothing.
+    assert await append(topic, items, **kwargs) == ["dup"]
+    assert payloads(redis_client) == []
+    assert history(redis_client, "triggered") == []
 
 
 async def test_a_trigger_request_sent_again_delivers_once_and_both_are_answered(
