@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -102,7 +103,12 @@ class ShardState:
     def measured(self, local: int, decided: int, head: str) -> int | None:
         """Records the skew a fire step measured; returns its head in this clock's frame."""
         self.skew_ms = local - decided
-        return int(float(head)) + self.skew_ms if head else None
+        at = float(head) if head else math.inf
+        # An index entry written by hand at score 'inf' (or '-inf'): no time to wait for, or
+        # due now. int() of it raised after every step's script: on Redis Cluster nothing fired.
+        if not math.isfinite(at):
+            return None if at > 0 else local
+        return int(at) + self.skew_ms
 
     def trim_args(self, local: int) -> tuple[str, str]:
         """The trim FIRE and APPEND apply to target topics (maxLenApprox / streamTTL).

@@ -111,10 +111,11 @@ for _, id in ipairs(expired) do
   local r, due = nil, rec and string.match(rec, '^(%S+)') or '0'
   -- A torn record (written by hand) may name no due time, or no scheduler: read as
   -- they were, nil reached a command and every step raised here, before any due
-  -- message was claimed: nothing on the shard fired any more.
+  -- message was claimed: nothing on the shard fired any more. Nor a next time that
+  -- is no instant ('inf': RELEASE put it in the index, and every step failed on it).
   if not tonumber(due) then due = '0' end
-  local _, _, iso, key = string.match(rec or '', '^(%S+) (%S+) (%S+) (.*)$')
-  if key and env then
+  local _, next_due, iso, key = string.match(rec or '', '^(%S+) (%S+) (%S+) (.*)$')
+  if key and env and (next_due == '-' or is_instant(next_due)) then
     r = record(id, due, env, key, iso, claimed_occurrence(env, id, key, due))
     B.work = B.work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
     B.bytes = B.bytes + env.raw

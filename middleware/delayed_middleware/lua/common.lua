@@ -64,10 +64,20 @@ local function read_ahead(cs)
   end
 end
 
--- Whether `v` is a stream id as XRANGE takes it (ms-seq, each below 2^64).
+-- Whether digits `d` are below 2^64 (18446744073709551615 at most; leading zeros as Redis reads them).
+local function below_2_64(d)
+  d = string.match(d, '^0*(%d+)$')
+  if #d ~= 20 then return #d < 20 end
+  local hi, lo = tonumber(string.sub(d, 1, 10)), tonumber(string.sub(d, 11))
+  return hi < 1844674407 or (hi == 1844674407 and lo <= 3709551615)
+end
+
+-- Whether `v` is a stream id as XRANGE takes it (ms-seq, each below 2^64, at most 127 bytes).
+-- Not 19 digits at most: once the stream holds an id past 10^19 ms, every id XADD makes there
+-- is one too, and a move to it taken for no stream id lost the envelope.
 local function is_stream_id(v)
   local ms, seq = string.match(v, '^(%d+)%-(%d+)$')
-  return ms ~= nil and #ms <= 19 and #seq <= 19
+  return ms ~= nil and #v <= 127 and below_2_64(ms) and below_2_64(seq)
 end
 
 -- The envelope stored at stream id `id`, decoded, or nil (gone or undecodable) and why.
@@ -147,6 +157,13 @@ end
 
 -- The last instant formatable (instants.MAX_INSTANT_MS, 9999-12-31T23:59:59.999Z).
 local MAX_INSTANT_MS = 253402300799999
+
+-- Whether `v` reads as an instant (epoch ms, years up to 9999): not NaN, nor 'inf' (which
+-- Redis takes as a score: an index entry at infinity, whose time the engine cannot read).
+local function is_instant(v)
+  local x = tonumber(v)
+  return x ~= nil and math.abs(x) <= MAX_INSTANT_MS
+end
 
 -- An @every envelope's first grid point (published + k * every, k >= 1) strictly after
 -- `after`, as a decimal string, or nil past year 9999 (the schedule ends). Same

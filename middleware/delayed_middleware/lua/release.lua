@@ -51,8 +51,9 @@ local function release_all()
       if why == 'gone' then forget_move(id) end
       if rec and env then
         local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
-        if not key then
-          -- A torn claim record (written by hand): which occurrence was claimed is unknown (CLAIM's
+        if not (key and (next_due == '-' or is_instant(next_due))) then
+          -- A torn claim record (written by hand; or its next time no instant, which would go into
+          -- the index at 'inf', or raise): which occurrence was claimed is unknown (CLAIM's
           -- takeover appends nothing for it). The envelope parks: kept, listed, recorded, never
           -- appended again (also when a stalled replica appended it before the record tore).
           due, key, outcome = string.match(rec, '^%S*'), env.sid ~= '' and env.sid or id, 'torn claim record'

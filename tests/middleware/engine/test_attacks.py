@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import redis
@@ -409,7 +409,11 @@ async def test_a_cron_ref_whose_times_are_no_instants_neither_blocks_the_shard_n
 
 @pytest.mark.both_fire_paths
 @pytest.mark.parametrize(
-    "written", ["member:garbage", "member:99999999999999999999-0", "member:1-x", "move:garbage", "move:1-1-1"]
+    "written",
+    [
+        "member:garbage", "member:99999999999999999999-0", "member:1-x", "move:garbage", "move:1-1-1",
+        "move:18446744073709551616-0", f"member:{'0' * 126}1-0",
+    ],
 )
 async def test_an_index_member_or_move_naming_no_stream_id_does_not_block_the_shard(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, written: str
@@ -445,21 +449,22 @@ class _Crash(Exception):
 
 
 @pytest.mark.two_phase_path
-@pytest.mark.parametrize("torn", ["", "x", "1 2", "1 2 3"])
+@pytest.mark.parametrize("torn", ["", "x", "1 2", "1 2 3", "{due} inf - {k}", "{due} -inf - {k}", "{due} nan - {k}"])
 async def test_a_torn_claim_record_parks_its_envelope_and_the_shard_fires_on(
     aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, torn: str
 ) -> None:
     """Redis Cluster's path: a replica dies after CLAIM, and a claim record is then torn (written
     by hand: no due time, or no scheduler). The takeover read it with nil fields, which reached a
     command: every CLAIM raised before claiming anything due, and nothing on the shard fired any
-    more. Which occurrence was claimed is unknown and nothing was appended: the envelope parks
+    more. A next time of `inf` or `-inf` went into the index, and each step failed reading it
+    (`cannot convert float infinity to integer`): nothing on the shard fired any more either. Which occurrence was claimed is unknown and nothing was appended: the envelope parks
     (kept, listed, recorded), its lease ends once, and the rest goes out once each."""
     armed = [True]
 
     async def replica_dies_and_the_record_tears(at: str) -> None:
         if at == "claimed" and armed and armed.pop():
             first = cast("list[bytes]", redis_client.zrange(KEYS.inflight, 0, 0))[0]
-            redis_client.hset(KEYS.claims, first, torn)
+            redis_client.hset(KEYS.claims, first, torn.format(due=T0, k=first.decode()))
             raise _Crash(at)
 
     clock = ManualClock(T0)
@@ -481,3 +486,62 @@ async def test_a_torn_claim_record_parks_its_envelope_and_the_shard_fires_on(
     assert [r.id for r in history(redis_client, "parked")] == [torn_id]
     assert redis_client.exists(KEYS.inflight, KEYS.claims) == 0
     assert [i for i, _ in target(redis_client, KEYS.stream)] == [torn_id]
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize("at", ["18446744073709551615-0", "10000000000000000000-7", "padded"])
+async def test_an_envelope_moved_to_a_stream_id_past_19_digits_fires_once_and_is_not_lost(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, at: str
+) -> None:
+    """A stream id's parts go up to 2^64-1 (20 digits), and Redis reads them with leading zeros
+    too. Once the delayed topic holds an id past 10^19 ms (an entry added by hand), every id Redis
+    makes there after it is one too, compaction's copies among them. The check that a move names
+    a stream id took 19 digits for the limit: such a move was forgotten, the envelope looked for
+    where it no longer is and dropped with a `lost` record, its copy left on the topic."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(lease_ms=1_000))
+    ids = await engine.schedule([env(n, T0 + 1_000) for n in range(3)])
+    if at == "padded":
+        top = int(ids[-1].split("-")[0]) + 1
+        copy, at = f"{top}-0", f"{top:030d}-0"
+    else:
+        copy = at
+    # Compaction's move of the first one (a copy at the tail naming its origin, the original deleted), by hand.
+    [(_, fields)] = cast("list[tuple[bytes, dict[Any, bytes]]]", redis_client.xrange(KEYS.stream, ids[0], ids[0]))
+    redis_client.xadd(KEYS.stream, {**fields, b"origin": ids[0].encode()}, id=copy)
+    redis_client.xdel(KEYS.stream, ids[0])
+    redis_client.hset(KEYS.moved, ids[0], at)
+    for step in range(2):
+        clock.set(T0 + 1_000 + step * 2_000)
+        await drain(engine)
+    assert sorted(payloads(redis_client)) == [0, 1, 2]
+    assert history(redis_client, "lost") == []
+    assert target(redis_client, KEYS.stream) == []
+    assert redis_client.exists(KEYS.moved, KEYS.inflight, KEYS.claims) == 0
+
+
+@pytest.mark.both_fire_paths
+@pytest.mark.parametrize("score", ["inf", "-inf"])
+async def test_an_index_entry_written_at_an_infinite_time_does_not_block_the_shard(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, score: str
+) -> None:
+    """An index entry whose score is set by hand to `inf` (Redis takes it, as it takes `-inf`).
+    Each fire step reported it as the earliest time left, and the engine failed to read that time
+    after the step's script (`cannot convert float infinity to integer`): on Redis Cluster's path
+    CLAIM's batch was never appended, and nothing on the shard fired any more. `inf` is a time
+    that never comes: that message waits (listed, cancellable) and the others go out once each;
+    `-inf` is due: it goes out once too."""
+    clock = ManualClock(T0)
+    engine = DelayEngine(aredis(), KEYS, clock, config=EngineConfig(lease_ms=1_000))
+    ids = await engine.schedule([env(n, T0 + 1_000) for n in range(4)])
+    bucket = cast("bytes", redis_client.zrange(KEYS.due, 0, 0)[0]).decode()
+    redis_client.zadd(f"{KEYS.buckets}{bucket}", {ids[0]: score})
+    for step in range(3):
+        clock.set(T0 + 1_000 + step * 2_000)
+        await drain(engine)
+    waits = 1 if score == "inf" else 0
+    assert sorted(payloads(redis_client)) == list(range(waits, 4))
+    assert await engine.pending() == waits
+    assert await engine.cancel(ids[0]) == bool(waits)
+    assert target(redis_client, KEYS.stream) == []
+    assert index_buckets(redis_client) == []
