@@ -18,6 +18,7 @@ from delayed_middleware.engine.timecontrol import FIRED, OCCURRENCE_KEY, RESCHED
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
 from tests.middleware.test_pause_cluster import LEASE, T0, aclient, delivered, fire_all, msg, sharded
+from tests.redis_server import RedisCluster
 
 __all__ = ["aclient"]  # the fixture, shared with the pause tests
 
@@ -175,7 +176,7 @@ async def test_a_cancel_answered_while_a_trigger_is_being_delivered_stops_it_on_
 
 
 async def test_a_cancel_answered_while_a_triggers_append_waits_on_a_stalled_master_comes_after_it(
-    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster, cluster: RedisCluster
 ) -> None:
     # The trigger sends its APPEND at once, and the topic's master holds every write for longer
     # than two leases (CLIENT PAUSE WRITE: a stalled master). A cancel of the schedule on its own
@@ -183,17 +184,18 @@ async def test_a_cancel_answered_while_a_triggers_append_waits_on_a_stalled_mast
     clock = ManualClock(T0)
     triggerer = sharded(aclient, clock)
     shard = triggerer.shard_of("tick")
-    engine_node = admin.get_node_from_key(shard.state.keys.stream)
-    topic = next(t for t in (f"orders-{i}" for i in range(100)) if admin.get_node_from_key(t) != engine_node)
+    engine_node = cluster.owner(shard.state.keys.stream)
+    topic = next(t for t in (f"orders-{i}" for i in range(100)) if cluster.owner(t) is not engine_node)
     await triggerer.schedule([msg("tick", T0 + 60_000, topic=topic, recurring=True)])
-    target = admin.get_node_from_key(topic)
+    target = cluster.owner(topic)
     stall_s = 3.5 * LEASE / 1000
     timecontrol = shard.state.scripts.timecontrol
     stalled = asyncio.Event()
 
     async def stall_after_the_script(*args: Any, **kwargs: Any) -> Any:
         got = await timecontrol(*args, **kwargs)
-        admin.execute_command("CLIENT", "PAUSE", int(stall_s * 1000), "WRITE", target_nodes=target)
+        with target.client() as c:
+            c.client_pause(int(stall_s * 1000), all=False)  # WRITE: reads go on
         stalled.set()
         return got
 
