@@ -34,6 +34,9 @@ where it differs from `due`): the history is a flat field set whose readers igno
 do not know (release 0.1.0's history.decode_record and 0.2.0's decode_record / record_problem;
 tests/middleware/test_backfill.py reads such records with both releases' readers), and
 a release without it matches a backfill against the due time's window, as before.
+Also within format 2: Redis Cluster's triggers set (keys.EngineKeys.triggers), the
+registrations of triggers in flight, which expire within a fire marker's lifetime: release
+0.2.0 never reads it (its cancel does not see them, as before it existed), and nothing lists it.
 
 The rollback window: a version writes the format it finds (or the one the
 `storageFormat` setting names), so an upgrade keeps writing the previous

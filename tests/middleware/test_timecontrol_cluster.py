@@ -17,7 +17,8 @@ from delayed_middleware.engine import ShardedEngine
 from delayed_middleware.engine.timecontrol import FIRED, OCCURRENCE_KEY, RESCHEDULED, TRIGGERED, UNKNOWN
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant
-from tests.middleware.test_pause_cluster import T0, aclient, delivered, fire_all, msg, sharded
+from tests.middleware.test_pause_cluster import LEASE, T0, aclient, delivered, fire_all, msg, sharded
+from tests.redis_server import RedisCluster
 
 __all__ = ["aclient"]  # the fixture, shared with the pause tests
 
@@ -172,3 +173,40 @@ async def test_a_cancel_answered_while_a_trigger_is_being_delivered_stops_it_on_
     clock.set(T0 + 120_000)
     await fire_all(triggerer)
     assert delivered(admin) == []
+
+
+async def test_a_cancel_answered_while_a_triggers_append_waits_on_a_stalled_master_comes_after_it(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster, cluster: RedisCluster
+) -> None:
+    # The trigger sends its APPEND at once, and the topic's master holds every write for longer
+    # than two leases (CLIENT PAUSE WRITE: a stalled master). A cancel of the schedule on its own
+    # master meanwhile must not be answered OK while that APPEND can still land after it.
+    clock = ManualClock(T0)
+    triggerer = sharded(aclient, clock)
+    shard = triggerer.shard_of("tick")
+    engine_node = cluster.owner(shard.state.keys.stream)
+    topic = next(t for t in (f"orders-{i}" for i in range(100)) if cluster.owner(t) is not engine_node)
+    await triggerer.schedule([msg("tick", T0 + 60_000, topic=topic, recurring=True)])
+    target = cluster.owner(topic)
+    stall_s = 3.5 * LEASE / 1000
+    timecontrol = shard.state.scripts.timecontrol
+    stalled = asyncio.Event()
+
+    async def stall_after_the_script(*args: Any, **kwargs: Any) -> Any:
+        got = await timecontrol(*args, **kwargs)
+        with target.client() as c:
+            c.client_pause(int(stall_s * 1000), all=False)  # WRITE: reads go on
+        stalled.set()
+        return got
+
+    shard.state.scripts.timecontrol = stall_after_the_script  # type: ignore[method-assign]
+    trigger = asyncio.create_task(triggerer.trigger("tick"))
+    await asyncio.wait_for(stalled.wait(), 10)
+    await asyncio.sleep(2.5 * LEASE / 1000)
+    assert await sharded(aclient, clock).cancel("tick")  # another replica's cancel, answered OK
+    at_the_answer = delivered(admin, topic)
+    assert (await trigger).status in (TRIGGERED, UNKNOWN)
+    assert delivered(admin, topic) == at_the_answer, "an occurrence went out after the cancel was answered"
+    clock.set(T0 + 120_000)
+    await fire_all(triggerer)
+    assert delivered(admin, topic) == at_the_answer

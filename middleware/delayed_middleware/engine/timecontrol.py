@@ -28,12 +28,15 @@ leaves only its registration, and the caller, unanswered, triggers again once; a
 lost after the APPEND landed is sent again under the same fire marker (`dup`, and the
 marker's value tells this APPEND's from a cancel's). A crash after the APPEND, before
 the answer, leaves the delivery, and a caller who triggers again gets a second one.
-A registration is removed once its APPEND is settled; one a crash left blocks nothing
-(a cancel sets a marker no APPEND will use) and is swept after 2 leases. So that a
-cancel always finds the registration of an APPEND still to come, a trigger does not
-APPEND later than one lease after its script answered: past it, it sets its own
-marker instead (nothing goes out, unless a cancel or its own first try set it first)
-and raises TimeoutError. Redis Cluster: an occurrence in flight (claimed,
+A registration is removed once its APPEND is settled; one a crash or an error left blocks
+nothing (a cancel sets a marker no APPEND will use) and is swept once as old as a fire
+marker's lifetime (EngineConfig.fire_marker_ttl_ms): an APPEND sent in time may reach
+the target's master much later (a stalled master, the client's own retries), and until
+then a cancel must find it, as it finds a claim; the fire path bounds that lateness by
+the same lifetime. A trigger does not send its APPEND later than one lease after its
+script answered: past it, it sets its own marker instead (nothing goes out, unless a
+cancel or its own first try set it first), removes its registration, and raises
+TimeoutError. Redis Cluster: an occurrence in flight (claimed,
 not yet released) answers `busy`, and the caller waits for RELEASE, as a pause
 does; a one-shot in flight is reported `fired` to a reschedule at once.
 """
@@ -90,6 +93,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+class _Late(TimeoutError):
+    """A trigger past its lease set its own marker: its occurrence is settled, not delivered."""
+
+
 # Reads a scheduleSource's latest entry as claim `c` delivers it (two_phase.TwoPhaseFire.sample).
 Sampler = Callable[[str, Claim], Awaitable[list[list[str | bytes]]]]
 
@@ -143,11 +151,17 @@ class TimeController:
         """Cluster: APPEND the extra occurrence the script decided, then its `triggered` record."""
         deadline = asyncio.get_running_loop().time() + self._state.config.lease_ms / 1000
         # An error leaves the registration (the APPEND may still land): the sweep takes it.
-        failed = await self._deliver(c, token, deadline)
+        try:
+            failed = await self._deliver(c, token, deadline)
+        except _Late:
+            await self._unregister(c, token)  # its marker is set: nothing of it can go out
+            raise
         await self._unregister(c, token)
         if failed is None:
             # A cancel answered before the APPEND stopped it: as a trigger after that cancel.
-            log.info("trigger of %r on %s stopped by a cancel before it went out", id, self._state.keys.stream)
+            log.info(
+                "trigger of %r on %s stopped by a cancel before it went out", id, self._state.keys.stream
+            )
             return TimeResult(UNKNOWN, got.topic)
         if failed:
             return TimeResult(FAILED, got.topic, got.now_ms, failed)
@@ -200,8 +214,8 @@ class TimeController:
             request=request,
             token_window_ms=st.config.token_window_ms,
             trigger_token=token,
-            # Two leases: a trigger APPENDs within one of its script's answer (see _append).
-            keep_trigger_ms=2 * st.config.lease_ms,
+            # As long as a fire marker: an APPEND may land that late (see the module docstring).
+            keep_trigger_ms=st.config.fire_marker_ttl_ms,
         )
 
     async def _until_settled(
@@ -250,14 +264,13 @@ class TimeController:
         return "" if status == "ok" else status
 
     async def _append(self, target: str, item: AppendItem, trim: tuple[str, str], deadline: float) -> str:
-        """One APPEND of the extra occurrence `item`, unless its deadline passed: then its
-        registration may be swept, and a cancel would no longer find it, so its marker is set
-        instead (an APPEND still on its way writes nothing); TimeoutError if that set it."""
+        """One APPEND of the extra occurrence `item`, unless its deadline passed: then its marker
+        is set instead (an APPEND still on its way writes nothing), _Late if that set it."""
         st = self._state
         ttl = st.config.fire_marker_ttl_ms
         if asyncio.get_running_loop().time() > deadline:
             if await st.redis.set(item.marker, "late", nx=True, px=ttl):
-                raise TimeoutError(f"a trigger on {st.keys.stream} took over a lease to APPEND: not delivered")
+                raise _Late(f"a trigger on {st.keys.stream} took over a lease to APPEND: not delivered")
             return "dup"
         [status] = await st.scripts.append(target, [item], marker_ttl_ms=ttl, trim=trim)
         return str(status)

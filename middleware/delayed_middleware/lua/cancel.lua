@@ -104,7 +104,8 @@ local inflight = {}
 -- Notes envelope `id` (cancelled as the pos-th id) if the two-phase fire has
 -- claimed an occurrence of it. `target` = its targetPubsub ('' = our topic).
 -- Registered triggers (TIMECONTROL), envelope id -> its members: read once per call, and
--- only where a trigger is unsettled (the set is small: swept by age, gone when idle).
+-- only for a recurring envelope (only a schedule's trigger registers): a bulk of one-shot
+-- cancels never reads the set, whose size is the triggers unsettled or left by errors.
 local triggered = nil
 local function triggers_of(id)
   if triggered == nil then
@@ -129,7 +130,7 @@ local function note_inflight(pos, id, topic, target, kind, hid)
   local dues = {}
   local rec = redis.call('HGET', CLAIMS, id)
   if rec then dues[1] = string.match(rec, '^(%S+)') end
-  for _, m in ipairs(triggers_of(id)) do
+  for _, m in ipairs(kind == 1 and triggers_of(id) or {}) do
     dues[#dues + 1] = string.match(m, ' (%S+)$')
     redis.call('ZREM', TRIGGERS, m)
   end
