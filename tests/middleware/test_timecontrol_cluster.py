@@ -2,7 +2,8 @@
 fire): a triggered one-shot is delivered once even racing replicas that fire it; a trigger or a
 reschedule landing while its occurrence is in flight (claimed, not yet appended) waits or answers
 `fired`, never delivering twice; a reschedule racing the fire is exactly once and its answer says
-what happened; a schedule's extra occurrence reaches its topic in another slot, stamped."""
+what happened; a schedule's extra occurrence reaches its topic in another slot, stamped, once for
+a request retried while its first attempt is still appending it."""
 
 from __future__ import annotations
 
@@ -147,6 +148,31 @@ async def test_a_trigger_request_sent_again_on_a_cluster_delivers_once(
     assert delivered(admin) == ["tick"]
     assert (await engine.trigger("tick", request="ce-2")).status == TRIGGERED
     assert delivered(admin) == ["tick", "tick"]
+
+
+async def test_a_trigger_request_retried_while_its_first_attempt_appends_delivers_once_on_a_cluster(
+    aclient: acluster.RedisCluster, admin: redis.cluster.RedisCluster
+) -> None:
+    triggerer = await a_schedule(aclient, ManualClock(T0), T0 + 60_000)
+    shard = triggerer.shard_of("tick")
+    timecontrol = shard.state.scripts.timecontrol
+    retries: list[str] = []
+
+    async def retried_after_the_script(*args: Any, **kwargs: Any) -> Any:
+        got = await timecontrol(*args, **kwargs)
+        if not retries:
+            # The first attempt decided, its APPEND not yet sent: daprd's retry of the same
+            # publish (same CloudEvent id) reaches another replica and runs to its answer.
+            retries.append("")
+            retry = await sharded(aclient, ManualClock(T0 + 500)).trigger("tick", request="ce-1")
+            retries[0] = retry.status
+        return got
+
+    shard.state.scripts.timecontrol = retried_after_the_script  # type: ignore[method-assign]
+    assert (await triggerer.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert retries == [TRIGGERED]
+    assert delivered(admin) == ["tick"], "a retried trigger delivered a second occurrence"
+    assert admin.exists(shard.state.keys.triggers) == 0
 
 
 async def test_a_cancel_answered_while_a_trigger_is_being_delivered_stops_it_on_a_cluster(

@@ -44,6 +44,7 @@ does; a one-shot in flight is reported `fired` to a reschedule at once.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -94,6 +95,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _token(id: str, request: str) -> str:
+    """The extra occurrence's marker token: random, or with a request derived from it (and the id),
+    the same for its retries (TIMECONTROL finds the first attempt's registration by it)."""
+    if not request:
+        return secrets.token_hex(4)
+    return hashlib.blake2b(f"{id}\n{request}".encode(), digest_size=8).hexdigest()
+
+
 class _Late(TimeoutError):
     """A trigger past its lease set its own marker: its occurrence is settled, not delivered."""
 
@@ -129,8 +138,9 @@ class TimeController:
         """Deliver `id` now (see the module docstring); waits while an occurrence is in flight.
         `request`: the trigger request's identity; sent again (a retry after a lost answer), it
         is answered as the first and delivers nothing more ('' = every call is a new trigger)."""
-        # Two-phase path: the extra occurrence's marker token, registered by the script.
-        token = secrets.token_hex(4) if self._two_phase else ""
+        # Two-phase path: the extra occurrence's marker token, registered by the script; a
+        # request's is derived from it, so that its retry finds the first attempt's decision.
+        token = _token(id, request) if self._two_phase else ""
         got = await self._until_settled("trigger", id, reason, None, request, token)
         if got.status == "again":
             return TimeResult(TRIGGERED, got.topic, got.now_ms)
@@ -156,6 +166,9 @@ class TimeController:
         except _Late:
             await self._unregister(c, token)  # its marker is set: nothing of it can go out
             raise
+        if failed == "":
+            # Recorded before its registration goes: a retry of this request finds one or the other.
+            await self._record(id, reason, got.now_ms, request)
         await self._unregister(c, token)
         if failed is None:
             # A cancel answered before the APPEND stopped it: as a trigger after that cancel.
@@ -165,7 +178,6 @@ class TimeController:
             return TimeResult(UNKNOWN, got.topic)
         if failed:
             return TimeResult(FAILED, got.topic, got.now_ms, failed)
-        await self._record(id, reason, got.now_ms, request)
         return TimeResult(TRIGGERED, got.topic, got.now_ms)
 
     async def _unregister(self, c: Claim, token: str) -> None:
@@ -258,8 +270,11 @@ class TimeController:
             # `dup` (the caller, answered an error, would trigger again: a second delivery).
             status = await self._append(c.target, item, trim, deadline)
         if status == "dup":
-            # Set before: by this APPEND's first try (its reply lost), or by a cancel first.
+            # Set before: by this APPEND's first try (its reply lost), by the other attempt of
+            # the same request (its first, or its retry), or by a cancel first.
             value = await st.redis.get(marker)
+            if value in (b"late", "late"):
+                raise _Late(f"a trigger on {st.keys.stream} was fenced past its lease: not delivered")
             return "" if value in (b"1", "1") else None
         return "" if status == "ok" else status
 

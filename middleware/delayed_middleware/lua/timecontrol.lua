@@ -16,7 +16,8 @@
 --       ('' = none: every call is a new trigger), 15 the token window ms (identities older
 --       than it are forgotten, a bounded number per call, as SCHEDULE forgets its tokens),
 --       16 with 'trigger' on the two-phase path: the extra occurrence's token (its fire marker
---       ends in `t<now ms>:<token>`), 17 how long (ms, Redis clock) a registration is kept
+--       ends in `t<now ms>:<token>`; with a request, derived from it: a retry sends the same),
+--       17 how long (ms, Redis clock) a registration is kept
 -- Returns {status, topic, now ms, ...}: status
 --   'moved'      a one-shot: trigger put it in the due index at now (the fire step
 --                delivers it, exactly once, as any due message); reschedule at ARGV[10]
@@ -88,6 +89,27 @@ local key = ID
 local request = ''
 if (OP == 'trigger' or OP == 'record') and (ARGV[14] or '') ~= '' then request = 'trigger:' .. key .. ':' .. ARGV[14] end
 if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) then return {'again', '', now_s} end
+-- Cluster: the request's identity is recorded after its APPEND ('record'), but its extra
+-- occurrence is decided here, and registered (below) under the request's own token. A retry
+-- that finds that registration (within the token window, Redis clock) while the first attempt
+-- has not recorded is the same trigger: it gets the same claim back (same token, same trigger
+-- time, so the same fire marker), and of the two APPENDs under that marker one writes (SET NX).
+local first_at = nil
+if request ~= '' and OP == 'trigger' and TRIGGERS and (ARGV[16] or '') ~= '' then
+  local window = tonumber(ARGV[15] or '0') or 0
+  local from = '-inf'
+  if window > 0 then from = string.format('%.0f', decision_now('') - window) end
+  local tail = ':' .. ARGV[16]
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', TRIGGERS, from, '+inf')) do
+    if string.sub(m, -#tail) == tail then
+      local of, at = string.match(m, '^(%S+) t(%d+):')
+      if of then
+        first_at = {of, at}
+        break
+      end
+    end
+  end
+end
 local function answered(reply)
   if request ~= '' then
     local server_ms = decision_now('')
@@ -116,6 +138,8 @@ if OP == 'record' then
   -- An extra occurrence went out: its record, at the trigger's time. Written after the APPEND,
   -- so a crash before it leaves no `triggered` without a delivery (the caller's retry is the one).
   HIST_NOW = NEW_DUE
+  -- A retry that appended under the first attempt's marker records once, as the first does.
+  if request ~= '' and redis.call('ZSCORE', CALLS, request) then return {'recorded', '', now_s} end
   local r = redis.call('HGET', IDS, key)
   local e = r and read_envelope((parse_ref(r)))
   if e then
@@ -141,7 +165,13 @@ if CLAIMS and redis.call('HEXISTS', CLAIMS, sid) == 1 then
   if env.kind ~= 1 and OP == 'reschedule' then return {'fired', topic, now_s} end
   return {'busy', topic, now_s}
 end
-if env.expires > 0 and env.expires <= now then return {'expired', topic, now_s} end
+-- The first attempt's decision (above), for this envelope: its trigger time, not expired since.
+if first_at and first_at[1] ~= sid then first_at = nil end
+if first_at then
+  now, now_s = tonumber(first_at[2]), first_at[2]
+elseif env.expires > 0 and env.expires <= now then
+  return {'expired', topic, now_s}
+end
 
 -- Moves a one-shot's index entry from its due to `at` (a paused one stays out of the index).
 local function move(at)

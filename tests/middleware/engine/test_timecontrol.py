@@ -23,6 +23,7 @@ from delayed_middleware.engine.timecontrol import (
     RESCHEDULED,
     TRIGGERED,
     UNKNOWN,
+    TimeResult,
 )
 from delayed_middleware.entry import decode_entry
 from delayed_middleware.instants import format_instant, parse_instant
@@ -312,6 +313,8 @@ async def test_a_triggered_schedule_bound_for_another_pubsub_goes_to_the_outbox(
 # finds what a trigger registered (a `both_fire_paths` engine on one node takes the two-phase fire
 # path with the single node's key layout).
 CLUSTER = EngineConfig(two_phase=True)
+# Cluster's path with a lease short enough for a test to outlast it.
+SHORT_LEASE = EngineConfig(two_phase=True, lease_ms=200)
 
 
 async def a_schedule(aredis: Callable[[], aioredis.Redis], config: EngineConfig | None = None) -> DelayEngine:
@@ -551,3 +554,140 @@ async def test_a_trigger_whose_answer_was_lost_is_retried_without_a_second_occur
         await engine.trigger("tick", request="ce-1")
     assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED  # the publisher's retry
     assert payloads(redis_client) == [7]
+
+
+def append_dies(monkeypatch: pytest.MonkeyPatch, engine: DelayEngine) -> list[tuple[str, Any, Any]]:
+    """`engine`'s trigger APPENDs stop its process (their script answered): each one's arguments are
+    kept (the command may still be on its way) until `monkeypatch.undo()`."""
+    sent: list[tuple[str, Any, Any]] = []
+
+    async def gone(target: str, items: Any, **kwargs: Any) -> Any:
+        sent.append((target, items, kwargs))
+        raise asyncio.CancelledError  # the trigger's process stops after its script answered
+
+    monkeypatch.setattr(engine.state.scripts, "append", gone)
+    return sent
+
+
+async def first_attempt_held(
+    aredis: Callable[[], aioredis.Redis], monkeypatch: pytest.MonkeyPatch
+) -> tuple[DelayEngine, asyncio.Task[TimeResult], asyncio.Event]:
+    """`tick` on Cluster's path, and a trigger of it (request `ce-1`) whose script answered and whose
+    APPEND waits, not yet sent, until the returned event is set. Later APPENDs go through."""
+    engine = await a_schedule(aredis, CLUSTER)
+    scripts = engine.state.scripts
+    append = scripts.append
+    reached, go = asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        if not reached.is_set():
+            reached.set()
+            await go.wait()
+        return await append(*args, **kwargs)
+
+    monkeypatch.setattr(scripts, "append", held)
+    first = asyncio.create_task(engine.trigger("tick", request="ce-1"))
+    await asyncio.wait_for(reached.wait(), 5)
+    return engine, first, go
+
+
+# Cluster's path only: a single node decides, appends and records a request in one script.
+@pytest.mark.two_phase_path
+async def test_a_trigger_retried_while_the_first_attempt_is_still_appending_delivers_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, first, go = await first_attempt_held(aredis, monkeypatch)
+    # daprd's retry of the same publish (its first attempt timed out), through another replica.
+    retry = await make(aredis, ManualClock(T0 + 500), CLUSTER).trigger("tick", request="ce-1")
+    go.set()
+    assert retry.status == TRIGGERED
+    assert (await first).status == TRIGGERED
+    assert payloads(redis_client) == [7], "a retry of one trigger delivered a second occurrence"
+    assert len(history(redis_client, "triggered")) == 1
+    # The same occurrence: stamped with the first attempt's trigger time.
+    assert retry.at_ms == T0
+    assert [m[OCCURRENCE_KEY] for m in metadata(redis_client)] == [format_instant(T0)]
+    assert redis_client.exists(KEYS.triggers) == 0
+    # Another request is another occurrence.
+    assert (await engine.trigger("tick", request="ce-2")).status == TRIGGERED
+    assert payloads(redis_client) == [7, 7]
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_retried_after_its_first_attempt_died_before_appending_delivers_it_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, CLUSTER)
+    append = engine.state.scripts.append
+    sent = append_dies(monkeypatch, engine)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.trigger("tick", request="ce-1")
+    monkeypatch.undo()
+    assert payloads(redis_client) == []
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED  # daprd's retry
+    assert payloads(redis_client) == [7]
+    # The first attempt's APPEND, landing now, is the same occurrence: it writes nothing.
+    [(topic, items, kwargs)] = sent
+    assert await append(topic, items, **kwargs) == ["dup"]
+    assert payloads(redis_client) == [7], "the first attempt's APPEND delivered a second occurrence"
+    assert len(history(redis_client, "triggered")) == 1
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED
+    assert payloads(redis_client) == [7]
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_retried_after_a_cancel_stopped_its_first_attempt_delivers_nothing(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, first, go = await first_attempt_held(aredis, monkeypatch)
+    other = make(aredis, ManualClock(T0 + 500), CLUSTER)
+    assert await other.cancel("tick")
+    assert (await other.trigger("tick", request="ce-1")).status == UNKNOWN  # the retry
+    go.set()
+    assert (await first).status == UNKNOWN
+    assert (await engine.trigger("tick", request="ce-1")).status == UNKNOWN
+    assert payloads(redis_client) == []
+    assert history(redis_client, "triggered") == []
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_retried_after_its_first_attempt_fenced_itself_past_its_lease_delivers_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, SHORT_LEASE)
+    scripts = engine.state.scripts
+    append = scripts.append
+
+    async def slow_then_lost(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)
+        raise redis.exceptions.ConnectionError("Redis went away before the write")
+
+    monkeypatch.setattr(scripts, "append", slow_then_lost)
+    with pytest.raises(TimeoutError):
+        await engine.trigger("tick", request="ce-1")  # its resend, past its lease, fenced it
+    monkeypatch.setattr(scripts, "append", append)
+    # daprd's retry (a moment later): nothing went out, so it is a trigger again, delivered once.
+    got = await make(aredis, ManualClock(T0 + 500), SHORT_LEASE).trigger("tick", request="ce-1")
+    assert got.status == TRIGGERED
+    assert payloads(redis_client) == [7]
+    assert len(history(redis_client, "triggered")) == 1
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_request_is_forgotten_after_the_token_window(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, CLUSTER)
+    append_dies(monkeypatch, engine)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.trigger("tick", request="ce-1")
+    monkeypatch.undo()
+    # Its decision falls out of the token window (its score, on the Redis clock, made old) and
+    # the clock moved on: a publish with the same id now is a new trigger, at its own time.
+    left: list[bytes] = redis_client.zrange(KEYS.triggers, 0, -1)  # type: ignore[assignment]
+    old = int(redis_client.time()[0]) * 1000 - CLUSTER.token_window_ms - 1000
+    redis_client.zadd(KEYS.triggers, dict.fromkeys(left, old), xx=True)
+    later = make(aredis, ManualClock(T0 + 5_000), CLUSTER)
+    got = await later.trigger("tick", request="ce-1")
+    assert (got.status, got.at_ms) == (TRIGGERED, T0 + 5_000)
+    assert [m[OCCURRENCE_KEY] for m in metadata(redis_client)] == [format_instant(T0 + 5_000)]
