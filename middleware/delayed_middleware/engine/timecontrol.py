@@ -27,7 +27,17 @@ record is written after its APPEND (TIMECONTROL 'record'): a crash before the AP
 leaves only its registration, and the caller, unanswered, triggers again once; a reply
 lost after the APPEND landed is sent again under the same fire marker (`dup`, and the
 marker's value tells this APPEND's from a cancel's). A crash after the APPEND, before
-the answer, leaves the delivery, and a caller who triggers again gets a second one.
+the answer, leaves the delivery, and a caller who triggers again without a request
+identity gets a second one. With one (`request`), the script registers the occurrence
+under a token derived from it, and the caller records the request ('record') before it
+removes that registration: a retry of the request within the token window finds the one
+or the other. Recorded: `again`. Registered (the first attempt between its decision and
+its record, or dead there): the script answers the same claim, at the first attempt's
+trigger time, so the retry APPENDs under the same fire marker; one of the two writes, each
+reads the marker, and each answers `triggered` (a marker a cancel set: `unknown`; one the
+other attempt fenced past its lease: TimeoutError, as that attempt's). 'record' writes one
+`triggered` record per request. A schedule published again meanwhile (another envelope)
+is not that registration's: its retry is a new trigger.
 A registration is removed once its APPEND is settled; one a crash or an error left blocks
 nothing (a cancel sets a marker no APPEND will use) and is swept once as old as a fire
 marker's lifetime (EngineConfig.fire_marker_ttl_ms): an APPEND sent in time may reach

@@ -37,8 +37,10 @@
 --   'expired'    its TTL ended: the fire step drops it, it is not delivered
 --   'recurring'  reschedule of a recurring schedule (refused: publish it again)
 --   'again'      trigger: this request (ARGV[14]) was carried out before: its answer again
+--                (on Cluster, 'extra' again while it is registered but not recorded: see below)
 --   'recorded'   'record': the `triggered` history record of an extra occurrence, written
---                by the caller once its APPEND went out (never for one that did not)
+--                by the caller once its APPEND went out (never for one that did not); once
+--                per request (both attempts of one request may have seen it go out)
 --
 -- Exactly once: a one-shot moves inside the due index, in one atomic step
 -- against FIRE and CLAIM: either they took it first (it fired: 'fired' or 'busy')
