@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,13 +28,11 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from delayed_middleware.clock import SystemClock  # noqa: E402
-from delayed_middleware.engine import DelayEngine, EngineConfig  # noqa: E402
+from bench.common import two_phase_engine  # noqa: E402
+from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
 from delayed_middleware.kinds import Kind  # noqa: E402
-from delayed_middleware.schedules import EnvelopeRecurrence  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 KEYS = EngineKeys.for_topic(delayed_topic("bench"))
 BODY = b'{"order":"66"}'
@@ -78,37 +75,21 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
-    with tempfile.TemporaryDirectory(prefix="bench-cancel-triggers-") as d:
-        server = RedisServer(Path(d) / "redis", appendonly=False)
-        server.start()
-        try:
-            client = aioredis.Redis(port=server.port)
-            engine = DelayEngine(
-                client,
-                KEYS,
-                SystemClock(),
-                config=EngineConfig(two_phase=True),
-                recurrence=EnvelopeRecurrence(),
-            )
-            await one(client, engine, 2_000, 500, 0, args.kind)  # scripts loaded, caches warm
-            results: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
-            for _ in range(args.runs):
-                for s in sizes:  # in alternation, so the machine's load falls on every size alike
-                    results[s].append(await one(client, engine, args.pending, args.cancels, s, args.kind))
-            print(
-                f"cancel_many of {args.cancels:,} {args.kind} ids over {args.pending:,} pending, {args.runs} runs:"
-            )
-            base = statistics.median(r[0] for r in results[sizes[0]])
-            for s in sizes:
-                script = statistics.median(r[0] for r in results[s])
-                wall = statistics.median(r[1] for r in results[s])
-                print(
-                    f"  triggers set {s:>7,}: CANCEL {script:8.0f} µs/script call "
-                    f"({script / base:4.2f}x), cancel_many {wall:7.1f} ms (medians)"
-                )
-            await client.aclose()
-        finally:
-            server.stop()
+    async with two_phase_engine(KEYS, "bench-cancel-triggers-") as (client, engine):
+        await one(client, engine, 2_000, 500, 0, args.kind)  # scripts loaded, caches warm
+        results: dict[int, list[tuple[float, float]]] = {s: [] for s in sizes}
+        for _ in range(args.runs):
+            for s in sizes:  # in alternation, so the machine's load falls on every size alike
+                results[s].append(await one(client, engine, args.pending, args.cancels, s, args.kind))
+    print(f"cancel_many of {args.cancels:,} {args.kind} ids over {args.pending:,} pending, {args.runs} runs:")
+    base = statistics.median(r[0] for r in results[sizes[0]])
+    for s in sizes:
+        script = statistics.median(r[0] for r in results[s])
+        wall = statistics.median(r[1] for r in results[s])
+        print(
+            f"  triggers set {s:>7,}: CANCEL {script:8.0f} µs/script call "
+            f"({script / base:4.2f}x), cancel_many {wall:7.1f} ms (medians)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from delayed_middleware.engine import ShardedEngine
+    import redis.asyncio as aioredis
+
+    from delayed_middleware.engine import DelayEngine, ShardedEngine
+    from delayed_middleware.keys import EngineKeys
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_PATH = os.pathsep.join(str(ROOT / p) for p in ("proto", "middleware", "components"))
@@ -199,3 +203,33 @@ def bench_engine(
     settings = parse_settings({"redisHost": "127.0.0.1", **props})
     cfg = engine_config(settings, **(config or {}))
     return build_engine(settings, client, clock, config=cfg, **build)
+
+
+@asynccontextmanager
+async def two_phase_engine(
+    keys: EngineKeys, prefix: str
+) -> AsyncIterator[tuple[aioredis.Redis, DelayEngine]]:
+    """A private redis-server (AOF off) and an engine on it with Redis Cluster's two-phase keys
+    (EngineConfig.two_phase) and a real clock: what the benches of Cluster's steps on one node use."""
+    import tempfile
+
+    import redis.asyncio as aioredis
+
+    from delayed_middleware.clock import SystemClock
+    from delayed_middleware.engine import DelayEngine, EngineConfig
+    from delayed_middleware.schedules import EnvelopeRecurrence
+    from tests.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        server = RedisServer(Path(d) / "redis", appendonly=False)
+        server.start()
+        try:
+            client = aioredis.Redis(port=server.port)
+            config = EngineConfig(two_phase=True)
+            yield (
+                client,
+                DelayEngine(client, keys, SystemClock(), config=config, recurrence=EnvelopeRecurrence()),
+            )
+            await client.aclose()
+        finally:
+            server.stop()
