@@ -186,6 +186,16 @@ BENCHES: tuple[Bench, ...] = (
         why_opt_in="a one-off measurement kept in bench/RESULTS.md (about a minute of wall time)",
     ),
     Bench(
+        "cancel_triggers",
+        "what CANCEL's look at Cluster's triggers set costs, by its size (two-phase keys on one node)",
+        why_opt_in="a before/after: run it again on the older tree (git archive) in the same sitting",
+    ),
+    Bench(
+        "trigger_request",
+        "a schedule's trigger with a request id on Cluster's two-phase path, by the triggers set's size",
+        why_opt_in="a before/after: run it again on the older tree (git archive) in the same sitting",
+    ),
+    Bench(
         "burst_profile",
         "where the wall time of a 50k burst goes: per-process CPU and run-queue wait over T -> all fired",
         why_opt_in="a diagnosis, not a figure to track: long (the burst waits for its due time)",
