@@ -96,7 +96,9 @@ if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) th
 -- that finds that registration (within the token window, Redis clock) while the first attempt
 -- has not recorded is the same trigger: it gets the same claim back (same token, same trigger
 -- time, so the same fire marker), and of the two APPENDs under that marker one writes (SET NX).
-local first_at = nil
+-- Per envelope: a registration of an envelope replaced since (same id, same request, so the
+-- same token) must not hide the current one's.
+local first_at, first_of = nil, {}
 if request ~= '' and OP == 'trigger' and TRIGGERS and (ARGV[16] or '') ~= '' then
   local window = tonumber(ARGV[15] or '0') or 0
   local from = '-inf'
@@ -105,10 +107,7 @@ if request ~= '' and OP == 'trigger' and TRIGGERS and (ARGV[16] or '') ~= '' the
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', TRIGGERS, from, '+inf')) do
     if string.sub(m, -#tail) == tail then
       local of, at = string.match(m, '^(%S+) t(%d+):')
-      if of then
-        first_at = {of, at}
-        break
-      end
+      if of and not first_of[of] then first_of[of] = at end
     end
   end
 end
@@ -168,9 +167,9 @@ if CLAIMS and redis.call('HEXISTS', CLAIMS, sid) == 1 then
   return {'busy', topic, now_s}
 end
 -- The first attempt's decision (above), for this envelope: its trigger time, not expired since.
-if first_at and first_at[1] ~= sid then first_at = nil end
+first_at = first_of[sid]
 if first_at then
-  now, now_s = tonumber(first_at[2]), first_at[2]
+  now, now_s = tonumber(first_at), first_at
 elseif env.expires > 0 and env.expires <= now then
   return {'expired', topic, now_s}
 end

@@ -691,3 +691,36 @@ async def test_a_trigger_request_is_forgotten_after_the_token_window(
     got = await later.trigger("tick", request="ce-1")
     assert (got.status, got.at_ms) == (TRIGGERED, T0 + 5_000)
     assert [m[OCCURRENCE_KEY] for m in metadata(redis_client)] == [format_instant(T0 + 5_000)]
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_retried_twice_across_a_replace_finds_the_new_schedules_attempt_and_delivers_once(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, CLUSTER)
+    append_dies(monkeypatch, engine)
+    with pytest.raises(asyncio.CancelledError):
+        await engine.trigger("tick", request="ce-1")  # died before its APPEND: its registration stays
+    monkeypatch.undo()
+    await engine.schedule([recurring(8, 10_000, sid="tick")])  # published again: another envelope
+    await asyncio.sleep(0.01)  # the next registration scores later on the Redis clock
+    # daprd's retry triggers the new schedule; its APPEND waits while daprd retries once more.
+    second = make(aredis, ManualClock(T0 + 500), CLUSTER)
+    append = second.state.scripts.append
+    reached, go = asyncio.Event(), asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        reached.set()
+        await go.wait()
+        return await append(*args, **kwargs)
+
+    monkeypatch.setattr(second.state.scripts, "append", held)
+    retry = asyncio.create_task(second.trigger("tick", request="ce-1"))
+    await asyncio.wait_for(reached.wait(), 5)
+    # The old envelope's registration (same request, same token) must not hide the new one's.
+    again = await make(aredis, ManualClock(T0 + 1_000), CLUSTER).trigger("tick", request="ce-1")
+    go.set()
+    assert (await retry).status == TRIGGERED
+    assert payloads(redis_client) == [8], "a retry of one trigger delivered a second occurrence"
+    assert (again.status, again.at_ms) == (TRIGGERED, T0 + 500)
+    assert len(history(redis_client, "triggered")) == 1
