@@ -176,10 +176,11 @@ class TimeController:
         except _Late:
             await self._unregister(c, token)  # its marker is set: nothing of it can go out
             raise
-        if failed == "":
-            # Recorded before its registration goes: a retry of this request finds one or the other.
-            await self._record(id, reason, got.now_ms, request)
-        await self._unregister(c, token)
+        # Recorded before its registration goes: a retry of this request finds one or the other
+        # (a request's record that failed leaves its registration, for the retry, then the sweep).
+        recorded = failed != "" or await self._record(id, reason, got.now_ms, request)
+        if recorded or not request:
+            await self._unregister(c, token)
         if failed is None:
             # A cancel answered before the APPEND stopped it: as a trigger after that cancel.
             log.info(
@@ -208,15 +209,17 @@ class TimeController:
             return TimeResult(RESCHEDULED, got.topic, max(due_ms, got.now_ms))
         return TimeResult(got.status, got.topic)
 
-    async def _record(self, id: str, reason: str, at_ms: int, request: str) -> None:
-        """The extra occurrence's `triggered` history record, once it went out. A failure here is
-        logged, not raised: the occurrence was delivered, and an error would have the caller
-        trigger again (a second delivery) for a missing record."""
+    async def _record(self, id: str, reason: str, at_ms: int, request: str) -> bool:
+        """The extra occurrence's `triggered` history record, once it went out; False if not written.
+        A failure here is logged, not raised: the occurrence was delivered, and an error would have
+        the caller trigger again (a second delivery) for a missing record."""
         try:
             await self._script("record", id, reason, at_ms, request)
         except (RedisError, OSError) as exc:
             stream = self._state.keys.stream
             log.warning("trigger of %r on %s delivered, its history record not written: %r", id, stream, exc)
+            return False
+        return True
 
     async def _script(
         self, op: str, id: str, reason: str, due_ms: int | None, request: str = "", token: str = ""

@@ -724,3 +724,26 @@ async def test_a_trigger_retried_twice_across_a_replace_finds_the_new_schedules_
     assert payloads(redis_client) == [8], "a retry of one trigger delivered a second occurrence"
     assert (again.status, again.at_ms) == (TRIGGERED, T0 + 500)
     assert len(history(redis_client, "triggered")) == 1
+
+
+@pytest.mark.two_phase_path
+async def test_a_trigger_whose_record_failed_after_its_append_is_retried_without_a_second_occurrence(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = await a_schedule(aredis, CLUSTER)
+    timecontrol = engine.state.scripts.timecontrol
+
+    async def record_lost(op: str, *args: Any, **kwargs: Any) -> Any:
+        if op == "record":
+            raise redis.exceptions.ConnectionError("Redis went away before the record")
+        return await timecontrol(op, *args, **kwargs)
+
+    monkeypatch.setattr(engine.state.scripts, "timecontrol", record_lost)
+    assert (await engine.trigger("tick", request="ce-1")).status == TRIGGERED  # delivered, not recorded
+    monkeypatch.undo()
+    assert payloads(redis_client) == [7]
+    # Its answer lost too: daprd's retry of the same publish is the same trigger.
+    got = await make(aredis, ManualClock(T0 + 500), CLUSTER).trigger("tick", request="ce-1")
+    assert payloads(redis_client) == [7], "a retry of one trigger delivered a second occurrence"
+    assert (got.status, got.at_ms) == (TRIGGERED, T0)
+    assert len(history(redis_client, "triggered")) == 1
