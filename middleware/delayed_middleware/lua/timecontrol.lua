@@ -88,8 +88,12 @@ local key = ID
 -- publish), kept in CALLS beside SCHEDULE's call tokens and forgotten with them (by
 -- SCHEDULE, after its token window): a retry after a lost answer is answered as the
 -- first, and delivers nothing more. Scored by the Redis clock, as SCHEDULE's tokens.
+-- The id's length comes first: ids and requests may hold ':', and `a:b` + `c` must not be
+-- `a` + `b:c` (that trigger was answered OK and delivered nothing).
 local request = ''
-if (OP == 'trigger' or OP == 'record') and (ARGV[14] or '') ~= '' then request = 'trigger:' .. key .. ':' .. ARGV[14] end
+if (OP == 'trigger' or OP == 'record') and (ARGV[14] or '') ~= '' then
+  request = 'trigger:' .. #key .. ':' .. key .. ':' .. ARGV[14]
+end
 if request ~= '' and OP == 'trigger' and redis.call('ZSCORE', CALLS, request) then return {'again', '', now_s} end
 -- Cluster: the request's identity is recorded after its APPEND ('record'), but its extra
 -- occurrence is decided here, and registered (below) under the request's own token. A retry

@@ -531,7 +531,19 @@ async def test_trigger_identities_older_than_the_token_window_are_forgotten_by_l
     await engine.trigger("tick", request="ce-newer")
     after: list[bytes] = redis_client.zrange(KEYS.calls, 0, -1)  # type: ignore[assignment]
     left = {m for m in after if m.startswith(b"trigger:")}
-    assert left == {b"trigger:tick:ce-new", b"trigger:tick:ce-newer"}
+    assert left == {b"trigger:4:tick:ce-new", b"trigger:4:tick:ce-newer"}
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+async def test_trigger_requests_of_ids_with_colons_are_not_taken_for_each_other(
+    aredis: Callable[[], aioredis.Redis], redis_client: redis.Redis, cluster: bool
+) -> None:
+    # Schedule `a:b` with request `c`, and schedule `a` with request `b:c`: two triggers, each delivered.
+    engine = make(aredis, ManualClock(T0), CLUSTER if cluster else None)
+    await engine.schedule([recurring(1, 10_000, sid="a:b"), recurring(2, 10_000, sid="a")])
+    assert (await engine.trigger("a:b", request="c")).status == TRIGGERED
+    assert (await engine.trigger("a", request="b:c")).status == TRIGGERED
+    assert sorted(payloads(redis_client)) == [1, 2]
 
 
 async def test_a_trigger_whose_answer_was_lost_is_retried_without_a_second_occurrence(
