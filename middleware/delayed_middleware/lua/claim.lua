@@ -114,8 +114,8 @@ for _, id in ipairs(expired) do
   -- message was claimed: nothing on the shard fired any more. Nor a next time that
   -- is no instant ('inf': RELEASE put it in the index, and every step failed on it).
   if not tonumber(due) then due = '0' end
-  local _, next_due, iso, key = string.match(rec or '', '^(%S+) (%S+) (%S+) (.*)$')
-  if key and env and (next_due == '-' or is_instant(next_due)) then
+  local _, _, iso, key = read_claim(rec)
+  if key and env then
     r = record(id, due, env, key, iso, claimed_occurrence(env, id, key, due))
     B.work = B.work + math.max(#env.entries, 1) + math.floor(env.pairs / METADATA_PER_ENTRY)
     B.bytes = B.bytes + env.raw

@@ -220,10 +220,9 @@ local function recurring_step(env, id, key, due, now)
   -- Nor a time that is no instant: tonumber reads 'nan', 'inf' and '1e999', which
   -- Redis then refuses as a score (ZADD), after this batch's appends: a next of
   -- them stopped the schedule for good, a due of them blocked the shard's firing.
-  local rd = tonumber(rdue)
-  if not (rd and math.abs(rd) <= MAX_INSTANT_MS) then rdue = due end
+  if not is_instant(rdue) then rdue = due end
   local rn = tonumber(rnext)
-  if rn and not (math.abs(rn) <= MAX_INSTANT_MS) then rn = nil end
+  if rn and not is_instant(rnext) then rn = nil end
   if rnext == '-' or (rnext ~= 'purge' and (not rn or rn <= now)) then
     redis.call('HSET', IDS, key, make_ref(id, rdue, '-', '-', 'u', rnom, '-'))
     redis.call('ZADD', REFILL_SET, rdue, key)

@@ -50,8 +50,8 @@ local function release_all()
       local env, why = read_envelope(id)
       if why == 'gone' then forget_move(id) end
       if rec and env then
-        local due, next_due, _, key = string.match(rec, '^(%S+) (%S+) (%S+) (.*)$')
-        if not (key and (next_due == '-' or is_instant(next_due))) then
+        local due, next_due, _, key = read_claim(rec)
+        if not key then
           -- A torn claim record (written by hand; or its next time no instant, which would go into
           -- the index at 'inf', or raise): which occurrence was claimed is unknown (CLAIM's
           -- takeover appends nothing for it). The envelope parks: kept, listed, recorded, never
