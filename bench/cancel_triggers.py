@@ -28,7 +28,7 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from bench.common import two_phase_engine  # noqa: E402
+from bench.common import fill_triggers, two_phase_engine  # noqa: E402
 from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
@@ -54,9 +54,7 @@ async def one(
                 for i in range(start, min(n, start + 500))
             ]
         )  # fmt: skip
-    for start in range(0, size, 10_000):
-        members = {f"{now}-{i} t{now}:{i:08x}": now for i in range(start, min(size, start + 10_000))}
-        await client.zadd(KEYS.triggers, members)
+    await fill_triggers(client, KEYS, size, now)
     await client.config_resetstat()
     t0 = time.perf_counter()
     got = await engine.parts.canceller.cancel_many([f"r:{i}" for i in range(c)])

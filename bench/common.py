@@ -205,6 +205,14 @@ def bench_engine(
     return build_engine(settings, client, clock, config=cfg, **build)
 
 
+async def fill_triggers(client: aioredis.Redis, keys: EngineKeys, size: int, now_ms: int) -> None:
+    """Puts `size` registrations of other schedules' triggers (scored `now_ms`) in the triggers
+    set (keys.EngineKeys.triggers), 10,000 per ZADD: what a cancel or a trigger's lookup reads."""
+    for start in range(0, size, 10_000):
+        members = {f"{now_ms}-{i} t{now_ms}:{i:08x}": now_ms for i in range(start, min(size, start + 10_000))}
+        await client.zadd(keys.triggers, members)
+
+
 @asynccontextmanager
 async def two_phase_engine(
     keys: EngineKeys, prefix: str

@@ -27,7 +27,7 @@ for sub in ("proto", "middleware", "components", "."):
 
 import redis.asyncio as aioredis  # noqa: E402
 
-from bench.common import two_phase_engine  # noqa: E402
+from bench.common import fill_triggers, two_phase_engine  # noqa: E402
 from delayed_middleware.engine import DelayEngine  # noqa: E402
 from delayed_middleware.envelope import Envelope  # noqa: E402
 from delayed_middleware.keys import EngineKeys, delayed_topic  # noqa: E402
@@ -47,9 +47,7 @@ async def one(
         [Envelope(id="tick", topic="orders", due_ms=now + 3_600_000, published_at_ms=now, message=BODY,
                   schedule_id="tick", kind=Kind.RECURRING.value, schedule="@every 1h")]
     )  # fmt: skip
-    for start in range(0, size, 10_000):
-        members = {f"{now}-{i} t{now}:{i:08x}": now for i in range(start, min(size, start + 10_000))}
-        await client.zadd(KEYS.triggers, members)
+    await fill_triggers(client, KEYS, size, now)
     await client.config_resetstat()
     t0 = time.perf_counter()
     for i in range(t):
